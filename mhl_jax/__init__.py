@@ -1,0 +1,1 @@
+"""mhl-jax: Multi-Head LatentMoE and Head Parallel in JAX."""

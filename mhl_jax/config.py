@@ -1,0 +1,312 @@
+"""Typed configuration: one dataclass per concern, YAML files, `--set a.b=value` overrides.
+
+Every field has a one-line comment. `load_config` reads a YAML file, applies overrides, checks
+types and cross-field consistency, and raises `ConfigError` naming the offending key and value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or inconsistent with another."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
+    d_model: int = 1024  # residual stream width d
+    n_layers: int = 12  # transformer blocks L
+    n_heads: int = 8  # attention heads
+    head_dim: int = 128  # attention head dimension
+    context: int = 2048  # training sequence length T
+    rope_base: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    init_std: float = 0.02  # N(0, init_std) for every weight; residual-writing ones also / sqrt(2L)
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # matmul dtype (weights stay fp32)
+    attention_impl: Literal["auto", "cudnn", "xla"] = "auto"  # auto: cudnn on GPU, xla elsewhere
+
+
+@dataclass
+class FFNConfig:
+    kind: Literal["mlp", "moe", "latent_moe", "mh_latent_moe"] = "mh_latent_moe"  # FFN variant
+    hidden: int = 4096  # hidden width of the dense MLP (kind=mlp)
+    stem_layers: int = 2  # first layers that use a dense MLP in MoE models (DeepSeek-V3 practice)
+    stem_hidden: int = 4096  # hidden width of those stem MLPs (4d)
+    num_experts: int = 384  # experts Ne (per head for mh_latent_moe)
+    top_k: int = 4  # experts activated per token (per sub-token for mh_latent_moe), k >= 2
+    expert_hidden: int = 256  # hidden width de of each expert
+    num_heads: int = 8  # sub-tokens per token Nh (mh_latent_moe)
+    head_dim: int = 128  # sub-token width dh (mh_latent_moe); Nh * dh is W_in's output width
+    latent_dim: int = 1024  # latent width l of latent_moe (the paper's configs imply l = d)
+    balance_gamma: Optional[float] = None  # aux-free bias step; None means 50 * peak LR
+    kernels: Literal["auto", "triton", "reference"] = "auto"  # auto: Triton on GPU, else JAX
+
+
+@dataclass
+class ParallelConfig:
+    data: int = -1  # data-parallel size; -1 fills the devices left after hp/ep
+    hp: int = 1  # head-parallel size (mh_latent_moe only); must divide num_heads
+    ep: int = 1  # expert-parallel size (moe, latent_moe only); must divide num_experts
+    ep_impl: Literal["auto", "ragged", "padded"] = "auto"  # EP exchange: ragged on GPU, padded on CPU
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 5e-4  # peak learning rate
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.1  # decoupled weight decay, applied to matrices only (not norms)
+    grad_clip: Optional[float] = 1.0  # global grad-norm clip; None disables it
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 8000  # linear warmup from 0 to the peak LR
+    decay_steps: int = 2000  # linear decay to 0 over the last steps
+    total_steps: int = 15000  # optimizer steps in the run (10B tokens / 0.66M per step ~ 15k)
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0  # seed for init, data order and everything else
+    global_batch: int = 320  # sequences per optimizer step (320 x 2048 = 0.66M tokens)
+    micro_batch: int = 8  # sequences per device per forward/backward (grad accumulation fills the rest)
+
+
+@dataclass
+class DataConfig:
+    source: Literal["builtin", "bin", "hf"] = "builtin"  # builtin corpus, .bin shards, or HF datasets
+    path: str = ""  # bin: directory or glob of train shards; hf: dataset name or local data files
+    val_path: str = ""  # bin: validation shard(s); hf: empty means hold out from the train split
+    tokenizer: Literal["byte", "gpt2"] = "byte"  # byte-level (always there) or GPT-2 via tiktoken
+    text_column: str = "text"  # hf: column holding the text
+    hf_split: str = "train"  # hf: split to read
+    val_sequences: int = 64  # fixed held-out sequences used for validation perplexity
+    eval_every: int = 200  # validation every this many steps (and at the end); 0 disables
+    worker_count: int = 0  # Grain worker processes (0: in-process)
+    prefetch: int = 4  # batches to prefetch
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500  # save every this many steps (and at the end); 0 disables saving
+    keep: int = 3  # keep the last N checkpoints
+    async_save: bool = True  # write checkpoints in the background
+    resume: str = ""  # explicit checkpoint to resume from; empty: latest in the run directory
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"  # metrics.jsonl, checkpoints and config copy go here
+    log_every: int = 10  # print a progress line every this many steps
+    progress_bar: bool = True  # show a tqdm bar
+
+
+@dataclass
+class Config:
+    name: str = "default"  # run name (free text)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ffn: FFNConfig = field(default_factory=FFNConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def balance_gamma(self) -> float:
+        g = self.ffn.balance_gamma
+        return 50.0 * self.optimizer.lr if g is None else g
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _check_type(path: str, value: Any, tp: Any) -> Any:
+    """Return `value` converted to `tp` where that is lossless, else raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}={value!r}: expected one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_type(path, value, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{path}={value!r}: wrong type")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}={value!r}: expected a bool (true/false)")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}={value!r}: expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}={value!r}: expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}={value!r}: expected a string")
+    raise ConfigError(f"{path}: unsupported field type {tp}")
+
+
+def _merge(obj: Any, data: dict, prefix: str) -> Any:
+    """Return a copy of dataclass `obj` with the (nested) dict `data` applied, type-checked."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    updates = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {path!r}; known keys here: {sorted(names)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            updates[key] = _merge(current, value, path + ".")
+        else:
+            updates[key] = _check_type(path, value, hints[key])
+    return dataclasses.replace(obj, **updates)
+
+
+def parse_override(text: str) -> dict:
+    """'a.b=value' -> {'a': {'b': value}} with value parsed as YAML (so 1e-3, true, null work)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected the form key.sub=value")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: bad key {key!r}")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    if isinstance(value, str) and _looks_numeric(raw):
+        value = float(raw)  # YAML 1.1 reads '5e-4' as a string
+    out: dict = {}
+    cur = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        cur = cur.setdefault(part, {})
+    cur[parts[-1]] = value
+    return out
+
+
+def _looks_numeric(raw: str) -> bool:
+    try:
+        float(raw)
+        return True
+    except ValueError:
+        return False
+
+
+def _fix_yaml_floats(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _fix_yaml_floats(v) for k, v in data.items()}
+    if isinstance(data, str) and _looks_numeric(data) and any(c in data for c in "eE."):
+        return float(data)
+    return data
+
+
+def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+    """Build a Config: defaults, then the YAML file at `path`, then each `a.b=value` override."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        cfg = _merge(cfg, _fix_yaml_floats(data), "")
+    for text in overrides:
+        cfg = _merge(cfg, parse_override(text), "")
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks. Raises ConfigError naming the keys and values that disagree."""
+    m, f, p, t, s = cfg.model, cfg.ffn, cfg.parallel, cfg.train, cfg.schedule
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "context"):
+        _require(getattr(m, name) > 0, f"model.{name}={getattr(m, name)}: must be positive")
+    _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: RoPE needs an even head dim")
+    _require(m.init_std > 0, f"model.init_std={m.init_std}: must be positive")
+    if f.kind == "mlp":
+        _require(f.hidden > 0, f"ffn.hidden={f.hidden}: must be positive")
+    else:
+        _require(0 <= f.stem_layers <= m.n_layers,
+                 f"ffn.stem_layers={f.stem_layers}: must be in [0, model.n_layers={m.n_layers}]")
+        _require(f.stem_layers == 0 or f.stem_hidden > 0, f"ffn.stem_hidden={f.stem_hidden}: must be positive")
+        _require(f.num_experts >= 2, f"ffn.num_experts={f.num_experts}: need at least 2 experts")
+        _require(f.top_k >= 2, f"ffn.top_k={f.top_k}: k must be >= 2 (softmax over one score is constant)")
+        _require(f.top_k <= f.num_experts,
+                 f"ffn.top_k={f.top_k} > ffn.num_experts={f.num_experts}: k cannot exceed Ne")
+        _require(f.expert_hidden > 0, f"ffn.expert_hidden={f.expert_hidden}: must be positive")
+    if f.kind == "latent_moe":
+        _require(f.latent_dim > 0, f"ffn.latent_dim={f.latent_dim}: must be positive")
+    if f.kind == "mh_latent_moe":
+        _require(f.num_heads > 0 and f.head_dim > 0,
+                 f"ffn.num_heads={f.num_heads}, ffn.head_dim={f.head_dim}: must be positive")
+    _require(p.hp >= 1 and p.ep >= 1, f"parallel.hp={p.hp}, parallel.ep={p.ep}: must be >= 1")
+    _require(p.data == -1 or p.data >= 1, f"parallel.data={p.data}: must be -1 (auto) or >= 1")
+    if p.hp > 1:
+        _require(f.kind == "mh_latent_moe",
+                 f"parallel.hp={p.hp} needs ffn.kind=mh_latent_moe (got {f.kind!r}); use parallel.ep")
+        _require(f.num_heads % p.hp == 0,
+                 f"ffn.num_heads={f.num_heads} is not divisible by parallel.hp={p.hp}")
+    if p.ep > 1:
+        _require(f.kind in ("moe", "latent_moe"),
+                 f"parallel.ep={p.ep} needs ffn.kind moe or latent_moe (got {f.kind!r})")
+        _require(f.num_experts % p.ep == 0,
+                 f"ffn.num_experts={f.num_experts} is not divisible by parallel.ep={p.ep}")
+    _require(t.global_batch > 0 and t.micro_batch > 0,
+             f"train.global_batch={t.global_batch}, train.micro_batch={t.micro_batch}: must be positive")
+    _require(t.global_batch % t.micro_batch == 0,
+             f"train.global_batch={t.global_batch} is not a multiple of train.micro_batch={t.micro_batch}")
+    _require(s.total_steps > 0, f"schedule.total_steps={s.total_steps}: must be positive")
+    _require(s.warmup_steps >= 0 and s.decay_steps >= 0,
+             f"schedule.warmup_steps={s.warmup_steps}, decay_steps={s.decay_steps}: must be >= 0")
+    _require(s.warmup_steps + s.decay_steps <= s.total_steps,
+             f"schedule.warmup_steps={s.warmup_steps} + decay_steps={s.decay_steps} "
+             f"exceeds schedule.total_steps={s.total_steps}")
+    o = cfg.optimizer
+    _require(o.lr > 0, f"optimizer.lr={o.lr}: must be positive")
+    _require(o.grad_clip is None or o.grad_clip > 0, f"optimizer.grad_clip={o.grad_clip}: must be positive or null")
+    if cfg.data.source in ("bin", "hf"):
+        _require(bool(cfg.data.path), f"data.source={cfg.data.source!r} needs data.path")
+    _require(cfg.data.val_sequences >= 0, f"data.val_sequences={cfg.data.val_sequences}: must be >= 0")
+    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every}: must be >= 1")

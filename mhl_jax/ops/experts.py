@@ -1,0 +1,63 @@
+"""Expert FFN over routed sub-tokens: y[n, h] = sum_j gate[n,h,j] * E_{h, idx[n,h,j]}(x[n, h]).
+
+E_{h,e}(x) = gelu(x W1[h, e]) W2[h, e]  (tanh-approx gelu, as jax.nn.gelu's default).
+
+`reference`: pure JAX over the packed layout of `packing.py` (each R-row block multiplies the
+weights of its own (head, expert): a block-diagonal batched matmul; exact and dropless).
+`triton`: the IO-aware kernel (`mhl_jax/ops/experts_triton.py`), same packing, same function.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mhl_jax.ops import packing as pk
+
+REFERENCE_BLOCK = 16  # row block of the pure-JAX path (small: padding waste is computed there)
+
+
+def expert_rows_reference(rows: jax.Array, block_group: jax.Array, w1: jax.Array, w2: jax.Array,
+                          block: int) -> jax.Array:
+    """rows: (P, dh); block_group: (P // R,) in [-1, G); w1: (G, dh, de); w2: (G, de, dh) -> (P, dh).
+
+    Matmuls in rows.dtype with fp32 accumulation; all-padding blocks produce zeros.
+    """
+    p, dh = rows.shape
+    nb = p // block
+    g = jnp.maximum(block_group, 0)
+    xb = rows.reshape(nb, block, dh)
+    w1b = jnp.take(w1, g, axis=0).astype(rows.dtype)
+    w2b = jnp.take(w2, g, axis=0).astype(rows.dtype)
+    hid = jnp.einsum("brd,bde->bre", xb, w1b, preferred_element_type=jnp.float32)
+    act = jax.nn.gelu(hid).astype(rows.dtype)
+    out = jnp.einsum("bre,bed->brd", act, w2b, preferred_element_type=jnp.float32)
+    out = jnp.where((block_group >= 0)[:, None, None], out, 0.0)
+    return out.reshape(p, dh).astype(rows.dtype)
+
+
+def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
+               impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+    """x: (N, H, dh) compute dtype; idx: (N, H, k) int32; gates: (N, H, k) fp32;
+    w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32.
+
+    Returns y (N, H, dh) in x.dtype and the per-(head, expert) load counts (H, Ne) int32.
+    """
+    n, h, dh = x.shape
+    hw, ne, dhw, de = w1.shape
+    if (hw, dhw) != (h, dh) or w2.shape != (h, ne, de, dh) or idx.shape != gates.shape or idx.shape[:2] != (n, h):
+        raise ValueError(f"expert_ffn: shapes disagree: x {x.shape}, idx {idx.shape}, gates {gates.shape}, "
+                         f"w1 {w1.shape}, w2 {w2.shape}")
+    k = idx.shape[2]
+    if impl == "triton":
+        from mhl_jax.ops.experts_triton import expert_ffn_triton
+
+        return expert_ffn_triton(x, idx, gates, w1, w2)
+    if impl != "reference":
+        raise ValueError(f"expert_ffn: impl={impl!r}, expected 'reference' or 'triton'")
+    packing = pk.pack(idx, ne, REFERENCE_BLOCK)
+    rows = pk.gather_rows(x, packing, k)
+    out = expert_rows_reference(rows, packing.block_group, w1.reshape(h * ne, dh, de),
+                                w2.reshape(h * ne, de, dh), REFERENCE_BLOCK)
+    y = pk.combine_rows(out, packing, gates)
+    return y, packing.group_sizes.reshape(h, ne)

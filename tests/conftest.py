@@ -1,0 +1,27 @@
+"""Shared test setup: 8 host devices for the parallel tests, the gpu marker skips without a GPU."""
+
+import os
+
+# Must be set before jax is imported anywhere in the test process.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import pytest  # noqa: E402
+
+
+def _has_gpu() -> bool:
+    try:
+        import jax
+
+        return jax.default_backend() == "gpu"
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
