@@ -110,6 +110,7 @@ class LoggingConfig:
     run_dir: str = "runs/default"  # metrics.jsonl, checkpoints and config copy go here
     log_every: int = 10  # print a progress line every this many steps
     progress_bar: bool = True  # show a tqdm bar
+    peak_tflops: Optional[float] = None  # per-device peak for MFU; None: known GPUs' bf16 datasheet figure
 
 
 @dataclass

@@ -1,0 +1,57 @@
+"""Causal multi-head self-attention with rotary position embeddings (RoPE)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mhl_jax.model.init import normal_param
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: (T, head_dim // 2) fp32 for positions 0..T-1."""
+    inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    ang = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: (B, T, nh, hd); rotate the two halves of each head (GPT-NeoX layout), in fp32."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
+
+
+def attention_impl(choice: str) -> str:
+    """'auto' -> cudnn on GPU, xla elsewhere."""
+    if choice == "auto":
+        return "cudnn" if jax.default_backend() == "gpu" else "xla"
+    return choice
+
+
+def causal_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, n_heads: int, head_dim: int,
+                     rope_base: float, impl: str) -> jax.Array:
+    """x: (B, T, d) compute dtype; w_qkv: (d, 3, nh, hd); w_o: (nh, hd, d) -> (B, T, d) compute dtype."""
+    b, t, _ = x.shape
+    dt = x.dtype
+    qkv = jnp.einsum("btd,dsnh->btsnh", x, w_qkv.astype(dt))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    cos, sin = rope_tables(t, head_dim, rope_base)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    return jnp.einsum("btnh,nhd->btd", o, w_o.astype(dt))
+
+
+class Attention(nnx.Module):
+    def __init__(self, d: int, n_heads: int, head_dim: int, rope_base: float, impl: str,
+                 std: float, out_std: float, rngs: nnx.Rngs):
+        self.w_qkv = normal_param(rngs, (d, 3, n_heads, head_dim), std)
+        self.w_o = normal_param(rngs, (n_heads, head_dim, d), out_std)
+        self.n_heads, self.head_dim, self.rope_base, self.impl = n_heads, head_dim, rope_base, impl
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return causal_attention(x, self.w_qkv[...], self.w_o[...], self.n_heads, self.head_dim,
+                                self.rope_base, attention_impl(self.impl))

@@ -1,0 +1,91 @@
+"""Decoder-only pre-norm Transformer (paper appendix A): RoPE, RMSNorm, causal attention, untied head.
+
+Layers [0, stem_layers) use a dense MLP of width `ffn.stem_hidden`; the rest use the configured FFN.
+Master weights are fp32; matmuls run in `model.compute_dtype`; the residual stream, norms, router,
+softmax and loss are fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mhl_jax.config import Config
+from mhl_jax.model.attention import Attention
+from mhl_jax.model.init import normal_param, residual_std
+from mhl_jax.model.mlp import MLP
+from mhl_jax.model.moe import MHLatentMoE, LatentMoE, MoE
+from mhl_jax.model.moe_core import LocalMoE, MoEExecutor
+from mhl_jax.model.norms import RMSNorm
+from mhl_jax.ops.kernels_select import resolve_kernels
+
+
+def make_ffn(cfg: Config, layer: int, rngs: nnx.Rngs, executor: MoEExecutor) -> nnx.Module:
+    m, f = cfg.model, cfg.ffn
+    std, out_std = m.init_std, residual_std(m.init_std, m.n_layers)
+    if f.kind == "mlp" or layer < f.stem_layers:
+        hidden = f.stem_hidden if layer < f.stem_layers else f.hidden
+        return MLP(m.d_model, hidden, std, out_std, rngs)
+    if f.kind == "moe":
+        return MoE(m.d_model, f.num_experts, f.expert_hidden, f.top_k, std, out_std, rngs, executor)
+    if f.kind == "latent_moe":
+        return LatentMoE(m.d_model, f.latent_dim, f.num_experts, f.expert_hidden, f.top_k, std, out_std,
+                         rngs, executor)
+    if f.kind == "mh_latent_moe":
+        return MHLatentMoE(m.d_model, f.num_heads, f.head_dim, f.num_experts, f.expert_hidden, f.top_k,
+                           std, out_std, rngs, executor)
+    raise ValueError(f"ffn.kind={f.kind!r}: expected mlp, moe, latent_moe or mh_latent_moe")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: Config, layer: int, rngs: nnx.Rngs, executor: MoEExecutor):
+        m = cfg.model
+        self.norm1 = RMSNorm(m.d_model, m.norm_eps)
+        self.attn = Attention(m.d_model, m.n_heads, m.head_dim, m.rope_base, m.attention_impl, m.init_std,
+                              residual_std(m.init_std, m.n_layers), rngs)
+        self.norm2 = RMSNorm(m.d_model, m.norm_eps)
+        self.ffn = make_ffn(cfg, layer, rngs, executor)
+        self.dtype = jnp.dtype(m.compute_dtype)
+
+    def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """h: (B, T, d) fp32 residual stream -> updated h, expert load (H, Ne) or None."""
+        h = h + self.attn(self.norm1(h).astype(self.dtype)).astype(jnp.float32)
+        y, load = self.ffn(self.norm2(h).astype(self.dtype))
+        return h + y.astype(jnp.float32), load
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: Config, rngs: nnx.Rngs, executor: MoEExecutor | None = None):
+        m = cfg.model
+        executor = executor or LocalMoE(resolve_kernels(cfg.ffn.kernels))
+        self.embed = normal_param(rngs, (m.vocab_size, m.d_model), m.init_std)
+        self.blocks = nnx.List([Block(cfg, i, rngs, executor) for i in range(m.n_layers)])
+        self.norm_f = RMSNorm(m.d_model, m.norm_eps)
+        self.head = normal_param(rngs, (m.d_model, m.vocab_size), m.init_std)
+        self.dtype = jnp.dtype(m.compute_dtype)
+
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict[int, jax.Array]]:
+        """tokens: (B, T) int32 -> logits (B, T, V) fp32, loads {layer index: (H, Ne) int32} per MoE layer."""
+        h = jnp.take(self.embed[...], tokens, axis=0)
+        loads = {}
+        for i, block in enumerate(self.blocks):
+            h, load = block(h)
+            if load is not None:
+                loads[i] = load
+        x = self.norm_f(h).astype(self.dtype)
+        logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+        return logits, loads
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """logits: (B, T, V) fp32; targets: (B, T) int32 -> mean negative log-likelihood (fp32)."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse - picked)
+
+
+def build_model(cfg: Config, seed: int | None = None, executor: MoEExecutor | None = None) -> GPT:
+    seed = cfg.train.seed if seed is None else seed
+    return GPT(cfg, nnx.Rngs(params=seed), executor)

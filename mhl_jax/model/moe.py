@@ -1,0 +1,79 @@
+"""The FFN variants built on the shared sparse core (`moe_core.py`): MoE, LatentMoE, MH-LatentMoE.
+
+- MoE (Mixtral form, paper §2.2): route x (d) over Ne experts d -> de -> d.
+- LatentMoE: route on x (d); down-project d -> l; experts l -> de -> l; up-project l -> d.
+- Multi-Head LatentMoE (paper §3.1): W_in x (d -> Nh*dh) split into Nh sub-tokens; head i is an
+  independent MoE (own router dh -> Ne, own Ne experts dh -> de -> dh); concat; W_out.
+Residual-writing weights (MoE expert W2, LatentMoE up-projection, MH W_out) get the 1/sqrt(2L) init.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mhl_jax.model.balancing import RouterBias
+from mhl_jax.model.init import normal_param
+from mhl_jax.model.moe_core import LocalMoE, MoEExecutor
+
+
+class ExpertBank(nnx.Module):
+    """H independent MoEs: routers (H, dr, Ne), biases (H, Ne), experts (H, Ne, dh, de) and back."""
+
+    def __init__(self, heads: int, d_route: int, d_expert: int, num_experts: int, hidden: int, k: int,
+                 std: float, out_std: float, rngs: nnx.Rngs):
+        self.w_router = normal_param(rngs, (heads, d_route, num_experts), std)
+        self.bias = RouterBias(jnp.zeros((heads, num_experts), jnp.float32))
+        self.w1 = normal_param(rngs, (heads, num_experts, d_expert, hidden), std)
+        self.w2 = normal_param(rngs, (heads, num_experts, hidden, d_expert), out_std)
+        self.k = k
+
+    def __call__(self, executor: MoEExecutor, x_route: jax.Array, x_expert: jax.Array):
+        return executor(x_route, x_expert, self.w_router[...], self.bias[...], self.w1[...], self.w2[...], self.k)
+
+
+class MoE(nnx.Module):
+    def __init__(self, d: int, num_experts: int, hidden: int, k: int, std: float, out_std: float,
+                 rngs: nnx.Rngs, executor: MoEExecutor | None = None):
+        self.experts = ExpertBank(1, d, d, num_experts, hidden, k, std, out_std, rngs)
+        self.executor = executor or LocalMoE()
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x: (B, T, d) compute dtype -> (B, T, d), load (1, Ne)."""
+        b, t, d = x.shape
+        xs = x.reshape(b * t, 1, d)
+        y, load = self.experts(self.executor, xs, xs)
+        return y.reshape(b, t, d), load
+
+
+class LatentMoE(nnx.Module):
+    def __init__(self, d: int, latent: int, num_experts: int, hidden: int, k: int, std: float,
+                 out_std: float, rngs: nnx.Rngs, executor: MoEExecutor | None = None):
+        self.w_down = normal_param(rngs, (d, latent), std)
+        self.w_up = normal_param(rngs, (latent, d), out_std)
+        self.experts = ExpertBank(1, d, latent, num_experts, hidden, k, std, std, rngs)
+        self.executor = executor or LocalMoE()
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        b, t, d = x.shape
+        xs = x.reshape(b * t, 1, d)
+        latent = xs @ self.w_down[...].astype(x.dtype)
+        y, load = self.experts(self.executor, xs, latent)
+        return (y @ self.w_up[...].astype(x.dtype)).reshape(b, t, d), load
+
+
+class MHLatentMoE(nnx.Module):
+    def __init__(self, d: int, heads: int, head_dim: int, num_experts: int, hidden: int, k: int,
+                 std: float, out_std: float, rngs: nnx.Rngs, executor: MoEExecutor | None = None):
+        self.w_in = normal_param(rngs, (d, heads, head_dim), std)
+        self.w_out = normal_param(rngs, (heads, head_dim, d), out_std)
+        self.experts = ExpertBank(heads, head_dim, head_dim, num_experts, hidden, k, std, std, rngs)
+        self.executor = executor or LocalMoE()
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x: (B, T, d) -> (B, T, d), load (Nh, Ne)."""
+        b, t, d = x.shape
+        sub = jnp.einsum("nd,dhc->nhc", x.reshape(b * t, d), self.w_in[...].astype(x.dtype))
+        y, load = self.experts(self.executor, sub, sub)
+        return jnp.einsum("nhc,hcd->nd", y, self.w_out[...].astype(x.dtype)).reshape(b, t, d), load

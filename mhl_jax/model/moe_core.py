@@ -1,0 +1,51 @@
+"""The sparse MoE computation shared by all MoE variants: route, gate, run the experts.
+
+Every variant reduces to H independent MoEs over sub-tokens (MoE and LatentMoE: H = 1):
+
+    values, idx = top-k over (x_route W_r + b)        # bias in the selection only
+    gates       = softmax(values)                      # over the k selected raw scores, fp32
+    y           = sum_j gates_j * E_{h, idx_j}(x_expert)
+
+An *executor* runs this on global arrays. `local_moe` runs it on one device; the head-parallel and
+expert-parallel executors in `mhl_jax/parallel/` wrap the same function in `jax.shard_map`, so the
+model code never changes with the mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+
+from mhl_jax.ops.experts import expert_ffn
+from mhl_jax.ops.router import route_topk
+
+
+def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
+              w2: jax.Array, k: int, impl: str) -> tuple[jax.Array, jax.Array]:
+    """x_route: (N, H, dr); x_expert: (N, H, dh) compute dtype; w_r: (H, dr, Ne) fp32; bias: (H, Ne) fp32;
+    w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32.
+
+    Returns y (N, H, dh) in x_expert.dtype and load (H, Ne) int32 (routed slots per expert).
+    """
+    values, idx = route_topk(x_route, w_r, bias, k, impl)
+    gates = jax.nn.softmax(values, axis=-1)  # fp32
+    return expert_ffn(x_expert, idx, gates, w1, w2, impl)
+
+
+class MoEExecutor(Protocol):
+    def __call__(self, x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array,
+                 w1: jax.Array, w2: jax.Array, k: int) -> tuple[jax.Array, jax.Array]: ...
+
+
+class LocalMoE:
+    """Runs `moe_heads` on whatever device holds the arrays (single device, or plain jit)."""
+
+    def __init__(self, impl: str = "reference"):
+        self.impl = impl
+
+    def __call__(self, x_route, x_expert, w_r, bias, w1, w2, k):
+        return moe_heads(x_route, x_expert, w_r, bias, w1, w2, k, self.impl)
+
+    def __repr__(self) -> str:
+        return f"LocalMoE(impl={self.impl!r})"

@@ -1,0 +1,77 @@
+"""The device mesh from the config: ('data', 'hp') for MH-LatentMoE, ('data', 'ep') otherwise.
+
+The batch is split over every device (both axes); non-expert parameters are replicated; expert
+weights, routers and balancing biases are split over the second axis (by head for hp, by expert
+for ep).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mhl_jax.config import Config, ConfigError
+
+
+def model_axis(cfg: Config) -> str:
+    """Name of the second mesh axis: 'hp' for mh_latent_moe, 'ep' otherwise."""
+    return "hp" if cfg.ffn.kind == "mh_latent_moe" else "ep"
+
+
+def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int]:
+    """(data, hp|ep) sizes, validated against the device count."""
+    par = cfg.parallel
+    inner = par.hp if cfg.ffn.kind == "mh_latent_moe" else par.ep
+    if num_devices % inner:
+        raise ConfigError(f"parallel.{model_axis(cfg)}={inner} does not divide the {num_devices} devices")
+    data = num_devices // inner if par.data == -1 else par.data
+    if data * inner != num_devices:
+        raise ConfigError(f"parallel.data={par.data} x parallel.{model_axis(cfg)}={inner} = {data * inner} "
+                          f"devices, but {num_devices} are present (use parallel.data=-1 to fill them)")
+    return data, inner
+
+
+def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
+    devices = list(jax.devices()) if devices is None else devices
+    shape = mesh_shape(cfg, len(devices))
+    return Mesh(np.asarray(devices).reshape(shape), ("data", model_axis(cfg)))
+
+
+def batch_spec(mesh: Mesh) -> P:
+    """Spec of a (accum, micro_global, T + 1) batch: micro-batch rows split over every device."""
+    return P(None, tuple(mesh.axis_names))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def expert_leaf_spec(cfg: Config, name: str, ndim: int) -> P | None:
+    """PartitionSpec of an ExpertBank leaf (or its optimizer moments) by its attribute name.
+
+    hp: every leaf is split by head (dim 0). ep: split by expert: w_router (H, dr, Ne) on dim 2,
+    bias (H, Ne) on dim 1, w1/w2 (H, Ne, ., .) on dim 1. Other leaves: None (replicated).
+    """
+    axis = model_axis(cfg)
+    dims = {"w_router": 2, "bias": 1, "w1": 1, "w2": 1} if axis == "ep" else {n: 0 for n in ("w_router", "bias", "w1", "w2")}
+    if name not in dims:
+        return None
+    spec = [None] * ndim
+    spec[dims[name]] = axis
+    return P(*spec)
+
+
+def state_shardings(cfg: Config, mesh: Mesh, state):
+    """NamedShardings for a pytree whose expert leaves sit under a path '... experts/<name>'."""
+
+    def one(path, leaf):
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        keys = [k for k in keys if k != "value"]
+        spec = None
+        if len(keys) >= 2 and keys[-2] == "experts" and hasattr(leaf, "ndim"):
+            spec = expert_leaf_spec(cfg, keys[-1], leaf.ndim)
+        return NamedSharding(mesh, spec or P())
+
+    return jax.tree_util.tree_map_with_path(one, state)

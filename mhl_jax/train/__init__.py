@@ -1,0 +1,1 @@
+"""Training: optimizer, schedule, the jitted step, checkpoints and the loop."""

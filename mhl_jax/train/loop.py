@@ -1,0 +1,140 @@
+"""The training loop: build, restore, step, log, validate, checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from flax import nnx
+from jax.sharding import NamedSharding
+from tqdm import tqdm
+
+from mhl_jax.config import Config, ConfigError, config_to_dict
+from mhl_jax.data import load_val_sequences, make_train_loader
+from mhl_jax.model.balancing import RouterBias
+from mhl_jax.model.gpt import build_model
+from mhl_jax.model.params import count_params, train_flops_per_token
+from mhl_jax.parallel.executors import make_executor
+from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
+from mhl_jax.train.checkpoint import Checkpointer
+from mhl_jax.train.metrics import device_peak_flops, format_line, mfu
+from mhl_jax.train.optimizer import make_optimizer
+from mhl_jax.train.schedule import make_schedule
+from mhl_jax.train.step import make_eval_step, make_train_step
+
+
+def model_fingerprint(cfg: Config) -> dict:
+    """What a checkpoint must agree on to be restored into this run."""
+    d = config_to_dict(cfg)
+    ffn = {k: v for k, v in d["ffn"].items() if k not in ("kernels", "balance_gamma")}
+    model = {k: v for k, v in d["model"].items() if k not in ("attention_impl", "compute_dtype")}
+    return {"model": model, "ffn": ffn}
+
+
+def accumulation_steps(cfg: Config, num_devices: int) -> int:
+    micro_global = cfg.train.micro_batch * num_devices
+    if cfg.train.global_batch % micro_global:
+        raise ConfigError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="
+                          f"{cfg.train.micro_batch} x {num_devices} devices = {micro_global}")
+    return cfg.train.global_batch // micro_global
+
+
+def evaluate(eval_fn, state: dict, val: np.ndarray, batch: int, sharding) -> float:
+    """Mean NLL over the fixed validation sequences (the last partial batch is dropped)."""
+    total, count = 0.0, 0
+    for i in range(0, len(val) - batch + 1, batch):
+        tokens = jax.device_put(val[i:i + batch], sharding)
+        total += float(eval_fn(state["params"], state["biases"], tokens))
+        count += batch * (val.shape[1] - 1)
+    if count == 0:
+        raise ConfigError(f"data.val_sequences={len(val)} is fewer than one evaluation batch ({batch})")
+    return total / count
+
+
+def train(cfg: Config, resume: str | None = None, stop_after: int | None = None, log=print) -> list[dict]:
+    """Train `cfg`; returns the per-step metric dicts of this process. `stop_after`: stop (with a
+    checkpoint) once that many optimizer steps are done in total, as a preempted job would."""
+    run_dir = Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    counts = count_params(cfg)
+    log(f"model {cfg.ffn.kind}: {counts.active / 1e6:.1f}M active / {counts.total / 1e6:.1f}M total parameters")
+
+    mesh = make_mesh(cfg)
+    accum = accumulation_steps(cfg, mesh.size)
+    t = cfg.model.context
+    model = build_model(cfg, executor=make_executor(cfg, mesh))
+    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+    del model
+    tx = make_optimizer(cfg)
+    state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0),
+             "rng": jax.random.key_data(jax.random.key(cfg.train.seed))}
+    shardings = state_shardings(cfg, mesh, state)
+    state = jax.device_put(state, shardings)
+    batch_sharding = NamedSharding(mesh, batch_spec(mesh))
+    eval_sharding = NamedSharding(mesh, batch_spec(mesh)[1:])
+
+    loader = make_train_loader(cfg.data, seq_len=t, batch_size=cfg.train.global_batch, seed=cfg.train.seed,
+                               vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
+                               process_count=jax.process_count())
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg))
+    resume = resume or cfg.checkpoint.resume or None
+    if resume or ckpt.latest_step() is not None:
+        start, state = ckpt.restore(state, loader, path=resume)
+        state = jax.device_put(state, shardings)
+        log(f"resumed from step {start} ({resume or ckpt.directory})")
+    start = int(state["step"])
+
+    schedule = make_schedule(cfg.optimizer, cfg.schedule)
+    step_fn = jax.jit(make_train_step(graphdef, tx, cfg.balance_gamma, schedule),
+                      in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+    eval_fn = jax.jit(make_eval_step(graphdef))
+    val = load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences else None
+
+    total = cfg.schedule.total_steps
+    end = total if stop_after is None else min(total, stop_after)
+    flops_tok = train_flops_per_token(cfg)
+    peak = device_peak_flops(cfg.logging.peak_tflops)
+    tokens_per_step = cfg.train.global_batch * t
+    history: list[dict] = []
+    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    bar = tqdm(total=total, initial=start, disable=not cfg.logging.progress_bar, file=sys.stderr, dynamic_ncols=True)
+    last = time.perf_counter()
+    try:
+        for step in range(start, end):
+            batch = np.asarray(next(loader)).reshape(accum, -1, t + 1)
+            state, m = step_fn(state, jax.device_put(batch, batch_sharding))
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            now = time.perf_counter()
+            m["step"] = step + 1
+            m["tokens_per_s"] = tokens_per_step / (now - last)
+            m["mfu"] = mfu(flops_tok, m["tokens_per_s"], mesh.size, peak)
+            last = now
+            if val is not None and cfg.data.eval_every and ((step + 1) % cfg.data.eval_every == 0 or step + 1 == total):
+                m["val_loss"] = evaluate(eval_fn, state, val, cfg.train.micro_batch * mesh.size, eval_sharding)
+                m["val_ppl"] = math.exp(min(m["val_loss"], 50.0))
+                last = time.perf_counter()  # evaluation time is not training throughput
+            if not math.isfinite(m["loss"]):
+                raise FloatingPointError(f"loss is {m['loss']} at step {step + 1}; stopping (last checkpoint kept)")
+            history.append(m)
+            metrics_file.write(json.dumps(m) + "\n")
+            metrics_file.flush()
+            bar.update(1)
+            if (step + 1) % cfg.logging.log_every == 0 or step == start or step + 1 == end or "val_loss" in m:
+                bar.write(format_line(step + 1, total, m), file=sys.stdout)
+            every = cfg.checkpoint.every
+            if every and ((step + 1) % every == 0 or step + 1 == end):
+                ckpt.save(step + 1, state, loader)
+    finally:
+        bar.close()
+        metrics_file.close()
+        ckpt.wait()
+        ckpt.close()
+    return history

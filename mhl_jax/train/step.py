@@ -1,0 +1,77 @@
+"""The jitted train step: gradient accumulation, AdamW update, balancing-bias update, metrics.
+
+State is a plain dict pytree {params, opt_state, biases, step} so that it checkpoints as is.
+`batch` is (accum, micro_global, T + 1) int32: `accum` micro-batches, each split over the data axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from mhl_jax.model.balancing import load_stats, update_bias
+from mhl_jax.model.gpt import cross_entropy
+
+
+def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, biases: nnx.State, tokens: jax.Array):
+    """tokens: (B, T + 1) int32 -> (mean NLL fp32, {layer: (H, Ne) int32 loads})."""
+    model = nnx.merge(graphdef, params, biases)
+    logits, loads = model(tokens[:, :-1])
+    return cross_entropy(logits, tokens[:, 1:]), loads
+
+
+def apply_balancing(biases: nnx.State, loads: dict[int, jax.Array], gamma: float) -> nnx.State:
+    """Update each MoE layer's bias (path blocks/<layer>/ffn/experts/bias) from its global loads."""
+
+    def upd(path, b):
+        return update_bias(b, loads[path[1].key], gamma)
+
+    return jax.tree_util.tree_map_with_path(upd, biases)
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gamma: float,
+                    schedule: Callable) -> Callable:
+    grad_fn = jax.value_and_grad(lambda p, b, t: loss_fn(graphdef, p, b, t), has_aux=True)
+
+    def train_step(state: dict[str, Any], batch: jax.Array):
+        params, biases = state["params"], state["biases"]
+
+        def micro(carry, tokens):
+            gsum, lsum, loadsum = carry
+            (loss, loads), grads = grad_fn(params, biases, tokens)
+            gsum = jax.tree.map(jnp.add, gsum, grads)
+            loadsum = {i: loadsum[i] + loads[i] for i in loadsum}
+            return (gsum, lsum + loss, loadsum), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        _, load_shapes = jax.eval_shape(lambda: loss_fn(graphdef, params, biases, batch[0]))
+        load0 = {i: jnp.zeros(s.shape, s.dtype) for i, s in load_shapes.items()}
+        (gsum, lsum, loads), _ = jax.lax.scan(micro, (zeros, jnp.float32(0.0), load0), batch)
+        accum = batch.shape[0]
+        grads = jax.tree.map(lambda g: g / accum, gsum)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_state = {
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+            "biases": apply_balancing(biases, loads, gamma),
+            "step": state["step"] + 1,
+        }
+        metrics = {"loss": lsum / accum, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+        for i, counts in loads.items():
+            metrics[f"load_max/{i}"], metrics[f"load_min/{i}"] = load_stats(counts)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
+    def eval_step(params: nnx.State, biases: nnx.State, tokens: jax.Array) -> jax.Array:
+        """tokens: (B, T + 1) -> summed NLL over the B*T predicted tokens (fp32)."""
+        loss, _ = loss_fn(graphdef, params, biases, tokens)
+        return loss * tokens.shape[0] * (tokens.shape[1] - 1)
+
+    return eval_step
