@@ -45,8 +45,8 @@ class FFNConfig:
     top_k: int = 4  # experts activated per token (per sub-token for mh_latent_moe), k >= 2
     expert_hidden: int = 256  # hidden width de of each expert
     num_heads: int = 8  # sub-tokens per token Nh (mh_latent_moe)
-    head_dim: int = 128  # sub-token width dh (mh_latent_moe); Nh * dh is W_in's output width
-    latent_dim: int = 1024  # latent width l of latent_moe (the paper's configs imply l = d)
+    head_dim: int = 128  # sub-token width dh (mh_latent_moe)
+    latent_dim: int = 1024  # latent width l: latent_moe's d -> l projection; mh_latent_moe's W_in output (= Nh*dh)
     balance_gamma: Optional[float] = None  # aux-free bias step; None means 50 * peak LR
     kernels: Literal["auto", "triton", "reference"] = "auto"  # auto: Triton on GPU, else JAX
 
@@ -177,7 +177,7 @@ def _check_type(path: str, value: Any, tp: Any) -> Any:
 def _merge(obj: Any, data: dict, prefix: str) -> Any:
     """Return a copy of dataclass `obj` with the (nested) dict `data` applied, type-checked."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
     updates = {}
@@ -281,6 +281,9 @@ def validate(cfg: Config) -> None:
     if f.kind == "mh_latent_moe":
         _require(f.num_heads > 0 and f.head_dim > 0,
                  f"ffn.num_heads={f.num_heads}, ffn.head_dim={f.head_dim}: must be positive")
+        _require(f.num_heads * f.head_dim == f.latent_dim,
+                 f"ffn.num_heads={f.num_heads} x ffn.head_dim={f.head_dim} = {f.num_heads * f.head_dim} does not "
+                 f"match the projection width ffn.latent_dim={f.latent_dim} (W_in: d -> Nh*dh)")
     _require(p.hp >= 1 and p.ep >= 1, f"parallel.hp={p.hp}, parallel.ep={p.ep}: must be >= 1")
     _require(p.data == -1 or p.data >= 1, f"parallel.data={p.data}: must be -1 (auto) or >= 1")
     if p.hp > 1:

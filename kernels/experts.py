@@ -1,0 +1,250 @@
+"""IO-aware expert FFN over packed rows (paper section 3.4, computed directly instead of through
+FlexAttention): for each row block of one (head, expert) group g,
+
+    out = gelu(X W1[g]) W2[g]          X: (BLOCK_M, DH), W1[g]: (DH, DE), W2[g]: (DE, DH)
+
+streaming DE in BLOCK_E chunks like FlashAttention streams keys: the (rows x DE) hidden activations
+never reach HBM; the backward recomputes them.
+
+Layout (all contiguous, row-major):
+- x:        (S, DH)  source sub-tokens, S = N * H; slot s reads row s // K
+- row_slot: (P,)     int32, slot held by each packed row (-1: padding); P = NB * BLOCK_M
+- block_group: (NB,) int32, group of each row block (-1: block made only of padding; skipped)
+- group_block_start, group_nblocks: (G,) int32, first row block and row-block count of each group
+- gates:    (M,)     fp32, gate of each slot (M = S * K); dy: (S, DH) gradient of the combined output
+- w1: (G, DH, DE), w2: (G, DE, DH) in the compute dtype; dW written in the dtype of dw pointers.
+
+Kernels:
+BLOCK_M (rows per program step) divides PACK_BLOCK (the packing's row block), so the tiles can be tuned
+apart from the packing.
+- `expert_fwd_kernel`  grid (P / BLOCK_M,):           out rows (P, DH); padding rows written as zeros.
+- `expert_dx_kernel`   grid (P / BLOCK_M,):         dX rows (P, DH) = dH W1^T, dO = gate * dy gathered.
+- `expert_dw_kernel`   grid (DE/BLOCK_E, G): dW1[g][:, tile], dW2[g][tile, :] summed over the group's
+  row blocks in order (deterministic: no atomics); with FUSE_DX (BLOCK_E == DE) it also writes the
+  dX rows, so the backward is one launch.
+
+The gather of X rows and of dO = gate * dy rows is fused into the loads (no packed copies in HBM).
+Parameters follow jax-triton's binding order: inputs, then one pointer per output, then constexprs.
+`FAST_TANH` uses the single-instruction `tanh.approx.f32` (GPU only; the interpreter takes the
+sigmoid form). Under TRITON_INTERPRET=1 pass fp32 tensors (bf16 arithmetic is broken there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+GELU_C = 0.7978845608028654  # sqrt(2 / pi)
+GELU_A = 0.044715
+
+
+@triton.jit
+def _tanh(u, FAST_TANH: tl.constexpr):
+    if FAST_TANH:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+    return t
+
+
+@triton.jit
+def _gelu(h, FAST_TANH: tl.constexpr):
+    """tanh-approximate gelu of fp32 h (jax.nn.gelu's default)."""
+    t = _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h), FAST_TANH)
+    return 0.5 * h * (1.0 + t)
+
+
+@triton.jit
+def _gelu_and_grad(h, FAST_TANH: tl.constexpr):
+    """(gelu(h), gelu'(h)) for fp32 h."""
+    h2 = h * h
+    t = _tanh(0.7978845608028654 * (h + 0.044715 * h2 * h), FAST_TANH)
+    act = 0.5 * h * (1.0 + t)
+    grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h2)
+    return act, grad
+
+
+@triton.jit
+def _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K: tl.constexpr, DH: tl.constexpr):
+    """rows: (BLOCK_M,) packed row ids -> (X (BLOCK_M, DH) in x's dtype (zero on padding), slot, valid)."""
+    slot = tl.load(row_slot_ptr + rows)
+    valid = slot >= 0
+    src = tl.where(valid, slot // K, 0).to(tl.int64)
+    x = tl.load(x_ptr + src[:, None] * DH + offs_d[None, :], mask=valid[:, None], other=0.0)
+    return x, slot, valid, src
+
+
+@triton.jit
+def _load_do_rows(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH: tl.constexpr):
+    """dO rows = gate[slot] * dy[slot // K], fp32 (BLOCK_M, DH), zero on padding."""
+    gate = tl.load(gates_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + src[:, None] * DH + offs_d[None, :], mask=valid[:, None], other=0.0)
+    return dy.to(tl.float32) * gate[:, None]
+
+
+@triton.jit
+def expert_fwd_kernel(
+    x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr,  # inputs
+    out_ptr,  # output (P, DH)
+    K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    g = tl.load(block_group_ptr + pid // (PACK_BLOCK // BLOCK_M))
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, DH)
+    out_ptrs = out_ptr + rows[:, None] * DH + offs_d[None, :]
+    if g < 0:  # block made only of padding: nothing to compute
+        tl.store(out_ptrs, tl.zeros((BLOCK_M, DH), out_ptr.dtype.element_ty))
+    else:
+        cdt = w1_ptr.dtype.element_ty
+        x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
+        x = x.to(cdt)
+        offs_e = tl.arange(0, BLOCK_E)
+        w1_base = w1_ptr + g.to(tl.int64) * (DH * DE)
+        w2_base = w2_ptr + g.to(tl.int64) * (DE * DH)
+        acc = tl.zeros((BLOCK_M, DH), tl.float32)
+        for e0 in range(0, DE, BLOCK_E):
+            w1 = tl.load(w1_base + offs_d[:, None] * DE + (e0 + offs_e)[None, :])  # (DH, BLOCK_E)
+            h = tl.dot(x, w1, input_precision=PRECISION)  # (BLOCK_M, BLOCK_E) fp32
+            a = _gelu(h, FAST_TANH).to(cdt)
+            w2 = tl.load(w2_base + (e0 + offs_e)[:, None] * DH + offs_d[None, :])  # (BLOCK_E, DH)
+            acc = tl.dot(a, w2, acc, input_precision=PRECISION)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def expert_dx_kernel(
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr,  # inputs
+    dx_ptr,  # output (P, DH): gradient of each packed row's input
+    K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    g = tl.load(block_group_ptr + pid // (PACK_BLOCK // BLOCK_M))
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, DH)
+    dx_ptrs = dx_ptr + rows[:, None] * DH + offs_d[None, :]
+    if g < 0:
+        tl.store(dx_ptrs, tl.zeros((BLOCK_M, DH), dx_ptr.dtype.element_ty))
+    else:
+        cdt = w1_ptr.dtype.element_ty
+        x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
+        x = x.to(cdt)
+        do = _load_do_rows(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH).to(cdt)
+        offs_e = tl.arange(0, BLOCK_E)
+        w1_base = w1_ptr + g.to(tl.int64) * (DH * DE)
+        w2_base = w2_ptr + g.to(tl.int64) * (DE * DH)
+        acc = tl.zeros((BLOCK_M, DH), tl.float32)
+        for e0 in range(0, DE, BLOCK_E):
+            w1 = tl.load(w1_base + offs_d[:, None] * DE + (e0 + offs_e)[None, :])  # (DH, BLOCK_E)
+            w2t = tl.load(w2_base + (e0 + offs_e)[None, :] * DH + offs_d[:, None])  # (DH, BLOCK_E) = W2^T
+            h = tl.dot(x, w1, input_precision=PRECISION)
+            _, dgelu = _gelu_and_grad(h, FAST_TANH)
+            da = tl.dot(do, w2t, input_precision=PRECISION)  # (BLOCK_M, BLOCK_E)
+            dh = (da * dgelu).to(cdt)
+            acc = tl.dot(dh, tl.trans(w1), acc, input_precision=PRECISION)
+        tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty))
+
+
+@triton.jit
+def expert_dw_kernel(
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,
+    dw1_ptr, dw2_ptr, dx_ptr,  # outputs: (G, DH, DE), (G, DE, DH), (P, DH) (dx only with FUSE_DX)
+    K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, FUSE_DX: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    gi = tl.program_id(1)
+    start = tl.load(group_block_start_ptr + gi)
+    nblk = tl.load(group_nblocks_ptr + gi)
+    g = gi.to(tl.int64)
+    cdt = w1_ptr.dtype.element_ty
+    offs_d = tl.arange(0, DH)
+    offs_e = tile * BLOCK_E + tl.arange(0, BLOCK_E)
+    w1_ptrs = w1_ptr + g * (DH * DE) + offs_d[:, None] * DE + offs_e[None, :]  # (DH, BLOCK_E)
+    w2t_ptrs = w2_ptr + g * (DE * DH) + offs_e[None, :] * DH + offs_d[:, None]  # (DH, BLOCK_E) = W2^T
+    w1 = tl.load(w1_ptrs)
+    w2t = tl.load(w2t_ptrs)
+    acc1 = tl.zeros((DH, BLOCK_E), tl.float32)  # dW1 tile
+    acc2 = tl.zeros((DH, BLOCK_E), tl.float32)  # dW2 tile, transposed
+    row0 = start.to(tl.int64) * PACK_BLOCK
+    for i in range(0, nblk * (PACK_BLOCK // BLOCK_M)):
+        rows = row0 + i * BLOCK_M + tl.arange(0, BLOCK_M)
+        x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
+        x = x.to(cdt)
+        do = _load_do_rows(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH).to(cdt)
+        h = tl.dot(x, w1, input_precision=PRECISION)  # (BLOCK_M, BLOCK_E)
+        a, dgelu = _gelu_and_grad(h, FAST_TANH)
+        da = tl.dot(do, w2t, input_precision=PRECISION)
+        dh = (da * dgelu).to(cdt)
+        acc1 = tl.dot(tl.trans(x), dh, acc1, input_precision=PRECISION)
+        acc2 = tl.dot(tl.trans(do), a.to(cdt), acc2, input_precision=PRECISION)
+        if FUSE_DX:
+            dx = tl.dot(dh, tl.trans(w1), input_precision=PRECISION)
+            tl.store(dx_ptr + rows[:, None] * DH + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty))
+    tl.store(dw1_ptr + g * (DH * DE) + offs_d[:, None] * DE + offs_e[None, :], acc1.to(dw1_ptr.dtype.element_ty))
+    tl.store(dw2_ptr + g * (DE * DH) + offs_e[None, :] * DH + offs_d[:, None], acc2.to(dw2_ptr.dtype.element_ty))
+
+
+def check_blocks(dh: int, de: int, pack_block: int, block_m: int, block_e: int) -> None:
+    """Shape rules of the kernels (powers of two for tl.arange, tiles that divide DE and PACK_BLOCK)."""
+    for name, v in (("dh", dh), ("pack_block", pack_block), ("block_m", block_m), ("block_e", block_e)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"expert kernels: {name}={v} must be a power of two >= 16")
+    if pack_block % block_m:
+        raise ValueError(f"expert kernels: block_m={block_m} must divide the packing block {pack_block}")
+    if de % block_e:
+        raise ValueError(f"expert kernels: de={de} must be a multiple of block_e={block_e}")
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Launch shape of one kernel: rows per program step, DE chunk, warps, software-pipeline depth."""
+
+    block_m: int = 64
+    block_e: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """Packing row block and the tiles of the three kernels. dw.block_e == de fuses dX into the dW kernel."""
+
+    pack_block: int = 128
+    fwd: Tile = Tile(128, 64, 8, 2)
+    dx: Tile = Tile(128, 64, 8, 2)
+    dw: Tile = Tile(64, 64, 8, 2)
+
+    def check(self, dh: int, de: int) -> None:
+        for t in (self.fwd, self.dx, self.dw):
+            check_blocks(dh, de, self.pack_block, min(t.block_m, self.pack_block), min(t.block_e, de))
+
+    def fit(self, de: int) -> ExpertsConfig:
+        """Clamp tiles to the packing block and to de (small shapes in tests)."""
+        def f(t: Tile) -> Tile:
+            return Tile(min(t.block_m, self.pack_block), min(t.block_e, de), t.num_warps, t.num_stages)
+
+        return ExpertsConfig(self.pack_block, f(self.fwd), f(self.dx), f(self.dw))
+
+
+def default_config(num_slots: int, num_groups: int, dh: int, de: int) -> ExpertsConfig:
+    """Pick the packing block from the mean rows per group (padding waste ~ block / 2 per group) and
+    tiles that keep the accumulators in registers on Hopper (tuned in bench/NOTES.md)."""
+    mean = num_slots / max(num_groups, 1)
+    pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
+    bm = min(pack, 128)
+    return ExpertsConfig(
+        pack_block=pack,
+        fwd=Tile(bm, 64, 8 if bm >= 128 else 4, 2),
+        dx=Tile(bm, 64, 8 if bm >= 128 else 4, 2),
+        dw=Tile(min(pack, 64), 64, 8, 2),
+    ).fit(de)
+
+
+__all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "check_blocks", "Tile", "ExpertsConfig",
+           "default_config", "triton"]

@@ -1,0 +1,176 @@
+"""Launch the expert kernels of `kernels/experts.py` on torch tensors.
+
+Used by the CPU tests (TRITON_INTERPRET=1 set before this module is imported, fp32 tensors) and by
+the GPU cross-checks and benchmarks (bf16 on CUDA). Packing metadata comes from
+`mhl_jax.ops.packing` (as int32 tensors) or from `pack_torch` below, which computes the same layout.
+
+Shapes: x (S, dh) with S = N * H sub-tokens; slot s = (n * H + h) * k + j reads x[s // k];
+w1 (G, dh, de), w2 (G, de, dh) with G = H * Ne groups; row_slot (P,), block_group (P // block,),
+group_block_start / group_nblocks / group_sizes (G,), all int32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kernels.experts import ExpertsConfig, default_config, expert_dw_kernel, expert_dx_kernel, expert_fwd_kernel
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(array),
+    which numpy >= 2.4 rejects: a loop bound loaded from memory (`range(0, nblk)`) then fails. Make
+    __index__ take the single element. No effect outside TRITON_INTERPRET=1."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_mhl_index_fixed", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._mhl_index_fixed = True
+
+
+_fix_interpreter_scalar_index()
+
+
+class TorchPacking(NamedTuple):
+    row_slot: torch.Tensor  # (P,) int32, -1 for padding
+    slot_row: torch.Tensor  # (M,) int32
+    block_group: torch.Tensor  # (P // block,) int32, -1 for all-padding blocks
+    group_sizes: torch.Tensor  # (G,) int32
+    group_block_start: torch.Tensor  # (G,) int32
+    group_nblocks: torch.Tensor  # (G,) int32
+    num_blocks: int  # blocks in use (host int: the torch paths may synchronise)
+
+
+def padded_rows(num_slots: int, num_groups: int, block: int) -> int:
+    """Same static upper bound as `mhl_jax.ops.packing.padded_rows`."""
+    rows = num_slots + min(num_groups, num_slots) * (block - 1)
+    return -(-rows // block) * block
+
+
+def pack_torch(idx: torch.Tensor, num_experts: int, block: int) -> TorchPacking:
+    """idx: (N, H, k) int expert indices -> the packing of `mhl_jax.ops.packing.pack` (same rows)."""
+    n, h, k = idx.shape
+    m, g_count = n * h * k, h * num_experts
+    dev = idx.device
+    p = padded_rows(m, g_count, block)
+    group = (torch.arange(h, device=dev).view(1, h, 1) * num_experts + idx.long()).reshape(m)
+    order = torch.sort(group, stable=True).indices
+    sizes = torch.bincount(group, minlength=g_count)
+    nblk = (sizes + block - 1) // block
+    bstart = torch.cumsum(nblk, 0) - nblk
+    starts = torch.cumsum(sizes, 0) - sizes
+    sg = group[order]
+    dest = bstart[sg] * block + torch.arange(m, device=dev) - starts[sg]
+    row_slot = torch.full((p,), -1, dtype=torch.int32, device=dev)
+    row_slot[dest] = order.to(torch.int32)
+    slot_row = torch.empty(m, dtype=torch.int32, device=dev)
+    slot_row[order] = dest.to(torch.int32)
+    num_blocks = int(nblk.sum())
+    block_group = torch.full((p // block,), -1, dtype=torch.int32, device=dev)
+    block_group[:num_blocks] = torch.repeat_interleave(torch.arange(g_count, device=dev), nblk).to(torch.int32)
+    return TorchPacking(row_slot, slot_row, block_group, sizes.int(), bstart.int(), nblk.int(), num_blocks)
+
+
+def _launch_opts(x: torch.Tensor) -> dict:
+    return dict(FAST_TANH=x.is_cuda, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+
+
+def experts_fwd(x: torch.Tensor, row_slot: torch.Tensor, block_group: torch.Tensor, w1: torch.Tensor,
+                w2: torch.Tensor, k: int, cfg: ExpertsConfig) -> torch.Tensor:
+    """x: (S, dh); w1: (G, dh, de); w2: (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0)."""
+    p, (_, dh), de = row_slot.shape[0], x.shape, w1.shape[2]
+    cfg.check(dh, de)
+    t = cfg.fwd
+    out = torch.empty(p, dh, dtype=x.dtype, device=x.device)
+    expert_fwd_kernel[(p // t.block_m,)](
+        x.contiguous(), row_slot, block_group, w1.contiguous(), w2.contiguous(), out,
+        K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
+        num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
+    return out
+
+
+def experts_bwd(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: TorchPacking, w1: torch.Tensor,
+                w2: torch.Tensor, k: int, cfg: ExpertsConfig, dw_dtype: torch.dtype | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of the packed expert rows with dO[row] = gate[slot] * dy[slot // k].
+
+    x, dy: (S, dh); gates: (M,) fp32. Returns dX rows (P, dh) in x.dtype (rows of all-padding blocks
+    are unspecified when dX is fused into the dW kernel, cfg.dw.block_e == de), dW1 (G, dh, de) and
+    dW2 (G, de, dh) in dw_dtype (default w1.dtype).
+    """
+    p, (_, dh), (g, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
+    cfg.check(dh, de)
+    fuse = cfg.dw.block_e == de
+    dw_dtype = dw_dtype or w1.dtype
+    x, dy, gates, w1, w2 = (t.contiguous() for t in (x, dy, gates, w1, w2))
+    dx = torch.empty(p, dh, dtype=x.dtype, device=x.device)
+    if not fuse:
+        t = cfg.dx
+        expert_dx_kernel[(p // t.block_m,)](
+            x, dy, gates, pk.row_slot, pk.block_group, w1, w2, dx,
+            K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
+            num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
+    dw1 = torch.empty(g, dh, de, dtype=dw_dtype, device=x.device)
+    dw2 = torch.empty(g, de, dh, dtype=dw_dtype, device=x.device)
+    t = cfg.dw
+    expert_dw_kernel[(de // t.block_e, g)](
+        x, dy, gates, pk.row_slot, pk.group_block_start, pk.group_nblocks, w1, w2, dw1, dw2, dx,
+        K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, FUSE_DX=fuse,
+        num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
+    return dx, dw1, dw2
+
+
+class TritonExpertFFN(torch.autograd.Function):
+    """y (N, H, dh) = sum_j gates[..., j] * E_{h, idx[..., j]}(x) on the Triton kernels (torch autograd).
+
+    forward(x (N, H, dh), gates (N, H, k) fp32, w1 (H, Ne, dh, de), w2 (H, Ne, de, dh), pk, k, cfg);
+    x and the weights in the compute dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x, gates, w1, w2, pk: TorchPacking, k: int, cfg: ExpertsConfig):
+        n, h, dh = x.shape
+        ne, de = w1.shape[1], w1.shape[3]
+        w1g, w2g = w1.reshape(h * ne, dh, de), w2.reshape(h * ne, de, dh)
+        xs = x.reshape(n * h, dh)
+        out = experts_fwd(xs, pk.row_slot, pk.block_group, w1g, w2g, k, cfg)
+        per_slot = out[pk.slot_row.long()].view(n, h, k, dh).float()
+        y = torch.einsum("nhkd,nhk->nhd", per_slot, gates.float()).to(x.dtype)
+        ctx.save_for_backward(xs, gates, out, w1g, w2g)
+        ctx.cfg = (pk, k, cfg, (n, h, dh, ne, de))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xs, gates, out, w1g, w2g = ctx.saved_tensors
+        pk, k, cfg, (n, h, dh, ne, de) = ctx.cfg
+        dy = dy.contiguous()
+        sr = pk.slot_row.long()
+        per_slot = out[sr].view(n, h, k, dh).float()
+        dgates = torch.einsum("nhkd,nhd->nhk", per_slot, dy.float())
+        dxr, dw1, dw2 = experts_bwd(xs, dy.reshape(n * h, dh), gates.reshape(-1).float(), pk, w1g, w2g, k,
+                                    cfg)
+        dx = dxr[sr].view(n, h, k, dh).float().sum(2).to(xs.dtype)
+        return dx, dgates, dw1.view(h, ne, dh, de), dw2.view(h, ne, de, dh), None, None, None
+
+
+def triton_expert_ffn(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w1: torch.Tensor,
+                      w2: torch.Tensor, cfg: ExpertsConfig | None = None) -> torch.Tensor:
+    """Torch entry point: x (N, H, dh); idx, gates (N, H, k); w1 (H, Ne, dh, de); w2 (H, Ne, de, dh)."""
+    n, h, k = idx.shape
+    ne, de = w1.shape[1], w1.shape[3]
+    cfg = (cfg or default_config(n * h * k, h * ne, x.shape[2], de)).fit(de)
+    pk = pack_torch(idx, ne, cfg.pack_block)
+    return TritonExpertFFN.apply(x, gates, w1, w2, pk, k, cfg)

@@ -1,0 +1,199 @@
+"""The IO-aware expert FFN on Triton, bound into JAX (jax-triton) under one `jax.custom_vjp`.
+
+    y[n, h] = sum_j gates[n, h, j] * gelu(x[n, h] W1[h, e_j]) W2[h, e_j],   e_j = idx[n, h, j]
+
+Pipeline (packing from `packing.py`, kernels from `kernels/experts.py`):
+  forward   pack idx -> fwd kernel (gathers x rows itself) -> out rows (P, dh) -> combine with gates
+  backward  dgates = <dy, out row> per slot; dW kernel (+ dX kernel unless fused) gather x rows and
+            dO = gate * dy themselves; dx = sum over the k slots of the dX rows (fixed order)
+
+Neither the packed copy of x, nor the packed dO, nor the (rows x de) hidden activations are written
+to HBM. Weight gradients are reduced per (head, expert) over its row blocks in order: deterministic.
+Weights may be fp32 (master copy: cast to x.dtype for the matmuls, gradients returned in fp32) or
+already in the compute dtype.
+
+`backend="emulate"` runs the same custom_vjp with pure-JAX stand-ins of the three kernels, so the
+plumbing (packing, gathers, combine, cotangents) is tested on CPU where jax-triton cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kernels.experts import ExpertsConfig, default_config
+from mhl_jax.ops import packing as pk
+
+
+class Meta(NamedTuple):
+    """Integer packing metadata the kernels read (no gradient)."""
+
+    row_slot: jax.Array  # (P,) int32
+    slot_row: jax.Array  # (M,) int32
+    block_group: jax.Array  # (P // pack_block,) int32
+    group_block_start: jax.Array  # (G,) int32
+    group_nblocks: jax.Array  # (G,) int32
+
+
+class Static(NamedTuple):
+    cfg: ExpertsConfig
+    k: int
+    backend: str  # "triton" | "emulate"
+    w_dtype: str  # dtype of the weights as given (their gradients come back in it)
+
+
+# ----------------------------------------------------------------------------- kernel calls (Triton)
+
+def _opts(dtype) -> dict:
+    return dict(FAST_TANH=True, PRECISION="ieee" if dtype == jnp.float32 else "tf32")
+
+
+def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
+    import jax_triton as jt
+
+    from kernels.experts import expert_fwd_kernel
+
+    p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
+    t = st.cfg.fwd
+    return jt.triton_call(
+        xs, meta.row_slot, meta.block_group, w1, w2, kernel=expert_fwd_kernel,
+        out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype), grid=(p // t.block_m,),
+        num_warps=t.num_warps, num_stages=t.num_stages,
+        K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
+        **_opts(xs.dtype))
+
+
+def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
+    import jax_triton as jt
+
+    from kernels.experts import expert_dw_kernel, expert_dx_kernel
+
+    p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
+    fuse = st.cfg.dw.block_e == de
+    common = dict(K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, **_opts(xs.dtype))
+    t = st.cfg.dw
+    dw1, dw2, dx_fused = jt.triton_call(
+        xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
+        kernel=expert_dw_kernel,
+        out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
+                   jax.ShapeDtypeStruct((p, dh) if fuse else (1, dh), xs.dtype)],
+        grid=(de // t.block_e, g), num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_M=t.block_m, BLOCK_E=t.block_e, FUSE_DX=fuse, **common)
+    if fuse:
+        return dx_fused, dw1, dw2
+    t = st.cfg.dx
+    dx = jt.triton_call(
+        xs, dys, gates, meta.row_slot, meta.block_group, w1, w2, kernel=expert_dx_kernel,
+        out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype), grid=(p // t.block_m,),
+        num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t.block_m, BLOCK_E=t.block_e, **common)
+    return dx, dw1, dw2
+
+
+# ------------------------------------------------------------------- kernel stand-ins (pure JAX, CPU)
+
+def _rows_fn(st: Static, meta: Meta, xs, w1, w2):
+    from mhl_jax.ops.experts import expert_rows_reference
+
+    valid = (meta.row_slot >= 0)[:, None]
+    rows = jnp.where(valid, jnp.take(xs, jnp.maximum(meta.row_slot, 0) // st.k, axis=0), 0)
+    return expert_rows_reference(rows, meta.block_group, w1, w2, st.cfg.pack_block)
+
+
+def _fwd_emulate(st: Static, xs, meta: Meta, w1, w2):
+    return _rows_fn(st, meta, xs, w1, w2)
+
+
+def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
+    valid = meta.row_slot >= 0
+    slot = jnp.maximum(meta.row_slot, 0)
+    do = jnp.take(dys, slot // st.k, axis=0).astype(jnp.float32) * jnp.take(gates, slot)[:, None]
+    do = jnp.where(valid[:, None], do, 0).astype(xs.dtype)
+    valid = (meta.row_slot >= 0)[:, None]
+    rows = jnp.where(valid, jnp.take(xs, slot // st.k, axis=0), 0)
+    from mhl_jax.ops.experts import expert_rows_reference
+
+    _, vjp = jax.vjp(lambda r, a, b: expert_rows_reference(r, meta.block_group, a, b, st.cfg.pack_block),
+                     rows, w1, w2)
+    drows, dw1, dw2 = vjp(do)
+    return drows, dw1.astype(dw_dtype), dw2.astype(dw_dtype)
+
+
+# ------------------------------------------------------------------------------------ the custom_vjp
+
+def _combine(out_rows, slot_row, gates):
+    """out_rows (P, dh), slot_row (M,), gates (N, H, k) fp32 -> (N, H, dh) fp32, fixed-order sum over k."""
+    n, h, k = gates.shape
+    per_slot = jnp.take(out_rows, slot_row, axis=0).reshape(n, h, k, -1).astype(jnp.float32)
+    return jnp.einsum("nhkd,nhk->nhd", per_slot, gates)
+
+
+def _forward(st: Static, x, gates, w1, w2, meta: Meta):
+    n, h, dh = x.shape
+    _, ne, _, de = w1.shape
+    w1c = w1.reshape(h * ne, dh, de).astype(x.dtype)
+    w2c = w2.reshape(h * ne, de, dh).astype(x.dtype)
+    xs = x.reshape(n * h, dh)
+    fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
+    out_rows = fwd(st, xs, meta, w1c, w2c)
+    y = _combine(out_rows, meta.slot_row, gates.astype(jnp.float32)).astype(x.dtype)
+    return y, (xs, gates, out_rows, w1c, w2c, meta)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _experts(st: Static, x, gates, w1, w2, meta: Meta):
+    return _forward(st, x, gates, w1, w2, meta)[0]
+
+
+def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta):
+    return _forward(st, x, gates, w1, w2, meta)
+
+
+def _experts_bwd(st: Static, res, dy):
+    xs, gates, out_rows, w1c, w2c, meta = res
+    n, h, k = gates.shape
+    g, dh, de = w1c.shape
+    dys = dy.reshape(n * h, dh)
+    per_slot = jnp.take(out_rows, meta.slot_row, axis=0).reshape(n, h, k, dh).astype(jnp.float32)
+    dgates = jnp.einsum("nhkd,nhd->nhk", per_slot, dy.astype(jnp.float32)).astype(gates.dtype)
+    bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
+    # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
+    dxr, dw1, dw2 = bwd(st, xs, dys, gates.reshape(-1).astype(jnp.float32), meta, w1c, w2c, jnp.dtype(st.w_dtype))
+    dx = jnp.take(dxr, meta.slot_row, axis=0).reshape(n * h, k, dh).astype(jnp.float32).sum(1)
+    ne = g // h
+    zero_meta = jax.tree.map(lambda a: None, meta)
+    return (dx.reshape(n, h, dh).astype(xs.dtype), dgates, dw1.reshape(h, ne, dh, de),
+            dw2.reshape(h, ne, de, dh), zero_meta)
+
+
+_experts.defvjp(_experts_fwd, _experts_bwd)
+
+
+def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
+                      cfg: ExpertsConfig | None = None, backend: str = "triton") -> tuple[jax.Array, jax.Array]:
+    """x: (N, H, dh) bf16 (fp32 allowed: exact but slow); idx: (N, H, k) int32; gates: (N, H, k) fp32;
+    w1: (H, Ne, dh, de), w2: (H, Ne, de, dh) fp32 or x.dtype.
+
+    Returns y (N, H, dh) in x.dtype and the load (H, Ne) int32 (routed slots per (head, expert)).
+    Same contract as `expert_ffn(..., impl="reference")`; `cfg` overrides the packing block and tiles.
+    """
+    n, h, dh = x.shape
+    hw, ne, _, de = w1.shape
+    k = idx.shape[2]
+    if backend not in ("triton", "emulate"):
+        raise ValueError(f"expert_ffn_triton: backend={backend!r}, expected 'triton' or 'emulate'")
+    if w1.shape != (h, ne, dh, de) or w2.shape != (h, ne, de, dh) or idx.shape != gates.shape or \
+            idx.shape[:2] != (n, h):
+        raise ValueError(f"expert_ffn_triton: shapes disagree: x {x.shape}, idx {idx.shape}, gates "
+                         f"{gates.shape}, w1 {w1.shape}, w2 {w2.shape}")
+    cfg = (cfg or default_config(n * h * k, h * ne, dh, de)).fit(de)
+    cfg.check(dh, de)
+    packing = pk.pack(idx, ne, cfg.pack_block)
+    start, count = pk.group_blocks(packing.group_sizes, cfg.pack_block)
+    meta = Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count)
+    if w1.dtype != w2.dtype:
+        raise ValueError(f"expert_ffn_triton: w1 {w1.dtype} and w2 {w2.dtype} must share a dtype")
+    y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta)
+    return y, packing.group_sizes.reshape(h, ne)
