@@ -88,12 +88,13 @@ def _launch_opts(x: torch.Tensor) -> dict:
 
 
 def experts_fwd(x: torch.Tensor, row_slot: torch.Tensor, block_group: torch.Tensor, w1: torch.Tensor,
-                w2: torch.Tensor, k: int, cfg: ExpertsConfig) -> torch.Tensor:
-    """x: (S, dh); w1: (G, dh, de); w2: (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0)."""
+                w2: torch.Tensor, k: int, cfg: ExpertsConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: (S, dh); w1: (G, dh, de); w2: (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0).
+    `out` (P, dh), if given, is written in place (tests poison it first)."""
     p, (_, dh), de = row_slot.shape[0], x.shape, w1.shape[2]
     cfg.check(dh, de)
     t = cfg.fwd
-    out = torch.empty(p, dh, dtype=x.dtype, device=x.device)
+    out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
     expert_fwd_kernel[(p // t.block_m,)](
         x.contiguous(), row_slot, block_group, w1.contiguous(), w2.contiguous(), out,
         K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,

@@ -13,7 +13,8 @@ def f64(a):
 
 
 def moe_token(x_route, x_expert, w_r, bias, w1, w2, k):
-    """One token, one head. x_route (dr,), x_expert (dh,), w_r (dr, Ne), bias (Ne,), w1 (Ne, dh, de), w2 (Ne, de, dh)."""
+    """One token, one head. x_route (dr,), x_expert (dh,), w_r (dr, Ne), bias (Ne,), w1 (Ne, dh, de),
+    w2 (Ne, de, dh)."""
     s = x_route @ w_r
     chosen = np.argsort(-(s + bias), kind="stable")[:k]
     g = np.exp(s[chosen] - s[chosen].max())

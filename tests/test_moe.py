@@ -18,7 +18,7 @@ B, T, D = 2, 5, 16
 def randomize(module, seed, scale=0.3):
     """Replace every parameter with fresh N(0, scale) values and every bias with a random one."""
     rng = np.random.default_rng(seed)
-    for path, var in nnx.iter_graph(module):
+    for _path, var in nnx.iter_graph(module):
         if isinstance(var, nnx.Variable):
             var[...] = jnp.asarray(scale * rng.standard_normal(var[...].shape), jnp.float32)
 

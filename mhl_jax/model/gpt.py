@@ -15,7 +15,7 @@ from mhl_jax.config import Config
 from mhl_jax.model.attention import Attention
 from mhl_jax.model.init import normal_param, residual_std
 from mhl_jax.model.mlp import MLP
-from mhl_jax.model.moe import MHLatentMoE, LatentMoE, MoE
+from mhl_jax.model.moe import LatentMoE, MHLatentMoE, MoE
 from mhl_jax.model.moe_core import LocalMoE, MoEExecutor
 from mhl_jax.model.norms import RMSNorm
 from mhl_jax.ops.kernels_select import resolve_kernels

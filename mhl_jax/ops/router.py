@@ -38,7 +38,8 @@ def check_router_shapes(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int) -
         raise ValueError(f"route_topk: k={k} must be in [1, Ne={w_r.shape[2]}]")
 
 
-def route_topk(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+def route_topk(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int,
+               impl: str = "reference") -> tuple[jax.Array, jax.Array]:
     """Dispatch to an implementation; see `route_topk_reference` for the contract."""
     check_router_shapes(x, w_r, bias, k)
     if impl == "reference":

@@ -21,21 +21,39 @@ def model_axis(cfg: Config) -> str:
 
 
 def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int]:
-    """(data, hp|ep) sizes, validated against the device count."""
-    par = cfg.parallel
-    inner = par.hp if cfg.ffn.kind == "mh_latent_moe" else par.ep
+    """(data, hp|ep) sizes, validated against the device count and the head / expert counts."""
+    par, f = cfg.parallel, cfg.ffn
+    axis = model_axis(cfg)
+    inner = par.hp if axis == "hp" else par.ep
+    if inner < 1 or num_devices < 1:
+        raise ConfigError(f"parallel.{axis}={inner} on {num_devices} devices: both must be >= 1")
     if num_devices % inner:
-        raise ConfigError(f"parallel.{model_axis(cfg)}={inner} does not divide the {num_devices} devices")
+        raise ConfigError(f"parallel.{axis}={inner} does not divide the {num_devices} devices")
+    if axis == "hp" and f.num_heads % inner:
+        raise ConfigError(f"ffn.num_heads={f.num_heads} is not divisible by parallel.hp={inner}")
+    if axis == "ep" and f.kind != "mlp" and f.num_experts % inner:
+        raise ConfigError(f"ffn.num_experts={f.num_experts} is not divisible by parallel.ep={inner}")
     data = num_devices // inner if par.data == -1 else par.data
     if data * inner != num_devices:
-        raise ConfigError(f"parallel.data={par.data} x parallel.{model_axis(cfg)}={inner} = {data * inner} "
+        raise ConfigError(f"parallel.data={par.data} x parallel.{axis}={inner} = {data * inner} "
                           f"devices, but {num_devices} are present (use parallel.data=-1 to fill them)")
     return data, inner
 
 
+def check_batch(global_batch: int, num_devices: int) -> None:
+    """The batch axis is split over every device: the sequence count must divide evenly."""
+    if global_batch % num_devices:
+        raise ConfigError(f"train.global_batch={global_batch} sequences cannot be split over {num_devices} "
+                          f"devices (the batch is sharded over every device of the mesh)")
+
+
 def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
-    devices = list(jax.devices()) if devices is None else devices
+    """('data', 'hp') mesh for mh_latent_moe, ('data', 'ep') otherwise, over `devices` (default: all).
+
+    Raises ConfigError when the sizes do not fit the devices, the heads / experts or the batch."""
+    devices = list(jax.devices()) if devices is None else list(devices)
     shape = mesh_shape(cfg, len(devices))
+    check_batch(cfg.train.global_batch, len(devices))
     return Mesh(np.asarray(devices).reshape(shape), ("data", model_axis(cfg)))
 
 
@@ -55,7 +73,10 @@ def expert_leaf_spec(cfg: Config, name: str, ndim: int) -> P | None:
     bias (H, Ne) on dim 1, w1/w2 (H, Ne, ., .) on dim 1. Other leaves: None (replicated).
     """
     axis = model_axis(cfg)
-    dims = {"w_router": 2, "bias": 1, "w1": 1, "w2": 1} if axis == "ep" else {n: 0 for n in ("w_router", "bias", "w1", "w2")}
+    if axis == "ep":
+        dims = {"w_router": 2, "bias": 1, "w1": 1, "w2": 1}
+    else:
+        dims = {"w_router": 0, "bias": 0, "w1": 0, "w2": 0}
     if name not in dims:
         return None
     spec = [None] * ndim

@@ -58,6 +58,16 @@ def evaluate(eval_fn, state: dict, val: np.ndarray, batch: int, sharding) -> flo
     return total / count
 
 
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop records past `step` (written by a run killed after its last checkpoint), atomically."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
+
+
 def train(cfg: Config, resume: str | None = None, stop_after: int | None = None, log=print) -> list[dict]:
     """Train `cfg`; returns the per-step metric dicts of this process. `stop_after`: stop (with a
     checkpoint) once that many optimizer steps are done in total, as a preempted job would."""
@@ -91,6 +101,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         state = jax.device_put(state, shardings)
         log(f"resumed from step {start} ({resume or ckpt.directory})")
     start = int(state["step"])
+    truncate_metrics(run_dir / "metrics.jsonl", start)
 
     schedule = make_schedule(cfg.optimizer, cfg.schedule)
     step_fn = jax.jit(make_train_step(graphdef, tx, cfg.balance_gamma, schedule),

@@ -1,0 +1,281 @@
+"""Expert FFN forward and forward+backward: ours (Triton, IO-aware) against grouped-GEMM baselines
+that materialise the (rows x de) hidden activations, and the FlexAttention oracle.
+
+    python bench/experts.py [--tokens 2048 81920] [--de 128 256 512] [--ne 64 256 1024 1536]
+                            [--impls ours ours_torch grouped_mm ragged_mgpu flex] [--out FILE]
+
+Shapes: Nh=8 heads, dh=128, k=4 (paper section 4.2: B=4 x T=512 = 2048 tokens), plus 81920 tokens.
+Inputs: x (N, Nh, dh) bf16, uniform random routing (k distinct experts per sub-token), softmax gates
+(fp32), bf16 weights (all implementations get and return the same dtypes). Each implementation
+includes its own packing (sort by (head, expert)) and the gate-weighted combine.
+
+impls: ours = JAX + jax-triton (mhl_jax/ops/experts_triton.py); ours_torch = the same kernels from
+torch; grouped_mm = torch._grouped_mm (cuBLAS/CUTLASS grouped GEMM) with autograd; ragged_mgpu =
+JAX Pallas Mosaic-GPU ragged_dot (+ transposed_ragged_dot for dW) in a custom_vjp; flex = the
+oracle (kernels/flex_reference.py, torch.compile'd FlexAttention).
+Output: one JSON line per (impl, shape) per DESIGN §8, a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+NH, DH, K = 8, 128, 4
+
+
+def flops_fwd(tokens: int, nh: int, k: int, dh: int, de: int) -> float:
+    return tokens * nh * k * 4.0 * dh * de
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+def make_inputs(seed: int, tokens: int, ne: int, de: int, nh: int = NH, dh: int = DH, k: int = K):
+    ks = jax.random.split(jax.random.key(seed), 7)
+    x = jax.random.normal(ks[0], (tokens, nh, dh), jnp.bfloat16)
+    base = jax.random.randint(ks[1], (tokens, nh, 1), 0, ne)
+    step = jax.random.randint(ks[2], (tokens, nh, 1), 1, max(ne // k, 2))
+    idx = ((base + jnp.arange(k) * step) % ne).astype(jnp.int32)  # k distinct experts, uniform marginal
+    gates = jax.nn.softmax(jax.random.normal(ks[3], (tokens, nh, k)), axis=-1)
+    w1 = (jax.random.normal(ks[4], (nh, ne, dh, de)) * dh ** -0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(ks[5], (nh, ne, de, dh)) * de ** -0.5).astype(jnp.bfloat16)
+    wy = jax.random.normal(ks[6], (tokens, nh, dh), jnp.bfloat16)
+    return x, idx, gates, w1, w2, wy
+
+
+# -------------------------------------------------------------------------------------- JAX timing
+
+def time_jax(fn, arg_sets, reps: int = 20, inner: int = 3) -> float:
+    """Median ms per call over `reps` batches of `inner` back-to-back calls, rotating input sets."""
+    out = fn(*arg_sets[0])
+    jax.block_until_ready(out)
+    for a in arg_sets:
+        jax.block_until_ready(fn(*a))
+    ts = []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        for i in range(inner):
+            out = fn(*arg_sets[(r * inner + i) % len(arg_sets)])
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / inner * 1e3)
+    return float(np.median(ts))
+
+
+def jax_fns(ffn):
+    """ffn(x, idx, gates, w1, w2) -> y. Returns jitted forward and forward+backward (all four grads)."""
+    fwd = jax.jit(lambda x, idx, g, w1, w2, wy: ffn(x, idx, g, w1, w2))
+
+    def loss(x, g, w1, w2, idx, wy):
+        return jnp.sum(ffn(x, idx, g, w1, w2).astype(jnp.float32) * wy.astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    return fwd, lambda x, idx, g, w1, w2, wy: grad(x, g, w1, w2, idx, wy)
+
+
+def ours_jax():
+    from mhl_jax.ops.experts_triton import expert_ffn_triton
+
+    return jax_fns(lambda x, idx, g, w1, w2: expert_ffn_triton(x, idx, g, w1, w2)[0])
+
+
+def _gelu_grad(h):
+    c, a = 0.7978845608028654, 0.044715
+    t = jnp.tanh(c * (h + a * h ** 3))
+    return 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * c * (1 + 3 * a * h * h)
+
+
+def ragged_mgpu():
+    """Grouped-GEMM expert FFN on JAX's Mosaic-GPU ragged_dot: rows sorted by (head, expert), no
+    padding, hidden (M, de) materialised (saved for the backward), dW by transposed_ragged_dot."""
+    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
+
+    cfg = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+    tcfg = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=2, grid_block_n=1)
+
+    @jax.custom_vjp
+    def grouped_ffn(xs, w1, w2, gs):
+        return _fwd(xs, w1, w2, gs)[0]
+
+    def _fwd(xs, w1, w2, gs):
+        h = ragged_dot(xs, w1, group_sizes=gs, **cfg)
+        a = jax.nn.gelu(h.astype(jnp.float32)).astype(xs.dtype)
+        o = ragged_dot(a, w2, group_sizes=gs, **cfg)
+        return o, (xs, h, a, w1, w2, gs)
+
+    def _bwd(res, do):
+        xs, h, a, w1, w2, gs = res
+        da = ragged_dot(do, w2, group_sizes=gs, transpose_rhs=True, **cfg)
+        dh = (da.astype(jnp.float32) * _gelu_grad(h.astype(jnp.float32))).astype(xs.dtype)
+        dxs = ragged_dot(dh, w1, group_sizes=gs, transpose_rhs=True, **cfg)
+        dw1 = transposed_ragged_dot(xs, dh, group_sizes=gs, **tcfg)
+        dw2 = transposed_ragged_dot(a, do, group_sizes=gs, **tcfg)
+        return dxs, dw1, dw2, None
+
+    grouped_ffn.defvjp(_fwd, _bwd)
+
+    def ffn(x, idx, gates, w1, w2):
+        n, nh, dh = x.shape
+        _, ne, _, de = w1.shape
+        m = n * nh * idx.shape[2]
+        group = (jnp.arange(nh, dtype=jnp.int32)[None, :, None] * ne + idx).reshape(m)
+        order = jnp.argsort(group, stable=True)
+        gs = jnp.bincount(group, length=nh * ne).astype(jnp.int32)
+        xs = jnp.take(x.reshape(n * nh, dh), order // idx.shape[2], axis=0)
+        o = grouped_ffn(xs, w1.reshape(nh * ne, dh, de), w2.reshape(nh * ne, de, dh), gs)
+        per_slot = jnp.zeros_like(o).at[order].set(o, unique_indices=True).reshape(n, nh, -1, dh)
+        return jnp.einsum("nhkd,nhk->nhd", per_slot.astype(jnp.float32), gates).astype(x.dtype)
+
+    return jax_fns(ffn)
+
+
+# ------------------------------------------------------------------------------------ torch timing
+
+def torch_fns(impl: str):
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.torch_experts import pack_torch, triton_expert_ffn
+
+    if impl == "ours_torch":
+        ffn = triton_expert_ffn
+    elif impl == "flex":
+        from kernels.flex_reference import flex_expert_ffn
+
+        ffn = flex_expert_ffn
+    elif impl == "grouped_mm":
+        def ffn(x, idx, gates, w1, w2):
+            n, nh, dh = x.shape
+            _, ne, _, de = w1.shape
+            k = idx.shape[2]
+            pk = pack_torch(idx, ne, 16)  # groups padded to 16 rows (alignment of the grouped GEMM)
+            slot = pk.row_slot.long()
+            rows = x.reshape(n * nh, dh)[slot.clamp(min=0) // k] * (slot >= 0)[:, None].to(x.dtype)
+            offs = ((pk.group_block_start + pk.group_nblocks) * 16).to(torch.int32)
+            h = torch._grouped_mm(rows, w1.reshape(nh * ne, dh, de), offs=offs)
+            a = F.gelu(h.float(), approximate="tanh").to(x.dtype)
+            o = torch._grouped_mm(a, w2.reshape(nh * ne, de, dh), offs=offs)
+            per_slot = o[pk.slot_row.long()].view(n, nh, k, dh).float()
+            return torch.einsum("nhkd,nhk->nhd", per_slot, gates).to(x.dtype)
+    else:
+        raise ValueError(impl)
+    return ffn
+
+
+def time_torch(ffn, sets, backward: bool) -> float:
+    import torch
+    from triton.testing import do_bench
+
+    state = {"i": 0}
+
+    def run():
+        x, idx, g, w1, w2, wy = sets[state["i"] % len(sets)]
+        state["i"] += 1
+        if backward:
+            for t in (x, g, w1, w2):
+                t.grad = None
+            y = ffn(x, idx, g, w1, w2)
+            y.backward(wy)
+        else:
+            with torch.no_grad():
+                ffn(x, idx, g, w1, w2)
+
+    return float(do_bench(run, warmup=50, rep=300, return_mode="median"))
+
+
+def to_torch(arrs):
+    import torch  # noqa: F401
+
+    out = []
+    for i, a in enumerate(arrs):
+        t = torch.from_dlpack(a).clone()
+        if i in (0, 2, 3, 4):
+            t.requires_grad_()
+        out.append(t)
+    x, idx, g, w1, w2, wy = out
+    return x, idx.long(), g, w1, w2, wy
+
+
+# -------------------------------------------------------------------------------------------- main
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 81920])
+    ap.add_argument("--de", type=int, nargs="+", default=[128, 256, 512])
+    ap.add_argument("--ne", type=int, nargs="+", default=[64, 256, 1024, 1536])
+    ap.add_argument("--impls", nargs="+", default=["ours", "ours_torch", "grouped_mm", "ragged_mgpu", "flex"])
+    ap.add_argument("--flex-max-compiles", type=int, default=8, help="skip flex after this many shapes")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    os.environ["TRITON_CACHE_DIR"] = os.environ.get("MHL_TRITON_CACHE") or tempfile.mkdtemp()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else jax.devices()[0].device_kind
+    date = datetime.date.today().isoformat()
+    rows, flex_done = [], 0
+    outf = open(args.out, "a") if args.out else None
+    for tokens in args.tokens:
+        for de in args.de:
+            for ne in args.ne:
+                n_sets = 2 if tokens * NH * DH * 2 + 2 * NH * ne * DH * de * 2 < 200e6 else 1
+                sets = [make_inputs(s, tokens, ne, de) for s in range(n_sets)]
+                f = flops_fwd(tokens, NH, K, DH, de)
+                params = dict(tokens=tokens, nh=NH, dh=DH, k=K, ne=ne, de=de)
+                for impl in args.impls:
+                    if impl == "flex" and flex_done >= args.flex_max_compiles:
+                        continue
+                    rec = dict(bench="experts", impl=impl, device=device, date=date, params=params)
+                    try:
+                        t0 = time.perf_counter()
+                        if impl in ("ours", "ragged_mgpu"):
+                            fwd, fb = ours_jax() if impl == "ours" else ragged_mgpu()
+                            rec["ms_fwd"] = time_jax(fwd, sets)
+                            rec["ms"] = time_jax(fb, sets)
+                        else:
+                            ffn = torch_fns(impl)
+                            tsets = [to_torch(s) for s in sets]
+                            rec["ms_fwd"] = time_torch(ffn, tsets, False)
+                            rec["ms"] = time_torch(ffn, tsets, True)
+                            del tsets
+                            flex_done += impl == "flex"
+                        rec["ms_bwd"] = rec["ms"] - rec["ms_fwd"]
+                        rec["tflops"] = 3 * f / rec["ms"] / 1e9
+                        rec["tflops_fwd"] = f / rec["ms_fwd"] / 1e9
+                        rec["wall_s"] = round(time.perf_counter() - t0, 1)
+                    except Exception as e:  # a baseline that cannot run this shape is recorded, not fatal
+                        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                        traceback.print_exc(limit=2)
+                    print(json.dumps(rec), flush=True)
+                    if outf:
+                        outf.write(json.dumps(rec) + "\n")
+                        outf.flush()
+                    rows.append(rec)
+                del sets
+    print(f"\n{'tokens':>6} {'de':>4} {'ne':>5} " + " ".join(f"{i:>18}" for i in args.impls))
+    keys = sorted({(r["params"]["tokens"], r["params"]["de"], r["params"]["ne"]) for r in rows})
+    for key in keys:
+        cells = []
+        for impl in args.impls:
+            r = [r for r in rows if r["impl"] == impl and (r["params"]["tokens"], r["params"]["de"],
+                                                            r["params"]["ne"]) == key]
+            cells.append(f"{r[0]['ms_fwd']:7.3f}/{r[0]['ms']:8.3f}" if r and "ms" in r[0] else f"{'-':>16}")
+        print(f"{key[0]:>6} {key[1]:>4} {key[2]:>5} " + " ".join(f"{c:>18}" for c in cells))
+    print("(ms fwd / fwd+bwd, median)")
+
+
+if __name__ == "__main__":
+    main()
