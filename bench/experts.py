@@ -164,10 +164,19 @@ def torch_fns(impl: str):
             pk = pack_torch(idx, ne, 16)  # groups padded to 16 rows (alignment of the grouped GEMM)
             slot = pk.row_slot.long()
             rows = x.reshape(n * nh, dh)[slot.clamp(min=0) // k] * (slot >= 0)[:, None].to(x.dtype)
-            offs = ((pk.group_block_start + pk.group_nblocks) * 16).to(torch.int32)
-            h = torch._grouped_mm(rows, w1.reshape(nh * ne, dh, de), offs=offs)
-            a = F.gelu(h.float(), approximate="tanh").to(x.dtype)
-            o = torch._grouped_mm(a, w2.reshape(nh * ne, de, dh), offs=offs)
+            ends = ((pk.group_block_start + pk.group_nblocks) * 16).to(torch.int32)
+            w1g, w2g = w1.reshape(nh * ne, dh, de), w2.reshape(nh * ne, de, dh)
+            outs, g_count = [], nh * ne
+            # torch._grouped_mm takes at most 1024 groups per call: chunk the groups (host sync per chunk)
+            bounds = [0] + ends[1023:g_count - 1:1024].tolist() + [int(ends[-1])]
+            for c, g0 in enumerate(range(0, g_count, 1024)):
+                g1 = min(g0 + 1024, g_count)
+                r0, r1 = bounds[c], bounds[c + 1]
+                offs = ends[g0:g1] - r0
+                h = torch._grouped_mm(rows[r0:r1], w1g[g0:g1], offs=offs)
+                a = F.gelu(h.float(), approximate="tanh").to(x.dtype)
+                outs.append(torch._grouped_mm(a, w2g[g0:g1], offs=offs))
+            o = torch.cat(outs + [rows.new_zeros(rows.shape[0] - bounds[-1], dh)])
             per_slot = o[pk.slot_row.long()].view(n, nh, k, dh).float()
             return torch.einsum("nhkd,nhk->nhd", per_slot, gates).to(x.dtype)
     else:
@@ -209,6 +218,71 @@ def to_torch(arrs):
     return x, idx.long(), g, w1, w2, wy
 
 
+# ------------------------------------------------------------------------------------------- sweep
+
+SWEEP_TILES = {
+    "fwd": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3)],
+    "dx": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3)],
+    "dw": [(64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 2),
+           (64, 64, 4, 3)],
+}
+
+
+def sweep(tokens: int, ne: int, de: int, pack_block: int, device: str, date: str, outf) -> None:
+    """Time each kernel alone (torch launcher) over SWEEP_TILES; prints one JSON line per tile."""
+    import torch
+    from triton.testing import do_bench
+
+    from kernels.experts import ExpertsConfig, Tile
+    from kernels.torch_experts import experts_bwd, experts_fwd, pack_torch
+
+    x, idx, g, w1, w2, wy = (torch.from_dlpack(a).clone() for a in make_inputs(0, tokens, ne, de))
+    pk = pack_torch(idx.long(), ne, pack_block)
+    xs, dys, gf = x.reshape(-1, DH), wy.reshape(-1, DH), g.reshape(-1).float()
+    w1g, w2g = w1.reshape(-1, DH, de), w2.reshape(-1, de, DH)
+    for kind, tiles in SWEEP_TILES.items():
+        for t in tiles:
+            tile = Tile(*t)
+            if tile.block_m > pack_block or tile.block_e > de:
+                continue
+            big = Tile(pack_block, 64, 4, 2)  # unused kernels' tiles
+            try:
+                if kind == "fwd":
+                    cfg = ExpertsConfig(pack_block, tile, big, big)
+                    fn = lambda cfg=cfg: experts_fwd(xs, pk.row_slot, pk.block_group, w1g, w2g, K, cfg)  # noqa: E731
+                elif kind == "dx":  # dx kernel + a cheap dw launch cannot be separated: time dx via dw fused off
+                    cfg = ExpertsConfig(pack_block, big, tile, Tile(min(64, pack_block), min(64, de // 2), 4, 2))
+                    fn = lambda cfg=cfg: experts_bwd(xs, dys, gf, pk, w1g, w2g, K, cfg)  # noqa: E731
+                else:
+                    cfg = ExpertsConfig(pack_block, big, Tile(pack_block, 64, 4, 2), tile)
+                    fn = lambda cfg=cfg: experts_bwd(xs, dys, gf, pk, w1g, w2g, K, cfg)  # noqa: E731
+                ms = float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
+                rec = dict(bench="experts_sweep", kernel=kind, device=device, date=date,
+                           params=dict(tokens=tokens, ne=ne, de=de, pack_block=pack_block, tile=list(t),
+                                       fused_dx=kind == "dw" and tile.block_e == de), ms=ms)
+            except Exception as e:
+                rec = dict(bench="experts_sweep", kernel=kind, params=dict(tile=list(t)), error=str(e)[:200])
+            print(json.dumps(rec), flush=True)
+            if outf:
+                outf.write(json.dumps(rec) + "\n")
+
+
+def run_isolated(impl: str, tokens: int, de: int, ne: int, out: str | None) -> dict:
+    """Run one (impl, shape) in a child process: a Mosaic-GPU compiler crash aborts the process."""
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--tokens", str(tokens), "--de", str(de), "--ne", str(ne),
+           "--impls", impl, "--inproc"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        return dict(error="child timed out (90 s)")
+    for line in p.stdout.splitlines():
+        if line.startswith("{"):
+            return json.loads(line)
+    return dict(error=f"child exited {p.returncode}: {p.stderr.strip().splitlines()[-1:] if p.stderr else ''}")
+
+
 # -------------------------------------------------------------------------------------------- main
 
 def main() -> None:
@@ -219,15 +293,28 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=["ours", "ours_torch", "grouped_mm", "ragged_mgpu", "flex"])
     ap.add_argument("--flex-max-compiles", type=int, default=8, help="skip flex after this many shapes")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--inproc", action="store_true", help="run ragged_mgpu in this process")
+    ap.add_argument("--sweep", action="store_true", help="time each kernel over SWEEP_TILES and exit")
+    ap.add_argument("--pack-block", type=int, default=128)
     args = ap.parse_args()
 
     import torch
 
+    try:
+        import jax_triton  # noqa: F401  (blanks TRITON_CACHE_DIR at import: set it after)
+    except ImportError:
+        pass
     os.environ["TRITON_CACHE_DIR"] = os.environ.get("MHL_TRITON_CACHE") or tempfile.mkdtemp()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()
     rows, flex_done = [], 0
     outf = open(args.out, "a") if args.out else None
+    if args.sweep:
+        for tokens in args.tokens:
+            for de in args.de:
+                for ne in args.ne:
+                    sweep(tokens, ne, de, args.pack_block, device, date, outf)
+        return
     for tokens in args.tokens:
         for de in args.de:
             for ne in args.ne:
@@ -241,7 +328,12 @@ def main() -> None:
                     rec = dict(bench="experts", impl=impl, device=device, date=date, params=params)
                     try:
                         t0 = time.perf_counter()
-                        if impl in ("ours", "ragged_mgpu"):
+                        if impl == "ragged_mgpu" and not args.inproc:
+                            rec.update({k: v for k, v in run_isolated(impl, tokens, de, ne, None).items()
+                                        if k not in rec})
+                            if "error" in rec:
+                                raise RuntimeError(rec.pop("error"))
+                        elif impl in ("ours", "ragged_mgpu"):
                             fwd, fb = ours_jax() if impl == "ours" else ragged_mgpu()
                             rec["ms_fwd"] = time_jax(fwd, sets)
                             rec["ms"] = time_jax(fb, sets)

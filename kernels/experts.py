@@ -237,12 +237,14 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int) -> Experts
     tiles that keep the accumulators in registers on Hopper (tuned in bench/NOTES.md)."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
-    bm = min(pack, 128)
+    if pack >= 128:  # measured on H100 at 81920 tokens, Ne 384, de 256 (bench/NOTES.md)
+        return ExpertsConfig(pack, Tile(128, 32, 4, 3), Tile(128, 32, 4, 3), Tile(128, 64, 8, 2)).fit(de)
+    bm = pack
     return ExpertsConfig(
         pack_block=pack,
-        fwd=Tile(bm, 64, 8 if bm >= 128 else 4, 2),
-        dx=Tile(bm, 64, 8 if bm >= 128 else 4, 2),
-        dw=Tile(min(pack, 64), 64, 8, 2),
+        fwd=Tile(bm, 64, 4, 3),
+        dx=Tile(bm, 64, 4, 3),
+        dw=Tile(bm, 64, 4, 3),
     ).fit(de)
 
 

@@ -53,6 +53,7 @@ class FFNConfig:
 
 @dataclass
 class ParallelConfig:
+    devices: int = -1  # devices to use: -1 all visible, N the first N
     data: int = -1  # data-parallel size; -1 fills the devices left after hp/ep
     hp: int = 1  # head-parallel size (mh_latent_moe only); must divide num_heads
     ep: int = 1  # expert-parallel size (moe, latent_moe only); must divide num_experts
@@ -95,6 +96,10 @@ class DataConfig:
     eval_every: int = 200  # validation every this many steps (and at the end); 0 disables
     worker_count: int = 0  # Grain worker processes (0: in-process)
     prefetch: int = 4  # batches to prefetch
+    hf_config: str = ""  # hf: dataset configuration name (e.g. "sample-10BT"); empty for none
+    val_fraction: float = 0.05  # builtin, and hf without val_path: tail fraction of tokens held out
+    verify_tokens: bool = True  # bin: check every shard's max token id < model.vocab_size when opened
+    read_threads: int = 4  # threads reading sequences in each process (Grain ReadOptions.num_threads)
 
 
 @dataclass
@@ -286,6 +291,7 @@ def validate(cfg: Config) -> None:
                  f"match the projection width ffn.latent_dim={f.latent_dim} (W_in: d -> Nh*dh)")
     _require(p.hp >= 1 and p.ep >= 1, f"parallel.hp={p.hp}, parallel.ep={p.ep}: must be >= 1")
     _require(p.data == -1 or p.data >= 1, f"parallel.data={p.data}: must be -1 (auto) or >= 1")
+    _require(p.devices == -1 or p.devices >= 1, f"parallel.devices={p.devices}: must be -1 (all) or >= 1")
     if p.hp > 1:
         _require(f.kind == "mh_latent_moe",
                  f"parallel.hp={p.hp} needs ffn.kind=mh_latent_moe (got {f.kind!r}); use parallel.ep")

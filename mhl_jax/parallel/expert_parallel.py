@@ -225,7 +225,9 @@ def ep_moe_local(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: 
     plan = make_plan(jnp.sum(counts, axis=2), me)
     cap = receive_capacity(n, heads, k, ne_local)
 
-    rows = jnp.take(x_expert.reshape(n * heads, c), order // k, axis=0)  # (M, c) k-duplicated
+    # k-duplicate by broadcast, then permute: the transposes are a fixed-order sum over k and a
+    # permutation, so the gradient needs no scatter-add over duplicate indices (deterministic on GPU)
+    rows = jnp.take(jnp.repeat(x_expert.reshape(n * heads, c), k, axis=0), order, axis=0)  # (M, c)
     recv = dispatch(rows, plan, cap, ep_impl, axis)  # (P * cap, c)
     group = received_groups(counts[:, me, :], recv_chunk_starts(plan, cap, ep_impl), peers * cap)
     ones = jnp.ones((peers * cap, 1, 1), jnp.float32)

@@ -29,14 +29,14 @@ from jax.sharding import PartitionSpec as P
 from mhl_jax.model.moe_core import moe_heads
 
 
-def _to_heads(x: jax.Array) -> jax.Array:
+def to_local_heads(x: jax.Array, axis: str = "hp") -> jax.Array:
     """(n, Nh, c) every head of the local tokens -> (P * n, Nh / P, c) local heads of the group's tokens."""
-    return lax.all_to_all(x, "hp", split_axis=1, concat_axis=0, tiled=True)
+    return lax.all_to_all(x, axis, split_axis=1, concat_axis=0, tiled=True)
 
 
-def _to_tokens(y: jax.Array) -> jax.Array:
-    """Inverse of `_to_heads`: (P * n, Nh / P, c) -> (n, Nh, c)."""
-    return lax.all_to_all(y, "hp", split_axis=0, concat_axis=1, tiled=True)
+def to_local_tokens(y: jax.Array, axis: str = "hp") -> jax.Array:
+    """Inverse of `to_local_heads`: (P * n, Nh / P, c) -> (n, Nh, c)."""
+    return lax.all_to_all(y, axis, split_axis=0, concat_axis=1, tiled=True)
 
 
 class HeadParallelMoE:
@@ -75,10 +75,10 @@ class HeadParallelMoE:
         impl = self.impl
 
         def local(xr, xe, w_r, bias, w1, w2):
-            xe_h = _to_heads(xe)
-            xr_h = xe_h if shared else _to_heads(xr)
+            xe_h = to_local_heads(xe)
+            xr_h = xe_h if shared else to_local_heads(xr)
             y, load = moe_heads(xr_h, xe_h, w_r, bias, w1, w2, k, impl)
-            return _to_tokens(y), lax.psum(load, "data")
+            return to_local_tokens(y), lax.psum(load, "data")
 
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok, head, head, head, head),
                            out_specs=(tok, head), check_vma=self.check_vma)

@@ -51,7 +51,13 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
     """('data', 'hp') mesh for mh_latent_moe, ('data', 'ep') otherwise, over `devices` (default: all).
 
     Raises ConfigError when the sizes do not fit the devices, the heads / experts or the batch."""
-    devices = list(jax.devices()) if devices is None else list(devices)
+    if devices is None:
+        devices = list(jax.devices())
+        want = cfg.parallel.devices
+        if want > len(devices):
+            raise ConfigError(f"parallel.devices={want} but only {len(devices)} devices are visible")
+        devices = devices if want == -1 else devices[:want]
+    devices = list(devices)
     shape = mesh_shape(cfg, len(devices))
     check_batch(cfg.train.global_batch, len(devices))
     return Mesh(np.asarray(devices).reshape(shape), ("data", model_axis(cfg)))

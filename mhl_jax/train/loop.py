@@ -14,6 +14,7 @@ import numpy as np
 import yaml
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from mhl_jax.config import Config, ConfigError, config_to_dict
@@ -89,7 +90,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     shardings = state_shardings(cfg, mesh, state)
     state = jax.device_put(state, shardings)
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
-    eval_sharding = NamedSharding(mesh, batch_spec(mesh)[1:])
+    eval_sharding = NamedSharding(mesh, P(*batch_spec(mesh)[1:]))
 
     loader = make_train_loader(cfg.data, seq_len=t, batch_size=cfg.train.global_batch, seed=cfg.train.seed,
                                vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),

@@ -55,12 +55,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
         grads = jax.tree.map(lambda g: g / accum, gsum)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {
+            **state,  # carried unchanged: the rng key data
             "params": optax.apply_updates(params, updates),
             "opt_state": opt_state,
             "biases": apply_balancing(biases, loads, gamma),
             "step": state["step"] + 1,
         }
-        metrics = {"loss": lsum / accum, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+        metrics = {"loss": lsum / accum, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
         for i, counts in loads.items():
             metrics[f"load_max/{i}"], metrics[f"load_min/{i}"] = load_stats(counts)
         return new_state, metrics

@@ -1,0 +1,297 @@
+"""IO-aware top-k router (paper section 3.3, Algorithms 1 and 2), framework-free Triton kernels.
+
+Per head h, scores s = x W_r[h] (fp32); the selection is the top-k of (s + b[h]) and the outputs are
+the selected *raw* scores (bias added before the selection, removed after) and their expert indices.
+
+Layout (all contiguous, row-major; slot (n, h, j) = (n * H + h) * K + j):
+- x:     (N, H, DH)        bf16 (or fp32)
+- w:     (PARTS, H, DH, NE) the router weight, either fp32 (PARTS = 1) or split into PARTS bf16 terms
+         w = w[0] + w[1] + ... (`split_bf16`: hi, mid, lo); bf16 x times bf16 terms are exact products
+         on the tensor cores, so PARTS = 3 ("bf16x3") recovers all 24 bits of the fp32 weight.
+- bias:  (H, NE)            fp32 (no gradient)
+- vals:  (N, H, K)          fp32 raw scores of the selected experts, by decreasing biased score
+- idx:   (N, H, K)          int32 expert indices; ties go to the lower index (as jax.lax.top_k)
+
+Forward (`router_fwd_kernel`, grid (cdiv(N, BLOCK_N), H)): the X block stays on chip; W_r streams
+through in BLOCK_E expert blocks; biased scores become order-preserving uint64 keys
+(fp32 key << 32 | (NE - e)): one integer compare orders by score, then by lower index; a block top-KP
+(SELECT 0: bitonic `tl.topk` over the packed block, as the paper; SELECT 1: fp32 scores
+above the running K-th, then at most K rounds of row max, packing only the winners) is merged into the running
+top-KP (max against the flipped list, then a KP-wide sort). Only (N, H, K) values and indices are
+written: HBM traffic O(N k + params), independent of NE.
+
+Backward (Alg. 2 without float atomics, so dW_r is bitwise reproducible):
+- `router_bwd_dx_kernel`, grid (cdiv(N, BLOCK_N), H): dx[n, h] = sum_j dv[n, h, j] W_r^T[h, idx_j]
+  (k gathered rows of W_r^T (H, NE, DH) fp32, fixed order j = 0..K-1): O(k) per token.
+- `router_bwd_dw_partial_kernel`, grid (NB,): slots sorted per head by expert (stable; the caller
+  sorts) are cut into blocks of at most CB slots of one (head, expert) group; each block sums
+  dv * x over its slots in order into one fp32 partial row (NB, DHP).
+- `router_bwd_dw_reduce_kernel`, grid (cdiv(NE, BLOCK_E), H): dW_r[h, :, e] = sum of group (h, e)'s
+  partial rows, in block order. Work O(N k DH + H NE DH); skewed routing spreads over many blocks.
+
+Parameters follow jax-triton's binding order: inputs, then one pointer per output, then constexprs.
+Under TRITON_INTERPRET=1 pass UPCAST=True: bf16 arithmetic is broken in the interpreter, so every
+operand is upcast right after its load (bf16 x bf16 products are exact in fp32: same function).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+PRECISIONS = ("bf16x3", "bf16x2", "bf16", "ieee", "tf32x3", "tf32")
+"""Dot precisions of the forward. bf16xP: W_r split into P bf16 terms (x must be bf16-exact);
+ieee / tf32x3 / tf32: tl.dot on fp32 operands with that input_precision."""
+
+
+def weight_parts(precision: str) -> int:
+    """Number of bf16 terms W_r is split into (1 for the fp32 precisions, which take W_r as is)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"router precision={precision!r}, expected one of {PRECISIONS}")
+    return {"bf16x3": 3, "bf16x2": 2, "bf16": 1}.get(precision, 1)
+
+
+def next_pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+class RouterTiles(NamedTuple):
+    """Tile sizes and launch settings; `router_tiles` picks the defaults."""
+
+    block_n: int = 64  # forward: tokens per program
+    block_e: int = 128  # forward: experts per streamed W_r block (power of 2, >= KP)
+    fwd_warps: int = 4
+    fwd_stages: int = 3
+    select: int = 0  # forward block selection: 0 bitonic tl.topk, 1 KP rounds of row max + threshold
+    dx_block_n: int = 64  # backward dX: tokens per program
+    dx_warps: int = 4
+    dw_block: int = 512  # backward dW: max slots per partial block (CB)
+    dw_sub: int = 64  # backward dW: slots per loop step inside a block
+    dw_warps: int = 4
+    red_block_e: int = 32  # backward dW reduce: experts per program
+    red_warps: int = 4
+
+
+def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
+    """Default tiles for NE experts and top-k (BLOCK_E shrinks for small NE, grows to fit KP)."""
+    t = RouterTiles()._replace(**overrides)
+    kp = max(2, next_pow2(k))
+    be = max(16, kp, min(t.block_e, next_pow2(ne)))
+    return t._replace(block_e=be)
+
+
+def check_router_args(n: int, h: int, dh: int, ne: int, k: int, tiles: RouterTiles) -> None:
+    """Clear errors for shapes and tiles the kernels do not handle."""
+    if min(n, h, dh, ne) < 1:
+        raise ValueError(f"router: empty shape N={n}, H={h}, dh={dh}, Ne={ne}")
+    if not 1 <= k <= ne:
+        raise ValueError(f"router: k={k} must be in [1, Ne={ne}]")
+    kp = max(2, next_pow2(k))
+    for name in ("block_n", "block_e", "dx_block_n", "dw_sub", "red_block_e"):
+        v = getattr(tiles, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"router tiles: {name}={v} must be a power of 2 >= 16")
+    if tiles.block_e < kp:
+        raise ValueError(f"router tiles: block_e={tiles.block_e} must be >= next power of 2 of k ({kp})")
+    if tiles.dw_block % tiles.dw_sub:
+        raise ValueError(f"router tiles: dw_block={tiles.dw_block} must be a multiple of dw_sub={tiles.dw_sub}")
+    if ne >= 2**31 - 1 or n * h * max(dh, k) >= 2**31:
+        raise ValueError(f"router: sizes too large for int32 offsets (N={n}, H={h}, dh={dh}, Ne={ne}, k={k})")
+
+
+def dw_num_blocks(num_slots: int, num_groups: int, block: int) -> int:
+    """Static bound on the dW partial blocks: every non-empty group adds at most one partial block."""
+    return -(-num_slots // block) + min(num_groups, num_slots)
+
+
+# ---------------------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _float_key(s):
+    """fp32 -> uint32 whose unsigned order is the float order (negatives flipped, sign bit set)."""
+    i = s.to(tl.int32, bitcast=True)
+    i = i ^ ((i >> 31) & 0x7FFFFFFF)  # signed-int order == float order
+    return i.to(tl.uint32, bitcast=True) ^ 0x80000000
+
+
+@triton.jit
+def _key_float(u):
+    """Inverse of `_float_key`: uint32 -> fp32."""
+    i = (u ^ 0x80000000).to(tl.int32, bitcast=True)
+    i = i ^ ((i >> 31) & 0x7FFFFFFF)
+    return i.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack(sb, e, NE: tl.constexpr):
+    """Biased fp32 scores and expert indices (same shape) -> uint64 keys: (float key << 32) | (NE - e).
+    One unsigned compare orders by score, then by the lower index; every valid key is > 0."""
+    return (_float_key(sb).to(tl.uint64) << 32) | (NE - e).to(tl.uint64)
+
+
+@triton.jit
+def _select_block(sb, cols, run, NE: tl.constexpr, KP: tl.constexpr, K: tl.constexpr, SELECT: tl.constexpr):
+    """sb: (BN, BE) fp32 biased scores of experts `cols` (BE,); run: (BN, KP) uint64 running top-KP,
+    descending (0 = empty). Returns the top-KP of both, descending."""
+    kcol = tl.arange(0, KP)[None, :]
+    if SELECT == 0:
+        # paper Alg. 1: pack every score, bitonic top-KP of the block
+        p = _pack(sb, cols[None, :], NE)
+        p = tl.where(cols[None, :] < NE, p, tl.zeros_like(p))  # padding experts never win
+        cand = tl.topk(p, KP, dim=1)  # (BN, KP) descending
+    else:
+        # Only scores above the running K-th can enter (ties: the block's indices are all higher, so
+        # they lose). Take row maxima (lowest index among equals) until no row has a candidate left,
+        # at most K rounds; only the K winners per row are packed.
+        kth_key = tl.max(tl.where(kcol == K - 1, run, tl.zeros_like(run)), axis=1)
+        kth = tl.where(kth_key == 0, float("-inf"), _key_float((kth_key >> 32).to(tl.uint32)))
+        sv = tl.where((sb > kth[:, None]) & (cols[None, :] < NE), sb, float("-inf"))
+        cand = tl.zeros_like(run)
+        m = tl.max(sv, axis=1)
+        j = 0
+        while (j < K) & (tl.max(m, axis=0) > float("-inf")):
+            e = tl.min(tl.where(sv == m[:, None], cols[None, :], NE), axis=1)
+            key = _pack(m, e, NE)
+            key = tl.where(m > float("-inf"), key, tl.zeros_like(key))
+            cand = tl.where(kcol == j, key[:, None], cand)
+            sv = tl.where(cols[None, :] == e[:, None], float("-inf"), sv)
+            m = tl.max(sv, axis=1)
+            j += 1
+    # bitonic merge of two descending lists: the pairwise max against the reversed candidates holds
+    # the top-KP of the union; sort it back to descending order.
+    return tl.sort(tl.maximum(run, tl.flip(cand, 1)), dim=1, descending=True)
+
+
+@triton.jit
+def router_fwd_kernel(
+    x_ptr, w_ptr, b_ptr,  # inputs: x (N, H, DH), w (PARTS, H, DH, NE), bias (H, NE) fp32
+    vals_ptr, idx_ptr,  # outputs: (N, H, K) fp32, (N, H, K) int32
+    N: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, PARTS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, SELECT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    xrow = rows.to(tl.int64) * H + h  # (BLOCK_N,) row of x viewed as (N * H, DH)
+    offs_d = tl.arange(0, DHP)
+    dmask = offs_d < DH
+    x = tl.load(x_ptr + xrow[:, None] * DH + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    w_is_bf16: tl.constexpr = w_ptr.dtype.element_ty == tl.bfloat16
+    if UPCAST or not w_is_bf16:
+        x = x.to(tl.float32)
+    offs_e = tl.arange(0, BLOCK_E)
+    run = tl.zeros((BLOCK_N, KP), tl.uint64)
+    for e0 in range(0, NE, BLOCK_E):
+        cols = e0 + offs_e
+        cmask = cols < NE
+        s = tl.zeros((BLOCK_N, BLOCK_E), tl.float32)
+        for q in tl.static_range(PARTS):  # smallest term first
+            part = PARTS - 1 - q
+            w = tl.load(w_ptr + (part * H + h) * DH * NE + offs_d[:, None] * NE + cols[None, :],
+                        mask=dmask[:, None] & cmask[None, :], other=0.0)
+            if UPCAST:
+                s = tl.dot(x, w.to(tl.float32), s, input_precision="ieee")
+            elif w_is_bf16:
+                s = tl.dot(x, w, s)
+            else:
+                s = tl.dot(x, w, s, input_precision=PRECISION)
+        bias = tl.load(b_ptr + h * NE + cols, mask=cmask, other=0.0)
+        run = _select_block(s + bias[None, :], cols, run, NE, KP, K, SELECT)
+    e = NE - (run & 0xFFFFFFFF).to(tl.int32)
+    biased = _key_float((run >> 32).to(tl.uint32))
+    kcol = tl.arange(0, KP)
+    omask = rmask[:, None] & (kcol[None, :] < K)
+    b_sel = tl.load(b_ptr + h * NE + e, mask=omask & (e < NE), other=0.0)
+    out = xrow[:, None] * K + kcol[None, :]
+    tl.store(vals_ptr + out, biased - b_sel, mask=omask)
+    tl.store(idx_ptr + out, e, mask=omask)
+
+
+# --------------------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def router_bwd_dx_kernel(
+    idx_ptr, dv_ptr, wt_ptr,  # inputs: idx (N, H, K) int32, dvals (N, H, K) fp32, W_r^T (H, NE, DH) fp32
+    dx_ptr,  # output: (N, H, DH) in dx's dtype
+    N: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr,
+    K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    xrow = rows.to(tl.int64) * H + h
+    offs_d = tl.arange(0, DHP)
+    dmask = offs_d < DH
+    acc = tl.zeros((BLOCK_N, DHP), tl.float32)
+    for j in tl.static_range(K):  # fixed order: deterministic
+        e = tl.load(idx_ptr + xrow * K + j, mask=rmask, other=0)
+        g = tl.load(dv_ptr + xrow * K + j, mask=rmask, other=0.0)
+        wrow = (h * NE + e).to(tl.int64)
+        w = tl.load(wt_ptr + wrow[:, None] * DH + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+        acc += g[:, None] * w
+    tl.store(dx_ptr + xrow[:, None] * DH + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def router_bwd_dw_partial_kernel(
+    x_ptr, dv_ptr, order_ptr, block_group_ptr, group_start_ptr, group_bstart_ptr, group_size_ptr,  # inputs
+    part_ptr,  # output: (NB, DHP) fp32 partial sums
+    H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
+    CB: tl.constexpr, SUB: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """order: (H * N * K,) int32, per head the local slots n * K + j sorted by expert (stable);
+    block_group: (NB,) group h * NE + e of each block or -1; group_start (G,): first position of the
+    group in `order`; group_bstart (G,): its first block; group_size (G,): its slot count."""
+    b = tl.program_id(0)
+    g = tl.load(block_group_ptr + b)
+    offs_d = tl.arange(0, DHP)
+    dmask = offs_d < DH
+    if g >= 0:
+        h = g // NE
+        lb = b - tl.load(group_bstart_ptr + g)
+        pos0 = tl.load(group_start_ptr + g) + lb * CB
+        cnt = tl.minimum(tl.load(group_size_ptr + g) - lb * CB, CB)
+        acc = tl.zeros((SUB, DHP), tl.float32)
+        for i in range(0, cnt, SUB):
+            o = i + tl.arange(0, SUB)
+            m = o < cnt
+            slot = tl.load(order_ptr + pos0 + o, mask=m, other=0)
+            xrow = (slot // K).to(tl.int64) * H + h
+            gv = tl.load(dv_ptr + xrow * K + slot % K, mask=m, other=0.0)
+            xr = tl.load(x_ptr + xrow[:, None] * DH + offs_d[None, :], mask=m[:, None] & dmask[None, :], other=0.0)
+            acc += gv[:, None] * xr.to(tl.float32)
+        tl.store(part_ptr + b.to(tl.int64) * DHP + offs_d, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def router_bwd_dw_reduce_kernel(
+    part_ptr, group_bstart_ptr, group_nblk_ptr,  # inputs: (NB, DHP) fp32, (G,) int32, (G,) int32
+    dw_ptr,  # output: (H, DH, NE) fp32
+    DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pe = tl.program_id(0)
+    h = tl.program_id(1)
+    e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+    em = e < NE
+    bs = tl.load(group_bstart_ptr + h * NE + e, mask=em, other=0)
+    nb = tl.load(group_nblk_ptr + h * NE + e, mask=em, other=0)
+    offs_d = tl.arange(0, DHP)
+    dmask = offs_d < DH
+    acc = tl.zeros((BLOCK_E, DHP), tl.float32)
+    for i in range(0, tl.max(nb, axis=0)):  # each group's blocks in order: deterministic
+        m = em & (i < nb)
+        acc += tl.load(part_ptr + (bs + i).to(tl.int64)[:, None] * DHP + offs_d[None, :], mask=m[:, None], other=0.0)
+    out = dw_ptr + h * DH * NE + offs_d[:, None] * NE + e[None, :]
+    tl.store(out, tl.trans(acc), mask=dmask[:, None] & em[None, :])
+
+
+def fwd_grid(n: int, h: int, tiles: RouterTiles) -> tuple[int, int]:
+    return (triton.cdiv(n, tiles.block_n), h)

@@ -1,0 +1,124 @@
+"""Tokenizers: byte-level (always available) and GPT-2 through tiktoken (needs its cached files).
+
+Both turn a document into token ids; `encode_documents` concatenates documents, each one preceded
+by the end-of-text token (the modded-nanogpt / FineWeb convention), so EOT separates documents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+import numpy as np
+
+from mhl_jax.data.errors import DataError
+
+BYTE_EOT = 256  # end-of-text id of the byte tokenizer (ids 0..255 are the bytes themselves)
+BYTE_VOCAB = 257  # byte tokenizer vocabulary: 256 bytes + EOT (tiny configs pad it to 320)
+
+
+class Tokenizer(Protocol):
+    """What the data pipeline needs from a tokenizer."""
+
+    name: str
+    vocab_size: int  # ids are in [0, vocab_size)
+    eot: int  # end-of-text id, placed before every document
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of `text` (no EOT): (n,) int64."""
+        ...
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """`encode` of each text."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, EOT = 256."""
+
+    name = "byte"
+    vocab_size = BYTE_VOCAB
+    eot = BYTE_EOT
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Inverse of `encode` (EOT and ids >= 256 are dropped; invalid UTF-8 is replaced)."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class TiktokenTokenizer:
+    """A tiktoken encoding; special tokens in the text are encoded as ordinary text."""
+
+    def __init__(self, encoding, name: str) -> None:
+        self._enc = encoding
+        self.name = name
+        self.vocab_size = int(encoding.n_vocab)
+        self.eot = int(encoding.eot_token)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._enc.encode_ordinary(text), dtype=np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, dtype=np.int64) for ids in self._enc.encode_ordinary_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+def gpt2_tokenizer() -> TiktokenTokenizer:
+    """GPT-2's BPE (50257 ids, EOT 50256). tiktoken downloads its two files on first use and caches
+    them (TIKTOKEN_CACHE_DIR, else <tmp>/data-gym-cache); without network they must be cached."""
+    try:
+        import tiktoken
+    except ImportError as e:
+        raise DataError("tokenizer 'gpt2' needs the tiktoken package (pip install tiktoken)") from e
+    try:
+        enc = tiktoken.get_encoding("gpt2")
+    except Exception as e:  # requests/urllib errors when offline, OSError for unreadable caches
+        raise DataError(
+            "tokenizer 'gpt2': tiktoken could not load the GPT-2 encoding files (vocab.bpe, encoder.json). "
+            "They are downloaded on first use and cached; this machine has no network or no cached copy. "
+            "Copy a cache made elsewhere and point TIKTOKEN_CACHE_DIR at it, or use tokenizer 'byte'. "
+            f"Underlying error: {type(e).__name__}: {e}") from e
+    return TiktokenTokenizer(enc, "gpt2")
+
+
+def get_tokenizer(name: str) -> Tokenizer:
+    """'byte' or 'gpt2'; anything else is a DataError."""
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return gpt2_tokenizer()
+    raise DataError(f"tokenizer {name!r}: expected 'byte' or 'gpt2'")
+
+
+def iter_encoded(tokenizer: Tokenizer, docs: Iterable[str], batch: int = 256) -> Iterator[np.ndarray]:
+    """[EOT] + tokens(doc) for each document, in order: each (n_i + 1,) uint32."""
+    eot = np.array([tokenizer.eot], dtype=np.uint32)
+    pending: list[str] = []
+    for doc in docs:
+        pending.append(doc)
+        if len(pending) >= batch:
+            for ids in tokenizer.encode_batch(pending):
+                yield np.concatenate([eot, ids.astype(np.uint32)])
+            pending = []
+    for ids in tokenizer.encode_batch(pending) if pending else []:
+        yield np.concatenate([eot, ids.astype(np.uint32)])
+
+
+def encode_documents(tokenizer: Tokenizer, docs: Iterable[str], batch: int = 256) -> np.ndarray:
+    """Concatenate [EOT] + tokens(doc) for every document: (n,) uint32 (n may be 0)."""
+    parts = list(iter_encoded(tokenizer, docs, batch))
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """The model's embedding must cover every id the tokenizer can produce."""
+    if tokenizer.vocab_size > vocab_size:
+        raise DataError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids but model.vocab_size="
+                        f"{vocab_size}; model.vocab_size must be >= {tokenizer.vocab_size}")

@@ -1,0 +1,237 @@
+"""The IO-aware router on Triton (paper Alg. 1/2, kernels in `kernels/router.py`), bound into JAX with
+jax-triton under one `jax.custom_vjp`.
+
+    x (N, H, dh) bf16, w_r (H, dh, Ne) fp32, bias (H, Ne) fp32
+    -> values (N, H, k) fp32 (selected raw scores), indices (N, H, k) int32
+
+Same contract as `route_topk_reference` (selection = top-k of scores + bias, ties to the lower
+index; values are the raw scores; bias gets no gradient).
+
+forward   split W_r into bf16 terms (precision "bf16x3": exact products, fp32 accumulation) ->
+          one kernel streams W_r blocks and keeps a running top-k on chip; writes only (N, H, k).
+backward  dx: k gathered rows of W_r^T per token (fixed order). dW_r: slots sorted per head by expert
+          (one uint32 radix sort of (expert << bits | slot) keys), cut into blocks of one
+          (head, expert) each; a kernel sums each block in order, another sums each expert's blocks
+          in order. No float atomics anywhere: gradients are bitwise reproducible.
+
+Memory: O(N k + H Ne dh); nothing of size N x Ne exists. Works under jit and inside shard_map (use
+it there: under plain jit jax-triton gathers sharded inputs). `backend="emulate"` runs the same
+custom_vjp and metadata with pure-JAX stand-ins for the kernels, so the plumbing is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kernels.router import RouterTiles, check_router_args, dw_num_blocks, next_pow2, router_tiles, weight_parts
+from mhl_jax.ops.router import check_router_shapes, route_topk_reference
+
+
+class Static(NamedTuple):
+    k: int
+    precision: str  # see kernels.router.PRECISIONS
+    tiles: RouterTiles
+    backend: str  # "triton" | "emulate"
+    sort: str  # "packed" (uint32 keys, when they fit) | "argsort" (stable argsort)
+
+
+class DwMeta(NamedTuple):
+    """Expert-sorted slot layout for the dW kernels (all int32; G = H * Ne groups, NB blocks)."""
+
+    order: jax.Array  # (H * N * k,) per head, local slots n * k + j sorted by expert (stable)
+    block_group: jax.Array  # (NB,) group h * Ne + e of each block, -1 past the used blocks
+    group_start: jax.Array  # (G,) first position of the group in `order`
+    group_bstart: jax.Array  # (G,) first block of the group
+    group_size: jax.Array  # (G,) slots of the group (the expert load of that head)
+    group_nblk: jax.Array  # (G,) blocks of the group
+
+
+def split_bf16(w: jax.Array, parts: int) -> jax.Array:
+    """w fp32 (...) -> (parts, ...) bf16, w ~= sum of the parts (exact for parts=3, normal values).
+
+    The truncation is done on the bits, not through an f32 -> bf16 -> f32 round trip, which XLA may
+    fold away (xla_allow_excess_precision) and silently leave a zero residual."""
+    out, r = [], w.astype(jnp.float32)
+    for q in range(parts):
+        if q == parts - 1:
+            out.append(r.astype(jnp.bfloat16))
+            break
+        bits = jax.lax.bitcast_convert_type(r, jnp.uint32) & jnp.uint32(0xFFFF0000)
+        hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        out.append(hi.astype(jnp.bfloat16))
+        r = r - hi
+    return jnp.stack(out)
+
+
+def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "packed") -> DwMeta:
+    """idx (N, H, k) int32 -> DwMeta with blocks of at most `block` slots (static shapes)."""
+    n, h, k = idx.shape
+    mh = n * k
+    e = jnp.swapaxes(idx, 0, 1).reshape(h, mh).astype(jnp.int32)  # (H, N*k): local slot n * k + j
+    bits_m, bits_e = max(1, (mh - 1).bit_length()), max(1, (ne - 1).bit_length())
+    if sort == "packed" and bits_m + bits_e <= 32:
+        key = (e.astype(jnp.uint32) << bits_m) | jnp.arange(mh, dtype=jnp.uint32)[None]
+        sk = jnp.sort(key, axis=-1)  # keys are unique: plain sort == stable sort by expert
+        order = (sk & jnp.uint32((1 << bits_m) - 1)).astype(jnp.int32)
+        se = (sk >> bits_m).astype(jnp.int32)
+    elif sort in ("packed", "argsort"):
+        order = jnp.argsort(e, axis=-1, stable=True).astype(jnp.int32)
+        se = jnp.take_along_axis(e, order, axis=-1)
+    else:
+        raise ValueError(f"router sort={sort!r}, expected 'packed' or 'argsort'")
+    bounds = jax.vmap(lambda s: jnp.searchsorted(s, jnp.arange(ne + 1, dtype=jnp.int32), side="left"))(se)
+    bounds = bounds.astype(jnp.int32)  # (H, Ne + 1)
+    size = (bounds[:, 1:] - bounds[:, :-1]).reshape(-1)
+    start = (bounds[:, :-1] + jnp.arange(h, dtype=jnp.int32)[:, None] * mh).reshape(-1)
+    nblk = (size + block - 1) // block
+    cum = jnp.cumsum(nblk).astype(jnp.int32)
+    nb = dw_num_blocks(n * h * k, h * ne, block)
+    blocks = jnp.arange(nb, dtype=jnp.int32)
+    bg = jnp.searchsorted(cum, blocks, side="right").astype(jnp.int32)
+    bg = jnp.where(blocks < cum[-1], bg, -1)
+    return DwMeta(order.reshape(-1), bg, start, cum - nblk, size, nblk)
+
+
+def _dhp(dh: int) -> int:
+    return max(16, next_pow2(dh))
+
+
+# ----------------------------------------------------------------------------- kernel calls (Triton)
+
+def _fwd_triton(st: Static, x, w, bias):
+    import jax_triton as jt
+
+    from kernels.router import router_fwd_kernel
+
+    n, h, dh = x.shape
+    ne, t = w.shape[2], st.tiles
+    wp = split_bf16(w, weight_parts(st.precision)) if st.precision.startswith("bf16") else w[None]
+    return jt.triton_call(
+        x, wp, bias, kernel=router_fwd_kernel,
+        out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)],
+        grid=(-(-n // t.block_n), h), num_warps=t.fwd_warps, num_stages=t.fwd_stages,
+        N=n, H=h, DH=dh, DHP=_dhp(dh), NE=ne, K=st.k, KP=max(2, next_pow2(st.k)), PARTS=wp.shape[0],
+        PRECISION="ieee" if st.precision.startswith("bf16") else st.precision,
+        BLOCK_N=t.block_n, BLOCK_E=t.block_e, SELECT=t.select, UPCAST=False)
+
+
+def _dx_triton(st: Static, idx, dvals, wt, x_dtype):
+    import jax_triton as jt
+
+    from kernels.router import router_bwd_dx_kernel
+
+    n, h, k = idx.shape
+    _, ne, dh = wt.shape
+    t = st.tiles
+    return jt.triton_call(
+        idx, dvals, wt, kernel=router_bwd_dx_kernel, out_shape=jax.ShapeDtypeStruct((n, h, dh), x_dtype),
+        grid=(-(-n // t.dx_block_n), h), num_warps=t.dx_warps,
+        N=n, H=h, DH=dh, DHP=_dhp(dh), NE=ne, K=k, BLOCK_N=t.dx_block_n)
+
+
+def _dw_triton(st: Static, x, dvals, meta: DwMeta, ne: int):
+    import jax_triton as jt
+
+    from kernels.router import router_bwd_dw_partial_kernel, router_bwd_dw_reduce_kernel
+
+    n, h, dh = x.shape
+    t, nb, dhp = st.tiles, meta.block_group.shape[0], _dhp(dh)
+    part = jt.triton_call(
+        x, dvals, meta.order, meta.block_group, meta.group_start, meta.group_bstart, meta.group_size,
+        kernel=router_bwd_dw_partial_kernel, out_shape=jax.ShapeDtypeStruct((nb, dhp), jnp.float32),
+        grid=(nb,), num_warps=t.dw_warps,
+        H=h, DH=dh, DHP=dhp, NE=ne, K=st.k, CB=t.dw_block, SUB=t.dw_sub, UPCAST=False)
+    return jt.triton_call(
+        part, meta.group_bstart, meta.group_nblk, kernel=router_bwd_dw_reduce_kernel,
+        out_shape=jax.ShapeDtypeStruct((h, dh, ne), jnp.float32), grid=(-(-ne // t.red_block_e), h),
+        num_warps=t.red_warps, DH=dh, DHP=dhp, NE=ne, BLOCK_E=t.red_block_e)
+
+
+# ------------------------------------------------------------------- kernel stand-ins (pure JAX, CPU)
+
+def _fwd_emulate(st: Static, x, w, bias):
+    return route_topk_reference(x, w, bias, st.k)
+
+
+def _dx_emulate(st: Static, idx, dvals, wt, x_dtype):
+    rows = jnp.take_along_axis(wt[None], idx[..., None], axis=2)  # (N, H, k, dh)
+    return jnp.einsum("nhkd,nhk->nhd", rows, dvals, precision=jax.lax.Precision.HIGHEST).astype(x_dtype)
+
+
+def _dw_emulate(st: Static, x, dvals, meta: DwMeta, ne: int):
+    """Same blocks and metadata as the kernels, reduced with plain JAX ops."""
+    n, h, dh = x.shape
+    cb = st.tiles.dw_block
+    g = jnp.maximum(meta.block_group, 0)
+    lb = jnp.arange(meta.block_group.shape[0]) - meta.group_bstart[g]
+    cnt = jnp.minimum(meta.group_size[g] - lb * cb, cb)
+    o = jnp.arange(cb)[None]
+    valid = (o < cnt[:, None]) & (meta.block_group >= 0)[:, None]  # (NB, CB)
+    pos = jnp.where(valid, meta.group_start[g][:, None] + lb[:, None] * cb + o, 0)
+    slot = meta.order[pos]
+    xrow = (slot // st.k) * h + (g // ne)[:, None]
+    contrib = x.reshape(n * h, dh)[xrow].astype(jnp.float32) * dvals.reshape(-1)[xrow * st.k + slot % st.k][..., None]
+    part = jnp.where(valid[..., None], contrib, 0).sum(1)  # (NB, dh)
+    dw = jax.ops.segment_sum(part, jnp.where(meta.block_group >= 0, meta.block_group, h * ne), h * ne + 1)
+    return jnp.swapaxes(dw[:-1].reshape(h, ne, dh), 1, 2)
+
+
+# ------------------------------------------------------------------------------------ the custom_vjp
+
+def _forward(st: Static, x, w, bias):
+    fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
+    return fwd(st, x, w.astype(jnp.float32), bias.astype(jnp.float32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _route(st: Static, x, w, bias):
+    return _forward(st, x, w, bias)
+
+
+def _route_fwd(st: Static, x, w, bias):
+    vals, idx = _forward(st, x, w, bias)
+    return (vals, idx), (x, w, bias, idx)
+
+
+def _route_bwd(st: Static, res, cts):
+    x, w, bias, idx = res
+    dvals = cts[0].astype(jnp.float32)  # cts[1] is the (float0) cotangent of the indices
+    ne = w.shape[2]
+    wt = jnp.swapaxes(w.astype(jnp.float32), 1, 2)  # (H, Ne, dh): the gathered rows are contiguous
+    triton = st.backend == "triton"
+    dx = (_dx_triton if triton else _dx_emulate)(st, idx, dvals, wt, x.dtype)
+    meta = dw_metadata(idx, ne, st.tiles.dw_block, st.sort)
+    dw = (_dw_triton if triton else _dw_emulate)(st, x, dvals, meta, ne)
+    return dx, dw.astype(w.dtype), jnp.zeros_like(bias)
+
+
+_route.defvjp(_route_fwd, _route_bwd)
+
+
+def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, precision: str | None = None,
+                      tiles: RouterTiles | None = None, backend: str = "triton",
+                      sort: str = "packed") -> tuple[jax.Array, jax.Array]:
+    """x: (N, H, dh) bf16 (fp32 allowed: then precision defaults to "ieee"); w_r: (H, dh, Ne) fp32;
+    bias: (H, Ne) fp32 (no gradient).
+
+    Returns values (N, H, k) fp32 (selected raw scores) and indices (N, H, k) int32, ordered by
+    decreasing biased score, ties to the lower expert index. `precision` (default "bf16x3" for bf16 x)
+    is one of kernels.router.PRECISIONS; `tiles` overrides the kernel tiles; `backend="emulate"` swaps
+    the kernels for pure-JAX stand-ins (CPU tests of the plumbing)."""
+    check_router_shapes(x, w_r, bias, k)
+    n, h, dh = x.shape
+    ne = w_r.shape[2]
+    if backend not in ("triton", "emulate"):
+        raise ValueError(f"route_topk_triton: backend={backend!r}, expected 'triton' or 'emulate'")
+    if precision is None:
+        precision = "bf16x3" if x.dtype == jnp.bfloat16 else "ieee"
+    weight_parts(precision)  # validates the name
+    if precision.startswith("bf16") and x.dtype != jnp.bfloat16:
+        raise ValueError(f"route_topk_triton: precision {precision!r} needs bf16 x (exact products), got {x.dtype}")
+    tiles = tiles or router_tiles(ne, k)
+    check_router_args(n, h, dh, ne, k, tiles)
+    return _route(Static(k, precision, tiles, backend, sort), x, w_r, bias)

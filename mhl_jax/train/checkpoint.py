@@ -1,0 +1,251 @@
+"""Checkpoints: Orbax `CheckpointManager` holding the training state, the Grain iterator position
+and a fingerprint of the model config.
+
+One checkpoint is a step directory `<directory>/<step>/` with three Orbax items:
+- `state`: the training state pytree (params, optimizer state, balancing biases, step, RNG key
+  data, ...) stored as a nested dict named by the pytree paths, so any pytree of jax/numpy arrays
+  round-trips bitwise (dtype and values) into the structure of a template;
+- `meta`: JSON with the step, the fingerprint (model + FFN config) and the table of leaves, checked
+  before any array is read, so a checkpoint of another model fails with the keys that differ;
+- `data`: the Grain iterator state (`grain.checkpoint.CheckpointSave/CheckpointRestore`, one JSON
+  file per JAX process, so restore needs the same process count).
+Orbax writes each checkpoint into a temporary directory and renames it when complete, so a process
+killed in the middle of a save leaves the previous checkpoint as the latest one; leftover temporary
+directories are removed when the next `Checkpointer` opens the directory. With `async_save`, arrays
+are copied to host memory before `save` returns (donating them afterwards is safe) and written in
+the background; the iterator state is captured synchronously.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from mhl_jax.config import CheckpointConfig
+
+PyTree = Any
+STATE, META, DATA = "state", "meta", "data"
+FORMAT = 1  # version of the layout above
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, malformed, or was written by a different model or state layout."""
+
+
+# ----------------------------------------------------------------------------- pytree <-> nested dict
+
+
+def _key_name(entry: Any) -> str:
+    for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _is_prng_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _named_leaves(tree: PyTree) -> tuple[list[tuple[tuple[str, ...], Any]], Any]:
+    """[(path names, leaf)] in flattening order, and the treedef."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    named = [(tuple(_key_name(e) for e in path) or ("_",), leaf) for path, leaf in flat]
+    if len({names for names, _ in named}) != len(named):
+        raise CheckpointError("two leaves of the state have the same path names; use distinct dict keys")
+    return named, treedef
+
+
+def _nest(named: list[tuple[tuple[str, ...], Any]]) -> dict:
+    root: dict = {}
+    for names, value in named:
+        node = root
+        for n in names[:-1]:
+            node = node.setdefault(n, {})
+        node[names[-1]] = value
+    return root
+
+
+def _lookup(tree: dict, names: tuple[str, ...]) -> Any:
+    for n in names:
+        tree = tree[n]
+    return tree
+
+
+def _storable(leaf: Any) -> Any:
+    """The array actually written: key data for typed PRNG keys, numpy for host scalars."""
+    if _is_prng_key(leaf):
+        return jax.random.key_data(leaf)
+    if isinstance(leaf, jax.Array):
+        return leaf
+    return np.asarray(leaf)
+
+
+def _abstract(leaf: Any) -> Any:
+    """What Orbax restores a template leaf as: a sharded jax.Array or a numpy array."""
+    if _is_prng_key(leaf):
+        leaf = jax.eval_shape(jax.random.key_data, leaf)
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    return np.zeros_like(np.asarray(leaf))
+
+
+def _describe(leaf: Any) -> list:
+    x = _storable(leaf) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf
+    if _is_prng_key(leaf):
+        x = jax.eval_shape(jax.random.key_data, leaf)
+    return [list(x.shape), str(np.dtype(x.dtype))]
+
+
+def _flat_dict(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat_dict(v, f"{prefix}{k}."))
+    return out
+
+
+# ----------------------------------------------------------------------------- the checkpointer
+
+
+class Checkpointer:
+    """Save and restore (state pytree, Grain iterator) under `directory`, keeping the last `cfg.keep`.
+
+    `fingerprint`: a JSON-able dict (the model and FFN config) stored with every checkpoint;
+    restoring a checkpoint whose fingerprint differs raises CheckpointError naming the keys.
+    """
+
+    def __init__(self, directory: str | Path, cfg: CheckpointConfig, fingerprint: dict) -> None:
+        if cfg.keep < 1:
+            raise CheckpointError(f"checkpoint.keep={cfg.keep}: must be >= 1")
+        self.directory = Path(directory).expanduser().absolute()
+        self.cfg = cfg
+        try:
+            self.fingerprint = json.loads(json.dumps(fingerprint))  # as it will read back
+        except TypeError as e:
+            raise CheckpointError(f"the checkpoint fingerprint must be JSON-able: {e}") from e
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
+                                               create=True, cleanup_tmp_directories=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None when there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints kept, ascending."""
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: PyTree, data_iter: Any = None) -> None:
+        """Write checkpoint `step` of `state` (any pytree of jax/numpy arrays, typed PRNG keys
+        included) and the position of `data_iter` (a Grain DatasetIterator; None: no data item).
+        Returns once the arrays are on the host when async (call `wait()` to wait for the files)."""
+        named, _ = _named_leaves(state)
+        meta = {"format": FORMAT, "step": int(step), "fingerprint": self.fingerprint,
+                "leaves": [[list(names), *_describe(leaf)] for names, leaf in named]}
+        items = {STATE: ocp.args.StandardSave(_nest([(n, _storable(leaf)) for n, leaf in named])),
+                 META: ocp.args.JsonSave(meta)}
+        if data_iter is not None:
+            items[DATA] = grain.checkpoint.CheckpointSave(data_iter)
+        if not self._manager.save(int(step), args=ocp.args.Composite(**items)):
+            raise CheckpointError(f"Orbax declined to save step {step} into {str(self.directory)!r} "
+                                  f"(existing steps: {self.all_steps()})")
+
+    def wait(self) -> None:
+        """Block until background writes are finished and committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for writes and release Orbax's resources."""
+        self._manager.close()
+
+    def _locate(self, step: int | None, path: str | Path | None) -> tuple[Path, int]:
+        """(directory of step directories, step) to restore."""
+        if path is None:
+            if step is None:
+                step = self.latest_step()
+                if step is None:
+                    raise CheckpointError(f"no complete checkpoint in {str(self.directory)!r}")
+            elif step not in self.all_steps():
+                raise CheckpointError(f"no checkpoint of step {step} in {str(self.directory)!r}; "
+                                      f"steps there: {self.all_steps()}")
+            return self.directory, int(step)
+        p = Path(path).expanduser().absolute()
+        if not p.is_dir():
+            raise CheckpointError(f"checkpoint path {str(path)!r} does not exist (or is not a directory)")
+        if (p / META).is_dir() and (p / STATE).is_dir():
+            if not p.name.isdigit():
+                raise CheckpointError(f"checkpoint path {str(path)!r}: a step directory must be named by its step")
+            if step is not None and step != int(p.name):
+                raise CheckpointError(f"checkpoint path {str(path)!r} is step {p.name}, not step={step}")
+            return p.parent, int(p.name)
+        steps = sorted(int(c.name) for c in p.iterdir()
+                       if c.name.isdigit() and (c / META).is_dir() and (c / STATE).is_dir())
+        if not steps:
+            raise CheckpointError(f"checkpoint path {str(path)!r} is not a checkpoint: expected a step directory "
+                                  f"holding {STATE}/ and {META}/, or a directory of such step directories")
+        if step is None:
+            return p, steps[-1]
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint of step {step} in {str(path)!r}; steps there: {steps}")
+        return p, int(step)
+
+    def _check_meta(self, meta: dict, named: list[tuple[tuple[str, ...], Any]], where: str) -> None:
+        if meta.get("format") != FORMAT:
+            raise CheckpointError(f"checkpoint {where}: layout version {meta.get('format')!r}, expected {FORMAT}")
+        theirs, ours = _flat_dict(meta.get("fingerprint", {})), _flat_dict(self.fingerprint)
+        diff = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k, "<absent>") != ours.get(k, "<absent>")]
+        if diff:
+            lines = "; ".join(f"{k}: checkpoint {theirs.get(k, '<absent>')!r}, this run {ours.get(k, '<absent>')!r}"
+                              for k in diff)
+            raise CheckpointError(f"checkpoint {where} was written by a different model config ({lines})")
+        saved = {tuple(names): (shape, dtype) for names, shape, dtype in meta["leaves"]}
+        wanted = {names: tuple(_describe(leaf)) for names, leaf in named}
+        missing = [n for n in wanted if n not in saved]
+        extra = [n for n in saved if n not in wanted]
+        if missing or extra:
+            show = lambda ns: ", ".join("/".join(n) for n in ns[:4]) + (" ..." if len(ns) > 4 else "")
+            raise CheckpointError(f"checkpoint {where} holds a different state layout: "
+                                  f"{len(missing)} leaves missing from it ({show(missing)}), "
+                                  f"{len(extra)} not in this run ({show(extra)})")
+        for names, (shape, dtype) in wanted.items():
+            if [list(saved[names][0]), saved[names][1]] != [shape, dtype]:
+                raise CheckpointError(f"checkpoint {where}: leaf {'/'.join(names)} is {saved[names][1]}"
+                                      f"{tuple(saved[names][0])}, this run expects {dtype}{tuple(shape)}")
+
+    def restore(self, state_template: PyTree, data_iter: Any = None, step: int | None = None,
+                path: str | Path | None = None) -> tuple[int, PyTree]:
+        """Restore (step, state) with the structure, dtypes and shardings of `state_template`.
+
+        `step`: that step of this directory (default: the latest). `path`: an explicit checkpoint
+        instead, either a step directory or a directory of them (then its latest). `data_iter`: a
+        Grain DatasetIterator built like the saved one; its position is set in place (None: skip).
+        """
+        self.wait()
+        directory, step = self._locate(step, path)
+        where = str(directory / str(step))
+        named, treedef = _named_leaves(state_template)
+        meta_args = ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+        meta = self._manager.restore(step, directory=directory, args=meta_args)
+        self._check_meta(meta[META], named, where)
+        items = {STATE: ocp.args.StandardRestore(_nest([(n, _abstract(leaf)) for n, leaf in named]))}
+        if data_iter is not None:
+            if not (directory / str(step) / DATA).is_dir():
+                raise CheckpointError(f"checkpoint {where} holds no data-iterator state; it cannot resume the input "
+                                      "pipeline (pass data_iter=None to restore the arrays only)")
+            items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
+        restored = self._manager.restore(step, directory=directory, args=ocp.args.Composite(**items))[STATE]
+        leaves = []
+        for names, leaf in named:
+            value = _lookup(restored, names)
+            if _is_prng_key(leaf):
+                value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf))
+            leaves.append(value)
+        return int(meta[META]["step"]), jax.tree_util.tree_unflatten(treedef, leaves)

@@ -1,0 +1,427 @@
+"""Router kernels (kernels/router.py) and their bindings (kernels/torch_router.py, mhl_jax/ops/router_triton.py).
+
+CPU: the Triton kernels under the interpreter against a float64 numpy reference: indices equal except
+near ties (and exact ties go to the lower index), values and gradients within fp32 tolerance; N not a
+multiple of the token block, Ne not a multiple of the expert block, dh not a power of 2, k = 2..8,
+skewed routing over many dW blocks, clear errors. The JAX binding's metadata and custom_vjp run on
+CPU with pure-JAX kernel stand-ins (backend="emulate").
+GPU (marker gpu, MHL_TEST_GPU=1): the JAX-Triton path against the pure-JAX reference on fresh random
+inputs, gradients bitwise identical across runs, shard_map, the torch launch bitwise equal to JAX's.
+"""
+
+import importlib
+import os
+
+if os.environ.get("MHL_TEST_GPU") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import kernels.router as kr  # noqa: E402
+import kernels.torch_router as ktr  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET and type(kr.router_fwd_kernel).__name__ != "InterpretedFunction":
+    # another test module of this process imported the kernels compiled: decorate them again
+    kr = importlib.reload(kr)
+    ktr = importlib.reload(ktr)
+
+interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (CPU)")
+
+
+# ------------------------------------------------------------------------------ float64 references
+
+def _inputs(seed, n, h, dh, ne, bias_scale=0.1):
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((n, h, dh), dtype=np.float32)).to(torch.bfloat16)
+    w = torch.from_numpy(rng.standard_normal((h, dh, ne), dtype=np.float32) / np.sqrt(dh))
+    b = torch.from_numpy(bias_scale * rng.standard_normal((h, ne), dtype=np.float32))
+    return x, w, b
+
+
+def _scores64(x, w):
+    return np.einsum("nhd,hde->nhe", x.double().numpy(), w.double().numpy())
+
+
+def check_topk(idx, vals, s64, b64, k, tol=2e-6, max_mismatch=0.01):
+    """idx (N, H, k), vals (N, H, k) against float64 scores s64 (N, H, Ne) and bias b64 (H, Ne).
+
+    The chosen biased scores must be the k largest order statistics (within tol x scale: near ties may
+    swap); the indices must equal the exact (stable) top-k except on such near ties; the values must be
+    the raw scores of the chosen experts."""
+    idx, vals = np.asarray(idx).astype(np.int64), np.asarray(vals, np.float64)
+    biased = s64 + b64[None]
+    scale = np.abs(biased).max(-1, keepdims=True) + np.abs(s64).max(-1, keepdims=True)
+    assert idx.shape == s64.shape[:2] + (k,)
+    assert (idx >= 0).all() and (idx < s64.shape[2]).all()
+    srt = np.sort(idx, -1)
+    assert (np.diff(srt, axis=-1) > 0).all(), "repeated expert in one row"
+    top = -np.sort(-biased, -1)[..., :k]
+    got = np.take_along_axis(biased, idx, -1)
+    err = np.abs(got - top) / scale
+    assert err.max() <= tol, f"selected biased scores off the top-k by {err.max():.2e} of the scale"
+    ref_idx = np.argsort(-biased, -1, kind="stable")[..., :k]
+    mismatch = (idx != ref_idx).any(-1)
+    assert mismatch.mean() <= max_mismatch, f"{mismatch.mean():.4f} of rows differ from the exact top-k"
+    verr = np.abs(vals - np.take_along_axis(s64, idx, -1)) / scale
+    assert verr.max() <= tol, f"values off the raw scores by {verr.max():.2e} of the scale"
+    return mismatch.mean()
+
+
+def grads64(x, w, idx, dv):
+    """dx (N, H, dh), dw (H, dh, Ne) of sum(vals * dv) for the selection idx, in float64."""
+    x64, w64, dv64 = x.double().numpy(), w.double().numpy(), np.asarray(dv, np.float64)
+    idx = np.asarray(idx).astype(np.int64)
+    n, h, k = idx.shape
+    hs = np.arange(h)[None, :, None]
+    dx = np.einsum("nhkd,nhk->nhd", np.swapaxes(w64, 1, 2)[hs, idx], dv64)
+    dw = np.zeros(w64.shape)
+    for j in range(k):
+        for hh in range(h):
+            np.add.at(dw[hh].T, idx[:, hh, j], dv64[:, hh, j, None] * x64[:, hh])
+    return dx, dw
+
+
+def _close(a, ref, rtol=1e-5):
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    np.testing.assert_allclose(a, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+
+
+# ------------------------------------------------------------------------------- CPU: the kernels
+
+SHAPES = [  # n, h, dh, ne, k, block_n, block_e, select, precision
+    (37, 2, 32, 40, 2, 16, 16, 0, "bf16x3"),  # N % 16 != 0, Ne % 16 != 0
+    (37, 2, 32, 40, 3, 16, 16, 1, "bf16x3"),  # k not a power of 2, threshold selection
+    (50, 1, 24, 24, 5, 32, 16, 0, "ieee"),  # dh not a power of 2, k = 5 > block top-k rounds
+    (29, 3, 16, 64, 8, 16, 16, 1, "bf16x3"),  # k = 8 (KP = block_e / 2)
+    (21, 2, 32, 100, 8, 16, 32, 0, "bf16x2"),
+    (40, 1, 32, 7, 6, 16, 16, 0, "tf32x3"),  # Ne < block_e
+]
+
+
+@interp
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"n{s[0]}-ne{s[3]}-k{s[4]}-sel{s[7]}-{s[8]}" for s in SHAPES])
+def test_forward_vs_float64(shape):
+    n, h, dh, ne, k, bn, be, sel, prec = shape
+    x, w, b = _inputs(1000 + n + ne, n, h, dh, ne)
+    tiles = kr.router_tiles(ne, k, block_n=bn, block_e=be, select=sel)
+    vals = torch.full((n, h, k), float("nan"))
+    vals, idx = ktr.router_fwd(x, w, b, k, prec, tiles)
+    assert vals.dtype == torch.float32 and idx.dtype == torch.int32
+    assert torch.isfinite(vals).all()
+    tol = 3e-5 if prec == "bf16x2" else 2e-6  # bf16x2 keeps 16 of the weights' 24 significant bits
+    check_topk(idx, vals, _scores64(x, w), b.double().numpy(), k, tol=tol, max_mismatch=0.0)
+
+
+@interp
+@pytest.mark.parametrize("select", [0, 1])
+def test_exact_ties_go_to_lower_index(select):
+    """Duplicated weight columns and bias give bit-equal biased scores: lax.top_k's order (lower index first)."""
+    n, h, dh, ne, k = 19, 2, 16, 24, 4
+    x, w, b = _inputs(7, n, h, dh, ne // 2)
+    w = torch.cat([w, w], 2)[..., torch.arange(ne).remainder(2) * (ne // 2) + torch.arange(ne) // 2]
+    b = torch.cat([b, b], 1)[..., torch.arange(ne).remainder(2) * (ne // 2) + torch.arange(ne) // 2]
+    # now experts 2i and 2i+1 are identical
+    vals, idx = ktr.router_fwd(x, w, b, k, "bf16x3", kr.router_tiles(ne, k, block_n=16, block_e=16, select=select))
+    idx = idx.numpy()
+    assert (idx[..., 0] % 2 == 0).all() and (idx[..., 1] == idx[..., 0] + 1).all()
+    assert (idx[..., 2] % 2 == 0).all() and (idx[..., 3] == idx[..., 2] + 1).all()
+    v = vals.numpy()
+    assert np.array_equal(v[..., 0], v[..., 1]) and np.array_equal(v[..., 2], v[..., 3])
+    check_topk(idx, vals, _scores64(x, w), b.double().numpy(), k, max_mismatch=0.0)
+
+
+@interp
+def test_bias_selects_but_values_are_raw():
+    n, h, dh, ne, k = 33, 2, 32, 48, 4
+    x, w, b = _inputs(3, n, h, dh, ne, bias_scale=3.0)  # bias dominates the selection
+    vals, idx = ktr.router_fwd(x, w, b, k, "bf16x3", kr.router_tiles(ne, k, block_n=16, block_e=16))
+    s64 = _scores64(x, w)
+    raw_top = np.argsort(-s64, -1, kind="stable")[..., :k]
+    assert (np.sort(idx.numpy(), -1) != np.sort(raw_top, -1)).any()  # the bias changed selections
+    check_topk(idx, vals, s64, b.double().numpy(), k, tol=4e-6, max_mismatch=0.0)
+
+
+@interp
+@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
+def test_backward_vs_float64_and_deterministic(skew):
+    n, h, dh, ne, k = 45, 2, 24, 20, 3
+    x, w, b = _inputs(11, n, h, dh, ne)
+    if skew:  # every token picks experts {3, 7, 12}: one group spans many dW blocks
+        b = torch.full((h, ne), -50.0)
+        b[:, [3, 7, 12]] = 50.0
+    tiles = kr.router_tiles(ne, k, block_n=16, block_e=16, dx_block_n=16, dw_block=16, dw_sub=16, red_block_e=16)
+    _, idx = ktr.router_fwd(x, w, b, k, "bf16x3", tiles)
+    dv = torch.from_numpy(np.random.default_rng(5).standard_normal((n, h, k), dtype=np.float32))
+    dx, dw = ktr.router_bwd(x, w, idx, dv, tiles, dx_dtype=torch.float32)
+    dx_ref, dw_ref = grads64(x, w, idx, dv)
+    _close(dx, dx_ref)
+    _close(dw, dw_ref)
+    if skew:
+        meta = ktr.dw_metadata(idx, ne, tiles.dw_block)
+        assert int(meta.group_nblk.max()) >= 3
+        assert int((meta.group_size > 0).sum()) == 3 * h
+    dx2, dw2 = ktr.router_bwd(x, w, idx, dv, tiles, dx_dtype=torch.float32)
+    assert torch.equal(dw, dw2) and torch.equal(dx, dx2)
+
+
+@interp
+def test_bf16_dx_and_autograd_binding():
+    n, h, dh, ne, k = 24, 2, 16, 32, 2
+    x, w, b = _inputs(21, n, h, dh, ne)
+    tiles = kr.router_tiles(ne, k, block_n=16, block_e=16, dx_block_n=16, dw_block=32, dw_sub=16, red_block_e=16)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    vals, idx = ktr.route_topk_torch(xl, wl, b, k, tiles=tiles)
+    dv = torch.from_numpy(np.random.default_rng(2).standard_normal((n, h, k), dtype=np.float32))
+    (vals * dv).sum().backward()
+    dx_ref, dw_ref = grads64(x, w, idx, dv)
+    assert xl.grad.dtype == torch.bfloat16
+    _close(xl.grad.float(), dx_ref, rtol=1e-2)  # one bf16 rounding
+    _close(wl.grad, dw_ref)
+
+
+@interp
+def test_split_bf16_is_exact():
+    w = torch.from_numpy(np.random.default_rng(0).standard_normal((4, 64, 33), dtype=np.float32))
+    parts = ktr.split_bf16(w, 3)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, 4, 64, 33)
+    recon = parts.double().sum(0)
+    assert torch.equal(recon, w.double())
+    err2 = (ktr.split_bf16(w, 2).double().sum(0) - w.double()).abs().max() / w.abs().max()
+    assert 0 < err2 < 2**-15
+
+
+@interp
+@pytest.mark.parametrize("bad", ["k0", "k_gt_ne", "shape", "tile", "precision", "fp32_x"])
+def test_errors(bad):
+    x, w, b = _inputs(0, 8, 2, 16, 12)
+    with pytest.raises(ValueError, match=r"k=|shapes|block_e|precision|bf16"):
+        if bad == "k0":
+            ktr.router_fwd(x, w, b, 0)
+        elif bad == "k_gt_ne":
+            ktr.router_fwd(x, w, b, 13)
+        elif bad == "shape":
+            ktr.router_fwd(x, w[:, :8], b, 2)
+        elif bad == "tile":
+            ktr.router_fwd(x, w, b, 8, tiles=kr.RouterTiles(block_e=24))
+        elif bad == "precision":
+            ktr.router_fwd(x, w, b, 2, precision="fp8")
+        else:
+            ktr.router_fwd(x.float(), w, b, 2, precision="bf16x3")
+
+
+# --------------------------------------------------- CPU: the JAX binding's plumbing (emulate backend)
+
+def _jax_inputs(seed, n, h, dh, ne, bias_scale=0.1):
+    x, w, b = _inputs(seed, n, h, dh, ne, bias_scale)
+    import jax.numpy as jnp
+
+    return jnp.asarray(x.float().numpy()).astype(jnp.bfloat16), jnp.asarray(w.numpy()), jnp.asarray(b.numpy())
+
+
+@interp
+@pytest.mark.parametrize("sort", ["packed", "argsort"])
+def test_jax_metadata_matches_torch_and_drives_the_kernels(sort):
+    import jax.numpy as jnp
+
+    from mhl_jax.ops.router_triton import dw_metadata
+
+    n, h, dh, ne, k = 41, 2, 16, 24, 3
+    x, w, b = _inputs(4, n, h, dh, ne)
+    b[:, 5] = 50.0  # one hot expert: a group over several blocks
+    tiles = kr.router_tiles(ne, k, block_n=16, block_e=16, dx_block_n=16, dw_block=16, dw_sub=16, red_block_e=16)
+    _, idx = ktr.router_fwd(x, w, b, k, "bf16x3", tiles)
+    mj = dw_metadata(jnp.asarray(idx.numpy()), ne, tiles.dw_block, sort)
+    mt = ktr.dw_metadata(idx, ne, tiles.dw_block)
+    for name, a, c in zip(mt._fields, mj, mt):
+        assert np.array_equal(np.asarray(a), c.numpy()), name
+    meta = ktr.DwMeta(*[torch.from_numpy(np.array(a)) for a in mj])
+    dv = torch.from_numpy(np.random.default_rng(8).standard_normal((n, h, k), dtype=np.float32))
+    _, dw = ktr.router_bwd(x, w, idx, dv, tiles, dx_dtype=torch.float32, meta=meta)
+    _close(dw, grads64(x, w, idx, dv)[1])
+
+
+@interp
+def test_jax_split_bf16_matches_torch():
+    import jax.numpy as jnp
+
+    from mhl_jax.ops.router_triton import split_bf16
+
+    w = np.random.default_rng(1).standard_normal((3, 32, 40), dtype=np.float32)
+    for parts in (2, 3):
+        a = np.asarray(split_bf16(jnp.asarray(w), parts).astype(jnp.float32))
+        assert np.array_equal(a, ktr.split_bf16(torch.from_numpy(w), parts).float().numpy())
+
+
+@interp
+def test_jax_custom_vjp_emulate_vs_reference():
+    import jax
+    import jax.numpy as jnp
+
+    from mhl_jax.ops.router import route_topk_reference
+    from mhl_jax.ops.router_triton import route_topk_triton
+
+    n, h, dh, ne, k = 64, 4, 32, 40, 4
+    x, w, b = _jax_inputs(9, n, h, dh, ne)
+    dv = jnp.asarray(np.random.default_rng(3).standard_normal((n, h, k), dtype=np.float32))
+    tiles = kr.router_tiles(ne, k, dw_block=16, dw_sub=16)
+
+    def loss(fn):
+        return lambda x, w, b: jnp.vdot(fn(x, w, b)[0], dv)
+
+    ours = lambda x, w, b: route_topk_triton(x, w, b, k, tiles=tiles, backend="emulate")
+    ref = lambda x, w, b: route_topk_reference(x, w, b, k)
+    (v1, i1), (v2, i2) = jax.jit(ours)(x, w, b), ref(x, w, b)
+    assert np.array_equal(i1, i2) and np.allclose(v1, v2, rtol=1e-6, atol=1e-6)
+    g1 = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(x, w, b)
+    g2 = jax.grad(loss(ref), argnums=(0, 1, 2))(x, w, b)
+    assert g1[0].dtype == jnp.bfloat16 and g1[1].dtype == jnp.float32
+    dx64, dw64 = grads64(torch.from_numpy(np.asarray(x.astype(jnp.float32))), torch.from_numpy(np.asarray(w)),
+                         np.asarray(i1), dv)
+    _close(g1[1], dw64)
+    _close(g1[0], dx64, rtol=1e-2)
+    assert np.array_equal(g1[0], g2[0])
+    assert not np.asarray(g1[2]).any()  # bias: no gradient
+
+
+@interp
+def test_jax_shard_map_over_heads_emulate():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from mhl_jax.ops.router_triton import route_topk_triton
+
+    n, h, dh, ne, k = 32, 4, 16, 24, 2
+    x, w, b = _jax_inputs(12, n, h, dh, ne)
+    mesh = jax.make_mesh((2,), ("hp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    tiles = kr.router_tiles(ne, k, dw_block=16, dw_sub=16)
+    fn = lambda x, w, b: route_topk_triton(x, w, b, k, tiles=tiles, backend="emulate")
+    sm = jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "hp"), P("hp"), P("hp")),
+                       out_specs=(P(None, "hp"), P(None, "hp")))
+    dv = jnp.asarray(np.random.default_rng(4).standard_normal((n, h, k), dtype=np.float32))
+    outs = [jax.jit(f)(x, w, b) for f in (fn, sm)]
+    assert np.array_equal(outs[0][1], outs[1][1]) and np.array_equal(outs[0][0], outs[1][0])
+    grads = [jax.jit(jax.grad(lambda x, w, f=f: jnp.vdot(f(x, w, b)[0], dv), argnums=(0, 1)))(x, w) for f in (fn, sm)]
+    for a, c in zip(*grads):
+        assert np.array_equal(a, c)
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+def _gpu_setup():
+    import tempfile
+
+    import jax
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU JAX backend")
+    import jax_triton  # noqa: F401
+
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # jax_triton's import blanks it (DESIGN §6)
+
+
+def _gpu_inputs(seed, n, h, dh, ne, bias_scale=0.1):
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(ks[0], (n, h, dh), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(ks[1], (h, dh, ne), jnp.float32) / np.sqrt(dh)
+    b = bias_scale * jax.random.normal(ks[2], (h, ne), jnp.float32)
+    return x, w, b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ne,k", [(256, 4), (320, 6), (1000, 8), (130, 2)])
+def test_gpu_jax_triton_vs_reference(ne, k):
+    import jax
+    import jax.numpy as jnp
+
+    from mhl_jax.ops.router import route_topk
+    from mhl_jax.ops.router_triton import route_topk_triton
+
+    _gpu_setup()
+    n, h, dh = 8191, 4, 128
+    x, w, b = _gpu_inputs(ne + k, n, h, dh, ne)
+    dv = jax.random.normal(jax.random.key(99), (n, h, k), jnp.float32)
+    vals, idx = jax.jit(lambda x, w, b: route_topk(x, w, b, k, impl="triton"))(x, w, b)
+    vr, ir = jax.jit(lambda x, w, b: route_topk(x, w, b, k, impl="reference"))(x, w, b)
+    s64 = np.einsum("nhd,hde->nhe", np.asarray(x.astype(jnp.float32), np.float64), np.asarray(w, np.float64))
+    frac = check_topk(idx, vals, s64, np.asarray(b, np.float64), k, tol=2e-6, max_mismatch=1e-3)
+    ref_frac = check_topk(ir, vr, s64, np.asarray(b, np.float64), k, tol=2e-6, max_mismatch=1e-3)
+    agree = float((np.asarray(idx) == np.asarray(ir)).all(-1).mean())
+    print(f"ne={ne} k={k}: rows != fp64 top-k: ours {frac:.2e}, reference {ref_frac:.2e}; "
+          f"ours == reference {agree:.6f}")
+    assert agree >= 0.999
+
+    loss = lambda f: (lambda x, w: jnp.vdot(f(x, w, b, k)[0], dv))
+    g = jax.jit(jax.grad(loss(route_topk_triton), argnums=(0, 1)))(x, w)
+    # reference gradients for *our* selection (rows at near ties may select differently)
+    sel = jax.nn.one_hot(idx, ne, dtype=jnp.float32)  # (N, H, k, Ne)
+    dsc = jnp.einsum("nhke,nhk->nhe", sel, dv)
+    hi = jax.lax.Precision.HIGHEST
+    dx_ref = jnp.einsum("nhe,hde->nhd", dsc, w, precision=hi)
+    dw_ref = jnp.einsum("nhd,nhe->hde", x.astype(jnp.float32), dsc, precision=hi)
+    _close(g[1], dw_ref, rtol=1e-5)
+    _close(g[0], dx_ref, rtol=1e-2)  # dx is bf16
+    assert float(jnp.abs(g[0].astype(jnp.float32) - dx_ref).max()) <= float(jnp.abs(dx_ref).max()) * 2**-8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
+def test_gpu_gradients_bitwise_deterministic(skew):
+    import jax
+    import jax.numpy as jnp
+
+    from mhl_jax.ops.router_triton import route_topk_triton
+
+    _gpu_setup()
+    n, h, dh, ne, k = 20000, 8, 128, 384, 4
+    x, w, b = _gpu_inputs(5, n, h, dh, ne)
+    if skew:  # a few hot experts: long groups over many dW blocks
+        b = b.at[:, :4].add(40.0)
+    dv = jax.random.normal(jax.random.key(6), (n, h, k), jnp.float32)
+    f = jax.jit(jax.grad(lambda x, w: jnp.vdot(route_topk_triton(x, w, b, k)[0], dv), argnums=(0, 1)))
+    g1 = jax.block_until_ready(f(x, w))
+    g2 = jax.block_until_ready(f(x + jnp.zeros_like(x), w * 1.0))
+    for a, c in zip(g1, g2):
+        assert np.array_equal(np.asarray(a), np.asarray(c))
+
+
+@pytest.mark.gpu
+def test_gpu_shard_map_and_torch_launch_bitwise():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from mhl_jax.ops.kernels_select import resolve_kernels
+    from mhl_jax.ops.router_triton import route_topk_triton
+
+    _gpu_setup()
+    assert resolve_kernels("auto") == "triton"
+    n, h, dh, ne, k = 4096, 4, 128, 512, 4
+    x, w, b = _gpu_inputs(8, n, h, dh, ne)
+    dv = jax.random.normal(jax.random.key(3), (n, h, k), jnp.float32)
+    fn = lambda x, w: route_topk_triton(x, w, b, k)
+    devs = jax.devices()[:1]
+    mesh = jax.make_mesh((1,), ("hp",), axis_types=(jax.sharding.AxisType.Auto,), devices=devs)
+    sm = jax.shard_map(lambda x, w, b: route_topk_triton(x, w, b, k), mesh=mesh,
+                       in_specs=(P(None, "hp"), P("hp"), P("hp")), out_specs=(P(None, "hp"), P(None, "hp")))
+    v1, i1 = jax.jit(fn)(x, w)
+    v2, i2 = jax.jit(sm)(x, w, b)
+    assert np.array_equal(v1, v2) and np.array_equal(i1, i2)
+    g = jax.jit(jax.grad(lambda x, w: jnp.vdot(fn(x, w)[0], dv), argnums=(0, 1)))(x, w)
+
+    dev = "cuda"
+    tx = torch.tensor(np.asarray(x.astype(jnp.float32)), device=dev).bfloat16()
+    tw, tb = torch.tensor(np.asarray(w), device=dev), torch.tensor(np.asarray(b), device=dev)
+    tv, ti = ktr.router_fwd(tx, tw, tb, k)
+    assert np.array_equal(tv.cpu().numpy(), np.asarray(v1)) and np.array_equal(ti.cpu().numpy(), np.asarray(i1))
+    tdx, tdw = ktr.router_bwd(tx, tw, ti, torch.tensor(np.asarray(dv), device=dev))
+    assert np.array_equal(tdw.cpu().numpy(), np.asarray(g[1]))
+    assert np.array_equal(tdx.float().cpu().numpy(), np.asarray(g[0].astype(jnp.float32)))
