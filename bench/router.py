@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -39,11 +40,10 @@ import numpy as np  # noqa: E402
 NH, DH = 8, 128
 AUTHORS_FB_MS = {128: 8.0, 256: 9.8, 512: 12.7, 1024: 17.8, 2048: 27.4}  # DESIGN §7, their router, H100
 FWD_TILES = [  # block_n, block_e, warps, stages, select
-    (64, 64, 4, 3, 1), (64, 128, 4, 3, 1), (128, 64, 8, 3, 1), (64, 64, 4, 3, 0), (64, 128, 4, 3, 0),
-    (128, 64, 4, 3, 1),
+    (64, 64, 4, 3, 1), (64, 128, 4, 3, 1), (128, 64, 8, 3, 1), (64, 128, 4, 3, 0), (128, 64, 4, 3, 1),
 ]
 BWD_TILES = [  # dx_block_n, dx_warps, dw_block, dw_sub, dw_warps
-    (64, 4, 512, 64, 4), (32, 4, 256, 32, 4), (128, 8, 1024, 64, 8), (64, 4, 256, 64, 4),
+    (16, 4, 512, 64, 4), (32, 8, 512, 64, 4), (16, 4, 1024, 64, 8),
 ]
 
 
@@ -133,114 +133,172 @@ def jax_fns(impl: str, k: int, tiles=None):
 
 def sweep(tokens: int, nes: list[int], k: int, device: str, date: str, outf) -> dict:
     """Forward tiles and backward parts on the torch launcher. Returns {ne: best RouterTiles}."""
-    import torch
-
-    from kernels import torch_router as ktr
-    from kernels.router import router_tiles
-
     best = {}
     for ne in nes:
-        x, w, b, dv = (to_torch(a) for a in make_inputs(100 + ne, tokens, ne, k))
-        res = []
-        for t in FWD_TILES:
-            tiles = router_tiles(ne, k, block_n=t[0], block_e=t[1], fwd_warps=t[2], fwd_stages=t[3], select=t[4])
-            rec = dict(bench="router_sweep", kernel="fwd", device=device, date=date,
-                       params=dict(tokens=tokens, nh=NH, dh=DH, ne=ne, k=k, tile=list(t)))
-            try:
-                ref = ktr.router_fwd(x, w, b, k, "bf16x3", tiles)
-                rec["ms"] = bench_torch(lambda tiles=tiles: ktr.router_fwd(x, w, b, k, "bf16x3", tiles))
-                if res:  # every tile must select the same experts
-                    rec["same_idx_as_first"] = bool(torch.equal(ref[1], res[0][2][1]))
-                res.append((rec["ms"], tiles, ref))
-            except Exception as e:
-                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            emit(rec, outf)
-        if res:
-            best[ne] = min(res, key=lambda r: r[0])[1]
-        # backward parts with the default tiles, then whole-backward tiles
-        _, idx = ktr.router_fwd(x, w, b, k, "bf16x3", best.get(ne))
-        t0 = router_tiles(ne, k)
-        parts = {
-            "meta_torch_sort": lambda: ktr.dw_metadata(idx, ne, t0.dw_block),
-            "bwd_total_torch": lambda: ktr.router_bwd(x, w, idx, dv, t0),
-        }
-        for name, fn in parts.items():
-            emit(dict(bench="router_bwd_parts", part=name, device=device, date=date,
-                      params=dict(tokens=tokens, ne=ne, k=k), ms=bench_torch(fn)), outf)
-        for t in BWD_TILES:
-            tiles = router_tiles(ne, k, dx_block_n=t[0], dx_warps=t[1], dw_block=t[2], dw_sub=t[3], dw_warps=t[4])
-            meta = ktr.dw_metadata(idx, ne, tiles.dw_block)
-            rec = dict(bench="router_sweep", kernel="bwd_kernels", device=device, date=date,
-                       params=dict(tokens=tokens, ne=ne, k=k, tile=list(t)))
-            try:
-                rec["ms"] = bench_torch(lambda tiles=tiles, meta=meta: ktr.router_bwd(x, w, idx, dv, tiles, meta=meta))
-            except Exception as e:
-                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            emit(rec, outf)
-        # JAX metadata: packed uint32 sort vs stable argsort
-        from mhl_jax.ops.router_triton import dw_metadata
-
-        jidx = jnp.asarray(idx.cpu().numpy())
-        for sort in ("packed", "argsort"):
-            f = jax.jit(lambda i, sort=sort: dw_metadata(i, ne, t0.dw_block, sort))
-            emit(dict(bench="router_bwd_parts", part=f"meta_jax_{sort}", device=device, date=date,
-                      params=dict(tokens=tokens, ne=ne, k=k), ms=time_jax(f, [(jidx,)])), outf)
-        del x, w, b, dv, idx
+        t = sweep_one(tokens, ne, k, device, date, outf)
+        if t is not None:
+            best[ne] = t
         empty_cache()
     return best
 
 
+def sweep_one(tokens: int, ne: int, k: int, device: str, date: str, outf):
+    import torch
+
+    from kernels import torch_router as ktr
+    from kernels.router import router_tiles
+    from mhl_jax.ops.router_triton import dw_metadata
+
+    x, w, b, dv = (to_torch(a) for a in make_inputs(100 + ne, tokens, ne, k))
+    res = []
+    for t in FWD_TILES:
+        tiles = router_tiles(ne, k, block_n=t[0], block_e=t[1], fwd_warps=t[2], fwd_stages=t[3], select=t[4])
+        rec = dict(bench="router_sweep", kernel="fwd", device=device, date=date,
+                   params=dict(tokens=tokens, nh=NH, dh=DH, ne=ne, k=k, tile=list(t)))
+        try:
+            ref = ktr.router_fwd(x, w, b, k, "bf16x3", tiles)
+            rec["ms"] = bench_torch(functools.partial(ktr.router_fwd, x, w, b, k, "bf16x3", tiles))
+            if res:  # every tile must select the same experts
+                rec["same_idx_as_first"] = bool(torch.equal(ref[1], res[0][2][1]))
+            res.append((rec["ms"], tiles, ref))
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        emit(rec, outf)
+    best = min(res, key=lambda r: r[0])[1] if res else None
+    # backward parts with the default tiles, then whole-backward tiles
+    _, idx = ktr.router_fwd(x, w, b, k, "bf16x3", best)
+    t0 = router_tiles(ne, k)
+    parts = {"meta_torch_sort": functools.partial(ktr.dw_metadata, idx, ne, t0.dw_block),
+             "bwd_total_torch": functools.partial(ktr.router_bwd, x, w, idx, dv, t0)}
+    for name, fn in parts.items():
+        emit(dict(bench="router_bwd_parts", part=name, device=device, date=date,
+                  params=dict(tokens=tokens, ne=ne, k=k), ms=bench_torch(fn)), outf)
+    for t in BWD_TILES:
+        tiles = router_tiles(ne, k, dx_block_n=t[0], dx_warps=t[1], dw_block=t[2], dw_sub=t[3], dw_warps=t[4])
+        meta = ktr.dw_metadata(idx, ne, tiles.dw_block)
+        rec = dict(bench="router_sweep", kernel="bwd_kernels", device=device, date=date,
+                   params=dict(tokens=tokens, ne=ne, k=k, tile=list(t)))
+        try:
+            rec["ms"] = bench_torch(functools.partial(ktr.router_bwd, x, w, idx, dv, tiles, meta=meta))
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        emit(rec, outf)
+    # JAX metadata: packed uint32 sort vs stable argsort
+    jidx = jnp.asarray(idx.cpu().numpy())
+    for sort in ("packed", "argsort"):
+        f = jax.jit(functools.partial(dw_metadata, ne=ne, block=t0.dw_block, sort=sort))
+        emit(dict(bench="router_bwd_parts", part=f"meta_jax_{sort}", device=device, date=date,
+                  params=dict(tokens=tokens, ne=ne, k=k), ms=time_jax(f, [(jidx,)])), outf)
+    return best
+
+
 def precision_check(tokens: int, nes: list[int], k: int, device: str, date: str, outf, tiles_for) -> None:
+    for ne in nes:
+        precision_one(tokens, ne, k, device, date, outf, tiles_for(ne))
+        empty_cache()
+
+
+def precision_one(tokens: int, ne: int, k: int, device: str, date: str, outf, tiles) -> None:
     """Fraction of (token, head) rows whose ordered top-k indices equal a float64 top-k's."""
     import torch
 
     from kernels import torch_router as ktr
 
-    for ne in nes:
-        x, w, b, _ = (to_torch(a) for a in make_inputs(200 + ne, tokens, ne, k))
-        ref_idx, gap = [], []
-        for h in range(NH):  # float64 scores head by head (bounded memory)
-            s = x[:, h].double() @ w[h].double() + b[h].double()
-            top = torch.topk(s, k + 1, dim=-1)
-            ref_idx.append(top.indices[:, :k])
-            # relative gap between the k-th and (k+1)-th biased score: rows closer than ~1e-6 are near ties
-            gap.append((top.values[:, k - 1] - top.values[:, k]) / s.abs().amax(-1))
-            del s
-        ref_idx, gap = torch.stack(ref_idx, 1), torch.stack(gap, 1)
-        cands = {}
-        with torch.no_grad():
-            prev = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = False
-            s32 = torch.einsum("nhd,hde->nhe", x.float(), w) + b
-            cands["cublas_fp32"] = torch.topk(s32, k, dim=-1).indices
-            del s32
-            torch.backends.cuda.matmul.allow_tf32 = prev
-        for prec in ("ieee", "tf32", "tf32x3", "bf16x3", "bf16x2"):
-            tiles = tiles_for(ne)
-            try:
-                cands[prec] = ktr.router_fwd(x, w, b, k, prec, tiles)[1].long()
-                ms = bench_torch(lambda prec=prec, tiles=tiles: ktr.router_fwd(x, w, b, k, prec, tiles))
-            except Exception as e:
-                emit(dict(bench="router_precision", impl=prec, params=dict(ne=ne), error=str(e)[:200]), outf)
-                continue
-            cands[prec + "@ms"] = ms
-        for name, idx in cands.items():
-            if name.endswith("@ms"):
-                continue
-            ordered = (idx == ref_idx).all(-1)
-            as_set = (torch.sort(idx, -1).values == torch.sort(ref_idx, -1).values).all(-1)
-            near_tie = gap < 1e-6
-            rec = dict(bench="router_precision", impl=name, device=device, date=date,
-                       params=dict(tokens=tokens, nh=NH, dh=DH, ne=ne, k=k),
-                       rows=int(ordered.numel()), frac_ordered_equal=float(ordered.float().mean()),
-                       frac_set_equal=float(as_set.float().mean()),
-                       set_mismatch_not_near_tie=int((~as_set & ~near_tie).sum()),
-                       rows_near_tie=int(near_tie.sum()))
-            if name + "@ms" in cands:
-                rec["ms_fwd"] = cands[name + "@ms"]
-            emit(rec, outf)
-        del x, w, b, cands
-        empty_cache()
+    x, w, b, _ = (to_torch(a) for a in make_inputs(200 + ne, tokens, ne, k))
+    ref_idx, gap = [], []
+    for h in range(NH):  # float64 scores head by head (bounded memory)
+        s = x[:, h].double() @ w[h].double() + b[h].double()
+        top = torch.topk(s, k + 1, dim=-1)
+        ref_idx.append(top.indices[:, :k])
+        # relative gap between the k-th and (k+1)-th biased score: rows closer than ~1e-6 are near ties
+        gap.append((top.values[:, k - 1] - top.values[:, k]) / s.abs().amax(-1))
+    ref_idx, gap = torch.stack(ref_idx, 1), torch.stack(gap, 1)
+    cands, ms = {}, {}
+    with torch.no_grad():
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        s32 = torch.einsum("nhd,hde->nhe", x.float(), w) + b
+        cands["cublas_fp32"] = torch.topk(s32, k, dim=-1).indices
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    for prec in ("ieee", "tf32", "tf32x3", "bf16x3", "bf16x2"):
+        try:
+            cands[prec] = ktr.router_fwd(x, w, b, k, prec, tiles)[1].long()
+            ms[prec] = bench_torch(functools.partial(ktr.router_fwd, x, w, b, k, prec, tiles))
+        except Exception as e:
+            emit(dict(bench="router_precision", impl=prec, params=dict(ne=ne), error=str(e)[:200]), outf)
+    near_tie = gap < 1e-6
+    for name, idx in cands.items():
+        ordered = (idx == ref_idx).all(-1)
+        as_set = (torch.sort(idx, -1).values == torch.sort(ref_idx, -1).values).all(-1)
+        rec = dict(bench="router_precision", impl=name, device=device, date=date,
+                   params=dict(tokens=tokens, nh=NH, dh=DH, ne=ne, k=k),
+                   rows=int(ordered.numel()), frac_ordered_equal=float(ordered.float().mean()),
+                   frac_set_equal=float(as_set.float().mean()),
+                   set_mismatch_not_near_tie=int((~as_set & ~near_tie).sum()), rows_near_tie=int(near_tie.sum()))
+        if name in ms:
+            rec["ms_fwd"] = ms[name]
+        emit(rec, outf)
+
+
+def bench_one(impl: str, sets, n: int, ne: int, k: int, tiles, device: str, date: str) -> dict:
+    """One (impl, Ne) measurement: fwd and fwd+bwd time, peak memory."""
+    import torch
+
+    from kernels import torch_router as ktr
+
+    fwd_flop = 2.0 * n * NH * DH * ne
+    floor_bytes = n * NH * DH * 2 + n * NH * k * 8 + NH * DH * ne * 4  # x in, (vals, idx) out, W_r once
+    params = dict(tokens=n, nh=NH, dh=DH, ne=ne, k=k)
+    rec = dict(bench="router", impl=impl if impl != "ours" else "triton", device=device, date=date,
+               params=dict(params, **({"tiles": list(tiles)} if impl != "reference" else {})))
+    try:
+        t0 = time.perf_counter()
+        if impl in ("ours", "reference"):
+            fwd, fb = jax_fns(impl, k, tiles)
+            rec["ms_fwd"] = time_jax(fwd, sets)
+            rec["ms"] = time_jax(fb, sets)
+            rec["peak_gib"] = jax_peak_gib(fb, *sets[0])
+            rec["peak_gib_fwd"] = jax_peak_gib(fwd, *sets[0])
+        else:
+            tsets = [[to_torch(a) for a in s] for s in sets]
+            for s in tsets:
+                s[0].requires_grad_()
+                s[1].requires_grad_()
+            st = {"i": 0}
+
+            def run_fb():
+                x, w, b, dv = tsets[st["i"] % len(tsets)]
+                st["i"] += 1
+                x.grad = w.grad = None
+                vals, _ = ktr.route_topk_torch(x, w, b, k, tiles=tiles)
+                vals.backward(dv)
+
+            def run_f():
+                x, w, b, _ = tsets[st["i"] % len(tsets)]
+                st["i"] += 1
+                with torch.no_grad():
+                    ktr.router_fwd(x, w, b, k, "bf16x3", tiles)
+
+            rec["ms_fwd"] = bench_torch(run_f)
+            rec["ms"] = bench_torch(run_fb)
+            del tsets[1]
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                run_fb()
+                torch.cuda.synchronize()
+                rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        rec["ms_bwd"] = rec["ms"] - rec["ms_fwd"]
+        rec["tflops"] = fwd_flop / rec["ms_fwd"] / 1e9
+        rec["gbps"] = floor_bytes / rec["ms_fwd"] / 1e6
+        if ne in AUTHORS_FB_MS:
+            rec["authors_ms"] = AUTHORS_FB_MS[ne]
+            rec["speedup_vs_authors"] = AUTHORS_FB_MS[ne] / rec["ms"]
+        rec["wall_s"] = round(time.perf_counter() - t0, 1)
+    except Exception as e:  # recorded, not fatal
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc(limit=3)
+    return rec
 
 
 def nearest(best: dict, ne: int):
@@ -260,7 +318,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-ne", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--precision", action="store_true")
-    ap.add_argument("--precision-ne", type=int, nargs="+", default=[128, 2048])
+    ap.add_argument("--precision-ne", type=int, nargs="+", default=[2048])
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-cpu", action="store_true", help="check the script on CPU (interpreter, tiny shapes)")
     args = ap.parse_args()
@@ -276,7 +334,6 @@ def main() -> None:
     except ImportError:
         pass
     os.environ["TRITON_CACHE_DIR"] = os.environ.get("MHL_TRITON_CACHE") or tempfile.mkdtemp()
-    from kernels import torch_router as ktr
     from kernels.router import router_tiles
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else jax.devices()[0].device_kind
@@ -295,61 +352,8 @@ def main() -> None:
     rows = []
     for ne in args.ne:
         sets = [make_inputs(s + ne, n, ne, k) for s in range(2)]
-        fwd_flop = 2.0 * n * NH * DH * ne
-        floor_bytes = n * NH * DH * 2 + n * NH * k * 8 + NH * DH * ne * 4  # x in, (vals, idx) out, W_r once
-        tiles = tiles_for(ne)
-        params = dict(tokens=n, nh=NH, dh=DH, ne=ne, k=k)
         for impl in args.impls:
-            rec = dict(bench="router", impl=impl if impl != "ours" else "triton", device=device, date=date,
-                       params=dict(params, **({"tiles": list(tiles)} if impl != "reference" else {})))
-            try:
-                t0 = time.perf_counter()
-                if impl in ("ours", "reference"):
-                    fwd, fb = jax_fns(impl, k, tiles)
-                    rec["ms_fwd"] = time_jax(fwd, sets)
-                    rec["ms"] = time_jax(fb, sets)
-                    rec["peak_gib"] = jax_peak_gib(fb, *sets[0])
-                    rec["peak_gib_fwd"] = jax_peak_gib(fwd, *sets[0])
-                else:
-                    tsets = [[to_torch(a) for a in s] for s in sets]
-                    for s in tsets:
-                        s[0].requires_grad_()
-                        s[1].requires_grad_()
-                    st = {"i": 0}
-
-                    def run_fb():
-                        x, w, b, dv = tsets[st["i"] % 2]
-                        st["i"] += 1
-                        x.grad = w.grad = None
-                        vals, _ = ktr.route_topk_torch(x, w, b, k, tiles=tiles)
-                        vals.backward(dv)
-
-                    def run_f():
-                        x, w, b, _ = tsets[st["i"] % 2]
-                        st["i"] += 1
-                        with torch.no_grad():
-                            ktr.router_fwd(x, w, b, k, "bf16x3", tiles)
-
-                    rec["ms_fwd"] = bench_torch(run_f)
-                    rec["ms"] = bench_torch(run_fb)
-                    del tsets[1]
-                    if torch.cuda.is_available():
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                        run_fb()
-                        torch.cuda.synchronize()
-                        rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                    del tsets
-                rec["ms_bwd"] = rec["ms"] - rec["ms_fwd"]
-                rec["tflops"] = fwd_flop / rec["ms_fwd"] / 1e9
-                rec["gbps"] = floor_bytes / rec["ms_fwd"] / 1e6
-                if ne in AUTHORS_FB_MS:
-                    rec["authors_ms"] = AUTHORS_FB_MS[ne]
-                    rec["speedup_vs_authors"] = AUTHORS_FB_MS[ne] / rec["ms"]
-                rec["wall_s"] = round(time.perf_counter() - t0, 1)
-            except Exception as e:  # recorded, not fatal
-                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                traceback.print_exc(limit=3)
+            rec = bench_one(impl, sets, n, ne, k, tiles_for(ne), device, date)
             emit(rec, outf)
             rows.append(rec)
         del sets
@@ -362,7 +366,7 @@ def main() -> None:
             name = impl if impl != "ours" else "triton"
             r = [r for r in rows if r["impl"] == name and r["params"]["ne"] == ne]
             ok = r and "ms" in r[0]
-            cells.append(f"{r[0]['ms_fwd']:6.3f}/{r[0]['ms']:7.3f} {r[0]['peak_gib']:6.2f}G" if ok else "-")
+            cells.append(f"{r[0]['ms_fwd']:6.3f}/{r[0]['ms']:7.3f} {r[0].get('peak_gib', 0):6.2f}G" if ok else "-")
             if ok and impl == "ours":
                 ours = r[0]["ms"]
         a = AUTHORS_FB_MS.get(ne)

@@ -61,11 +61,11 @@ class RouterTiles(NamedTuple):
     """Tile sizes and launch settings; `router_tiles` picks the defaults."""
 
     block_n: int = 64  # forward: tokens per program
-    block_e: int = 128  # forward: experts per streamed W_r block (power of 2, >= KP)
+    block_e: int = 64  # forward: experts per streamed W_r block (power of 2, >= KP)
     fwd_warps: int = 4
     fwd_stages: int = 3
-    select: int = 0  # forward block selection: 0 bitonic tl.topk, 1 KP rounds of row max + threshold
-    dx_block_n: int = 64  # backward dX: tokens per program
+    select: int = 1  # forward block selection: 0 bitonic tl.topk, 1 threshold + at most K rounds of row max
+    dx_block_n: int = 16  # backward dX: tokens per program (k gathered fp32 rows in flight: keep small)
     dx_warps: int = 4
     dw_block: int = 512  # backward dW: max slots per partial block (CB)
     dw_sub: int = 64  # backward dW: slots per loop step inside a block

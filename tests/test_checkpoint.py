@@ -85,6 +85,11 @@ def test_save_restore_bitwise_with_iterator_async(tmp_path):
     assert isinstance(got["biases"], np.ndarray)  # numpy leaves come back as numpy
     assert jax.dtypes.issubdtype(got["key"].dtype, jax.dtypes.prng_key)
     assert all(np.array_equal(a, next(fresh)) for a in after_save)
+    # an abstract template (jax.eval_shape, no arrays allocated) restores the same values
+    abstract = jax.eval_shape(lambda: make_state(2))
+    abstract["biases"] = np.zeros((2, 3), np.float32)
+    _, again = ck.restore(abstract, None)
+    assert_bitwise(again, expected)
     ck.close()
 
 
@@ -97,6 +102,8 @@ def test_keep_last_n_steps_and_explicit_paths(tmp_path):
     for s in range(1, 5):
         ck.save(s, make_state(s), None)
     assert ck.all_steps() == [3, 4] and ck.latest_step() == 4
+    with pytest.raises(CheckpointError, match="cannot save step 2 .* newer than the latest"):
+        ck.save(2, make_state(2), None)
     assert sorted(p.name for p in d.iterdir() if p.name.isdigit()) == ["3", "4"]
     step, got = ck.restore(make_state(0), None, step=3)
     assert step == 3

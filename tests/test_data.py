@@ -39,7 +39,7 @@ def windows_of(tokens, T):
 
 
 def bin_cfg(tmp, **kw):
-    return DataConfig(source="bin", path=str(tmp), prefetch=2, read_threads=2, **kw)
+    return DataConfig(**{"source": "bin", "path": str(tmp), "prefetch": 2, "read_threads": 2, **kw})
 
 
 @pytest.fixture
@@ -173,6 +173,8 @@ def test_batches_are_windows_shuffled_per_epoch_and_deterministic(shards):
     k = -(-3 * n // B)  # batches covering three epochs (batches run across epoch ends)
     rows = take(0, k)
     assert rows == take(0, k)
+    no_prefetch = make_train_loader(bin_cfg(d, prefetch=0), seq_len=T, batch_size=B, seed=0, vocab_size=320)
+    assert [tuple(r) for _ in range(k) for r in next(no_prefetch).tolist()] == rows  # prefetch changes no order
     other = take(1, k)
     assert other != rows
     for e in range(3):
@@ -285,6 +287,26 @@ def test_hf_source_local_text_and_json(tmp_path):
     with pytest.raises(DataError, match="no text column 'text'"):
         make_train_loader(dataclasses.replace(cfg, text_column="text"), seq_len=32, batch_size=4, seed=0,
                           vocab_size=320)
+
+
+def test_hf_source_errors(tmp_path, monkeypatch):
+    kw = dict(seq_len=32, batch_size=4, seed=0, vocab_size=320)
+    with pytest.raises(DataError, match="glob matches no files"):
+        make_train_loader(DataConfig(source="hf", path=str(tmp_path / "*.jsonl")), **kw)
+    with pytest.raises(DataError, match="corpus.txt'.*no such file"):
+        make_train_loader(DataConfig(source="hf", path="corpus.txt"), **kw)  # a typo, not a dataset name
+    (tmp_path / "tiny.txt").write_text("too short")
+    with pytest.raises(DataError, match=r"tiny.txt.*\(train\): 9 tokens.*no sequence of 33 tokens"):
+        make_train_loader(DataConfig(source="hf", path=str(tmp_path / "tiny.txt"), val_fraction=0.1), **kw)
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)  # what a dataset name gives without network
+    with pytest.raises(DataError, match=r"data.path='org/corpus'.*Hugging Face dataset \(config 'cfg', split "
+                                        r"'train'\) failed: ConnectionError"):
+        make_train_loader(DataConfig(source="hf", path="org/corpus", hf_config="cfg"), **kw)
 
 
 def test_tokenizers(monkeypatch):

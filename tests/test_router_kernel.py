@@ -337,7 +337,7 @@ def _gpu_inputs(seed, n, h, dh, ne, bias_scale=0.1):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ne,k", [(256, 4), (320, 6), (1000, 8), (130, 2)])
+@pytest.mark.parametrize("ne,k", [(256, 4), (1000, 6)])
 def test_gpu_jax_triton_vs_reference(ne, k):
     import jax
     import jax.numpy as jnp

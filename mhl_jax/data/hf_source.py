@@ -37,7 +37,8 @@ def _builder_of(path: Path) -> str | None:
 
 def local_files(spec: str, what: str) -> list[Path] | None:
     """The local data files `spec` names (a file, a directory's data files, a glob), sorted; None
-    when `spec` names no local path and has no glob characters (then it is a dataset name)."""
+    when `spec` is no local path, has no glob characters, no data-file suffix and does not start with
+    '/', '.' or '~' (then it is a dataset name)."""
     p = Path(spec).expanduser()
     if p.is_file():
         files = [p]
@@ -49,6 +50,8 @@ def local_files(spec: str, what: str) -> list[Path] | None:
         files = sorted(Path(f) for f in glob.glob(os.path.expanduser(spec), recursive=True) if Path(f).is_file())
         if not files:
             raise DataError(f"{what}={spec!r}: the glob matches no files")
+    elif _builder_of(p) or spec.startswith(("/", ".", "~")):
+        raise DataError(f"{what}={spec!r}: no such file or directory")
     else:
         return None
     return files

@@ -97,9 +97,13 @@ def _abstract(leaf: Any) -> Any:
 
 
 def _describe(leaf: Any) -> list:
-    x = _storable(leaf) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf
+    """[shape, dtype name] of what is stored for a leaf (key data for PRNG keys)."""
     if _is_prng_key(leaf):
         x = jax.eval_shape(jax.random.key_data, leaf)
+    elif isinstance(leaf, jax.ShapeDtypeStruct):
+        x = leaf
+    else:
+        x = _storable(leaf)
     return [list(x.shape), str(np.dtype(x.dtype))]
 
 
@@ -149,14 +153,17 @@ class Checkpointer:
         Returns once the arrays are on the host when async (call `wait()` to wait for the files)."""
         named, _ = _named_leaves(state)
         meta = {"format": FORMAT, "step": int(step), "fingerprint": self.fingerprint,
-                "leaves": [[list(names), *_describe(leaf)] for names, leaf in named]}
+                "leaves": [[list(names), *_describe(leaf)] for names, leaf in named],
+                "key_impls": {"/".join(names): str(jax.random.key_impl(leaf)) for names, leaf in named
+                              if _is_prng_key(leaf)}}
         items = {STATE: ocp.args.StandardSave(_nest([(n, _storable(leaf)) for n, leaf in named])),
                  META: ocp.args.JsonSave(meta)}
         if data_iter is not None:
             items[DATA] = grain.checkpoint.CheckpointSave(data_iter)
         if not self._manager.save(int(step), args=ocp.args.Composite(**items)):
-            raise CheckpointError(f"Orbax declined to save step {step} into {str(self.directory)!r} "
-                                  f"(existing steps: {self.all_steps()})")
+            raise CheckpointError(f"cannot save step {step} into {str(self.directory)!r}: Orbax only saves steps "
+                                  f"newer than the latest one there (steps: {self.all_steps()}); use a fresh run "
+                                  "directory when resuming an older checkpoint")
 
     def wait(self) -> None:
         """Block until background writes are finished and committed."""
@@ -246,6 +253,10 @@ class Checkpointer:
         for names, leaf in named:
             value = _lookup(restored, names)
             if _is_prng_key(leaf):
-                value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf))
+                impl = meta[META]["key_impls"].get("/".join(names))
+                if impl is None:
+                    raise CheckpointError(f"checkpoint {where}: leaf {'/'.join(names)} was saved as raw key data, "
+                                          "the template asks for a typed PRNG key")
+                value = jax.random.wrap_key_data(value, impl=impl)
             leaves.append(value)
         return int(meta[META]["step"]), jax.tree_util.tree_unflatten(treedef, leaves)

@@ -92,7 +92,8 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     eval_sharding = NamedSharding(mesh, P(*batch_spec(mesh)[1:]))
 
-    loader = make_train_loader(cfg.data, seq_len=t, batch_size=cfg.train.global_batch, seed=cfg.train.seed,
+    loader = make_train_loader(cfg.data, seq_len=t, batch_size=cfg.train.global_batch // jax.process_count(),
+                               seed=cfg.train.seed,
                                vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                                process_count=jax.process_count())
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg))
