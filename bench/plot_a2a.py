@@ -18,6 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 GIB = 2.0 ** 30
 
@@ -71,7 +72,9 @@ def main() -> None:
             label = f"{impl} skew={skew:g}"
             color = {"hp": "black", "hp_contiguous": "dimgray"}.get(impl, colors.get(skew))
             ax_t.plot(kk, [r["ms"] for _, r in pts], style, color=color, label=label, alpha=0.8 if impl == "hp" else 1)
-            ax_m.plot(kk, [r["peak_gib"] for _, r in pts], style, color=color, label=label)
+            unroll = pts[0][1]["params"].get("unroll", 1)
+            mem_label = label + (f" ({unroll} rounds' buffers)" if impl == "ep_ragged" and unroll > 1 else "")
+            ax_m.plot(kk, [r["peak_gib"] for _, r in pts], style, color=color, label=mem_label)
             if impl == "ep_ragged":
                 ax_m.plot(kk, [r["recv_rows_used_max"] * p0["d"] * 2 / GIB for _, r in pts], "--", color=color,
                           label=f"EP rows filled, skew={skew:g}")
@@ -82,10 +85,13 @@ def main() -> None:
     if ("HP", 0, 0.0) in ref:
         ax_t.axhline(ref[("HP", 0, 0.0)], color="gray", ls="--", label="NCCL anchor HP")
     dev = f"{p0['devices']} x {recs[0]['device']}"
-    ax_t.set(xlabel="k (experts per token)", ylabel="dispatch + combine, ms", xscale="log", xticks=ks,
+    ax_t.set(xlabel="k (experts per token)", ylabel="dispatch + combine, ms (log)", xscale="log", yscale="log",
+             xticks=ks,
              xticklabels=[str(k) for k in ks], title=f"All-to-all latency, {p0['tokens']} tok x d={p0['d']} bf16/GPU")
     ax_m.set(xlabel="k (experts per token)", ylabel="GiB per device", xscale="log", xticks=ks,
              xticklabels=[str(k) for k in ks], title=f"Peak memory of the exchange ({dev})")
+    for ax in (ax_t, ax_m):
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_t.legend(fontsize=7)
     ax_m.legend(fontsize=7)
     fig.tight_layout()

@@ -61,7 +61,7 @@ class RouterTiles(NamedTuple):
     """Tile sizes and launch settings; `router_tiles` picks the defaults."""
 
     block_n: int = 64  # forward: tokens per program
-    block_e: int = 64  # forward: experts per streamed W_r block (power of 2, >= KP)
+    block_e: int = 0  # forward: experts per streamed W_r block (power of 2, >= KP); 0: 128 if Ne <= 512 else 64
     fwd_warps: int = 4
     fwd_stages: int = 3
     select: int = 1  # forward block selection: 0 bitonic tl.topk, 1 threshold + at most K rounds of row max
@@ -78,7 +78,8 @@ def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
     """Default tiles for NE experts and top-k (BLOCK_E shrinks for small NE, grows to fit KP)."""
     t = RouterTiles()._replace(**overrides)
     kp = max(2, next_pow2(k))
-    be = max(16, kp, min(t.block_e, next_pow2(ne)))
+    be = t.block_e or (128 if ne <= 512 else 64)  # H100 sweep (bench/NOTES.md, Router)
+    be = max(16, kp, min(be, next_pow2(ne)))
     return t._replace(block_e=be)
 
 

@@ -20,7 +20,7 @@ from mhl_jax.model.gpt import build_model
 from mhl_jax.model.moe_core import LocalMoE
 from mhl_jax.parallel import traffic
 from mhl_jax.parallel.executors import make_executor
-from mhl_jax.parallel.expert_parallel import ExpertParallelMoE, received_groups
+from mhl_jax.parallel.expert_parallel import ExpertParallelMoE, make_plan, ragged_updates, received_groups
 from mhl_jax.parallel.head_parallel import HeadParallelMoE
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.train.optimizer import make_optimizer
@@ -180,6 +180,44 @@ def test_received_groups_against_numpy():
                 row += counts[q, g]
         got = received_groups(jnp.asarray(counts), jnp.asarray(starts, jnp.int32), peers * cap)
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def emulate_ragged_all_to_all(operands, outputs, updates):
+    """numpy model of lax.ragged_all_to_all's documented semantics over P devices: sender s writes
+    operand_s[in_off : in_off + size] to outputs[j][out_off : out_off + size] for each update of peer j.
+    Also checks each receiver's recv_sizes against what its senders send."""
+    peers = len(operands)
+    outputs = [o.copy() for o in outputs]
+    parts = len(updates[0][0]) // peers
+    for s, (in_off, send, out_off, _) in enumerate(updates):
+        for i in range(peers * parts):
+            j = i // parts
+            outputs[j][out_off[i]:out_off[i] + send[i]] = operands[s][in_off[i]:in_off[i] + send[i]]
+            assert updates[j][3][s * parts + i % parts] == send[i]  # the receiver expects this many rows
+    return outputs
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_ragged_plan_moves_every_row_to_its_place(parts):
+    """The GPU path (ragged_all_to_all is not on CPU), through a numpy model of the collective: dispatch
+    puts sender q's rows for p at p's recv_offsets[q], in order; combine brings every row back."""
+    rng = np.random.default_rng(6)
+    peers = 3
+    counts = rng.integers(0, 6, (peers, peers)).astype(np.int32)
+    counts[1, 2] = 0  # an empty chunk
+    plans = [make_plan(jnp.asarray(counts), jnp.int32(me)) for me in range(peers)]
+    sends = [np.arange(counts[q].sum()) + 100 * q for q in range(peers)]  # row ids, sorted by destination
+    rows = peers * counts.sum()
+    recv = emulate_ragged_all_to_all(sends, [np.full(rows, -1)] * peers,
+                                     [[np.asarray(a) for a in ragged_updates(pl, "send", parts)] for pl in plans])
+    for p in range(peers):
+        want = np.concatenate([sends[q][counts[q, :p].sum():counts[q, :p + 1].sum()] for q in range(peers)])
+        np.testing.assert_array_equal(recv[p][:len(want)], want)
+        assert (recv[p][len(want):] == -1).all()
+    back = emulate_ragged_all_to_all(recv, [np.full(len(x), -1) for x in sends],
+                                     [[np.asarray(a) for a in ragged_updates(pl, "return", parts)] for pl in plans])
+    for q in range(peers):
+        np.testing.assert_array_equal(back[q], sends[q])
 
 
 def test_sharded_train_step_matches_single_device():

@@ -224,15 +224,15 @@ def _jax_inputs(seed, n, h, dh, ne, bias_scale=0.1):
 
 
 @interp
-@pytest.mark.parametrize("sort", ["packed", "argsort"])
-def test_jax_metadata_matches_torch_and_drives_the_kernels(sort):
+@pytest.mark.parametrize("sort,n,ne", [("packed", 41, 24), ("argsort", 41, 24), ("packed", 7, 64)])
+def test_jax_metadata_matches_torch_and_drives_the_kernels(sort, n, ne):
     import jax.numpy as jnp
 
     from mhl_jax.ops.router_triton import dw_metadata
 
-    n, h, dh, ne, k = 41, 2, 16, 24, 3
+    h, dh, k = 2, 16, 3
     x, w, b = _inputs(4, n, h, dh, ne)
-    b[:, 5] = 50.0  # one hot expert: a group over several blocks
+    b[:, 5] = 50.0  # one hot expert: a group over several blocks (n = 41); n = 7: most groups empty
     tiles = kr.router_tiles(ne, k, block_n=16, block_e=16, dx_block_n=16, dw_block=16, dw_sub=16, red_block_e=16)
     _, idx = ktr.router_fwd(x, w, b, k, "bf16x3", tiles)
     mj = dw_metadata(jnp.asarray(idx.numpy()), ne, tiles.dw_block, sort)

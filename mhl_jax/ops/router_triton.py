@@ -83,17 +83,27 @@ def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "packed") -> Dw
         se = jnp.take_along_axis(e, order, axis=-1)
     else:
         raise ValueError(f"router sort={sort!r}, expected 'packed' or 'argsort'")
-    bounds = jax.vmap(lambda s: jnp.searchsorted(s, jnp.arange(ne + 1, dtype=jnp.int32), side="left"))(se)
-    bounds = bounds.astype(jnp.int32)  # (H, Ne + 1)
+    # Group boundaries from the sorted experts, without searchsorted (a loop of dependent steps in
+    # XLA): the first position of each run of equal experts, scattered by expert (unique targets, no
+    # contention), then a reverse running min gives empty groups the next group's start.
+    pos = jnp.arange(mh, dtype=jnp.int32)[None]
+    is_start = jnp.concatenate([jnp.ones((h, 1), bool), se[:, 1:] != se[:, :-1]], axis=1)
+    heads = jnp.arange(h, dtype=jnp.int32)[:, None]
+    first = jnp.full((h, ne + 1), mh, jnp.int32).at[heads, jnp.where(is_start, se, ne)].min(pos)
+    first = first.at[:, ne].set(mh)
+    bounds = jax.lax.cummin(first, axis=1, reverse=True)  # (H, Ne + 1): start of each expert's run
     size = (bounds[:, 1:] - bounds[:, :-1]).reshape(-1)
-    start = (bounds[:, :-1] + jnp.arange(h, dtype=jnp.int32)[:, None] * mh).reshape(-1)
+    start = (bounds[:, :-1] + heads * mh).reshape(-1)
     nblk = (size + block - 1) // block
     cum = jnp.cumsum(nblk).astype(jnp.int32)
     nb = dw_num_blocks(n * h * k, h * ne, block)
-    blocks = jnp.arange(nb, dtype=jnp.int32)
-    bg = jnp.searchsorted(cum, blocks, side="right").astype(jnp.int32)
-    bg = jnp.where(blocks < cum[-1], bg, -1)
-    return DwMeta(order.reshape(-1), bg, start, cum - nblk, size, nblk)
+    bstart = cum - nblk
+    # block -> group: mark each non-empty group's first block, carry the mark forward
+    g_ids = jnp.arange(h * ne, dtype=jnp.int32)
+    marks = jnp.full((nb,), -1, jnp.int32).at[jnp.where(nblk > 0, bstart, nb)].max(g_ids, mode="drop")
+    bg = jax.lax.cummax(marks, axis=0)
+    bg = jnp.where(jnp.arange(nb, dtype=jnp.int32) < cum[-1], bg, -1)
+    return DwMeta(order.reshape(-1), bg, start, bstart, size, nblk)
 
 
 def _dhp(dh: int) -> int:
@@ -110,13 +120,14 @@ def _fwd_triton(st: Static, x, w, bias):
     n, h, dh = x.shape
     ne, t = w.shape[2], st.tiles
     wp = split_bf16(w, weight_parts(st.precision)) if st.precision.startswith("bf16") else w[None]
-    return jt.triton_call(
+    vals, idx = jt.triton_call(
         x, wp, bias, kernel=router_fwd_kernel,
         out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)],
         grid=(-(-n // t.block_n), h), num_warps=t.fwd_warps, num_stages=t.fwd_stages,
         N=n, H=h, DH=dh, DHP=_dhp(dh), NE=ne, K=st.k, KP=max(2, next_pow2(st.k)), PARTS=wp.shape[0],
         PRECISION="ieee" if st.precision.startswith("bf16") else st.precision,
         BLOCK_N=t.block_n, BLOCK_E=t.block_e, SELECT=t.select, UPCAST=False)
+    return vals, idx  # a tuple (jax-triton returns a list), as the reference and shard_map out_specs
 
 
 def _dx_triton(st: Static, idx, dvals, wt, x_dtype):

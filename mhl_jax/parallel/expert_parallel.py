@@ -81,21 +81,57 @@ def resolve_ep_impl(ep_impl: str) -> str:
 # ----------------------------------------------------------------------------- the two exchanges
 
 
+def split_updates(offsets: jax.Array, sizes: jax.Array, parts: int) -> tuple[jax.Array, jax.Array]:
+    """(P,) chunk offsets and sizes -> (P * parts,) offsets and sizes of contiguous pieces.
+
+    Piece u of chunk p covers rows [off_p + floor(u * size_p / parts), off_p + floor((u+1) * size_p / parts)):
+    the sender and the receiver of a chunk compute the same pieces from the same count.
+    """
+    u = jnp.arange(parts + 1, dtype=jnp.int32)
+    bounds = sizes[:, None] * u[None, :] // parts  # (P, parts + 1)
+    return (offsets[:, None] + bounds[:, :-1]).reshape(-1), (bounds[:, 1:] - bounds[:, :-1]).reshape(-1)
+
+
+def ragged_updates(plan: ExchangePlan, direction: str, parts: int) -> tuple[jax.Array, ...]:
+    """(input_offsets, send_sizes, output_offsets, recv_sizes), each (P * parts,), for
+    lax.ragged_all_to_all: 'send' (dispatch, send layout -> receive layout) or 'return' (combine).
+
+    XLA's single-host GPU kernel gives each update (one peer's slice) one 128-thread block, so one
+    update per peer copies at a few GB/s (measured: 2.75 GB/s on 2 x H200); `parts` pieces per peer
+    put parts x more blocks to work."""
+    if direction == "send":
+        in_off, send = split_updates(plan.send_offsets, plan.send_sizes, parts)
+        out_off, _ = split_updates(plan.remote_recv_offsets, plan.send_sizes, parts)
+        _, recv = split_updates(plan.recv_offsets, plan.recv_sizes, parts)
+    elif direction == "return":
+        in_off, send = split_updates(plan.recv_offsets, plan.recv_sizes, parts)
+        out_off, _ = split_updates(plan.remote_send_offsets, plan.recv_sizes, parts)
+        _, recv = split_updates(plan.send_offsets, plan.send_sizes, parts)
+    else:
+        raise ValueError(f"ragged_updates: direction={direction!r}, expected 'send' or 'return'")
+    return in_off, send, out_off, recv
+
+
+def ragged_parts(peers: int) -> int:
+    """Pieces per peer for ragged_all_to_all: about 256 updates in all (2 blocks per H200 SM)."""
+    return max(1, 256 // peers)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _ragged_send(x: jax.Array, plan: ExchangePlan, out_rows: int, axis: str) -> jax.Array:
     """Dispatch: x (M, c) sorted by destination -> (out_rows, c) chunks of the senders, packed in
     peer order; rows past the received ones are zero."""
     out = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
-    return lax.ragged_all_to_all(x, out, plan.send_offsets, plan.send_sizes, plan.remote_recv_offsets,
-                                 plan.recv_sizes, axis_name=axis)
+    updates = ragged_updates(plan, "send", ragged_parts(plan.send_sizes.shape[0]))
+    return lax.ragged_all_to_all(x, out, *updates, axis_name=axis)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _ragged_return(y: jax.Array, plan: ExchangePlan, out_rows: int, axis: str) -> jax.Array:
     """Combine: y (R, c) in receive layout -> (out_rows, c) in this device's send layout."""
     out = jnp.zeros((out_rows,) + y.shape[1:], y.dtype)
-    return lax.ragged_all_to_all(y, out, plan.recv_offsets, plan.recv_sizes, plan.remote_send_offsets,
-                                 plan.send_sizes, axis_name=axis)
+    updates = ragged_updates(plan, "return", ragged_parts(plan.send_sizes.shape[0]))
+    return lax.ragged_all_to_all(y, out, *updates, axis_name=axis)
 
 
 # Each exchange's transpose is the other one (explicit rules: no reliance on an autodiff rule for
