@@ -47,7 +47,12 @@ BWD_TILES = [  # dx_block_n, dx_warps, dw_block, dw_sub, dw_warps
 ]
 
 
+TAG = None
+
+
 def emit(rec: dict, outf) -> None:
+    if TAG:
+        rec = dict(rec, tag=TAG)
     print(json.dumps(rec), flush=True)
     if outf:
         outf.write(json.dumps(rec) + "\n")
@@ -147,7 +152,6 @@ def sweep_one(tokens: int, ne: int, k: int, device: str, date: str, outf):
 
     from kernels import torch_router as ktr
     from kernels.router import router_tiles
-    from mhl_jax.ops.router_triton import dw_metadata
 
     x, w, b, dv = (to_torch(a) for a in make_inputs(100 + ne, tokens, ne, k))
     res = []
@@ -183,13 +187,20 @@ def sweep_one(tokens: int, ne: int, k: int, device: str, date: str, outf):
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         emit(rec, outf)
-    # JAX metadata: packed uint32 sort vs stable argsort
-    jidx = jnp.asarray(idx.cpu().numpy())
-    for sort in ("packed", "argsort"):
-        f = jax.jit(functools.partial(dw_metadata, ne=ne, block=t0.dw_block, sort=sort))
-        emit(dict(bench="router_bwd_parts", part=f"meta_jax_{sort}", device=device, date=date,
-                  params=dict(tokens=tokens, ne=ne, k=k), ms=time_jax(f, [(jidx,)])), outf)
+    time_meta(jnp.asarray(idx.cpu().numpy()), ne, device, date, outf)
     return best
+
+
+def time_meta(idx, ne: int, device: str, date: str, outf) -> None:
+    """The JAX backward's slot sort + block metadata alone: packed uint32 sort vs stable argsort."""
+    from kernels.router import router_tiles
+    from mhl_jax.ops.router_triton import dw_metadata
+
+    n, _, k = idx.shape
+    for sort in ("packed", "argsort"):
+        f = jax.jit(functools.partial(dw_metadata, ne=ne, block=router_tiles(ne, k).dw_block, sort=sort))
+        emit(dict(bench="router_bwd_parts", part=f"meta_jax_{sort}", device=device, date=date,
+                  params=dict(tokens=n, ne=ne, k=k), ms=time_jax(f, [(idx,)])), outf)
 
 
 def precision_check(tokens: int, nes: list[int], k: int, device: str, date: str, outf, tiles_for) -> None:
@@ -319,11 +330,13 @@ def main() -> None:
     ap.add_argument("--sweep-ne", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--precision", action="store_true")
     ap.add_argument("--precision-ne", type=int, nargs="+", default=[2048])
+    ap.add_argument("--meta", action="store_true", help="also time the JAX backward's sort + metadata per Ne")
+    ap.add_argument("--tag", default=None, help="stored in every record (e.g. the code version)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry-cpu", action="store_true", help="check the script on CPU (interpreter, tiny shapes)")
     args = ap.parse_args()
-    global DRY
-    DRY = args.dry_cpu
+    global DRY, TAG
+    DRY, TAG = args.dry_cpu, args.tag
     if DRY:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
 
@@ -335,6 +348,7 @@ def main() -> None:
         pass
     os.environ["TRITON_CACHE_DIR"] = os.environ.get("MHL_TRITON_CACHE") or tempfile.mkdtemp()
     from kernels.router import router_tiles
+    from mhl_jax.ops.router import route_topk_reference
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()
@@ -356,6 +370,9 @@ def main() -> None:
             rec = bench_one(impl, sets, n, ne, k, tiles_for(ne), device, date)
             emit(rec, outf)
             rows.append(rec)
+        if args.meta:
+            time_meta(jax.jit(lambda x, w, b: route_topk_reference(x, w, b, k)[1])(*sets[0][:3]), ne, device, date,
+                      outf)
         del sets
         empty_cache()
 

@@ -13,7 +13,9 @@ unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 t0=$(date +%s)
 if python3 -c "import pytest" 2>/dev/null; then
-    python3 -m pytest -q -m gpu -p no:cacheprovider -s tests/test_router_kernel.py 2>&1 | tee "$OUT/router_gpu_tests.log"
+    # ROUTER_TEST_K: optional pytest -k expression to run a subset
+    python3 -m pytest -q -m gpu -p no:cacheprovider -s ${ROUTER_TEST_K:+-k "$ROUTER_TEST_K"} \
+        tests/test_router_kernel.py 2>&1 | tee "$OUT/router_gpu_tests.log"
 else
     echo "pytest is not installed here: GPU tests skipped" | tee "$OUT/router_gpu_tests.log"
 fi

@@ -24,6 +24,7 @@ from mhl_jax.model.gpt import build_model
 from mhl_jax.model.params import count_params, train_flops_per_token
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
+from mhl_jax.parallel.traffic import comm_bytes_per_layer
 from mhl_jax.train.checkpoint import Checkpointer
 from mhl_jax.train.metrics import device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
@@ -116,6 +117,10 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     flops_tok = train_flops_per_token(cfg)
     peak = device_peak_flops(cfg.logging.peak_tflops)
     tokens_per_step = cfg.train.global_batch * t
+    comm = comm_bytes_per_layer(cfg, mesh, cfg.train.micro_batch * t)  # all-to-all bytes per device per MoE layer
+    if comm:
+        log("all-to-all per device per MoE layer, each way: "
+            + ", ".join(f"{k.split('/')[1]} {v / 2**20:.2f} MiB" for k, v in comm.items()))
     history: list[dict] = []
     metrics_file = open(run_dir / "metrics.jsonl", "a")
     bar = tqdm(total=total, initial=start, disable=not cfg.logging.progress_bar, file=sys.stderr, dynamic_ncols=True)
@@ -127,6 +132,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             now = time.perf_counter()
             m["step"] = step + 1
+            m.update(comm)
             m["tokens_per_s"] = tokens_per_step / (now - last)
             m["mfu"] = mfu(flops_tok, m["tokens_per_s"], mesh.size, peak)
             last = now
