@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+
+from bench.timing import time_jax  # noqa: E402
 
 NH, DH, K = 8, 128, 4
 
@@ -58,20 +59,6 @@ def make_inputs(seed: int, tokens: int, ne: int, de: int, nh: int = NH, dh: int 
 
 # -------------------------------------------------------------------------------------- JAX timing
 
-def time_jax(fn, arg_sets, reps: int = 20, inner: int = 3) -> float:
-    """Median ms per call over `reps` batches of `inner` back-to-back calls, rotating input sets."""
-    out = fn(*arg_sets[0])
-    jax.block_until_ready(out)
-    for a in arg_sets:
-        jax.block_until_ready(fn(*a))
-    ts = []
-    for r in range(reps):
-        t0 = time.perf_counter()
-        for i in range(inner):
-            out = fn(*arg_sets[(r * inner + i) % len(arg_sets)])
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / inner * 1e3)
-    return float(np.median(ts))
 
 
 def jax_fns(ffn):

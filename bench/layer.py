@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +28,8 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+
+from bench.timing import time_jax  # noqa: E402
 
 D, NH, DH = 1024, 8, 128
 MEASURED_BF16_TFLOPS = 800.0
@@ -65,17 +65,6 @@ def model_flops(tokens: int, ne: int, k: int, de: int) -> float:
     return 3.0 * fwd
 
 
-def time_fn(fn, arg_sets, reps: int = 20, inner: int = 3) -> float:
-    for a in arg_sets:
-        jax.block_until_ready(fn(*a))
-    ts = []
-    for r in range(reps):
-        t0 = time.perf_counter()
-        for i in range(inner):
-            out = fn(*arg_sets[(r * inner + i) % len(arg_sets)])
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / inner * 1e3)
-    return float(np.median(ts))
 
 
 def peak_gib(jitted, *args) -> float:
@@ -130,8 +119,8 @@ def main() -> None:
                 rec = dict(bench="layer", impl=impl, router=router, device=device, date=date,
                            params=dict(tokens=tokens, d=D, nh=NH, dh=DH, ne=ne, k=k, de=de))
                 try:
-                    rec["ms_fwd"] = time_fn(fwd, [(params, x) for x in xs])
-                    rec["ms"] = time_fn(grad, [(params, x) for x in xs])
+                    rec["ms_fwd"] = time_jax(fwd, [(params, x) for x in xs])
+                    rec["ms"] = time_jax(grad, [(params, x) for x in xs])
                     rec["ms_bwd"] = rec["ms"] - rec["ms_fwd"]
                     rec["peak_gib"] = peak_gib(grad, params, xs[0])
                     rec["tflops"] = model_flops(tokens, ne, k, de) / rec["ms"] / 1e9

@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+
+from bench import timing  # noqa: E402
 
 NH, DH = 8, 128
 AUTHORS_FB_MS = {128: 8.0, 256: 9.8, 512: 12.7, 1024: 17.8, 2048: 27.4}  # DESIGN §7, their router, H100
@@ -76,18 +77,7 @@ def to_torch(a):
 
 # -------------------------------------------------------------------------------------------- timing
 
-def time_jax(fn, arg_sets, reps: int = 15, inner: int = 3) -> float:
-    """Median ms per call over `reps` batches of `inner` back-to-back calls, rotating input sets."""
-    for a in arg_sets:
-        jax.block_until_ready(fn(*a))
-    ts = []
-    for r in range(reps):
-        t0 = time.perf_counter()
-        for i in range(inner):
-            out = fn(*arg_sets[(r * inner + i) % len(arg_sets)])
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / inner * 1e3)
-    return float(np.median(ts))
+time_jax = functools.partial(timing.time_jax, reps=15)
 
 
 DRY = False  # --dry-cpu: interpreter kernels, one untimed-quality call, tiny shapes (checks the script)
@@ -196,11 +186,15 @@ def time_meta(idx, ne: int, device: str, date: str, outf) -> None:
     from kernels.router import router_tiles
     from mhl_jax.ops.router_triton import dw_metadata
 
-    n, _, k = idx.shape
-    for sort in ("packed", "argsort"):
-        f = jax.jit(functools.partial(dw_metadata, ne=ne, block=router_tiles(ne, k).dw_block, sort=sort))
-        emit(dict(bench="router_bwd_parts", part=f"meta_jax_{sort}", device=device, date=date,
+    n, h, k = idx.shape
+    for sort, bounds in (("packed", "scatter"), ("packed", "search"), ("argsort", "scatter")):
+        f = jax.jit(functools.partial(dw_metadata, ne=ne, block=router_tiles(ne, k).dw_block, sort=sort,
+                                      bounds=bounds))
+        emit(dict(bench="router_bwd_parts", part=f"meta_jax_{sort}_{bounds}", device=device, date=date,
                   params=dict(tokens=n, ne=ne, k=k), ms=time_jax(f, [(idx,)])), outf)
+    key = jnp.swapaxes(idx, 0, 1).reshape(h, n * k).astype(jnp.uint32)
+    emit(dict(bench="router_bwd_parts", part="sort_only_uint32", device=device, date=date,
+              params=dict(tokens=n, ne=ne, k=k), ms=time_jax(jax.jit(lambda t: jnp.sort(t, axis=-1)), [(key,)])), outf)
 
 
 def precision_check(tokens: int, nes: list[int], k: int, device: str, date: str, outf, tiles_for) -> None:

@@ -16,31 +16,9 @@ from typing import NamedTuple
 import torch
 
 from kernels.experts import ExpertsConfig, default_config, expert_dw_kernel, expert_dx_kernel, expert_fwd_kernel
+from kernels.interpreter_patch import fix_interpreter_scalar_index
 
-
-def _fix_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(array),
-    which numpy >= 2.4 rejects: a loop bound loaded from memory (`range(0, nblk)`) then fails. Make
-    __index__ take the single element. No effect outside TRITON_INTERPRET=1."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_mhl_index_fixed", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._mhl_index_fixed = True
-
-
-_fix_interpreter_scalar_index()
+fix_interpreter_scalar_index()
 
 
 class TorchPacking(NamedTuple):

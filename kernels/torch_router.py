@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from kernels.interpreter_patch import fix_interpreter_scalar_index
 from kernels.router import (
     RouterTiles,
     check_router_args,
@@ -37,28 +38,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _fix_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(array),
-    which numpy >= 2.4 rejects: a loop bound loaded from memory (`range(0, cnt)`) then fails. Make
-    __index__ take the single element. No effect outside TRITON_INTERPRET=1. (Same patch, same flag
-    as kernels/torch_experts.py, so the two never stack.)"""
-    if not _interpreting():
-        return
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_mhl_index_fixed", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._mhl_index_fixed = True
-
-
-_fix_interpreter_scalar_index()
+fix_interpreter_scalar_index()
 
 
 def split_bf16(w: torch.Tensor, parts: int) -> torch.Tensor:

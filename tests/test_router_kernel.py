@@ -224,8 +224,9 @@ def _jax_inputs(seed, n, h, dh, ne, bias_scale=0.1):
 
 
 @interp
-@pytest.mark.parametrize("sort,n,ne", [("packed", 41, 24), ("argsort", 41, 24), ("packed", 7, 64)])
-def test_jax_metadata_matches_torch_and_drives_the_kernels(sort, n, ne):
+@pytest.mark.parametrize("sort,bounds,n,ne", [("packed", "scatter", 41, 24), ("argsort", "search", 41, 24),
+                                              ("packed", "scatter", 7, 64), ("argsort", "search", 7, 64)])
+def test_jax_metadata_matches_torch_and_drives_the_kernels(sort, bounds, n, ne):
     import jax.numpy as jnp
 
     from mhl_jax.ops.router_triton import dw_metadata
@@ -235,7 +236,7 @@ def test_jax_metadata_matches_torch_and_drives_the_kernels(sort, n, ne):
     b[:, 5] = 50.0  # one hot expert: a group over several blocks (n = 41); n = 7: most groups empty
     tiles = kr.router_tiles(ne, k, block_n=16, block_e=16, dx_block_n=16, dw_block=16, dw_sub=16, red_block_e=16)
     _, idx = ktr.router_fwd(x, w, b, k, "bf16x3", tiles)
-    mj = dw_metadata(jnp.asarray(idx.numpy()), ne, tiles.dw_block, sort)
+    mj = dw_metadata(jnp.asarray(idx.numpy()), ne, tiles.dw_block, sort, bounds)
     mt = ktr.dw_metadata(idx, ne, tiles.dw_block)
     for name, a, c in zip(mt._fields, mj, mt):
         assert np.array_equal(np.asarray(a), c.numpy()), name

@@ -67,8 +67,18 @@ def split_bf16(w: jax.Array, parts: int) -> jax.Array:
     return jnp.stack(out)
 
 
-def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "packed") -> DwMeta:
-    """idx (N, H, k) int32 -> DwMeta with blocks of at most `block` slots (static shapes)."""
+def _scan(op, x: jax.Array, axis: int = 0, reverse: bool = False) -> jax.Array:
+    """Inclusive prefix op as a log-depth associative scan (XLA may lower lax.cum* to a quadratic
+    reduce-window)."""
+    return jax.lax.associative_scan(op, x, reverse=reverse, axis=axis)
+
+
+def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "packed", bounds: str = "scatter") -> DwMeta:
+    """idx (N, H, k) int32 -> DwMeta with blocks of at most `block` slots (static shapes).
+
+    sort: "packed" (one uint32 sort of (expert << bits | slot), when that fits in 32 bits) or
+    "argsort" (stable argsort). bounds: "scatter" (run starts scattered by expert, prefix scans) or
+    "search" (jnp.searchsorted). All variants give identical arrays."""
     n, h, k = idx.shape
     mh = n * k
     e = jnp.swapaxes(idx, 0, 1).reshape(h, mh).astype(jnp.int32)  # (H, N*k): local slot n * k + j
@@ -83,26 +93,35 @@ def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "packed") -> Dw
         se = jnp.take_along_axis(e, order, axis=-1)
     else:
         raise ValueError(f"router sort={sort!r}, expected 'packed' or 'argsort'")
-    # Group boundaries from the sorted experts, without searchsorted (a loop of dependent steps in
-    # XLA): the first position of each run of equal experts, scattered by expert (unique targets, no
-    # contention), then a reverse running min gives empty groups the next group's start.
-    pos = jnp.arange(mh, dtype=jnp.int32)[None]
-    is_start = jnp.concatenate([jnp.ones((h, 1), bool), se[:, 1:] != se[:, :-1]], axis=1)
     heads = jnp.arange(h, dtype=jnp.int32)[:, None]
-    first = jnp.full((h, ne + 1), mh, jnp.int32).at[heads, jnp.where(is_start, se, ne)].min(pos)
-    first = first.at[:, ne].set(mh)
-    bounds = jax.lax.cummin(first, axis=1, reverse=True)  # (H, Ne + 1): start of each expert's run
-    size = (bounds[:, 1:] - bounds[:, :-1]).reshape(-1)
-    start = (bounds[:, :-1] + heads * mh).reshape(-1)
-    nblk = (size + block - 1) // block
-    cum = jnp.cumsum(nblk).astype(jnp.int32)
     nb = dw_num_blocks(n * h * k, h * ne, block)
+    blocks = jnp.arange(nb, dtype=jnp.int32)
+    if bounds == "search":
+        run0 = jax.vmap(lambda s: jnp.searchsorted(s, jnp.arange(ne + 1, dtype=jnp.int32), side="left"))(se)
+    elif bounds == "scatter":
+        # first position of each run of equal experts, scattered by expert (the other positions are
+        # dropped, not sent to a dump cell: no atomic contention); a reverse running min then gives
+        # an empty expert the next expert's start
+        pos = jnp.arange(mh, dtype=jnp.int32)[None]
+        is_start = jnp.concatenate([jnp.ones((h, 1), bool), se[:, 1:] != se[:, :-1]], axis=1)
+        first = jnp.full((h, ne + 1), mh, jnp.int32).at[heads, jnp.where(is_start, se, ne + 1)].min(
+            pos, mode="drop")
+        run0 = _scan(jnp.minimum, first, axis=1, reverse=True)
+    else:
+        raise ValueError(f"router bounds={bounds!r}, expected 'scatter' or 'search'")
+    run0 = run0.astype(jnp.int32)  # (H, Ne + 1): start of each expert's run within its head
+    size = (run0[:, 1:] - run0[:, :-1]).reshape(-1)
+    start = (run0[:, :-1] + heads * mh).reshape(-1)
+    nblk = (size + block - 1) // block
+    cum = _scan(jnp.add, nblk)
     bstart = cum - nblk
-    # block -> group: mark each non-empty group's first block, carry the mark forward
-    g_ids = jnp.arange(h * ne, dtype=jnp.int32)
-    marks = jnp.full((nb,), -1, jnp.int32).at[jnp.where(nblk > 0, bstart, nb)].max(g_ids, mode="drop")
-    bg = jax.lax.cummax(marks, axis=0)
-    bg = jnp.where(jnp.arange(nb, dtype=jnp.int32) < cum[-1], bg, -1)
+    if bounds == "search":
+        bg = jnp.searchsorted(cum, blocks, side="right").astype(jnp.int32)
+    else:  # mark each non-empty group's first block with the group, carry the mark forward
+        g_ids = jnp.arange(h * ne, dtype=jnp.int32)
+        marks = jnp.full((nb,), -1, jnp.int32).at[jnp.where(nblk > 0, bstart, nb)].max(g_ids, mode="drop")
+        bg = _scan(jnp.maximum, marks)
+    bg = jnp.where(blocks < cum[-1], bg, -1)
     return DwMeta(order.reshape(-1), bg, start, bstart, size, nblk)
 
 

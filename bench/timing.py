@@ -1,0 +1,26 @@
+"""Host-side timing of jitted JAX callables, shared by the bench scripts (device METHOD.md)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+
+def time_jax(fn, arg_sets, reps: int = 20, inner: int = 3) -> float:
+    """Median ms per call over `reps` batches of `inner` back-to-back calls, rotating input sets.
+
+    Every input set is run once first (compile, warm-up); block_until_ready closes each batch, so
+    the time is the device's, launch gaps amortised over `inner` calls.
+    """
+    for a in arg_sets:
+        jax.block_until_ready(fn(*a))
+    ts = []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        for i in range(inner):
+            out = fn(*arg_sets[(r * inner + i) % len(arg_sets)])
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / inner * 1e3)
+    return float(np.median(ts))
