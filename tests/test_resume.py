@@ -79,6 +79,12 @@ def test_stop_and_resume_is_exact(tmp_path):
     assert f"resumed from step {N}" in r.stdout
     assert losses(split) == losses(straight)  # bitwise-equal floats, same steps, same val losses
     assert_same_state(straight, split)
+    # --resume PATH: a new run directory continues from an explicit checkpoint of another run
+    explicit = tmp_path / "explicit"
+    r = run(common(explicit, "--resume", str(straight / "checkpoints" / "6")))
+    assert "resumed from step 6" in r.stdout
+    assert losses(explicit) == losses(straight)[6:]
+    assert_same_state(straight, explicit)
 
 
 def test_killed_run_on_bin_shards_resumes_exactly(tmp_path):
