@@ -1,6 +1,6 @@
 """Train a model: `python train.py [--config configs/X.yaml] [--set key.sub=value ...] [--resume PATH]`.
 
-With no arguments it trains the tiny Multi-Head LatentMoE on the built-in corpus (CPU, ~2 minutes).
+With no arguments it trains the tiny Multi-Head LatentMoE on the built-in corpus (CPU, 2-3 minutes).
 """
 
 from __future__ import annotations
