@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 
@@ -287,11 +286,12 @@ def main() -> None:
 
     import torch
 
+    from mhl_jax.ops.kernels_select import import_jax_triton
+
     try:
-        import jax_triton  # noqa: F401  (blanks TRITON_CACHE_DIR at import: set it after)
+        import_jax_triton()  # also keeps TRITON_CACHE_DIR usable for torch.compile after it
     except ImportError:
         pass
-    os.environ["TRITON_CACHE_DIR"] = os.environ.get("MHL_TRITON_CACHE") or tempfile.mkdtemp()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()
     rows, flex_done = [], 0

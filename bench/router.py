@@ -26,7 +26,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import traceback
 
@@ -336,11 +335,12 @@ def main() -> None:
 
     import torch
 
+    from mhl_jax.ops.kernels_select import import_jax_triton
+
     try:
-        import jax_triton  # noqa: F401  (blanks TRITON_CACHE_DIR at import: set it after)
+        import_jax_triton()  # also keeps TRITON_CACHE_DIR usable for torch.compile after it
     except ImportError:
         pass
-    os.environ["TRITON_CACHE_DIR"] = os.environ.get("MHL_TRITON_CACHE") or tempfile.mkdtemp()
     from kernels.router import router_tiles
     from mhl_jax.ops.router import route_topk_reference
 

@@ -315,15 +315,14 @@ def test_jax_shard_map_over_heads_emulate():
 # ----------------------------------------------------------------------------------------------- GPU
 
 def _gpu_setup():
-    import tempfile
 
     import jax
 
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU JAX backend")
-    import jax_triton  # noqa: F401
+    from mhl_jax.ops.kernels_select import import_jax_triton
 
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # jax_triton's import blanks it (DESIGN §6)
+    import_jax_triton()  # keeps TRITON_CACHE_DIR usable for the torch launches after it
 
 
 def _gpu_inputs(seed, n, h, dh, ne, bias_scale=0.1):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from kernels.experts import ExpertsConfig, default_config
 from mhl_jax.ops import packing as pk
+from mhl_jax.ops.kernels_select import import_jax_triton
 
 
 class Meta(NamedTuple):
@@ -52,7 +53,7 @@ def _opts(dtype) -> dict:
 
 
 def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
-    import jax_triton as jt
+    jt = import_jax_triton()
 
     from kernels.experts import expert_fwd_kernel
 
@@ -67,7 +68,7 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
 
 
 def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
-    import jax_triton as jt
+    jt = import_jax_triton()
 
     from kernels.experts import expert_dw_kernel, expert_dx_kernel
 

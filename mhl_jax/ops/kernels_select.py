@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from types import ModuleType
+
 import jax
+
+
+def import_jax_triton() -> ModuleType:
+    """Import jax_triton and undo its side effect: its import sets TRITON_CACHE_DIR="" for the whole
+    process (DESIGN §6), which later breaks torch.compile / FlexAttention ("Could not create or
+    locate cache dir"). Puts back the previous value, else $MHL_TRITON_CACHE, else a fresh folder."""
+    before = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton
+
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = before or os.environ.get("MHL_TRITON_CACHE") or tempfile.mkdtemp(
+            prefix="triton-cache-")
+    return jax_triton
 
 
 def triton_available() -> bool:
@@ -10,7 +27,7 @@ def triton_available() -> bool:
     if jax.default_backend() != "gpu":
         return False
     try:
-        import jax_triton  # noqa: F401
+        import_jax_triton()
     except Exception:  # jax-triton raises at import without a GPU jaxlib
         return False
     return True

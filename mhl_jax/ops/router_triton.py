@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.router import RouterTiles, check_router_args, dw_num_blocks, next_pow2, router_tiles, weight_parts
+from mhl_jax.ops.kernels_select import import_jax_triton
 from mhl_jax.ops.router import check_router_shapes, route_topk_reference
 
 
@@ -132,7 +133,7 @@ def _dhp(dh: int) -> int:
 # ----------------------------------------------------------------------------- kernel calls (Triton)
 
 def _fwd_triton(st: Static, x, w, bias):
-    import jax_triton as jt
+    jt = import_jax_triton()
 
     from kernels.router import router_fwd_kernel
 
@@ -150,7 +151,7 @@ def _fwd_triton(st: Static, x, w, bias):
 
 
 def _dx_triton(st: Static, idx, dvals, wt, x_dtype):
-    import jax_triton as jt
+    jt = import_jax_triton()
 
     from kernels.router import router_bwd_dx_kernel
 
@@ -164,7 +165,7 @@ def _dx_triton(st: Static, idx, dvals, wt, x_dtype):
 
 
 def _dw_triton(st: Static, x, dvals, meta: DwMeta, ne: int):
-    import jax_triton as jt
+    jt = import_jax_triton()
 
     from kernels.router import router_bwd_dw_partial_kernel, router_bwd_dw_reduce_kernel
 
