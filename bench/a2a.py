@@ -3,7 +3,7 @@
     python bench/a2a.py [--tokens 81920] [--d 1024] [--heads 8] [--ks 1 2 4 8] [--skews 0 1 2]
                         [--ep-impls ragged padded] [--repeats 20] [--unroll 8] [--ragged-unroll 1]
                         [--out FILE]
-                        [--train-check] [--date YYYY-MM-DD]
+                        [--train-check] [--hp-layer] [--date YYYY-MM-DD]
 
 Per device: `tokens` tokens of width d, bf16 (81920 x 1024 by default, as in DESIGN §7's anchors).
 - HP: x (n, Nh, d/Nh) -> all_to_all(split=head, concat=token) -> reverse all_to_all (the exchange of
@@ -23,6 +23,8 @@ Memory: XLA's buffer assignment of the compiled exchange per device (arguments +
 temporaries; shapes are static, so this is the peak). EP's receive buffer is the static worst case
 (P * n * k rows); `recv_rows_used_max` is what the skew actually filled on the busiest device.
 Every timed exchange is checked to return its input bit for bit.
+--hp-layer also times the exchange inside the layer (W_in and W_out included, forward and fwd+bwd)
+in the model's token-major layout and in the head-group-major layout the model uses under HP.
 --train-check also runs bench/train_2gpu.py (1 vs 2 device training losses) and an EP layer check
 (ragged vs padded vs one device, values and gradients). Any failed stage makes the exit status 1.
 """
@@ -50,7 +52,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mhl_jax.parallel import traffic  # noqa: E402
 from mhl_jax.parallel.expert_parallel import combine, dispatch, make_plan  # noqa: E402
-from mhl_jax.parallel.head_parallel import to_local_heads, to_local_tokens  # noqa: E402
+from mhl_jax.model.moe import grouped_project_in, grouped_project_out  # noqa: E402
+from mhl_jax.parallel.head_parallel import (grouped_to_local_heads, grouped_to_local_tokens,  # noqa: E402
+                                            to_local_heads, to_local_tokens)
 
 GIB = 2.0 ** 30
 
@@ -199,6 +203,62 @@ def bench(args, device: str, date: str, emit) -> list[dict]:
     return recs
 
 
+def hp_layer_fn(mesh: Mesh, layout: str, exchange: bool, unroll: int, backward: bool):
+    """jit of `unroll` HP layers without experts, per device: x (n, d) -> W_in -> [exchange there and
+    back] -> W_out -> (n, d), in the model's two layouts: `token` (sub-tokens (n, Nh, dh), split on
+    heads) or `grouped` (W_in emits (P, n, Nh/P, dh), what the model does under HP). Without the
+    exchange it is the projections alone, so layer - projections = what the exchange costs in the
+    layer, layout changes included. backward: value and gradient of sum(out * cos(x)) instead."""
+    peers = mesh.shape["hp"]
+
+    def one(x, w_in, w_out):
+        if layout == "token":
+            sub = jnp.einsum("nd,dhc->nhc", x, w_in)
+            if exchange:
+                sub = to_local_tokens(lax.optimization_barrier(to_local_heads(sub)))
+            return jnp.einsum("nhc,hcd->nd", sub, w_out)
+        sub = grouped_project_in(x, w_in, peers)
+        if exchange:
+            sub = grouped_to_local_tokens(lax.optimization_barrier(grouped_to_local_heads(sub)))
+        return grouped_project_out(sub, w_out)
+
+    def body(x, w_in, w_out):
+        for _ in range(unroll):
+            if backward:
+                out, grads = jax.value_and_grad(lambda a, b, c: jnp.sum(one(a, b, c).astype(jnp.float32)
+                                                                       * jnp.cos(a.astype(jnp.float32))),
+                                                argnums=(0, 1, 2))(x, w_in, w_out)
+                x = lax.optimization_barrier(grads[0] + x)
+            else:
+                x = lax.optimization_barrier(one(x, w_in, w_out))
+        return x
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("hp"), P(), P()), out_specs=P("hp"),
+                                 check_vma=False))
+
+
+def bench_hp_layer(args, device: str, date: str, emit) -> None:
+    """In-layer cost of the HP exchange in both layouts (see `hp_layer_fn`), forward and fwd+bwd."""
+    devs = jax.devices()
+    peers = len(devs)
+    mesh = Mesh(np.asarray(devs), ("hp",))
+    n, d, heads = args.tokens, args.d, args.heads
+    x = random_rows(mesh, "hp", (peers * n, d), 11)
+    w_in = (0.02 * jax.random.normal(jax.random.key(1), (d, heads, d // heads))).astype(jnp.bfloat16)
+    w_out = (0.02 * jax.random.normal(jax.random.key(2), (heads, d // heads, d))).astype(jnp.bfloat16)
+    for backward in (False, True):
+        for layout in ("token", "grouped"):
+            ms = {}
+            for exchange in (False, True):
+                fn = hp_layer_fn(mesh, layout, exchange, args.unroll, backward)
+                ms[exchange] = time_calls(fn, [(x, w_in, w_out)], args.repeats) / args.unroll
+            emit({"bench": "a2a_hp_layer", "device": device, "date": date, "layout": layout,
+                  "pass": "fwd+bwd" if backward else "fwd",
+                  "params": {"devices": peers, "tokens": n, "d": d, "heads": heads, "dtype": "bfloat16",
+                             "unroll": args.unroll},
+                  "ms_projections": ms[False], "ms_layer": ms[True], "ms_exchange_in_layer": ms[True] - ms[False]})
+
+
 def check_ep_layer(emit) -> None:
     """EP layer on all devices (ragged on GPU, padded) vs the local layer on one: values, gradients,
     loads; ragged run twice must be bitwise identical."""
@@ -275,6 +335,8 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--train-check", action="store_true")
+    ap.add_argument("--hp-layer", action="store_true", help="also time the HP exchange inside the layer "
+                    "(W_in / W_out included) in both sub-token layouts")
     args = ap.parse_args()
 
     devs = jax.devices()
@@ -298,6 +360,8 @@ def main() -> None:
 
         stages.append(("ep_layer_check", lambda: check_ep_layer(emit)))
         stages.append(("train_2gpu", lambda: [emit(r) for r in train_2gpu.run(log=lambda s: None)]))
+    if args.hp_layer:
+        stages.append(("hp_layer", lambda: bench_hp_layer(args, device, args.date, emit)))
     stages.append(("bench", lambda: recs.extend(bench(args, device, args.date, emit))))
     for name, stage in stages:
         t0 = time.perf_counter()

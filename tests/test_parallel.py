@@ -167,6 +167,45 @@ def test_expert_parallel_worst_case_skew_is_dropless():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.parametrize("data,hp", [(1, 4), (2, 2)])
+def test_head_parallel_token_major_and_grouped_layouts(data, hp):
+    """Both input layouts of the HP executor (token-major (N, Nh, dh) and the head-group-major
+    (hp, N, Nh / hp, dh) the model emits) equal the local MoE heads: outputs, gradients, loads."""
+    from mhl_jax.model.moe import grouped_project_in, grouped_project_out
+    from mhl_jax.model.moe_core import moe_heads
+
+    rng = np.random.default_rng(5)
+    n, d, heads, c, ne, de, k = 32, 16, 4, 8, 8, 12, 2
+    arr = lambda *s, sd=1.0: jnp.asarray(sd * rng.standard_normal(s), jnp.float32)  # noqa: E731
+    x, w_in, w_out = arr(n, d), arr(d, heads, c), arr(heads, c, d, sd=0.3)
+    w_r, bias = arr(heads, c, ne), arr(heads, ne, sd=0.5)
+    w1, w2 = arr(heads, ne, c, de, sd=0.3), arr(heads, ne, de, c, sd=0.3)
+    ex = HeadParallelMoE(make_mesh(small_cfg("mh_latent_moe", hp=hp, data=data), jax.devices()[:data * hp]))
+    assert ex.head_groups == hp
+
+    def token_major(run, x, w_in, w_r, w1, w2, w_out):
+        sub = jnp.einsum("nd,dhc->nhc", x, w_in)
+        y, load = run(sub, sub, w_r, bias, w1, w2, k)
+        return jnp.einsum("nhc,hcd->nd", y, w_out), load
+
+    def grouped(run, x, w_in, w_r, w1, w2, w_out):
+        sub = grouped_project_in(x, w_in, hp)
+        y, load = run(sub, sub, w_r, bias, w1, w2, k)
+        return grouped_project_out(y, w_out), load
+
+    def value_grads(layer, run):
+        f = lambda *a: (lambda o: (jnp.sum(o[0] * jnp.sin(a[0])), o))(layer(run, *a))  # noqa: E731
+        (_, (out, load)), g = jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))(
+            x, w_in, w_r, w1, w2, w_out)
+        return [out, load, *g]
+
+    want = value_grads(token_major, lambda *a: moe_heads(*a, "reference"))
+    for layer in (token_major, grouped):
+        for got, ref in zip(value_grads(layer, ex), want):
+            ref = np.asarray(ref)
+            np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * max(np.abs(ref).max(), 1))
+
+
 def test_received_groups_against_numpy():
     rng = np.random.default_rng(4)
     peers, groups, cap = 3, 5, 12

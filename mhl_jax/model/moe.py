@@ -74,6 +74,34 @@ class MHLatentMoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x: (B, T, d) -> (B, T, d), load (Nh, Ne)."""
         b, t, d = x.shape
-        sub = jnp.einsum("nd,dhc->nhc", x.reshape(b * t, d), self.w_in[...].astype(x.dtype))
-        y, load = self.experts(self.executor, sub, sub)
-        return jnp.einsum("nhc,hcd->nd", y, self.w_out[...].astype(x.dtype)).reshape(b, t, d), load
+        w_in, w_out = self.w_in[...].astype(x.dtype), self.w_out[...].astype(x.dtype)
+        groups = getattr(self.executor, "head_groups", 1)
+        if groups == 1:
+            sub = jnp.einsum("nd,dhc->nhc", x.reshape(b * t, d), w_in)
+            y, load = self.experts(self.executor, sub, sub)
+            out = jnp.einsum("nhc,hcd->nd", y, w_out)
+        else:
+            sub = grouped_project_in(x.reshape(b * t, d), w_in, groups)
+            y, load = self.experts(self.executor, sub, sub)
+            out = grouped_project_out(y, w_out)
+        return out.reshape(b, t, d), load
+
+
+def grouped_project_in(x: jax.Array, w_in: jax.Array, groups: int) -> jax.Array:
+    """x (N, d) @ W_in (d, Nh, dh) emitted head-group-major: (groups, N, Nh / groups, dh).
+
+    Head Parallel sends head group p to device p: in this layout each destination's block is
+    contiguous, so the all_to_all needs no transpose of the (N, Nh, dh) sub-tokens first."""
+    d, heads, dh = w_in.shape
+    return jnp.einsum("nd,dghc->gnhc", x, w_in.reshape(d, groups, heads // groups, dh))
+
+
+def grouped_project_out(y: jax.Array, w_out: jax.Array) -> jax.Array:
+    """y (groups, N, Nh / groups, dh) @ W_out (Nh, dh, d) -> (N, d), as a sum of one matmul per group
+    (each reads a contiguous block; the sum folds into the matmuls' accumulation)."""
+    groups, _, hl, _ = y.shape
+    out = None
+    for g in range(groups):
+        part = jnp.einsum("nhc,hcd->nd", y[g], w_out[g * hl:(g + 1) * hl])
+        out = part if out is None else out + part
+    return out

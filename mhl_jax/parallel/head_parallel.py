@@ -15,6 +15,12 @@ direction, independent of k and of the routing, with no metadata exchange and no
 Because each head lives on exactly one device of its hp group and that device sees all of the
 group's tokens, the balancing loads only need a sum over `data` to become global.
 
+Layouts. The executor takes the sub-tokens either token-major, x (N, Nh, dh) (each destination's
+heads are strided, so XLA transposes them into contiguous blocks before the dispatch and back after
+the combine: two extra passes over the sub-tokens each way), or head-group-major,
+x (P, N, Nh / P, dh) as `grouped_project_in` emits it from W_in (`head_groups` tells the model to):
+then block p already is destination p's data and the exchange is a plain contiguous all_to_all.
+
 Gradients need no hand-written rule: the transpose of an all_to_all is the reverse all_to_all, and
 shard_map sums the gradients of the data-replicated weights over `data`.
 """
@@ -39,6 +45,21 @@ def to_local_tokens(y: jax.Array, axis: str = "hp") -> jax.Array:
     return lax.all_to_all(y, axis, split_axis=0, concat_axis=1, tiled=True)
 
 
+def grouped_to_local_heads(x: jax.Array, axis: str = "hp") -> jax.Array:
+    """(P, n, Nh / P, c) local tokens, block p = head group p -> (P * n, Nh / P, c) local heads of the
+    group's tokens (source-major). Each block is contiguous: a plain all_to_all, no transpose."""
+    groups, n = x.shape[:2]
+    y = lax.all_to_all(x, axis, split_axis=0, concat_axis=0, tiled=True)
+    return y.reshape(groups * n, *x.shape[2:])
+
+
+def grouped_to_local_tokens(y: jax.Array, axis: str = "hp") -> jax.Array:
+    """Inverse of `grouped_to_local_heads`: (P * n, Nh / P, c) -> (P, n, Nh / P, c)."""
+    groups = lax.axis_size(axis)
+    y = y.reshape(groups, y.shape[0] // groups, *y.shape[1:])
+    return lax.all_to_all(y, axis, split_axis=0, concat_axis=0, tiled=True)
+
+
 class HeadParallelMoE:
     """MoE executor for MH-LatentMoE on a ('data', 'hp') mesh.
 
@@ -61,24 +82,41 @@ class HeadParallelMoE:
     def hp(self) -> int:
         return self.mesh.shape["hp"]
 
+    @property
+    def head_groups(self) -> int:
+        """The model emits its sub-tokens as (hp, N, Nh / hp, dh) for this executor (see the module doc)."""
+        return self.hp
+
     def __call__(self, x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array,
                  w1: jax.Array, w2: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-        n, heads = x_expert.shape[:2]
+        """Token-major x (N, Nh, c) -> y (N, Nh, dh), or head-group-major x (hp, N, Nh / hp, c) -> y
+        (hp, N, Nh / hp, dh); both with the global load (Nh, Ne)."""
+        grouped = x_expert.ndim == 4
+        if grouped:
+            groups, n, hl = x_expert.shape[:3]
+            if groups != self.hp:
+                raise ValueError(f"HeadParallelMoE: grouped sub-tokens {x_expert.shape} have {groups} head "
+                                 f"groups, expected the hp size {self.hp}")
+            heads = groups * hl
+        else:
+            n, heads = x_expert.shape[:2]
         if heads % self.hp:
             raise ValueError(f"HeadParallelMoE: Nh={heads} heads are not divisible by the hp size {self.hp}")
         if n % self.mesh.size:
             raise ValueError(f"HeadParallelMoE: {n} tokens are not divisible by the {self.mesh.size} devices "
                              f"of the mesh {dict(self.mesh.shape)}")
         shared = x_route is x_expert
-        tok = P(("data", "hp"))
+        tok = P(None, ("data", "hp")) if grouped else P(("data", "hp"))
         head = P("hp")
         impl = self.impl
+        send, back = (grouped_to_local_heads, grouped_to_local_tokens) if grouped else (to_local_heads,
+                                                                                       to_local_tokens)
 
         def local(xr, xe, w_r, bias, w1, w2):
-            xe_h = to_local_heads(xe)
-            xr_h = xe_h if shared else to_local_heads(xr)
+            xe_h = send(xe)
+            xr_h = xe_h if shared else send(xr)
             y, load = moe_heads(xr_h, xe_h, w_r, bias, w1, w2, k, impl)
-            return to_local_tokens(y), lax.psum(load, "data")
+            return back(y), lax.psum(load, "data")
 
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok, head, head, head, head),
                            out_specs=(tok, head), check_vma=self.check_vma)

@@ -1,0 +1,88 @@
+"""Split a jitted call's device time into communication and compute with the JAX profiler.
+
+    split = device_time_split(fn, *args, calls=2)
+    # {"devices": 4, "wall_ms": ..., "comm_ms": ..., "compute_ms": ..., "busy_ms": ..., "per_device": [...]}
+
+One trace of `calls` calls (after the caller has compiled and warmed `fn`), read back with
+`jax.profiler.ProfileData`. On each GPU plane, the kernels of the "XLA Ops" line are classed as
+communication when their name is a collective's (all-to-all, ragged-all-to-all, all-reduce,
+all-gather, reduce-scatter, collective-permute, send / recv, nccl) and as compute otherwise; the sums are
+divided by `calls`. Collectives run on their own streams and may overlap compute, so comm + compute can
+exceed the busy time (`busy_ms` = the union of both, per device); a collective's time also includes
+waiting for the slowest peer. The figures are medians over devices. Without GPU planes (CPU) the
+result says so and holds no split.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+COMM_MARKERS = ("all-to-all", "all_to_all", "alltoall", "all-reduce", "allreduce", "all-gather", "allgather",
+                "reduce-scatter", "reducescatter", "collective-permute", "send", "recv", "nccl")
+
+
+def is_comm(name: str) -> bool:
+    n = name.lower()
+    return any(m in n for m in COMM_MARKERS)
+
+
+def _union_ms(intervals: list[tuple[int, int]]) -> float:
+    total, end = 0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e6
+
+
+def device_time_split(fn, *args, calls: int = 2) -> dict:
+    from jax.profiler import ProfileData
+
+    tmp = tempfile.mkdtemp(prefix="mhl_prof_")
+    try:
+        jax.block_until_ready(fn(*args))
+        jax.profiler.start_trace(tmp)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        wall = (time.perf_counter() - t0) * 1e3 / calls
+        jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return {"wall_ms": wall, "split": "no profile written"}
+        per_device = []
+        for plane in ProfileData.from_file(files[0]).planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            comm, comp, spans = 0, 0, []
+            for line in plane.lines:
+                if line.name != "XLA Ops":
+                    continue
+                for ev in line.events:
+                    start, dur = int(ev.start_ns), int(ev.duration_ns)
+                    spans.append((start, start + dur))
+                    if is_comm(ev.name):
+                        comm += dur
+                    else:
+                        comp += dur
+            if spans:
+                per_device.append({"device": plane.name, "comm_ms": comm / 1e6 / calls,
+                                   "compute_ms": comp / 1e6 / calls, "busy_ms": _union_ms(spans) / calls})
+        if not per_device:
+            return {"wall_ms": wall, "split": "no GPU planes in the profile"}
+        med = lambda key: float(np.median([d[key] for d in per_device]))  # noqa: E731
+        return {"devices": len(per_device), "wall_ms": wall, "comm_ms": med("comm_ms"),
+                "compute_ms": med("compute_ms"), "busy_ms": med("busy_ms"), "per_device": per_device}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
