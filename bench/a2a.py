@@ -6,10 +6,12 @@
                         [--train-check] [--hp-layer] [--date YYYY-MM-DD]
 
 Per device: `tokens` tokens of width d, bf16 (81920 x 1024 by default, as in DESIGN §7's anchors).
-- HP: x (n, Nh, d/Nh) -> all_to_all(split=head, concat=token) -> reverse all_to_all (the exchange of
-  `mhl_jax/parallel/head_parallel.py`). Independent of k and of the routing by construction; it is
-  still measured once per (k, skew) cell on fresh inputs, to show it flat. `hp_contiguous`: the same
-  bytes already grouped by destination (head-major), the pure exchange a plain NCCL all_to_all does.
+- HP: the sub-tokens head-group-major, (P, n, Nh/P, dh) per device as the model's W_in emits them
+  under Head Parallel, -> contiguous all_to_all -> reverse all_to_all (the exchange of
+  `mhl_jax/parallel/head_parallel.py`; the same bytes a plain NCCL all_to_all_single moves).
+  Independent of k and of the routing by construction; it is still measured once per (k, skew) cell
+  on fresh inputs, to show it flat. `hp_token_major`: from the token-major (n, Nh, dh) layout, split
+  on heads (XLA transposes each destination's heads into a block first, and back after).
 - EP: the k-duplicated send buffer (n * k, d), rows sorted by destination; destinations drawn per
   slot from a Zipf law over devices, P(p) ~ 1 / (p + 1)^skew (device 0 receives most, as in the
   anchors). Timed: count metadata all_gather + dispatch + combine of `expert_parallel.py`
@@ -146,8 +148,8 @@ def bench(args, device: str, date: str, emit) -> list[dict]:
     ep_mesh = Mesh(np.asarray(devs), ("ep",))
     sent_hp = traffic.hp_bytes(n, heads, d // heads, peers, 2)
     seed = 1
-    for impl, contiguous, shape in (("hp", False, (peers * n, heads, d // heads)),
-                                    ("hp_contiguous", True, (peers * peers, heads // peers, n, d // heads))):
+    for impl, contiguous, shape in (("hp", True, (peers * peers, heads // peers, n, d // heads)),
+                                    ("hp_token_major", False, (peers * n, heads, d // heads))):
         hp_fn, hp_one = hp_exchange(hp_mesh, args.unroll, contiguous), hp_exchange(hp_mesh, 1, contiguous)
         x0 = random_rows(hp_mesh, "hp", shape, 0)
         hp_mem = memory_gib(hp_one.lower(x0).compile())
@@ -308,8 +310,8 @@ def table(recs: list[dict]) -> str:
     hp = {(r["params"]["k"], r["params"]["skew"]): r for r in recs if r.get("impl") == "hp"}
     ep = {(r["params"]["k"], r["params"]["skew"]): r for r in recs if r.get("impl") == "ep_ragged"}
     pad = {r["params"]["k"]: r for r in recs if r.get("impl") == "ep_padded"}
-    cont = {(r["params"]["k"], r["params"]["skew"]): r for r in recs if r.get("impl") == "hp_contiguous"}
-    lines = [f"{'k':>2} {'skew':>4} | {'HP ms':>7} {'GiB':>5} {'contig':>7} | {'EP ms':>7} {'GiB':>5} "
+    cont = {(r["params"]["k"], r["params"]["skew"]): r for r in recs if r.get("impl") == "hp_token_major"}
+    lines = [f"{'k':>2} {'skew':>4} | {'HP ms':>7} {'GiB':>5} {'tokmaj':>7} | {'EP ms':>7} {'GiB':>5} "
              f"{'rows used':>10} | {'EP/HP':>6} | {'EPpad ms':>8}"]
     for key in sorted(hp):
         h, e, p = hp[key], ep.get(key), pad.get(key[0])

@@ -4,7 +4,8 @@
                              [--out RESULTS.png]
 
 Left: dispatch + combine ms against k, one line per (implementation, skew); HP is flat by
-construction. Right: per-device peak memory of the compiled exchange (static shapes), with the rows
+construction (`hp`: the exchange the model runs, head-group-major sub-tokens; `hp_token_major`: the
+same bytes from the token-major layout, which XLA transposes first). Right: per-device peak memory of the compiled exchange (static shapes), with the rows
 EP's busiest receiver actually filled as dashed lines. Prints a markdown table: ours vs the anchors.
 """
 
@@ -26,6 +27,16 @@ GIB = 2.0 ** 30
 def load(path: str) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()
             if line.strip() and not line.startswith("#")]
+
+
+def normalise_names(recs: list[dict]) -> list[dict]:
+    """Files written before the model emitted head-group-major sub-tokens call the model-layout
+    exchange `hp_contiguous` and the token-major one `hp`; rename them to today's `hp` (the exchange
+    the model runs under Head Parallel) and `hp_token_major`."""
+    if not any(r.get("impl") == "hp_contiguous" for r in recs):
+        return recs
+    names = {"hp": "hp_token_major", "hp_contiguous": "hp"}
+    return [dict(r, impl=names.get(r.get("impl"), r.get("impl"))) for r in recs]
 
 
 def anchors(path: str, tokens: int) -> dict:
@@ -54,7 +65,7 @@ def main() -> None:
     ap.add_argument("--anchors", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    recs = [r for r in load(args.results) if r.get("bench") == "a2a" and "ms" in r]
+    recs = [r for r in normalise_names(load(args.results)) if r.get("bench") == "a2a" and "ms" in r]
     if not recs:
         raise SystemExit(f"{args.results}: no a2a measurements")
     p0 = recs[0]["params"]
@@ -63,14 +74,14 @@ def main() -> None:
     skews = sorted({r["params"]["skew"] for r in recs})
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {0.0: "tab:blue", 1.0: "tab:orange", 2.0: "tab:red"}
-    for impl, style in (("hp", "-o"), ("hp_contiguous", "--o"), ("ep_ragged", "-s"), ("ep_padded", ":^")):
+    for impl, style in (("hp", "-o"), ("hp_token_major", "--o"), ("ep_ragged", "-s"), ("ep_padded", ":^")):
         for skew in skews:
             pts = sorted((r["params"]["k"], r) for r in recs if r["impl"] == impl and r["params"]["skew"] == skew)
             if not pts:
                 continue
             kk = [k for k, _ in pts]
             label = f"{impl} skew={skew:g}"
-            color = {"hp": "black", "hp_contiguous": "dimgray"}.get(impl, colors.get(skew))
+            color = {"hp": "black", "hp_token_major": "dimgray"}.get(impl, colors.get(skew))
             ax_t.plot(kk, [r["ms"] for _, r in pts], style, color=color, label=label, alpha=0.8 if impl == "hp" else 1)
             unroll = pts[0][1]["params"].get("unroll", 1)
             mem_label = label + (f" ({unroll} rounds' buffers)" if impl == "ep_ragged" and unroll > 1 else "")
