@@ -337,6 +337,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--train-check", action="store_true")
+    ap.add_argument("--skip-bench", action="store_true", help="only the checks / --hp-layer stages")
     ap.add_argument("--hp-layer", action="store_true", help="also time the HP exchange inside the layer "
                     "(W_in / W_out included) in both sub-token layouts")
     args = ap.parse_args()
@@ -364,7 +365,8 @@ def main() -> None:
         stages.append(("train_2gpu", lambda: [emit(r) for r in train_2gpu.run(log=lambda s: None)]))
     if args.hp_layer:
         stages.append(("hp_layer", lambda: bench_hp_layer(args, device, args.date, emit)))
-    stages.append(("bench", lambda: recs.extend(bench(args, device, args.date, emit))))
+    if not args.skip_bench:
+        stages.append(("bench", lambda: recs.extend(bench(args, device, args.date, emit))))
     for name, stage in stages:
         t0 = time.perf_counter()
         try:

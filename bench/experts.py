@@ -3,13 +3,16 @@ that materialise the (rows x de) hidden activations, and the FlexAttention oracl
 
     python bench/experts.py [--tokens 2048 81920] [--de 128 256 512] [--ne 64 256 1024 1536]
                             [--impls ours ours_torch grouped_mm ragged_mgpu flex] [--out FILE]
+                            [--variants v2 new ...] [--dwt-tile 64,128,8,2] [--sweep]
 
 Shapes: Nh=8 heads, dh=128, k=4 (paper section 4.2: B=4 x T=512 = 2048 tokens), plus 81920 tokens.
 Inputs: x (N, Nh, dh) bf16, uniform random routing (k distinct experts per sub-token), softmax gates
 (fp32), bf16 weights (all implementations get and return the same dtypes). Each implementation
 includes its own packing (sort by (head, expert)) and the gate-weighted combine.
 
-impls: ours = JAX + jax-triton (mhl_jax/ops/experts_triton.py); ours_torch = the same kernels from
+impls: ours = JAX + jax-triton (mhl_jax/ops/experts_triton.py), once per --variants name
+(`experts_triton.VARIANTS`; each later variant's output and gradients are compared with the first's:
+`rel_vs_first`); ours_torch = the same kernels from
 torch; grouped_mm = torch._grouped_mm (cuBLAS/CUTLASS grouped GEMM) with autograd; ragged_mgpu =
 JAX Pallas Mosaic-GPU ragged_dot (+ transposed_ragged_dot for dW) in a custom_vjp; flex = the
 oracle (kernels/flex_reference.py, torch.compile'd FlexAttention).
@@ -71,10 +74,31 @@ def jax_fns(ffn):
     return fwd, lambda x, idx, g, w1, w2, wy: grad(x, g, w1, w2, idx, wy)
 
 
-def ours_jax():
-    from mhl_jax.ops.experts_triton import expert_ffn_triton
+def ours_jax(variant: str = "v2", dwt_tile=None):
+    from mhl_jax.ops.experts_triton import expert_ffn_triton, variant_config
 
-    return jax_fns(lambda x, idx, g, w1, w2: expert_ffn_triton(x, idx, g, w1, w2)[0])
+    def ffn(x, idx, g, w1, w2):
+        cfg = variant_config(variant, idx.size, w1.shape[0] * w1.shape[1], x.shape[2], w1.shape[3], dwt_tile)
+        return expert_ffn_triton(x, idx, g, w1, w2, cfg=cfg)[0]
+
+    return jax_fns(ffn)
+
+
+def rel_diffs(a, b) -> list[float]:
+    """Relative L2 differences of matching leaves (fp64 on the host)."""
+    import numpy as np
+
+    out = []
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+        out.append(float(np.linalg.norm(u - v) / max(np.linalg.norm(v), 1e-30)))
+    return out
+
+
+def parse_tile(text: str | None):
+    from kernels.experts import Tile
+
+    return Tile(*(int(v) for v in text.split(","))) if text else None
 
 
 def _gelu_grad(h):
@@ -211,27 +235,45 @@ SWEEP_TILES = {
     "dx": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3)],
     "dw": [(64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 2),
            (64, 64, 4, 3)],
+    # transposed dW kernel (dw_form "t"); "_packed": packed X / dO rows (the packing copy not timed)
+    "dwt": [(64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (128, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3),
+            (64, 64, 8, 2)],
+    "dwt_packed": [(64, 128, 8, 2), (32, 128, 8, 3)],
+    "dw_packed": [(128, 64, 8, 2)],
 }
+QUICK_KINDS = ("dw", "dwt", "dwt_packed", "dw_packed")  # --sweep-kinds default: the backward only
+QUICK_DW = [(128, 64, 8, 2)]  # with QUICK_KINDS, the rows-form dW only at its measured default
 
 
-def sweep(tokens: int, ne: int, de: int, pack_block: int, device: str, date: str, outf) -> None:
-    """Time each kernel alone (torch launcher) over SWEEP_TILES; prints one JSON line per tile."""
+def sweep(tokens: int, ne: int, de: int, pack_block: int, device: str, date: str, outf,
+          kinds=tuple(SWEEP_TILES)) -> None:
+    """Time each kernel alone (torch launcher) over SWEEP_TILES[kinds]; prints one JSON line per tile.
+
+    dW kinds are timed as the whole backward with the dX kernel at a fixed tile (dx_tile): the dX
+    launch is the same in every dW line, so differences between lines are the dW kernels'. Each
+    line also checks the dW1 / dW2 it produced against the first dW line's (rel_vs_first)."""
     import torch
     from triton.testing import do_bench
 
     from kernels.experts import ExpertsConfig, Tile
-    from kernels.torch_experts import experts_bwd, experts_fwd, pack_torch
+    from kernels.torch_experts import experts_bwd, experts_fwd, pack_bwd_rows, pack_torch
 
     x, idx, g, w1, w2, wy = (torch.from_dlpack(a).clone() for a in make_inputs(0, tokens, ne, de))
     pk = pack_torch(idx.long(), ne, pack_block)
     xs, dys, gf = x.reshape(-1, DH), wy.reshape(-1, DH), g.reshape(-1).float()
     w1g, w2g = w1.reshape(-1, DH, de), w2.reshape(-1, de, DH)
-    for kind, tiles in SWEEP_TILES.items():
+    first = None
+    dx_tile = Tile(min(128, pack_block), 32, 4, 3)
+    for kind in kinds:
+        tiles = QUICK_DW if kind == "dw" and tuple(kinds) == QUICK_KINDS else SWEEP_TILES[kind]
         for t in tiles:
             tile = Tile(*t)
             if tile.block_m > pack_block or tile.block_e > de:
                 continue
             big = Tile(pack_block, 64, 4, 2)  # unused kernels' tiles
+            rec = dict(bench="experts_sweep", kernel=kind, device=device, date=date,
+                       params=dict(tokens=tokens, ne=ne, de=de, pack_block=pack_block, tile=list(t),
+                                   fused_dx=kind.startswith("dw") and tile.block_e == de))
             try:
                 if kind == "fwd":
                     cfg = ExpertsConfig(pack_block, tile, big, big)
@@ -240,33 +282,47 @@ def sweep(tokens: int, ne: int, de: int, pack_block: int, device: str, date: str
                     cfg = ExpertsConfig(pack_block, big, tile, Tile(min(64, pack_block), min(64, de // 2), 4, 2))
                     fn = lambda cfg=cfg: experts_bwd(xs, dys, gf, pk, w1g, w2g, K, cfg)  # noqa: E731
                 else:
-                    cfg = ExpertsConfig(pack_block, big, Tile(pack_block, 64, 4, 2), tile)
+                    form = "t" if kind.startswith("dwt") else "rows"
+                    cfg = ExpertsConfig(pack_block, big, dx_tile, tile, dw_form=form,
+                                        packed_bwd=kind.endswith("_packed"))
                     fn = lambda cfg=cfg: experts_bwd(xs, dys, gf, pk, w1g, w2g, K, cfg)  # noqa: E731
-                ms = float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
-                rec = dict(bench="experts_sweep", kernel=kind, device=device, date=date,
-                           params=dict(tokens=tokens, ne=ne, de=de, pack_block=pack_block, tile=list(t),
-                                       fused_dx=kind == "dw" and tile.block_e == de), ms=ms)
+                    dws = fn()[1:]
+                    if first is None:
+                        first = dws
+                    rec["rel_vs_first"] = [float((a.double() - b.double()).norm() / b.double().norm())
+                                           for a, b in zip(dws, first)]
+                    if cfg.packed_bwd:  # the packing copy the binding adds (XLA gather there; torch here)
+                        rec["ms_pack_rows"] = float(do_bench(lambda: pack_bwd_rows(xs, dys, gf, pk.row_slot, K),
+                                                             warmup=10, rep=50, return_mode="median"))
+                rec["ms"] = float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
             except Exception as e:
-                rec = dict(bench="experts_sweep", kernel=kind, params=dict(tile=list(t)), error=str(e)[:200])
+                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(json.dumps(rec), flush=True)
             if outf:
                 outf.write(json.dumps(rec) + "\n")
+                outf.flush()
 
 
-def run_isolated(impl: str, tokens: int, de: int, ne: int, out: str | None) -> dict:
-    """Run one (impl, shape) in a child process: a Mosaic-GPU compiler crash aborts the process."""
+def run_isolated(impl: str, tokens: int, de: int, ne: int, timeout: float) -> dict:
+    """Run one (impl, shape) in a child process (own session, killed as a group on timeout): a Mosaic-GPU
+    compiler crash or hang is recorded, not fatal."""
+    import signal
     import subprocess
 
     cmd = [sys.executable, os.path.abspath(__file__), "--tokens", str(tokens), "--de", str(de), "--ne", str(ne),
            "--impls", impl, "--inproc"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+        out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return dict(error="child timed out (90 s)")
-    for line in p.stdout.splitlines():
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        return dict(error=f"child timed out ({timeout:.0f} s)")
+    for line in out.splitlines():
         if line.startswith("{"):
             return json.loads(line)
-    return dict(error=f"child exited {p.returncode}: {p.stderr.strip().splitlines()[-1:] if p.stderr else ''}")
+    tail = [ln for ln in err.strip().splitlines() if ln.strip()][-3:]
+    return dict(error=f"child exited {p.returncode}: {' | '.join(tail)[:400]}")
 
 
 # -------------------------------------------------------------------------------------------- main
@@ -282,6 +338,10 @@ def main() -> None:
     ap.add_argument("--inproc", action="store_true", help="run ragged_mgpu in this process")
     ap.add_argument("--sweep", action="store_true", help="time each kernel over SWEEP_TILES and exit")
     ap.add_argument("--pack-block", type=int, default=128)
+    ap.add_argument("--sweep-kinds", nargs="+", default=None, help=f"subset of {list(SWEEP_TILES)}")
+    ap.add_argument("--variants", nargs="+", default=["v2"], help="configs of impl ours (experts_triton.VARIANTS)")
+    ap.add_argument("--dwt-tile", default=None, help="block_m,block_e,warps,stages of the transposed dW kernel")
+    ap.add_argument("--child-timeout", type=float, default=90.0)
     args = ap.parse_args()
 
     import torch
@@ -300,7 +360,8 @@ def main() -> None:
         for tokens in args.tokens:
             for de in args.de:
                 for ne in args.ne:
-                    sweep(tokens, ne, de, args.pack_block, device, date, outf)
+                    sweep(tokens, ne, de, args.pack_block, device, date, outf,
+                          tuple(args.sweep_kinds or SWEEP_TILES))
         return
     for tokens in args.tokens:
         for de in args.de:
@@ -309,19 +370,30 @@ def main() -> None:
                 sets = [make_inputs(s, tokens, ne, de) for s in range(n_sets)]
                 f = flops_fwd(tokens, NH, K, DH, de)
                 params = dict(tokens=tokens, nh=NH, dh=DH, k=K, ne=ne, de=de)
-                for impl in args.impls:
+                first_grads = None
+                runs = [(i, v) for i in args.impls for v in (args.variants if i == "ours" else [None])]
+                for impl, variant in runs:
                     if impl == "flex" and flex_done >= args.flex_max_compiles:
                         continue
                     rec = dict(bench="experts", impl=impl, device=device, date=date, params=params)
+                    if variant:
+                        rec["variant"] = variant
                     try:
                         t0 = time.perf_counter()
                         if impl == "ragged_mgpu" and not args.inproc:
-                            rec.update({k: v for k, v in run_isolated(impl, tokens, de, ne, None).items()
+                            rec.update({k: v for k, v in run_isolated(impl, tokens, de, ne, args.child_timeout).items()
                                         if k not in rec})
                             if "error" in rec:
                                 raise RuntimeError(rec.pop("error"))
                         elif impl in ("ours", "ragged_mgpu"):
-                            fwd, fb = ours_jax() if impl == "ours" else ragged_mgpu()
+                            fwd, fb = ours_jax(variant, parse_tile(args.dwt_tile)) if impl == "ours" else ragged_mgpu()
+                            if impl == "ours":  # same function as the first variant? (bf16: ~1e-3 expected)
+                                got = (fwd(*sets[0]), fb(*sets[0]))
+                                if first_grads is None:
+                                    first_grads = got
+                                else:
+                                    rec["rel_vs_first"] = rel_diffs(got, first_grads)
+                                del got
                             rec["ms_fwd"] = time_jax(fwd, sets)
                             rec["ms"] = time_jax(fb, sets)
                         else:
@@ -344,13 +416,14 @@ def main() -> None:
                         outf.flush()
                     rows.append(rec)
                 del sets
-    print(f"\n{'tokens':>6} {'de':>4} {'ne':>5} " + " ".join(f"{i:>18}" for i in args.impls))
+    names = [i if i != "ours" else f"ours:{v}" for i in args.impls for v in (args.variants if i == "ours" else [0])]
+    print(f"\n{'tokens':>6} {'de':>4} {'ne':>5} " + " ".join(f"{i:>18}" for i in names))
     keys = sorted({(r["params"]["tokens"], r["params"]["de"], r["params"]["ne"]) for r in rows})
     for key in keys:
         cells = []
-        for impl in args.impls:
-            r = [r for r in rows if r["impl"] == impl and (r["params"]["tokens"], r["params"]["de"],
-                                                            r["params"]["ne"]) == key]
+        for name in names:
+            r = [r for r in rows if (r["impl"] if "variant" not in r else f"ours:{r['variant']}") == name and
+                 (r["params"]["tokens"], r["params"]["de"], r["params"]["ne"]) == key]
             cells.append(f"{r[0]['ms_fwd']:7.3f}/{r[0]['ms']:8.3f}" if r and "ms" in r[0] else f"{'-':>16}")
         print(f"{key[0]:>6} {key[1]:>4} {key[2]:>5} " + " ".join(f"{c:>18}" for c in cells))
     print("(ms fwd / fwd+bwd, median)")

@@ -5,9 +5,11 @@
 Under Head Parallel the sub-tokens go to P devices by head group. The token-major projection
 (x (n, d) -> (n, Nh, dh)) is one matmul each way, but its head groups are strided, so the
 all_to_all needs a transpose on each side. The head-group-major variants emit (P, n, Nh/P, dh):
-- `grouped`: one einsum 'nd,dghc->gnhc' in, a sum of P per-group matmuls out (the model's code);
+- `grouped_sum_out`: one einsum 'nd,dghc->gnhc' in, a sum of P per-group matmuls out (the model's
+  first version);
 - `grouped_stack`: P per-group matmuls stacked in, the same sum out;
-- `grouped_einsum_out`: the einsum in, one einsum 'gnhc,ghcd->nd' out.
+- `grouped`: the einsum in, one einsum 'gnhc,ghcd->nd' out (`mhl_jax.model.moe`, chosen from this
+  bench; called `grouped_einsum_out` in the first results file).
 No exchange here: the difference to `token` is what each layout costs in the projections, to add
 to the exchange measured by bench/a2a.py --hp-layer. bf16, fwd and fwd+bwd (grads of x, W_in, W_out).
 """
@@ -36,14 +38,15 @@ def variant(name: str, groups: int):
         d, heads, dh = w_in.shape
         if name == "token":
             return jnp.einsum("nhc,hcd->nd", jnp.einsum("nd,dhc->nhc", x, w_in), w_out)
+        hl = heads // groups
+        if name == "grouped":
+            return grouped_project_out(grouped_project_in(x, w_in, groups), w_out)
         if name == "grouped_stack":
-            hl = heads // groups
             sub = jnp.stack([x @ w_in[:, g * hl:(g + 1) * hl].reshape(d, hl * dh) for g in range(groups)])
-            return grouped_project_out(sub.reshape(groups, -1, hl, dh), w_out)
-        sub = grouped_project_in(x, w_in, groups)
-        if name == "grouped_einsum_out":
-            return jnp.einsum("gnhc,ghcd->nd", sub, w_out.reshape(groups, heads // groups, dh, -1))
-        return grouped_project_out(sub, w_out)
+            sub = sub.reshape(groups, -1, hl, dh)
+        else:
+            sub = grouped_project_in(x, w_in, groups)
+        return sum(jnp.einsum("nhc,hcd->nd", sub[g], w_out[g * hl:(g + 1) * hl]) for g in range(groups))
     return f
 
 
@@ -65,7 +68,7 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     ref = jax.jit(variant("token", 1))(x, w_in, w_out).astype(jnp.float32)
     for groups in args.groups:
-        for name in ("token", "grouped", "grouped_stack", "grouped_einsum_out"):
+        for name in ("token", "grouped", "grouped_sum_out", "grouped_stack"):
             f = variant(name, groups)
             err = float(jnp.max(jnp.abs(jax.jit(f)(x, w_in, w_out).astype(jnp.float32) - ref)))
             fwd = jax.jit(f)

@@ -3,6 +3,7 @@ against the authors' figures (shared/anchors/ref_layer_h100_2026-11-22.jsonl, on
 
     python bench/layer.py [--tokens 8192 81920] [--configs 384/4/256 768/8/128 ...]
                           [--experts triton reference] [--router reference|triton|auto] [--out FILE]
+                          [--variants v2 new ...] [--dwt-tile 64,128,8,2] [--breakdown]
 
 Layer (built from the ops, independent of the model module):
     x (N, d=1024) bf16 -> W_in (d, Nh*dh) -> (N, Nh=8, dh=128) -> route_topk per head (fp32 scores,
@@ -12,6 +13,12 @@ fwd+bwd = jax.grad w.r.t. every parameter and x. TFLOP/s counts the model FLOPs 
 W_in, W_out, router scores and experts; our backward's recomputation is not counted) against the
 ~800 TFLOP/s measured bf16 rate. Memory: XLA's buffer assignment of the compiled step
 (arguments + outputs + temporaries = the step's peak), beside the authors' torch peak.
+
+--variants: expert configs of the triton path (`mhl_jax.ops.experts_triton.VARIANTS`, "v2" = the
+measured default), one record each; a variant that fails is recorded and the next one runs.
+--breakdown: also time the layer's parts alone under jit at each shape (one `layer_breakdown` record
+per variant): router fwd+bwd, packing (argsort and counting sort), expert op fwd and fwd+bwd, the
+two dense projections fwd+bwd, and the rest (layer minus the parts: softmax, casts, launch gaps).
 """
 
 from __future__ import annotations
@@ -47,8 +54,17 @@ def init_params(key, ne: int, de: int):
     )
 
 
-def layer(params, x, k: int, expert_impl: str, router_impl: str):
-    """x: (N, d) bf16 -> (N, d) bf16."""
+def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_tile=None):
+    """ExpertsConfig of a named variant (None: the binding's default)."""
+    if variant is None:
+        return None
+    from mhl_jax.ops.experts_triton import variant_config
+
+    return variant_config(variant, tokens * NH * k, NH * ne, DH, de, dwt_tile)
+
+
+def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None):
+    """x: (N, d) bf16 -> (N, d) bf16. cfg: the expert op's ExpertsConfig (triton only)."""
     from mhl_jax.ops.experts import expert_ffn
     from mhl_jax.ops.router import route_topk
 
@@ -56,8 +72,57 @@ def layer(params, x, k: int, expert_impl: str, router_impl: str):
     sub = jnp.dot(x, params["w_in"].astype(x.dtype)).reshape(n, NH, DH)
     vals, idx = route_topk(sub, params["w_r"], params["bias"], k, router_impl)
     gates = jax.nn.softmax(vals, axis=-1)
-    y, _ = expert_ffn(sub, idx, gates, params["w1"], params["w2"], expert_impl)
+    y, _ = expert_ffn(sub, idx, gates, params["w1"], params["w2"], expert_impl,
+                      cfg=cfg if expert_impl == "triton" else None)
     return jnp.dot(y.reshape(n, NH * DH), params["w_out"].astype(x.dtype))
+
+
+def breakdown(params, xs, k: int, router_impl: str, cfg, ms_layer: float) -> dict:
+    """Each part of the layer alone under jit (same shapes, inputs from the layer's own forward)."""
+    from mhl_jax.ops import packing as pk
+    from mhl_jax.ops.experts_triton import expert_ffn_triton
+    from mhl_jax.ops.router import route_topk
+
+    ne = params["w1"].shape[1]
+    subs = [jnp.dot(x, params["w_in"].astype(x.dtype)).reshape(x.shape[0], NH, DH) for x in xs]
+    route = jax.jit(lambda s: route_topk(s, params["w_r"], params["bias"], k, router_impl))
+    routed = [route(s) for s in subs]
+    out = {}
+
+    def router_loss(s, w_r):
+        vals, _ = route_topk(s, w_r, params["bias"], k, router_impl)
+        return jnp.sum(jax.nn.softmax(vals, axis=-1) * jnp.arange(k, dtype=jnp.float32))
+
+    out["router_fwd"] = time_jax(route, [(s,) for s in subs])
+    out["router_fwd_bwd"] = time_jax(jax.jit(jax.grad(router_loss, argnums=(0, 1))),
+                                     [(s, params["w_r"]) for s in subs])
+    for method in ("argsort", "count"):
+        def pack(i, m=method):
+            p = pk.pack(i, ne, cfg.pack_block, m)
+            return p, pk.group_blocks(p.group_sizes, cfg.pack_block)
+
+        out[f"pack_{method}"] = time_jax(jax.jit(pack), [(r[1],) for r in routed])
+    gw = [jax.nn.softmax(r[0], axis=-1) for r in routed]
+
+    def ffn(s, i, g, w1, w2):
+        return expert_ffn_triton(s, i, g, w1, w2, cfg=cfg)[0]
+
+    def ffn_loss(s, g, w1, w2, i):
+        return jnp.sum(ffn(s, i, g, w1, w2).astype(jnp.float32) ** 2)
+
+    sets = [(s, r[1], g, params["w1"], params["w2"]) for s, r, g in zip(subs, routed, gw)]
+    out["experts_fwd"] = time_jax(jax.jit(ffn), sets)
+    out["experts_fwd_bwd"] = time_jax(jax.jit(jax.grad(ffn_loss, argnums=(0, 1, 2, 3))),
+                                      [(s, g, w1, w2, i) for s, i, g, w1, w2 in sets])
+
+    def dense_loss(w_in, w_out, x):  # W_in then W_out (bypassing the experts), both gradients and dx
+        sub = jnp.dot(x, w_in.astype(x.dtype))
+        return jnp.sum(jnp.dot(sub, w_out.astype(x.dtype)).astype(jnp.float32) ** 2)
+
+    out["dense_fwd_bwd"] = time_jax(jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2))),
+                                    [(params["w_in"], params["w_out"], x) for x in xs])
+    out["rest"] = ms_layer - out["router_fwd_bwd"] - out["experts_fwd_bwd"] - out["dense_fwd_bwd"]
+    return out
 
 
 def model_flops(tokens: int, ne: int, k: int, de: int) -> float:
@@ -100,7 +165,16 @@ def main() -> None:
     ap.add_argument("--experts", nargs="+", default=["triton"])
     ap.add_argument("--router", default="auto")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", nargs="+", default=[None], help="expert configs (experts_triton.VARIANTS)")
+    ap.add_argument("--dwt-tile", default=None, help="block_m,block_e,warps,stages of the transposed dW kernel")
+    ap.add_argument("--breakdown", action="store_true", help="also time the layer's parts (see above)")
+    ap.add_argument("--fallback", default="v2", help="variant run when a --variants run fails at a shape")
     args = ap.parse_args()
+    dwt_tile = None
+    if args.dwt_tile:
+        from kernels.experts import Tile
+
+        dwt_tile = Tile(*(int(v) for v in args.dwt_tile.split(",")))
 
     router = resolve_router(args.router)
     device = jax.devices()[0].device_kind
@@ -112,12 +186,18 @@ def main() -> None:
             ne, k, de = (int(v) for v in cfg.split("/"))
             params = init_params(jax.random.key(0), ne, de)
             xs = [jax.random.normal(jax.random.key(s + 1), (tokens, D), jnp.bfloat16) for s in range(2)]
-            for impl in args.experts:
-                fwd = jax.jit(lambda p, x, impl=impl, k=k: layer(p, x, k, impl, router))
-                grad = jax.jit(jax.grad(lambda p, x, impl=impl, k=k: jnp.sum(
-                    layer(p, x, k, impl, router).astype(jnp.float32) ** 2), argnums=(0, 1)))
+            runs = [(i, v) for i in args.experts for v in (args.variants if i == "triton" else [None])]
+            for impl, variant in runs:
+                if variant == "fallback":
+                    variant = args.fallback
+                cfg = expert_cfg(variant, tokens, ne, k, de, dwt_tile) if impl == "triton" else None
+                fwd = jax.jit(lambda p, x, impl=impl, k=k, cfg=cfg: layer(p, x, k, impl, router, cfg))
+                grad = jax.jit(jax.grad(lambda p, x, impl=impl, k=k, cfg=cfg: jnp.sum(
+                    layer(p, x, k, impl, router, cfg).astype(jnp.float32) ** 2), argnums=(0, 1)))
                 rec = dict(bench="layer", impl=impl, router=router, device=device, date=date,
                            params=dict(tokens=tokens, d=D, nh=NH, dh=DH, ne=ne, k=k, de=de))
+                if variant:
+                    rec["variant"] = variant
                 try:
                     rec["ms_fwd"] = time_jax(fwd, [(params, x) for x in xs])
                     rec["ms"] = time_jax(grad, [(params, x) for x in xs])
@@ -136,15 +216,29 @@ def main() -> None:
                     outf.write(json.dumps(rec) + "\n")
                     outf.flush()
                 rows.append(rec)
+                if "error" in rec and variant and args.fallback not in args.variants and (impl, "fallback") not in runs:
+                    runs.append((impl, "fallback"))
+                if args.breakdown and impl == "triton" and "ms" in rec:
+                    b = dict(rec, bench="layer_breakdown")
+                    try:
+                        b["parts_ms"] = breakdown(params, xs, k, router, cfg or expert_cfg(
+                            "v2", tokens, ne, k, de), rec["ms"])
+                    except Exception as e:
+                        b["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    print(json.dumps(b), flush=True)
+                    if outf:
+                        outf.write(json.dumps(b) + "\n")
+                        outf.flush()
             del params, xs
-    print(f"\n{'tokens':>6} {'Ne/k/de':>11} {'impl':>9} {'fwd ms':>8} {'f+b ms':>8} {'GiB':>6} {'TF/s':>6} "
+    print(f"\n{'tokens':>6} {'Ne/k/de':>11} {'impl':>11} {'fwd ms':>8} {'f+b ms':>8} {'GiB':>6} {'TF/s':>6} "
           f"{'authors f+b':>11} {'GiB':>5} {'x':>6}")
     for r in rows:
         p, a = r["params"], r.get("authors", {})
+        name = r["impl"] + (f":{r['variant']}" if "variant" in r else "")
         if "ms" not in r:
-            print(f"{p['tokens']:>6} {p['ne']}/{p['k']}/{p['de']:<5} {r['impl']:>9} error")
+            print(f"{p['tokens']:>6} {p['ne']}/{p['k']}/{p['de']:<5} {name:>11} error")
             continue
-        print(f"{p['tokens']:>6} {p['ne']:>5}/{p['k']}/{p['de']:<3} {r['impl']:>9} {r['ms_fwd']:8.2f} {r['ms']:8.2f} "
+        print(f"{p['tokens']:>6} {p['ne']:>5}/{p['k']}/{p['de']:<3} {name:>11} {r['ms_fwd']:8.2f} {r['ms']:8.2f} "
               f"{r['peak_gib']:6.2f} {r['tflops']:6.1f} {a.get('ms', float('nan')):11.1f} "
               f"{a.get('peak_gib', float('nan')):5.1f} {r.get('speedup_vs_authors', float('nan')):6.1f}")
 

@@ -3,7 +3,7 @@
 # From the repo root on the device machine, after installing the carried wheels:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/run_multi_gpu.sh p2|p4|scale
-# p2:    GPUs 0,1: bench/a2a.py at P=2 (+ EP layer check, 1-vs-2-GPU training losses, in-layer HP cost);
+# p2|p2check: GPUs 0,1: bench/a2a.py at P=2 (+ EP layer check, 1-vs-2-GPU training losses, in-layer HP cost);
 #        meanwhile GPUs 2,3: the tiny MH-LatentMoE trained with Triton kernels under Head Parallel (hp=2).
 # p4:    all 4 GPUs: bench/a2a.py at P=4 with the in-layer HP cost.
 # scale: bench/train_scale.py, the 2.2B configs on 1, 2 and 4 GPUs (loss check, tokens/s, memory, comm split).
@@ -21,19 +21,23 @@ nvidia-smi topo -m 2>/dev/null | head -6
 NGPU=$(nvidia-smi -L | wc -l)
 t0=$(date +%s)
 case "$1" in
-p2)
-    CUDA_VISIBLE_DEVICES=0,1 timeout 420 python3 bench/a2a.py --train-check --hp-layer --repeats 10 \
-        --ep-impls padded ragged --date "$DATE" --out "$OUT/a2a-p2.jsonl" > "$OUT/a2a_p2.log" 2>&1 &
+p2|p2check)
+    # p2check: only the checks and the in-layer HP cost (no Figure 3 sweep)
+    CUDA_VISIBLE_DEVICES=0,1 timeout ${T_A2A:-420} python3 bench/a2a.py --train-check --hp-layer --repeats 10 \
+        --ep-impls padded ragged --date "$DATE" $([ "$1" = p2check ] && echo --skip-bench) \
+        --out "$OUT/a2a-$1.jsonl" > "$OUT/a2a_$1.log" 2>&1 &
     A2A=$!
     if [ "$NGPU" -ge 4 ]; then
-        CUDA_VISIBLE_DEVICES=2,3 timeout 400 python3 train.py --config configs/tiny_mh_latent_moe.yaml \
+        CUDA_VISIBLE_DEVICES=2,3 timeout ${T_A2A:-400} python3 train.py --config configs/tiny_mh_latent_moe.yaml \
             --set ffn.kernels=triton --set model.compute_dtype=bfloat16 --set parallel.hp=2 \
-            --set parallel.devices=2 --set logging.run_dir=/tmp/run_triton_hp2 > "$OUT/train_triton_hp2.log" 2>&1
+            --set parallel.devices=2 --set train.micro_batch=8 --set logging.run_dir=/tmp/run_triton_hp2 \
+            > "$OUT/train_triton_hp2.log" 2>&1
         echo "train_triton_hp2 exit $? after $(( $(date +%s) - t0 )) s"
+        grep -a "step 300/300" "$OUT/train_triton_hp2.log" | tr '\r' '\n' | grep -a "^step 300"
     fi
     wait $A2A
-    echo "a2a p2 exit $? after $(( $(date +%s) - t0 )) s"
-    tail -25 "$OUT/a2a_p2.log"
+    echo "a2a $1 exit $? after $(( $(date +%s) - t0 )) s"
+    grep -v '"impl": "ep_' "$OUT/a2a_$1.log" | tail -25 | cut -c1-600
     ;;
 p4)
     timeout 540 python3 bench/a2a.py --hp-layer --repeats 10 --ep-impls padded ragged --date "$DATE" \
@@ -43,7 +47,7 @@ p4)
     ;;
 scale)
     shift
-    timeout 560 python3 bench/train_scale.py --date "$DATE" --out "$OUT/train-scale.jsonl" "$@" \
+    timeout ${T_SCALE:-560} python3 bench/train_scale.py --date "$DATE" --out "$OUT/train-scale.jsonl" "$@" \
         2>&1 | tee "$OUT/train_scale.log"
     echo "train_scale exit $? after $(( $(date +%s) - t0 )) s"
     ;;

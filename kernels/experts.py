@@ -22,8 +22,15 @@ apart from the packing.
 - `expert_dw_kernel`   grid (DE/BLOCK_E, G): dW1[g][:, tile], dW2[g][tile, :] summed over the group's
   row blocks in order (deterministic: no atomics); with FUSE_DX (BLOCK_E == DE) it also writes the
   dX rows, so the backward is one launch.
+- `expert_dwt_kernel`  the same gradients in the transposed form of FlashAttention's dK/dV loop
+  (dw_form "t"): H^T = W1_tile^T X^T (BLOCK_E, BLOCK_M), so the accumulating products
+  dW2_tile += A^T dO and dW1_tile^T += dH^T X take their left operand (A^T, dH^T) straight from
+  registers and their right one (X, dO rows) untransposed from shared memory; accumulators are
+  (BLOCK_E, DH), so a 128-wide de tile feeds the tensor cores 128 columns per instruction.
 
-The gather of X rows and of dO = gate * dy rows is fused into the loads (no packed copies in HBM).
+The gather of X rows and of dO = gate * dy rows is fused into the loads (no packed copies in HBM),
+unless PACKED (dX and dW kernels): x / dy then point to packed X rows and packed gate-scaled dO rows
+(P, DH), zero on padding, written once by the binding, and every load is a contiguous row block.
 Parameters follow jax-triton's binding order: inputs, then one pointer per output, then constexprs.
 `FAST_TANH` uses the single-instruction `tanh.approx.f32` (GPU only; the interpreter takes the
 sigmoid form). Under TRITON_INTERPRET=1 pass fp32 tensors (bf16 arithmetic is broken there).
@@ -31,7 +38,7 @@ sigmoid form). Under TRITON_INTERPRET=1 pass fp32 tensors (bf16 arithmetic is br
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import triton
 import triton.language as tl
@@ -86,6 +93,20 @@ def _load_do_rows(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH: tl.constexpr)
 
 
 @triton.jit
+def _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K: tl.constexpr, DH: tl.constexpr,
+               PACKED: tl.constexpr):
+    """X rows (x's dtype) and dO rows (fp32) of packed rows `rows`, gathered or (PACKED) contiguous."""
+    if PACKED:
+        ptrs = rows[:, None] * DH + offs_d[None, :]
+        x = tl.load(x_ptr + ptrs)
+        do = tl.load(dy_ptr + ptrs).to(tl.float32)
+    else:
+        x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
+        do = _load_do_rows(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH)
+    return x, do
+
+
+@triton.jit
 def expert_fwd_kernel(
     x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr,  # inputs
     out_ptr,  # output (P, DH)
@@ -121,7 +142,7 @@ def expert_dx_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr,  # inputs
     dx_ptr,  # output (P, DH): gradient of each packed row's input
     K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     g = tl.load(block_group_ptr + pid // (PACK_BLOCK // BLOCK_M))
@@ -132,9 +153,9 @@ def expert_dx_kernel(
         tl.store(dx_ptrs, tl.zeros((BLOCK_M, DH), dx_ptr.dtype.element_ty))
     else:
         cdt = w1_ptr.dtype.element_ty
-        x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
+        x, do = _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K, DH, PACKED)
         x = x.to(cdt)
-        do = _load_do_rows(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH).to(cdt)
+        do = do.to(cdt)
         offs_e = tl.arange(0, BLOCK_E)
         w1_base = w1_ptr + g.to(tl.int64) * (DH * DE)
         w2_base = w2_ptr + g.to(tl.int64) * (DE * DH)
@@ -156,6 +177,7 @@ def expert_dw_kernel(
     dw1_ptr, dw2_ptr, dx_ptr,  # outputs: (G, DH, DE), (G, DE, DH), (P, DH) (dx only with FUSE_DX)
     K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, FUSE_DX: tl.constexpr,
+    PACKED: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     gi = tl.program_id(1)
@@ -174,9 +196,9 @@ def expert_dw_kernel(
     row0 = start.to(tl.int64) * PACK_BLOCK
     for i in range(0, nblk * (PACK_BLOCK // BLOCK_M)):
         rows = row0 + i * BLOCK_M + tl.arange(0, BLOCK_M)
-        x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
+        x, do = _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K, DH, PACKED)
         x = x.to(cdt)
-        do = _load_do_rows(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH).to(cdt)
+        do = do.to(cdt)
         h = tl.dot(x, w1, input_precision=PRECISION)  # (BLOCK_M, BLOCK_E)
         a, dgelu = _gelu_and_grad(h, FAST_TANH)
         da = tl.dot(do, w2t, input_precision=PRECISION)
@@ -188,6 +210,48 @@ def expert_dw_kernel(
             tl.store(dx_ptr + rows[:, None] * DH + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty))
     tl.store(dw1_ptr + g * (DH * DE) + offs_d[:, None] * DE + offs_e[None, :], acc1.to(dw1_ptr.dtype.element_ty))
     tl.store(dw2_ptr + g * (DE * DH) + offs_e[None, :] * DH + offs_d[:, None], acc2.to(dw2_ptr.dtype.element_ty))
+
+
+@triton.jit
+def expert_dwt_kernel(
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,
+    dw1_ptr, dw2_ptr, dx_ptr,  # outputs: (G, DH, DE), (G, DE, DH), (P, DH) (dx only with FUSE_DX)
+    K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, FUSE_DX: tl.constexpr,
+    PACKED: tl.constexpr,
+):
+    """`expert_dw_kernel` in transposed form (module docstring); same grid, outputs and order of sums."""
+    tile = tl.program_id(0)
+    gi = tl.program_id(1)
+    start = tl.load(group_block_start_ptr + gi)
+    nblk = tl.load(group_nblocks_ptr + gi)
+    g = gi.to(tl.int64)
+    cdt = w1_ptr.dtype.element_ty
+    offs_d = tl.arange(0, DH)
+    offs_e = tile * BLOCK_E + tl.arange(0, BLOCK_E)
+    w1t_off = g * (DH * DE) + offs_d[None, :] * DE + offs_e[:, None]  # (BLOCK_E, DH): W1[:, tile]^T
+    w2_off = g * (DE * DH) + offs_e[:, None] * DH + offs_d[None, :]  # (BLOCK_E, DH): W2[tile, :]
+    w1t = tl.load(w1_ptr + w1t_off)
+    w2 = tl.load(w2_ptr + w2_off)
+    acc1 = tl.zeros((BLOCK_E, DH), tl.float32)  # dW1 tile, transposed
+    acc2 = tl.zeros((BLOCK_E, DH), tl.float32)  # dW2 tile
+    row0 = start.to(tl.int64) * PACK_BLOCK
+    for i in range(0, nblk * (PACK_BLOCK // BLOCK_M)):
+        rows = row0 + i * BLOCK_M + tl.arange(0, BLOCK_M)
+        x, do = _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K, DH, PACKED)
+        x = x.to(cdt)
+        do = do.to(cdt)
+        ht = tl.dot(w1t, tl.trans(x), input_precision=PRECISION)  # (BLOCK_E, BLOCK_M) = H^T
+        a, dgelu = _gelu_and_grad(ht, FAST_TANH)
+        dat = tl.dot(w2, tl.trans(do), input_precision=PRECISION)  # dA^T
+        dht = (dat * dgelu).to(cdt)
+        acc2 = tl.dot(a.to(cdt), do, acc2, input_precision=PRECISION)
+        acc1 = tl.dot(dht, x, acc1, input_precision=PRECISION)
+        if FUSE_DX:
+            dx = tl.dot(tl.trans(dht), w1t, input_precision=PRECISION)  # (BLOCK_M, DH)
+            tl.store(dx_ptr + rows[:, None] * DH + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty))
+    tl.store(dw1_ptr + w1t_off, acc1.to(dw1_ptr.dtype.element_ty))
+    tl.store(dw2_ptr + w2_off, acc2.to(dw2_ptr.dtype.element_ty))
 
 
 def check_blocks(dh: int, de: int, pack_block: int, block_m: int, block_e: int) -> None:
@@ -211,25 +275,39 @@ class Tile:
     num_stages: int = 2
 
 
+DW_FORMS = ("rows", "t")  # expert_dw_kernel | expert_dwt_kernel
+PACK_IMPLS = ("argsort", "count")  # mhl_jax.ops.packing.pack(method=...)
+
+
 @dataclass(frozen=True)
 class ExpertsConfig:
-    """Packing row block and the tiles of the three kernels. dw.block_e == de fuses dX into the dW kernel."""
+    """Packing row block and the tiles of the three kernels. dw.block_e == de fuses dX into the dW kernel.
+
+    Variants (old defaults first): dw_form "rows" | "t" (which dW kernel); packed_bwd: write packed X and
+    gate-scaled dO rows once and let the dX / dW kernels read them contiguously; pack_impl "argsort" |
+    "count" (the JAX packing: stable argsort, or the chunked counting sort)."""
 
     pack_block: int = 128
     fwd: Tile = Tile(128, 64, 8, 2)
     dx: Tile = Tile(128, 64, 8, 2)
     dw: Tile = Tile(64, 64, 8, 2)
+    dw_form: str = "rows"
+    packed_bwd: bool = False
+    pack_impl: str = "argsort"
 
     def check(self, dh: int, de: int) -> None:
         for t in (self.fwd, self.dx, self.dw):
             check_blocks(dh, de, self.pack_block, min(t.block_m, self.pack_block), min(t.block_e, de))
+        if self.dw_form not in DW_FORMS or self.pack_impl not in PACK_IMPLS:
+            raise ValueError(f"expert kernels: dw_form={self.dw_form!r} (one of {DW_FORMS}), "
+                             f"pack_impl={self.pack_impl!r} (one of {PACK_IMPLS})")
 
     def fit(self, de: int) -> ExpertsConfig:
         """Clamp tiles to the packing block and to de (small shapes in tests)."""
         def f(t: Tile) -> Tile:
             return Tile(min(t.block_m, self.pack_block), min(t.block_e, de), t.num_warps, t.num_stages)
 
-        return ExpertsConfig(self.pack_block, f(self.fwd), f(self.dx), f(self.dw))
+        return replace(self, fwd=f(self.fwd), dx=f(self.dx), dw=f(self.dw))
 
 
 def default_config(num_slots: int, num_groups: int, dh: int, de: int) -> ExpertsConfig:
@@ -248,5 +326,5 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int) -> Experts
     ).fit(de)
 
 
-__all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "check_blocks", "Tile", "ExpertsConfig",
-           "default_config", "triton"]
+__all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
+           "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "default_config", "triton"]

@@ -15,7 +15,14 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.experts import ExpertsConfig, default_config, expert_dw_kernel, expert_dx_kernel, expert_fwd_kernel
+from kernels.experts import (
+    ExpertsConfig,
+    default_config,
+    expert_dw_kernel,
+    expert_dwt_kernel,
+    expert_dx_kernel,
+    expert_fwd_kernel,
+)
 from kernels.interpreter_patch import fix_interpreter_scalar_index
 
 fix_interpreter_scalar_index()
@@ -94,21 +101,36 @@ def experts_bwd(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: Torc
     fuse = cfg.dw.block_e == de
     dw_dtype = dw_dtype or w1.dtype
     x, dy, gates, w1, w2 = (t.contiguous() for t in (x, dy, gates, w1, w2))
+    opts = dict(_launch_opts(x), PACKED=cfg.packed_bwd)
+    if cfg.packed_bwd:  # packed X and gate-scaled dO rows, zero on padding (the kernels' PACKED inputs)
+        x, dy = pack_bwd_rows(x, dy, gates, pk.row_slot, k)
     dx = torch.empty(p, dh, dtype=x.dtype, device=x.device)
     if not fuse:
         t = cfg.dx
         expert_dx_kernel[(p // t.block_m,)](
             x, dy, gates, pk.row_slot, pk.block_group, w1, w2, dx,
             K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
-            num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
+            num_warps=t.num_warps, num_stages=t.num_stages, **opts)
     dw1 = torch.empty(g, dh, de, dtype=dw_dtype, device=x.device)
     dw2 = torch.empty(g, de, dh, dtype=dw_dtype, device=x.device)
     t = cfg.dw
-    expert_dw_kernel[(de // t.block_e, g)](
+    kernel = expert_dwt_kernel if cfg.dw_form == "t" else expert_dw_kernel
+    kernel[(de // t.block_e, g)](
         x, dy, gates, pk.row_slot, pk.group_block_start, pk.group_nblocks, w1, w2, dw1, dw2, dx,
         K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, FUSE_DX=fuse,
-        num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
+        num_warps=t.num_warps, num_stages=t.num_stages, **opts)
     return dx, dw1, dw2
+
+
+def pack_bwd_rows(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, row_slot: torch.Tensor, k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, dy (S, dh); gates (M,) fp32 -> packed X rows and dO rows = gate * dy (P, dh) in x.dtype, 0 on padding."""
+    slot = row_slot.long()
+    valid = (slot >= 0)[:, None]
+    src = slot.clamp(min=0) // k
+    xp = torch.where(valid, x[src], 0).to(x.dtype)
+    dop = torch.where(valid, dy[src].float() * gates[slot.clamp(min=0)][:, None], 0).to(x.dtype)
+    return xp.contiguous(), dop.contiguous()
 
 
 class TritonExpertFFN(torch.autograd.Function):

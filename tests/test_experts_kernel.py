@@ -1,10 +1,12 @@
 """Expert kernels (kernels/experts.py) and their bindings.
 
 CPU: the Triton kernels under the interpreter (fp32 torch tensors) against a float64 reference,
-padding handling, sub-block tiling, the fused dX path, deterministic weight gradients, dropless under
-extreme skew, and the FlexAttention oracle's forward (eager path).
+padding handling, sub-block tiling, the fused dX path, both dW kernels and packed backward rows,
+deterministic weight gradients, dropless under extreme skew, and the FlexAttention oracle's forward
+(eager path).
 GPU (marker gpu): the MH-LatentMoE layer in JAX with the Triton kernels against the PyTorch oracle
-fed identical weights and inputs, and against the pure-JAX reference (output and every gradient).
+fed identical weights and inputs, and against the pure-JAX reference (output and every gradient);
+each config variant (transposed dW, packed backward rows, counting-sort packing) against the default.
 """
 
 import os
@@ -53,16 +55,21 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-CONFIGS = [
+CONFIGS = {
     # pack block, fwd / dx / dw tiles (block_m, block_e): plain, sub-blocked rows, fused dX (dw block_e = de)
-    ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16)),
-    ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(16, 16)),
-    ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32)),
-]
+    "plain": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16)),
+    "subblock": ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(16, 16)),
+    "fused_dx": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32)),
+    # the transposed dW kernel (dw_form "t"), alone and fused with dX; packed X / dO rows (packed_bwd)
+    "t": ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(16, 16), dw_form="t"),
+    "t_fused_dx": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), dw_form="t"),
+    "t_packed": ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(32, 16), dw_form="t", packed_bwd=True),
+    "rows_packed_fused": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), packed_bwd=True),
+}
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["plain", "subblock", "fused_dx"])
+@pytest.mark.parametrize("cfg", list(CONFIGS.values()), ids=list(CONFIGS))
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 def test_kernels_fwd_bwd_vs_float64(cfg, skew):
     x, idx, gates, w1, w2 = _inputs(0, 24, 2, 2, 3, 16, 32, skew)
@@ -94,9 +101,10 @@ def test_fwd_writes_every_row_and_zero_padding():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
-def test_weight_gradients_bitwise_deterministic():
+@pytest.mark.parametrize("form", ["rows", "t"])
+def test_weight_gradients_bitwise_deterministic(form):
     x, idx, gates, w1, w2 = _inputs(2, 40, 1, 2, 2, 16, 32)
-    cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16))
+    cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16), dw_form=form)
     grads = []
     for _ in range(2):
         a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
@@ -198,3 +206,53 @@ def test_gpu_layer_triton_vs_oracle_and_reference():
         assert rel(og, truth[i]) < 2e-2, ("oracle", i, rel(og, truth[i]))
         assert rel(res["triton"][2][i], og) < 3e-2, ("triton-vs-oracle", i)
     assert abs(float(res["triton"][0]) - float(res["fp32"][0])) <= 2e-2 * abs(float(res["fp32"][0])) + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,de,skew", [("t", 256, False), ("t_packed", 256, False), ("new", 256, True),
+                                             ("new", 128, False), ("new_packed", 128, True)])
+def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew):
+    """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
+    rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all
+    four gradients, and bitwise-identical weight gradients across two runs."""
+    import jax
+    import jax.numpy as jnp
+
+    from mhl_jax.ops.experts import expert_ffn
+    from mhl_jax.ops.experts_triton import expert_ffn_triton, variant_config
+
+    n, h, dh, ne, k = 4096, 4, 128, 16, 4
+    ks = jax.random.split(jax.random.key(de + skew), 6)
+    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
+    idx = jnp.argsort(jax.random.uniform(ks[1], (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
+    if skew:  # one (head, expert) gets every token: a 32-block group next to near-empty ones
+        idx = idx.at[:, :, 0].set(jnp.where(idx[:, :, 1:].min(-1) == 0, idx[:, :, 0], 0))
+    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
+    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) * dh ** -0.5
+    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) * de ** -0.5
+    wy = jax.random.normal(ks[5], (n, h, dh))
+
+    def grads(cfg, dtype=jnp.bfloat16, impl="triton"):
+        def loss(x, g, a, b):
+            y = (expert_ffn_triton(x, idx, g, a, b, cfg=cfg)[0] if impl == "triton"
+                 else expert_ffn(x, idx, g, a, b, "reference")[0])
+            return jnp.sum(y.astype(jnp.float32) * wy)
+
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+        v, g = f(x.astype(dtype), gates, w1, w2)
+        return [v] + list(g)
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+    cfg = variant_config(variant, n * h * k, h * ne, dh, de)
+    got, again = grads(cfg), grads(cfg)
+    base = grads(variant_config("v2", n * h * k, h * ne, dh, de))
+    with jax.default_matmul_precision("highest"):
+        ref = grads(None, jnp.float32, "reference")
+    for i, name in enumerate(("loss", "x", "gates", "w1", "w2")):
+        assert rel(got[i], ref[i]) < 2e-2, (name, rel(got[i], ref[i]))
+        assert rel(got[i], base[i]) < 1e-2, (name, rel(got[i], base[i]))
+    for i in (3, 4):
+        assert np.array_equal(np.asarray(got[i]), np.asarray(again[i]))

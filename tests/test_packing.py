@@ -84,6 +84,24 @@ def test_pack_layout_extreme_skew():
     assert (sizes[:, [0, 5, 7]] == n).all() and sizes.sum() == n * h * k
 
 
+@pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny"])
+def test_count_pack_equals_argsort_pack(case):
+    """The counting-sort packing returns exactly the argsort packing's arrays (chunk sizes that do and do
+    not divide N * k, one chunk larger than a head's slots, empty slots of an EP receive buffer)."""
+    n, h, k, ne = (1, 1, 1, 1) if case == "tiny" else (53, 3, 3, 7)
+    idx = _random_idx(jax.random.key(6), n, h, ne, k)
+    if case == "skew":
+        idx = jnp.broadcast_to(jnp.array([6, 0, 2], jnp.int32), (n, h, k))
+    if case == "empty_slots":
+        idx = idx.at[::4, :, 1].set(-1).at[n - 5:].set(-1)
+    for block in (4, 16):
+        ref = pk.pack(idx, ne, block)
+        for chunk in (1, 8, 10, 512):
+            got = pk.pack(idx, ne, block, method="count", chunk=chunk)
+            for name, a, b in zip(ref._fields, ref, got):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), (case, block, chunk, name)
+
+
 def test_gather_combine_round_trip():
     n, h, k, ne, dh = 29, 2, 3, 6, 8
     ks = jax.random.split(jax.random.key(2), 3)
@@ -130,8 +148,8 @@ def test_reference_expert_ffn_dropless(skew):
     assert int(load.sum()) == n * h * k
 
 
-@pytest.mark.parametrize("skew", [False, True])
-def test_custom_vjp_plumbing_matches_reference(skew):
+@pytest.mark.parametrize("skew,variant", [(False, "old"), (True, "old"), (True, "new")])
+def test_custom_vjp_plumbing_matches_reference(skew, variant):
     """The Triton path's custom_vjp (packing, fused gathers, combine, cotangents) with pure-JAX kernel
     stand-ins: value and all four gradients equal jax.grad of the float64 reference."""
     from kernels.experts import ExpertsConfig, Tile
@@ -147,6 +165,9 @@ def test_custom_vjp_plumbing_matches_reference(skew):
     w2 = jax.random.normal(ks[4], (h, ne, de, dh)) / 4
     wy = jax.random.normal(ks[5], (n, h, dh))
     cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32))
+    if variant == "new":  # counting-sort packing, packed backward rows, transposed dW kernel
+        cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16), dw_form="t", packed_bwd=True,
+                            pack_impl="count")
 
     def loss_emulate(x, g, a, b):
         return jnp.sum(expert_ffn_triton(x, idx, g, a, b, cfg=cfg, backend="emulate")[0] * wy)

@@ -97,11 +97,9 @@ def grouped_project_in(x: jax.Array, w_in: jax.Array, groups: int) -> jax.Array:
 
 
 def grouped_project_out(y: jax.Array, w_out: jax.Array) -> jax.Array:
-    """y (groups, N, Nh / groups, dh) @ W_out (Nh, dh, d) -> (N, d), as a sum of one matmul per group
-    (each reads a contiguous block; the sum folds into the matmuls' accumulation)."""
-    groups, _, hl, _ = y.shape
-    out = None
-    for g in range(groups):
-        part = jnp.einsum("nhc,hcd->nd", y[g], w_out[g * hl:(g + 1) * hl])
-        out = part if out is None else out + part
-    return out
+    """y (groups, N, Nh / groups, dh) @ W_out (Nh, dh, d) -> (N, d): one contraction over (group, head, dh).
+
+    Measured on an H100 at 81920 tokens (bench/hp_proj.py): as fast as the token-major projection for
+    fwd+bwd; a sum of one matmul per group was 0.3-0.5 ms slower."""
+    groups, _, hl, dh = y.shape
+    return jnp.einsum("gnhc,ghcd->nd", y, w_out.reshape(groups, hl, dh, -1))

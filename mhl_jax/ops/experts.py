@@ -37,9 +37,10 @@ def expert_rows_reference(rows: jax.Array, block_group: jax.Array, w1: jax.Array
 
 
 def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
-               impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+               impl: str = "reference", cfg=None) -> tuple[jax.Array, jax.Array]:
     """x: (N, H, dh) compute dtype; idx: (N, H, k) int32; gates: (N, H, k) fp32;
-    w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32.
+    w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32. `cfg`: a `kernels.experts.ExpertsConfig` for
+    impl "triton" (default: `default_config`).
 
     Returns y (N, H, dh) in x.dtype and the per-(head, expert) load counts (H, Ne) int32.
     """
@@ -52,7 +53,7 @@ def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2
     if impl == "triton":
         from mhl_jax.ops.experts_triton import expert_ffn_triton
 
-        return expert_ffn_triton(x, idx, gates, w1, w2)
+        return expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg)
     if impl != "reference":
         raise ValueError(f"expert_ffn: impl={impl!r}, expected 'reference' or 'triton'")
     packing = pk.pack(idx, ne, REFERENCE_BLOCK)

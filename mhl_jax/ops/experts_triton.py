@@ -7,10 +7,11 @@ Pipeline (packing from `packing.py`, kernels from `kernels/experts.py`):
   backward  dgates = <dy, out row> per slot; dW kernel (+ dX kernel unless fused) gather x rows and
             dO = gate * dy themselves; dx = sum over the k slots of the dX rows (fixed order)
 
-Neither the packed copy of x, nor the packed dO, nor the (rows x de) hidden activations are written
-to HBM. Weight gradients are reduced per (head, expert) over its row blocks in order: deterministic.
-Weights may be fp32 (master copy: cast to x.dtype for the matmuls, gradients returned in fp32) or
-already in the compute dtype.
+Neither the packed copy of x, nor the packed dO (unless cfg.packed_bwd), nor the (rows x de) hidden
+activations are written to HBM. cfg.dw_form picks the dW kernel, cfg.pack_impl the packing
+(`kernels.experts.ExpertsConfig`). Weight gradients are reduced per (head, expert) over its row
+blocks in order: deterministic. Weights may be fp32 (master copy: cast to x.dtype for the matmuls,
+gradients returned in fp32) or already in the compute dtype.
 
 `backend="emulate"` runs the same custom_vjp with pure-JAX stand-ins of the three kernels, so the
 plumbing (packing, gathers, combine, cotangents) is tested on CPU where jax-triton cannot run.
@@ -19,12 +20,13 @@ plumbing (packing, gathers, combine, cotangents) is tested on CPU where jax-trit
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from kernels.experts import ExpertsConfig, default_config
+from kernels.experts import ExpertsConfig, Tile, default_config
 from mhl_jax.ops import packing as pk
 from mhl_jax.ops.kernels_select import import_jax_triton
 
@@ -44,6 +46,28 @@ class Static(NamedTuple):
     k: int
     backend: str  # "triton" | "emulate"
     w_dtype: str  # dtype of the weights as given (their gradients come back in it)
+
+
+# ------------------------------------------------------------------------------ variants (benchmarks)
+
+VARIANTS = ("v2", "t", "t_packed", "count", "new", "new_packed")
+DWT_TILE = Tile(64, 128, 8, 2)  # transposed dW kernel's tile (bench/experts.py --sweep picks it on the GPU)
+
+
+def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
+                   dwt_tile: Tile | None = None) -> ExpertsConfig:
+    """Named configs for old-vs-new comparisons in one process: "v2" = `default_config` (measured);
+    "t" = transposed dW kernel (`dwt_tile`, block_m clamped to the packing block); "_packed" = packed
+    X / dO rows for the backward; "count" = counting-sort packing; "new" = "t" + "count"."""
+    if name not in VARIANTS:
+        raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
+    cfg = default_config(num_slots, num_groups, dh, de)
+    if name in ("t", "t_packed", "new", "new_packed"):
+        t = dwt_tile or DWT_TILE
+        cfg = replace(cfg, dw=Tile(min(t.block_m, cfg.pack_block), min(t.block_e, de), t.num_warps, t.num_stages),
+                      dw_form="t")
+    return replace(cfg, packed_bwd=name.endswith("_packed"), pack_impl="count" if name in (
+        "count", "new", "new_packed") else "argsort").fit(de)
 
 
 # ----------------------------------------------------------------------------- kernel calls (Triton)
@@ -70,15 +94,17 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
 def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
     jt = import_jax_triton()
 
-    from kernels.experts import expert_dw_kernel, expert_dx_kernel
+    from kernels.experts import expert_dw_kernel, expert_dwt_kernel, expert_dx_kernel
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     fuse = st.cfg.dw.block_e == de
-    common = dict(K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, **_opts(xs.dtype))
+    common = dict(K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, PACKED=st.cfg.packed_bwd, **_opts(xs.dtype))
+    if st.cfg.packed_bwd:  # the kernels then read packed X / dO rows contiguously (gates unused)
+        xs, dys = packed_bwd_rows(st, xs, dys, gates, meta)
     t = st.cfg.dw
     dw1, dw2, dx_fused = jt.triton_call(
         xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
-        kernel=expert_dw_kernel,
+        kernel=expert_dwt_kernel if st.cfg.dw_form == "t" else expert_dw_kernel,
         out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
                    jax.ShapeDtypeStruct((p, dh) if fuse else (1, dh), xs.dtype)],
         grid=(de // t.block_e, g), num_warps=t.num_warps, num_stages=t.num_stages,
@@ -91,6 +117,15 @@ def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
         out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype), grid=(p // t.block_m,),
         num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t.block_m, BLOCK_E=t.block_e, **common)
     return dx, dw1, dw2
+
+
+def packed_bwd_rows(st: Static, xs, dys, gates, meta: Meta):
+    """Packed X rows and dO rows = gate * dy (P, dh) in xs.dtype, zero on padding (cfg.packed_bwd)."""
+    valid = (meta.row_slot >= 0)[:, None]
+    slot = jnp.maximum(meta.row_slot, 0)
+    xp = jnp.where(valid, jnp.take(xs, slot // st.k, axis=0), 0).astype(xs.dtype)
+    do = jnp.take(dys, slot // st.k, axis=0).astype(jnp.float32) * jnp.take(gates, slot)[:, None]
+    return xp, jnp.where(valid, do, 0).astype(xs.dtype)
 
 
 # ------------------------------------------------------------------- kernel stand-ins (pure JAX, CPU)
@@ -108,12 +143,7 @@ def _fwd_emulate(st: Static, xs, meta: Meta, w1, w2):
 
 
 def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
-    valid = meta.row_slot >= 0
-    slot = jnp.maximum(meta.row_slot, 0)
-    do = jnp.take(dys, slot // st.k, axis=0).astype(jnp.float32) * jnp.take(gates, slot)[:, None]
-    do = jnp.where(valid[:, None], do, 0).astype(xs.dtype)
-    valid = (meta.row_slot >= 0)[:, None]
-    rows = jnp.where(valid, jnp.take(xs, slot // st.k, axis=0), 0)
+    rows, do = packed_bwd_rows(st, xs, dys, gates, meta)
     from mhl_jax.ops.experts import expert_rows_reference
 
     _, vjp = jax.vjp(lambda r, a, b: expert_rows_reference(r, meta.block_group, a, b, st.cfg.pack_block),
@@ -191,7 +221,7 @@ def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Ar
                          f"{gates.shape}, w1 {w1.shape}, w2 {w2.shape}")
     cfg = (cfg or default_config(n * h * k, h * ne, dh, de)).fit(de)
     cfg.check(dh, de)
-    packing = pk.pack(idx, ne, cfg.pack_block)
+    packing = pk.pack(idx, ne, cfg.pack_block, cfg.pack_impl)
     start, count = pk.group_blocks(packing.group_sizes, cfg.pack_block)
     meta = Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count)
     if w1.dtype != w2.dtype:

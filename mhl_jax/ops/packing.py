@@ -9,6 +9,15 @@ one (head, expert). Shapes stay static under jit: the padded row count is the wo
 
 (every non-empty group wastes at most R - 1 rows). Blocks past the used ones are all padding and
 carry block_group = -1, so kernels can skip them.
+
+Two ways to compute the same layout (`pack(..., method=)`):
+- "argsort": one stable argsort of the M group ids (XLA sort of M key/index pairs).
+- "count": a counting sort, no sort at all. Within a head, slot order is local order l = n * k + j,
+  so a stable sort by group is, per head, a stable sort of l by expert. Cut each head's slots into
+  chunks of C; a slot's rank in its group = (slots of that expert in earlier chunks: an exclusive
+  cumsum over chunks of the per-chunk histogram, an int scatter-add) + (earlier slots of that expert
+  in its own chunk: a C-wide compare-and-count). slot_row is then computed directly and row_slot is
+  one scatter with unique indices. Integer-only, deterministic, O(M C) cheap elementwise work.
 """
 
 from __future__ import annotations
@@ -33,10 +42,18 @@ def padded_rows(num_slots: int, num_groups: int, block: int) -> int:
     return -(-rows // block) * block
 
 
-def pack(idx: jax.Array, num_experts: int, block: int) -> Packing:
+COUNT_CHUNK = 128  # slots per chunk of the counting sort
+
+
+def pack(idx: jax.Array, num_experts: int, block: int, method: str = "argsort",
+         chunk: int = COUNT_CHUNK) -> Packing:
     """idx: (N, H, k) int32 expert indices in [0, Ne), or -1 for an empty slot (no row, output 0).
 
-    Returns the Packing (no data moved)."""
+    Returns the Packing (no data moved). method "argsort" | "count" (identical results)."""
+    if method == "count":
+        return _pack_count(idx, num_experts, block, chunk)
+    if method != "argsort":
+        raise ValueError(f"pack: method={method!r}, expected 'argsort' or 'count'")
     n, h, k = idx.shape
     m = n * h * k
     g_count = h * num_experts
@@ -64,6 +81,46 @@ def pack(idx: jax.Array, num_experts: int, block: int) -> Packing:
     bg = jnp.searchsorted(pstarts[:g_count] + padded, block_start, side="right").astype(jnp.int32)
     block_group = jnp.where(jnp.arange(p // block) < num_blocks, bg, -1).astype(jnp.int32)
     return Packing(row_slot, slot_row, block_group, sizes, num_blocks)
+
+
+def _block_groups(padded: jax.Array, num_blocks: jax.Array, p: int, block: int) -> jax.Array:
+    """Group of each row block (-1 past the used blocks), from the padded group sizes (G,)."""
+    block_start = jnp.arange(p // block, dtype=jnp.int32) * block
+    # group of a block = last group whose padded start is <= block start (empty groups share starts)
+    bg = jnp.searchsorted(jnp.cumsum(padded), block_start, side="right").astype(jnp.int32)
+    return jnp.where(jnp.arange(p // block) < num_blocks, bg, -1).astype(jnp.int32)
+
+
+def _pack_count(idx: jax.Array, num_experts: int, block: int, chunk: int) -> Packing:
+    """The counting-sort packing (module docstring); same arrays as the argsort path."""
+    n, h, k = idx.shape
+    m, g_count, ml = n * h * k, h * num_experts, n * k
+    p = padded_rows(m, g_count, block)
+    c = max(1, min(chunk, ml))
+    nc = -(-ml // c)
+    e = jnp.swapaxes(idx.astype(jnp.int32), 0, 1).reshape(h, ml)  # (H, N*k): local slot l = n * k + j
+    e = jnp.where(e >= 0, e, num_experts)  # empty slots: sentinel expert, no rows
+    ec = jnp.pad(e, ((0, 0), (0, nc * c - ml)), constant_values=num_experts).reshape(h, nc, c)
+    lower = jnp.arange(c)[None, :] < jnp.arange(c)[:, None]  # [i, j]: j before i
+    rank_in = jnp.sum((ec[..., :, None] == ec[..., None, :]) & lower, axis=-1, dtype=jnp.int32)
+    hs = jnp.arange(h, dtype=jnp.int32)[:, None, None]
+    cs = jnp.arange(nc, dtype=jnp.int32)[None, :, None]
+    hist = jnp.zeros((h, nc, num_experts + 1), jnp.int32).at[hs, cs, ec].add(1)
+    incl = jnp.cumsum(hist, axis=1, dtype=jnp.int32)  # (H, nc, Ne + 1)
+    rank = jnp.take_along_axis(incl - hist, ec, axis=2) + rank_in  # rank of each slot in its group
+    sizes = incl[:, -1, :num_experts].reshape(g_count)
+    padded = (sizes + block - 1) // block * block
+    pstarts = (jnp.cumsum(padded) - padded).astype(jnp.int32)
+    valid = ec < num_experts
+    gid = jnp.minimum(hs * num_experts + ec, g_count - 1)
+    dest = jnp.where(valid, pstarts[gid] + rank, -1)  # (H, nc, C): padded row of each slot
+    dest = jnp.swapaxes(dest.reshape(h, nc * c)[:, :ml].reshape(h, n, k), 0, 1)  # back to slot order
+    slot_row = dest.reshape(m).astype(jnp.int32)
+    row_slot = jnp.full((p,), -1, jnp.int32).at[jnp.where(slot_row >= 0, slot_row, p)].set(
+        jnp.arange(m, dtype=jnp.int32), mode="drop")
+    num_blocks = (jnp.sum(padded) // block).astype(jnp.int32)
+    return Packing(row_slot, slot_row, _block_groups(padded, num_blocks, p, block), sizes.astype(jnp.int32),
+                   num_blocks)
 
 
 def gather_rows(x: jax.Array, packing: Packing, k: int) -> jax.Array:

@@ -1,0 +1,342 @@
+"""Training throughput and loss agreement of a config on 1, 2, 4, ... devices (issue 7 item 2).
+
+    python bench/train_scale.py [--config FILE ...] [--devices 1 2 4] [--steps 4] [--warmup 1]
+                                [--set key=value ...] [--tol 1e-2] [--out FILE] [--date YYYY-MM-DD]
+
+For each config (default: configs/mh_latent_moe_hp_2.2b.yaml and configs/moe_ep_2.2b.yaml) and each
+device count P, a ('data', 'hp'|'ep') mesh is built over the first P devices with parallel.hp = P
+(MH-LatentMoE) or parallel.ep = P (MoE / LatentMoE), data = 1, and `--steps` real training steps run:
+`make_train_step` (AdamW, gradient accumulation over global_batch / (micro_batch x P) micro-batches,
+balancing-bias update), jitted with the state donated, as `train.py` runs it. Every run starts from the
+same initial state (built once per config and kept on the host, so bitwise equal) and sees the same
+synthetic batches (numpy seed `--seed`; no dataset is read): tokens drawn i.i.d. with Zipf(1) unigram
+frequencies, as in text, so the routing is as skewed as text's unigram statistics make it (uniform
+tokens would balance the experts perfectly and flatter EP) and the loss falls in the first steps as
+the model learns the unigram distribution (uniform tokens start at the optimum ln V and barely move).
+
+Defaults applied before `--set` (so `--set` can undo them):
+    train.global_batch=32  train.micro_batch=4  schedule.warmup_steps=1
+32 x 2048 = 65k tokens per step instead of the paper's 0.66M keeps a 1-GPU step of a 2.2B model in
+seconds, and 32 is a multiple of micro_batch x P for P = 1, 2, 4, 8 (accumulation 8, 4, 2, 1).
+warmup_steps=1 runs every step at the peak LR, so the loss check covers the update as well as the
+forward (with the paper's 8000-step warmup the first steps barely move the weights). Neither changes
+the work per token.
+
+Per run, one JSON line (to stdout and appended to --out): mesh, batch, per-step losses and times,
+the median step time over the steps after --warmup (each step closed by block_until_ready; the
+compile is timed separately, ahead of time), tokens/s in total and per device, MFU (6 x active matmul
+params + attention FLOPs per token, `train_flops_per_token`, against `device_peak_flops`: the bf16
+datasheet peak of a known GPU or logging.peak_tflops; null on CPU), memory and the loss check.
+Memory: `mem_compiled_gib` is XLA's buffer assignment of the step per device (arguments + outputs +
+temporaries - donated aliases); `mem_peak_gib` is the runtime peak (`peak_bytes_in_use`, max over the
+run's devices). That counter only rises over a process, so device counts run largest first (fewer
+devices hold more experts each: the peak rises run after run) and `mem_peak_exact` says whether the
+value is this run's (false: an upper bound left by an earlier run; one --config per process for exact
+values).
+
+Loss check: per config, every run's losses against those of the run on the fewest devices;
+`loss_max_rel_diff` = max over steps of |L_P - L_ref| / |L_ref| (per step: `loss_rel_diffs`) must be
+<= --tol. The runs compute the same sums in a different order (micro-batch split, all-to-all layout,
+gradient reductions), so they agree to rounding: measured <= 2e-7 in fp32 (CPU, tiny configs,
+1/2/4 devices). With bf16 compute each matmul output is rounded to 8 bits, so a different order can
+move an element by 4e-3, flip a near-tie routing choice, and (Adam at the peak LR) flip the sign of
+a near-zero gradient element; the losses drift apart step by step. Measured on the same CPU runs
+with compute_dtype=bfloat16: 1.5e-6 at step 1 (forward only), <= 2.1e-4 after 4 steps, while the loss
+fell by 15%. The default tol 1e-2 leaves GPU GEMMs (other tilings, split-K) 50x that drift and is
+still well under the loss's fall over the steps, so a forward or update that differs in substance (a
+shard's tokens or gradient dropped or counted twice) fails it; `loss_rel_diffs` shows the growth.
+
+Exit status 1 when a run fails or the loss check fails, 2 when fewer devices are present than asked.
+CPU smoke test (tiny configs, fp32):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu python bench/train_scale.py \\
+        --config configs/tiny_mh_latent_moe.yaml --config configs/tiny_moe.yaml --devices 1 2 4 \\
+        --steps 3 --set model.compute_dtype=float32 --tol 1e-4 --out /tmp/train_scale.jsonl
+
+On the GPU machine, one config per process keeps each command within ~6 min and the memory peaks
+exact: python bench/train_scale.py --config configs/moe_ep_2.2b.yaml --devices 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+from mhl_jax.config import Config, ConfigError, load_config  # noqa: E402
+from mhl_jax.model.balancing import RouterBias  # noqa: E402
+from mhl_jax.model.gpt import build_model  # noqa: E402
+from mhl_jax.model.params import train_flops_per_token  # noqa: E402
+from mhl_jax.parallel.executors import make_executor  # noqa: E402
+from mhl_jax.parallel.mesh import batch_spec, make_mesh, mesh_shape, model_axis, state_shardings  # noqa: E402
+from mhl_jax.train.metrics import device_peak_flops, mfu  # noqa: E402
+from mhl_jax.train.optimizer import make_optimizer  # noqa: E402
+from mhl_jax.train.schedule import make_schedule  # noqa: E402
+from mhl_jax.train.step import make_train_step  # noqa: E402
+
+DEFAULT_CONFIGS = ["configs/mh_latent_moe_hp_2.2b.yaml", "configs/moe_ep_2.2b.yaml"]
+DEFAULT_SETS = ["train.global_batch=32", "train.micro_batch=4", "schedule.warmup_steps=1"]
+GIB = 2 ** 30
+
+
+def run_config(path: str, overrides: list[str], devices: int) -> Config:
+    """The config at `path` with the overrides, on `devices` devices, all of them on the model axis;
+    ConfigError when the mesh or the batch does not fit."""
+    axis = model_axis(load_config(path, overrides))
+    cfg = load_config(path, [*overrides, f"parallel.{axis}={devices}", "parallel.data=-1",
+                             f"parallel.devices={devices}"])
+    mesh_shape(cfg, devices)
+    if cfg.train.global_batch % (cfg.train.micro_batch * devices):
+        raise ConfigError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="
+                          f"{cfg.train.micro_batch} x {devices} devices")
+    return cfg
+
+
+def synthetic_tokens(seed: int, vocab: int, shape: tuple[int, ...], zipf: float = 1.0) -> np.ndarray:
+    """i.i.d. tokens with Zipf(`zipf`) unigram frequencies (text-like), over a seeded random id order."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, vocab + 1) ** zipf
+    ids = rng.permutation(vocab).astype(np.int32)
+    return ids[rng.choice(vocab, size=shape, p=p / p.sum())]
+
+
+def host_state(cfg: Config, seed: int):
+    """Initial (params, biases) as numpy trees: built once on device 0 (seconds; the host CPU takes
+    ~1 min for 2.2B) and copied out, so every run starts from the same bits."""
+    _, params, biases = nnx.split(build_model(cfg, seed=seed), nnx.Param, RouterBias)
+    out = jax.device_get((params, biases))
+    del params, biases
+    gc.collect()  # the device copies go now, not at some later collection
+    return out
+
+
+def device_peaks(devices) -> list[int] | None:
+    stats = [d.memory_stats() for d in devices]
+    if any(not s or "peak_bytes_in_use" not in s for s in stats):
+        return None
+    return [int(s["peak_bytes_in_use"]) for s in stats]
+
+
+def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, warmup: int, seed: int,
+            profile: bool = False) -> dict:
+    """Compile and run len(batches) train steps of `cfg` on `devices`; batches (steps, global_batch, T + 1)."""
+    mesh = make_mesh(cfg, devices)
+    n = mesh.size
+    micro_global = cfg.train.micro_batch * n
+    accum = cfg.train.global_batch // micro_global
+    executor = make_executor(cfg, mesh)
+    graphdef, p_abs, b_abs = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=seed, executor=executor)),
+                                       nnx.Param, RouterBias)
+    if jax.tree.structure((p_abs, b_abs)) != jax.tree.structure((params, biases)):
+        raise ValueError(f"{executor!r}: the model's parameter tree differs from the host-built one")
+    tx = make_optimizer(cfg)
+
+    def init_state(p, b):
+        return {"params": p, "opt_state": tx.init(p), "biases": b, "step": jnp.zeros((), jnp.int32)}
+
+    sh = state_shardings(cfg, mesh, jax.eval_shape(init_state, params, biases))
+    bsh = NamedSharding(mesh, batch_spec(mesh))
+    before = device_peaks(mesh.devices.flat)
+    state = jax.jit(init_state, out_shardings=sh, donate_argnums=(0, 1))(
+        *jax.device_put((params, biases), (sh["params"], sh["biases"])))
+    step = jax.jit(make_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule)),
+                   in_shardings=(sh, bsh), out_shardings=(sh, None), donate_argnums=0)
+    shaped = batches.reshape(len(batches), accum, micro_global, -1)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, jax.device_put(shaped[0], bsh)).compile()
+    compile_s = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    mem_compiled = None if ma is None else (ma.argument_size_in_bytes + ma.output_size_in_bytes
+                                            + ma.temp_size_in_bytes - ma.alias_size_in_bytes) / GIB
+    losses, gnorms, times = [], [], []
+    for b in shaped:
+        b = jax.block_until_ready(jax.device_put(b, bsh))
+        t0 = time.perf_counter()
+        state, m = compiled(state, b)
+        jax.block_until_ready((state, m))
+        times.append(time.perf_counter() - t0)
+        losses.append(float(m["loss"]))
+        gnorms.append(float(m["grad_norm"]))
+    split = None
+    if profile:  # one more step (after the losses are taken), traced: communication vs compute kernels
+        from bench.profile_split import device_time_split
+
+        held = {"state": state}
+
+        def one_step():
+            held["state"], metrics = compiled(held["state"], b)
+            return metrics
+
+        split = device_time_split(one_step, calls=1)
+        split.pop("per_device", None)
+        state = held.pop("state")
+    after = device_peaks(mesh.devices.flat)
+    del state, compiled, step
+    mem_peak, exact = None, None
+    if after is not None:
+        risen = [a for a, b0 in zip(after, before) if a > b0]
+        stale = [a for a, b0 in zip(after, before) if a <= b0]
+        mem_peak, exact = max(after) / GIB, bool(risen) and max(risen) >= max(stale, default=0)
+    step_s = float(np.median(times[warmup:]))
+    tokens = cfg.train.global_batch * cfg.model.context
+    flops_tok = train_flops_per_token(cfg)
+    peak = device_peak_flops(cfg.logging.peak_tflops)
+    return {"mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "mesh_shape": list(mesh.devices.shape),
+            "executor": repr(executor), "accum": accum, "losses": losses, "grad_norms": gnorms,
+            "step_times_s": times, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "tokens_per_s_per_device": tokens / step_s / n, "flops_per_token": flops_tok,
+            "peak_tflops": None if peak is None else peak / 1e12, "mfu": mfu(flops_tok, tokens / step_s, n, peak),
+            "compile_s": compile_s, "mem_compiled_gib": mem_compiled, "mem_peak_gib": mem_peak,
+            "mem_peak_exact": exact, "profile_split": split}
+
+
+def loss_check(records: list[dict], tol: float) -> None:
+    """Fill each record's loss diffs against the successful run on the fewest devices, and `ok`."""
+    done = [r for r in records if "losses" in r]
+    ref = min(done, key=lambda r: r["devices"]) if done else None
+    for r in records:
+        if "losses" not in r:
+            r["ok"] = False
+            continue
+        a, b = np.asarray(r["losses"]), np.asarray(ref["losses"])
+        r["loss_ref_devices"] = ref["devices"]
+        rel = np.abs(a - b) / np.abs(b)
+        r["loss_max_abs_diff"] = float(np.max(np.abs(a - b)))
+        r["loss_rel_diffs"] = [float(x) for x in rel]
+        r["loss_max_rel_diff"] = float(np.max(rel))
+        r["loss_tol"] = tol
+        r["ok"] = bool(np.all(np.isfinite(a)) and r["loss_max_rel_diff"] <= tol)
+
+
+def run(configs: list[str], device_counts: list[int], steps: int = 4, warmup: int = 1, overrides=(),
+        tol: float = 1e-2, seed: int = 0, date: str = "", emit=print, log=print, profile: bool = False) -> list[dict]:
+    """Every (config, device count); returns the records (each with `ok`). Device counts run largest first."""
+    avail = jax.devices()
+    if max(device_counts) > len(avail):
+        raise SystemExit(f"--devices {max(device_counts)} asked, but only {len(avail)} devices are visible: {avail}")
+    if not 0 <= warmup < steps:
+        raise SystemExit(f"--warmup {warmup} must be in [0, --steps {steps})")
+    overrides = [*DEFAULT_SETS, *overrides]
+    for path in configs:  # every (config, device count) is valid before any device time is spent
+        for n in device_counts:
+            run_config(path, overrides, n)
+    out = []
+    for path in configs:
+        base = load_config(path, overrides)
+        m = base.model
+        batches = synthetic_tokens(seed, m.vocab_size, (steps, base.train.global_batch, m.context + 1))
+        t0 = time.perf_counter()
+        params, biases = host_state(base, base.train.seed)
+        log(f"# {base.name}: initial state built in {time.perf_counter() - t0:.1f} s")
+        records = []
+        for n in sorted(set(device_counts), reverse=True):
+            cfg = run_config(path, overrides, n)
+            rec = {"bench": "train_scale", "config": cfg.name, "config_file": path, "kind": cfg.ffn.kind,
+                   "devices": n, "device": avail[0].device_kind, "date": date, "jax": jax.__version__,
+                   "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
+                   "context": m.context, "compute_dtype": m.compute_dtype, "kernels": cfg.ffn.kernels,
+                   "steps": steps, "warmup": warmup, "seed": seed, "overrides": overrides}
+            try:
+                rec.update(measure(cfg, avail[:n], params, biases, batches, warmup, base.train.seed,
+                                   profile=profile and n > 1))
+                log(f"# {cfg.name} x{n}: mesh {rec['mesh']}, compile {rec['compile_s']:.1f} s, "
+                    f"step {rec['step_s']:.3f} s, {rec['tokens_per_s']:.0f} tok/s, losses {rec['losses']}")
+            except Exception as e:  # keep going: the other device counts are still worth measuring
+                traceback.print_exc()
+                rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+            records.append(rec)
+            jax.clear_caches()
+            gc.collect()
+        loss_check(records, tol)
+        for r in sorted(records, key=lambda r: r["devices"]):
+            emit(r)
+        out += records
+        del params, biases
+    return out
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| config | devices | mesh | batch (micro x accum) | step s | tok/s | tok/s/dev | MFU | peak GiB "
+             "(compiled) | compile s | max loss diff abs / rel | ok |", "|" + "---|" * 12]
+    for r in sorted(records, key=lambda r: (r["config"], r["devices"])):
+        if "losses" not in r:
+            lines.append(f"| {r['config']} | {r['devices']} | failed: {r.get('error', '?')[:80]} |" + " |" * 9)
+            continue
+        mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
+        peak = fmt(r["mem_peak_gib"], ".1f") + ("" if r["mem_peak_exact"] in (True, None) else " (<=)")
+        lines.append(
+            f"| {r['config']} | {r['devices']} | {mesh} | {r['global_batch']} ({r['micro_batch']} x {r['accum']}) | "
+            f"{r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_device']:.0f} | "
+            f"{fmt(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | "
+            f"{peak} ({fmt(r['mem_compiled_gib'], '.1f')}) | {r['compile_s']:.1f} | "
+            f"{r['loss_max_abs_diff']:.2e} / {r['loss_max_rel_diff']:.2e} | {'yes' if r['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", action="append", default=None, help="YAML config (repeatable)")
+    ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4], help="device counts to run")
+    ap.add_argument("--steps", type=int, default=4, help="train steps per run")
+    ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the median step time")
+    ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                    help="config override, applied after the defaults " + " ".join(DEFAULT_SETS))
+    ap.add_argument("--tol", type=float, default=1e-2, help="max relative loss difference to the fewest devices")
+    ap.add_argument("--seed", type=int, default=0, help="numpy seed of the synthetic tokens")
+    ap.add_argument("--out", default="", help="JSON lines file to append to (default bench/results/...)")
+    ap.add_argument("--date", default=datetime.date.today().isoformat())
+    ap.add_argument("--profile", action="store_true", help="trace one extra step on >1 device: communication vs "
+                    "compute kernel time (bench/profile_split.py)")
+    args = ap.parse_args()
+
+    devs = jax.devices()
+    slug = devs[0].device_kind.lower().replace(" ", "-") + (f"-x{len(devs)}" if len(devs) > 1 else "")
+    out_path = args.out or os.path.join(ROOT, "bench", "results", f"train_scale-{slug}-{args.date}.jsonl")
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    print(f"# {len(devs)} x {devs[0].device_kind}, jax {jax.__version__}, backend {jax.default_backend()}, "
+          f"out {out_path}", flush=True)
+    if max(args.devices) > len(devs):
+        print(f"# FAILED: --devices {max(args.devices)} asked, only {len(devs)} visible", flush=True)
+        sys.exit(2)
+    with open(out_path, "a") as outf:
+        def emit(rec: dict) -> None:
+            print(json.dumps(rec), flush=True)
+            outf.write(json.dumps(rec) + "\n")
+            outf.flush()
+
+        try:
+            recs = run(args.config or DEFAULT_CONFIGS, args.devices, args.steps, args.warmup, args.overrides,
+                       args.tol, args.seed, args.date, emit, log=lambda s: print(s, flush=True),
+                       profile=args.profile)
+        except ConfigError as e:
+            print(f"# FAILED: {e}", flush=True)
+            sys.exit(1)
+    print(table(recs), flush=True)
+    bad = [f"{r['config']} x{r['devices']}: " + (r.get("error") or f"loss rel diff {r['loss_max_rel_diff']:.3g} "
+                                                 f"> tol {r['loss_tol']:g}") for r in recs if not r["ok"]]
+    if bad:
+        print("# FAILED: " + " | ".join(bad), flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
