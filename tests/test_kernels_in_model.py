@@ -86,3 +86,19 @@ def test_triton_path_under_shard_map(emulated, kind, par):
     tri = loss_and_grads(cfg, executor, t)
     np.testing.assert_allclose(tri[0], ref[0], rtol=1e-5)
     assert_close(tri[2], ref[2])
+
+
+def test_kernel_choice_respects_the_expert_width(monkeypatch):
+    """Experts wider than the kernels' tiles fit: auto falls back to the reference, triton is refused
+    with the value named (MoE at d_model 1024 failed to launch on an H200 before this rule)."""
+    import mhl_jax.ops.kernels_select as ks
+
+    monkeypatch.setattr(ks, "triton_available", lambda: True)
+    wide = load_config(None, ["ffn.kind=moe", "model.d_model=512", "model.n_heads=4", "model.head_dim=128"])
+    narrow = load_config(None, ["ffn.kind=mh_latent_moe"])
+    assert ks.expert_width(wide) == 512 and ks.expert_width(narrow) == narrow.ffn.head_dim <= 256
+    assert ks.resolve_kernels("auto", ks.expert_width(wide)) == "reference"
+    assert ks.resolve_kernels("auto", ks.expert_width(narrow)) == "triton"
+    assert ks.resolve_kernels("reference", 4096) == "reference"
+    with pytest.raises(ValueError, match="experts see 512"):
+        ks.resolve_kernels("triton", ks.expert_width(wide))

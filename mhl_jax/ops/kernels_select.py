@@ -33,15 +33,35 @@ def triton_available() -> bool:
     return True
 
 
-def resolve_kernels(choice: str) -> str:
-    """'auto' -> 'triton' on a GPU with jax-triton, else 'reference'. 'triton' without one is an error."""
+# Widest expert input the Triton expert kernels' tiles fit in shared memory (a (BLOCK_M, DH) X tile and
+# (DH, BLOCK_E) weight tiles, double-buffered). MoE at d_model=1024 asked for 384 KB of the H200's
+# 227 KB and failed to launch (bench/NOTES.md, 2026-11-22).
+MAX_TRITON_EXPERT_WIDTH = 256
+
+
+def expert_width(cfg) -> int:
+    """Width of the vectors the experts see: d_model (moe), latent_dim (latent_moe), head_dim (mh)."""
+    f = cfg.ffn
+    return {"moe": cfg.model.d_model, "latent_moe": f.latent_dim}.get(f.kind, f.head_dim)
+
+
+def resolve_kernels(choice: str, width: int | None = None) -> str:
+    """'auto' -> 'triton' on a GPU with jax-triton, else 'reference'. 'triton' without one is an error.
+
+    width: the experts' input width (`expert_width`); above MAX_TRITON_EXPERT_WIDTH 'auto' picks the
+    reference and 'triton' is an error naming the value."""
+    wide = width is not None and width > MAX_TRITON_EXPERT_WIDTH
     if choice == "reference":
         return "reference"
     if choice == "triton":
         if not triton_available():
             raise RuntimeError("ffn.kernels='triton' needs a GPU JAX backend and jax-triton; "
                                f"backend is {jax.default_backend()!r}. Use ffn.kernels=auto or reference.")
+        if wide:
+            raise ValueError(f"ffn.kernels='triton': the expert kernels take inputs up to "
+                             f"{MAX_TRITON_EXPERT_WIDTH} wide, this model's experts see {width} "
+                             "(MoE: d_model, LatentMoE: latent_dim). Use ffn.kernels=reference or auto.")
         return "triton"
     if choice == "auto":
-        return "triton" if triton_available() else "reference"
+        return "triton" if triton_available() and not wide else "reference"
     raise ValueError(f"ffn.kernels={choice!r}: expected auto, triton or reference")
