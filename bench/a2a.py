@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -52,11 +51,16 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from bench import timing  # noqa: E402
+from mhl_jax.model.moe import grouped_project_in, grouped_project_out  # noqa: E402
 from mhl_jax.parallel import traffic  # noqa: E402
 from mhl_jax.parallel.expert_parallel import combine, dispatch, make_plan  # noqa: E402
-from mhl_jax.model.moe import grouped_project_in, grouped_project_out  # noqa: E402
-from mhl_jax.parallel.head_parallel import (grouped_to_local_heads, grouped_to_local_tokens,  # noqa: E402
-                                            to_local_heads, to_local_tokens)
+from mhl_jax.parallel.head_parallel import (  # noqa: E402
+    grouped_to_local_heads,
+    grouped_to_local_tokens,
+    to_local_heads,
+    to_local_tokens,
+)
 
 GIB = 2.0 ** 30
 
@@ -350,9 +354,7 @@ def main() -> None:
     outf = open(out_path, "w")
 
     def emit(rec: dict) -> None:
-        print(json.dumps(rec), flush=True)
-        outf.write(json.dumps(rec) + "\n")
-        outf.flush()
+        timing.emit(rec, outf)
 
     print(f"# {len(devs)} x {device}, jax {jax.__version__}, backend {jax.default_backend()}, out {out_path}",
           flush=True)

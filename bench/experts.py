@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.timing import time_jax  # noqa: E402
+from bench.timing import emit, time_jax  # noqa: E402
 
 NH, DH, K = 8, 128, 4
 
@@ -297,10 +297,7 @@ def sweep(tokens: int, ne: int, de: int, pack_block: int, device: str, date: str
                 rec["ms"] = float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(json.dumps(rec), flush=True)
-            if outf:
-                outf.write(json.dumps(rec) + "\n")
-                outf.flush()
+            emit(rec, outf)
 
 
 def run_isolated(impl: str, tokens: int, de: int, ne: int, timeout: float) -> dict:
@@ -410,10 +407,7 @@ def main() -> None:
                     except Exception as e:  # a baseline that cannot run this shape is recorded, not fatal
                         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                         traceback.print_exc(limit=2)
-                    print(json.dumps(rec), flush=True)
-                    if outf:
-                        outf.write(json.dumps(rec) + "\n")
-                        outf.flush()
+                    emit(rec, outf)
                     rows.append(rec)
                 del sets
     names = [i if i != "ours" else f"ours:{v}" for i in args.impls for v in (args.variants if i == "ours" else [0])]

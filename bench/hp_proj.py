@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -29,7 +28,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.timing import time_jax  # noqa: E402
+from bench.timing import emit, time_jax  # noqa: E402
 from mhl_jax.model.moe import grouped_project_in, grouped_project_out  # noqa: E402
 
 
@@ -72,14 +71,13 @@ def main() -> None:
             f = variant(name, groups)
             err = float(jnp.max(jnp.abs(jax.jit(f)(x, w_in, w_out).astype(jnp.float32) - ref)))
             fwd = jax.jit(f)
-            bwd = jax.jit(jax.grad(lambda a, b, c: jnp.sum(f(a, b, c).astype(jnp.float32) * 1e-3), argnums=(0, 1, 2)))
+            bwd = jax.jit(jax.grad(lambda a, b, c, f=f: jnp.sum(f(a, b, c).astype(jnp.float32) * 1e-3),
+                                   argnums=(0, 1, 2)))
             rec = {"bench": "hp_proj", "device": device, "date": args.date, "variant": name,
                    "params": {"tokens": n, "d": d, "heads": heads, "groups": groups, "dtype": "bfloat16"},
                    "fwd_ms": time_jax(fwd, [(x, w_in, w_out)]), "fwd_bwd_ms": time_jax(bwd, [(x, w_in, w_out)]),
                    "max_abs_diff_vs_token": err}
-            print(json.dumps(rec), flush=True)
-            if outf:
-                outf.write(json.dumps(rec) + "\n")
+            emit(rec, outf)
     if outf:
         outf.close()
 

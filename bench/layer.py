@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
@@ -36,7 +35,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.timing import time_jax  # noqa: E402
+from bench.timing import emit, time_jax  # noqa: E402
 
 D, NH, DH = 1024, 8, 128
 MEASURED_BF16_TFLOPS = 800.0
@@ -211,10 +210,7 @@ def main() -> None:
                         rec["speedup_vs_authors"] = a[1] / rec["ms"]
                 except Exception as e:
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(json.dumps(rec), flush=True)
-                if outf:
-                    outf.write(json.dumps(rec) + "\n")
-                    outf.flush()
+                emit(rec, outf)
                 rows.append(rec)
                 if "error" in rec and variant and args.fallback not in args.variants and (impl, "fallback") not in runs:
                     runs.append((impl, "fallback"))
@@ -225,10 +221,7 @@ def main() -> None:
                             "v2", tokens, ne, k, de), rec["ms"])
                     except Exception as e:
                         b["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    print(json.dumps(b), flush=True)
-                    if outf:
-                        outf.write(json.dumps(b) + "\n")
-                        outf.flush()
+                    emit(b, outf)
             del params, xs
     print(f"\n{'tokens':>6} {'Ne/k/de':>11} {'impl':>11} {'fwd ms':>8} {'f+b ms':>8} {'GiB':>6} {'TF/s':>6} "
           f"{'authors f+b':>11} {'GiB':>5} {'x':>6}")

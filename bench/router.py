@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import math
 import os
 import sys
@@ -53,10 +52,7 @@ TAG = None
 def emit(rec: dict, outf) -> None:
     if TAG:
         rec = dict(rec, tag=TAG)
-    print(json.dumps(rec), flush=True)
-    if outf:
-        outf.write(json.dumps(rec) + "\n")
-        outf.flush()
+    timing.emit(rec, outf)
 
 
 def make_inputs(seed: int, tokens: int, ne: int, k: int):

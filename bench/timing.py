@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import jax
@@ -24,3 +25,12 @@ def time_jax(fn, arg_sets, reps: int = 20, inner: int = 3) -> float:
         jax.block_until_ready(out)
         ts.append((time.perf_counter() - t0) / inner * 1e3)
     return float(np.median(ts))
+
+
+def emit(rec: dict, outf=None) -> None:
+    """Print one JSON line and append it to the open results file `outf` (if any), flushed at once."""
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if outf is not None:
+        outf.write(line + "\n")
+        outf.flush()

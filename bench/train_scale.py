@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import sys
 import time
@@ -78,6 +77,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
+from bench import timing  # noqa: E402
 from mhl_jax.config import Config, ConfigError, load_config  # noqa: E402
 from mhl_jax.model.balancing import RouterBias  # noqa: E402
 from mhl_jax.model.gpt import build_model  # noqa: E402
@@ -178,8 +178,8 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
 
         held = {"state": state}
 
-        def one_step():
-            held["state"], metrics = compiled(held["state"], b)
+        def one_step(run=compiled, batch=b):
+            held["state"], metrics = run(held["state"], batch)
             return metrics
 
         split = device_time_split(one_step, calls=1)
@@ -319,9 +319,7 @@ def main() -> None:
         sys.exit(2)
     with open(out_path, "a") as outf:
         def emit(rec: dict) -> None:
-            print(json.dumps(rec), flush=True)
-            outf.write(json.dumps(rec) + "\n")
-            outf.flush()
+            timing.emit(rec, outf)
 
         try:
             recs = run(args.config or DEFAULT_CONFIGS, args.devices, args.steps, args.warmup, args.overrides,
