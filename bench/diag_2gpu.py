@@ -30,7 +30,7 @@ from mhl_jax.parallel.executors import make_executor  # noqa: E402
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings  # noqa: E402
 from mhl_jax.train.optimizer import make_optimizer  # noqa: E402
 from mhl_jax.train.schedule import make_schedule  # noqa: E402
-from mhl_jax.train.step import loss_fn, make_train_step  # noqa: E402
+from mhl_jax.train.step import jit_train_step, loss_fn  # noqa: E402
 
 
 def run(kind: str, n: int, batch: np.ndarray):
@@ -46,8 +46,7 @@ def run(kind: str, n: int, batch: np.ndarray):
     grad = jax.jit(jax.value_and_grad(lambda p, b, t: loss_fn(graphdef, p, b, t), has_aux=True))
     micro = NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
     (loss, _), g = grad(state["params"], state["biases"], jax.device_put(batch[0], micro))
-    step = jax.jit(make_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule)),
-                   in_shardings=(sh, bsh), out_shardings=(sh, None))
+    step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh, bsh)
     new, _ = step(state, jax.device_put(batch, bsh))
     return float(loss), jax.device_get(g), jax.device_get(new["params"])
 

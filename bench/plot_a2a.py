@@ -5,8 +5,9 @@
 
 Left: dispatch + combine ms against k, one line per (implementation, skew); HP is flat by
 construction (`hp`: the exchange the model runs, head-group-major sub-tokens; `hp_token_major`: the
-same bytes from the token-major layout, which XLA transposes first). Right: per-device peak memory of the compiled exchange (static shapes), with the rows
-EP's busiest receiver actually filled as dashed lines. Prints a markdown table: ours vs the anchors.
+same bytes from the token-major layout, which XLA transposes first). Right: per-device peak memory
+of the compiled exchange (static shapes), with the rows EP's busiest receiver actually filled as
+dashed lines. Prints a markdown table: ours vs the anchors.
 """
 
 from __future__ import annotations

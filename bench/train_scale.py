@@ -87,7 +87,7 @@ from mhl_jax.parallel.mesh import batch_spec, make_mesh, mesh_shape, model_axis,
 from mhl_jax.train.metrics import device_peak_flops, mfu  # noqa: E402
 from mhl_jax.train.optimizer import make_optimizer  # noqa: E402
 from mhl_jax.train.schedule import make_schedule  # noqa: E402
-from mhl_jax.train.step import make_train_step  # noqa: E402
+from mhl_jax.train.step import jit_train_step  # noqa: E402
 
 DEFAULT_CONFIGS = ["configs/mh_latent_moe_hp_2.2b.yaml", "configs/moe_ep_2.2b.yaml"]
 DEFAULT_SETS = ["train.global_batch=32", "train.micro_batch=4", "schedule.warmup_steps=1"]
@@ -154,8 +154,8 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     before = device_peaks(mesh.devices.flat)
     state = jax.jit(init_state, out_shardings=sh, donate_argnums=(0, 1))(
         *jax.device_put((params, biases), (sh["params"], sh["biases"])))
-    step = jax.jit(make_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule)),
-                   in_shardings=(sh, bsh), out_shardings=(sh, None), donate_argnums=0)
+    step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh, bsh,
+                          donate=True)
     shaped = batches.reshape(len(batches), accum, micro_global, -1)
     t0 = time.perf_counter()
     compiled = step.lower(state, jax.device_put(shaped[0], bsh)).compile()

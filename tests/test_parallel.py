@@ -25,7 +25,7 @@ from mhl_jax.parallel.head_parallel import HeadParallelMoE
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
-from mhl_jax.train.step import loss_fn, make_train_step
+from mhl_jax.train.step import jit_train_step, loss_fn, make_train_step
 
 B, T = 8, 16  # 128 tokens: 16 per device on 8 devices
 
@@ -277,8 +277,9 @@ def test_sharded_train_step_matches_single_device():
         else:
             sh = state_shardings(cfg, mesh, state)
             bsh = NamedSharding(mesh, batch_spec(mesh))
-            new, metrics = jax.jit(step, in_shardings=(sh, bsh), out_shardings=(sh, None))(
-                jax.device_put(state, sh), jax.device_put(batch, bsh))
+            step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh,
+                                  bsh)
+            new, metrics = step(jax.device_put(state, sh), jax.device_put(batch, bsh))
             w1 = new["params"]["blocks"][1]["ffn"]["experts"]["w1"]
             assert w1.sharding.spec == P("hp", None, None, None)
             assert w1.addressable_shards[0].data.shape[0] == cfg.ffn.num_heads // 4

@@ -29,7 +29,7 @@ from mhl_jax.train.checkpoint import Checkpointer
 from mhl_jax.train.metrics import device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
-from mhl_jax.train.step import make_eval_step, make_train_step
+from mhl_jax.train.step import jit_train_step, make_eval_step
 
 
 def model_fingerprint(cfg: Config) -> dict:
@@ -107,8 +107,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     truncate_metrics(run_dir / "metrics.jsonl", start)
 
     schedule = make_schedule(cfg.optimizer, cfg.schedule)
-    step_fn = jax.jit(make_train_step(graphdef, tx, cfg.balance_gamma, schedule),
-                      in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+    step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True)
     eval_fn = jax.jit(make_eval_step(graphdef))
     val = load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences else None
 
