@@ -310,19 +310,26 @@ class ExpertsConfig:
         return replace(self, fwd=f(self.fwd), dx=f(self.dx), dw=f(self.dw))
 
 
-def default_config(num_slots: int, num_groups: int, dh: int, de: int) -> ExpertsConfig:
+def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: str | None = None) -> ExpertsConfig:
     """Pick the packing block from the mean rows per group (padding waste ~ block / 2 per group) and
-    tiles that keep the accumulators in registers on Hopper (tuned in bench/NOTES.md)."""
+    tiles that keep the accumulators in registers on Hopper (tuned in bench/NOTES.md).
+
+    dw_form: None = the measured choice: the transposed dW kernel ("t", tile 64 x 64, 4 warps, 3 stages:
+    4.05 ms vs 5.60 ms for "rows" on H100 at 81920 tokens, Ne 384, de 256) at packing block 128, where
+    it was measured; "rows" below. "rows" | "t" force a form (block 128: "rows" = the earlier default)."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
     if pack >= 128:  # measured on H100 at 81920 tokens, Ne 384, de 256 (bench/NOTES.md)
-        return ExpertsConfig(pack, Tile(128, 32, 4, 3), Tile(128, 32, 4, 3), Tile(128, 64, 8, 2)).fit(de)
+        form = dw_form or "t"
+        dw = Tile(64, 64, 4, 3) if form == "t" else Tile(128, 64, 8, 2)
+        return ExpertsConfig(pack, Tile(128, 32, 4, 3), Tile(128, 32, 4, 3), dw, dw_form=form).fit(de)
     bm = pack
     return ExpertsConfig(
         pack_block=pack,
         fwd=Tile(bm, 64, 4, 3),
         dx=Tile(bm, 64, 4, 3),
         dw=Tile(bm, 64, 4, 3),
+        dw_form=dw_form or "rows",
     ).fit(de)
 
 

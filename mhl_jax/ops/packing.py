@@ -15,8 +15,11 @@ Two ways to compute the same layout (`pack(..., method=)`):
 - "count": a counting sort, no sort at all. Within a head, slot order is local order l = n * k + j,
   so a stable sort by group is, per head, a stable sort of l by expert. Cut each head's slots into
   chunks of C; a slot's rank in its group = (slots of that expert in earlier chunks: an exclusive
-  cumsum over chunks of the per-chunk histogram, an int scatter-add) + (earlier slots of that expert
-  in its own chunk: a C-wide compare-and-count). slot_row is then computed directly and row_slot is
+  cumsum over chunks of the per-chunk histogram) + (earlier slots of that expert in its own chunk: a
+  C-wide compare-and-count); the histogram is written by each expert's last slot in the chunk (count =
+  its rank + 1), a scatter with unique indices. The first version built it with an int scatter-add of
+  duplicate indices and FAILED its GPU test under skew (2026-11-22; CPU equal): this one is unverified
+  on a GPU as yet. slot_row is then computed directly and row_slot is
   one scatter with unique indices. Integer-only, deterministic, O(M C) cheap elementwise work.
 """
 
@@ -102,10 +105,15 @@ def _pack_count(idx: jax.Array, num_experts: int, block: int, chunk: int) -> Pac
     e = jnp.where(e >= 0, e, num_experts)  # empty slots: sentinel expert, no rows
     ec = jnp.pad(e, ((0, 0), (0, nc * c - ml)), constant_values=num_experts).reshape(h, nc, c)
     lower = jnp.arange(c)[None, :] < jnp.arange(c)[:, None]  # [i, j]: j before i
-    rank_in = jnp.sum((ec[..., :, None] == ec[..., None, :]) & lower, axis=-1, dtype=jnp.int32)
+    same = ec[..., :, None] == ec[..., None, :]
+    rank_in = jnp.sum(same & lower, axis=-1, dtype=jnp.int32)  # earlier slots of my expert in my chunk
+    last = ~jnp.any(same & lower.T, axis=-1)  # no later slot of my expert in my chunk
     hs = jnp.arange(h, dtype=jnp.int32)[:, None, None]
     cs = jnp.arange(nc, dtype=jnp.int32)[None, :, None]
-    hist = jnp.zeros((h, nc, num_experts + 1), jnp.int32).at[hs, cs, ec].add(1)
+    # chunk histogram: each expert's last slot in the chunk holds its count (rank + 1); one scatter with
+    # unique indices (the other slots aim past the end and are dropped), no scatter-add of duplicates
+    hist = jnp.zeros((h, nc, num_experts + 1), jnp.int32).at[hs, cs, jnp.where(last, ec, num_experts + 1)].set(
+        rank_in + 1, mode="drop")
     incl = jnp.cumsum(hist, axis=1, dtype=jnp.int32)  # (H, nc, Ne + 1)
     rank = jnp.take_along_axis(incl - hist, ec, axis=2) + rank_in  # rank of each slot in its group
     sizes = incl[:, -1, :num_experts].reshape(g_count)
