@@ -5,6 +5,9 @@
 #       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/run_multi_gpu.sh p2|p4|scale
 # p2|p2check: GPUs 0,1: bench/a2a.py at P=2 (+ EP layer check, 1-vs-2-GPU training losses, in-layer HP cost);
 #        meanwhile GPUs 2,3: the tiny MH-LatentMoE trained with Triton kernels under Head Parallel (hp=2).
+# p2train: GPUs 0,1 (nvidia-h200-x2 is enough, ~3 min): bench/train_2gpu.py with XLA's
+#        while-loop-all-reduce-code-motion pass on (the suspected miscompile) and off (jit_train_step's
+#        default), with gamma 0 and 0.01, then the 2-GPU pytest (tests/test_multi_gpu.py).
 # p4:    all 4 GPUs: bench/a2a.py at P=4 with the in-layer HP cost.
 # scale: bench/train_scale.py, the 2.2B configs on 1, 2 and 4 GPUs (loss check, tokens/s, memory, comm split).
 # Writes JSON lines and logs under $OUT.
@@ -39,6 +42,17 @@ p2|p2check)
     echo "a2a $1 exit $? after $(( $(date +%s) - t0 )) s"
     grep -v '"impl": "ep_' "$OUT/a2a_$1.log" | tail -25 | cut -c1-600
     ;;
+p2train)
+    export XLA_FLAGS=  # as train.py runs: no deterministic-ops flag (it aborted jax-triton multi-GPU runs)
+    for args in "--with-code-motion" "" "--gamma 0.01"; do
+        CUDA_VISIBLE_DEVICES=0,1 timeout ${T_TRAIN:-150} python3 bench/train_2gpu.py --steps 5 $args \
+            2>&1 | tee -a "$OUT/train_2gpu.log" | grep -a '^{' >> "$OUT/train_2gpu.jsonl"
+        echo "train_2gpu [$args] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+    done
+    cut -c1-700 "$OUT/train_2gpu.jsonl"
+    CUDA_VISIBLE_DEVICES=0,1 timeout ${T_TEST:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rA \
+        tests/test_multi_gpu.py 2>&1 | tail -5
+    ;;
 p4)
     timeout 540 python3 bench/a2a.py --hp-layer --repeats 10 --ep-impls padded ragged --date "$DATE" \
         --out "$OUT/a2a-p4.jsonl" > "$OUT/a2a_p4.log" 2>&1
@@ -52,5 +66,5 @@ scale)
     echo "train_scale exit $? after $(( $(date +%s) - t0 )) s"
     ;;
 *)
-    echo "usage: bash bench/run_multi_gpu.sh p2|p4|scale [train_scale args]"; exit 2 ;;
+    echo "usage: bash bench/run_multi_gpu.sh p2|p2check|p2train|p4|scale [train_scale args]"; exit 2 ;;
 esac
