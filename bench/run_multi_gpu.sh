@@ -7,7 +7,7 @@
 #        meanwhile GPUs 2,3: the tiny MH-LatentMoE trained with Triton kernels under Head Parallel (hp=2).
 # p2train: GPUs 0,1 (nvidia-h200-x2 is enough, ~3 min): bench/train_2gpu.py with XLA's
 #        while-loop-all-reduce-code-motion pass on (the suspected miscompile) and off (jit_train_step's
-#        default), with gamma 0 and 0.01, then the 2-GPU pytest (tests/test_multi_gpu.py).
+#        default), with gamma 0 and 0.01, then the 2-GPU pytest (tests/test_gpu_train.py).
 # p4:    all 4 GPUs: bench/a2a.py at P=4 with the in-layer HP cost.
 # scale: bench/train_scale.py, the 2.2B configs on 1, 2 and 4 GPUs (loss check, tokens/s, memory, comm split).
 # Writes JSON lines and logs under $OUT.
@@ -51,7 +51,7 @@ p2train)
     done
     cut -c1-700 "$OUT/train_2gpu.jsonl"
     CUDA_VISIBLE_DEVICES=0,1 timeout ${T_TEST:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rA \
-        tests/test_multi_gpu.py 2>&1 | tail -5
+        tests/test_gpu_train.py 2>&1 | tail -5
     ;;
 p4)
     timeout 540 python3 bench/a2a.py --hp-layer --repeats 10 --ep-impls padded ragged --date "$DATE" \
