@@ -7,10 +7,10 @@
 # Stages (each under `timeout`, so one hang cannot eat the call; every stage appends JSON lines as it goes):
 #   1 gpu tests of tests/test_experts_kernel.py (layer parity vs the FlexAttention oracle, variants vs v2)
 #   2 kernel-alone dW sweep (torch launcher): rows-form default vs transposed tiles vs packed rows
-#   3 layer at 81920 tokens, 384/4/256, Triton router, variants new + v2, with the per-part breakdown
+#   3 layer at 81920 tokens, 384/4/256, Triton router, variants default (t + argsort), v2, new, with breakdown
 #   4 expert op alone: ours (variants) vs torch._grouped_mm (chunks of 512 groups) vs the flex oracle
 #   5 ragged_dot_mgpu in a child process with a hard timeout (hang/crash recorded as a JSON line)
-#   6 layer table: the other 7 (tokens, config) cells, variant new (v2 if new fails), Triton router
+#   6 layer table: the other 7 (tokens, config) cells, the default config (v2 if it fails), Triton router
 # Files in $OUT: tests.log, run.log (stages 2-6 + summary), sweep.jsonl, layer_breakdown.jsonl,
 # experts.jsonl, layer.jsonl. Stage limits (s) can be overridden: T_TESTS T_SWEEP T_BREAK T_EXPERTS T_RAGGED T_LAYER.
 set -o pipefail
@@ -62,15 +62,15 @@ EOF
 echo "transposed dW tile for the next stages: $TILE" | tee -a "$LOG"
 
 stage layer_breakdown "${T_BREAK:-100}" python3 bench/layer.py --tokens 81920 --configs 384/4/256 --router triton \
-    --variants new v2 --dwt-tile "$TILE" --breakdown --out "$OUT/layer_breakdown.jsonl"
+    --variants default v2 new --dwt-tile "$TILE" --breakdown --out "$OUT/layer_breakdown.jsonl"
 stage experts "${T_EXPERTS:-90}" python3 bench/experts.py $SHAPE --impls ours grouped_mm flex \
-    --variants v2 new --dwt-tile "$TILE" --out "$OUT/experts.jsonl"
+    --variants v2 default new --dwt-tile "$TILE" --out "$OUT/experts.jsonl"
 stage ragged_mgpu "${T_RAGGED:-50}" python3 bench/experts.py $SHAPE --impls ragged_mgpu --child-timeout 30 \
     --out "$OUT/experts.jsonl"
 # the remaining cells of the layer table (81920 x 384/4/256 ran in the breakdown stage), smallest first
-stage layer_8192 "${T_LAYER:-90}" bash -c "python3 bench/layer.py --tokens 8192 --router triton --variants new \
+stage layer_8192 "${T_LAYER:-90}" bash -c "python3 bench/layer.py --tokens 8192 --router triton --variants default \
     --dwt-tile $TILE --out $OUT/layer.jsonl; python3 bench/layer.py --tokens 81920 --configs 768/8/128 768/4/256 \
-    1536/8/128 --router triton --variants new --dwt-tile $TILE --out $OUT/layer.jsonl"
+    1536/8/128 --router triton --variants default --dwt-tile $TILE --out $OUT/layer.jsonl"
 
 echo "=== [$(( $(date +%s) - t0 )) s] summary" | tee -a "$LOG"
 python3 - "$OUT" <<'EOF' 2>&1 | tee -a "$LOG"

@@ -209,8 +209,9 @@ def test_gpu_layer_triton_vs_oracle_and_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,de,skew", [("t", 256, False), ("t_packed", 256, False), ("new", 256, True),
-                                             ("new", 128, False), ("new_packed", 128, True)])
+@pytest.mark.parametrize("variant,de,skew", [("t", 256, False), ("t", 256, True), ("t_packed", 256, False),
+                                             ("count", 256, True), ("new", 256, True), ("new", 128, False),
+                                             ("new_packed", 128, True), ("default", 256, True)])
 def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew):
     """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
     rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all

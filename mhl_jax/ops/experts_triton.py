@@ -50,18 +50,21 @@ class Static(NamedTuple):
 
 # ------------------------------------------------------------------------------ variants (benchmarks)
 
-VARIANTS = ("v2", "t", "t_packed", "count", "new", "new_packed")
+VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
 def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
                    dwt_tile: Tile | None = None) -> ExpertsConfig:
-    """Named configs for old-vs-new comparisons in one process: "v2" = `default_config` with the
+    """Named configs for old-vs-new comparisons in one process: "default" = `default_config` (what the
+    model runs); "v2" = `default_config` with the
     row-form dW kernel (the default until 2026-11-23); "t" = transposed dW kernel (`dwt_tile`, block_m
     clamped to the packing block; at packing block 128 this is `default_config`); "_packed" = packed X /
     dO rows for the backward; "count" = counting-sort packing; "new" = "t" + "count"."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
+    if name == "default":
+        return default_config(num_slots, num_groups, dh, de)
     cfg = default_config(num_slots, num_groups, dh, de, dw_form="rows")
     if name in ("t", "t_packed", "new", "new_packed"):
         t = dwt_tile or DWT_TILE
