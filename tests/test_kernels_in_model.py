@@ -89,8 +89,9 @@ def test_triton_path_under_shard_map(emulated, kind, par):
 
 
 def test_kernel_choice_respects_the_expert_width(monkeypatch):
-    """Experts wider than the kernels' tiles fit: auto falls back to the reference, triton is refused
-    with the value named (MoE at d_model 1024 failed to launch on an H200 before this rule)."""
+    """Experts wider than the fused kernels' tiles fit: auto falls back to the reference (the grouped-GEMM
+    kernels are not yet GPU-verified), triton runs the grouped-GEMM path (MoE at d_model 1024 failed to
+    launch the fused kernels on an H200)."""
     import mhl_jax.ops.kernels_select as ks
 
     monkeypatch.setattr(ks, "triton_available", lambda: True)
@@ -100,5 +101,6 @@ def test_kernel_choice_respects_the_expert_width(monkeypatch):
     assert ks.resolve_kernels("auto", ks.expert_width(wide)) == "reference"
     assert ks.resolve_kernels("auto", ks.expert_width(narrow)) == "triton"
     assert ks.resolve_kernels("reference", 4096) == "reference"
-    with pytest.raises(ValueError, match="experts see 512"):
-        ks.resolve_kernels("triton", ks.expert_width(wide))
+    assert ks.resolve_kernels("triton", ks.expert_width(wide)) == "triton"
+    assert ks.triton_expert_path(ks.expert_width(wide)) == "grouped"
+    assert ks.triton_expert_path(ks.expert_width(narrow)) == "fused"

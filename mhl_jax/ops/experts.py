@@ -4,7 +4,8 @@ E_{h,e}(x) = gelu(x W1[h, e]) W2[h, e]  (tanh-approx gelu, as jax.nn.gelu's defa
 
 `reference`: pure JAX over the packed layout of `packing.py` (each R-row block multiplies the
 weights of its own (head, expert): a block-diagonal batched matmul; exact and dropless).
-`triton`: the IO-aware kernel (`mhl_jax/ops/experts_triton.py`), same packing, same function.
+`triton`: the IO-aware kernel (`mhl_jax/ops/experts_triton.py`), same packing, same function; for
+inputs wider than its tiles fit, the grouped-GEMM kernels (`mhl_jax/ops/experts_grouped.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from mhl_jax.ops import packing as pk
+from mhl_jax.ops.kernels_select import triton_expert_path
 
 REFERENCE_BLOCK = 16  # row block of the pure-JAX path (small: padding waste is computed there)
 
@@ -39,8 +41,9 @@ def expert_rows_reference(rows: jax.Array, block_group: jax.Array, w1: jax.Array
 def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
                impl: str = "reference", cfg=None) -> tuple[jax.Array, jax.Array]:
     """x: (N, H, dh) compute dtype; idx: (N, H, k) int32; gates: (N, H, k) fp32;
-    w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32. `cfg`: a `kernels.experts.ExpertsConfig` for
-    impl "triton" (default: `default_config`).
+    w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32. impl "triton": the fused IO-aware kernels for
+    dh <= MAX_TRITON_EXPERT_WIDTH (`cfg`: a `kernels.experts.ExpertsConfig`), the grouped-GEMM kernels
+    above (`cfg`: a `kernels.grouped.GroupedConfig`); None picks the measured defaults.
 
     Returns y (N, H, dh) in x.dtype and the per-(head, expert) load counts (H, Ne) int32.
     """
@@ -51,6 +54,10 @@ def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2
                          f"w1 {w1.shape}, w2 {w2.shape}")
     k = idx.shape[2]
     if impl == "triton":
+        if triton_expert_path(dh) == "grouped":
+            from mhl_jax.ops.experts_grouped import expert_ffn_grouped
+
+            return expert_ffn_grouped(x, idx, gates, w1, w2, cfg=cfg)
         from mhl_jax.ops.experts_triton import expert_ffn_triton
 
         return expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg)

@@ -158,10 +158,17 @@ def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
 
 # ------------------------------------------------------------------------------------ the custom_vjp
 
+def take_slots(rows, slot_row):
+    """rows (P, D), slot_row (M,) -> (M, D) fp32: each slot's packed row, zero for an empty slot (-1,
+    e.g. the unused tail of an expert-parallel receive buffer)."""
+    got = jnp.take(rows, jnp.maximum(slot_row, 0), axis=0).astype(jnp.float32)
+    return jnp.where((slot_row >= 0)[:, None], got, 0.0)
+
+
 def _combine(out_rows, slot_row, gates):
     """out_rows (P, dh), slot_row (M,), gates (N, H, k) fp32 -> (N, H, dh) fp32, fixed-order sum over k."""
     n, h, k = gates.shape
-    per_slot = jnp.take(out_rows, slot_row, axis=0).reshape(n, h, k, -1).astype(jnp.float32)
+    per_slot = take_slots(out_rows, slot_row).reshape(n, h, k, -1)
     return jnp.einsum("nhkd,nhk->nhd", per_slot, gates)
 
 
@@ -191,12 +198,12 @@ def _experts_bwd(st: Static, res, dy):
     n, h, k = gates.shape
     g, dh, de = w1c.shape
     dys = dy.reshape(n * h, dh)
-    per_slot = jnp.take(out_rows, meta.slot_row, axis=0).reshape(n, h, k, dh).astype(jnp.float32)
+    per_slot = take_slots(out_rows, meta.slot_row).reshape(n, h, k, dh)
     dgates = jnp.einsum("nhkd,nhd->nhk", per_slot, dy.astype(jnp.float32)).astype(gates.dtype)
     bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
     dxr, dw1, dw2 = bwd(st, xs, dys, gates.reshape(-1).astype(jnp.float32), meta, w1c, w2c, jnp.dtype(st.w_dtype))
-    dx = jnp.take(dxr, meta.slot_row, axis=0).reshape(n * h, k, dh).astype(jnp.float32).sum(1)
+    dx = take_slots(dxr, meta.slot_row).reshape(n * h, k, dh).sum(1)
     ne = g // h
     zero_meta = jax.tree.map(lambda a: None, meta)
     return (dx.reshape(n, h, dh).astype(xs.dtype), dgates, dw1.reshape(h, ne, dh, de),

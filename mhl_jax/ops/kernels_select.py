@@ -33,9 +33,11 @@ def triton_available() -> bool:
     return True
 
 
-# Widest expert input the Triton expert kernels' tiles fit in shared memory (a (BLOCK_M, DH) X tile and
-# (DH, BLOCK_E) weight tiles, double-buffered). MoE at d_model=1024 asked for 384 KB of the H200's
-# 227 KB and failed to launch (bench/NOTES.md, 2026-11-22).
+# Widest expert input the fused IO-aware expert kernels (kernels/experts.py) take: their tiles hold a
+# (BLOCK_M, DH) X tile, a (BLOCK_M, DH) fp32 accumulator and (DH, BLOCK_E) weight tiles on chip. MoE at
+# d_model=1024 asked for 384 KB of the H200's 227 KB and failed to launch (bench/NOTES.md, 2026-11-22).
+# Wider experts run the grouped-GEMM kernels (kernels/grouped.py: the hidden pre-activation is written
+# to HBM, tiles independent of the width).
 MAX_TRITON_EXPERT_WIDTH = 256
 
 
@@ -45,22 +47,25 @@ def expert_width(cfg) -> int:
     return {"moe": cfg.model.d_model, "latent_moe": f.latent_dim}.get(f.kind, f.head_dim)
 
 
+def triton_expert_path(width: int) -> str:
+    """'fused' (IO-aware, kernels/experts.py) up to MAX_TRITON_EXPERT_WIDTH, else 'grouped'."""
+    return "fused" if width <= MAX_TRITON_EXPERT_WIDTH else "grouped"
+
+
 def resolve_kernels(choice: str, width: int | None = None) -> str:
     """'auto' -> 'triton' on a GPU with jax-triton, else 'reference'. 'triton' without one is an error.
 
-    width: the experts' input width (`expert_width`); above MAX_TRITON_EXPERT_WIDTH 'auto' picks the
-    reference and 'triton' is an error naming the value."""
-    wide = width is not None and width > MAX_TRITON_EXPERT_WIDTH
+    width: the experts' input width (`expert_width`). 'triton' runs the fused kernels up to
+    MAX_TRITON_EXPERT_WIDTH and the grouped-GEMM kernels above. 'auto' keeps the reference above
+    MAX_TRITON_EXPERT_WIDTH: the grouped-GEMM kernels pass their CPU (interpreter) tests but have not
+    yet been run on a GPU (2026-11-23); ask for them with ffn.kernels=triton."""
+    wide = width is not None and triton_expert_path(width) == "grouped"
     if choice == "reference":
         return "reference"
     if choice == "triton":
         if not triton_available():
             raise RuntimeError("ffn.kernels='triton' needs a GPU JAX backend and jax-triton; "
                                f"backend is {jax.default_backend()!r}. Use ffn.kernels=auto or reference.")
-        if wide:
-            raise ValueError(f"ffn.kernels='triton': the expert kernels take inputs up to "
-                             f"{MAX_TRITON_EXPERT_WIDTH} wide, this model's experts see {width} "
-                             "(MoE: d_model, LatentMoE: latent_dim). Use ffn.kernels=reference or auto.")
         return "triton"
     if choice == "auto":
         return "triton" if triton_available() and not wide else "reference"
