@@ -155,7 +155,7 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     state = jax.jit(init_state, out_shardings=sh, donate_argnums=(0, 1))(
         *jax.device_put((params, biases), (sh["params"], sh["biases"])))
     step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh, bsh,
-                          donate=True)
+                          donate=True, deterministic=cfg.train.deterministic)
     shaped = batches.reshape(len(batches), accum, micro_global, -1)
     t0 = time.perf_counter()
     compiled = step.lower(state, jax.device_put(shaped[0], bsh)).compile()

@@ -82,6 +82,7 @@ class TrainConfig:
     seed: int = 0  # seed for init, data order and everything else
     global_batch: int = 320  # sequences per optimizer step (320 x 2048 = 0.66M tokens)
     micro_batch: int = 8  # sequences per device per forward/backward (grad accumulation fills the rest)
+    deterministic: bool = True  # GPU: XLA's deterministic ops (scatter-add etc.): same seed -> same losses
 
 
 @dataclass

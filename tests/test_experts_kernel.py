@@ -237,11 +237,13 @@ def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew):
         def loss(x, g, a, b):
             y = (expert_ffn_triton(x, idx, g, a, b, cfg=cfg)[0] if impl == "triton"
                  else expert_ffn(x, idx, g, a, b, "reference")[0])
-            return jnp.sum(y.astype(jnp.float32) * wy)
+            return jnp.sum(y.astype(jnp.float32) * wy), y.astype(jnp.float32)
 
-        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
-        v, g = f(x.astype(dtype), gates, w1, w2)
-        return [v] + list(g)
+        # the output y itself, not the scalar loss: sum(y * wy) cancels (|loss| << sum |y * wy|), so its
+        # relative error says nothing (bf16 rounding gave 26.5 vs 28.4 under skew, on every variant)
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        (_, y), g = f(x.astype(dtype), gates, w1, w2)
+        return [y] + list(g)
 
     def rel(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -252,7 +254,7 @@ def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew):
     base = grads(variant_config("v2", n * h * k, h * ne, dh, de))
     with jax.default_matmul_precision("highest"):
         ref = grads(None, jnp.float32, "reference")
-    for i, name in enumerate(("loss", "x", "gates", "w1", "w2")):
+    for i, name in enumerate(("y", "x", "gates", "w1", "w2")):
         assert rel(got[i], ref[i]) < 2e-2, (name, rel(got[i], ref[i]))
         assert rel(got[i], base[i]) < 1e-2, (name, rel(got[i], base[i]))
     for i in (3, 4):

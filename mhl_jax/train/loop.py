@@ -107,7 +107,8 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     truncate_metrics(run_dir / "metrics.jsonl", start)
 
     schedule = make_schedule(cfg.optimizer, cfg.schedule)
-    step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True)
+    step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
+                             deterministic=cfg.train.deterministic)
     eval_fn = jax.jit(make_eval_step(graphdef))
     val = load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences else None
 
