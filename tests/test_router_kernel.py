@@ -336,6 +336,32 @@ def _gpu_inputs(seed, n, h, dh, ne, bias_scale=0.1):
     return x, w, b
 
 
+def test_wide_inputs_route_with_the_reference():
+    """Inputs wider than MAX_TRITON_ROUTER_WIDTH (MoE at d_model 1024: the kernel's tiles asked for
+    384 KB of shared memory) take the reference router under impl="triton": same values, indices and
+    gradients (this runs on CPU because the Triton binding is never imported for them)."""
+    import jax
+    import jax.numpy as jnp
+
+    from mhl_jax.ops.router import MAX_TRITON_ROUTER_WIDTH, route_topk, route_topk_reference
+
+    d = 2 * MAX_TRITON_ROUTER_WIDTH
+    ks = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(ks[0], (40, 1, d))
+    w = jax.random.normal(ks[1], (1, d, 24)) * d ** -0.5
+    b = jax.random.normal(ks[2], (1, 24)) * 0.1
+
+    def f(route):
+        return jax.value_and_grad(lambda x, w: jnp.sum(route(x, w, b, 4)[0] ** 2), argnums=(0, 1))(x, w)
+
+    (v, g), (v_ref, g_ref) = f(lambda *a: route_topk(*a, impl="triton")), f(route_topk_reference)
+    assert np.array_equal(np.asarray(route_topk(x, w, b, 4, impl="triton")[1]),
+                          np.asarray(route_topk_reference(x, w, b, 4)[1]))
+    assert float(v) == float(v_ref)
+    for a, r in zip(g, g_ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ne,k", [(256, 4), (1000, 6)])
 def test_gpu_jax_triton_vs_reference(ne, k):

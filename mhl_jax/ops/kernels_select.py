@@ -34,8 +34,10 @@ def triton_available() -> bool:
 
 
 # Widest expert input the fused IO-aware expert kernels (kernels/experts.py) take: their tiles hold a
-# (BLOCK_M, DH) X tile, a (BLOCK_M, DH) fp32 accumulator and (DH, BLOCK_E) weight tiles on chip. MoE at
-# d_model=1024 asked for 384 KB of the H200's 227 KB and failed to launch (bench/NOTES.md, 2026-11-22).
+# (BLOCK_M, DH) X tile, a (BLOCK_M, DH) fp32 accumulator and (DH, BLOCK_E) weight tiles on chip: at
+# DH = 1024 and BLOCK_M = 128 that is 256 KB + 512 KB of registers, beyond a Hopper SM. (The 384 KB
+# shared-memory failure of MoE at d_model 1024 seen on 2026-11-22 came back on 2026-11-23 with these
+# kernels out of the way: it was the Triton router's, see MAX_TRITON_ROUTER_WIDTH in ops/router.py.)
 # Wider experts run the grouped-GEMM kernels (kernels/grouped.py: the hidden pre-activation is written
 # to HBM, tiles independent of the width).
 MAX_TRITON_EXPERT_WIDTH = 256

@@ -38,11 +38,18 @@ def check_router_shapes(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int) -
         raise ValueError(f"route_topk: k={k} must be in [1, Ne={w_r.shape[2]}]")
 
 
+# Widest input the Triton router takes: it keeps a (BLOCK_N, dh) block of x and the three bf16 parts of a
+# (dh, BLOCK_E) block of W_r on chip. MoE at d_model = 1024 asked for 384 KB of shared memory (H100
+# has 227 KB; 2026-11-23, bench/NOTES.md), so wider inputs (MoE, LatentMoE) route with the reference.
+MAX_TRITON_ROUTER_WIDTH = 256
+
+
 def route_topk(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int,
                impl: str = "reference") -> tuple[jax.Array, jax.Array]:
-    """Dispatch to an implementation; see `route_topk_reference` for the contract."""
+    """Dispatch to an implementation; see `route_topk_reference` for the contract. impl "triton" with
+    inputs wider than MAX_TRITON_ROUTER_WIDTH runs the reference (same contract, exact fp32 scores)."""
     check_router_shapes(x, w_r, bias, k)
-    if impl == "reference":
+    if impl == "reference" or (impl == "triton" and x.shape[2] > MAX_TRITON_ROUTER_WIDTH):
         return route_topk_reference(x, w_r, bias, k)
     if impl == "triton":
         from mhl_jax.ops.router_triton import route_topk_triton
