@@ -2,7 +2,8 @@
 (compare the printed lines of two invocations) across processes.
 
     python bench/determinism.py [--kinds mh_latent_moe moe] [--kernels reference triton]
-                                [--options default fast none] [--steps 3] [--out FILE]
+                                [--options default fast none] [--attention xla cudnn] [--dtype float32]
+                                [--steps 3] [--out FILE]
 
 options: `default` = `jit_train_step`'s options (train.deterministic on: all-reduce code motion off +
 xla_gpu_exclude_nondeterministic_ops, XLA's deterministic scatter, autotuning kept); `fast` = the same
@@ -14,6 +15,7 @@ One JSON line per (kind, kernels, options): the losses of both in-process runs a
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -27,7 +29,7 @@ from bench.timing import emit  # noqa: E402
 from bench.train_2gpu import ACCUM, BATCH, SEQ, small_config, train_losses  # noqa: E402
 from mhl_jax.train.step import train_step_compiler_options  # noqa: E402
 
-OPTIONS = {"default": None, "fast": train_step_compiler_options(deterministic=False), "none": {}}
+OPTIONS = {"default": True, "fast": train_step_compiler_options(deterministic=False), "none": {}}
 
 
 def main() -> None:
@@ -35,6 +37,8 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=["mh_latent_moe", "moe"])
     ap.add_argument("--kernels", nargs="+", default=["reference"])
     ap.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
+    ap.add_argument("--attention", nargs="+", default=["xla"], choices=["xla", "cudnn"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (cudnn: bf16)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -42,19 +46,21 @@ def main() -> None:
     batch = np.random.default_rng(1).integers(0, 512, (ACCUM, BATCH, SEQ + 1), dtype=np.int32)
     batches = np.broadcast_to(batch, (args.steps,) + batch.shape)
     for kind in args.kinds:
-        for kernels in args.kernels:
-            cfg = small_config(kind, 1, kernels=kernels)
-            for opt in args.options:
-                rec = dict(bench="determinism", kind=kind, kernels=kernels, options=opt,
-                           device=jax.devices()[0].device_kind)
-                try:
-                    runs = [train_losses(cfg, jax.devices()[:1], batches, OPTIONS[opt])[0] for _ in range(2)]
-                    rec["losses_hex"] = [[np.float32(v).tobytes().hex() for v in r] for r in runs]
-                    rec["losses"] = runs[0]
-                    rec["equal_in_process"] = runs[0] == runs[1]
-                except Exception as e:  # noqa: BLE001 - recorded, the next case runs
-                    rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                emit(rec, outf)
+        for kernels, attention, opt in itertools.product(args.kernels, args.attention, args.options):
+            cfg = small_config(kind, 1, kernels=kernels, attention=attention, dtype=args.dtype)
+            options = OPTIONS[opt]
+            if options is True:  # what jit_train_step picks for this config
+                options = train_step_compiler_options(True, attention == "cudnn")
+            rec = dict(bench="determinism", kind=kind, kernels=kernels, attention=attention, dtype=args.dtype,
+                       options=opt, compiler_options=options, device=jax.devices()[0].device_kind)
+            try:
+                runs = [train_losses(cfg, jax.devices()[:1], batches, options)[0] for _ in range(2)]
+                rec["losses_hex"] = [[np.float32(v).tobytes().hex() for v in r] for r in runs]
+                rec["losses"] = runs[0]
+                rec["equal_in_process"] = runs[0] == runs[1]
+            except Exception as e:  # noqa: BLE001 - recorded, the next case runs
+                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            emit(rec, outf)
 
 
 if __name__ == "__main__":

@@ -49,11 +49,12 @@ from mhl_jax.train.step import jit_train_step  # noqa: E402
 SEQ, BATCH, ACCUM = 128, 8, 2
 
 
-def small_config(kind: str, model_axis: int, gamma: float = 0.0, kernels: str = "reference") -> Config:
+def small_config(kind: str, model_axis: int, gamma: float = 0.0, kernels: str = "reference",
+                 attention: str = "xla", dtype: str = "float32") -> Config:
     par = f"parallel.hp={model_axis}" if kind == "mh_latent_moe" else f"parallel.ep={model_axis}"
     return load_config(None, [
         "model.vocab_size=512", "model.d_model=256", "model.n_layers=2", "model.n_heads=4", "model.head_dim=64",
-        f"model.context={SEQ}", "model.compute_dtype=float32", "model.attention_impl=xla",
+        f"model.context={SEQ}", f"model.compute_dtype={dtype}", f"model.attention_impl={attention}",
         f"ffn.kind={kind}", "ffn.stem_layers=0", "ffn.num_heads=8", "ffn.head_dim=32", "ffn.latent_dim=256",
         "ffn.num_experts=16", "ffn.top_k=4", "ffn.expert_hidden=128", f"ffn.kernels={kernels}",
         par, f"train.global_batch={BATCH * ACCUM}", f"train.micro_batch={BATCH}", "optimizer.lr=3e-3",

@@ -79,6 +79,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from bench import timing  # noqa: E402
 from mhl_jax.config import Config, ConfigError, load_config  # noqa: E402
+from mhl_jax.model.attention import attention_impl  # noqa: E402
 from mhl_jax.model.balancing import RouterBias  # noqa: E402
 from mhl_jax.model.gpt import build_model  # noqa: E402
 from mhl_jax.model.params import train_flops_per_token  # noqa: E402
@@ -155,7 +156,8 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     state = jax.jit(init_state, out_shardings=sh, donate_argnums=(0, 1))(
         *jax.device_put((params, biases), (sh["params"], sh["biases"])))
     step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh, bsh,
-                          donate=True, deterministic=cfg.train.deterministic)
+                          donate=True, deterministic=cfg.train.deterministic,
+                          cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn")
     shaped = batches.reshape(len(batches), accum, micro_global, -1)
     t0 = time.perf_counter()
     compiled = step.lower(state, jax.device_put(shaped[0], bsh)).compile()

@@ -310,28 +310,37 @@ class ExpertsConfig:
         return replace(self, fwd=f(self.fwd), dx=f(self.dx), dw=f(self.dw))
 
 
+COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
+
+
 def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: str | None = None) -> ExpertsConfig:
     """Pick the packing block from the mean rows per group (padding waste ~ block / 2 per group) and
     tiles that keep the accumulators in registers on Hopper (tuned in bench/NOTES.md).
 
-    dw_form: None = the measured choice: the transposed dW kernel ("t", tile 64 x 64, 4 warps, 3 stages:
-    4.05 ms vs 5.60 ms for "rows" on H100 at 81920 tokens, Ne 384, de 256) at packing block 128, where
-    it was measured; "rows" below. "rows" | "t" force a form (block 128: "rows" = the earlier default)."""
+    dw_form None = the measured choice: the transposed dW kernel ("t", tile 64 x 64, 4 warps, 3 stages)
+    at packing blocks 64 and 128 (H100: dW 4.05 ms vs 5.60 ms for "rows" at 81920 tokens, Ne 384, de 256;
+    with the counting-sort packing the 8192-token layer 2.47 ms vs 2.76 ms), "rows" below (unmeasured
+    there). The counting sort replaces the argsort for up to COUNT_SORT_MAX_SLOTS slots. "rows" | "t"
+    force a form ("rows" with argsort packing = the defaults until 2026-11-23, variant "v2")."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
+    measured = pack >= 64 and dw_form is None
+    form = dw_form or ("t" if pack >= 64 else "rows")
+    pack_impl = "count" if measured and num_slots <= COUNT_SORT_MAX_SLOTS else "argsort"
     if pack >= 128:  # measured on H100 at 81920 tokens, Ne 384, de 256 (bench/NOTES.md)
-        form = dw_form or "t"
         dw = Tile(64, 64, 4, 3) if form == "t" else Tile(128, 64, 8, 2)
-        return ExpertsConfig(pack, Tile(128, 32, 4, 3), Tile(128, 32, 4, 3), dw, dw_form=form).fit(de)
+        return ExpertsConfig(pack, Tile(128, 32, 4, 3), Tile(128, 32, 4, 3), dw, dw_form=form,
+                             pack_impl=pack_impl).fit(de)
     bm = pack
     return ExpertsConfig(
         pack_block=pack,
         fwd=Tile(bm, 64, 4, 3),
         dx=Tile(bm, 64, 4, 3),
-        dw=Tile(bm, 64, 4, 3),
-        dw_form=dw_form or "rows",
+        dw=Tile(min(bm, 64), 64, 4, 3),
+        dw_form=form,
+        pack_impl=pack_impl,
     ).fit(de)
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
-           "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "default_config", "triton"]
+           "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]

@@ -18,6 +18,7 @@ from mhl_jax.model.mlp import MLP
 from mhl_jax.model.moe import LatentMoE, MHLatentMoE, MoE
 from mhl_jax.model.moe_core import LocalMoE, MoEExecutor
 from mhl_jax.model.norms import RMSNorm
+from mhl_jax.ops.embed import embed_lookup
 from mhl_jax.ops.kernels_select import expert_width, resolve_kernels
 
 
@@ -67,7 +68,7 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict[int, jax.Array]]:
         """tokens: (B, T) int32 -> logits (B, T, V) fp32, loads {layer index: (H, Ne) int32} per MoE layer."""
-        h = jnp.take(self.embed[...], tokens, axis=0)
+        h = embed_lookup(self.embed[...], tokens)  # deterministic gradient (mhl_jax/ops/embed.py)
         loads = {}
         for i, block in enumerate(self.blocks):
             h, load = block(h)

@@ -57,10 +57,10 @@ DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py -
 def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
                    dwt_tile: Tile | None = None) -> ExpertsConfig:
     """Named configs for old-vs-new comparisons in one process: "default" = `default_config` (what the
-    model runs); "v2" = `default_config` with the
-    row-form dW kernel (the default until 2026-11-23); "t" = transposed dW kernel (`dwt_tile`, block_m
-    clamped to the packing block; at packing block 128 this is `default_config`); "_packed" = packed X /
-    dO rows for the backward; "count" = counting-sort packing; "new" = "t" + "count"."""
+    model runs); "v2" = the row-form dW kernel with argsort packing (the defaults until 2026-11-23); "t" =
+    transposed dW kernel (`dwt_tile`, block_m clamped to the packing block); "_packed" = packed X / dO
+    rows for the backward; "count" = counting-sort packing; "new" = "t" + "count" (= "default" at
+    packing block 64 up to COUNT_SORT_MAX_SLOTS slots)."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name == "default":

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from mhl_jax.config import Config, ConfigError, config_to_dict
 from mhl_jax.data import load_val_sequences, make_train_loader
+from mhl_jax.model.attention import attention_impl
 from mhl_jax.model.balancing import RouterBias
 from mhl_jax.model.gpt import build_model
 from mhl_jax.model.params import count_params, train_flops_per_token
@@ -108,7 +109,8 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
 
     schedule = make_schedule(cfg.optimizer, cfg.schedule)
     step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
-                             deterministic=cfg.train.deterministic)
+                             deterministic=cfg.train.deterministic,
+                             cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn")
     eval_fn = jax.jit(make_eval_step(graphdef))
     val = load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences else None
 

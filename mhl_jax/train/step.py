@@ -25,17 +25,21 @@ from mhl_jax.model.gpt import cross_entropy
 # the pattern of that bug (fix not yet confirmed on a GPU: `bench/train_2gpu.py --with-code-motion`).
 # Disabled, the all-reduce stays in the loop: one per micro-batch, as without gradient accumulation.
 TRAIN_STEP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-all-reduce-code-motion"}
-# train.deterministic (default): XLA GPU lowers a float scatter-add with repeated indices (the embedding's
-# gradient, the reference experts' gathers) to atomics, so two runs of the same step differed in the
-# last bits by step 2 (H100, 2026-11-23, bench/determinism.py). This option makes XLA use its
-# deterministic forms (a sorted scatter) and keeps autotuning: bitwise-equal losses within and across
-# processes there. Ignored on CPU.
+# train.deterministic (default): XLA GPU lowers a float scatter-add with repeated indices to atomics, so
+# two runs of the same step differed in the last bits by step 2 (H100, 2026-11-23, bench/determinism.py).
+# The embedding, the one such gradient on every path, has its own deterministic backward
+# (mhl_jax/ops/embed.py); for the rest (the pure-JAX reference experts' gathers) this option makes XLA
+# use its deterministic forms (a sorted scatter), keeping autotuning: bitwise-equal losses within and
+# across processes there. It is left off with cuDNN attention: XLA then failed to compile the 2.2B
+# models (IndexError: raw_hash_map::at, H100, 2026-11-23; the same error as the earlier multi-GPU runs
+# under --xla_gpu_deterministic_ops). Ignored on CPU.
 DETERMINISTIC_OPTIONS = {"xla_gpu_exclude_nondeterministic_ops": True}
 
 
-def train_step_compiler_options(deterministic: bool = True) -> dict:
+def train_step_compiler_options(deterministic: bool = True, cudnn_attention: bool = False) -> dict:
     """XLA options `jit_train_step` compiles with (module comments above)."""
-    return {**TRAIN_STEP_COMPILER_OPTIONS, **(DETERMINISTIC_OPTIONS if deterministic else {})}
+    extra = DETERMINISTIC_OPTIONS if deterministic and not cudnn_attention else {}
+    return {**TRAIN_STEP_COMPILER_OPTIONS, **extra}
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, biases: nnx.State, tokens: jax.Array):
@@ -92,14 +96,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
 
 def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gamma: float, schedule: Callable,
                    state_shardings, batch_sharding, donate: bool = False, deterministic: bool = True,
-                   compiler_options: dict | None = None) -> Callable:
-    """`make_train_step` under jit with the given shardings and `train_step_compiler_options(deterministic)`:
+                   cudnn_attention: bool = False, compiler_options: dict | None = None) -> Callable:
+    """`make_train_step` under jit with the given shardings and `train_step_compiler_options`:
     the one way train.py and the benchmarks compile it. donate: donate the state (train.py; its buffers
     are reused for the new state). compiler_options: replaces those options (bench/train_2gpu.py passes {}
     to show the miscompile)."""
     return jax.jit(make_train_step(graphdef, tx, gamma, schedule), in_shardings=(state_shardings, batch_sharding),
                    out_shardings=(state_shardings, None), donate_argnums=0 if donate else (),
-                   compiler_options=train_step_compiler_options(deterministic) if compiler_options is None
+                   compiler_options=train_step_compiler_options(deterministic, cudnn_attention)
+                   if compiler_options is None
                    else compiler_options)
 
 
