@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import mhl_jax.ops.experts_grouped as experts_grouped
 import mhl_jax.ops.experts_triton as experts_triton
 import mhl_jax.ops.router_triton as router_triton
 from mhl_jax.config import load_config
@@ -31,6 +32,8 @@ def emulated(monkeypatch):
                         functools.partial(router_triton.route_topk_triton, backend="emulate"))
     monkeypatch.setattr(experts_triton, "expert_ffn_triton",
                         functools.partial(experts_triton.expert_ffn_triton, backend="emulate"))
+    monkeypatch.setattr(experts_grouped, "expert_ffn_grouped",
+                        functools.partial(experts_grouped.expert_ffn_grouped, backend="emulate"))
 
 
 def small(kind, *extra):
@@ -85,6 +88,33 @@ def test_triton_path_under_shard_map(emulated, kind, par):
     executor.impl = "triton"  # what ffn.kernels=auto resolves to on a GPU
     tri = loss_and_grads(cfg, executor, t)
     np.testing.assert_allclose(tri[0], ref[0], rtol=1e-5)
+    assert_close(tri[2], ref[2])
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_wide_moe_triton_path_runs_grouped_experts(emulated, monkeypatch, devices):
+    """MoE with experts wider than the fused kernels take (d_model 288 > 256): `triton` runs the grouped-GEMM
+    binding (and the reference router), on one device and under Expert Parallel (ep = 2, data = 2), with
+    the same loss, loads and gradients as the reference path."""
+    cfg = small("moe", "model.d_model=288", "ffn.expert_hidden=32", "parallel.ep=2",
+                f"parallel.devices={devices}")
+    t = tokens(cfg)
+    ref = loss_and_grads(cfg, LocalMoE("reference"), t)
+    calls = []
+    emulate = experts_grouped.expert_ffn_grouped
+
+    def counting(*a, **kw):
+        calls.append(a[0].shape)
+        return emulate(*a, **kw)
+
+    monkeypatch.setattr(experts_grouped, "expert_ffn_grouped", counting)
+    executor = LocalMoE("triton") if devices == 1 else make_executor(cfg, make_mesh(cfg))
+    executor.impl = "triton"  # what ffn.kernels=triton resolves to on a GPU
+    tri = loss_and_grads(cfg, executor, t)
+    assert calls and all(shape[-1] == 288 for shape in calls)
+    np.testing.assert_allclose(tri[0], ref[0], rtol=1e-5)
+    for i in ref[1]:
+        np.testing.assert_array_equal(tri[1][i], ref[1][i])
     assert_close(tri[2], ref[2])
 
 
