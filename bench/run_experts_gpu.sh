@@ -1,13 +1,14 @@
 #!/bin/bash
-# Expert op + whole-layer GPU check and benchmark in one device call (issue 6): ~6-7 min on one H100
-# (stage limits sum to 465 s; the device call allows 600).
+# Expert op + whole-layer GPU check and benchmark in one device call (issue 6): ~8-9 min on one H100
+# (stage limits sum to 540 s; the device call allows 600).
 # Run from the repo root on the device machine after installing the carried wheels:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/run_experts_gpu.sh
 # Stages (each under `timeout`, so one hang cannot eat the call; every stage appends JSON lines as it goes):
-#   1 gpu tests of tests/test_experts_kernel.py (layer parity vs the FlexAttention oracle, variants vs v2)
+#   1 gpu tests: test_experts_kernel.py (layer parity vs the FlexAttention oracle, variants vs v2),
+#     test_experts_grouped.py (wide experts), test_gpu_train.py (bitwise-repeatable train steps)
 #   2 kernel-alone dW sweep (torch launcher): rows-form default vs transposed tiles vs packed rows
-#   3 layer at 81920 tokens, 384/4/256, Triton router, variants default (t + argsort), v2, new, with breakdown
+#   3 layer at 81920 tokens, 384/4/256, Triton router, variants default (t + argsort) and v2, with breakdown
 #   4 expert op alone: ours (variants) vs torch._grouped_mm (chunks of 512 groups) vs the flex oracle
 #   5 ragged_dot_mgpu in a child process with a hard timeout (hang/crash recorded as a JSON line)
 #   6 layer table: the other 7 (tokens, config) cells, the default config (v2 if it fails), Triton router
@@ -37,14 +38,14 @@ python3 -c "import jax, triton, torch; print('jax', jax.__version__, 'triton', t
 SHAPE="--tokens 81920 --ne 384 --de 256"
 if python3 -c "import pytest" 2>/dev/null; then
     echo "=== [$(( $(date +%s) - t0 )) s] tests" | tee -a "$LOG"
-    timeout -k 10 "${T_TESTS:-75}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_experts_kernel.py \
-        > "$OUT/tests.log" 2>&1
+    timeout -k 10 "${T_TESTS:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_experts_kernel.py \
+        tests/test_experts_grouped.py tests/test_gpu_train.py > "$OUT/tests.log" 2>&1
     echo "tests rc=$?" | tee -a "$LOG"; tail -n 15 "$OUT/tests.log" | tee -a "$LOG"
 else
     echo "pytest is not installed here: GPU tests skipped" | tee "$OUT/tests.log" | tee -a "$LOG"
 fi
 
-stage sweep "${T_SWEEP:-60}" python3 bench/experts.py --sweep $SHAPE --sweep-kinds dw dwt dwt_packed dw_packed \
+stage sweep "${T_SWEEP:-40}" python3 bench/experts.py --sweep $SHAPE --sweep-kinds dw dwt dwt_packed dw_packed \
     --out "$OUT/sweep.jsonl"
 TILE=$(python3 - "$OUT/sweep.jsonl" <<'EOF'
 import json, sys
@@ -62,7 +63,7 @@ EOF
 echo "transposed dW tile for the next stages: $TILE" | tee -a "$LOG"
 
 stage layer_breakdown "${T_BREAK:-100}" python3 bench/layer.py --tokens 81920 --configs 384/4/256 --router triton \
-    --variants default v2 new --dwt-tile "$TILE" --breakdown --out "$OUT/layer_breakdown.jsonl"
+    --variants default v2 --dwt-tile "$TILE" --breakdown --out "$OUT/layer_breakdown.jsonl"
 stage experts "${T_EXPERTS:-90}" python3 bench/experts.py $SHAPE --impls ours grouped_mm flex \
     --variants v2 default new --dwt-tile "$TILE" --out "$OUT/experts.jsonl"
 stage ragged_mgpu "${T_RAGGED:-50}" python3 bench/experts.py $SHAPE --impls ragged_mgpu --child-timeout 30 \

@@ -10,6 +10,8 @@
 #        default), with gamma 0 and 0.01, then the 2-GPU pytest (tests/test_gpu_train.py).
 # p4:    all 4 GPUs: bench/a2a.py at P=4 with the in-layer HP cost.
 # scale: bench/train_scale.py, the 2.2B configs on 1, 2 and 4 GPUs (loss check, tokens/s, memory, comm split).
+#        MoE / LatentMoE with the grouped-GEMM experts: ... scale --config configs/moe_ep_2.2b.yaml \
+#        --set ffn.kernels=triton --set parallel.ep=4 --devices 1 4
 # Writes JSON lines and logs under $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/multi_out}
