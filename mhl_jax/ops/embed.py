@@ -6,7 +6,9 @@ differed in the last bits (H100, 2026-11-23, bench/determinism.py). Here the bac
 token positions by id (stable), sums each id's run of rows with a segmented associative scan (a
 fixed tree of additions) and writes one row per distinct id (a scatter with unique indices): no
 atomics, the same bits every run, on CPU and GPU alike. Under data parallelism XLA gathers the
-sort's operands to every device and each computes the whole (V, d) gradient (no all-reduce needed).
+sort's operands to every device (compiled on 8 host devices: an all-gather of the token ids and an
+all-reduce of the (N_global, d) rows) and each computes the whole (V, d) gradient; the scatter-add
+form all-reduces (V, d) instead: 32768 x 1024 vs 50304 x 1024 for the 2.2B configs on 4 GPUs.
 """
 
 from __future__ import annotations
