@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from kernels.experts import GELU_A, GELU_C
 from kernels.grouped import GATHER, GATHER_GATED, ROWS, GroupedConfig, b_strides, default_grouped_config
 from mhl_jax.ops import packing as pk
-from mhl_jax.ops.experts_triton import Meta, _combine, take_slots
+from mhl_jax.ops.experts_triton import Meta, _combine, slot_dot, take_slots
 from mhl_jax.ops.kernels_select import import_jax_triton
 
 BACKENDS = ("triton", "emulate")
@@ -180,7 +180,7 @@ def _experts_bwd(st: Static, res, dy):
     g, dh, de = w1c.shape
     dys = dy.reshape(n * h, dh)
     per_slot = take_slots(out_rows, meta.slot_row).reshape(n, h, k, dh)
-    dgates = jnp.einsum("nhkd,nhd->nhk", per_slot, dy.astype(jnp.float32)).astype(gates.dtype)
+    dgates = slot_dot(per_slot, dy).astype(gates.dtype)
     g32 = gates.reshape(-1).astype(jnp.float32)
     dw_dtype = jnp.dtype(st.w_dtype)
     dh_rows = _rows(st, dys, g32, meta, w2c, a_mode=GATHER_GATED, transpose_w=True, epi_gelu=False, hpre=hpre,

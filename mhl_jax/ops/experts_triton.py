@@ -165,11 +165,19 @@ def take_slots(rows, slot_row):
     return jnp.where((slot_row >= 0)[:, None], got, 0.0)
 
 
+def slot_dot(per_slot, dy):
+    """per_slot (N, H, k, dh) fp32, dy (N, H, dh) -> (N, H, k) fp32 = <row of slot, dy> (a fused
+    multiply-reduce, like `_combine`)."""
+    return jnp.sum(per_slot * dy.astype(jnp.float32)[:, :, None, :], axis=-1)
+
+
 def _combine(out_rows, slot_row, gates):
     """out_rows (P, dh), slot_row (M,), gates (N, H, k) fp32 -> (N, H, dh) fp32, fixed-order sum over k."""
     n, h, k = gates.shape
     per_slot = take_slots(out_rows, slot_row).reshape(n, h, k, -1)
-    return jnp.einsum("nhkd,nhk->nhd", per_slot, gates)
+    # a multiply-reduce over k, not a k = 4 dot: XLA fuses the row gather into the reduction instead of
+    # materialising the (M, dh) fp32 rows as a dot operand
+    return jnp.sum(per_slot * gates[..., None], axis=2)
 
 
 def _forward(st: Static, x, gates, w1, w2, meta: Meta):
@@ -199,7 +207,7 @@ def _experts_bwd(st: Static, res, dy):
     g, dh, de = w1c.shape
     dys = dy.reshape(n * h, dh)
     per_slot = take_slots(out_rows, meta.slot_row).reshape(n, h, k, dh)
-    dgates = jnp.einsum("nhkd,nhd->nhk", per_slot, dy.astype(jnp.float32)).astype(gates.dtype)
+    dgates = slot_dot(per_slot, dy).astype(gates.dtype)
     bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
     dxr, dw1, dw2 = bwd(st, xs, dys, gates.reshape(-1).astype(jnp.float32), meta, w1c, w2c, jnp.dtype(st.w_dtype))

@@ -148,7 +148,7 @@ def combine_rows(rows: jax.Array, packing: Packing, gates: jax.Array) -> jax.Arr
     n, h, k = gates.shape
     per_slot = jnp.take(rows, jnp.maximum(packing.slot_row, 0), axis=0)
     per_slot = jnp.where((packing.slot_row >= 0)[:, None], per_slot, 0).reshape(n, h, k, rows.shape[-1])
-    out = jnp.einsum("nhkd,nhk->nhd", per_slot.astype(jnp.float32), gates.astype(jnp.float32))
+    out = jnp.sum(per_slot.astype(jnp.float32) * gates.astype(jnp.float32)[..., None], axis=2)  # fused, fixed order
     return out.astype(rows.dtype)
 
 

@@ -273,7 +273,7 @@ def ep_moe_local(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: 
 
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     per_slot = jnp.take(back, inverse, axis=0).reshape(n, heads, k, c)
-    y = jnp.einsum("nhkc,nhk->nhc", per_slot.astype(jnp.float32), gates).astype(x_expert.dtype)
+    y = jnp.sum(per_slot.astype(jnp.float32) * gates[..., None], axis=2).astype(x_expert.dtype)
 
     load = jnp.sum(counts[:, me, :], axis=0).reshape(heads, ne_local)  # this device's experts, ep group
     if data_axis is not None:
