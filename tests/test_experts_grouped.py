@@ -24,22 +24,10 @@ pytest.importorskip("triton")
 from kernels.grouped import GATHER, GATHER_GATED, ROWS, GemmTile, GroupedConfig  # noqa: E402
 from kernels.torch_experts import pack_torch  # noqa: E402
 from kernels.torch_grouped import grouped_bwd, grouped_expert_ffn, grouped_fwd, rows_matmul  # noqa: E402
+from tests.torch_expert_reference import expert_ffn_f64  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRET, reason="interpreter test")
-
-
-def _ref_f64(x, idx, gates, w1, w2):
-    """float64 torch reference, one choice j at a time (no packing)."""
-    x, gates, w1, w2 = (t.double() for t in (x, gates, w1, w2))
-    n, h, k = idx.shape
-    hs = torch.arange(h)[None, :]
-    y = torch.zeros_like(x)
-    for j in range(k):
-        hid = torch.einsum("nhd,nhde->nhe", x, w1[hs, idx[..., j]])
-        act = torch.nn.functional.gelu(hid, approximate="tanh")
-        y = y + gates[..., j:j + 1] * torch.einsum("nhe,nhed->nhd", act, w2[hs, idx[..., j]])
-    return y
 
 
 def _inputs(seed, n, h, k, ne, dh, de, skew=False):
@@ -86,7 +74,7 @@ def test_kernels_fwd_bwd_vs_float64(case, skew):
     leaves = [t.clone().requires_grad_() for t in (x, gates, w1, w2)]
     y = grouped_expert_ffn(leaves[0], idx, *leaves[1:], cfg=cfg)
     refs = [t.clone().double().requires_grad_() for t in (x, gates, w1, w2)]
-    y_ref = _ref_f64(refs[0], idx, *refs[1:])
+    y_ref = expert_ffn_f64(refs[0], idx, *refs[1:])
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
     y.backward(dy)
     y_ref.backward(dy.double())

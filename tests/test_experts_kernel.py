@@ -21,21 +21,9 @@ pytest.importorskip("triton")
 
 from kernels.experts import ExpertsConfig, Tile  # noqa: E402
 from kernels.torch_experts import experts_fwd, pack_torch, triton_expert_ffn  # noqa: E402
+from tests.torch_expert_reference import expert_ffn_f64  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _ref_f64(x, idx, gates, w1, w2):
-    """float64 torch reference, one (token, head, choice) at a time."""
-    x, gates, w1, w2 = (t.double() for t in (x, gates, w1, w2))
-    n, h, k = idx.shape
-    hs = torch.arange(h)[None, :]
-    y = torch.zeros_like(x)
-    for j in range(k):
-        hid = torch.einsum("nhd,nhde->nhe", x, w1[hs, idx[..., j]])
-        act = torch.nn.functional.gelu(hid, approximate="tanh")
-        y = y + gates[..., j:j + 1] * torch.einsum("nhe,nhed->nhd", act, w2[hs, idx[..., j]])
-    return y
 
 
 def _inputs(seed, n, h, k, ne, dh, de, skew=False):
@@ -76,7 +64,7 @@ def test_kernels_fwd_bwd_vs_float64(cfg, skew):
     leaves = [t.clone().requires_grad_() for t in (x, gates, w1, w2)]
     y = triton_expert_ffn(leaves[0], idx, *leaves[1:], cfg=cfg)
     refs = [t.clone().double().requires_grad_() for t in (x, gates, w1, w2)]
-    y_ref = _ref_f64(refs[0], idx, *refs[1:])
+    y_ref = expert_ffn_f64(refs[0], idx, *refs[1:])
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
     y.backward(dy)
     y_ref.backward(dy.double())
@@ -121,7 +109,7 @@ def test_flex_oracle_forward_eager():
     with torch.no_grad():
         y = flex_expert_ffn(x.double(), idx, gates.double(), w1.double(), w2.double(), block=16, kv_block=16,
                             compiled=False)
-    assert _rel(y, _ref_f64(x, idx, gates, w1, w2)) < 1e-5
+    assert _rel(y, expert_ffn_f64(x, idx, gates, w1, w2)) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------- GPU

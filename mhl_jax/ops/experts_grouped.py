@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from kernels.experts import GELU_A, GELU_C
 from kernels.grouped import GATHER, GATHER_GATED, ROWS, GroupedConfig, b_strides, default_grouped_config
 from mhl_jax.ops import packing as pk
-from mhl_jax.ops.experts_triton import Meta, _combine, slot_dot, take_slots
+from mhl_jax.ops.experts_triton import Meta, _combine, bwd_cotangents, slot_dot, take_slots
 from mhl_jax.ops.kernels_select import import_jax_triton
 
 BACKENDS = ("triton", "emulate")
@@ -177,7 +177,7 @@ def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta):
 def _experts_bwd(st: Static, res, dy):
     xs, gates, hpre, act, out_rows, w1c, w2c, meta = res
     n, h, k = gates.shape
-    g, dh, de = w1c.shape
+    g, dh, _ = w1c.shape
     dys = dy.reshape(n * h, dh)
     per_slot = take_slots(out_rows, meta.slot_row).reshape(n, h, k, dh)
     dgates = slot_dot(per_slot, dy).astype(gates.dtype)
@@ -192,11 +192,7 @@ def _experts_bwd(st: Static, res, dy):
                  dw_dtype=dw_dtype)  # (G, dh, de) = X^T dH
     dw2 = _wgrad(st, act, dys, g32, meta, a_mode=ROWS, d_mode=GATHER_GATED, num_groups=g,
                  dw_dtype=dw_dtype)  # (G, de, dh) = gelu(H)^T dO
-    dx = take_slots(dx_rows, meta.slot_row).reshape(n * h, k, dh).sum(1)
-    ne = g // h
-    zero_meta = jax.tree.map(lambda a: None, meta)
-    return (dx.reshape(n, h, dh).astype(xs.dtype), dgates, dw1.reshape(h, ne, dh, de),
-            dw2.reshape(h, ne, de, dh), zero_meta)
+    return bwd_cotangents(dx_rows, dgates, dw1, dw2, xs.dtype, meta)
 
 
 _experts.defvjp(_experts_fwd, _experts_bwd)

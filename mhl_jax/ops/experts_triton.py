@@ -204,18 +204,25 @@ def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta):
 def _experts_bwd(st: Static, res, dy):
     xs, gates, out_rows, w1c, w2c, meta = res
     n, h, k = gates.shape
-    g, dh, de = w1c.shape
+    dh = w1c.shape[1]
     dys = dy.reshape(n * h, dh)
     per_slot = take_slots(out_rows, meta.slot_row).reshape(n, h, k, dh)
     dgates = slot_dot(per_slot, dy).astype(gates.dtype)
     bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
     dxr, dw1, dw2 = bwd(st, xs, dys, gates.reshape(-1).astype(jnp.float32), meta, w1c, w2c, jnp.dtype(st.w_dtype))
-    dx = take_slots(dxr, meta.slot_row).reshape(n * h, k, dh).sum(1)
-    ne = g // h
+    return bwd_cotangents(dxr, dgates, dw1, dw2, xs.dtype, meta)
+
+
+def bwd_cotangents(dx_rows, dgates, dw1, dw2, x_dtype, meta: Meta):
+    """The custom_vjp's cotangents (x, gates, w1, w2, meta) from the packed dX rows (P, dh), dgates
+    (N, H, k) and the per-group dW1 (G, dh, de), dW2 (G, de, dh): dx sums each sub-token's k slots in a
+    fixed order; the weights go back to (H, Ne, ...)."""
+    n, h, k = dgates.shape
+    g, dh, de = dw1.shape
+    dx = take_slots(dx_rows, meta.slot_row).reshape(n, h, k, dh).sum(2)
     zero_meta = jax.tree.map(lambda a: None, meta)
-    return (dx.reshape(n, h, dh).astype(xs.dtype), dgates, dw1.reshape(h, ne, dh, de),
-            dw2.reshape(h, ne, de, dh), zero_meta)
+    return (dx.astype(x_dtype), dgates, dw1.reshape(h, g // h, dh, de), dw2.reshape(h, g // h, de, dh), zero_meta)
 
 
 _experts.defvjp(_experts_fwd, _experts_bwd)
