@@ -69,7 +69,7 @@ stage experts "${T_EXPERTS:-90}" python3 bench/experts.py $SHAPE --impls ours gr
 stage ragged_mgpu "${T_RAGGED:-50}" python3 bench/experts.py $SHAPE --impls ragged_mgpu --child-timeout 30 \
     --out "$OUT/experts.jsonl"
 # the remaining cells of the layer table (81920 x 384/4/256 ran in the breakdown stage), smallest first
-stage layer_8192 "${T_LAYER:-90}" bash -c "python3 bench/layer.py --tokens 8192 --router triton --variants default \
+stage layer_8192 "${T_LAYER:-90}" bash -c "python3 bench/layer.py --tokens 8192 --router triton --variants default --breakdown \
     --dwt-tile $TILE --out $OUT/layer.jsonl; python3 bench/layer.py --tokens 81920 --configs 768/8/128 768/4/256 \
     1536/8/128 --router triton --variants default --dwt-tile $TILE --out $OUT/layer.jsonl"
 
