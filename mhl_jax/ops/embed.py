@@ -1,4 +1,5 @@
-"""Token embedding lookup whose gradient is deterministic on every backend.
+"""Row gathers whose gradient is deterministic on every backend: the token embedding, and the pure-JAX
+expert path's gathers (x rows per routed slot, expert weights per row block).
 
 The gradient of `jnp.take(table, tokens)` is a scatter-add with repeated indices (a token id occurs
 many times in a batch); XLA on GPU lowers it to float atomics, so two runs of the same train step
@@ -18,10 +19,12 @@ import jax.numpy as jnp
 
 
 def embedding_grad(tokens: jax.Array, g: jax.Array, vocab_size: int) -> jax.Array:
-    """tokens: (...,) int; g: (..., d) -> (vocab_size, d) fp32 with row v = sum of g where tokens == v."""
+    """tokens: (...,) int; g: (..., d) -> (vocab_size, d) fp32 with row v = sum of g where tokens == v.
+    Ids outside [0, vocab_size) contribute nothing."""
     d = g.shape[-1]
     t = jnp.asarray(tokens).reshape(-1).astype(jnp.int32)
     rows = jnp.asarray(g).reshape(-1, d).astype(jnp.float32)
+    t = jnp.where((t >= 0) & (t < vocab_size), t, vocab_size)  # out of range: a run that is dropped
     order = jnp.argsort(t, stable=True)
     st = t[order]
     sg = jnp.take(rows, order, axis=0)
@@ -39,18 +42,22 @@ def embedding_grad(tokens: jax.Array, g: jax.Array, vocab_size: int) -> jax.Arra
 
 
 @jax.custom_vjp
-def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
-    """table: (V, d); tokens: (...,) int -> (..., d) = table[tokens]."""
-    return jnp.take(table, tokens, axis=0)
+def take_rows(table: jax.Array, idx: jax.Array) -> jax.Array:
+    """table: (V, ...); idx: (...,) int in [0, V) -> idx.shape + table.shape[1:] = table[idx] (jnp.take on
+    axis 0), whose gradient is summed per row without atomics (`embedding_grad`)."""
+    return jnp.take(table, idx, axis=0)
 
 
-def _fwd(table, tokens):
-    return jnp.take(table, tokens, axis=0), (tokens, table)  # the table is a live parameter: no extra memory
+def _fwd(table, idx):
+    return jnp.take(table, idx, axis=0), (idx, table)  # the table is alive anyway (a parameter / input)
 
 
 def _bwd(res, g):
-    tokens, table = res
-    return embedding_grad(tokens, g, table.shape[0]).astype(table.dtype), None
+    idx, table = res
+    v, rest = table.shape[0], table.shape[1:]
+    flat = g.reshape(g.shape[:idx.ndim] + (-1,))
+    return embedding_grad(idx, flat, v).reshape((v,) + rest).astype(table.dtype), None
 
 
-embed_lookup.defvjp(_fwd, _bwd)
+take_rows.defvjp(_fwd, _bwd)
+embed_lookup = take_rows  # the token embedding: table (V, d), tokens (B, T)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from mhl_jax.ops import packing as pk
+from mhl_jax.ops.embed import take_rows
 from mhl_jax.ops.kernels_select import triton_expert_path
 
 REFERENCE_BLOCK = 16  # row block of the pure-JAX path (small: padding waste is computed there)
@@ -29,8 +30,10 @@ def expert_rows_reference(rows: jax.Array, block_group: jax.Array, w1: jax.Array
     nb = p // block
     g = jnp.maximum(block_group, 0)
     xb = rows.reshape(nb, block, dh)
-    w1b = jnp.take(w1, g, axis=0).astype(rows.dtype)
-    w2b = jnp.take(w2, g, axis=0).astype(rows.dtype)
+    # one weight copy per block (blocks of a group are consecutive); the gradient sums a group's blocks
+    # without atomics (take_rows), so the reference path is deterministic on GPU too
+    w1b = take_rows(w1, g).astype(rows.dtype)
+    w2b = take_rows(w2, g).astype(rows.dtype)
     hid = jnp.einsum("brd,bde->bre", xb, w1b, preferred_element_type=jnp.float32)
     act = jax.nn.gelu(hid).astype(rows.dtype)
     out = jnp.einsum("bre,bed->brd", act, w2b, preferred_element_type=jnp.float32)

@@ -30,6 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mhl_jax.ops.embed import take_rows
+
 
 class Packing(NamedTuple):
     row_slot: jax.Array  # (P,) int32: slot held by each padded row, -1 for padding
@@ -136,7 +138,7 @@ def gather_rows(x: jax.Array, packing: Packing, k: int) -> jax.Array:
     n, h, dh = x.shape
     flat = x.reshape(n * h, dh)
     src = jnp.maximum(packing.row_slot, 0) // k
-    rows = jnp.take(flat, src, axis=0)
+    rows = take_rows(flat, src)  # each source row is read k times: its gradient sums them without atomics
     return jnp.where((packing.row_slot >= 0)[:, None], rows, jnp.zeros_like(rows))
 
 

@@ -27,12 +27,12 @@ from mhl_jax.model.gpt import cross_entropy
 TRAIN_STEP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-all-reduce-code-motion"}
 # train.deterministic (default): XLA GPU lowers a float scatter-add with repeated indices to atomics, so
 # two runs of the same step differed in the last bits by step 2 (H100, 2026-11-23, bench/determinism.py).
-# The embedding, the one such gradient on every path, has its own deterministic backward
-# (mhl_jax/ops/embed.py); for the rest (the pure-JAX reference experts' gathers) this option makes XLA
-# use its deterministic forms (a sorted scatter), keeping autotuning: bitwise-equal losses within and
-# across processes there. It is left off with cuDNN attention: XLA then failed to compile the 2.2B
-# models (IndexError: raw_hash_map::at, H100, 2026-11-23; the same error as the earlier multi-GPU runs
-# under --xla_gpu_deterministic_ops). Ignored on CPU.
+# The embedding and the pure-JAX expert path's gathers have their own scatter-free backward
+# (mhl_jax/ops/embed.py); this option makes XLA use deterministic forms for anything else (a sorted
+# scatter), keeping autotuning: bitwise-equal losses within and across processes there. It is left
+# off with cuDNN attention: XLA then failed to compile the 2.2B models (IndexError: raw_hash_map::at,
+# H100, 2026-11-23; the error of the earlier multi-GPU runs under --xla_gpu_deterministic_ops).
+# Ignored on CPU.
 DETERMINISTIC_OPTIONS = {"xla_gpu_exclude_nondeterministic_ops": True}
 
 
