@@ -118,19 +118,20 @@ def test_wide_moe_triton_path_runs_grouped_experts(emulated, monkeypatch, device
     assert_close(tri[2], ref[2])
 
 
-def test_kernel_choice_respects_the_expert_width(monkeypatch):
-    """Experts wider than the fused kernels' tiles fit: auto falls back to the reference (the grouped-GEMM
-    kernels are not yet GPU-verified), triton runs the grouped-GEMM path (MoE at d_model 1024 failed to
-    launch the fused kernels on an H200)."""
+def test_kernel_choice_and_expert_path(monkeypatch):
+    """auto -> triton where jax-triton runs, reference elsewhere; triton's expert path by input width:
+    the fused kernels up to 256 (MH-LatentMoE heads), grouped GEMM above (MoE at d_model 1024 failed to
+    launch the fused kernels' tiles); triton without a GPU is refused."""
     import mhl_jax.ops.kernels_select as ks
 
     monkeypatch.setattr(ks, "triton_available", lambda: True)
-    wide = load_config(None, ["ffn.kind=moe", "model.d_model=512", "model.n_heads=4", "model.head_dim=128"])
-    narrow = load_config(None, ["ffn.kind=mh_latent_moe"])
-    assert ks.expert_width(wide) == 512 and ks.expert_width(narrow) == narrow.ffn.head_dim <= 256
-    assert ks.resolve_kernels("auto", ks.expert_width(wide)) == "reference"
-    assert ks.resolve_kernels("auto", ks.expert_width(narrow)) == "triton"
-    assert ks.resolve_kernels("reference", 4096) == "reference"
-    assert ks.resolve_kernels("triton", ks.expert_width(wide)) == "triton"
-    assert ks.triton_expert_path(ks.expert_width(wide)) == "grouped"
-    assert ks.triton_expert_path(ks.expert_width(narrow)) == "fused"
+    assert ks.resolve_kernels("auto") == "triton" and ks.resolve_kernels("triton") == "triton"
+    assert ks.resolve_kernels("reference") == "reference"
+    assert ks.triton_expert_path(1024) == "grouped" and ks.triton_expert_path(257) == "grouped"
+    assert ks.triton_expert_path(256) == "fused" and ks.triton_expert_path(128) == "fused"
+    monkeypatch.setattr(ks, "triton_available", lambda: False)
+    assert ks.resolve_kernels("auto") == "reference"
+    with pytest.raises(RuntimeError, match="needs a GPU"):
+        ks.resolve_kernels("triton")
+    with pytest.raises(ValueError, match="kernels='fast'"):
+        ks.resolve_kernels("fast")

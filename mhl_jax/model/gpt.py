@@ -19,7 +19,7 @@ from mhl_jax.model.moe import LatentMoE, MHLatentMoE, MoE
 from mhl_jax.model.moe_core import LocalMoE, MoEExecutor
 from mhl_jax.model.norms import RMSNorm
 from mhl_jax.ops.embed import embed_lookup
-from mhl_jax.ops.kernels_select import expert_width, resolve_kernels
+from mhl_jax.ops.kernels_select import resolve_kernels
 
 
 def make_ffn(cfg: Config, layer: int, rngs: nnx.Rngs, executor: MoEExecutor) -> nnx.Module:
@@ -59,7 +59,7 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     def __init__(self, cfg: Config, rngs: nnx.Rngs, executor: MoEExecutor | None = None):
         m = cfg.model
-        executor = executor or LocalMoE(resolve_kernels(cfg.ffn.kernels, expert_width(cfg)))
+        executor = executor or LocalMoE(resolve_kernels(cfg.ffn.kernels))
         self.embed = normal_param(rngs, (m.vocab_size, m.d_model), m.init_std)
         self.blocks = nnx.List([Block(cfg, i, rngs, executor) for i in range(m.n_layers)])
         self.norm_f = RMSNorm(m.d_model, m.norm_eps)

@@ -43,25 +43,18 @@ def triton_available() -> bool:
 MAX_TRITON_EXPERT_WIDTH = 256
 
 
-def expert_width(cfg) -> int:
-    """Width of the vectors the experts see: d_model (moe), latent_dim (latent_moe), head_dim (mh)."""
-    f = cfg.ffn
-    return {"moe": cfg.model.d_model, "latent_moe": f.latent_dim}.get(f.kind, f.head_dim)
-
-
 def triton_expert_path(width: int) -> str:
     """'fused' (IO-aware, kernels/experts.py) up to MAX_TRITON_EXPERT_WIDTH, else 'grouped'."""
     return "fused" if width <= MAX_TRITON_EXPERT_WIDTH else "grouped"
 
 
-def resolve_kernels(choice: str, width: int | None = None) -> str:
+def resolve_kernels(choice: str) -> str:
     """'auto' -> 'triton' on a GPU with jax-triton, else 'reference'. 'triton' without one is an error.
 
-    width: the experts' input width (`expert_width`). 'triton' runs the fused kernels up to
-    MAX_TRITON_EXPERT_WIDTH and the grouped-GEMM kernels above. 'auto' keeps the reference above
-    MAX_TRITON_EXPERT_WIDTH: the grouped-GEMM kernels pass their CPU (interpreter) tests but have not
-    yet been run on a GPU (2026-11-23); ask for them with ffn.kernels=triton."""
-    wide = width is not None and triton_expert_path(width) == "grouped"
+    'triton' runs the fused expert kernels up to MAX_TRITON_EXPERT_WIDTH and the grouped-GEMM kernels
+    above (`triton_expert_path`). The grouped ones pass their GPU test (H100, dh 1024, 2026-11-23) but
+    have not yet run inside a training step on a GPU; the pure-JAX experts at that width copy the
+    weights per 16-row block and ran out of memory at 2.2B, so `auto` takes them too."""
     if choice == "reference":
         return "reference"
     if choice == "triton":
@@ -70,5 +63,5 @@ def resolve_kernels(choice: str, width: int | None = None) -> str:
                                f"backend is {jax.default_backend()!r}. Use ffn.kernels=auto or reference.")
         return "triton"
     if choice == "auto":
-        return "triton" if triton_available() and not wide else "reference"
+        return "triton" if triton_available() else "reference"
     raise ValueError(f"ffn.kernels={choice!r}: expected auto, triton or reference")

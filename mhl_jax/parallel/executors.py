@@ -6,11 +6,11 @@ from jax.sharding import Mesh
 
 from mhl_jax.config import Config
 from mhl_jax.model.moe_core import LocalMoE, MoEExecutor
-from mhl_jax.ops.kernels_select import expert_width, resolve_kernels
+from mhl_jax.ops.kernels_select import resolve_kernels
 
 
 def make_executor(cfg: Config, mesh: Mesh) -> MoEExecutor:
-    impl = resolve_kernels(cfg.ffn.kernels, expert_width(cfg))
+    impl = resolve_kernels(cfg.ffn.kernels)
     if mesh.size == 1 or cfg.ffn.kind == "mlp":
         return LocalMoE(impl)
     if cfg.ffn.kind == "mh_latent_moe":
