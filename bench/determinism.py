@@ -49,7 +49,7 @@ def main() -> None:
         for kernels, attention, opt in itertools.product(args.kernels, args.attention, args.options):
             cfg = small_config(kind, 1, kernels=kernels, attention=attention, dtype=args.dtype)
             options = OPTIONS[opt]
-            if options is True:  # what jit_train_step picks for this config
+            if options is True:  # what jit_train_step picks for this config (train_losses passes None)
                 options = train_step_compiler_options(True, attention == "cudnn")
             rec = dict(bench="determinism", kind=kind, kernels=kernels, attention=attention, dtype=args.dtype,
                        options=opt, compiler_options=options, device=jax.devices()[0].device_kind)

@@ -38,6 +38,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from mhl_jax.config import Config, load_config  # noqa: E402
+from mhl_jax.model.attention import attention_impl  # noqa: E402
 from mhl_jax.model.balancing import RouterBias  # noqa: E402
 from mhl_jax.model.gpt import build_model  # noqa: E402
 from mhl_jax.parallel.executors import make_executor  # noqa: E402
@@ -72,6 +73,8 @@ def train_losses(cfg: Config, devices: list, batches: np.ndarray,
     sh = state_shardings(cfg, mesh, state)
     bsh = NamedSharding(mesh, batch_spec(mesh))
     step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh, bsh,
+                          deterministic=cfg.train.deterministic,
+                          cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
                           compiler_options=compiler_options)
     state = jax.device_put(state, sh)
     losses = []

@@ -21,13 +21,19 @@ def _gpus() -> int:
 
 
 @pytest.mark.gpu
-def test_train_steps_bitwise_repeatable_on_one_gpu():
+@pytest.mark.parametrize("kernels,attention,dtype", [("reference", "xla", "float32"),
+                                                     ("reference", "cudnn", "bfloat16"),
+                                                     ("triton", "cudnn", "bfloat16")])
+def test_train_steps_bitwise_repeatable_on_one_gpu(kernels, attention, dtype):
+    """train.deterministic (default): compiled as train.py compiles it (with cuDNN attention without the
+    XLA exclude-nondeterministic option), the same steps twice give the same losses to the bit."""
     from bench.train_2gpu import ACCUM, BATCH, SEQ, small_config, train_losses
 
     batch = np.random.default_rng(1).integers(0, 512, (ACCUM, BATCH, SEQ + 1), dtype=np.int32)
     batches = np.broadcast_to(batch, (3,) + batch.shape)
     for kind in ("mh_latent_moe", "moe"):
-        runs = [train_losses(small_config(kind, 1), jax.devices()[:1], batches)[0] for _ in range(2)]
+        cfg = small_config(kind, 1, kernels=kernels, attention=attention, dtype=dtype)
+        runs = [train_losses(cfg, jax.devices()[:1], batches)[0] for _ in range(2)]
         assert runs[0] == runs[1], (kind, runs)
 
 
