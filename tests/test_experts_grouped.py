@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from kernels.grouped import GATHER, GATHER_GATED, ROWS, GemmTile, GroupedConfig  # noqa: E402
 from kernels.torch_experts import pack_torch  # noqa: E402
 from kernels.torch_grouped import grouped_bwd, grouped_expert_ffn, grouped_fwd, rows_matmul  # noqa: E402
-from tests.torch_expert_reference import expert_ffn_f64  # noqa: E402
+from tests.torch_expert_reference import check_fwd_bwd_vs_f64  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRET, reason="interpreter test")
@@ -71,17 +71,7 @@ def test_kernels_fwd_bwd_vs_float64(case, skew):
     pk = pack_torch(idx, 3, cfg.pack_block)
     assert (pk.block_group < 0).any()  # the static bound leaves blocks of padding only
     assert (pk.row_slot[: pk.num_blocks * cfg.pack_block] < 0).any()  # and padding rows in used blocks
-    leaves = [t.clone().requires_grad_() for t in (x, gates, w1, w2)]
-    y = grouped_expert_ffn(leaves[0], idx, *leaves[1:], cfg=cfg)
-    refs = [t.clone().double().requires_grad_() for t in (x, gates, w1, w2)]
-    y_ref = expert_ffn_f64(refs[0], idx, *refs[1:])
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
-    y.backward(dy)
-    y_ref.backward(dy.double())
-    assert _rel(y.detach(), y_ref.detach()) < 1e-5
-    for name, a, b in zip(("x", "gates", "w1", "w2"), leaves, refs):
-        assert torch.isfinite(a.grad).all(), name
-        assert _rel(a.grad, b.grad) < 1e-5, (name, _rel(a.grad, b.grad))
+    leaves = check_fwd_bwd_vs_f64(lambda *a: grouped_expert_ffn(*a, cfg=cfg), x, idx, gates, w1, w2)
     if skew:  # expert 2 gets no token in any head: its weight gradients are exactly zero
         assert (leaves[2].grad[:, 2] == 0).all() and (leaves[3].grad[:, 2] == 0).all()
 

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from kernels.experts import ExpertsConfig, Tile  # noqa: E402
 from kernels.torch_experts import experts_fwd, pack_torch, triton_expert_ffn  # noqa: E402
-from tests.torch_expert_reference import expert_ffn_f64  # noqa: E402
+from tests.torch_expert_reference import check_fwd_bwd_vs_f64, expert_ffn_f64  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -61,17 +61,7 @@ CONFIGS = {
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 def test_kernels_fwd_bwd_vs_float64(cfg, skew):
     x, idx, gates, w1, w2 = _inputs(0, 24, 2, 2, 3, 16, 32, skew)
-    leaves = [t.clone().requires_grad_() for t in (x, gates, w1, w2)]
-    y = triton_expert_ffn(leaves[0], idx, *leaves[1:], cfg=cfg)
-    refs = [t.clone().double().requires_grad_() for t in (x, gates, w1, w2)]
-    y_ref = expert_ffn_f64(refs[0], idx, *refs[1:])
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
-    y.backward(dy)
-    y_ref.backward(dy.double())
-    assert _rel(y.detach(), y_ref.detach()) < 1e-5
-    for name, a, b in zip(("x", "gates", "w1", "w2"), leaves, refs):
-        assert torch.isfinite(a.grad).all(), name
-        assert _rel(a.grad, b.grad) < 1e-5, (name, _rel(a.grad, b.grad))
+    check_fwd_bwd_vs_f64(lambda *a: triton_expert_ffn(*a, cfg=cfg), x, idx, gates, w1, w2)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")

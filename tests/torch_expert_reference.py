@@ -16,3 +16,25 @@ def expert_ffn_f64(x, idx, gates, w1, w2):
         act = torch.nn.functional.gelu(hid, approximate="tanh")
         y = y + gates[..., j:j + 1] * torch.einsum("nhe,nhed->nhd", act, w2[hs, idx[..., j]])
     return y
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def check_fwd_bwd_vs_f64(ffn, x, idx, gates, w1, w2, tol: float = 1e-5) -> list:
+    """Run `ffn(x, idx, gates, w1, w2)` (torch autograd) and `expert_ffn_f64` with the same upstream
+    gradient; assert the output and the gradients of x, gates, w1, w2 agree to `tol` (relative L2).
+    Returns the leaves (their .grad set) for further checks."""
+    leaves = [t.clone().requires_grad_() for t in (x, gates, w1, w2)]
+    y = ffn(leaves[0], idx, *leaves[1:])
+    refs = [t.clone().double().requires_grad_() for t in (x, gates, w1, w2)]
+    y_ref = expert_ffn_f64(refs[0], idx, *refs[1:])
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
+    y.backward(dy)
+    y_ref.backward(dy.double())
+    assert rel(y.detach(), y_ref.detach()) < tol
+    for name, a, b in zip(("x", "gates", "w1", "w2"), leaves, refs):
+        assert torch.isfinite(a.grad).all(), name
+        assert rel(a.grad, b.grad) < tol, (name, rel(a.grad, b.grad))
+    return leaves
