@@ -29,7 +29,7 @@ from bench.timing import emit  # noqa: E402
 from bench.train_2gpu import ACCUM, BATCH, SEQ, small_config, train_losses  # noqa: E402
 from mhl_jax.train.step import train_step_compiler_options  # noqa: E402
 
-OPTIONS = {"default": True, "fast": train_step_compiler_options(deterministic=False), "none": {}}
+OPTIONS = {"default": None, "fast": train_step_compiler_options(deterministic=False), "none": {}}
 
 
 def main() -> None:
@@ -48,11 +48,10 @@ def main() -> None:
     for kind in args.kinds:
         for kernels, attention, opt in itertools.product(args.kernels, args.attention, args.options):
             cfg = small_config(kind, 1, kernels=kernels, attention=attention, dtype=args.dtype)
-            options = OPTIONS[opt]
-            if options is True:  # what jit_train_step picks for this config (train_losses passes None)
-                options = train_step_compiler_options(True, attention == "cudnn")
+            options = OPTIONS[opt]  # None: what train_losses / jit_train_step pick for this config
+            shown = train_step_compiler_options(True, attention == "cudnn") if options is None else options
             rec = dict(bench="determinism", kind=kind, kernels=kernels, attention=attention, dtype=args.dtype,
-                       options=opt, compiler_options=options, device=jax.devices()[0].device_kind)
+                       options=opt, compiler_options=shown, device=jax.devices()[0].device_kind)
             try:
                 runs = [train_losses(cfg, jax.devices()[:1], batches, options)[0] for _ in range(2)]
                 rec["losses_hex"] = [[np.float32(v).tobytes().hex() for v in r] for r in runs]

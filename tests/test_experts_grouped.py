@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from kernels.grouped import GATHER, GATHER_GATED, ROWS, GemmTile, GroupedConfig  # noqa: E402
 from kernels.torch_experts import pack_torch  # noqa: E402
 from kernels.torch_grouped import grouped_bwd, grouped_expert_ffn, grouped_fwd, rows_matmul  # noqa: E402
-from tests.torch_expert_reference import check_fwd_bwd_vs_f64  # noqa: E402
+from tests.torch_expert_reference import check_fwd_bwd_vs_f64, weight_grads_twice  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRET, reason="interpreter test")
@@ -111,11 +111,7 @@ def test_poisoned_outputs_every_element_written_padding_zero():
 def test_weight_gradients_bitwise_deterministic():
     x, idx, gates, w1, w2 = _inputs(2, 40, 1, 2, 2, 32, 16)
     cfg = GroupedConfig(16, GemmTile(16, 16, 16, 4, 1), GemmTile(16, 16, 16, 4, 1))
-    grads = []
-    for _ in range(2):
-        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-        grouped_expert_ffn(x, idx, gates, a, b, cfg=cfg).square().sum().backward()
-        grads.append((a.grad, b.grad))
+    grads = weight_grads_twice(lambda *a: grouped_expert_ffn(*a, cfg=cfg), x, idx, gates, w1, w2)
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 

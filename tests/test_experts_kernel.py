@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from kernels.experts import ExpertsConfig, Tile  # noqa: E402
 from kernels.torch_experts import experts_fwd, pack_torch, triton_expert_ffn  # noqa: E402
-from tests.torch_expert_reference import check_fwd_bwd_vs_f64, expert_ffn_f64  # noqa: E402
+from tests.torch_expert_reference import check_fwd_bwd_vs_f64, expert_ffn_f64, weight_grads_twice  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -83,11 +83,7 @@ def test_fwd_writes_every_row_and_zero_padding():
 def test_weight_gradients_bitwise_deterministic(form):
     x, idx, gates, w1, w2 = _inputs(2, 40, 1, 2, 2, 16, 32)
     cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16), dw_form=form)
-    grads = []
-    for _ in range(2):
-        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-        triton_expert_ffn(x, idx, gates, a, b, cfg=cfg).square().sum().backward()
-        grads.append((a.grad, b.grad))
+    grads = weight_grads_twice(lambda *a: triton_expert_ffn(*a, cfg=cfg), x, idx, gates, w1, w2)
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 

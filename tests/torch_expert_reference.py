@@ -38,3 +38,13 @@ def check_fwd_bwd_vs_f64(ffn, x, idx, gates, w1, w2, tol: float = 1e-5) -> list:
         assert torch.isfinite(a.grad).all(), name
         assert rel(a.grad, b.grad) < tol, (name, rel(a.grad, b.grad))
     return leaves
+
+
+def weight_grads_twice(ffn, x, idx, gates, w1, w2) -> list:
+    """The gradients of w1, w2 of sum(ffn(...)^2), computed twice: [(dw1, dw2), (dw1, dw2)]."""
+    grads = []
+    for _ in range(2):
+        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        ffn(x, idx, gates, a, b).square().sum().backward()
+        grads.append((a.grad, b.grad))
+    return grads
