@@ -324,6 +324,8 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     force a form ("rows" with argsort packing = the defaults until 2026-11-23, variant "v2")."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
+    if dh > 128:
+        return _wide_config(pack, num_slots, de, dw_form)
     measured = pack >= 64 and dw_form is None
     form = dw_form or ("t" if pack >= 64 else "rows")
     pack_impl = "count" if measured and num_slots <= COUNT_SORT_MAX_SLOTS else "argsort"
@@ -340,6 +342,19 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
         dw_form=form,
         pack_impl=pack_impl,
     ).fit(de)
+
+
+def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> ExpertsConfig:
+    """Tiles for 128 < dh <= 256. The dh = 128 tiles keep (BLOCK_M, DH) and 2 x (BLOCK_E, DH) fp32
+    accumulators in registers; at DH = 256 with 4 warps those take 256-512 registers per thread and
+    spill (the small d = 256 MoE then never finished a train step on H100, 2026-11-23). Here: 8 warps,
+    row blocks of at most 64 and a 32-wide de chunk in the dW kernel, i.e. 64 accumulator registers per
+    thread in every kernel."""
+    form = dw_form or "t"
+    bm = min(pack, 64)
+    return ExpertsConfig(pack_block=pack, fwd=Tile(bm, 64, 8, 2), dx=Tile(bm, 64, 8, 2),
+                         dw=Tile(bm, 32, 8, 2), dw_form=form,
+                         pack_impl="count" if num_slots <= COUNT_SORT_MAX_SLOTS else "argsort").fit(de)
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",

@@ -64,6 +64,33 @@ def test_kernels_fwd_bwd_vs_float64(cfg, skew):
     check_fwd_bwd_vs_f64(lambda *a: triton_expert_ffn(*a, cfg=cfg), x, idx, gates, w1, w2)
 
 
+@pytest.mark.parametrize("dh", [128, 256])
+def test_default_tiles_keep_accumulators_in_registers(dh):
+    """default_config at every packing block: no kernel holds more than 128 fp32 accumulator values per
+    thread (fwd / dX: BLOCK_M x DH; dW: two BLOCK_E x DH), the most the measured dh = 128 tiles hold.
+    The dh = 128 tiles at DH = 256 held 256-512 and spilled (a d = 256 MoE never finished a step)."""
+    from kernels.experts import default_config
+
+    for mean in (8, 16, 64, 512):
+        cfg = default_config(mean * 96, 96, dh, 256)
+        cfg.check(dh, 256)
+        threads = lambda t: 32 * t.num_warps  # noqa: E731
+        assert cfg.fwd.block_m * dh / threads(cfg.fwd) <= 128, (mean, cfg.fwd)
+        assert cfg.dx.block_m * dh / threads(cfg.dx) <= 128, (mean, cfg.dx)
+        assert 2 * cfg.dw.block_e * dh / threads(cfg.dw) <= 128, (mean, cfg.dw)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter test")
+def test_wide_default_config_fwd_bwd_vs_float64():
+    """dh = 256 with the tiles default_config picks there (8 warps, 32-wide dW chunk)."""
+    from kernels.experts import default_config
+
+    x, idx, gates, w1, w2 = _inputs(3, 40, 1, 2, 3, 256, 64)
+    cfg = default_config(80, 3, 256, 64)
+    assert cfg.dw.block_e == 32 and cfg.fwd.num_warps == 8
+    check_fwd_bwd_vs_f64(lambda *a: triton_expert_ffn(*a, cfg=cfg), x, idx, gates, w1, w2)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
 def test_fwd_writes_every_row_and_zero_padding():
     """Poisoned output: every row is written; padding rows and all-padding blocks come back zero."""
