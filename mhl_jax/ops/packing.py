@@ -11,16 +11,18 @@ one (head, expert). Shapes stay static under jit: the padded row count is the wo
 carry block_group = -1, so kernels can skip them.
 
 Two ways to compute the same layout (`pack(..., method=)`):
-- "argsort": one stable argsort of the M group ids (XLA sort of M key/index pairs).
+- "argsort" (the name predates the key sort): per head, one sort of unique 32-bit keys
+  (expert << bits | local slot), i.e. the stable sort by expert (a stable argsort where the key does
+  not fit 32 bits); expert runs located by a scatter of run starts and a running min.
 - "count": a counting sort, no sort at all. Within a head, slot order is local order l = n * k + j,
   so a stable sort by group is, per head, a stable sort of l by expert. Cut each head's slots into
   chunks of C; a slot's rank in its group = (slots of that expert in earlier chunks: an exclusive
   cumsum over chunks of the per-chunk histogram) + (earlier slots of that expert in its own chunk: a
   C-wide compare-and-count); the histogram is written by each expert's last slot in the chunk (count =
-  its rank + 1), a scatter with unique indices. The first version built it with an int scatter-add of
-  duplicate indices and FAILED its GPU test under skew (2026-11-22; CPU equal): this one is unverified
-  on a GPU as yet. slot_row is then computed directly and row_slot is
-  one scatter with unique indices. Integer-only, deterministic, O(M C) cheap elementwise work.
+  its rank + 1), a scatter with unique indices (verified on H100, 2026-11-23). slot_row and row_slot
+  are then scatters with unique indices. Integer-only, deterministic, O(M C) cheap elementwise work.
+Both use prefix scans (`prefix_scan`), never jnp.cumsum or jnp.searchsorted, and share the tail
+(`_finish`: padded starts, the two index maps, each block's group).
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ def padded_rows(num_slots: int, num_groups: int, block: int) -> int:
 COUNT_CHUNK = 128  # slots per chunk of the counting sort
 
 
+def prefix_scan(op, x: jax.Array, axis: int = 0, reverse: bool = False) -> jax.Array:
+    """Inclusive prefix `op` as a log-depth associative scan. XLA on GPU may lower jnp.cumsum to a
+    reduce-window that is quadratic in the axis length, and jnp.searchsorted to a while loop with a
+    host round trip per step: together they made the packing cost ~0.6 ms at any size (H100,
+    2026-11-23); the packing uses neither."""
+    return jax.lax.associative_scan(op, x, reverse=reverse, axis=axis)
+
+
 def pack(idx: jax.Array, num_experts: int, block: int, method: str = "argsort",
          chunk: int = COUNT_CHUNK) -> Packing:
     """idx: (N, H, k) int32 expert indices in [0, Ne), or -1 for an empty slot (no row, output 0).
@@ -59,78 +69,99 @@ def pack(idx: jax.Array, num_experts: int, block: int, method: str = "argsort",
         return _pack_count(idx, num_experts, block, chunk)
     if method != "argsort":
         raise ValueError(f"pack: method={method!r}, expected 'argsort' or 'count'")
+    return _pack_sort(idx, num_experts, block)
+
+
+def _local_slots(idx: jax.Array, num_experts: int) -> jax.Array:
+    """(N, H, k) -> (H, N*k) expert of each local slot l = n * k + j; empty slots get the sentinel Ne."""
+    h = idx.shape[1]
+    e = jnp.swapaxes(idx.astype(jnp.int32), 0, 1).reshape(h, -1)
+    return jnp.where(e >= 0, e, num_experts)
+
+
+def _pack_sort(idx: jax.Array, num_experts: int, block: int) -> Packing:
+    """Sort path: per head, one sort of 32-bit keys (expert << bits | local slot), unique so a plain sort
+    is the stable sort by expert (a stable argsort if the key does not fit 32 bits); run starts
+    scattered by expert and prefix scans give sizes, ranks and padded starts."""
     n, h, k = idx.shape
-    m = n * h * k
-    g_count = h * num_experts
+    ml, ne = n * k, num_experts
+    e = _local_slots(idx, ne)
+    bits_m, bits_e = max(1, (ml - 1).bit_length()), ne.bit_length()  # experts 0..Ne (Ne = empty)
+    if bits_m + bits_e <= 32:
+        key = (e.astype(jnp.uint32) << bits_m) | jnp.arange(ml, dtype=jnp.uint32)[None]
+        sk = jnp.sort(key, axis=-1)
+        order = (sk & jnp.uint32((1 << bits_m) - 1)).astype(jnp.int32)  # sorted position -> local slot
+        se = (sk >> bits_m).astype(jnp.int32)
+    else:
+        order = jnp.argsort(e, axis=-1, stable=True).astype(jnp.int32)
+        se = jnp.take_along_axis(e, order, axis=-1)
+    heads = jnp.arange(h, dtype=jnp.int32)[:, None]
+    pos = jnp.arange(ml, dtype=jnp.int32)[None]
+    # first sorted position of each expert's run (unique indices: one start per run; other positions
+    # are dropped), then a reverse running min gives an absent expert the next run's start
+    is_start = jnp.concatenate([jnp.ones((h, 1), bool), se[:, 1:] != se[:, :-1]], axis=1)
+    first = jnp.full((h, ne + 1), ml, jnp.int32).at[heads, jnp.where(is_start, se, ne + 1)].set(
+        jnp.broadcast_to(pos, (h, ml)), mode="drop")
+    run0 = prefix_scan(jnp.minimum, first, axis=1, reverse=True)  # (H, Ne + 1); column Ne: empty slots
+    sizes = (run0[:, 1:] - run0[:, :-1]).reshape(h * ne)
+    valid = se < ne
+    sec = jnp.minimum(se, ne - 1)
+    rank = pos - jnp.take_along_axis(run0, sec, axis=1)
+    return _finish(n, h, k, ne, block, sizes, order, heads * ne + sec, rank, valid)
+
+
+def _finish(n: int, h: int, k: int, ne: int, block: int, sizes, local, gid, rank, valid) -> Packing:
+    """Common tail of both packings. sizes (G,) slots per group; for every local slot position of head
+    h (arrays (H, L)): `local` its local slot n * k + j (-1 / any value where not valid), `gid` its group,
+    `rank` its rank in the group, `valid` whether it is routed."""
+    m, g_count = n * h * k, h * ne
     p = padded_rows(m, g_count, block)
-    idx = idx.astype(jnp.int32)
-    # empty slots (idx < 0, e.g. the unused tail of an expert-parallel receive buffer) sort last
-    # into a sentinel group g_count that gets no rows
-    group = jnp.where(idx >= 0, jnp.arange(h, dtype=jnp.int32)[None, :, None] * num_experts + idx, g_count)
-    group = group.reshape(m)
-    order = jnp.argsort(group, stable=True).astype(jnp.int32)  # sorted position -> slot
-    sizes = jnp.bincount(group, length=g_count + 1).astype(jnp.int32)[:g_count]
+    nb = p // block
     padded = (sizes + block - 1) // block * block
-    starts = jnp.concatenate([jnp.cumsum(sizes) - sizes, jnp.zeros((1,), sizes.dtype)])
-    pstarts = jnp.concatenate([jnp.cumsum(padded) - padded, jnp.full((1,), p, padded.dtype)])
-    sorted_group = group[order]
-    rank = jnp.arange(m, dtype=jnp.int32) - starts[sorted_group]
-    valid = sorted_group < g_count
-    # padded row of each sorted position; empty slots point past the end (dropped by the scatter)
-    dest = jnp.where(valid, pstarts[sorted_group] + rank, p).astype(jnp.int32)
-    row_slot = jnp.full((p,), -1, jnp.int32).at[dest].set(order, mode="drop")
-    slot_row = jnp.zeros((m,), jnp.int32).at[order].set(jnp.where(valid, dest, -1))
-    num_blocks = (jnp.sum(padded) // block).astype(jnp.int32)
-    block_start = jnp.arange(p // block, dtype=jnp.int32) * block
-    # group of a block = last group whose padded start is <= block start (empty groups share starts)
-    bg = jnp.searchsorted(pstarts[:g_count] + padded, block_start, side="right").astype(jnp.int32)
-    block_group = jnp.where(jnp.arange(p // block) < num_blocks, bg, -1).astype(jnp.int32)
-    return Packing(row_slot, slot_row, block_group, sizes, num_blocks)
-
-
-def _block_groups(padded: jax.Array, num_blocks: jax.Array, p: int, block: int) -> jax.Array:
-    """Group of each row block (-1 past the used blocks), from the padded group sizes (G,)."""
-    block_start = jnp.arange(p // block, dtype=jnp.int32) * block
-    # group of a block = last group whose padded start is <= block start (empty groups share starts)
-    bg = jnp.searchsorted(jnp.cumsum(padded), block_start, side="right").astype(jnp.int32)
-    return jnp.where(jnp.arange(p // block) < num_blocks, bg, -1).astype(jnp.int32)
+    pend = prefix_scan(jnp.add, padded)
+    pstarts = pend - padded
+    dest = jnp.where(valid, pstarts[gid] + rank, -1)  # padded row of each slot
+    heads = jnp.arange(h, dtype=jnp.int32)[:, None]
+    slot = (local // k * h + heads) * k + local % k  # global slot id (n * H + h) * k + j
+    slot = jnp.where(valid, slot, m)  # empty slots (and chunk padding) are dropped: slot_row stays -1
+    slot_row = jnp.full((m,), -1, jnp.int32).at[slot.reshape(-1)].set(dest.reshape(-1), mode="drop")
+    row_slot = jnp.full((p,), -1, jnp.int32).at[jnp.where(valid, dest, p).reshape(-1)].set(
+        slot.reshape(-1), mode="drop")
+    num_blocks = (pend[-1] // block).astype(jnp.int32)
+    # group of each row block: mark each non-empty group's first block with the group (unique indices),
+    # carry the mark forward with a running max
+    nblk = padded // block
+    marks = jnp.full((nb,), -1, jnp.int32).at[jnp.where(nblk > 0, pstarts // block, nb)].set(
+        jnp.arange(g_count, dtype=jnp.int32), mode="drop")
+    bg = prefix_scan(jnp.maximum, marks)
+    block_group = jnp.where(jnp.arange(nb) < num_blocks, bg, -1).astype(jnp.int32)
+    return Packing(row_slot, slot_row, block_group, sizes.astype(jnp.int32), num_blocks)
 
 
 def _pack_count(idx: jax.Array, num_experts: int, block: int, chunk: int) -> Packing:
-    """The counting-sort packing (module docstring); same arrays as the argsort path."""
+    """The counting-sort packing (module docstring); same arrays as the sort path."""
     n, h, k = idx.shape
-    m, g_count, ml = n * h * k, h * num_experts, n * k
-    p = padded_rows(m, g_count, block)
+    ml, ne = n * k, num_experts
     c = max(1, min(chunk, ml))
     nc = -(-ml // c)
-    e = jnp.swapaxes(idx.astype(jnp.int32), 0, 1).reshape(h, ml)  # (H, N*k): local slot l = n * k + j
-    e = jnp.where(e >= 0, e, num_experts)  # empty slots: sentinel expert, no rows
-    ec = jnp.pad(e, ((0, 0), (0, nc * c - ml)), constant_values=num_experts).reshape(h, nc, c)
+    e = jnp.pad(_local_slots(idx, ne), ((0, 0), (0, nc * c - ml)), constant_values=ne).reshape(h, nc, c)
     lower = jnp.arange(c)[None, :] < jnp.arange(c)[:, None]  # [i, j]: j before i
-    same = ec[..., :, None] == ec[..., None, :]
+    same = e[..., :, None] == e[..., None, :]
     rank_in = jnp.sum(same & lower, axis=-1, dtype=jnp.int32)  # earlier slots of my expert in my chunk
     last = ~jnp.any(same & lower.T, axis=-1)  # no later slot of my expert in my chunk
     hs = jnp.arange(h, dtype=jnp.int32)[:, None, None]
     cs = jnp.arange(nc, dtype=jnp.int32)[None, :, None]
     # chunk histogram: each expert's last slot in the chunk holds its count (rank + 1); one scatter with
     # unique indices (the other slots aim past the end and are dropped), no scatter-add of duplicates
-    hist = jnp.zeros((h, nc, num_experts + 1), jnp.int32).at[hs, cs, jnp.where(last, ec, num_experts + 1)].set(
+    hist = jnp.zeros((h, nc, ne + 1), jnp.int32).at[hs, cs, jnp.where(last, e, ne + 1)].set(
         rank_in + 1, mode="drop")
-    incl = jnp.cumsum(hist, axis=1, dtype=jnp.int32)  # (H, nc, Ne + 1)
-    rank = jnp.take_along_axis(incl - hist, ec, axis=2) + rank_in  # rank of each slot in its group
-    sizes = incl[:, -1, :num_experts].reshape(g_count)
-    padded = (sizes + block - 1) // block * block
-    pstarts = (jnp.cumsum(padded) - padded).astype(jnp.int32)
-    valid = ec < num_experts
-    gid = jnp.minimum(hs * num_experts + ec, g_count - 1)
-    dest = jnp.where(valid, pstarts[gid] + rank, -1)  # (H, nc, C): padded row of each slot
-    dest = jnp.swapaxes(dest.reshape(h, nc * c)[:, :ml].reshape(h, n, k), 0, 1)  # back to slot order
-    slot_row = dest.reshape(m).astype(jnp.int32)
-    row_slot = jnp.full((p,), -1, jnp.int32).at[jnp.where(slot_row >= 0, slot_row, p)].set(
-        jnp.arange(m, dtype=jnp.int32), mode="drop")
-    num_blocks = (jnp.sum(padded) // block).astype(jnp.int32)
-    return Packing(row_slot, slot_row, _block_groups(padded, num_blocks, p, block), sizes.astype(jnp.int32),
-                   num_blocks)
+    incl = prefix_scan(jnp.add, hist, axis=1)  # (H, nc, Ne + 1)
+    rank = jnp.take_along_axis(incl - hist, e, axis=2) + rank_in  # rank of each slot in its group
+    sizes = incl[:, -1, :ne].reshape(h * ne)
+    valid = (e < ne).reshape(h, nc * c)
+    gid = (hs[:, :, 0] * ne + jnp.minimum(e, ne - 1).reshape(h, nc * c))
+    local = jnp.broadcast_to(jnp.arange(nc * c, dtype=jnp.int32)[None], (h, nc * c))
+    return _finish(n, h, k, ne, block, sizes, local, gid, rank.reshape(h, nc * c), valid)
 
 
 def gather_rows(x: jax.Array, packing: Packing, k: int) -> jax.Array:
@@ -161,5 +192,5 @@ def group_blocks(group_sizes: jax.Array, block: int) -> tuple[jax.Array, jax.Arr
     (zero for an empty group). The dW kernel walks each group's blocks with these.
     """
     count = ((group_sizes + block - 1) // block).astype(jnp.int32)
-    start = (jnp.cumsum(count) - count).astype(jnp.int32)
+    start = (prefix_scan(jnp.add, count) - count).astype(jnp.int32)
     return start, count

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from kernels.router import RouterTiles, check_router_args, dw_num_blocks, next_pow2, router_tiles, weight_parts
 from mhl_jax.ops.kernels_select import import_jax_triton
+from mhl_jax.ops.packing import prefix_scan
 from mhl_jax.ops.router import check_router_shapes, route_topk_reference
 
 
@@ -68,12 +69,6 @@ def split_bf16(w: jax.Array, parts: int) -> jax.Array:
     return jnp.stack(out)
 
 
-def _scan(op, x: jax.Array, axis: int = 0, reverse: bool = False) -> jax.Array:
-    """Inclusive prefix op as a log-depth associative scan (XLA may lower lax.cum* to a quadratic
-    reduce-window)."""
-    return jax.lax.associative_scan(op, x, reverse=reverse, axis=axis)
-
-
 def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "packed", bounds: str = "scatter") -> DwMeta:
     """idx (N, H, k) int32 -> DwMeta with blocks of at most `block` slots (static shapes).
 
@@ -107,21 +102,21 @@ def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "packed", bound
         is_start = jnp.concatenate([jnp.ones((h, 1), bool), se[:, 1:] != se[:, :-1]], axis=1)
         first = jnp.full((h, ne + 1), mh, jnp.int32).at[heads, jnp.where(is_start, se, ne + 1)].min(
             pos, mode="drop")
-        run0 = _scan(jnp.minimum, first, axis=1, reverse=True)
+        run0 = prefix_scan(jnp.minimum, first, axis=1, reverse=True)
     else:
         raise ValueError(f"router bounds={bounds!r}, expected 'scatter' or 'search'")
     run0 = run0.astype(jnp.int32)  # (H, Ne + 1): start of each expert's run within its head
     size = (run0[:, 1:] - run0[:, :-1]).reshape(-1)
     start = (run0[:, :-1] + heads * mh).reshape(-1)
     nblk = (size + block - 1) // block
-    cum = _scan(jnp.add, nblk)
+    cum = prefix_scan(jnp.add, nblk)
     bstart = cum - nblk
     if bounds == "search":
         bg = jnp.searchsorted(cum, blocks, side="right").astype(jnp.int32)
     else:  # mark each non-empty group's first block with the group, carry the mark forward
         g_ids = jnp.arange(h * ne, dtype=jnp.int32)
         marks = jnp.full((nb,), -1, jnp.int32).at[jnp.where(nblk > 0, bstart, nb)].max(g_ids, mode="drop")
-        bg = _scan(jnp.maximum, marks)
+        bg = prefix_scan(jnp.maximum, marks)
     bg = jnp.where(blocks < cum[-1], bg, -1)
     return DwMeta(order.reshape(-1), bg, start, bstart, size, nblk)
 
