@@ -2,7 +2,7 @@
 that materialise the (rows x de) hidden activations, and the FlexAttention oracle.
 
     python bench/experts.py [--tokens 2048 81920] [--de 128 256 512] [--ne 64 256 1024 1536]
-                            [--impls ours ours_torch grouped_mm ragged_mgpu flex] [--out FILE]
+                            [--impls ours ours_grouped ours_torch grouped_mm ragged_mgpu flex] [--out FILE]
                             [--variants v2 new ...] [--dwt-tile 64,128,8,2] [--sweep]
 
 Shapes: Nh=8 heads, dh=128, k=4 (paper section 4.2: B=4 x T=512 = 2048 tokens), plus 81920 tokens.
@@ -13,7 +13,8 @@ includes its own packing (sort by (head, expert)) and the gate-weighted combine.
 impls: ours = JAX + jax-triton (mhl_jax/ops/experts_triton.py), once per --variants name
 (`experts_triton.VARIANTS`; each later variant's output and gradients are compared with the first's:
 `rel_vs_first`); ours_torch = the same kernels from
-torch; grouped_mm = torch._grouped_mm (cuBLAS/CUTLASS grouped GEMM) with autograd; ragged_mgpu =
+torch; ours_grouped = our grouped-GEMM Triton kernels in JAX (mhl_jax/ops/experts_grouped.py, hidden
+activations written to HBM); grouped_mm = torch._grouped_mm (cuBLAS/CUTLASS grouped GEMM) with autograd; ragged_mgpu =
 JAX Pallas Mosaic-GPU ragged_dot (+ transposed_ragged_dot for dW) in a custom_vjp; flex = the
 oracle (kernels/flex_reference.py, torch.compile'd FlexAttention).
 Output: one JSON line per (impl, shape) per DESIGN §8, a table last.
@@ -82,6 +83,14 @@ def ours_jax(variant: str = "v2", dwt_tile=None):
         return expert_ffn_triton(x, idx, g, w1, w2, cfg=cfg)[0]
 
     return jax_fns(ffn)
+
+
+def ours_grouped_jax():
+    """Our grouped-GEMM Triton kernels (mhl_jax/ops/experts_grouped.py: hidden activations in HBM), the
+    path `ffn.kernels=triton` takes for experts wider than 128."""
+    from mhl_jax.ops.experts_grouped import expert_ffn_grouped
+
+    return jax_fns(lambda x, idx, g, w1, w2: expert_ffn_grouped(x, idx, g, w1, w2)[0])
 
 
 def rel_diffs(a, b) -> list[float]:
@@ -382,9 +391,10 @@ def main() -> None:
                                         if k not in rec})
                             if "error" in rec:
                                 raise RuntimeError(rec.pop("error"))
-                        elif impl in ("ours", "ragged_mgpu"):
-                            fwd, fb = ours_jax(variant, parse_tile(args.dwt_tile)) if impl == "ours" else ragged_mgpu()
-                            if impl == "ours":  # same function as the first variant? (bf16: ~1e-3 expected)
+                        elif impl in ("ours", "ours_grouped", "ragged_mgpu"):
+                            fwd, fb = (ours_jax(variant, parse_tile(args.dwt_tile)) if impl == "ours" else
+                                       ours_grouped_jax() if impl == "ours_grouped" else ragged_mgpu())
+                            if impl != "ragged_mgpu":  # same function as the first variant? (bf16: ~1e-3 expected)
                                 got = (fwd(*sets[0]), fb(*sets[0]))
                                 if first_grads is None:
                                     first_grads = got

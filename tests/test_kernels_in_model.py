@@ -127,8 +127,8 @@ def test_kernel_choice_and_expert_path(monkeypatch):
     monkeypatch.setattr(ks, "triton_available", lambda: True)
     assert ks.resolve_kernels("auto") == "triton" and ks.resolve_kernels("triton") == "triton"
     assert ks.resolve_kernels("reference") == "reference"
-    assert ks.triton_expert_path(1024) == "grouped" and ks.triton_expert_path(257) == "grouped"
-    assert ks.triton_expert_path(256) == "fused" and ks.triton_expert_path(128) == "fused"
+    assert ks.triton_expert_path(1024) == "grouped" and ks.triton_expert_path(256) == "grouped"
+    assert ks.triton_expert_path(128) == "fused" and ks.triton_expert_path(32) == "fused"
     monkeypatch.setattr(ks, "triton_available", lambda: False)
     assert ks.resolve_kernels("auto") == "reference"
     with pytest.raises(RuntimeError, match="needs a GPU"):

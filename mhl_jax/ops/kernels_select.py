@@ -39,8 +39,10 @@ def triton_available() -> bool:
 # shared-memory failure of MoE at d_model 1024 seen on 2026-11-22 came back on 2026-11-23 with these
 # kernels out of the way: it was the Triton router's, see MAX_TRITON_ROUTER_WIDTH in ops/router.py.)
 # Wider experts run the grouped-GEMM kernels (kernels/grouped.py: the hidden pre-activation is written
-# to HBM, tiles independent of the width).
-MAX_TRITON_EXPERT_WIDTH = 256
+# to HBM, tiles independent of the width). At dh = 256 the fused kernels fit (kernels.experts picks
+# 8-warp tiles there) but lose: fwd+bwd 1.29 vs 0.73 ms (32768 tokens, Ne 64, de 256) and 0.60 vs 0.51
+# ms (16384 tokens, Ne 16, de 128) on H100 (bench/wide_experts.py, 2026-11-23); so the limit is 128.
+MAX_TRITON_EXPERT_WIDTH = 128
 
 
 def triton_expert_path(width: int) -> str:
@@ -52,9 +54,9 @@ def resolve_kernels(choice: str) -> str:
     """'auto' -> 'triton' on a GPU with jax-triton, else 'reference'. 'triton' without one is an error.
 
     'triton' runs the fused expert kernels up to MAX_TRITON_EXPERT_WIDTH and the grouped-GEMM kernels
-    above (`triton_expert_path`). The grouped ones pass their GPU test (H100, dh 1024, 2026-11-23) but
-    have not yet run inside a training step on a GPU; the pure-JAX experts at that width copy the
-    weights per 16-row block and ran out of memory at 2.2B, so `auto` takes them too."""
+    above (`triton_expert_path`). The grouped ones pass their GPU test (H100, dh 1024) and train MoE and
+    LatentMoE 2.2B on one H100 (0.44 / 0.46 s per step, 2026-11-23); the pure-JAX experts at that width
+    copy the weights per 16-row block and ran out of memory at 2.2B, so `auto` takes them too."""
     if choice == "reference":
         return "reference"
     if choice == "triton":
