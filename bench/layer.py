@@ -4,11 +4,14 @@ against the authors' figures (shared/anchors/ref_layer_h100_2026-11-22.jsonl, on
     python bench/layer.py [--tokens 8192 81920] [--configs 384/4/256 768/8/128 ...]
                           [--experts triton reference] [--router reference|triton|auto] [--out FILE]
                           [--variants v2 new ...] [--dwt-tile 64,128,8,2] [--breakdown]
+                          [--expert-weights float32|bfloat16]
 
 Layer (built from the ops, independent of the model module):
     x (N, d=1024) bf16 -> W_in (d, Nh*dh) -> (N, Nh=8, dh=128) -> route_topk per head (fp32 scores,
     bias in the selection) -> gates = softmax(values) fp32 -> expert_ffn (N, Nh, dh) -> W_out -> (N, d)
-Parameters are fp32 masters (cast to bf16 for the matmuls, fp32 gradients), as in training.
+Parameters are fp32 masters (cast to bf16 for the matmuls, fp32 gradients), as in training;
+--expert-weights bfloat16 passes W1 / W2 in bf16 instead (no cast pass, bf16 gradients: the byte floor
+at 8192 tokens drops from ~3.2 GB to ~1.6 GB at Ne 384, bench/NOTES.md "Layer").
 fwd+bwd = jax.grad w.r.t. every parameter and x. TFLOP/s counts the model FLOPs (3 x forward of
 W_in, W_out, router scores and experts; our backward's recomputation is not counted) against the
 ~800 TFLOP/s measured bf16 rate. Memory: XLA's buffer assignment of the compiled step
@@ -168,6 +171,10 @@ def main() -> None:
     ap.add_argument("--dwt-tile", default=None, help="block_m,block_e,warps,stages of the transposed dW kernel")
     ap.add_argument("--breakdown", action="store_true", help="also time the layer's parts (see above)")
     ap.add_argument("--fallback", default="v2", help="variant run when a --variants run fails at a shape")
+    ap.add_argument("--expert-weights", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of W1 / W2 as passed to the layer (float32: master weights, cast to bf16 in every "
+                         "call and fp32 gradients, ~1.2 GB + 0.4 GB more HBM traffic at Ne 384; bfloat16: weights "
+                         "held in the compute dtype, bf16 gradients)")
     args = ap.parse_args()
     dwt_tile = None
     if args.dwt_tile:
@@ -184,6 +191,7 @@ def main() -> None:
         for cfg in args.configs:
             ne, k, de = (int(v) for v in cfg.split("/"))
             params = init_params(jax.random.key(0), ne, de)
+            params.update({w: params[w].astype(args.expert_weights) for w in ("w1", "w2")})
             xs = [jax.random.normal(jax.random.key(s + 1), (tokens, D), jnp.bfloat16) for s in range(2)]
             runs = [(i, v) for i in args.experts for v in (args.variants if i == "triton" else [None])]
             for impl, variant in runs:
@@ -194,7 +202,8 @@ def main() -> None:
                 grad = jax.jit(jax.grad(lambda p, x, impl=impl, k=k, cfg=cfg: jnp.sum(
                     layer(p, x, k, impl, router, cfg).astype(jnp.float32) ** 2), argnums=(0, 1)))
                 rec = dict(bench="layer", impl=impl, router=router, device=device, date=date,
-                           params=dict(tokens=tokens, d=D, nh=NH, dh=DH, ne=ne, k=k, de=de))
+                           params=dict(tokens=tokens, d=D, nh=NH, dh=DH, ne=ne, k=k, de=de,
+                                       expert_weights=args.expert_weights))
                 if variant:
                     rec["variant"] = variant
                 try:
