@@ -20,7 +20,8 @@ W_in, W_out, router scores and experts; our backward's recomputation is not coun
 --variants: expert configs of the triton path (`mhl_jax.ops.experts_triton.VARIANTS`, "v2" = the
 measured default), one record each; a variant that fails is recorded and the next one runs.
 --breakdown: also time the layer's parts alone under jit at each shape (one `layer_breakdown` record
-per variant): router fwd+bwd, packing (argsort and counting sort), expert op fwd and fwd+bwd, the
+per variant): router fwd+bwd, packing (sort, counting sort, Triton kernels), expert op fwd and fwd+bwd
+(packing included), the
 two dense projections fwd+bwd, and the rest (layer minus the parts: softmax, casts, launch gaps).
 """
 
@@ -98,12 +99,15 @@ def breakdown(params, xs, k: int, router_impl: str, cfg, ms_layer: float) -> dic
     out["router_fwd"] = time_jax(route, [(s,) for s in subs])
     out["router_fwd_bwd"] = time_jax(jax.jit(jax.grad(router_loss, argnums=(0, 1))),
                                      [(s, params["w_r"]) for s in subs])
-    for method in ("argsort", "count"):
+    for method in ("argsort", "count", "triton"):
         def pack(i, m=method):
             p = pk.pack(i, ne, cfg.pack_block, m)
             return p, pk.group_blocks(p.group_sizes, cfg.pack_block)
 
-        out[f"pack_{method}"] = time_jax(jax.jit(pack), [(r[1],) for r in routed])
+        try:
+            out[f"pack_{method}"] = time_jax(jax.jit(pack), [(r[1],) for r in routed])
+        except Exception as e:  # the Triton packing is new: its failure must not lose the other parts
+            print(f"pack_{method} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     gw = [jax.nn.softmax(r[0], axis=-1) for r in routed]
 
     def ffn(s, i, g, w1, w2):

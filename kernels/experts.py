@@ -276,7 +276,7 @@ class Tile:
 
 
 DW_FORMS = ("rows", "t")  # expert_dw_kernel | expert_dwt_kernel
-PACK_IMPLS = ("argsort", "count")  # mhl_jax.ops.packing.pack(method=...)
+PACK_IMPLS = ("argsort", "count", "triton")  # mhl_jax.ops.packing.pack(method=...); triton: kernels/packing.py
 
 
 @dataclass(frozen=True)

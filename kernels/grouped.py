@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 import triton
 import triton.language as tl
 
-from kernels.experts import _gelu, _gelu_and_grad
+from kernels.experts import PACK_IMPLS, _gelu, _gelu_and_grad
 
 ROWS, GATHER, GATHER_GATED = 0, 1, 2  # row-operand modes (module docstring)
 
@@ -231,8 +231,8 @@ class GroupedConfig:
                     raise ValueError(f"grouped experts: {dim}={size} must be a multiple of {name}={v}")
         if self.group_m < 1:
             raise ValueError(f"grouped experts: group_m={self.group_m} must be >= 1")
-        if self.pack_impl not in ("argsort", "count"):
-            raise ValueError(f"grouped experts: pack_impl={self.pack_impl!r}, expected 'argsort' or 'count'")
+        if self.pack_impl not in PACK_IMPLS:
+            raise ValueError(f"grouped experts: pack_impl={self.pack_impl!r}, expected one of {PACK_IMPLS}")
 
     def fit(self, dh: int, de: int) -> GroupedConfig:
         """Shrink tiles (halving, not below 16) to the packing block and to widths dh, de (small test

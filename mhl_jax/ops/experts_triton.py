@@ -50,7 +50,7 @@ class Static(NamedTuple):
 
 # ------------------------------------------------------------------------------ variants (benchmarks)
 
-VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed")
+VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -60,11 +60,13 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     model runs); "v2" = the row-form dW kernel with argsort packing (the defaults until 2026-11-23); "t" =
     transposed dW kernel (`dwt_tile`, block_m clamped to the packing block); "_packed" = packed X / dO
     rows for the backward; "count" = counting-sort packing; "new" = "t" + "count" (= "default" at
-    packing block 64 up to COUNT_SORT_MAX_SLOTS slots)."""
+    packing block 64 up to COUNT_SORT_MAX_SLOTS slots); "tpack" = "default" with the Triton packing
+    kernels (kernels/packing.py; unmeasured as yet)."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
-    if name == "default":
-        return default_config(num_slots, num_groups, dh, de)
+    if name in ("default", "tpack"):
+        cfg = default_config(num_slots, num_groups, dh, de)
+        return replace(cfg, pack_impl="triton") if name == "tpack" else cfg
     cfg = default_config(num_slots, num_groups, dh, de, dw_form="rows")
     if name in ("t", "t_packed", "new", "new_packed"):
         t = dwt_tile or DWT_TILE

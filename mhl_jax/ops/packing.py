@@ -50,6 +50,7 @@ def padded_rows(num_slots: int, num_groups: int, block: int) -> int:
 
 
 COUNT_CHUNK = 128  # slots per chunk of the counting sort
+PACK_METHODS = ("argsort", "count", "triton")
 
 
 def prefix_scan(op, x: jax.Array, axis: int = 0, reverse: bool = False) -> jax.Array:
@@ -64,11 +65,17 @@ def pack(idx: jax.Array, num_experts: int, block: int, method: str = "argsort",
          chunk: int = COUNT_CHUNK) -> Packing:
     """idx: (N, H, k) int32 expert indices in [0, Ne), or -1 for an empty slot (no row, output 0).
 
-    Returns the Packing (no data moved). method "argsort" | "count" (identical results)."""
+    Returns the Packing (no data moved). method "argsort" | "count" | "triton" (identical results;
+    "triton": `mhl_jax/ops/packing_triton.py`, five Triton launches, GPU only; `chunk` is the counting
+    sort's)."""
     if method == "count":
         return _pack_count(idx, num_experts, block, chunk)
+    if method == "triton":  # GPU only (jax-triton)
+        from mhl_jax.ops.packing_triton import pack_triton
+
+        return pack_triton(idx, num_experts, block)
     if method != "argsort":
-        raise ValueError(f"pack: method={method!r}, expected 'argsort' or 'count'")
+        raise ValueError(f"pack: method={method!r}, expected one of {PACK_METHODS}")
     return _pack_sort(idx, num_experts, block)
 
 

@@ -1,0 +1,143 @@
+"""Packing routed sub-tokens by (head, expert) on Triton: the layout of `mhl_jax.ops.packing.pack`
+(module docstring there) in four launches instead of the dozen-plus small XLA kernels of the JAX
+packing, which cost 0.2-0.5 ms on an H100 whatever the size (bench/NOTES.md, Experts, session 4).
+
+Slots: per head h, local slot l = n * K + j (n token, j choice) holds expert e = idx[n, h, j] (-1:
+empty); global slot s = (n * H + h) * K + j. The ML = N * K local slots of a head are cut into NC
+chunks of C. Integer-only and without atomics: every output element is written by one program.
+
+1. `pack_hist_kernel`     grid (NC, H): histogram of each chunk over the NEP >= NE + 1 bins (bin NE =
+                          empty slots and chunk padding) -> hist (H, NC, NEP).
+2. `pack_offsets_kernel`  grid (H,): per head, over chunks in order: base[h, c, e] = (slots of e in
+                          earlier chunks) - (slots of experts < e in chunk c); group sizes (H * NE,).
+3. `pack_groups_kernel`   grid (1,): padded group sizes (multiples of R), their exclusive prefix sum
+                          pstart (G,), each group's end in row blocks bend (G,), blocks in use.
+4. `pack_scatter_kernel`  grid (NC, H): sort the chunk's keys (e << LOG_C | i) in registers (stable by
+                          expert); sorted position p of a slot of expert e gives its padded row
+                          pstart[h * NE + e] + base[h, c, e] + p; writes slot_row[s] (-1 if empty) and
+                          row_slot[row] = s (row_slot arrives filled with -1).
+5. `pack_block_group_kernel` grid (NB / BLOCK,): each row block's group by binary search in bend
+                          (-1 past the blocks in use).
+Parameters follow jax-triton's binding order: inputs, then one pointer per output, then constexprs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_experts(idx_ptr, h, c, H: tl.constexpr, K: tl.constexpr, ML: tl.constexpr, NE: tl.constexpr,
+                   C: tl.constexpr):
+    """(C,) expert of local slots c * C + i of head h (NE for empty slots and past ML), and the slots."""
+    i = tl.arange(0, C)
+    loc = c * C + i
+    inside = loc < ML
+    s = (loc // K * H + h) * K + loc % K
+    e = tl.load(idx_ptr + s, mask=inside, other=-1)
+    return tl.where(e >= 0, e, NE), loc, inside, s
+
+
+@triton.jit
+def pack_hist_kernel(idx_ptr, hist_ptr, H: tl.constexpr, K: tl.constexpr, ML: tl.constexpr, NE: tl.constexpr,
+                     NEP: tl.constexpr, NC: tl.constexpr, C: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    e, _, _, _ = _chunk_experts(idx_ptr, h, c, H, K, ML, NE, C)
+    hist = tl.histogram(e, NEP)
+    tl.store(hist_ptr + (h * NC + c) * NEP + tl.arange(0, NEP), hist)
+
+
+@triton.jit
+def pack_offsets_kernel(hist_ptr, base_ptr, sizes_ptr, NE: tl.constexpr, NEP: tl.constexpr, NC: tl.constexpr,
+                        CB: tl.constexpr):
+    h = tl.program_id(0)
+    cols = tl.arange(0, NEP)
+    running = tl.zeros((NEP,), tl.int32)  # slots of each expert in the chunks done so far
+    for c0 in range(0, NC, CB):
+        rows = c0 + tl.arange(0, CB)
+        ok = rows < NC
+        off = (h * NC + rows[:, None]) * NEP + cols[None, :]
+        t = tl.load(hist_ptr + off, mask=ok[:, None], other=0)  # (CB, NEP)
+        before = running[None, :] + tl.cumsum(t, 0) - t  # slots of e in earlier chunks
+        lower = tl.cumsum(t, 1) - t  # slots of experts < e in this chunk
+        tl.store(base_ptr + off, before - lower, mask=ok[:, None])
+        running += tl.sum(t, 0)
+    tl.store(sizes_ptr + h * NE + cols, running, mask=cols < NE)
+
+
+@triton.jit
+def pack_groups_kernel(sizes_ptr, pstart_ptr, bend_ptr, nblocks_ptr, G: tl.constexpr, R: tl.constexpr,
+                       GB: tl.constexpr):
+    total = tl.sum(tl.zeros((GB,), tl.int32), 0)
+    for g0 in range(0, G, GB):
+        g = g0 + tl.arange(0, GB)
+        ok = g < G
+        size = tl.load(sizes_ptr + g, mask=ok, other=0)
+        padded = (size + R - 1) // R * R
+        end = total + tl.cumsum(padded, 0)
+        tl.store(pstart_ptr + g, end - padded, mask=ok)
+        tl.store(bend_ptr + g, end // R, mask=ok)
+        total += tl.sum(padded, 0)
+    tl.store(nblocks_ptr, total // R)
+
+
+@triton.jit
+def pack_scatter_kernel(idx_ptr, base_ptr, pstart_ptr, row_slot_in_ptr, slot_row_ptr, row_slot_ptr,
+                        H: tl.constexpr, K: tl.constexpr, ML: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
+                        NC: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    e, _, _, _ = _chunk_experts(idx_ptr, h, c, H, K, ML, NE, C)
+    i = tl.arange(0, C)
+    key = tl.sort((e << LOG_C) | i)  # unique keys: the stable order by expert
+    se = key >> LOG_C
+    si = key & (C - 1)
+    loc = c * C + si
+    inside = loc < ML
+    valid = se < NE
+    sec = tl.where(valid, se, 0)
+    base = tl.load(base_ptr + (h * NC + c) * NEP + sec, mask=valid, other=0)
+    start = tl.load(pstart_ptr + h * NE + sec, mask=valid, other=0)
+    row = start + base + i  # i: the sorted position in the chunk
+    s = (loc // K * H + h) * K + loc % K
+    tl.store(slot_row_ptr + s, tl.where(valid, row, -1), mask=inside)
+    tl.store(row_slot_ptr + row, s, mask=valid)
+
+
+@triton.jit
+def pack_block_group_kernel(bend_ptr, nblocks_ptr, block_group_ptr, G: tl.constexpr, NB: tl.constexpr,
+                            BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros((BLOCK,), tl.int32)
+    hi = tl.full((BLOCK,), G, tl.int32)
+    for _ in range(STEPS):  # first group whose end (in blocks) is past b
+        mid = (lo + hi) // 2
+        v = tl.load(bend_ptr + tl.minimum(mid, G - 1))
+        right = v > b
+        hi = tl.where(right, mid, hi)
+        lo = tl.where(right, lo, mid + 1)
+        lo = tl.minimum(lo, hi)
+    used = tl.load(nblocks_ptr)
+    tl.store(block_group_ptr + b, tl.where(b < used, lo, -1), mask=b < NB)
+
+
+def next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+PACK_CHUNK = 1024  # local slots per chunk (sorted in registers by one program)
+
+
+def launch_shapes(n: int, h: int, k: int, ne: int, chunk: int = PACK_CHUNK) -> dict:
+    """Static sizes of the packing launches for idx (n, h, k) over ne experts."""
+    ml = n * k
+    c = min(next_pow2(chunk), next_pow2(max(ml, 16)))
+    nep = next_pow2(ne + 1)
+    return dict(ML=ml, C=c, LOG_C=c.bit_length() - 1, NC=-(-ml // c), NEP=nep, CB=max(1, 16384 // nep),
+                G=h * ne, GB=1024)
+
+
+__all__ = ["pack_hist_kernel", "pack_offsets_kernel", "pack_groups_kernel", "pack_scatter_kernel",
+           "pack_block_group_kernel", "launch_shapes", "PACK_CHUNK", "next_pow2"]
