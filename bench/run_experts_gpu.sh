@@ -16,21 +16,7 @@
 # experts.jsonl, layer.jsonl. Stage limits (s) can be overridden: T_TESTS T_SWEEP T_BREAK T_EXPERTS T_RAGGED T_LAYER.
 set -o pipefail
 OUT=${OUT:-/tmp/experts_out}
-mkdir -p "$OUT" /tmp/home /tmp/inductor /tmp/triton_cache /tmp/jax_cache
-export HOME=/tmp/home TORCHINDUCTOR_CACHE_DIR=/tmp/inductor MHL_TRITON_CACHE=/tmp/triton_cache \
-    TRITON_CACHE_DIR=/tmp/triton_cache XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 MHL_TEST_GPU=1 \
-    JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache
-unset TRITON_INTERPRET
-LOG="$OUT/run.log"
-t0=$(date +%s)
-stage() {  # stage NAME LIMIT CMD...: run under timeout, log, never abort the script
-    local name=$1 limit=$2; shift 2
-    echo "=== [$(( $(date +%s) - t0 )) s] $name (limit $limit s): $*" | tee -a "$LOG"
-    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "{\"stage\": \"$name\", \"error\": \"timed out after $limit s\"}" | tee -a "$LOG"
-    echo "=== $name rc=$rc" | tee -a "$LOG"
-}
+source "$(dirname "$0")/gpu_stage.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee -a "$LOG"
 python3 -c "import jax, triton, torch; print('jax', jax.__version__, 'triton', triton.__version__, 'torch', torch.__version__)" \
     | tee -a "$LOG"

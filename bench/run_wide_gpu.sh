@@ -11,18 +11,7 @@
 # Files in $OUT: run.log, layer.jsonl, wide.jsonl, tests.log, train_scale.jsonl.
 set -o pipefail
 OUT=${OUT:-/tmp/wide_out}
-mkdir -p "$OUT" /tmp/home /tmp/triton_cache
-export HOME=/tmp/home MHL_TRITON_CACHE=/tmp/triton_cache TRITON_CACHE_DIR=/tmp/triton_cache \
-    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 MHL_TEST_GPU=1
-unset TRITON_INTERPRET
-LOG="$OUT/run.log"
-t0=$(date +%s)
-stage() {  # stage NAME LIMIT CMD...: run under timeout, log, never abort the script
-    local name=$1 limit=$2; shift 2
-    echo "=== [$(( $(date +%s) - t0 )) s] $name (limit $limit s): $*" | tee -a "$LOG"
-    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-    echo "=== $name rc=${PIPESTATUS[0]}" | tee -a "$LOG"
-}
+source "$(dirname "$0")/gpu_stage.sh"
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$LOG"
 stage layer "${T_LAYER:-120}" bash -c "python3 bench/layer.py --tokens 8192 --configs 384/4/256 1536/8/128 --router triton \
     --variants default --breakdown --out $OUT/layer.jsonl; python3 bench/layer.py --tokens 81920 --configs 384/4/256 \

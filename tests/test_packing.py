@@ -23,6 +23,18 @@ def _random_idx(key, n, h, ne, k):
     return jnp.argsort(jax.random.uniform(key, (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
 
 
+def _case_idx(case: str, seed: int) -> tuple[jax.Array, int]:
+    """(idx (N, H, k), Ne) of a packing-equality case: random, skew (every token on the same 3 experts),
+    empty_slots (-1 slots as in an EP receive buffer), tiny (one slot)."""
+    n, h, k, ne = (1, 1, 1, 1) if case == "tiny" else (53, 3, 3, 7)
+    idx = _random_idx(jax.random.key(seed), n, h, ne, k)
+    if case == "skew":
+        idx = jnp.broadcast_to(jnp.array([6, 0, 2], jnp.int32), (n, h, k))
+    if case == "empty_slots":
+        idx = idx.at[::4, :, 1].set(-1).at[n - 5:].set(-1)
+    return idx, ne
+
+
 def _dense_expert_ffn(x, idx, gates, w1, w2):
     """float64 numpy reference: every (token, head, choice) computed separately."""
     x, gates, w1, w2 = (np.asarray(a, np.float64) for a in (x, gates, w1, w2))
@@ -88,12 +100,7 @@ def test_pack_layout_extreme_skew():
 def test_count_pack_equals_argsort_pack(case):
     """The counting-sort packing returns exactly the argsort packing's arrays (chunk sizes that do and do
     not divide N * k, one chunk larger than a head's slots, empty slots of an EP receive buffer)."""
-    n, h, k, ne = (1, 1, 1, 1) if case == "tiny" else (53, 3, 3, 7)
-    idx = _random_idx(jax.random.key(6), n, h, ne, k)
-    if case == "skew":
-        idx = jnp.broadcast_to(jnp.array([6, 0, 2], jnp.int32), (n, h, k))
-    if case == "empty_slots":
-        idx = idx.at[::4, :, 1].set(-1).at[n - 5:].set(-1)
+    idx, ne = _case_idx(case, 6)
     for block in (4, 16):
         ref = pk.pack(idx, ne, block)
         for chunk in (1, 8, 10, 512):
@@ -110,12 +117,7 @@ def test_triton_pack_kernels_equal_jax_pack(case):
     pytest.importorskip("triton")
     from kernels.torch_packing import pack_triton_torch
 
-    n, h, k, ne = (1, 1, 1, 1) if case == "tiny" else (53, 3, 3, 7)
-    idx = _random_idx(jax.random.key(7), n, h, ne, k)
-    if case == "skew":
-        idx = jnp.broadcast_to(jnp.array([6, 0, 2], jnp.int32), (n, h, k))
-    if case == "empty_slots":
-        idx = idx.at[::4, :, 1].set(-1).at[n - 5:].set(-1)
+    idx, ne = _case_idx(case, 7)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for block, chunk in ((4, 16), (16, 32), (8, 1024)):
         ref = pk.pack(idx, ne, block)
