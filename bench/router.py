@@ -177,12 +177,12 @@ def sweep_one(tokens: int, ne: int, k: int, device: str, date: str, outf):
 
 
 def time_meta(idx, ne: int, device: str, date: str, outf) -> None:
-    """The JAX backward's slot sort + block metadata alone: packed uint32 sort vs stable argsort."""
+    """The JAX backward's slot sort + block metadata alone: flat / per-head uint32 key sort vs stable argsort."""
     from kernels.router import router_tiles
     from mhl_jax.ops.router_triton import dw_metadata
 
     n, h, k = idx.shape
-    for sort, bounds in (("packed", "scatter"), ("packed", "search"), ("argsort", "scatter")):
+    for sort, bounds in (("flat", "scatter"), ("packed", "scatter"), ("packed", "search"), ("argsort", "scatter")):
         f = jax.jit(functools.partial(dw_metadata, ne=ne, block=router_tiles(ne, k).dw_block, sort=sort,
                                       bounds=bounds))
         emit(dict(bench="router_bwd_parts", part=f"meta_jax_{sort}_{bounds}", device=device, date=date,

@@ -224,7 +224,8 @@ def _jax_inputs(seed, n, h, dh, ne, bias_scale=0.1):
 
 
 @interp
-@pytest.mark.parametrize("sort,bounds,n,ne", [("packed", "scatter", 41, 24), ("argsort", "search", 41, 24),
+@pytest.mark.parametrize("sort,bounds,n,ne", [("flat", "scatter", 41, 24), ("packed", "scatter", 41, 24),
+                                              ("argsort", "search", 41, 24), ("flat", "scatter", 7, 64),
                                               ("packed", "scatter", 7, 64), ("argsort", "search", 7, 64)])
 def test_jax_metadata_matches_torch_and_drives_the_kernels(sort, bounds, n, ne):
     import jax.numpy as jnp
