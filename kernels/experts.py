@@ -345,16 +345,18 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
 
 
 def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> ExpertsConfig:
-    """Tiles for 128 < dh <= 256. The dh = 128 tiles keep (BLOCK_M, DH) and 2 x (BLOCK_E, DH) fp32
-    accumulators in registers; at DH = 256 with 4 warps those take 256-512 registers per thread and
-    spill (the small d = 256 MoE then never finished a train step on H100, 2026-11-23). Here: 8 warps,
-    row blocks of at most 64 and a 32-wide de chunk in the dW kernel, i.e. 64 accumulator registers per
-    thread in every kernel."""
+    """Tiles for dh > 128 (the model sends such experts to the grouped kernels, kernels_select.
+    MAX_TRITON_EXPERT_WIDTH; these serve explicit fused calls, measured at dh 256). The dh = 128 tiles
+    keep (BLOCK_M, DH) and 2 x (BLOCK_E, DH) fp32 accumulators in registers; at DH = 256 with 4 warps
+    those take 256-512 registers per thread and spill (the small d = 256 MoE then never finished a train
+    step on H100, 2026-11-23). Here: 8 warps, row blocks of at most 64 and a 32-wide de chunk in the dW
+    kernel, i.e. 64 accumulator registers per thread at DH = 256 (the dW kernel also holds its two
+    (BLOCK_E, DH) weight tiles). Packing as `default_config` picks it."""
     form = dw_form or "t"
     bm = min(pack, 64)
+    count = dw_form is None and pack >= 64 and num_slots <= COUNT_SORT_MAX_SLOTS
     return ExpertsConfig(pack_block=pack, fwd=Tile(bm, 64, 8, 2), dx=Tile(bm, 64, 8, 2),
-                         dw=Tile(bm, 32, 8, 2), dw_form=form,
-                         pack_impl="count" if num_slots <= COUNT_SORT_MAX_SLOTS else "argsort").fit(de)
+                         dw=Tile(bm, 32, 8, 2), dw_form=form, pack_impl="count" if count else "argsort").fit(de)
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",

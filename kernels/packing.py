@@ -7,9 +7,10 @@ empty); global slot s = (n * H + h) * K + j. The ML = N * K local slots of a hea
 chunks of C. Integer-only and without atomics: every output element is written by one program.
 
 1. `pack_hist_kernel`     grid (NC, H): histogram of each chunk over the NEP >= NE + 1 bins (bin NE =
-                          empty slots and chunk padding) -> hist (H, NC, NEP).
-2. `pack_offsets_kernel`  grid (H,): per head, over chunks in order: base[h, c, e] = (slots of e in
-                          earlier chunks) - (slots of experts < e in chunk c); group sizes (H * NE,).
+                          empty slots, out-of-range ids and chunk padding) -> hist (H, NC, NEP), and
+                          lower[h, c, e] = slots of experts < e in chunk c.
+2. `pack_offsets_kernel`  grid (H, NEP / EB): per (head, expert column block), over chunks in order:
+                          base[h, c, e] = (slots of e in earlier chunks) - lower[h, c, e]; group sizes.
 3. `pack_groups_kernel`   grid (1,): padded group sizes (multiples of R), their exclusive prefix sum
                           pstart (G,), each group's end in row blocks bend (G,), blocks in use.
 4. `pack_scatter_kernel`  grid (NC, H): sort the chunk's keys (e << LOG_C | i) in registers (stable by
@@ -36,32 +37,35 @@ def _chunk_experts(idx_ptr, h, c, H: tl.constexpr, K: tl.constexpr, ML: tl.const
     inside = loc < ML
     s = (loc // K * H + h) * K + loc % K
     e = tl.load(idx_ptr + s, mask=inside, other=-1)
-    return tl.where(e >= 0, e, NE), loc, inside, s
+    # ids outside [0, NE) count as empty (tl.histogram bins by the low bits: an id >= NEP would alias)
+    return tl.where((e >= 0) & (e < NE), e, NE), loc, inside, s
 
 
 @triton.jit
-def pack_hist_kernel(idx_ptr, hist_ptr, H: tl.constexpr, K: tl.constexpr, ML: tl.constexpr, NE: tl.constexpr,
-                     NEP: tl.constexpr, NC: tl.constexpr, C: tl.constexpr):
+def pack_hist_kernel(idx_ptr, hist_ptr, lower_ptr, H: tl.constexpr, K: tl.constexpr, ML: tl.constexpr,
+                     NE: tl.constexpr, NEP: tl.constexpr, NC: tl.constexpr, C: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     e, _, _, _ = _chunk_experts(idx_ptr, h, c, H, K, ML, NE, C)
     hist = tl.histogram(e, NEP)
-    tl.store(hist_ptr + (h * NC + c) * NEP + tl.arange(0, NEP), hist)
+    off = (h * NC + c) * NEP + tl.arange(0, NEP)
+    tl.store(hist_ptr + off, hist)
+    tl.store(lower_ptr + off, tl.cumsum(hist, 0) - hist)  # slots of experts < e in this chunk
 
 
 @triton.jit
-def pack_offsets_kernel(hist_ptr, base_ptr, sizes_ptr, NE: tl.constexpr, NEP: tl.constexpr, NC: tl.constexpr,
-                        CB: tl.constexpr):
+def pack_offsets_kernel(hist_ptr, lower_ptr, base_ptr, sizes_ptr, NE: tl.constexpr, NEP: tl.constexpr,
+                        NC: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr):
     h = tl.program_id(0)
-    cols = tl.arange(0, NEP)
-    running = tl.zeros((NEP,), tl.int32)  # slots of each expert in the chunks done so far
+    cols = tl.program_id(1) * EB + tl.arange(0, EB)
+    running = tl.zeros((EB,), tl.int32)  # slots of each expert in the chunks done so far
     for c0 in range(0, NC, CB):
         rows = c0 + tl.arange(0, CB)
         ok = rows < NC
         off = (h * NC + rows[:, None]) * NEP + cols[None, :]
-        t = tl.load(hist_ptr + off, mask=ok[:, None], other=0)  # (CB, NEP)
+        t = tl.load(hist_ptr + off, mask=ok[:, None], other=0)  # (CB, EB)
+        lower = tl.load(lower_ptr + off, mask=ok[:, None], other=0)
         before = running[None, :] + tl.cumsum(t, 0) - t  # slots of e in earlier chunks
-        lower = tl.cumsum(t, 1) - t  # slots of experts < e in this chunk
         tl.store(base_ptr + off, before - lower, mask=ok[:, None])
         running += tl.sum(t, 0)
     tl.store(sizes_ptr + h * NE + cols, running, mask=cols < NE)
@@ -135,7 +139,8 @@ def launch_shapes(n: int, h: int, k: int, ne: int, chunk: int = PACK_CHUNK) -> d
     ml = n * k
     c = min(next_pow2(chunk), next_pow2(max(ml, 16)))
     nep = next_pow2(ne + 1)
-    return dict(ML=ml, C=c, LOG_C=c.bit_length() - 1, NC=-(-ml // c), NEP=nep, CB=max(1, 16384 // nep),
+    eb = min(nep, 256)
+    return dict(ML=ml, C=c, LOG_C=c.bit_length() - 1, NC=-(-ml // c), NEP=nep, EB=eb, CB=4096 // eb,
                 G=h * ne, GB=1024)
 
 

@@ -22,11 +22,13 @@ def pack_triton_torch(idx: torch.Tensor, num_experts: int, block: int, chunk: in
     dev = idx.device
     i32 = dict(dtype=torch.int32, device=dev)
     idx = idx.to(torch.int32).contiguous()
-    hist = torch.empty(h, sh["NC"], sh["NEP"], **i32)
-    pack_hist_kernel[(sh["NC"], h)](idx, hist, H=h, K=k, ML=sh["ML"], NE=ne, NEP=sh["NEP"], NC=sh["NC"], C=sh["C"])
+    hist, lower = torch.empty(h, sh["NC"], sh["NEP"], **i32), torch.empty(h, sh["NC"], sh["NEP"], **i32)
+    pack_hist_kernel[(sh["NC"], h)](idx, hist, lower, H=h, K=k, ML=sh["ML"], NE=ne, NEP=sh["NEP"], NC=sh["NC"],
+                                    C=sh["C"])
     base = torch.empty_like(hist)
     sizes = torch.empty(g, **i32)
-    pack_offsets_kernel[(h,)](hist, base, sizes, NE=ne, NEP=sh["NEP"], NC=sh["NC"], CB=sh["CB"])
+    pack_offsets_kernel[(h, sh["NEP"] // sh["EB"])](hist, lower, base, sizes, NE=ne, NEP=sh["NEP"], NC=sh["NC"],
+                                                     CB=sh["CB"], EB=sh["EB"])
     pstart, bend, nblocks = torch.empty(g, **i32), torch.empty(g, **i32), torch.empty(1, **i32)
     pack_groups_kernel[(1,)](sizes, pstart, bend, nblocks, G=g, R=block, GB=sh["GB"])
     row_slot = torch.full((p,), -1, **i32)

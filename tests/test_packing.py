@@ -25,8 +25,9 @@ def _random_idx(key, n, h, ne, k):
 
 def _case_idx(case: str, seed: int) -> tuple[jax.Array, int]:
     """(idx (N, H, k), Ne) of a packing-equality case: random, skew (every token on the same 3 experts),
-    empty_slots (-1 slots as in an EP receive buffer), tiny (one slot)."""
-    n, h, k, ne = (1, 1, 1, 1) if case == "tiny" else (53, 3, 3, 7)
+    empty_slots (-1 slots as in an EP receive buffer), tiny (one slot), many_experts (Ne 300: the Triton
+    packing's histograms span two column blocks and, at small chunks, several chunk tiles)."""
+    n, h, k, ne = {"tiny": (1, 1, 1, 1), "many_experts": (200, 2, 2, 300)}.get(case, (53, 3, 3, 7))
     idx = _random_idx(jax.random.key(seed), n, h, ne, k)
     if case == "skew":
         idx = jnp.broadcast_to(jnp.array([6, 0, 2], jnp.int32), (n, h, k))
@@ -96,7 +97,7 @@ def test_pack_layout_extreme_skew():
     assert (sizes[:, [0, 5, 7]] == n).all() and sizes.sum() == n * h * k
 
 
-@pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny"])
+@pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny", "many_experts"])
 def test_count_pack_equals_argsort_pack(case):
     """The counting-sort packing returns exactly the argsort packing's arrays (chunk sizes that do and do
     not divide N * k, one chunk larger than a head's slots, empty slots of an EP receive buffer)."""
@@ -109,7 +110,7 @@ def test_count_pack_equals_argsort_pack(case):
                 assert np.array_equal(np.asarray(a), np.asarray(b)), (case, block, chunk, name)
 
 
-@pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny"])
+@pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny", "many_experts"])
 def test_triton_pack_kernels_equal_jax_pack(case):
     """kernels/packing.py (under the Triton interpreter without a GPU) returns exactly `pack`'s arrays:
     chunks that do and do not divide N * k, one chunk for the whole head, empty slots, extreme skew."""
@@ -119,7 +120,7 @@ def test_triton_pack_kernels_equal_jax_pack(case):
 
     idx, ne = _case_idx(case, 7)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    for block, chunk in ((4, 16), (16, 32), (8, 1024)):
+    for block, chunk in ((4, 16), (16, 32), (8, 1024)):  # many_experts at chunk 16: 25 chunks, 2 tiles of 16
         ref = pk.pack(idx, ne, block)
         got = pack_triton_torch(torch.from_numpy(np.array(idx)).to(dev), ne, block, chunk)
         for name, a, b in zip(ref._fields, ref, got):
@@ -128,16 +129,19 @@ def test_triton_pack_kernels_equal_jax_pack(case):
 
 @pytest.mark.gpu
 def test_gpu_triton_pack_binding_equals_jax_pack():
-    """pack(method="triton") through jax-triton at the layer's shape (8192 tokens x 8 heads, k 4, Ne 384;
-    half the tokens on 4 experts, some empty slots) equals the JAX packing, under jit."""
-    n, h, k, ne = 8192, 8, 4, 384
-    idx = _random_idx(jax.random.key(8), n, h, ne, k)
-    idx = idx.at[: n // 2].set(jnp.array([3, 1, 4, 2], jnp.int32)).at[::7, :, 3].set(-1)
-    for block in (64, 128):
-        ref = jax.jit(lambda i, b=block: pk.pack(i, ne, b))(idx)
-        got = jax.jit(lambda i, b=block: pk.pack(i, ne, b, method="triton"))(idx)
-        for name, a, b in zip(ref._fields, ref, got):
-            assert np.array_equal(np.asarray(a), np.asarray(b)), (block, name)
+    """pack(method="triton") through jax-triton equals the JAX packing, under jit: the layer's shape
+    (8192 tokens x 8 heads, k 4, Ne 384; half the tokens on 4 experts, some empty slots), the widest
+    table row (Ne 1536, k 8), and one slot."""
+    cases = [(8192, 8, 4, 384, (64, 128)), (4096, 8, 8, 1536, (16,)), (1, 1, 1, 1, (16,))]
+    for n, h, k, ne, blocks in cases:
+        idx = _random_idx(jax.random.key(8), n, h, ne, k)
+        if n > 1:
+            idx = idx.at[: n // 2, :, :4].set(jnp.array([3, 1, 4, 2], jnp.int32)).at[::7, :, 3].set(-1)
+        for block in blocks:
+            ref = jax.jit(lambda i, b=block: pk.pack(i, ne, b))(idx)
+            got = jax.jit(lambda i, b=block: pk.pack(i, ne, b, method="triton"))(idx)
+            for name, a, b in zip(ref._fields, ref, got):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), ((n, h, k, ne), block, name)
 
 
 def test_gather_combine_round_trip():
@@ -186,7 +190,7 @@ def test_reference_expert_ffn_dropless(skew):
     assert int(load.sum()) == n * h * k
 
 
-@pytest.mark.parametrize("skew,variant", [(False, "old"), (True, "old"), (True, "new")])
+@pytest.mark.parametrize("skew,variant", [(False, "old"), (True, "old"), (True, "new"), (False, "tpack")])
 def test_custom_vjp_plumbing_matches_reference(skew, variant):
     """The Triton path's custom_vjp (packing, fused gathers, combine, cotangents) with pure-JAX kernel
     stand-ins: value and all four gradients equal jax.grad of the float64 reference."""
@@ -206,6 +210,8 @@ def test_custom_vjp_plumbing_matches_reference(skew, variant):
     if variant == "new":  # counting-sort packing, packed backward rows, transposed dW kernel
         cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16), dw_form="t", packed_bwd=True,
                             pack_impl="count")
+    if variant == "tpack":  # the Triton packing's config: emulated, it packs with the JAX sort
+        cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), pack_impl="triton")
 
     def loss_emulate(x, g, a, b):
         return jnp.sum(expert_ffn_triton(x, idx, g, a, b, cfg=cfg, backend="emulate")[0] * wy)

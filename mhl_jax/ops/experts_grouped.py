@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from kernels.experts import GELU_A, GELU_C
 from kernels.grouped import GATHER, GATHER_GATED, ROWS, GroupedConfig, b_strides, default_grouped_config
 from mhl_jax.ops import packing as pk
-from mhl_jax.ops.experts_triton import Meta, _combine, bwd_cotangents, slot_dot, take_slots
+from mhl_jax.ops.experts_triton import Meta, _combine, bwd_cotangents, pack_method, slot_dot, take_slots
 from mhl_jax.ops.kernels_select import import_jax_triton
 
 BACKENDS = ("triton", "emulate")
@@ -224,7 +224,7 @@ def expert_ffn_grouped(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.A
                          f"x's {x.dtype}")
     cfg = (cfg or default_grouped_config(n * h * k, h * ne, dh, de)).fit(dh, de)
     cfg.check(dh, de)
-    packing = pk.pack(idx, ne, cfg.pack_block, cfg.pack_impl)
+    packing = pk.pack(idx, ne, cfg.pack_block, pack_method(cfg.pack_impl, backend))
     start, count = pk.group_blocks(packing.group_sizes, cfg.pack_block)
     meta = Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count)
     y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta)

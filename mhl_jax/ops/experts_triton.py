@@ -160,6 +160,12 @@ def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
 
 # ------------------------------------------------------------------------------------ the custom_vjp
 
+def pack_method(pack_impl: str, backend: str) -> str:
+    """The packing method of a config under a backend: the Triton packing needs jax-triton, so the
+    emulated (CPU) path packs with the JAX sort instead (same arrays)."""
+    return "argsort" if pack_impl == "triton" and backend != "triton" else pack_impl
+
+
 def take_slots(rows, slot_row):
     """rows (P, D), slot_row (M,) -> (M, D) fp32: each slot's packed row, zero for an empty slot (-1,
     e.g. the unused tail of an expert-parallel receive buffer)."""
@@ -249,7 +255,7 @@ def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Ar
                          f"{gates.shape}, w1 {w1.shape}, w2 {w2.shape}")
     cfg = (cfg or default_config(n * h * k, h * ne, dh, de)).fit(de)
     cfg.check(dh, de)
-    packing = pk.pack(idx, ne, cfg.pack_block, cfg.pack_impl)
+    packing = pk.pack(idx, ne, cfg.pack_block, pack_method(cfg.pack_impl, backend))
     start, count = pk.group_blocks(packing.group_sizes, cfg.pack_block)
     meta = Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count)
     if w1.dtype != w2.dtype:

@@ -67,7 +67,7 @@ def pack(idx: jax.Array, num_experts: int, block: int, method: str = "argsort",
 
     Returns the Packing (no data moved). method "argsort" | "count" | "triton" (identical results;
     "triton": `mhl_jax/ops/packing_triton.py`, five Triton launches, GPU only; `chunk` is the counting
-    sort's)."""
+    sort's, the Triton packing uses its own `kernels.packing.PACK_CHUNK`)."""
     if method == "count":
         return _pack_count(idx, num_experts, block, chunk)
     if method == "triton":  # GPU only (jax-triton)
@@ -88,19 +88,25 @@ def _local_slots(idx: jax.Array, num_experts: int) -> jax.Array:
 
 def _pack_sort(idx: jax.Array, num_experts: int, block: int) -> Packing:
     """Sort path: one flat sort of unique 32-bit keys ((head, expert) << bits | local slot) over all heads,
-    i.e. each head's stable sort by expert, heads in order (a stable argsort per head if the key does not
-    fit 32 bits); run starts scattered by expert and prefix scans give sizes, ranks and padded starts.
+    i.e. each head's stable sort by expert, heads in order (if that key does not fit 32 bits: per head
+    (expert << bits | local slot), else a stable argsort per head); run starts scattered by expert and
+    prefix scans give sizes, ranks and padded starts.
     (A batched per-head sort was 2x slower at 2.6M slots on H100, 2026-11-23.)"""
     n, h, k = idx.shape
     ml, ne = n * k, num_experts
     e = _local_slots(idx, ne)  # experts 0..Ne (Ne = empty)
     heads = jnp.arange(h, dtype=jnp.int32)[:, None]
-    bits_m, bits_g = max(1, (ml - 1).bit_length()), (h * (ne + 1) - 1).bit_length()
+    bits_m, bits_g, bits_e = max(1, (ml - 1).bit_length()), (h * (ne + 1) - 1).bit_length(), ne.bit_length()
+    local = jnp.arange(ml, dtype=jnp.uint32)[None]
     if bits_m + bits_g <= 32:
         he = (heads * (ne + 1) + e).astype(jnp.uint32)
-        sk = jnp.sort(((he << bits_m) | jnp.arange(ml, dtype=jnp.uint32)[None]).reshape(h * ml)).reshape(h, ml)
+        sk = jnp.sort(((he << bits_m) | local).reshape(h * ml)).reshape(h, ml)
         order = (sk & jnp.uint32((1 << bits_m) - 1)).astype(jnp.int32)  # sorted position -> local slot
         se = (sk >> bits_m).astype(jnp.int32) - heads * (ne + 1)
+    elif bits_m + bits_e <= 32:  # per head (a batched sort: slower, but still one key per slot)
+        sk = jnp.sort((e.astype(jnp.uint32) << bits_m) | local, axis=-1)
+        order = (sk & jnp.uint32((1 << bits_m) - 1)).astype(jnp.int32)
+        se = (sk >> bits_m).astype(jnp.int32)
     else:
         order = jnp.argsort(e, axis=-1, stable=True).astype(jnp.int32)
         se = jnp.take_along_axis(e, order, axis=-1)

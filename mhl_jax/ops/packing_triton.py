@@ -34,11 +34,12 @@ def pack_triton(idx: jax.Array, num_experts: int, block: int, chunk: int = PACK_
         return jax.ShapeDtypeStruct(dims, i32)
 
     common = dict(H=h, K=k, ML=sh["ML"], NE=ne, NEP=sh["NEP"], NC=sh["NC"], C=sh["C"])
-    hist = jt.triton_call(idx, kernel=pack_hist_kernel, out_shape=shape(h, sh["NC"], sh["NEP"]),
-                          grid=(sh["NC"], h), num_warps=4, **common)
-    base, sizes = jt.triton_call(hist, kernel=pack_offsets_kernel,
-                                 out_shape=[shape(h, sh["NC"], sh["NEP"]), shape(g)], grid=(h,), num_warps=8,
-                                 NE=ne, NEP=sh["NEP"], NC=sh["NC"], CB=sh["CB"])
+    per_chunk = shape(h, sh["NC"], sh["NEP"])
+    hist, lower = jt.triton_call(idx, kernel=pack_hist_kernel, out_shape=[per_chunk, per_chunk],
+                                 grid=(sh["NC"], h), num_warps=4, **common)
+    base, sizes = jt.triton_call(hist, lower, kernel=pack_offsets_kernel, out_shape=[per_chunk, shape(g)],
+                                 grid=(h, sh["NEP"] // sh["EB"]), num_warps=4, NE=ne, NEP=sh["NEP"], NC=sh["NC"],
+                                 CB=sh["CB"], EB=sh["EB"])
     pstart, bend, nblocks = jt.triton_call(sizes, kernel=pack_groups_kernel, out_shape=[shape(g), shape(g), shape(1)],
                                            grid=(1,), num_warps=4, G=g, R=block, GB=sh["GB"])
     slot_row, row_slot = jt.triton_call(
