@@ -23,6 +23,9 @@ def _random_idx(key, n, h, ne, k):
     return jnp.argsort(jax.random.uniform(key, (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
 
 
+_jit_pack = jax.jit(pk.pack, static_argnums=(1, 2, 3, 4))  # one compile per case, not one per eager op
+
+
 def _case_idx(case: str, seed: int) -> tuple[jax.Array, int]:
     """(idx (N, H, k), Ne) of a packing-equality case: random, skew (every token on the same 3 experts),
     empty_slots (-1 slots as in an EP receive buffer), tiny (one slot), many_experts (Ne 300: the Triton
@@ -103,9 +106,9 @@ def test_count_pack_equals_argsort_pack(case):
     not divide N * k, one chunk larger than a head's slots, empty slots of an EP receive buffer)."""
     idx, ne = _case_idx(case, 6)
     for block in (4, 16):
-        ref = pk.pack(idx, ne, block)
+        ref = _jit_pack(idx, ne, block)
         for chunk in (1, 8, 10, 512):
-            got = pk.pack(idx, ne, block, method="count", chunk=chunk)
+            got = _jit_pack(idx, ne, block, "count", chunk)
             for name, a, b in zip(ref._fields, ref, got):
                 assert np.array_equal(np.asarray(a), np.asarray(b)), (case, block, chunk, name)
 
@@ -121,7 +124,7 @@ def test_triton_pack_kernels_equal_jax_pack(case):
     idx, ne = _case_idx(case, 7)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for block, chunk in ((4, 16), (16, 32), (8, 1024)):  # many_experts at chunk 16: 25 chunks, 2 tiles of 16
-        ref = pk.pack(idx, ne, block)
+        ref = _jit_pack(idx, ne, block)
         got = pack_triton_torch(torch.from_numpy(np.array(idx)).to(dev), ne, block, chunk)
         for name, a, b in zip(ref._fields, ref, got):
             assert np.array_equal(np.asarray(a).reshape(-1), b.cpu().numpy().reshape(-1)), (case, block, chunk, name)
