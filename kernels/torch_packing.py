@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.packing import (launch_shapes, pack_block_group_kernel, pack_groups_kernel, pack_hist_kernel,
-                             pack_offsets_kernel, pack_scatter_kernel)
+from kernels.packing import (
+    launch_shapes,
+    pack_block_group_kernel,
+    pack_groups_kernel,
+    pack_hist_kernel,
+    pack_offsets_kernel,
+    pack_scatter_kernel,
+)
 from kernels.torch_experts import padded_rows
 
 

@@ -24,23 +24,10 @@ pytest.importorskip("triton")
 from kernels.grouped import GATHER, GATHER_GATED, ROWS, GemmTile, GroupedConfig  # noqa: E402
 from kernels.torch_experts import pack_torch  # noqa: E402
 from kernels.torch_grouped import grouped_bwd, grouped_expert_ffn, grouped_fwd, rows_matmul  # noqa: E402
-from tests.torch_expert_reference import check_fwd_bwd_vs_f64, weight_grads_twice  # noqa: E402
+from tests.torch_expert_reference import check_fwd_bwd_vs_f64, expert_inputs, weight_grads_twice  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRET, reason="interpreter test")
-
-
-def _inputs(seed, n, h, k, ne, dh, de, skew=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, h, dh, generator=g)
-    if skew:
-        idx = torch.arange(k).flip(0).expand(n, h, k).clone()  # every token picks experts k-1..0
-    else:
-        idx = torch.argsort(torch.rand(n, h, ne, generator=g), -1)[..., :k]
-    gates = torch.softmax(torch.randn(n, h, k, generator=g), -1)
-    w1 = torch.randn(h, ne, dh, de, generator=g) * dh ** -0.5
-    w2 = torch.randn(h, ne, de, dh, generator=g) * de ** -0.5
-    return x, idx, gates, w1, w2
 
 
 def _rel(a, b):
@@ -67,7 +54,7 @@ CASES = {
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 def test_kernels_fwd_bwd_vs_float64(case, skew):
     cfg, dh, de = CASES[case]
-    x, idx, gates, w1, w2 = _inputs(0, 24, 2, 2, 3, dh, de, skew)
+    x, idx, gates, w1, w2 = expert_inputs(0, 24, 2, 2, 3, dh, de, skew)
     pk = pack_torch(idx, 3, cfg.pack_block)
     assert (pk.block_group < 0).any()  # the static bound leaves blocks of padding only
     assert (pk.row_slot[: pk.num_blocks * cfg.pack_block] < 0).any()  # and padding rows in used blocks
@@ -80,7 +67,7 @@ def test_kernels_fwd_bwd_vs_float64(case, skew):
 def test_poisoned_outputs_every_element_written_padding_zero():
     """NaN-filled outputs of all six launches (seven outputs): each is fully written, padding rows,
     blocks of padding only and the weight gradients of an expert with no rows come back exactly zero."""
-    x, idx, gates, w1, w2 = _inputs(1, 10, 2, 2, 4, 32, 16)
+    x, idx, gates, w1, w2 = expert_inputs(1, 10, 2, 2, 4, 32, 16)
     idx = idx % 3  # expert 3 gets no rows
     idx[..., 1] = torch.where(idx[..., 1] == idx[..., 0], (idx[..., 0] + 1) % 3, idx[..., 1])
     cfg = GroupedConfig(16, GemmTile(16, 16, 16, 4, 1), GemmTile(16, 16, 16, 4, 1))
@@ -109,14 +96,14 @@ def test_poisoned_outputs_every_element_written_padding_zero():
 
 @interpreter_only
 def test_weight_gradients_bitwise_deterministic():
-    x, idx, gates, w1, w2 = _inputs(2, 40, 1, 2, 2, 32, 16)
+    x, idx, gates, w1, w2 = expert_inputs(2, 40, 1, 2, 2, 32, 16)
     cfg = GroupedConfig(16, GemmTile(16, 16, 16, 4, 1), GemmTile(16, 16, 16, 4, 1))
     grads = weight_grads_twice(lambda *a: grouped_expert_ffn(*a, cfg=cfg), x, idx, gates, w1, w2)
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 def test_rows_matmul_rejects_mismatched_widths():
-    x, idx, gates, w1, w2 = _inputs(3, 8, 1, 2, 2, 32, 16)
+    x, idx, gates, w1, w2 = expert_inputs(3, 8, 1, 2, 2, 32, 16)
     cfg = GroupedConfig(16, GemmTile(16, 16, 16, 4, 1), GemmTile(16, 16, 16, 4, 1))
     pk = pack_torch(idx, 2, 16)
     with pytest.raises(ValueError, match="A width 32 != weight reduction dim 16"):
@@ -128,7 +115,7 @@ def test_rows_matmul_rejects_mismatched_widths():
 def _jax_inputs(seed, n, h, k, ne, dh, de, skew=False, dtype=None):
     import jax.numpy as jnp
 
-    x, idx, gates, w1, w2 = _inputs(seed, n, h, k, ne, dh, de, skew)
+    x, idx, gates, w1, w2 = expert_inputs(seed, n, h, k, ne, dh, de, skew)
     x = jnp.asarray(x.numpy())
     return (x if dtype is None else x.astype(dtype), jnp.asarray(idx.numpy(), jnp.int32),
             jnp.asarray(gates.numpy()), jnp.asarray(w1.numpy()), jnp.asarray(w2.numpy()))

@@ -21,22 +21,13 @@ pytest.importorskip("triton")
 
 from kernels.experts import ExpertsConfig, Tile  # noqa: E402
 from kernels.torch_experts import experts_fwd, pack_torch, triton_expert_ffn  # noqa: E402
-from tests.torch_expert_reference import check_fwd_bwd_vs_f64, expert_ffn_f64, weight_grads_twice  # noqa: E402
+from tests.torch_expert_reference import check_fwd_bwd_vs_f64, expert_ffn_f64, expert_inputs, weight_grads_twice  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _inputs(seed, n, h, k, ne, dh, de, skew=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, h, dh, generator=g)
-    if skew:
-        idx = torch.arange(k).flip(0).expand(n, h, k).clone()  # every token picks experts k-1..0
-    else:
-        idx = torch.argsort(torch.rand(n, h, ne, generator=g), -1)[..., :k]
-    gates = torch.softmax(torch.randn(n, h, k, generator=g), -1)
-    w1 = torch.randn(h, ne, dh, de, generator=g) / 4
-    w2 = torch.randn(h, ne, de, dh, generator=g) / 4
-    return x, idx, gates, w1, w2
+    return expert_inputs(seed, n, h, k, ne, dh, de, skew, w_scale=0.25)
 
 
 def _rel(a, b):

@@ -141,8 +141,8 @@ def test_gpu_triton_pack_binding_equals_jax_pack():
         if n > 1:
             idx = idx.at[: n // 2, :, :4].set(jnp.array([3, 1, 4, 2], jnp.int32)).at[::7, :, 3].set(-1)
         for block in blocks:
-            ref = jax.jit(lambda i, b=block: pk.pack(i, ne, b))(idx)
-            got = jax.jit(lambda i, b=block: pk.pack(i, ne, b, method="triton"))(idx)
+            ref = _jit_pack(idx, ne, block)
+            got = _jit_pack(idx, ne, block, "triton")
             for name, a, b in zip(ref._fields, ref, got):
                 assert np.array_equal(np.asarray(a), np.asarray(b)), ((n, h, k, ne), block, name)
 

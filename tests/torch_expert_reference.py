@@ -4,6 +4,23 @@ tests/test_experts_grouped.py): one choice j at a time, no packing."""
 import torch
 
 
+def expert_inputs(seed, n, h, k, ne, dh, de, skew=False, w_scale=None):
+    """Random fp32 (x, idx, gates, w1, w2) for the kernel tests: k distinct experts per sub-token, or
+    (skew) every token on experts k-1..0; weights N(0, 1) times w_scale (None: dh^-1/2 for W1, de^-1/2
+    for W2)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, dh, generator=g)
+    if skew:
+        idx = torch.arange(k).flip(0).expand(n, h, k).clone()  # every token picks experts k-1..0
+    else:
+        idx = torch.argsort(torch.rand(n, h, ne, generator=g), -1)[..., :k]
+    gates = torch.softmax(torch.randn(n, h, k, generator=g), -1)
+    s1, s2 = (dh ** -0.5, de ** -0.5) if w_scale is None else (w_scale, w_scale)
+    w1 = torch.randn(h, ne, dh, de, generator=g) * s1
+    w2 = torch.randn(h, ne, de, dh, generator=g) * s2
+    return x, idx, gates, w1, w2
+
+
 def expert_ffn_f64(x, idx, gates, w1, w2):
     """x (N, H, dh), idx (N, H, k), gates (N, H, k), w1 (H, Ne, dh, de), w2 (H, Ne, de, dh) -> y float64,
     y[n, h] = sum_j gates[n, h, j] * gelu_tanh(x[n, h] W1[h, e_j]) W2[h, e_j]."""

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from kernels.experts import GELU_A, GELU_C
 from kernels.grouped import GATHER, GATHER_GATED, ROWS, GroupedConfig, b_strides, default_grouped_config
 from mhl_jax.ops import packing as pk
-from mhl_jax.ops.experts_triton import Meta, _combine, bwd_cotangents, pack_method, slot_dot, take_slots
+from mhl_jax.ops.experts_triton import Meta, _combine, bwd_cotangents, dgates_and_dy_rows, pack_method
 from mhl_jax.ops.kernels_select import import_jax_triton
 
 BACKENDS = ("triton", "emulate")
@@ -176,11 +176,8 @@ def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta):
 
 def _experts_bwd(st: Static, res, dy):
     xs, gates, hpre, act, out_rows, w1c, w2c, meta = res
-    n, h, k = gates.shape
-    g, dh, _ = w1c.shape
-    dys = dy.reshape(n * h, dh)
-    per_slot = take_slots(out_rows, meta.slot_row).reshape(n, h, k, dh)
-    dgates = slot_dot(per_slot, dy).astype(gates.dtype)
+    g = w1c.shape[0]
+    dys, dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)
     g32 = gates.reshape(-1).astype(jnp.float32)
     dw_dtype = jnp.dtype(st.w_dtype)
     dh_rows = _rows(st, dys, g32, meta, w2c, a_mode=GATHER_GATED, transpose_w=True, epi_gelu=False, hpre=hpre,

@@ -173,10 +173,14 @@ def take_slots(rows, slot_row):
     return jnp.where((slot_row >= 0)[:, None], got, 0.0)
 
 
-def slot_dot(per_slot, dy):
-    """per_slot (N, H, k, dh) fp32, dy (N, H, dh) -> (N, H, k) fp32 = <row of slot, dy> (a fused
-    multiply-reduce, like `_combine`)."""
-    return jnp.sum(per_slot * dy.astype(jnp.float32)[:, :, None, :], axis=-1)
+def dgates_and_dy_rows(out_rows, slot_row, dy, gates):
+    """Backward of the combine: dy (N, H, dh) as rows (N * H, dh) for the kernels, and dgates (N, H, k)
+    in gates' dtype = <output row of each slot, dy> (a fused multiply-reduce, like `_combine`)."""
+    n, h, k = gates.shape
+    dh = dy.shape[-1]
+    per_slot = take_slots(out_rows, slot_row).reshape(n, h, k, dh)
+    dgates = jnp.sum(per_slot * dy.astype(jnp.float32)[:, :, None, :], axis=-1)
+    return dy.reshape(n * h, dh), dgates.astype(gates.dtype)
 
 
 def _combine(out_rows, slot_row, gates):
@@ -211,11 +215,7 @@ def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta):
 
 def _experts_bwd(st: Static, res, dy):
     xs, gates, out_rows, w1c, w2c, meta = res
-    n, h, k = gates.shape
-    dh = w1c.shape[1]
-    dys = dy.reshape(n * h, dh)
-    per_slot = take_slots(out_rows, meta.slot_row).reshape(n, h, k, dh)
-    dgates = slot_dot(per_slot, dy).astype(gates.dtype)
+    dys, dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)
     bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
     dxr, dw1, dw2 = bwd(st, xs, dys, gates.reshape(-1).astype(jnp.float32), meta, w1c, w2c, jnp.dtype(st.w_dtype))

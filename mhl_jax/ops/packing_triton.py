@@ -8,8 +8,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.packing import (PACK_CHUNK, launch_shapes, pack_block_group_kernel, pack_groups_kernel,
-                             pack_hist_kernel, pack_offsets_kernel, pack_scatter_kernel)
+from kernels.packing import (
+    PACK_CHUNK,
+    launch_shapes,
+    pack_block_group_kernel,
+    pack_groups_kernel,
+    pack_hist_kernel,
+    pack_offsets_kernel,
+    pack_scatter_kernel,
+)
 from mhl_jax.ops.kernels_select import import_jax_triton
 
 BLOCK_GROUP_TILE = 1024
