@@ -24,6 +24,8 @@ Parameters follow jax-triton's binding order: inputs, then one pointer per outpu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
@@ -144,5 +146,46 @@ def launch_shapes(n: int, h: int, k: int, ne: int, chunk: int = PACK_CHUNK) -> d
                 G=h * ne, GB=1024)
 
 
+BLOCK_GROUP_TILE = 1024  # row blocks per program of pack_block_group_kernel
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of the packing, for either launcher (torch, jax-triton). Buffers are named; all
+    int32. `fill`: outputs that exist before the launch, filled with a value and passed in as inputs too
+    (an aliased input in JAX: the kernel writes only some of their elements)."""
+
+    kernel: object
+    inputs: tuple
+    outputs: tuple  # ((name, shape), ...)
+    grid: tuple
+    meta: dict
+    num_warps: int = 4
+    fill: tuple = ()  # ((name, value), ...)
+
+
+PACK_RESULT = ("row_slot", "slot_row", "block_group", "sizes", "nblocks")  # `Packing`'s fields, in order
+
+
+def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: int = PACK_CHUNK) -> list[Launch]:
+    """The five launches packing idx (n, h, k) (input buffer "idx") over ne experts into p padded rows
+    (`padded_rows(n * h * k, h * ne, block)`); the results are the buffers named in PACK_RESULT."""
+    sh = launch_shapes(n, h, k, ne, chunk)
+    nc, nep, g, nb = sh["NC"], sh["NEP"], sh["G"], p // block
+    chunked = dict(H=h, K=k, ML=sh["ML"], NE=ne, NEP=nep, NC=nc, C=sh["C"])
+    return [
+        Launch(pack_hist_kernel, ("idx",), (("hist", (h, nc, nep)), ("lower", (h, nc, nep))), (nc, h), chunked),
+        Launch(pack_offsets_kernel, ("hist", "lower"), (("base", (h, nc, nep)), ("sizes", (g,))),
+               (h, nep // sh["EB"]), dict(NE=ne, NEP=nep, NC=nc, CB=sh["CB"], EB=sh["EB"])),
+        Launch(pack_groups_kernel, ("sizes",), (("pstart", (g,)), ("bend", (g,)), ("nblocks", (1,))), (1,),
+               dict(G=g, R=block, GB=sh["GB"])),
+        Launch(pack_scatter_kernel, ("idx", "base", "pstart", "row_slot"),
+               (("slot_row", (n * h * k,)), ("row_slot", (p,))), (nc, h), dict(chunked, LOG_C=sh["LOG_C"]),
+               fill=(("row_slot", -1),)),
+        Launch(pack_block_group_kernel, ("bend", "nblocks"), (("block_group", (nb,)),),
+               (-(-nb // BLOCK_GROUP_TILE),), dict(G=g, NB=nb, BLOCK=BLOCK_GROUP_TILE, STEPS=g.bit_length() + 1)),
+    ]
+
+
 __all__ = ["pack_hist_kernel", "pack_offsets_kernel", "pack_groups_kernel", "pack_scatter_kernel",
-           "pack_block_group_kernel", "launch_shapes", "PACK_CHUNK", "next_pow2"]
+           "pack_block_group_kernel", "pack_launches", "Launch", "PACK_RESULT", "PACK_CHUNK", "next_pow2"]

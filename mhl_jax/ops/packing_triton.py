@@ -1,25 +1,15 @@
 """The packing (`mhl_jax.ops.packing.pack`) as Triton kernels (`kernels/packing.py`) bound through
-jax-triton: `pack(..., method="triton")`. Five launches, integer-only, no atomics, the same arrays as
-the JAX methods (checked under the Triton interpreter against them in tests/test_packing.py; the
-binding itself needs a GPU)."""
+jax-triton: `pack(..., method="triton")`. Five launches (the plan `kernels.packing.pack_launches`, which
+the torch launcher runs too), integer-only, no atomics, the same arrays as the JAX methods (checked
+under the Triton interpreter against them in tests/test_packing.py; the binding itself needs a GPU)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from kernels.packing import (
-    PACK_CHUNK,
-    launch_shapes,
-    pack_block_group_kernel,
-    pack_groups_kernel,
-    pack_hist_kernel,
-    pack_offsets_kernel,
-    pack_scatter_kernel,
-)
+from kernels.packing import PACK_CHUNK, PACK_RESULT, pack_launches
 from mhl_jax.ops.kernels_select import import_jax_triton
-
-BLOCK_GROUP_TILE = 1024
 
 
 def pack_triton(idx: jax.Array, num_experts: int, block: int, chunk: int = PACK_CHUNK):
@@ -29,30 +19,18 @@ def pack_triton(idx: jax.Array, num_experts: int, block: int, chunk: int = PACK_
 
     jt = import_jax_triton()
     n, h, k = idx.shape
-    ne = num_experts
-    sh = launch_shapes(n, h, k, ne, chunk)
-    m, g = n * h * k, h * ne
-    p = padded_rows(m, g, block)
-    nb = p // block
-    i32 = jnp.int32
-    idx = idx.astype(i32)
-
-    def shape(*dims):
-        return jax.ShapeDtypeStruct(dims, i32)
-
-    common = dict(H=h, K=k, ML=sh["ML"], NE=ne, NEP=sh["NEP"], NC=sh["NC"], C=sh["C"])
-    per_chunk = shape(h, sh["NC"], sh["NEP"])
-    hist, lower = jt.triton_call(idx, kernel=pack_hist_kernel, out_shape=[per_chunk, per_chunk],
-                                 grid=(sh["NC"], h), num_warps=4, **common)
-    base, sizes = jt.triton_call(hist, lower, kernel=pack_offsets_kernel, out_shape=[per_chunk, shape(g)],
-                                 grid=(h, sh["NEP"] // sh["EB"]), num_warps=4, NE=ne, NEP=sh["NEP"], NC=sh["NC"],
-                                 CB=sh["CB"], EB=sh["EB"])
-    pstart, bend, nblocks = jt.triton_call(sizes, kernel=pack_groups_kernel, out_shape=[shape(g), shape(g), shape(1)],
-                                           grid=(1,), num_warps=4, G=g, R=block, GB=sh["GB"])
-    slot_row, row_slot = jt.triton_call(
-        idx, base, pstart, jnp.full((p,), -1, i32), kernel=pack_scatter_kernel, out_shape=[shape(m), shape(p)],
-        grid=(sh["NC"], h), num_warps=4, input_output_aliases={3: 1}, LOG_C=sh["LOG_C"], **common)
-    block_group = jt.triton_call(bend, nblocks, kernel=pack_block_group_kernel, out_shape=shape(nb),
-                                 grid=(-(-nb // BLOCK_GROUP_TILE),), num_warps=4, G=g, NB=nb,
-                                 BLOCK=BLOCK_GROUP_TILE, STEPS=g.bit_length() + 1)
+    p = padded_rows(n * h * k, h * num_experts, block)
+    bufs = {"idx": idx.astype(jnp.int32)}
+    for launch in pack_launches(n, h, k, num_experts, block, p, chunk):
+        names = [name for name, _ in launch.outputs]
+        shapes = dict(launch.outputs)
+        bufs.update({name: jnp.full(shapes[name], value, jnp.int32) for name, value in launch.fill})
+        outs = jt.triton_call(
+            *[bufs[name] for name in launch.inputs], kernel=launch.kernel,
+            out_shape=[jax.ShapeDtypeStruct(shape, jnp.int32) for _, shape in launch.outputs], grid=launch.grid,
+            num_warps=launch.num_warps,
+            input_output_aliases={launch.inputs.index(name): names.index(name) for name, _ in launch.fill} or None,
+            **launch.meta)
+        bufs.update(zip(names, outs))
+    row_slot, slot_row, block_group, sizes, nblocks = (bufs[name] for name in PACK_RESULT)
     return Packing(row_slot, slot_row, block_group, sizes, nblocks.reshape(()))
