@@ -68,15 +68,20 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None):
     """x: (N, d) bf16 -> (N, d) bf16. cfg: the expert op's ExpertsConfig (triton only)."""
+    from mhl_jax.model.moe_core import moe_heads
     from mhl_jax.ops.experts import expert_ffn
     from mhl_jax.ops.router import route_topk
 
     n = x.shape[0]
     sub = jnp.dot(x, params["w_in"].astype(x.dtype)).reshape(n, NH, DH)
-    vals, idx = route_topk(sub, params["w_r"], params["bias"], k, router_impl)
-    gates = jax.nn.softmax(vals, axis=-1)
-    y, _ = expert_ffn(sub, idx, gates, params["w1"], params["w2"], expert_impl,
-                      cfg=cfg if expert_impl == "triton" else None)
+    if router_impl == expert_impl:  # the model's path (triton: one packing shared by router and experts)
+        y, _ = moe_heads(sub, sub, params["w_r"], params["bias"], params["w1"], params["w2"], k, expert_impl,
+                         cfg=cfg if expert_impl == "triton" else None)
+    else:
+        vals, idx = route_topk(sub, params["w_r"], params["bias"], k, router_impl)
+        gates = jax.nn.softmax(vals, axis=-1)
+        y, _ = expert_ffn(sub, idx, gates, params["w1"], params["w2"], expert_impl,
+                          cfg=cfg if expert_impl == "triton" else None)
     return jnp.dot(y.reshape(n, NH * DH), params["w_out"].astype(x.dtype))
 
 

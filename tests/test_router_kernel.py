@@ -248,6 +248,70 @@ def test_jax_metadata_matches_torch_and_drives_the_kernels(sort, bounds, n, ne):
 
 
 @interp
+@pytest.mark.parametrize("block,n", [(16, 41), (32, 41), (64, 7)])
+def test_dw_layout_from_the_experts_packing_drives_the_kernels(block, n):
+    """The dW layout taken from the experts' packing (blocks = the packing's row blocks, padding rows
+    never read) gives the float64 gradient through the Triton kernels, with a hot expert over several
+    blocks and, at n = 7, most groups empty."""
+    import jax.numpy as jnp
+
+    from mhl_jax.ops import packing as pk
+    from mhl_jax.ops.router_triton import dw_metadata_from_packing, packed_dw_tiles
+
+    h, dh, ne, k = 3, 16, 24, 3
+    x, w, b = _inputs(12, n, h, dh, ne)
+    b[:, 5] = 50.0
+    tiles = kr.router_tiles(ne, k, block_n=16, block_e=16, dx_block_n=16, red_block_e=16)
+    _, idx = ktr.router_fwd(x, w, b, k, "bf16x3", tiles)
+    packing = pk.pack(jnp.asarray(idx.numpy()), ne, block)
+    mj = dw_metadata_from_packing(packing, h, k, block)
+    tiles = packed_dw_tiles(tiles, block)
+    assert tiles.dw_block == block and block % tiles.dw_sub == 0
+    meta = ktr.DwMeta(*[torch.from_numpy(np.array(a)) for a in mj])
+    if n == 41:
+        assert int(meta.group_nblk.max()) >= 2  # the hot expert's group spans blocks
+    dv = torch.from_numpy(np.random.default_rng(6).standard_normal((n, h, k), dtype=np.float32))
+    _, dw = ktr.router_bwd(x, w, idx, dv, tiles, dx_dtype=torch.float32, meta=meta)
+    _close(dw, grads64(x, w, idx, dv)[1])
+
+
+@pytest.mark.parametrize("method", ["argsort", "count"])
+def test_jax_route_with_packing_emulate(method):
+    """route_topk_triton(pack=...) returns the experts' packing of its indices, and its dW_r (taken from
+    that packing) equals the sort-based backward's and the float64 gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    from mhl_jax.ops import packing as pk
+    from mhl_jax.ops.router_triton import route_topk_triton
+
+    n, h, dh, ne, k, block = 96, 4, 32, 40, 4, 32
+    x, w, b = _jax_inputs(21, n, h, dh, ne)
+    b = b.at[:, 3].set(20.0)  # skew: a group over several row blocks
+    dv = jnp.asarray(np.random.default_rng(4).standard_normal((n, h, k), dtype=np.float32))
+    tiles = kr.router_tiles(ne, k, dw_block=16, dw_sub=16)
+    plain = lambda x, w: route_topk_triton(x, w, b, k, tiles=tiles, backend="emulate")
+    packed = lambda x, w: route_topk_triton(x, w, b, k, tiles=tiles, backend="emulate", pack=(block, method))
+    v1, i1 = plain(x, w)
+    v2, i2, packing = jax.jit(packed)(x, w)
+    assert np.array_equal(i1, i2) and np.array_equal(v1, v2)
+    want = pk.pack(i1, ne, block, "argsort")
+    for name, a, c in zip(want._fields, packing, want):
+        assert np.array_equal(a, c), name
+    g1 = jax.jit(jax.grad(lambda x, w: jnp.vdot(plain(x, w)[0], dv), argnums=(0, 1)))(x, w)
+    g2 = jax.jit(jax.grad(lambda x, w: jnp.vdot(packed(x, w)[0], dv), argnums=(0, 1)))(x, w)
+    assert np.array_equal(g1[0], g2[0])  # dx: same kernel, same inputs
+    dw64 = grads64(torch.from_numpy(np.asarray(x.astype(jnp.float32))), torch.from_numpy(np.asarray(w)),
+                   np.asarray(i1), dv)[1]
+    _close(g2[1], dw64)
+    _close(g2[1], g1[1], rtol=1e-6)
+    with pytest.raises(ValueError, match="pack="):
+        route_topk_triton(x, w, b, k, backend="emulate", pack=(24, "argsort"))
+    with pytest.raises(ValueError, match="pack="):
+        route_topk_triton(x, w, b, k, backend="emulate", pack=(32, "bogus"))
+
+
+@interp
 def test_jax_split_bf16_matches_torch():
     import jax.numpy as jnp
 
@@ -452,3 +516,46 @@ def test_gpu_shard_map_and_torch_launch_bitwise():
     tdx, tdw = ktr.router_bwd(tx, tw, ti, torch.tensor(np.asarray(dv), device=dev))
     assert np.array_equal(tdw.cpu().numpy(), np.asarray(g[1]))
     assert np.array_equal(tdx.float().cpu().numpy(), np.asarray(g[0].astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
+def test_gpu_moe_heads_one_packing_vs_separate_ops(skew):
+    """The model's Triton path (moe_heads: the router packs for the experts and takes its dW_r layout
+    from that packing) against the router and expert ops called separately (each with its own sort):
+    same output and x / W1 / W2 gradients to the bit (same packing, same kernels), dW_r within fp32
+    summation order, and bitwise repeatable."""
+    import jax
+    import jax.numpy as jnp
+
+    from mhl_jax.model.moe_core import moe_heads
+    from mhl_jax.ops.experts_triton import expert_ffn_triton
+    from mhl_jax.ops.router_triton import route_topk_triton
+
+    _gpu_setup()
+    n, h, dh, ne, k, de = 8192, 8, 128, 384, 4, 256
+    x, w, b = _gpu_inputs(17, n, h, dh, ne)
+    if skew:
+        b = b.at[:, :4].add(40.0)
+    ks = jax.random.split(jax.random.key(18), 3)
+    w1 = jax.random.normal(ks[0], (h, ne, dh, de), jnp.float32) * dh ** -0.5
+    w2 = jax.random.normal(ks[1], (h, ne, de, dh), jnp.float32) * de ** -0.5
+    wy = jax.random.normal(ks[2], (n, h, dh), jnp.float32)
+
+    def separate(x, w, w1, w2):
+        vals, idx = route_topk_triton(x, w, b, k)
+        return expert_ffn_triton(x, idx, jax.nn.softmax(vals, axis=-1), w1, w2)
+
+    def grads(fn):
+        f = lambda x, w, w1, w2: jnp.vdot(fn(x, w, w1, w2)[0].astype(jnp.float32), wy)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+
+    shared = grads(lambda x, w, w1, w2: moe_heads(x, x, w, b, w1, w2, k, "triton"))
+    v1, g1 = shared(x, w, w1, w2)
+    v2, g2 = grads(separate)(x, w, w1, w2)
+    assert float(v1) == float(v2)
+    for name, a, c in zip(("x", "w1", "w2"), (g1[0], g1[2], g1[3]), (g2[0], g2[2], g2[3])):
+        assert np.array_equal(np.asarray(a), np.asarray(c)), name
+    _close(g1[1], g2[1], rtol=1e-5)
+    v3, g3 = shared(x + jnp.zeros_like(x), w * 1.0, w1, w2)
+    assert float(v3) == float(v1) and all(np.array_equal(np.asarray(a), np.asarray(c)) for a, c in zip(g1, g3))

@@ -17,20 +17,35 @@ from typing import Protocol
 
 import jax
 
-from mhl_jax.ops.experts import expert_ffn
-from mhl_jax.ops.router import route_topk
+from mhl_jax.ops.experts import expert_ffn, triton_packing_spec
+from mhl_jax.ops.router import MAX_TRITON_ROUTER_WIDTH, route_topk
 
 
 def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
-              w2: jax.Array, k: int, impl: str) -> tuple[jax.Array, jax.Array]:
+              w2: jax.Array, k: int, impl: str, cfg=None) -> tuple[jax.Array, jax.Array]:
     """x_route: (N, H, dr); x_expert: (N, H, dh) compute dtype; w_r: (H, dr, Ne) fp32; bias: (H, Ne) fp32;
-    w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32.
+    w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32. cfg: the triton experts' config (None: default).
 
     Returns y (N, H, dh) in x_expert.dtype and load (H, Ne) int32 (routed slots per expert).
     """
+    if impl == "triton" and x_route.shape[2] <= MAX_TRITON_ROUTER_WIDTH:
+        return moe_heads_triton(x_route, x_expert, w_r, bias, w1, w2, k, cfg)
     values, idx = route_topk(x_route, w_r, bias, k, impl)
     gates = jax.nn.softmax(values, axis=-1)  # fp32
-    return expert_ffn(x_expert, idx, gates, w1, w2, impl)
+    return expert_ffn(x_expert, idx, gates, w1, w2, impl, cfg=cfg)
+
+
+def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
+                     w2: jax.Array, k: int, cfg=None, backend: str = "triton") -> tuple[jax.Array, jax.Array]:
+    """`moe_heads` on the Triton router and experts with one packing: the router's forward also packs
+    its indices the way the expert op wants them, and its backward takes the dW_r layout from that
+    packing instead of sorting the slots again. backend "emulate": pure-JAX kernel stand-ins (CPU)."""
+    from mhl_jax.ops.router_triton import route_topk_triton
+
+    spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend)
+    values, idx, packing = route_topk_triton(x_route, w_r, bias, k, backend=backend, pack=spec)
+    gates = jax.nn.softmax(values, axis=-1)  # fp32
+    return expert_ffn(x_expert, idx, gates, w1, w2, "triton", cfg=cfg, packing=packing, backend=backend)
 
 
 class MoEExecutor(Protocol):

@@ -41,12 +41,36 @@ def expert_rows_reference(rows: jax.Array, block_group: jax.Array, w1: jax.Array
     return out.reshape(p, dh).astype(rows.dtype)
 
 
+def triton_packing_spec(x_shape: tuple[int, ...], k: int, w1_shape: tuple[int, ...], cfg=None,
+                        backend: str = "triton") -> tuple[int, str]:
+    """(row block, packing method) that `expert_ffn(..., impl="triton", cfg=cfg)` packs with, for x of
+    shape (N, H, dh) and w1 (H, Ne, dh, de): the router can then make that packing once for both
+    (`route_topk_triton(..., pack=)`, handed back through `expert_ffn(..., packing=)`)."""
+    from mhl_jax.ops.experts_triton import pack_method
+
+    n, h, dh = x_shape
+    _, ne, _, de = w1_shape
+    if triton_expert_path(dh) == "grouped":
+        from mhl_jax.ops.experts_grouped import resolve_grouped_config
+
+        c = resolve_grouped_config(n * h * k, h * ne, dh, de, cfg)
+    else:
+        from mhl_jax.ops.experts_triton import resolve_config
+
+        c = resolve_config(n * h * k, h * ne, dh, de, cfg)
+    return c.pack_block, pack_method(c.pack_impl, backend)
+
+
 def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
-               impl: str = "reference", cfg=None) -> tuple[jax.Array, jax.Array]:
+               impl: str = "reference", cfg=None, packing: pk.Packing | None = None,
+               backend: str = "triton") -> tuple[jax.Array, jax.Array]:
     """x: (N, H, dh) compute dtype; idx: (N, H, k) int32; gates: (N, H, k) fp32;
     w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32. impl "triton": the fused IO-aware kernels for
     dh <= MAX_TRITON_EXPERT_WIDTH (`cfg`: a `kernels.experts.ExpertsConfig`), the grouped-GEMM kernels
     above (`cfg`: a `kernels.grouped.GroupedConfig`); None picks the measured defaults.
+
+    `packing` (triton only): the packing of idx made by the router with `triton_packing_spec`;
+    `backend` (triton only): "emulate" runs pure-JAX stand-ins of the kernels (CPU tests).
 
     Returns y (N, H, dh) in x.dtype and the per-(head, expert) load counts (H, Ne) int32.
     """
@@ -60,10 +84,10 @@ def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2
         if triton_expert_path(dh) == "grouped":
             from mhl_jax.ops.experts_grouped import expert_ffn_grouped
 
-            return expert_ffn_grouped(x, idx, gates, w1, w2, cfg=cfg)
+            return expert_ffn_grouped(x, idx, gates, w1, w2, cfg=cfg, backend=backend, packing=packing)
         from mhl_jax.ops.experts_triton import expert_ffn_triton
 
-        return expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg)
+        return expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg, backend=backend, packing=packing)
     if impl != "reference":
         raise ValueError(f"expert_ffn: impl={impl!r}, expected 'reference' or 'triton'")
     packing = pk.pack(idx, ne, REFERENCE_BLOCK)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from kernels.experts import GELU_A, GELU_C
 from kernels.grouped import GATHER, GATHER_GATED, ROWS, GroupedConfig, b_strides, default_grouped_config
 from mhl_jax.ops import packing as pk
-from mhl_jax.ops.experts_triton import Meta, _combine, bwd_cotangents, dgates_and_dy_rows, pack_method
+from mhl_jax.ops.experts_triton import Meta, _combine, bwd_cotangents, dgates_and_dy_rows, given_packing, pack_method
 from mhl_jax.ops.kernels_select import import_jax_triton
 
 BACKENDS = ("triton", "emulate")
@@ -195,14 +195,22 @@ def _experts_bwd(st: Static, res, dy):
 _experts.defvjp(_experts_fwd, _experts_bwd)
 
 
+def resolve_grouped_config(num_slots: int, num_groups: int, dh: int, de: int,
+                           cfg: GroupedConfig | None) -> GroupedConfig:
+    """The config the op runs: `cfg` or the measured default, fitted to dh, de."""
+    return (cfg or default_grouped_config(num_slots, num_groups, dh, de)).fit(dh, de)
+
+
 def expert_ffn_grouped(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
-                       cfg: GroupedConfig | None = None, backend: str = "triton") -> tuple[jax.Array, jax.Array]:
+                       cfg: GroupedConfig | None = None, backend: str = "triton",
+                       packing: pk.Packing | None = None) -> tuple[jax.Array, jax.Array]:
     """x: (N, H, dh) bf16 (fp32 allowed: exact but slow); idx: (N, H, k) int32 in [0, Ne);
     gates: (N, H, k) fp32; w1: (H, Ne, dh, de), w2: (H, Ne, de, dh), both fp32 or both x.dtype.
 
     Returns y (N, H, dh) in x.dtype and the load (H, Ne) int32 (routed slots per (head, expert)).
     Same contract as `expert_ffn(..., impl="reference")` and `expert_ffn_triton`; any dh, de that are
-    multiples of 16 (tiles shrink to fit, `GroupedConfig.fit`). `cfg` overrides packing and tiles.
+    multiples of 16 (tiles shrink to fit, `GroupedConfig.fit`). `cfg` overrides packing and tiles;
+    `packing` as in `expert_ffn_triton`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"expert_ffn_grouped: backend={backend!r}, expected one of {BACKENDS}")
@@ -219,9 +227,10 @@ def expert_ffn_grouped(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.A
     if w1.dtype != w2.dtype or w1.dtype not in (jnp.dtype(jnp.float32), x.dtype):
         raise ValueError(f"expert_ffn_grouped: w1 {w1.dtype} and w2 {w2.dtype} must share a dtype, fp32 or "
                          f"x's {x.dtype}")
-    cfg = (cfg or default_grouped_config(n * h * k, h * ne, dh, de)).fit(dh, de)
+    cfg = resolve_grouped_config(n * h * k, h * ne, dh, de, cfg)
     cfg.check(dh, de)
-    packing = pk.pack(idx, ne, cfg.pack_block, pack_method(cfg.pack_impl, backend))
+    packing = given_packing(packing, n * h * k, h * ne, cfg.pack_block, "expert_ffn_grouped") or \
+        pk.pack(idx, ne, cfg.pack_block, pack_method(cfg.pack_impl, backend))
     start, count = pk.group_blocks(packing.group_sizes, cfg.pack_block)
     meta = Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count)
     y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta)

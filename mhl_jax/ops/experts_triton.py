@@ -166,6 +166,23 @@ def pack_method(pack_impl: str, backend: str) -> str:
     return "argsort" if pack_impl == "triton" and backend != "triton" else pack_impl
 
 
+def resolve_config(num_slots: int, num_groups: int, dh: int, de: int, cfg: ExpertsConfig | None) -> ExpertsConfig:
+    """The config the op runs: `cfg` or the measured default, fitted to de."""
+    return (cfg or default_config(num_slots, num_groups, dh, de)).fit(de)
+
+
+def given_packing(packing: pk.Packing | None, num_slots: int, num_groups: int, block: int, who: str):
+    """Check a packing handed to an expert op against the one it would make (row block `block`)."""
+    if packing is None:
+        return None
+    want = (pk.padded_rows(num_slots, num_groups, block), num_slots, num_groups)
+    got = (packing.row_slot.shape[0], packing.slot_row.shape[0], packing.group_sizes.shape[0])
+    if got != want:
+        raise ValueError(f"{who}: the given packing has (rows, slots, groups) = {got}, expected {want} "
+                         f"(row block {block}: make it with this op's packing_spec)")
+    return packing
+
+
 def take_slots(rows, slot_row):
     """rows (P, D), slot_row (M,) -> (M, D) fp32: each slot's packed row, zero for an empty slot (-1,
     e.g. the unused tail of an expert-parallel receive buffer)."""
@@ -237,12 +254,15 @@ _experts.defvjp(_experts_fwd, _experts_bwd)
 
 
 def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
-                      cfg: ExpertsConfig | None = None, backend: str = "triton") -> tuple[jax.Array, jax.Array]:
+                      cfg: ExpertsConfig | None = None, backend: str = "triton",
+                      packing: pk.Packing | None = None) -> tuple[jax.Array, jax.Array]:
     """x: (N, H, dh) bf16 (fp32 allowed: exact but slow); idx: (N, H, k) int32; gates: (N, H, k) fp32;
     w1: (H, Ne, dh, de), w2: (H, Ne, de, dh) fp32 or x.dtype.
 
     Returns y (N, H, dh) in x.dtype and the load (H, Ne) int32 (routed slots per (head, expert)).
-    Same contract as `expert_ffn(..., impl="reference")`; `cfg` overrides the packing block and tiles.
+    Same contract as `expert_ffn(..., impl="reference")`; `cfg` overrides the packing block and tiles;
+    `packing`: the packing of idx already made (by the router, `route_topk_triton(..., pack=)`) with
+    this config's block (`packing_spec`), else it is made here.
     """
     n, h, dh = x.shape
     hw, ne, _, de = w1.shape
@@ -253,9 +273,10 @@ def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Ar
             idx.shape[:2] != (n, h):
         raise ValueError(f"expert_ffn_triton: shapes disagree: x {x.shape}, idx {idx.shape}, gates "
                          f"{gates.shape}, w1 {w1.shape}, w2 {w2.shape}")
-    cfg = (cfg or default_config(n * h * k, h * ne, dh, de)).fit(de)
+    cfg = resolve_config(n * h * k, h * ne, dh, de, cfg)
     cfg.check(dh, de)
-    packing = pk.pack(idx, ne, cfg.pack_block, pack_method(cfg.pack_impl, backend))
+    packing = given_packing(packing, n * h * k, h * ne, cfg.pack_block, "expert_ffn_triton") or \
+        pk.pack(idx, ne, cfg.pack_block, pack_method(cfg.pack_impl, backend))
     start, count = pk.group_blocks(packing.group_sizes, cfg.pack_block)
     meta = Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count)
     if w1.dtype != w2.dtype:

@@ -13,6 +13,8 @@ backward  dx: k gathered rows of W_r^T per token (fixed order). dW_r: slots sort
           (one uint32 radix sort of (expert << bits | slot) keys), cut into blocks of one
           (head, expert) each; a kernel sums each block in order, another sums each expert's blocks
           in order. No float atomics anywhere: gradients are bitwise reproducible.
+          With `pack=` (the model's path, `moe_core.moe_heads_triton`) the forward also packs the indices
+          for the expert op, and the dW_r blocks are that packing's row blocks: one slot sort per layer.
 
 Memory: O(N k + H Ne dh); nothing of size N x Ne exists. Works under jit and inside shard_map (use
 it there: under plain jit jax-triton gathers sharded inputs). `backend="emulate"` runs the same
@@ -28,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.router import RouterTiles, check_router_args, dw_num_blocks, next_pow2, router_tiles, weight_parts
+from mhl_jax.ops import packing as pk
 from mhl_jax.ops.kernels_select import import_jax_triton
 from mhl_jax.ops.packing import prefix_scan
 from mhl_jax.ops.router import check_router_shapes, route_topk_reference
@@ -39,6 +42,7 @@ class Static(NamedTuple):
     tiles: RouterTiles
     backend: str  # "triton" | "emulate"
     sort: str  # "flat" | "packed" (uint32 keys, when they fit) | "argsort" (stable argsort): dw_metadata
+    pack: tuple[int, str] | None = None  # (row block, method): also return the experts' packing of idx
 
 
 class DwMeta(NamedTuple):
@@ -131,6 +135,24 @@ def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "flat", bounds:
     return DwMeta(order.reshape(-1), bg, start, bstart, size, nblk)
 
 
+def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, block: int) -> DwMeta:
+    """The dW layout taken from the experts' packing of the same indices (no sort of its own).
+
+    Each packed row block of `block` rows holds slots of one (head, expert) in the same stable order as
+    `dw_metadata`'s, so with dW blocks of exactly `block` slots (tiles.dw_block = block) the blocks are
+    the packing's: `order` is the packed rows' local slots n * k + j (padding rows are never read: a
+    block stops at its group's size), a group starts at its first padded row. Elementwise work only."""
+    s = packing.row_slot
+    local = jnp.where(s >= 0, s // (heads * k) * k + s % k, 0).astype(jnp.int32)
+    bstart, nblk = pk.group_blocks(packing.group_sizes, block)
+    return DwMeta(local, packing.block_group, bstart * block, bstart, packing.group_sizes, nblk)
+
+
+def packed_dw_tiles(tiles: RouterTiles, block: int) -> RouterTiles:
+    """The dW tiles for metadata from a packing with row block `block` (a power of 2 >= 16)."""
+    return tiles._replace(dw_block=block, dw_sub=min(tiles.dw_sub, block))
+
+
 def _dhp(dh: int) -> int:
     return max(16, next_pow2(dh))
 
@@ -220,7 +242,11 @@ def _dw_emulate(st: Static, x, dvals, meta: DwMeta, ne: int):
 
 def _forward(st: Static, x, w, bias):
     fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
-    return fwd(st, x, w.astype(jnp.float32), bias.astype(jnp.float32))
+    vals, idx = fwd(st, x, w.astype(jnp.float32), bias.astype(jnp.float32))
+    if st.pack is None:
+        return vals, idx
+    block, method = st.pack
+    return vals, idx, pk.pack(idx, w.shape[2], block, method)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -229,18 +255,22 @@ def _route(st: Static, x, w, bias):
 
 
 def _route_fwd(st: Static, x, w, bias):
-    vals, idx = _forward(st, x, w, bias)
-    return (vals, idx), (x, w, bias, idx)
+    out = _forward(st, x, w, bias)
+    return out, (x, w, bias) + tuple(out[1:])
 
 
 def _route_bwd(st: Static, res, cts):
-    x, w, bias, idx = res
-    dvals = cts[0].astype(jnp.float32)  # cts[1] is the (float0) cotangent of the indices
+    x, w, bias, idx = res[:4]
+    dvals = cts[0].astype(jnp.float32)  # the other cotangents (indices, packing) are float0
     ne = w.shape[2]
     wt = jnp.swapaxes(w.astype(jnp.float32), 1, 2)  # (H, Ne, dh): the gathered rows are contiguous
     triton = st.backend == "triton"
     dx = (_dx_triton if triton else _dx_emulate)(st, idx, dvals, wt, x.dtype)
-    meta = dw_metadata(idx, ne, st.tiles.dw_block, st.sort)
+    if st.pack is None:
+        meta = dw_metadata(idx, ne, st.tiles.dw_block, st.sort)
+    else:  # the experts' packing of the same indices: no second sort
+        st = st._replace(tiles=packed_dw_tiles(st.tiles, st.pack[0]))
+        meta = dw_metadata_from_packing(res[4], x.shape[1], st.k, st.pack[0])
     dw = (_dw_triton if triton else _dw_emulate)(st, x, dvals, meta, ne)
     return dx, dw.astype(w.dtype), jnp.zeros_like(bias)
 
@@ -250,14 +280,18 @@ _route.defvjp(_route_fwd, _route_bwd)
 
 def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, precision: str | None = None,
                       tiles: RouterTiles | None = None, backend: str = "triton",
-                      sort: str = "flat") -> tuple[jax.Array, jax.Array]:
+                      sort: str = "flat", pack: tuple[int, str] | None = None) -> tuple[jax.Array, ...]:
     """x: (N, H, dh) bf16 (fp32 allowed: then precision defaults to "ieee"); w_r: (H, dh, Ne) fp32;
     bias: (H, Ne) fp32 (no gradient).
 
     Returns values (N, H, k) fp32 (selected raw scores) and indices (N, H, k) int32, ordered by
     decreasing biased score, ties to the lower expert index. `precision` (default "bf16x3" for bf16 x)
     is one of kernels.router.PRECISIONS; `tiles` overrides the kernel tiles; `backend="emulate"` swaps
-    the kernels for pure-JAX stand-ins (CPU tests of the plumbing); `sort` is `dw_metadata`'s."""
+    the kernels for pure-JAX stand-ins (CPU tests of the plumbing); `sort` is `dw_metadata`'s.
+
+    pack = (row block, method): also return the experts' packing of the indices (`packing.pack(indices,
+    Ne, block, method)`, a third output without gradient). The backward then takes the dW layout from
+    it (`dw_metadata_from_packing`) instead of sorting the slots a second time."""
     check_router_shapes(x, w_r, bias, k)
     n, h, dh = x.shape
     ne = w_r.shape[2]
@@ -270,4 +304,10 @@ def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, 
         raise ValueError(f"route_topk_triton: precision {precision!r} needs bf16 x (exact products), got {x.dtype}")
     tiles = tiles or router_tiles(ne, k)
     check_router_args(n, h, dh, ne, k, tiles)
-    return _route(Static(k, precision, tiles, backend, sort), x, w_r, bias)
+    if pack is not None:
+        block, method = pack
+        if block < 16 or block & (block - 1) or method not in pk.PACK_METHODS:
+            raise ValueError(f"route_topk_triton: pack={pack!r}, expected (row block: a power of 2 >= 16, "
+                             f"method in {pk.PACK_METHODS})")
+        pack = (int(block), "argsort" if method == "triton" and backend != "triton" else method)  # same arrays
+    return _route(Static(k, precision, tiles, backend, sort, pack), x, w_r, bias)
