@@ -5,6 +5,8 @@ under the Triton interpreter against them in tests/test_packing.py; the binding 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -14,7 +16,32 @@ from mhl_jax.ops.kernels_select import import_jax_triton
 
 def pack_triton(idx: jax.Array, num_experts: int, block: int, chunk: int = PACK_CHUNK):
     """idx (N, H, k) int32 (-1 = empty slot) -> `Packing` (row_slot, slot_row, block_group, group_sizes,
-    num_blocks), equal to `pack(idx, num_experts, block)`."""
+    num_blocks), equal to `pack(idx, num_experts, block)`.
+
+    Integer in, integer out: nothing to differentiate, but under jax.grad the indices (outputs of the
+    router's custom_vjp) carry zero tangents and jax-triton's call has no JVP rule ("triton_call does
+    not support automatic differentiation", H100, 2026-11-23), so the launches sit in a custom_vjp
+    whose backward returns no cotangent."""
+    return _pack(num_experts, block, chunk, idx)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _pack(num_experts: int, block: int, chunk: int, idx: jax.Array):
+    return _launch(idx, num_experts, block, chunk)
+
+
+def _pack_fwd(num_experts, block, chunk, idx):
+    return _launch(idx, num_experts, block, chunk), None
+
+
+def _pack_bwd(num_experts, block, chunk, res, cts):
+    return (None,)
+
+
+_pack.defvjp(_pack_fwd, _pack_bwd)
+
+
+def _launch(idx: jax.Array, num_experts: int, block: int, chunk: int):
     from mhl_jax.ops.packing import Packing, padded_rows
 
     jt = import_jax_triton()
