@@ -61,7 +61,7 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     transposed dW kernel (`dwt_tile`, block_m clamped to the packing block); "_packed" = packed X / dO
     rows for the backward; "count" = counting-sort packing; "new" = "t" + "count" (= "default" at
     packing block 64 up to COUNT_SORT_MAX_SLOTS slots); "tpack" = "default" with the Triton packing
-    kernels (kernels/packing.py; unmeasured as yet)."""
+    kernels (kernels/packing.py; what "default" packs with at blocks >= 64 since 2026-11-23)."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name in ("default", "tpack"):
