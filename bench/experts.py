@@ -309,6 +309,13 @@ def sweep(tokens: int, ne: int, de: int, pack_block: int, device: str, date: str
             emit(rec, outf)
 
 
+PROGRESS = "progress:"  # stderr lines of an isolated child, read back when it times out
+
+
+def progress(t0: float, what: str) -> None:
+    print(f"{PROGRESS} {what} at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
 def run_isolated(impl: str, tokens: int, de: int, ne: int, timeout: float) -> dict:
     """Run one (impl, shape) in a child process (own session, killed as a group on timeout): a Mosaic-GPU
     compiler crash or hang is recorded, not fatal."""
@@ -322,8 +329,9 @@ def run_isolated(impl: str, tokens: int, de: int, ne: int, timeout: float) -> di
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        return dict(error=f"child timed out ({timeout:.0f} s)")
+        _, err = p.communicate()  # what the child had written: its progress lines say where it stopped
+        done = [ln[len(PROGRESS):].strip() for ln in (err or "").splitlines() if ln.startswith(PROGRESS)]
+        return dict(error=f"child timed out ({timeout:.0f} s); reached: {'; '.join(done) or 'nothing'}")
     for line in out.splitlines():
         if line.startswith("{"):
             return json.loads(line)
@@ -394,6 +402,14 @@ def main() -> None:
                         elif impl in ("ours", "ours_grouped", "ragged_mgpu"):
                             fwd, fb = (ours_jax(variant, parse_tile(args.dwt_tile)) if impl == "ours" else
                                        ours_grouped_jax() if impl == "ours_grouped" else ragged_mgpu())
+                            if impl == "ragged_mgpu":  # compile and first-call times, for a timed-out child
+                                jax.block_until_ready(fwd(*sets[0]))
+                                progress(t0, "forward compiled and run once")
+                                t1 = time.perf_counter()
+                                jax.block_until_ready(fwd(*sets[0]))
+                                progress(t0, f"forward warm call {1e3 * (time.perf_counter() - t1):.1f} ms")
+                                jax.block_until_ready(fb(*sets[0]))
+                                progress(t0, "fwd+bwd compiled and run once")
                             if impl != "ragged_mgpu":  # same function as the first variant? (bf16: ~1e-3 expected)
                                 got = (fwd(*sets[0]), fb(*sets[0]))
                                 if first_grads is None:

@@ -9,14 +9,20 @@ import jax
 import numpy as np
 
 
-def time_jax(fn, arg_sets, reps: int = 20, inner: int = 3) -> float:
+def time_jax(fn, arg_sets, reps: int = 20, inner: int = 3, budget_s: float = 10.0) -> float:
     """Median ms per call over `reps` batches of `inner` back-to-back calls, rotating input sets.
 
     Every input set is run once first (compile, warm-up); block_until_ready closes each batch, so
-    the time is the device's, launch gaps amortised over `inner` calls.
+    the time is the device's, launch gaps amortised over `inner` calls. A slow function (one warm call
+    times reps x inner over `budget_s`) gets fewer batches (at least 3) of one call each.
     """
     for a in arg_sets:
         jax.block_until_ready(fn(*a))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[0]))
+    one = time.perf_counter() - t0
+    if one * reps * inner > budget_s:
+        reps, inner = max(3, min(reps, int(budget_s / max(one, 1e-9)))), 1
     ts = []
     for r in range(reps):
         t0 = time.perf_counter()

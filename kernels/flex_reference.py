@@ -25,9 +25,20 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from kernels.torch_experts import TorchPacking, pack_torch
 
+FLEX_RECOMPILE_LIMIT = 256  # compiled shapes per process (torch's default is 8)
+
 
 @functools.cache
 def _compiled_flex():
+    """One compile per shape (dynamic=False). torch.compile stops recompiling after its recompile limit (8)
+    and then runs FlexAttention eagerly, which materialises the whole rows x (G * de) score matrix: in a
+    sweep that was every shape after the 4th (forward and fwd+bwd compile separately), asking for up to
+    38 TiB (bench/NOTES.md, H100 2026-11-23). So the limit is raised for the oracle."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), FLEX_RECOMPILE_LIMIT))
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -36,14 +36,16 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
 
 
 def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
-                     w2: jax.Array, k: int, cfg=None, backend: str = "triton") -> tuple[jax.Array, jax.Array]:
+                     w2: jax.Array, k: int, cfg=None, backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """`moe_heads` on the Triton router and experts with one packing: the router's forward also packs
     its indices the way the expert op wants them, and its backward takes the dW_r layout from that
-    packing instead of sorting the slots again. backend "emulate": pure-JAX kernel stand-ins (CPU)."""
-    from mhl_jax.ops.router_triton import route_topk_triton
+    packing instead of sorting the slots again. backend "emulate": pure-JAX kernel stand-ins (CPU);
+    None: the bindings' own default (so a test may swap the bindings for emulating ones)."""
+    from mhl_jax.ops import router_triton
 
-    spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend)
-    values, idx, packing = route_topk_triton(x_route, w_r, bias, k, backend=backend, pack=spec)
+    kw = {} if backend is None else {"backend": backend}
+    spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
+    values, idx, packing = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, **kw)
     gates = jax.nn.softmax(values, axis=-1)  # fp32
     return expert_ffn(x_expert, idx, gates, w1, w2, "triton", cfg=cfg, packing=packing, backend=backend)
 

@@ -63,14 +63,15 @@ def triton_packing_spec(x_shape: tuple[int, ...], k: int, w1_shape: tuple[int, .
 
 def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
                impl: str = "reference", cfg=None, packing: pk.Packing | None = None,
-               backend: str = "triton") -> tuple[jax.Array, jax.Array]:
+               backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """x: (N, H, dh) compute dtype; idx: (N, H, k) int32; gates: (N, H, k) fp32;
     w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32. impl "triton": the fused IO-aware kernels for
     dh <= MAX_TRITON_EXPERT_WIDTH (`cfg`: a `kernels.experts.ExpertsConfig`), the grouped-GEMM kernels
     above (`cfg`: a `kernels.grouped.GroupedConfig`); None picks the measured defaults.
 
     `packing` (triton only): the packing of idx made by the router with `triton_packing_spec`;
-    `backend` (triton only): "emulate" runs pure-JAX stand-ins of the kernels (CPU tests).
+    `backend` (triton only): "emulate" runs pure-JAX stand-ins of the kernels (CPU tests); None: the
+    bindings' default ("triton").
 
     Returns y (N, H, dh) in x.dtype and the per-(head, expert) load counts (H, Ne) int32.
     """
@@ -81,13 +82,14 @@ def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2
                          f"w1 {w1.shape}, w2 {w2.shape}")
     k = idx.shape[2]
     if impl == "triton":
+        kw = {} if backend is None else {"backend": backend}
         if triton_expert_path(dh) == "grouped":
-            from mhl_jax.ops.experts_grouped import expert_ffn_grouped
+            from mhl_jax.ops import experts_grouped
 
-            return expert_ffn_grouped(x, idx, gates, w1, w2, cfg=cfg, backend=backend, packing=packing)
-        from mhl_jax.ops.experts_triton import expert_ffn_triton
+            return experts_grouped.expert_ffn_grouped(x, idx, gates, w1, w2, cfg=cfg, packing=packing, **kw)
+        from mhl_jax.ops import experts_triton
 
-        return expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg, backend=backend, packing=packing)
+        return experts_triton.expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg, packing=packing, **kw)
     if impl != "reference":
         raise ValueError(f"expert_ffn: impl={impl!r}, expected 'reference' or 'triton'")
     packing = pk.pack(idx, ne, REFERENCE_BLOCK)
