@@ -6,9 +6,11 @@ against the authors' figures (shared/anchors/ref_layer_h100_2026-11-22.jsonl, on
                           [--variants v2 new ...] [--dwt-tile 64,128,8,2] [--breakdown]
                           [--expert-weights float32|bfloat16]
 
-Layer (built from the ops, independent of the model module):
+Layer (the model's MoE core `moe_core.moe_heads` between two projections written here):
     x (N, d=1024) bf16 -> W_in (d, Nh*dh) -> (N, Nh=8, dh=128) -> route_topk per head (fp32 scores,
     bias in the selection) -> gates = softmax(values) fp32 -> expert_ffn (N, Nh, dh) -> W_out -> (N, d)
+With router and experts both triton this is the model's path: the router packs the indices once for
+the expert op and for its own dW_r. With different router / expert impls the two ops run separately.
 Parameters are fp32 masters (cast to bf16 for the matmuls, fp32 gradients), as in training;
 --expert-weights bfloat16 passes W1 / W2 in bf16 instead (no cast pass, bf16 gradients: the byte floor
 at 8192 tokens drops from ~3.2 GB to ~1.6 GB at Ne 384, bench/NOTES.md "Layer").
@@ -20,9 +22,11 @@ W_in, W_out, router scores and experts; our backward's recomputation is not coun
 --variants: expert configs of the triton path (`mhl_jax.ops.experts_triton.VARIANTS`, "v2" = the
 measured default), one record each; a variant that fails is recorded and the next one runs.
 --breakdown: also time the layer's parts alone under jit at each shape (one `layer_breakdown` record
-per variant): router fwd+bwd, packing (sort, counting sort, Triton kernels), expert op fwd and fwd+bwd
-(packing included), the
-two dense projections fwd+bwd, and the rest (layer minus the parts: softmax, casts, launch gaps).
+per variant): the router alone fwd+bwd (its own slot sort), packing (sort, counting sort, Triton
+kernels), the expert op alone fwd and fwd+bwd (its own packing), router + experts as the layer runs them
+(`moe_fwd_bwd`: one packing), the two dense projections fwd+bwd, and the rest (layer minus moe_fwd_bwd
+(or router + experts when the impls differ) minus the projections: casts, launch gaps). The parts
+alone overlap (each packs), so only moe_fwd_bwd + dense + rest adds up to the layer.
 """
 
 from __future__ import annotations
@@ -132,7 +136,17 @@ def breakdown(params, xs, k: int, router_impl: str, cfg, ms_layer: float) -> dic
 
     out["dense_fwd_bwd"] = time_jax(jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2))),
                                     [(params["w_in"], params["w_out"], x) for x in xs])
-    out["rest"] = ms_layer - out["router_fwd_bwd"] - out["experts_fwd_bwd"] - out["dense_fwd_bwd"]
+    if router_impl == "triton":  # router + experts as the layer runs them: one packing for both
+        from mhl_jax.model.moe_core import moe_heads
+
+        def moe_loss(s, w_r, g_w1, g_w2):
+            y, _ = moe_heads(s, s, w_r, params["bias"], g_w1, g_w2, k, "triton", cfg=cfg)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        out["moe_fwd_bwd"] = time_jax(jax.jit(jax.grad(moe_loss, argnums=(0, 1, 2, 3))),
+                                      [(s, params["w_r"], params["w1"], params["w2"]) for s in subs])
+    moe = out.get("moe_fwd_bwd", out["router_fwd_bwd"] + out["experts_fwd_bwd"])
+    out["rest"] = ms_layer - moe - out["dense_fwd_bwd"]
     return out
 
 
@@ -236,7 +250,7 @@ def main() -> None:
                     b = dict(rec, bench="layer_breakdown")
                     try:
                         b["parts_ms"] = breakdown(params, xs, k, router, cfg or expert_cfg(
-                            "v2", tokens, ne, k, de), rec["ms"])
+                            "default", tokens, ne, k, de), rec["ms"])
                     except Exception as e:
                         b["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     emit(b, outf)

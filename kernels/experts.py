@@ -285,7 +285,8 @@ class ExpertsConfig:
 
     Variants (old defaults first): dw_form "rows" | "t" (which dW kernel); packed_bwd: write packed X and
     gate-scaled dO rows once and let the dX / dW kernels read them contiguously; pack_impl "argsort" |
-    "count" (the JAX packing: stable argsort, or the chunked counting sort)."""
+    "count" | "triton" (the JAX packing: key sort, or the chunked counting sort; or the Triton kernels of
+    kernels/packing.py, emulated runs use the JAX sort instead)."""
 
     pack_block: int = 128
     fwd: Tile = Tile(128, 64, 8, 2)
@@ -354,7 +355,8 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
     those take 256-512 registers per thread and spill (the small d = 256 MoE then never finished a train
     step on H100, 2026-11-23). Here: 8 warps, row blocks of at most 64 and a 32-wide de chunk in the dW
     kernel, i.e. 64 accumulator registers per thread at DH = 256 (the dW kernel also holds its two
-    (BLOCK_E, DH) weight tiles). Packing as `default_config` picks it."""
+    (BLOCK_E, DH) weight tiles). Packing block as `default_config` picks it; the JAX counting sort or
+    sort (the Triton packing was measured at dh 128 only)."""
     form = dw_form or "t"
     bm = min(pack, 64)
     count = dw_form is None and pack >= 64 and num_slots <= COUNT_SORT_MAX_SLOTS

@@ -248,7 +248,8 @@ def router_bwd_dw_partial_kernel(
     H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
     CB: tl.constexpr, SUB: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """order: (H * N * K,) int32, per head the local slots n * K + j sorted by expert (stable);
+    """order: (H * N * K,) int32, per head the local slots n * K + j sorted by expert (stable), or any
+    layout in which each group's slots are contiguous from group_start (e.g. the experts' packed rows);
     block_group: (NB,) group h * NE + e of each block or -1; group_start (G,): first position of the
     group in `order`; group_bstart (G,): its first block; group_size (G,): its slot count."""
     b = tl.program_id(0)

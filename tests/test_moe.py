@@ -181,16 +181,20 @@ def test_moe_heads_gradients_match_float64_finite_differences(k):
             assert abs(float(grad[i]) - fd) < 1e-4 * max(1.0, abs(fd)), (which, i, float(grad[i]), fd)
 
 
-@pytest.mark.parametrize("dh", [16, 144], ids=["fused", "grouped"])
-def test_moe_heads_triton_shares_one_packing(dh):
+@pytest.mark.parametrize("dh,n,ne,k", [(16, 40, 12, 3), (144, 40, 12, 3), (16, 200, 4, 2)],
+                         ids=["fused", "grouped", "fused-block64"])
+def test_moe_heads_triton_shares_one_packing(dh, n, ne, k):
     """The Triton path of moe_heads (router packs once for the experts; its dW_r layout comes from that
     packing), with pure-JAX kernel stand-ins, against the reference path: same loads, same output and
-    gradients (fp32). dh 16 runs the fused expert op, dh 144 the grouped one."""
+    gradients (fp32), and one sort fewer in the compiled gradient than the router and expert ops called
+    separately. dh 16 runs the fused expert op, dh 144 the grouped one; "block64" has 100 slots per
+    group, so the default config packs 64-row blocks with the Triton packing (emulated: the JAX sort)."""
     from mhl_jax.model.moe_core import moe_heads_triton
-    from mhl_jax.ops.experts import expert_ffn
+    from mhl_jax.ops.experts import expert_ffn, triton_packing_spec
+    from mhl_jax.ops.router_triton import route_topk_triton
 
     rng = np.random.default_rng(31)
-    n, h, ne, de, k = 40, 2, 12, 32, 3
+    h, de = 2, 32
     x = jnp.asarray(rng.standard_normal((n, h, dh)), jnp.float32)
     w_r = jnp.asarray(rng.standard_normal((h, dh, ne)) / np.sqrt(dh), jnp.float32)
     bias = jnp.zeros((h, ne), jnp.float32).at[:, 2].set(5.0)  # a hot expert over several row blocks
@@ -204,9 +208,18 @@ def test_moe_heads_triton_shares_one_packing(dh):
             return jnp.sum(y * proj), load
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))
 
+    def separate(x_, _, w_r_, b_, w1_, w2_, k_):
+        vals, idx = route_topk_triton(x_, w_r_, b_, k_, backend="emulate")
+        return expert_ffn(x_, idx, jax.nn.softmax(vals, axis=-1), w1_, w2_, "triton", backend="emulate")
+
+    shared = lambda *a: moe_heads_triton(*a, backend="emulate")  # noqa: E731
     (l_ref, load_ref), g_ref = loss(lambda *a: moe_heads(*a, "reference"))(x, w_r, w1, w2)
-    (l_tri, load_tri), g_tri = loss(lambda *a: moe_heads_triton(*a, backend="emulate"))(x, w_r, w1, w2)
+    (l_tri, load_tri), g_tri = loss(shared)(x, w_r, w1, w2)
     assert np.array_equal(load_ref, load_tri) and int(load_ref[:, 2].min()) == n
+    if n == 200:
+        assert triton_packing_spec(x.shape, k, w1.shape) == (64, "triton")
+    sorts = [loss(f).lower(x, w_r, w1, w2).as_text().count("stablehlo.sort") for f in (shared, separate)]
+    assert sorts[0] == sorts[1] - 1, sorts
     np.testing.assert_allclose(l_tri, l_ref, rtol=1e-5)
     for name, a, b in zip(("x", "w_r", "w1", "w2"), g_tri, g_ref):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5 * float(np.abs(b).max()), err_msg=name)

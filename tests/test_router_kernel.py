@@ -248,7 +248,7 @@ def test_jax_metadata_matches_torch_and_drives_the_kernels(sort, bounds, n, ne):
 
 
 @interp
-@pytest.mark.parametrize("block,n", [(16, 41), (32, 41), (64, 7)])
+@pytest.mark.parametrize("block,n", [(16, 41), (32, 41), (64, 7), (128, 41)])
 def test_dw_layout_from_the_experts_packing_drives_the_kernels(block, n):
     """The dW layout taken from the experts' packing (blocks = the packing's row blocks, padding rows
     never read) gives the float64 gradient through the Triton kernels, with a hot expert over several
@@ -268,7 +268,7 @@ def test_dw_layout_from_the_experts_packing_drives_the_kernels(block, n):
     tiles = packed_dw_tiles(tiles, block)
     assert tiles.dw_block == block and block % tiles.dw_sub == 0
     meta = ktr.DwMeta(*[torch.from_numpy(np.array(a)) for a in mj])
-    if n == 41:
+    if n == 41 and block < 41:
         assert int(meta.group_nblk.max()) >= 2  # the hot expert's group spans blocks
     dv = torch.from_numpy(np.random.default_rng(6).standard_normal((n, h, k), dtype=np.float32))
     _, dw = ktr.router_bwd(x, w, idx, dv, tiles, dx_dtype=torch.float32, meta=meta)

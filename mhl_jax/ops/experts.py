@@ -92,6 +92,9 @@ def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2
         return experts_triton.expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg, packing=packing, **kw)
     if impl != "reference":
         raise ValueError(f"expert_ffn: impl={impl!r}, expected 'reference' or 'triton'")
+    if packing is not None or backend is not None:
+        raise ValueError("expert_ffn: packing= and backend= belong to impl='triton'; the reference packs "
+                         f"with its own block {REFERENCE_BLOCK}")
     packing = pk.pack(idx, ne, REFERENCE_BLOCK)
     rows = pk.gather_rows(x, packing, k)
     out = expert_rows_reference(rows, packing.block_group, w1.reshape(h * ne, dh, de),

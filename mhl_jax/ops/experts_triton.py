@@ -59,9 +59,10 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     """Named configs for old-vs-new comparisons in one process: "default" = `default_config` (what the
     model runs); "v2" = the row-form dW kernel with argsort packing (the defaults until 2026-11-23); "t" =
     transposed dW kernel (`dwt_tile`, block_m clamped to the packing block); "_packed" = packed X / dO
-    rows for the backward; "count" = counting-sort packing; "new" = "t" + "count" (= "default" at
-    packing block 64 up to COUNT_SORT_MAX_SLOTS slots); "tpack" = "default" with the Triton packing
-    kernels (kernels/packing.py; what "default" packs with at blocks >= 64 since 2026-11-23)."""
+    rows for the backward; "count" = counting-sort packing; "new" = "t" + "count" (the default of the
+    afternoon of 2026-11-23 at packing block 64 up to COUNT_SORT_MAX_SLOTS slots); "tpack" = "default"
+    with the Triton packing kernels (kernels/packing.py), i.e. "default" itself at blocks >= 64 since the
+    evening of 2026-11-23."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name in ("default", "tpack"):
@@ -179,7 +180,7 @@ def given_packing(packing: pk.Packing | None, num_slots: int, num_groups: int, b
     got = (packing.row_slot.shape[0], packing.slot_row.shape[0], packing.group_sizes.shape[0])
     if got != want:
         raise ValueError(f"{who}: the given packing has (rows, slots, groups) = {got}, expected {want} "
-                         f"(row block {block}: make it with this op's packing_spec)")
+                         f"(row block {block}: make it with mhl_jax.ops.experts.triton_packing_spec)")
     return packing
 
 
@@ -262,7 +263,7 @@ def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Ar
     Returns y (N, H, dh) in x.dtype and the load (H, Ne) int32 (routed slots per (head, expert)).
     Same contract as `expert_ffn(..., impl="reference")`; `cfg` overrides the packing block and tiles;
     `packing`: the packing of idx already made (by the router, `route_topk_triton(..., pack=)`) with
-    this config's block (`packing_spec`), else it is made here.
+    this config's block (`mhl_jax.ops.experts.triton_packing_spec`), else it is made here.
     """
     n, h, dh = x.shape
     hw, ne, _, de = w1.shape

@@ -48,7 +48,8 @@ class Static(NamedTuple):
 class DwMeta(NamedTuple):
     """Expert-sorted slot layout for the dW kernels (all int32; G = H * Ne groups, NB blocks)."""
 
-    order: jax.Array  # (H * N * k,) per head, local slots n * k + j sorted by expert (stable)
+    order: jax.Array  # (H * N * k,) per head, local slots n * k + j sorted by expert (stable); from a
+    # packing (`dw_metadata_from_packing`): (P,) the packed rows' local slots, padding rows never read
     block_group: jax.Array  # (NB,) group h * Ne + e of each block, -1 past the used blocks
     group_start: jax.Array  # (G,) first position of the group in `order`
     group_bstart: jax.Array  # (G,) first block of the group
