@@ -14,7 +14,7 @@ backward  dx: k gathered rows of W_r^T per token (fixed order). dW_r: slots sort
           (head, expert) each; a kernel sums each block in order, another sums each expert's blocks
           in order. No float atomics anywhere: gradients are bitwise reproducible.
           With `pack=` (the model's path, `moe_core.moe_heads_triton`) the forward also packs the indices
-          for the expert op, and the dW_r blocks are that packing's row blocks: one slot sort per layer.
+          for the expert op, and the dW_r blocks are cut from that packing: one slot sort per layer.
 
 Memory: O(N k + H Ne dh); nothing of size N x Ne exists. Works under jit and inside shard_map (use
 it there: under plain jit jax-triton gathers sharded inputs). `backend="emulate"` runs the same
@@ -106,7 +106,6 @@ def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "flat", bounds:
         raise ValueError(f"router sort={sort!r}, expected 'flat', 'packed' or 'argsort'")
     heads = jnp.arange(h, dtype=jnp.int32)[:, None]
     nb = dw_num_blocks(n * h * k, h * ne, block)
-    blocks = jnp.arange(nb, dtype=jnp.int32)
     if bounds == "search":
         run0 = jax.vmap(lambda s: jnp.searchsorted(s, jnp.arange(ne + 1, dtype=jnp.int32), side="left"))(se)
     elif bounds == "scatter":
@@ -123,35 +122,40 @@ def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "flat", bounds:
     run0 = run0.astype(jnp.int32)  # (H, Ne + 1): start of each expert's run within its head
     size = (run0[:, 1:] - run0[:, :-1]).reshape(-1)
     start = (run0[:, :-1] + heads * mh).reshape(-1)
+    return _cut_groups(order.reshape(-1), start, size, block, nb, search=bounds == "search")
+
+
+def _cut_groups(order, start, size, block: int, nb: int, search: bool = False) -> DwMeta:
+    """DwMeta for groups whose slots lie contiguous in `order` from `start` (G,), `size` (G,) long: each
+    group cut into blocks of at most `block` slots, blocks numbered group after group (nb: static bound)."""
     nblk = (size + block - 1) // block
     cum = prefix_scan(jnp.add, nblk)
     bstart = cum - nblk
-    if bounds == "search":
+    blocks = jnp.arange(nb, dtype=jnp.int32)
+    if search:
         bg = jnp.searchsorted(cum, blocks, side="right").astype(jnp.int32)
     else:  # mark each non-empty group's first block with the group, carry the mark forward
-        g_ids = jnp.arange(h * ne, dtype=jnp.int32)
+        g_ids = jnp.arange(size.shape[0], dtype=jnp.int32)
         marks = jnp.full((nb,), -1, jnp.int32).at[jnp.where(nblk > 0, bstart, nb)].max(g_ids, mode="drop")
         bg = prefix_scan(jnp.maximum, marks)
     bg = jnp.where(blocks < cum[-1], bg, -1)
-    return DwMeta(order.reshape(-1), bg, start, bstart, size, nblk)
+    return DwMeta(order, bg, start, bstart, size, nblk)
 
 
-def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, block: int) -> DwMeta:
+def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, pack_block: int, block: int) -> DwMeta:
     """The dW layout taken from the experts' packing of the same indices (no sort of its own).
 
-    Each packed row block of `block` rows holds slots of one (head, expert) in the same stable order as
-    `dw_metadata`'s, so with dW blocks of exactly `block` slots (tiles.dw_block = block) the blocks are
-    the packing's: `order` is the packed rows' local slots n * k + j (padding rows are never read: a
-    block stops at its group's size), a group starts at its first padded row. Elementwise work only."""
+    The packing holds each (head, expert) group's slots in the same stable order as `dw_metadata`'s sort,
+    contiguous from the group's first padded row (its padding follows its last slot). So `order` is the
+    packed rows' local slots n * k + j (padding rows are never read: a block stops at its group's size)
+    and the groups are cut into dW blocks of at most `block` slots exactly as `dw_metadata` cuts them:
+    the same partial sums, so the same dW_r to the bit. Elementwise work and scans over the G groups."""
     s = packing.row_slot
+    n_slots, g = packing.slot_row.shape[0], packing.group_sizes.shape[0]
     local = jnp.where(s >= 0, s // (heads * k) * k + s % k, 0).astype(jnp.int32)
-    bstart, nblk = pk.group_blocks(packing.group_sizes, block)
-    return DwMeta(local, packing.block_group, bstart * block, bstart, packing.group_sizes, nblk)
-
-
-def packed_dw_tiles(tiles: RouterTiles, block: int) -> RouterTiles:
-    """The dW tiles for metadata from a packing with row block `block` (a power of 2 >= 16)."""
-    return tiles._replace(dw_block=block, dw_sub=min(tiles.dw_sub, block))
+    first_block, _ = pk.group_blocks(packing.group_sizes, pack_block)
+    return _cut_groups(local, first_block * pack_block, packing.group_sizes, block,
+                       dw_num_blocks(n_slots, g, block))
 
 
 def _dhp(dh: int) -> int:
@@ -270,8 +274,7 @@ def _route_bwd(st: Static, res, cts):
     if st.pack is None:
         meta = dw_metadata(idx, ne, st.tiles.dw_block, st.sort)
     else:  # the experts' packing of the same indices: no second sort
-        st = st._replace(tiles=packed_dw_tiles(st.tiles, st.pack[0]))
-        meta = dw_metadata_from_packing(res[4], x.shape[1], st.k, st.pack[0])
+        meta = dw_metadata_from_packing(res[4], x.shape[1], st.k, st.pack[0], st.tiles.dw_block)
     dw = (_dw_triton if triton else _dw_emulate)(st, x, dvals, meta, ne)
     return dx, dw.astype(w.dtype), jnp.zeros_like(bias)
 
