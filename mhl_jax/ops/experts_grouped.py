@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from kernels.experts import GELU_A, GELU_C
 from kernels.grouped import GATHER, GATHER_GATED, ROWS, GroupedConfig, b_strides, default_grouped_config
 from mhl_jax.ops import packing as pk
-from mhl_jax.ops.experts_triton import Meta, _combine, bwd_cotangents, dgates_and_dy_rows, given_packing, pack_method
+from mhl_jax.ops.experts_triton import Meta, _combine, bwd_cotangents, dgates_and_dy_rows, packed_meta
 from mhl_jax.ops.kernels_select import import_jax_triton
 
 BACKENDS = ("triton", "emulate")
@@ -229,9 +229,6 @@ def expert_ffn_grouped(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.A
                          f"x's {x.dtype}")
     cfg = resolve_grouped_config(n * h * k, h * ne, dh, de, cfg)
     cfg.check(dh, de)
-    packing = given_packing(packing, n * h * k, h * ne, cfg.pack_block, "expert_ffn_grouped") or \
-        pk.pack(idx, ne, cfg.pack_block, pack_method(cfg.pack_impl, backend))
-    start, count = pk.group_blocks(packing.group_sizes, cfg.pack_block)
-    meta = Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count)
+    packing, meta = packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, backend, packing, "expert_ffn_grouped")
     y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta)
     return y, packing.group_sizes.reshape(h, ne)

@@ -172,16 +172,22 @@ def resolve_config(num_slots: int, num_groups: int, dh: int, de: int, cfg: Exper
     return (cfg or default_config(num_slots, num_groups, dh, de)).fit(de)
 
 
-def given_packing(packing: pk.Packing | None, num_slots: int, num_groups: int, block: int, who: str):
-    """Check a packing handed to an expert op against the one it would make (row block `block`)."""
+def packed_meta(idx: jax.Array, num_experts: int, block: int, pack_impl: str, backend: str,
+                packing: pk.Packing | None, who: str) -> tuple[pk.Packing, Meta]:
+    """The packing of idx (N, H, k) for an expert op, and the kernels' Meta. A packing handed in (made
+    by the router, `route_topk_triton(..., pack=)`) is checked against the one the op would make with
+    row block `block`; otherwise it is made here with `pack_impl` (`pack_method` under `backend`)."""
+    n, h, k = idx.shape
     if packing is None:
-        return None
-    want = (pk.padded_rows(num_slots, num_groups, block), num_slots, num_groups)
-    got = (packing.row_slot.shape[0], packing.slot_row.shape[0], packing.group_sizes.shape[0])
-    if got != want:
-        raise ValueError(f"{who}: the given packing has (rows, slots, groups) = {got}, expected {want} "
-                         f"(row block {block}: make it with mhl_jax.ops.experts.triton_packing_spec)")
-    return packing
+        packing = pk.pack(idx, num_experts, block, pack_method(pack_impl, backend))
+    else:
+        want = (pk.padded_rows(n * h * k, h * num_experts, block), n * h * k, h * num_experts)
+        got = (packing.row_slot.shape[0], packing.slot_row.shape[0], packing.group_sizes.shape[0])
+        if got != want:
+            raise ValueError(f"{who}: the given packing has (rows, slots, groups) = {got}, expected {want} "
+                             f"(row block {block}: make it with mhl_jax.ops.experts.triton_packing_spec)")
+    start, count = pk.group_blocks(packing.group_sizes, block)
+    return packing, Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count)
 
 
 def take_slots(rows, slot_row):
@@ -276,10 +282,7 @@ def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Ar
                          f"{gates.shape}, w1 {w1.shape}, w2 {w2.shape}")
     cfg = resolve_config(n * h * k, h * ne, dh, de, cfg)
     cfg.check(dh, de)
-    packing = given_packing(packing, n * h * k, h * ne, cfg.pack_block, "expert_ffn_triton") or \
-        pk.pack(idx, ne, cfg.pack_block, pack_method(cfg.pack_impl, backend))
-    start, count = pk.group_blocks(packing.group_sizes, cfg.pack_block)
-    meta = Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count)
+    packing, meta = packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, backend, packing, "expert_ffn_triton")
     if w1.dtype != w2.dtype:
         raise ValueError(f"expert_ffn_triton: w1 {w1.dtype} and w2 {w2.dtype} must share a dtype")
     y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta)
