@@ -5,9 +5,9 @@
                                 [--options default fast none] [--attention xla cudnn] [--dtype float32]
                                 [--steps 3] [--out FILE]
 
-options: `default` = `jit_train_step`'s options (train.deterministic on: all-reduce code motion off +
-xla_gpu_exclude_nondeterministic_ops, XLA's deterministic scatter, autotuning kept); `fast` = the same
-with train.deterministic off; `none` = no compiler options.
+options: `default` = `jit_train_step`'s options (all-reduce code motion off); `xladet` = the same plus
+xla_gpu_exclude_nondeterministic_ops (train.xla_deterministic_ops, XLA's deterministic scatter,
+autotuning kept); `none` = no compiler options.
 One JSON line per (kind, kernels, options): the losses of both in-process runs as float32 bit patterns
 (hex) and whether they are equal. The small fp32 models of bench/train_2gpu.py, one random batch.
 """
@@ -29,7 +29,7 @@ from bench.timing import emit  # noqa: E402
 from bench.train_2gpu import ACCUM, BATCH, SEQ, small_config, train_losses  # noqa: E402
 from mhl_jax.train.step import train_step_compiler_options  # noqa: E402
 
-OPTIONS = {"default": None, "fast": train_step_compiler_options(deterministic=False), "none": {}}
+OPTIONS = {"default": None, "xladet": train_step_compiler_options(deterministic=True), "none": {}}
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
         for kernels, attention, opt in itertools.product(args.kernels, args.attention, args.options):
             cfg = small_config(kind, 1, kernels=kernels, attention=attention, dtype=args.dtype)
             options = OPTIONS[opt]  # None: what train_losses / jit_train_step pick for this config
-            shown = train_step_compiler_options(True, attention == "cudnn") if options is None else options
+            shown = train_step_compiler_options(False, attention == "cudnn") if options is None else options
             rec = dict(bench="determinism", kind=kind, kernels=kernels, attention=attention, dtype=args.dtype,
                        options=opt, compiler_options=shown, device=jax.devices()[0].device_kind)
             try:

@@ -5,9 +5,8 @@
 #       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/run_multi_gpu.sh p2|p4|scale
 # p2|p2check: GPUs 0,1: bench/a2a.py at P=2 (+ EP layer check, 1-vs-2-GPU training losses, in-layer HP cost);
 #        meanwhile GPUs 2,3: the tiny MH-LatentMoE trained with Triton kernels under Head Parallel (hp=2).
-# p2train: GPUs 0,1 (nvidia-h200-x2 is enough, ~3 min): bench/train_2gpu.py with XLA's
-#        while-loop-all-reduce-code-motion pass on (the suspected miscompile) and off (jit_train_step's
-#        default), with gamma 0 and 0.01, then the 2-GPU pytest (tests/test_gpu_train.py).
+# p2train: GPUs 0,1 (nvidia-h200-x2 is enough, ~4 min): bench/train_2gpu.py with each set of XLA options
+#        (OPTS, default "none det nopass default"), then with WITH_TEST=1 the GPU pytest tests/test_gpu_train.py.
 # p4:    all 4 GPUs: bench/a2a.py at P=4 with the in-layer HP cost.
 # scale: bench/train_scale.py, the 2.2B configs on 1, 2 and 4 GPUs (loss check, tokens/s, memory, comm split).
 #        MoE / LatentMoE with the grouped-GEMM experts: ... scale --config configs/moe_ep_2.2b.yaml \
@@ -46,14 +45,12 @@ p2|p2check)
     ;;
 p2train)
     export XLA_FLAGS=  # as train.py runs: no deterministic-ops flag (it aborted jax-triton multi-GPU runs)
-    for args in "--with-code-motion" "" "--gamma 0.01"; do
-        CUDA_VISIBLE_DEVICES=0,1 timeout ${T_TRAIN:-150} python3 bench/train_2gpu.py --steps 5 $args \
-            2>&1 | tee -a "$OUT/train_2gpu.log" | grep -a '^{' >> "$OUT/train_2gpu.jsonl"
-        echo "train_2gpu [$args] exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
-    done
-    cut -c1-700 "$OUT/train_2gpu.jsonl"
-    CUDA_VISIBLE_DEVICES=0,1 timeout ${T_TEST:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rA \
-        tests/test_gpu_train.py 2>&1 | tail -5
+    CUDA_VISIBLE_DEVICES=0,1 timeout ${T_TRAIN:-400} python3 bench/train_2gpu.py --steps 5 \
+        --options ${OPTS:-none det nopass default} 2>&1 | tee -a "$OUT/train_2gpu.log" | grep -a '^{' >> "$OUT/train_2gpu.jsonl"
+    echo "train_2gpu exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+    cut -c1-900 "$OUT/train_2gpu.jsonl"
+    [ -n "$WITH_TEST" ] && CUDA_VISIBLE_DEVICES=0,1 timeout ${T_TEST:-150} python3 -m pytest -q -m gpu \
+        -p no:cacheprovider -rA tests/test_gpu_train.py 2>&1 | tail -5
     ;;
 p4)
     timeout 540 python3 bench/a2a.py --hp-layer --repeats 10 --ep-impls padded ragged --date "$DATE" \

@@ -1,6 +1,6 @@
 """Item 5 of issue 4: a few training steps on 1 device and on 2 devices give the same losses.
 
-    python bench/train_2gpu.py [--steps 5] [--tol 1e-4] [--gamma 0] [--with-code-motion]
+    python bench/train_2gpu.py [--steps 5] [--tol 1e-4] [--gamma 0] [--options default none det nopass]
 
 For a small MH-LatentMoE model (Head Parallel, hp = 2) and a small MoE model (Expert Parallel,
 ep = 2; ragged_all_to_all on GPU), the same initial state and one random token batch (every step) go
@@ -10,11 +10,10 @@ when a difference exceeds --tol, the loss does not fall, or fewer than 2 devices
 compute with the highest matmul precision, so a difference is reduction order (e.g. the EP router
 gradient's reduce-scatter), amplified a little by Adam's normalisation, never tf32 rounding.
 
---with-code-motion compiles the step with XLA's `while-loop-all-reduce-code-motion` pass left on (it
-is off in `jit_train_step`, TRAIN_STEP_COMPILER_OPTIONS): on 2 x H200 (jax 0.11.2) the runs then drifted
-0.1% apart after one step and ~0.9% after five with the `embed` leaf off (bench/NOTES.md), as
-openxla/xla#49143 describes for scatter accumulations in a loop. That the pass is the cause is not yet
-confirmed on a GPU (no device in the session that disabled it): run both ways to check.
+--options picks the XLA compiler options of the step, one run per name: `default` (what train.py
+uses: `train_step_compiler_options()`), `none` (XLA's defaults), `det` (only
+xla_gpu_exclude_nondeterministic_ops), `nopass` (only the `while-loop-all-reduce-code-motion` pass off);
+bench/NOTES.md, "Correctness on the GPUs", says what each gave.
 --gamma sets the balancing bias step (default 0: off). With it on, one routing flip at a near-tie
 changes an integer load by one and a bias by a whole gamma, so small differences can grow; the
 balancing itself is checked on CPU (tests/test_parallel.py, loads exactly equal).
@@ -45,9 +44,15 @@ from mhl_jax.parallel.executors import make_executor  # noqa: E402
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings  # noqa: E402
 from mhl_jax.train.optimizer import make_optimizer  # noqa: E402
 from mhl_jax.train.schedule import make_schedule  # noqa: E402
-from mhl_jax.train.step import jit_train_step  # noqa: E402
+from mhl_jax.train.step import (  # noqa: E402
+    DETERMINISTIC_OPTIONS,
+    TRAIN_STEP_COMPILER_OPTIONS,
+    jit_train_step,
+    train_step_compiler_options,
+)
 
 SEQ, BATCH, ACCUM = 128, 8, 2
+OPTIONS = {"default": None, "none": {}, "det": DETERMINISTIC_OPTIONS, "nopass": TRAIN_STEP_COMPILER_OPTIONS}
 
 
 def small_config(kind: str, model_axis: int, gamma: float = 0.0, kernels: str = "reference",
@@ -63,8 +68,9 @@ def small_config(kind: str, model_axis: int, gamma: float = 0.0, kernels: str = 
 
 
 def train_losses(cfg: Config, devices: list, batches: np.ndarray,
-                 compiler_options: dict | None = None) -> tuple[list[float], str]:
-    """Losses of len(batches) train steps of `cfg` on `devices`; batches (steps, ACCUM, BATCH, SEQ+1)."""
+                 compiler_options: dict | None = None, grad_norms: list | None = None) -> tuple[list[float], str]:
+    """Losses of len(batches) train steps of `cfg` on `devices`; batches (steps, ACCUM, BATCH, SEQ+1).
+    grad_norms: a list that gets each step's gradient norm."""
     mesh = make_mesh(cfg, devices)
     executor = make_executor(cfg, mesh)
     graphdef, params, biases = nnx.split(build_model(cfg, seed=0, executor=executor), nnx.Param, RouterBias)
@@ -73,7 +79,7 @@ def train_losses(cfg: Config, devices: list, batches: np.ndarray,
     sh = state_shardings(cfg, mesh, state)
     bsh = NamedSharding(mesh, batch_spec(mesh))
     step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh, bsh,
-                          deterministic=cfg.train.deterministic,
+                          deterministic=cfg.train.xla_deterministic_ops,
                           cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
                           compiler_options=compiler_options)
     state = jax.device_put(state, sh)
@@ -81,11 +87,14 @@ def train_losses(cfg: Config, devices: list, batches: np.ndarray,
     for b in batches:
         state, metrics = step(state, jax.device_put(b, bsh))
         losses.append(float(metrics["loss"]))
+        if grad_norms is not None:
+            grad_norms.append(float(metrics["grad_norm"]))
     return losses, repr(executor)
 
 
-def run(steps: int = 5, tol: float = 1e-4, gamma: float = 0.0, code_motion: bool = False, log=print) -> list[dict]:
-    """Both models on 1 and 2 devices; returns one record per model; raises if they disagree."""
+def run(steps: int = 5, tol: float = 1e-4, gamma: float = 0.0, options: str = "default", log=print) -> list[dict]:
+    """Both models on 1 and 2 devices, compiled with OPTIONS[options]; returns one record per model;
+    raises if they disagree."""
     devices = jax.devices()
     if len(devices) < 2:
         raise RuntimeError(f"train_2gpu needs 2 devices, found {len(devices)}: {devices}")
@@ -95,13 +104,15 @@ def run(steps: int = 5, tol: float = 1e-4, gamma: float = 0.0, code_motion: bool
             # one random batch, every step: the model can fit it, so the losses must fall
             batch = np.random.default_rng(0).integers(0, 512, (ACCUM, BATCH, SEQ + 1), dtype=np.int32)
             batches = np.broadcast_to(batch, (steps,) + batch.shape)
-            opts = {} if code_motion else None
-            one, ex1 = train_losses(small_config(kind, 1, gamma), devices[:1], batches, opts)
-            two, ex2 = train_losses(small_config(kind, 2, gamma), devices[:2], batches, opts)
+            opts = OPTIONS[options]
+            g1, g2 = [], []
+            one, ex1 = train_losses(small_config(kind, 1, gamma), devices[:1], batches, opts, g1)
+            two, ex2 = train_losses(small_config(kind, 2, gamma), devices[:2], batches, opts, g2)
             diff = float(np.max(np.abs(np.asarray(one) - np.asarray(two))))
+            used = train_step_compiler_options() if opts is None else opts
             rec = {"bench": "train_2gpu", "kind": kind, "executor_1": ex1, "executor_2": ex2,
-                   "device": devices[0].device_kind, "gamma": gamma, "code_motion": code_motion,
-                   "losses_1": one, "losses_2": two, "max_abs_diff": diff,
+                   "device": devices[0].device_kind, "gamma": gamma, "options": options, "compiler_options": used,
+                   "losses_1": one, "losses_2": two, "max_abs_diff": diff, "grad_norms_1": g1, "grad_norms_2": g2,
                    "ok": bool(diff <= tol and all(np.isfinite(one)) and all(np.isfinite(two)) and one[-1] < one[0])}
             log(json.dumps(rec))
             records.append(rec)
@@ -117,9 +128,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--tol", type=float, default=1e-4)
     ap.add_argument("--gamma", type=float, default=0.0)
-    ap.add_argument("--with-code-motion", action="store_true")
+    ap.add_argument("--options", nargs="+", choices=sorted(OPTIONS), default=["default"])
     args = ap.parse_args()
-    run(args.steps, args.tol, args.gamma, args.with_code_motion)
+    failed = []
+    for name in args.options:
+        try:
+            run(args.steps, args.tol, args.gamma, name)
+        except AssertionError as e:
+            print(f"options {name}: {e}", file=sys.stderr)
+            failed.append(name)
+    if failed:
+        sys.exit(f"1 vs 2 devices disagree with options {failed}")
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     state = jax.jit(init_state, out_shardings=sh, donate_argnums=(0, 1))(
         *jax.device_put((params, biases), (sh["params"], sh["biases"])))
     step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh, bsh,
-                          donate=True, deterministic=cfg.train.deterministic,
+                          donate=True, deterministic=cfg.train.xla_deterministic_ops,
                           cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn")
     shaped = batches.reshape(len(batches), accum, micro_global, -1)
     t0 = time.perf_counter()

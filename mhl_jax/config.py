@@ -82,7 +82,10 @@ class TrainConfig:
     seed: int = 0  # seed for init, data order and everything else
     global_batch: int = 320  # sequences per optimizer step (320 x 2048 = 0.66M tokens)
     micro_batch: int = 8  # sequences per device per forward/backward (grad accumulation fills the rest)
-    deterministic: bool = True  # GPU: XLA's deterministic ops (scatter-add etc.): same seed -> same losses
+    # GPU: also compile the step with XLA's xla_gpu_exclude_nondeterministic_ops. Off: our step has no
+    # float atomics without it (README, Determinism), and with it the fp32 gradients of MH-LatentMoE moved
+    # by 1.8e-5 rel. on H200 (1 vs 2 GPUs then 3e-4 apart after 5 steps; bench/NOTES.md).
+    xla_deterministic_ops: bool = False
 
 
 @dataclass

@@ -25,8 +25,8 @@ def _gpus() -> int:
                                                      ("reference", "cudnn", "bfloat16"),
                                                      ("triton", "cudnn", "bfloat16")])
 def test_train_steps_bitwise_repeatable_on_one_gpu(kernels, attention, dtype):
-    """train.deterministic (default): compiled as train.py compiles it (with cuDNN attention without the
-    XLA exclude-nondeterministic option), the same steps twice give the same losses to the bit."""
+    """Compiled as train.py compiles it (no XLA exclude-nondeterministic option: determinism by
+    construction), the same steps twice give the same losses to the bit."""
     from bench.train_2gpu import ACCUM, BATCH, SEQ, small_config, train_losses
 
     batch = np.random.default_rng(1).integers(0, 512, (ACCUM, BATCH, SEQ + 1), dtype=np.int32)

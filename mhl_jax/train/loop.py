@@ -109,7 +109,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
 
     schedule = make_schedule(cfg.optimizer, cfg.schedule)
     step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
-                             deterministic=cfg.train.deterministic,
+                             deterministic=cfg.train.xla_deterministic_ops,
                              cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn")
     eval_fn = jax.jit(make_eval_step(graphdef))
     val = load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences else None

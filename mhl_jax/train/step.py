@@ -18,26 +18,25 @@ from mhl_jax.model.gpt import cross_entropy
 
 # XLA options for the compiled train step. `while-loop-all-reduce-code-motion` moves the data-parallel
 # all-reduce of a gradient out of the micro-batch loop and accumulates locally instead; on scatter-based
-# accumulations (the embedding's gradient is a scatter-add) it miscompiles: contributions of some
-# micro-batches on some devices are dropped (openxla/xla#49143, fixed after jaxlib 0.11.2). CPU XLA
-# does not run the pass (our 8-host-device tests agree); the GPU pipeline does, and 1 vs 2 H200s
-# drifted 0.1% after one step of bench/train_2gpu.py with only the `embed` leaf off (bench/NOTES.md):
-# the pattern of that bug (fix not yet confirmed on a GPU: `bench/train_2gpu.py --with-code-motion`).
-# Disabled, the all-reduce stays in the loop: one per micro-batch, as without gradient accumulation.
+# accumulations it miscompiles (openxla/xla#49143, fixed after jaxlib 0.11.2). Our embedding gradient is
+# no longer a scatter-add (mhl_jax/ops/embed.py), and on 2 x H200 (2026-11-23, bench/train_2gpu.py) 1 vs
+# 2 GPUs agreed to 1e-6 over 5 steps with the pass on or off; it stays off as a guard against that bug
+# (cost: one all-reduce per micro-batch instead of one per step, bench/NOTES.md).
 TRAIN_STEP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-all-reduce-code-motion"}
-# train.deterministic (default): XLA GPU lowers a float scatter-add with repeated indices to atomics, so
-# two runs of the same step differed in the last bits by step 2 (H100, 2026-11-23, bench/determinism.py).
-# The embedding and the pure-JAX expert path's gathers have their own scatter-free backward
-# (mhl_jax/ops/embed.py); this option makes XLA use deterministic forms for anything else (a sorted
-# scatter), keeping autotuning: bitwise-equal losses within and across processes there. It is left
-# off with cuDNN attention: XLA then failed to compile the 2.2B models (IndexError: raw_hash_map::at,
-# H100, 2026-11-23; the error of the earlier multi-GPU runs under --xla_gpu_deterministic_ops).
-# Ignored on CPU.
+# XLA GPU lowers a float scatter-add with repeated indices to atomics (two runs of a step differed in the
+# last bits, H100, 2026-11-23, bench/determinism.py). Every such gradient in our step has a scatter-free
+# form instead (the embedding, the pure-JAX expert path's gathers: mhl_jax/ops/embed.py; Triton kernels:
+# no atomics). This option would make XLA replace any other one, but it is opt-in
+# (train.xla_deterministic_ops): on 2 x H200 it changed the fp32 gradient norm of a small MH-LatentMoE
+# by 1.8e-5 relative (to 9e-8 without it, against the CPU) and put 1 vs 2 GPUs 3e-4 apart after 5 steps;
+# with cuDNN attention XLA failed to compile the 2.2B models under it (IndexError: raw_hash_map::at), so
+# it is never added there. Ignored on CPU.
 DETERMINISTIC_OPTIONS = {"xla_gpu_exclude_nondeterministic_ops": True}
 
 
-def train_step_compiler_options(deterministic: bool = True, cudnn_attention: bool = False) -> dict:
-    """XLA options `jit_train_step` compiles with (module comments above)."""
+def train_step_compiler_options(deterministic: bool = False, cudnn_attention: bool = False) -> dict:
+    """XLA options `jit_train_step` compiles with (module comments above); deterministic:
+    train.xla_deterministic_ops."""
     extra = DETERMINISTIC_OPTIONS if deterministic and not cudnn_attention else {}
     return {**TRAIN_STEP_COMPILER_OPTIONS, **extra}
 
@@ -95,12 +94,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
 
 
 def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gamma: float, schedule: Callable,
-                   state_shardings, batch_sharding, donate: bool = False, deterministic: bool = True,
+                   state_shardings, batch_sharding, donate: bool = False, deterministic: bool = False,
                    cudnn_attention: bool = False, compiler_options: dict | None = None) -> Callable:
     """`make_train_step` under jit with the given shardings and `train_step_compiler_options`:
     the one way train.py and the benchmarks compile it. donate: donate the state (train.py; its buffers
-    are reused for the new state). compiler_options: replaces those options (bench/train_2gpu.py passes {}
-    to show the miscompile)."""
+    are reused for the new state). deterministic: train.xla_deterministic_ops. compiler_options: replaces
+    those options (bench/train_2gpu.py and bench/determinism.py compare sets of them)."""
     return jax.jit(make_train_step(graphdef, tx, gamma, schedule), in_shardings=(state_shardings, batch_sharding),
                    out_shardings=(state_shardings, None), donate_argnums=0 if donate else (),
                    compiler_options=train_step_compiler_options(deterministic, cudnn_attention)
