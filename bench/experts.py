@@ -295,7 +295,7 @@ def sweep(tokens: int, ne: int, de: int, pack_block: int, device: str, date: str
                     cfg = ExpertsConfig(pack_block, big, dx_tile, tile, dw_form=form,
                                         packed_bwd=kind.endswith("_packed"))
                     fn = lambda cfg=cfg: experts_bwd(xs, dys, gf, pk, w1g, w2g, K, cfg)  # noqa: E731
-                    dws = fn()[1:]
+                    dws = fn()[1:3]
                     if first is None:
                         first = dws
                     rec["rel_vs_first"] = [float((a.double() - b.double()).norm() / b.double().norm())

@@ -18,7 +18,8 @@ Kernels:
 BLOCK_M (rows per program step) divides PACK_BLOCK (the packing's row block), so the tiles can be tuned
 apart from the packing.
 - `expert_fwd_kernel`  grid (P / BLOCK_M,):           out rows (P, DH); padding rows written as zeros.
-- `expert_dx_kernel`   grid (P / BLOCK_M,):         dX rows (P, DH) = dH W1^T, dO = gate * dy gathered.
+- `expert_dx_kernel`   grid (P / BLOCK_M,):         dX rows (P, DH) = dH W1^T, dO = gate * dy gathered;
+  with DGATES also each row's gate gradient <out row, dy row> (P,), fp32.
 - `expert_dw_kernel`   grid (DE/BLOCK_E, G): dW1[g][:, tile], dW2[g][tile, :] summed over the group's
   row blocks in order (deterministic: no atomics); with FUSE_DX (BLOCK_E == DE) it also writes the
   dX rows, so the backward is one launch.
@@ -139,11 +140,16 @@ def expert_fwd_kernel(
 
 @triton.jit
 def expert_dx_kernel(
-    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr,  # inputs
-    dx_ptr,  # output (P, DH): gradient of each packed row's input
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_rows_ptr,  # inputs
+    dx_ptr, dgate_ptr,  # outputs (P, DH): gradient of each packed row's input; (P,) fp32 (DGATES only)
     K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr = False,
+    DGATES: tl.constexpr = False,
 ):
+    """DGATES (not with PACKED): also the combine's gate gradient of each packed row,
+    dgate[row] = <out_rows[row], dy[slot // K]> in fp32 (0 on padding), from the dy rows this kernel
+    gathers anyway and the forward's packed output rows read contiguously: no second gather of the
+    output rows per slot in XLA."""
     pid = tl.program_id(0)
     g = tl.load(block_group_ptr + pid // (PACK_BLOCK // BLOCK_M))
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -151,9 +157,20 @@ def expert_dx_kernel(
     dx_ptrs = dx_ptr + rows[:, None] * DH + offs_d[None, :]
     if g < 0:
         tl.store(dx_ptrs, tl.zeros((BLOCK_M, DH), dx_ptr.dtype.element_ty))
+        if DGATES:
+            tl.store(dgate_ptr + rows, tl.zeros((BLOCK_M,), tl.float32))
     else:
         cdt = w1_ptr.dtype.element_ty
-        x, do = _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K, DH, PACKED)
+        if DGATES:
+            x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
+            gate = tl.load(gates_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + src[:, None] * DH + offs_d[None, :], mask=valid[:, None], other=0.0)
+            dy = dy.to(tl.float32)
+            o = tl.load(out_rows_ptr + rows[:, None] * DH + offs_d[None, :]).to(tl.float32)
+            tl.store(dgate_ptr + rows, tl.sum(o * dy, axis=1))
+            do = dy * gate[:, None]
+        else:
+            x, do = _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K, DH, PACKED)
         x = x.to(cdt)
         do = do.to(cdt)
         offs_e = tl.arange(0, BLOCK_E)
@@ -275,6 +292,12 @@ class Tile:
     num_stages: int = 2
 
 
+def dgates_in_dx_kernel(cfg: "ExpertsConfig", de: int) -> bool:
+    """Whether the backward's dX kernel also makes the gate gradients (DGATES): it runs (dX not fused into
+    the dW kernel) and reads raw dy rows (not packed gate-scaled dO rows)."""
+    return not cfg.packed_bwd and cfg.dw.block_e != de
+
+
 DW_FORMS = ("rows", "t")  # expert_dw_kernel | expert_dwt_kernel
 PACK_IMPLS = ("argsort", "count", "triton")  # mhl_jax.ops.packing.pack(method=...); triton: kernels/packing.py
 
@@ -333,15 +356,18 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     # 10.10 at 81920; packing alone 0.135 / 0.23 ms vs 0.20 / 0.52 for the best JAX one); emulated
     # (CPU) runs pack with the JAX sort instead (`experts_triton.pack_method`, same arrays)
     pack_impl = "triton" if measured else "argsort"
+    # dX kernel: 64-row blocks, 32-wide de chunks (168 registers, 80 KB of shared memory: two programs per
+    # SM); H100 2026-11-24, kernel alone: 1.78 ms vs 1.98 for (128, 32, 4, 3) at 81920 tokens, 0.275 ms at
+    # 8192 (bench/kernel_tiles.py)
+    dx = Tile(64, 32, 4, 3)
     if pack >= 128:  # measured on H100 at 81920 tokens, Ne 384, de 256 (bench/NOTES.md)
         dw = Tile(64, 64, 4, 3) if form == "t" else Tile(128, 64, 8, 2)
-        return ExpertsConfig(pack, Tile(128, 32, 4, 3), Tile(128, 32, 4, 3), dw, dw_form=form,
-                             pack_impl=pack_impl).fit(de)
+        return ExpertsConfig(pack, Tile(128, 32, 4, 3), dx, dw, dw_form=form, pack_impl=pack_impl).fit(de)
     bm = pack
     return ExpertsConfig(
         pack_block=pack,
         fwd=Tile(bm, 64, 4, 3),
-        dx=Tile(bm, 64, 4, 3),
+        dx=dx if pack >= 64 else Tile(bm, 64, 4, 3),
         dw=Tile(min(bm, 64), 64, 4, 3),
         dw_form=form,
         pack_impl=pack_impl,
@@ -365,4 +391,5 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
+           "dgates_in_dx_kernel",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]

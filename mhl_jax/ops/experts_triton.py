@@ -4,8 +4,9 @@
 
 Pipeline (packing from `packing.py`, kernels from `kernels/experts.py`):
   forward   pack idx -> fwd kernel (gathers x rows itself) -> out rows (P, dh) -> combine with gates
-  backward  dgates = <dy, out row> per slot; dW kernel (+ dX kernel unless fused) gather x rows and
-            dO = gate * dy themselves; dx = sum over the k slots of the dX rows (fixed order)
+  backward  dW kernel (+ dX kernel unless fused) gather x rows and dO = gate * dy themselves; the dX
+            kernel also makes dgates = <dy, out row> per packed row (read back per slot; in XLA when
+            dX is fused or the rows are packed); dx = sum over the k slots of the dX rows (fixed order)
 
 Neither the packed copy of x, nor the packed dO (unless cfg.packed_bwd), nor the (rows x de) hidden
 activations are written to HBM. cfg.dw_form picks the dW kernel, cfg.pack_impl the packing
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels.experts import ExpertsConfig, Tile, default_config
+from kernels.experts import ExpertsConfig, Tile, default_config, dgates_in_dx_kernel
 from mhl_jax.ops import packing as pk
 from mhl_jax.ops.kernels_select import import_jax_triton
 
@@ -98,13 +99,15 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
         **_opts(xs.dtype))
 
 
-def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
+def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, out_rows):
+    """dX rows, dW1, dW2 and (when `dgates_in_dx_kernel`) each packed row's gate gradient (P,) fp32."""
     jt = import_jax_triton()
 
     from kernels.experts import expert_dw_kernel, expert_dwt_kernel, expert_dx_kernel
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     fuse = st.cfg.dw.block_e == de
+    dgates = dgates_in_dx_kernel(st.cfg, de)
     common = dict(K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, PACKED=st.cfg.packed_bwd, **_opts(xs.dtype))
     if st.cfg.packed_bwd:  # the kernels then read packed X / dO rows contiguously (gates unused)
         xs, dys = packed_bwd_rows(st, xs, dys, gates, meta)
@@ -117,13 +120,14 @@ def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
         grid=(de // t.block_e, g), num_warps=t.num_warps, num_stages=t.num_stages,
         BLOCK_M=t.block_m, BLOCK_E=t.block_e, FUSE_DX=fuse, **common)
     if fuse:
-        return dx_fused, dw1, dw2
+        return dx_fused, dw1, dw2, None
     t = st.cfg.dx
-    dx = jt.triton_call(
-        xs, dys, gates, meta.row_slot, meta.block_group, w1, w2, kernel=expert_dx_kernel,
-        out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype), grid=(p // t.block_m,),
-        num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t.block_m, BLOCK_E=t.block_e, **common)
-    return dx, dw1, dw2
+    dx, dgate_rows = jt.triton_call(
+        xs, dys, gates, meta.row_slot, meta.block_group, w1, w2, out_rows, kernel=expert_dx_kernel,
+        out_shape=[jax.ShapeDtypeStruct((p, dh), xs.dtype), jax.ShapeDtypeStruct((p if dgates else 1,), jnp.float32)],
+        grid=(p // t.block_m,), num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t.block_m,
+        BLOCK_E=t.block_e, DGATES=dgates, **common)
+    return dx, dw1, dw2, dgate_rows if dgates else None
 
 
 def packed_bwd_rows(st: Static, xs, dys, gates, meta: Meta):
@@ -149,14 +153,18 @@ def _fwd_emulate(st: Static, xs, meta: Meta, w1, w2):
     return _rows_fn(st, meta, xs, w1, w2)
 
 
-def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
+def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, out_rows):
     rows, do = packed_bwd_rows(st, xs, dys, gates, meta)
     from mhl_jax.ops.experts import expert_rows_reference
 
     _, vjp = jax.vjp(lambda r, a, b: expert_rows_reference(r, meta.block_group, a, b, st.cfg.pack_block),
                      rows, w1, w2)
     drows, dw1, dw2 = vjp(do)
-    return drows, dw1.astype(dw_dtype), dw2.astype(dw_dtype)
+    dgate_rows = None
+    if dgates_in_dx_kernel(st.cfg, w1.shape[2]):  # the dX kernel's DGATES output: <out row, dy row> per row
+        dy_rows = jnp.take(dys, jnp.maximum(meta.row_slot, 0) // st.k, axis=0).astype(jnp.float32)
+        dgate_rows = jnp.where(meta.row_slot >= 0, jnp.sum(out_rows.astype(jnp.float32) * dy_rows, axis=1), 0.0)
+    return drows, dw1.astype(dw_dtype), dw2.astype(dw_dtype), dgate_rows
 
 
 # ------------------------------------------------------------------------------------ the custom_vjp
@@ -239,10 +247,16 @@ def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta):
 
 def _experts_bwd(st: Static, res, dy):
     xs, gates, out_rows, w1c, w2c, meta = res
-    dys, dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)
+    n, h, k = gates.shape
     bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
-    dxr, dw1, dw2 = bwd(st, xs, dys, gates.reshape(-1).astype(jnp.float32), meta, w1c, w2c, jnp.dtype(st.w_dtype))
+    dxr, dw1, dw2, dgate_rows = bwd(st, xs, dy.reshape(n * h, -1), gates.reshape(-1).astype(jnp.float32), meta,
+                                    w1c, w2c, jnp.dtype(st.w_dtype), out_rows)
+    if dgate_rows is None:  # dX fused into the dW kernel, or packed dO rows: the gate gradient in XLA
+        dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)[1]
+    else:  # the dX kernel's per-row gate gradients, read back per slot (empty slots: 0)
+        got = jnp.take(dgate_rows, jnp.maximum(meta.slot_row, 0))
+        dgates = jnp.where(meta.slot_row >= 0, got, 0.0).reshape(n, h, k).astype(gates.dtype)
     return bwd_cotangents(dxr, dgates, dw1, dw2, xs.dtype, meta)
 
 

@@ -1,0 +1,148 @@
+"""Each expert kernel alone (torch launcher, CUDA events), over launch tiles: which tile runs each kernel
+fastest at the layer's shapes. Unlike `bench/experts.py --sweep` (which times the dX and dW kernels
+together), every line here is one kernel launch.
+
+    python bench/kernel_tiles.py [--tokens 81920 8192] [--ne 384] [--de 256] [--out FILE]
+        [--fwd 128,32,4,3 ...] [--dx ...] [--dwt ...]
+
+One JSON line per (shape, kernel, tile): ms (median, several input sets), TFLOP/s of the kernel's own
+matmuls (fwd 2, dX 3, dW 4 units of 2 * rows * dh * de), and rel_vs_first: the relative difference of the
+kernel's output to the first tile's (a wrong tile shows up there). Short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DEFAULT_TILES = {
+    "fwd": ["128,32,4,3", "64,32,4,2", "128,32,4,2", "64,64,4,2", "64,32,4,3"],
+    "dx": ["128,32,4,3", "64,32,4,2", "64,32,4,3", "128,32,4,2", "64,64,4,2", "128,64,8,2"],
+    "dwt": ["64,64,4,3", "64,64,4,2", "64,32,4,2", "64,32,4,3", "32,64,4,3"],
+}
+UNITS = {"fwd": 2, "dx": 3, "dwt": 4}
+
+
+def launch(kind: str, t, s, w1, w2, fwd_rows: dict, common: dict):
+    """One launch of kernel `kind` on input set s = (x, dy, gates, packing); returns its outputs."""
+    import torch
+
+    from kernels.experts import expert_dwt_kernel, expert_dx_kernel, expert_fwd_kernel
+
+    x, dy, gates, pk = s
+    p, dh, dev = pk.row_slot.shape[0], x.shape[1], x.device
+    if kind == "fwd":
+        out = torch.empty(p, dh, dtype=x.dtype, device=dev)
+        expert_fwd_kernel[(p // t.block_m,)](x, pk.row_slot, pk.block_group, w1, w2, out, **common)
+        return (out,)
+    if kind == "dx":  # as the binding runs it: with the gate gradients (DGATES)
+        out = torch.empty(p, dh, dtype=x.dtype, device=dev)
+        dgate = torch.empty(p, dtype=torch.float32, device=dev)
+        expert_dx_kernel[(p // t.block_m,)](x, dy, gates, pk.row_slot, pk.block_group, w1, w2, fwd_rows[p], out,
+                                            dgate, PACKED=False, DGATES=True, **common)
+        return out, dgate
+    g, de = w1.shape[0], w1.shape[2]
+    dw1 = torch.empty(g, dh, de, dtype=torch.float32, device=dev)
+    dw2 = torch.empty(g, de, dh, dtype=torch.float32, device=dev)
+    expert_dwt_kernel[(de // t.block_e, g)](x, dy, gates, pk.row_slot, pk.group_block_start, pk.group_nblocks, w1,
+                                            w2, dw1, dw2, x, FUSE_DX=False, PACKED=False, **common)
+    return dw1, dw2
+
+
+def rotating(kind: str, t, sets: list, w1, w2, fwd_rows: dict, common: dict):
+    """A no-argument callable for do_bench that launches on the next input set each call."""
+    state = {"i": 0}
+
+    def step():
+        state["i"] += 1
+        launch(kind, t, sets[state["i"] % len(sets)], w1, w2, fwd_rows, common)
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[81920, 8192])
+    ap.add_argument("--ne", type=int, default=384)
+    ap.add_argument("--de", type=int, default=256)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    for kind, tiles in DEFAULT_TILES.items():
+        ap.add_argument(f"--{kind}", nargs="*", default=tiles)
+    args = ap.parse_args()
+
+    import torch
+    from triton.testing import do_bench
+
+    from kernels.experts import ExpertsConfig, Tile, default_config
+    from kernels.torch_experts import pack_torch
+
+    nh, dh, k, ne, de = 8, 128, args.k, args.ne, args.de
+    dev = "cuda"
+    date = datetime.date.today().isoformat()
+    device = torch.cuda.get_device_name()
+    outf = open(args.out, "a") if args.out else None
+    rows = []
+    for tokens in args.tokens:
+        g = torch.Generator(device=dev).manual_seed(0)
+        pack_block = default_config(tokens * nh * k, nh * ne, dh, de).pack_block
+        sets = []
+        for _ in range(3):
+            x = torch.randn(tokens * nh, dh, device=dev, generator=g).bfloat16()
+            dy = torch.randn(tokens * nh, dh, device=dev, generator=g).bfloat16()
+            gates = torch.rand(tokens * nh * k, device=dev, generator=g)
+            idx = torch.rand(tokens, nh, ne, device=dev, generator=g).topk(k, dim=-1).indices
+            pk = pack_torch(idx, ne, pack_block)
+            sets.append((x, dy, gates, pk))
+        fwd_rows = {s[3].row_slot.shape[0]: torch.randn(s[3].row_slot.shape[0], dh, device=dev,
+                                                       generator=g).bfloat16() for s in sets}
+        w1 = (torch.randn(nh * ne, dh, de, device=dev, generator=g) * 0.05).bfloat16()
+        w2 = (torch.randn(nh * ne, de, dh, device=dev, generator=g) * 0.05).bfloat16()
+        rows_total = tokens * nh * k
+        for kind in ("fwd", "dx", "dwt"):
+            first = None
+            for spec in getattr(args, kind):
+                t = Tile(*(int(v) for v in spec.split(",")))
+                t = Tile(min(t.block_m, pack_block), min(t.block_e, de), t.num_warps, t.num_stages)
+                cfg = ExpertsConfig(pack_block, t, t, t, dw_form="t")
+                rec = dict(bench="kernel_tiles", kernel=kind, device=device, date=date,
+                           params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=pack_block,
+                                       tile=[t.block_m, t.block_e, t.num_warps, t.num_stages]))
+                common = dict(K=k, DH=dh, DE=de, PACK_BLOCK=pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
+                              FAST_TANH=True, PRECISION="tf32", num_warps=t.num_warps, num_stages=t.num_stages)
+                try:
+                    cfg.check(dh, de)
+                    outs = launch(kind, t, sets[0], w1, w2, fwd_rows, common)
+                    if first is None:
+                        first = outs
+                    rec["rel_vs_first"] = [float((a.double() - b.double()).norm() / b.double().norm())
+                                           for a, b in zip(outs, first)]
+                    rec["ms"] = float(do_bench(rotating(kind, t, sets, w1, w2, fwd_rows, common), warmup=25,
+                                               rep=200, return_mode="median"))
+                    rec["tflops"] = UNITS[kind] * 2 * rows_total * dh * de / rec["ms"] / 1e9
+                except Exception as e:
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                line = json.dumps(rec)
+                print(line, flush=True)
+                if outf:
+                    outf.write(line + "\n")
+                    outf.flush()
+                rows.append(rec)
+    print(f"\n{'tokens':>6} {'kernel':>5} {'tile':>16} {'ms':>7} {'TF/s':>6} rel_vs_first")
+    for r in rows:
+        p = r["params"]
+        if "ms" in r:
+            print(f"{p['tokens']:>6} {r['kernel']:>5} {str(p['tile']):>16} {r['ms']:7.3f} {r['tflops']:6.1f} "
+                  f"{max(r['rel_vs_first']):.1e}")
+        else:
+            print(f"{p['tokens']:>6} {r['kernel']:>5} {str(p['tile']):>16} error {r['error'][:60]}")
+
+
+if __name__ == "__main__":
+    main()
