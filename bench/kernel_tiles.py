@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.timing import emit  # noqa: E402
 
 DEFAULT_TILES = {
     "fwd": ["128,32,4,3", "64,32,4,2", "128,32,4,2", "64,64,4,2", "64,32,4,3"],
@@ -128,11 +129,7 @@ def main() -> None:
                     rec["tflops"] = UNITS[kind] * 2 * rows_total * dh * de / rec["ms"] / 1e9
                 except Exception as e:
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                line = json.dumps(rec)
-                print(line, flush=True)
-                if outf:
-                    outf.write(line + "\n")
-                    outf.flush()
+                emit(rec, outf)
                 rows.append(rec)
     print(f"\n{'tokens':>6} {'kernel':>5} {'tile':>16} {'ms':>7} {'TF/s':>6} rel_vs_first")
     for r in rows:

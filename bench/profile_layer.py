@@ -17,7 +17,6 @@ import csv
 import ctypes
 import datetime
 import io
-import json
 import os
 import re
 import shutil
@@ -26,6 +25,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.timing import emit  # noqa: E402
 
 
 def child(tokens: int, config: str) -> None:
@@ -99,11 +100,7 @@ def main() -> None:
                        sequence=[(short(n), round(ms, 4)) for n, ms in kernels])
             if not kernels:
                 rec["error"] = f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-600:]}"
-            line = json.dumps(rec)
-            print(line, flush=True)
-            if outf:
-                outf.write(line + "\n")
-                outf.flush()
+            emit(rec, outf)
             print(f"\n{tokens} tokens {config}: {len(kernels)} launches, {rec['total_ms']:.3f} ms of kernels")
             for n, v in ranked[:25]:
                 print(f"  {sum(v):8.3f} ms  x{len(v):<3} {n[:90]}")

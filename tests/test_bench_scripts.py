@@ -67,3 +67,21 @@ def test_layer_bench_breakdown_runs_with_emulated_kernels(monkeypatch):
             "moe_fwd_bwd", "dense_fwd_bwd", "rest"}
     assert want <= set(parts) and all(v > 0 for n, v in parts.items() if n != "rest")
     assert parts["rest"] == 1.0 - parts["moe_fwd_bwd"] - parts["dense_fwd_bwd"]
+
+
+def test_profile_layer_reads_ncu_csv():
+    """bench/profile_layer.py: ncu's CSV (banner lines, units per row) -> kernel times in ms, names folded."""
+    from bench.profile_layer import parse, short
+
+    text = "\n".join([
+        "==PROF== Connected to process 1",
+        '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"',
+        '"0","1","expert_dx_kernel","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,015,168"',
+        '"1","1","loop_add_fusion_3","Command line profiler metrics","gpu__time_duration.sum","usecond","348.1"',
+        '"2","1","void cutlass::Kernel<T>(Params)","Command line profiler metrics","dram__bytes.sum","byte","9"',
+    ])
+    got = parse(text)
+    assert [n for n, _ in got] == ["expert_dx_kernel", "loop_add_fusion_3"]
+    assert abs(got[0][1] - 2.015168) < 1e-9 and abs(got[1][1] - 0.3481) < 1e-9
+    assert short("loop_add_fusion_3") == "loop_add_fusion"
+    assert short("void cutlass::Kernel<T>(Params)") == "void cutlass::Kernel"
