@@ -30,7 +30,7 @@ DEFAULT_TILES = {
 UNITS = {"fwd": 2, "dx": 3, "dwt": 4}
 
 
-def launch(kind: str, t, s, w1, w2, fwd_rows: dict, common: dict):
+def launch(kind: str, t, s, w1, w2, common: dict):
     """One launch of kernel `kind` on input set s = (x, dy, gates, packing); returns its outputs."""
     import torch
 
@@ -45,8 +45,8 @@ def launch(kind: str, t, s, w1, w2, fwd_rows: dict, common: dict):
     if kind == "dx":  # as the binding runs it: with the gate gradients (DGATES)
         out = torch.empty(p, dh, dtype=x.dtype, device=dev)
         dgate = torch.empty(p, dtype=torch.float32, device=dev)
-        expert_dx_kernel[(p // t.block_m,)](x, dy, gates, pk.row_slot, pk.block_group, w1, w2, fwd_rows[p], out,
-                                            dgate, PACKED=False, DGATES=True, **common)
+        expert_dx_kernel[(p // t.block_m,)](x, dy, gates, pk.row_slot, pk.block_group, w1, w2, out, dgate,
+                                            PACKED=False, DGATES=True, **common)
         return out, dgate
     g, de = w1.shape[0], w1.shape[2]
     dw1 = torch.empty(g, dh, de, dtype=torch.float32, device=dev)
@@ -56,13 +56,13 @@ def launch(kind: str, t, s, w1, w2, fwd_rows: dict, common: dict):
     return dw1, dw2
 
 
-def rotating(kind: str, t, sets: list, w1, w2, fwd_rows: dict, common: dict):
+def rotating(kind: str, t, sets: list, w1, w2, common: dict):
     """A no-argument callable for do_bench that launches on the next input set each call."""
     state = {"i": 0}
 
     def step():
         state["i"] += 1
-        launch(kind, t, sets[state["i"] % len(sets)], w1, w2, fwd_rows, common)
+        launch(kind, t, sets[state["i"] % len(sets)], w1, w2, common)
 
     return step
 
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--de", type=int, default=256)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--once", action="store_true", help="launch each tile once, untimed (for ncu)")
     for kind, tiles in DEFAULT_TILES.items():
         ap.add_argument(f"--{kind}", nargs="*", default=tiles)
     args = ap.parse_args()
@@ -101,8 +102,6 @@ def main() -> None:
             idx = torch.rand(tokens, nh, ne, device=dev, generator=g).topk(k, dim=-1).indices
             pk = pack_torch(idx, ne, pack_block)
             sets.append((x, dy, gates, pk))
-        fwd_rows = {s[3].row_slot.shape[0]: torch.randn(s[3].row_slot.shape[0], dh, device=dev,
-                                                       generator=g).bfloat16() for s in sets}
         w1 = (torch.randn(nh * ne, dh, de, device=dev, generator=g) * 0.05).bfloat16()
         w2 = (torch.randn(nh * ne, de, dh, device=dev, generator=g) * 0.05).bfloat16()
         rows_total = tokens * nh * k
@@ -119,12 +118,14 @@ def main() -> None:
                               FAST_TANH=True, PRECISION="tf32", num_warps=t.num_warps, num_stages=t.num_stages)
                 try:
                     cfg.check(dh, de)
-                    outs = launch(kind, t, sets[0], w1, w2, fwd_rows, common)
+                    outs = launch(kind, t, sets[0], w1, w2, common)
                     if first is None:
                         first = outs
                     rec["rel_vs_first"] = [float((a.double() - b.double()).norm() / b.double().norm())
                                            for a, b in zip(outs, first)]
-                    rec["ms"] = float(do_bench(rotating(kind, t, sets, w1, w2, fwd_rows, common), warmup=25,
+                    if args.once:
+                        continue
+                    rec["ms"] = float(do_bench(rotating(kind, t, sets, w1, w2, common), warmup=25,
                                                rep=200, return_mode="median"))
                     rec["tflops"] = UNITS[kind] * 2 * rows_total * dh * de / rec["ms"] / 1e9
                 except Exception as e:

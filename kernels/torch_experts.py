@@ -90,20 +90,19 @@ def experts_fwd(x: torch.Tensor, row_slot: torch.Tensor, block_group: torch.Tens
 
 def experts_bwd(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: TorchPacking, w1: torch.Tensor,
                 w2: torch.Tensor, k: int, cfg: ExpertsConfig, dw_dtype: torch.dtype | None = None,
-                out_rows: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                dgates: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward of the packed expert rows with dO[row] = gate[slot] * dy[slot // k].
 
     x, dy: (S, dh); gates: (M,) fp32. Returns dX rows (P, dh) in x.dtype (rows of all-padding blocks
     are unspecified when dX is fused into the dW kernel, cfg.dw.block_e == de), dW1 (G, dh, de) and
-    dW2 (G, de, dh) in dw_dtype (default w1.dtype), and each packed row's gate gradient <out_rows[row],
-    dy[slot // k]> (P,) fp32 made by the dX kernel when `out_rows` (the forward's output rows) is given
-    and `dgates_in_dx_kernel(cfg, de)`, else None.
+    dW2 (G, de, dh) in dw_dtype (default w1.dtype), and each packed row's gate gradient <output row,
+    dy[slot // k]> (P,) fp32 made by the dX kernel when `dgates` and `dgates_in_dx_kernel(cfg, de)`, else
+    None.
     """
     p, (_, dh), (g, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
     cfg.check(dh, de)
     fuse = cfg.dw.block_e == de
-    dgates = out_rows is not None and dgates_in_dx_kernel(cfg, de)
+    dgates = dgates and dgates_in_dx_kernel(cfg, de)
     dw_dtype = dw_dtype or w1.dtype
     x, dy, gates, w1, w2 = (t.contiguous() for t in (x, dy, gates, w1, w2))
     opts = dict(_launch_opts(x), PACKED=cfg.packed_bwd)
@@ -114,9 +113,9 @@ def experts_bwd(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: Torc
     if not fuse:
         t = cfg.dx
         expert_dx_kernel[(p // t.block_m,)](
-            x, dy, gates, pk.row_slot, pk.block_group, w1, w2, out_rows.contiguous() if dgates else dx, dx,
-            dgate_rows, K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
-            num_warps=t.num_warps, num_stages=t.num_stages, DGATES=dgates, **opts)
+            x, dy, gates, pk.row_slot, pk.block_group, w1, w2, dx, dgate_rows, K=k, DH=dh, DE=de,
+            PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, num_warps=t.num_warps,
+            num_stages=t.num_stages, DGATES=dgates, **opts)
     dw1 = torch.empty(g, dh, de, dtype=dw_dtype, device=x.device)
     dw2 = torch.empty(g, de, dh, dtype=dw_dtype, device=x.device)
     t = cfg.dw
@@ -166,7 +165,7 @@ class TritonExpertFFN(torch.autograd.Function):
         dy = dy.contiguous()
         sr = pk.slot_row.long()
         dxr, dw1, dw2, dgate_rows = experts_bwd(xs, dy.reshape(n * h, dh), gates.reshape(-1).float(), pk, w1g,
-                                                w2g, k, cfg, out_rows=out)
+                                                w2g, k, cfg)
         if dgate_rows is None:  # dX fused into the dW kernel, or packed dO rows: the gate gradient here
             dgates = torch.einsum("nhkd,nhd->nhk", out[sr].view(n, h, k, dh).float(), dy.float())
         else:

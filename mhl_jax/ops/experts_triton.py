@@ -5,8 +5,9 @@
 Pipeline (packing from `packing.py`, kernels from `kernels/experts.py`):
   forward   pack idx -> fwd kernel (gathers x rows itself) -> out rows (P, dh) -> combine with gates
   backward  dW kernel (+ dX kernel unless fused) gather x rows and dO = gate * dy themselves; the dX
-            kernel also makes dgates = <dy, out row> per packed row (read back per slot; in XLA when
-            dX is fused or the rows are packed); dx = sum over the k slots of the dX rows (fixed order)
+            kernel also makes dgates = <dy, out row> per packed row from values in registers (read back
+            per slot; in XLA from the kept output rows when dX is fused or the rows are packed);
+            dx = sum over the k slots of the dX rows (fixed order)
 
 Neither the packed copy of x, nor the packed dO (unless cfg.packed_bwd), nor the (rows x de) hidden
 activations are written to HBM. cfg.dw_form picks the dW kernel, cfg.pack_impl the packing
@@ -100,7 +101,8 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
 
 
 def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, out_rows):
-    """dX rows, dW1, dW2 and (when `dgates_in_dx_kernel`) each packed row's gate gradient (P,) fp32."""
+    """dX rows, dW1, dW2 and (when `dgates_in_dx_kernel`) each packed row's gate gradient (P,) fp32;
+    out_rows (the forward's, None then) serve only the emulated kernels."""
     jt = import_jax_triton()
 
     from kernels.experts import expert_dw_kernel, expert_dwt_kernel, expert_dx_kernel
@@ -123,7 +125,7 @@ def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, out_ro
         return dx_fused, dw1, dw2, None
     t = st.cfg.dx
     dx, dgate_rows = jt.triton_call(
-        xs, dys, gates, meta.row_slot, meta.block_group, w1, w2, out_rows, kernel=expert_dx_kernel,
+        xs, dys, gates, meta.row_slot, meta.block_group, w1, w2, kernel=expert_dx_kernel,
         out_shape=[jax.ShapeDtypeStruct((p, dh), xs.dtype), jax.ShapeDtypeStruct((p if dgates else 1,), jnp.float32)],
         grid=(p // t.block_m,), num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t.block_m,
         BLOCK_E=t.block_e, DGATES=dgates, **common)
@@ -162,6 +164,7 @@ def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, out_r
     drows, dw1, dw2 = vjp(do)
     dgate_rows = None
     if dgates_in_dx_kernel(st.cfg, w1.shape[2]):  # the dX kernel's DGATES output: <out row, dy row> per row
+        out_rows = _fwd_emulate(st, xs, meta, w1, w2)  # (the binding keeps no output rows for this path)
         dy_rows = jnp.take(dys, jnp.maximum(meta.row_slot, 0) // st.k, axis=0).astype(jnp.float32)
         dgate_rows = jnp.where(meta.row_slot >= 0, jnp.sum(out_rows.astype(jnp.float32) * dy_rows, axis=1), 0.0)
     return drows, dw1.astype(dw_dtype), dw2.astype(dw_dtype), dgate_rows
@@ -233,7 +236,9 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta):
     fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
     out_rows = fwd(st, xs, meta, w1c, w2c)
     y = _combine(out_rows, meta.slot_row, gates.astype(jnp.float32)).astype(x.dtype)
-    return y, (xs, gates, out_rows, w1c, w2c, meta)
+    # the output rows are kept for the backward only where the dX kernel does not make the gate gradients
+    keep = None if dgates_in_dx_kernel(st.cfg, de) else out_rows
+    return y, (xs, gates, keep, w1c, w2c, meta)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
