@@ -100,9 +100,8 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
         **_opts(xs.dtype))
 
 
-def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, out_rows):
-    """dX rows, dW1, dW2 and (when `dgates_in_dx_kernel`) each packed row's gate gradient (P,) fp32;
-    out_rows (the forward's, None then) serve only the emulated kernels."""
+def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
+    """dX rows, dW1, dW2 and (when `dgates_in_dx_kernel`) each packed row's gate gradient (P,) fp32."""
     jt = import_jax_triton()
 
     from kernels.experts import expert_dw_kernel, expert_dwt_kernel, expert_dx_kernel
@@ -155,7 +154,7 @@ def _fwd_emulate(st: Static, xs, meta: Meta, w1, w2):
     return _rows_fn(st, meta, xs, w1, w2)
 
 
-def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, out_rows):
+def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
     rows, do = packed_bwd_rows(st, xs, dys, gates, meta)
     from mhl_jax.ops.experts import expert_rows_reference
 
@@ -164,7 +163,7 @@ def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, out_r
     drows, dw1, dw2 = vjp(do)
     dgate_rows = None
     if dgates_in_dx_kernel(st.cfg, w1.shape[2]):  # the dX kernel's DGATES output: <out row, dy row> per row
-        out_rows = _fwd_emulate(st, xs, meta, w1, w2)  # (the binding keeps no output rows for this path)
+        out_rows = _fwd_emulate(st, xs, meta, w1, w2)  # the kernel's A W2, recomputed (none kept for it)
         dy_rows = jnp.take(dys, jnp.maximum(meta.row_slot, 0) // st.k, axis=0).astype(jnp.float32)
         dgate_rows = jnp.where(meta.row_slot >= 0, jnp.sum(out_rows.astype(jnp.float32) * dy_rows, axis=1), 0.0)
     return drows, dw1.astype(dw_dtype), dw2.astype(dw_dtype), dgate_rows
@@ -256,7 +255,7 @@ def _experts_bwd(st: Static, res, dy):
     bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
     dxr, dw1, dw2, dgate_rows = bwd(st, xs, dy.reshape(n * h, -1), gates.reshape(-1).astype(jnp.float32), meta,
-                                    w1c, w2c, jnp.dtype(st.w_dtype), out_rows)
+                                    w1c, w2c, jnp.dtype(st.w_dtype))
     if dgate_rows is None:  # dX fused into the dW kernel, or packed dO rows: the gate gradient in XLA
         dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)[1]
     else:  # the dX kernel's per-row gate gradients, read back per slot (empty slots: 0)
