@@ -85,3 +85,29 @@ def test_profile_layer_reads_ncu_csv():
     assert abs(got[0][1] - 2.015168) < 1e-9 and abs(got[1][1] - 0.3481) < 1e-9
     assert short("loop_add_fusion_3") == "loop_add_fusion"
     assert short("void cutlass::Kernel<T>(Params)") == "void cutlass::Kernel"
+
+
+def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path):
+    """bench/kernel_report.py compiles the three expert kernels at their 81920-token default tiles for sm_90a
+    with the Triton wheel's ptxas (no GPU): wgmma (HGMMA) is used, and the registers hold the tiles (the
+    fwd and dX kernels spill nothing, the dW kernel at most a few words; 2026-11-24: 0 / 0 / 24 bytes)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    from kernels.experts import default_config
+
+    cfg = default_config(81920 * 8 * 4, 8 * 384, 128, 256)
+    tiles = [f"{kind},{t.block_m},{t.block_e},{t.num_warps},{t.num_stages}"
+             for kind, t in (("fwd", cfg.fwd), ("dx", cfg.dx), ("dwt", cfg.dw))]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
+    out = tmp_path / "report.jsonl"
+    subprocess.run([sys.executable, os.path.join(train_scale.ROOT, "bench", "kernel_report.py"), "--tiles", *tiles,
+                    "--out", str(out)], check=True, env=env, capture_output=True, timeout=600)
+    recs = {r["kernel"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(recs) == {"fwd", "dx", "dwt"}
+    for r in recs.values():
+        assert r["sass_counts"]["HGMMA"] > 0 and r["registers"] <= 255, r
+    assert recs["fwd"]["spill_store_bytes"] == 0 and recs["dx"]["spill_store_bytes"] == 0, recs
+    assert recs["dwt"]["spill_store_bytes"] <= 64, recs["dwt"]

@@ -1,0 +1,96 @@
+"""Compile the expert kernels for Hopper (sm_90a) without a GPU and report what ptxas made of each tile:
+registers, spill bytes, shared memory, and a count of the instructions that matter (HGMMA, FFMA, FMUL,
+FADD, MUFU.TANH, local loads / stores). Costs no device time: the Triton wheel carries ptxas and
+cuobjdump.
+
+    python bench/kernel_report.py [--tiles fwd,128,32,4,3 dx,64,32,4,3 dwt,64,64,4,3] [--dh 128] [--de 256]
+
+Pointers are marked 16-byte divisible as the launchers' arguments are (without that mark the gathered
+row loads come out scalar and every tile spills). One JSON line per tile (`bench: kernel_report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.timing import emit  # noqa: E402
+
+DEFAULT_TILES = ["fwd,128,32,4,3", "dx,64,32,4,3", "dwt,64,64,4,3"]
+COUNTED = ("HGMMA", "FFMA", "FMUL", "FADD", "MUFU.TANH", "LDL", "STL")
+POINTER_TYPES = {"gates_ptr": "*fp32", "dgate_ptr": "*fp32", "dw1_ptr": "*fp32", "dw2_ptr": "*fp32",
+                 "row_slot_ptr": "*i32", "block_group_ptr": "*i32", "group_block_start_ptr": "*i32",
+                 "group_nblocks_ptr": "*i32"}  # every other pointer: bf16
+
+
+def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: int, dh: int = 128, de: int = 256,
+           k: int = 4, pack_block: int = 128) -> dict:
+    """Compile kernel `kind` (fwd | dx | dwt, the model's launch options) and read ptxas' report."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernels.experts as ke
+
+    fn = {"fwd": ke.expert_fwd_kernel, "dx": ke.expert_dx_kernel, "dwt": ke.expert_dwt_kernel}[kind]
+    consts = dict(K=k, DH=dh, DE=de, PACK_BLOCK=pack_block, BLOCK_M=block_m, BLOCK_E=block_e, FAST_TANH=True,
+                  PRECISION="tf32", FUSE_DX=False, PACKED=False, DGATES=True)
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {p: "constexpr" if p in consts else POINTER_TYPES.get(p, "*bf16") for p in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
+    src = ASTSource(fn=fn, signature=signature, constexprs={p: consts[p] for p in params if p in consts},
+                    attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        info = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
+                              capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+
+    def num(pattern: str) -> int:
+        m = re.search(pattern, info)
+        return int(m.group(1)) if m else 0
+
+    return dict(bench="kernel_report", kernel=kind, tile=[block_m, block_e, num_warps, num_stages],
+                params=dict(dh=dh, de=de, k=k, pack_block=pack_block), registers=num(r"Used (\d+) registers"),
+                spill_store_bytes=num(r"(\d+) bytes spill stores"), spill_load_bytes=num(r"(\d+) bytes spill loads"),
+                shared_bytes=int(compiled.metadata.shared),
+                sass_counts={op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in COUNTED})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiles", nargs="+", default=DEFAULT_TILES, help="kind,block_m,block_e,warps,stages")
+    ap.add_argument("--dh", type=int, default=128)
+    ap.add_argument("--de", type=int, default=256)
+    ap.add_argument("--pack-block", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    outf = open(args.out, "a") if args.out else None
+    rows = []
+    for spec in args.tiles:
+        kind, *nums = spec.split(",")
+        rec = report(kind, *(int(v) for v in nums), dh=args.dh, de=args.de, pack_block=args.pack_block)
+        emit(rec, outf)
+        rows.append(rec)
+    print(f"\n{'kernel':>6} {'tile':>16} {'regs':>5} {'spill B':>8} {'smem KB':>8}  sass")
+    for r in rows:
+        print(f"{r['kernel']:>6} {str(r['tile']):>16} {r['registers']:>5} {r['spill_store_bytes']:>8} "
+              f"{r['shared_bytes'] / 1024:8.1f}  {r['sass_counts']}")
+
+
+if __name__ == "__main__":
+    main()
