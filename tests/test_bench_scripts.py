@@ -102,9 +102,12 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path):
     tiles = [f"{kind},{t.block_m},{t.block_e},{t.num_warps},{t.num_stages}"
              for kind, t in (("fwd", cfg.fwd), ("dx", cfg.dx), ("dwt", cfg.dw))]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
+    # a cache folder of its own (importing jax-triton elsewhere in this process may have set it to "")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
     out = tmp_path / "report.jsonl"
-    subprocess.run([sys.executable, os.path.join(train_scale.ROOT, "bench", "kernel_report.py"), "--tiles", *tiles,
-                    "--out", str(out)], check=True, env=env, capture_output=True, timeout=600)
+    p = subprocess.run([sys.executable, os.path.join(train_scale.ROOT, "bench", "kernel_report.py"), "--tiles",
+                        *tiles, "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
     recs = {r["kernel"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(recs) == {"fwd", "dx", "dwt"}
     for r in recs.values():
