@@ -30,39 +30,27 @@ DEFAULT_TILES = {
 UNITS = {"fwd": 2, "dx": 3, "dwt": 4}
 
 
-def launch(kind: str, t, s, w1, w2, common: dict):
-    """One launch of kernel `kind` on input set s = (x, dy, gates, packing); returns its outputs."""
+def launch(kind: str, cfg, s, w1, w2, k: int):
+    """One launch of kernel `kind` (tile from cfg) on input set s = (x, dy, gates, packing); its outputs."""
     import torch
 
-    from kernels.experts import expert_dwt_kernel, expert_dx_kernel, expert_fwd_kernel
+    from kernels.torch_experts import experts_dw, experts_dx, experts_fwd
 
     x, dy, gates, pk = s
-    p, dh, dev = pk.row_slot.shape[0], x.shape[1], x.device
     if kind == "fwd":
-        out = torch.empty(p, dh, dtype=x.dtype, device=dev)
-        expert_fwd_kernel[(p // t.block_m,)](x, pk.row_slot, pk.block_group, w1, w2, out, **common)
-        return (out,)
+        return (experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg),)
     if kind == "dx":  # as the binding runs it: with the gate gradients (DGATES)
-        out = torch.empty(p, dh, dtype=x.dtype, device=dev)
-        dgate = torch.empty(p, dtype=torch.float32, device=dev)
-        expert_dx_kernel[(p // t.block_m,)](x, dy, gates, pk.row_slot, pk.block_group, w1, w2, out, dgate,
-                                            PACKED=False, DGATES=True, **common)
-        return out, dgate
-    g, de = w1.shape[0], w1.shape[2]
-    dw1 = torch.empty(g, dh, de, dtype=torch.float32, device=dev)
-    dw2 = torch.empty(g, de, dh, dtype=torch.float32, device=dev)
-    expert_dwt_kernel[(de // t.block_e, g)](x, dy, gates, pk.row_slot, pk.group_block_start, pk.group_nblocks, w1,
-                                            w2, dw1, dw2, x, FUSE_DX=False, PACKED=False, **common)
-    return dw1, dw2
+        return experts_dx(x, dy, gates, pk, w1, w2, k, cfg)
+    return experts_dw(x, dy, gates, pk, w1, w2, k, cfg, torch.float32)  # fp32 masters' gradients
 
 
-def rotating(kind: str, t, sets: list, w1, w2, common: dict):
+def rotating(kind: str, cfg, sets: list, w1, w2, k: int):
     """A no-argument callable for do_bench that launches on the next input set each call."""
     state = {"i": 0}
 
     def step():
         state["i"] += 1
-        launch(kind, t, sets[state["i"] % len(sets)], w1, w2, common)
+        launch(kind, cfg, sets[state["i"] % len(sets)], w1, w2, k)
 
     return step
 
@@ -114,18 +102,16 @@ def main() -> None:
                 rec = dict(bench="kernel_tiles", kernel=kind, device=device, date=date,
                            params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=pack_block,
                                        tile=[t.block_m, t.block_e, t.num_warps, t.num_stages]))
-                common = dict(K=k, DH=dh, DE=de, PACK_BLOCK=pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
-                              FAST_TANH=True, PRECISION="tf32", num_warps=t.num_warps, num_stages=t.num_stages)
                 try:
                     cfg.check(dh, de)
-                    outs = launch(kind, t, sets[0], w1, w2, common)
+                    outs = launch(kind, cfg, sets[0], w1, w2, k)
                     if first is None:
                         first = outs
                     rec["rel_vs_first"] = [float((a.double() - b.double()).norm() / b.double().norm())
                                            for a, b in zip(outs, first)]
                     if args.once:
                         continue
-                    rec["ms"] = float(do_bench(rotating(kind, t, sets, w1, w2, common), warmup=25,
+                    rec["ms"] = float(do_bench(rotating(kind, cfg, sets, w1, w2, k), warmup=25,
                                                rep=200, return_mode="median"))
                     rec["tflops"] = UNITS[kind] * 2 * rows_total * dh * de / rec["ms"] / 1e9
                 except Exception as e:

@@ -99,32 +99,52 @@ def experts_bwd(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: Torc
     dy[slot // k]> (P,) fp32 made by the dX kernel when `dgates` and `dgates_in_dx_kernel(cfg, de)`, else
     None.
     """
-    p, (_, dh), (g, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
-    cfg.check(dh, de)
-    fuse = cfg.dw.block_e == de
-    dgates = dgates and dgates_in_dx_kernel(cfg, de)
-    dw_dtype = dw_dtype or w1.dtype
+    cfg.check(x.shape[1], w1.shape[2])
     x, dy, gates, w1, w2 = (t.contiguous() for t in (x, dy, gates, w1, w2))
-    opts = dict(_launch_opts(x), PACKED=cfg.packed_bwd)
     if cfg.packed_bwd:  # packed X and gate-scaled dO rows, zero on padding (the kernels' PACKED inputs)
         x, dy = pack_bwd_rows(x, dy, gates, pk.row_slot, k)
+    if cfg.dw.block_e == w1.shape[2]:  # dX fused into the dW kernel
+        dx, dgate_rows = torch.empty(pk.row_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device), None
+    else:
+        dx, dgate_rows = experts_dx(x, dy, gates, pk, w1, w2, k, cfg, dgates)
+    dw1, dw2 = experts_dw(x, dy, gates, pk, w1, w2, k, cfg, dw_dtype, dx)
+    return dx, dw1, dw2, dgate_rows
+
+
+def experts_dx(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: TorchPacking, w1: torch.Tensor,
+               w2: torch.Tensor, k: int, cfg: ExpertsConfig, dgates: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch of the dX kernel (tile cfg.dx) on contiguous inputs as `experts_bwd` prepares them: dX rows
+    (P, dh) and, when `dgates` and `dgates_in_dx_kernel(cfg, de)`, the per-row gate gradients (P,) fp32."""
+    p, dh, de = pk.row_slot.shape[0], x.shape[1], w1.shape[2]
+    dgates = dgates and dgates_in_dx_kernel(cfg, de)
     dx = torch.empty(p, dh, dtype=x.dtype, device=x.device)
     dgate_rows = torch.empty(p if dgates else 1, dtype=torch.float32, device=x.device)
-    if not fuse:
-        t = cfg.dx
-        expert_dx_kernel[(p // t.block_m,)](
-            x, dy, gates, pk.row_slot, pk.block_group, w1, w2, dx, dgate_rows, K=k, DH=dh, DE=de,
-            PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, num_warps=t.num_warps,
-            num_stages=t.num_stages, DGATES=dgates, **opts)
+    t = cfg.dx
+    expert_dx_kernel[(p // t.block_m,)](
+        x, dy, gates, pk.row_slot, pk.block_group, w1, w2, dx, dgate_rows, K=k, DH=dh, DE=de,
+        PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, num_warps=t.num_warps,
+        num_stages=t.num_stages, DGATES=dgates, PACKED=cfg.packed_bwd, **_launch_opts(x))
+    return dx, dgate_rows if dgates else None
+
+
+def experts_dw(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: TorchPacking, w1: torch.Tensor,
+               w2: torch.Tensor, k: int, cfg: ExpertsConfig, dw_dtype: torch.dtype | None = None,
+               dx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of the dW kernel (cfg.dw_form, tile cfg.dw) on inputs as `experts_bwd` prepares them:
+    dW1 (G, dh, de), dW2 (G, de, dh) in dw_dtype (default w1.dtype); with dX fused (cfg.dw.block_e == de)
+    it also writes the dX rows into `dx` (P, dh)."""
+    (g, dh, de), fuse = w1.shape, cfg.dw.block_e == w1.shape[2]
+    dw_dtype = dw_dtype or w1.dtype
     dw1 = torch.empty(g, dh, de, dtype=dw_dtype, device=x.device)
     dw2 = torch.empty(g, de, dh, dtype=dw_dtype, device=x.device)
     t = cfg.dw
     kernel = expert_dwt_kernel if cfg.dw_form == "t" else expert_dw_kernel
     kernel[(de // t.block_e, g)](
-        x, dy, gates, pk.row_slot, pk.group_block_start, pk.group_nblocks, w1, w2, dw1, dw2, dx,
+        x, dy, gates, pk.row_slot, pk.group_block_start, pk.group_nblocks, w1, w2, dw1, dw2, x if dx is None else dx,
         K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, FUSE_DX=fuse,
-        num_warps=t.num_warps, num_stages=t.num_stages, **opts)
-    return dx, dw1, dw2, dgate_rows if dgates else None
+        num_warps=t.num_warps, num_stages=t.num_stages, PACKED=cfg.packed_bwd, **_launch_opts(x))
+    return dw1, dw2
 
 
 def pack_bwd_rows(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, row_slot: torch.Tensor, k: int

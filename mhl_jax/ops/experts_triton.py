@@ -259,8 +259,7 @@ def _experts_bwd(st: Static, res, dy):
     if dgate_rows is None:  # dX fused into the dW kernel, or packed dO rows: the gate gradient in XLA
         dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)[1]
     else:  # the dX kernel's per-row gate gradients, read back per slot (empty slots: 0)
-        got = jnp.take(dgate_rows, jnp.maximum(meta.slot_row, 0))
-        dgates = jnp.where(meta.slot_row >= 0, got, 0.0).reshape(n, h, k).astype(gates.dtype)
+        dgates = take_slots(dgate_rows[:, None], meta.slot_row).reshape(n, h, k).astype(gates.dtype)
     return bwd_cotangents(dxr, dgates, dw1, dw2, xs.dtype, meta)
 
 
