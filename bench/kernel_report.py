@@ -31,24 +31,20 @@ POINTER_TYPES = {"gates_ptr": "*fp32", "dgate_ptr": "*fp32", "dw1_ptr": "*fp32",
                  "group_nblocks_ptr": "*i32"}  # every other pointer: bf16
 
 
-def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: int, overlap: int = 0, dh: int = 128,
-           de: int = 256, k: int = 4, pack_block: int = 128) -> dict:
-    """Compile kernel `kind` (fwd | fwdw | dx | dwt, the model's launch options) and read ptxas' report."""
+def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: int, dh: int = 128, de: int = 256,
+           k: int = 4, pack_block: int = 128) -> dict:
+    """Compile kernel `kind` (fwd | dx | dwt, the model's launch options) and read ptxas' report."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     import kernels.experts as ke
 
-    fn = {"fwd": ke.expert_fwd_kernel, "fwdw": ke.expert_fwd_kernel, "dx": ke.expert_dx_kernel,
-          "dwt": ke.expert_dwt_kernel}[kind]
+    fn = {"fwd": ke.expert_fwd_kernel, "dx": ke.expert_dx_kernel, "dwt": ke.expert_dwt_kernel}[kind]
     consts = dict(K=k, DH=dh, DE=de, PACK_BLOCK=pack_block, BLOCK_M=block_m, BLOCK_E=block_e, FAST_TANH=True,
-                  PRECISION="tf32", FUSE_DX=False, PACKED=False, DGATES=True, WRITE_W=kind == "fwdw",
-                  OVERLAP=bool(overlap))
+                  PRECISION="tf32", FUSE_DX=False, PACKED=False, DGATES=True)
     params = list(inspect.signature(fn.fn).parameters)
-    # fwdw: the forward reading fp32 master weights and writing their bf16 copy (WRITE_W)
-    types = dict(POINTER_TYPES, **({"w1_ptr": "*fp32", "w2_ptr": "*fp32"} if kind == "fwdw" else {}))
-    signature = {p: "constexpr" if p in consts else types.get(p, "*bf16") for p in params}
+    signature = {p: "constexpr" if p in consts else POINTER_TYPES.get(p, "*bf16") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
     src = ASTSource(fn=fn, signature=signature, constexprs={p: consts[p] for p in params if p in consts},
                     attrs=attrs)
@@ -68,7 +64,7 @@ def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: in
         m = re.search(pattern, info)
         return int(m.group(1)) if m else 0
 
-    return dict(bench="kernel_report", kernel=kind, tile=[block_m, block_e, num_warps, num_stages, overlap],
+    return dict(bench="kernel_report", kernel=kind, tile=[block_m, block_e, num_warps, num_stages],
                 params=dict(dh=dh, de=de, k=k, pack_block=pack_block), registers=num(r"Used (\d+) registers"),
                 spill_store_bytes=num(r"(\d+) bytes spill stores"), spill_load_bytes=num(r"(\d+) bytes spill loads"),
                 shared_bytes=int(compiled.metadata.shared),
@@ -77,7 +73,7 @@ def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiles", nargs="+", default=DEFAULT_TILES, help="kind,block_m,block_e,warps,stages[,overlap]")
+    ap.add_argument("--tiles", nargs="+", default=DEFAULT_TILES, help="kind,block_m,block_e,warps,stages")
     ap.add_argument("--dh", type=int, default=128)
     ap.add_argument("--de", type=int, default=256)
     ap.add_argument("--pack-block", type=int, default=128)

@@ -18,7 +18,6 @@ Kernels:
 BLOCK_M (rows per program step) divides PACK_BLOCK (the packing's row block), so the tiles can be tuned
 apart from the packing.
 - `expert_fwd_kernel`  grid (P / BLOCK_M,):           out rows (P, DH); padding rows written as zeros.
-  With WRITE_W it reads fp32 master weights and also writes their compute-dtype copy (one program per group).
 - `expert_dx_kernel`   grid (P / BLOCK_M,):         dX rows (P, DH) = dH W1^T, dO = gate * dy gathered;
   with DGATES also each row's gate gradient <out row, dy row> (P,), fp32, from A and dy W2^T.
 - `expert_dw_kernel`   grid (DE/BLOCK_E, G): dW1[g][:, tile], dW2[g][tile, :] summed over the group's
@@ -118,74 +117,32 @@ def _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K: tl.const
 @triton.jit
 def expert_fwd_kernel(
     x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr,  # inputs
-    out_ptr, w1c_ptr, w2c_ptr,  # outputs: (P, DH); with WRITE_W the weights in the compute dtype (G, DH, DE), (G, DE, DH)
+    out_ptr,  # output (P, DH)
     K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, WRITE_W: tl.constexpr = False,
-    OVERLAP: tl.constexpr = False,
+    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """WRITE_W: w1 / w2 are the fp32 master weights; each chunk is rounded to the compute dtype (w1c's) right
-    after its load, and the first program of every group writes the rounded weights once, for the backward's
-    kernels (no separate cast pass over HBM). Groups without rows keep unwritten copies (no kernel reads them:
-    the dW kernels load but never use the weights of a group with no row block)."""
     pid = tl.program_id(0)
-    nsub: tl.constexpr = PACK_BLOCK // BLOCK_M
-    blk = pid // nsub
-    g = tl.load(block_group_ptr + blk)
+    g = tl.load(block_group_ptr + pid // (PACK_BLOCK // BLOCK_M))
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DH)
     out_ptrs = out_ptr + rows[:, None] * DH + offs_d[None, :]
     if g < 0:  # block made only of padding: nothing to compute
         tl.store(out_ptrs, tl.zeros((BLOCK_M, DH), out_ptr.dtype.element_ty))
     else:
-        if WRITE_W:
-            cdt = w1c_ptr.dtype.element_ty
-            prev = tl.load(block_group_ptr + tl.maximum(blk - 1, 0))
-            first = (pid % nsub == 0) & ((blk == 0) | (prev != g))  # the group's first program
-        else:
-            cdt = w1_ptr.dtype.element_ty
-        offs_e = tl.arange(0, BLOCK_E)
-        w1_base = g.to(tl.int64) * (DH * DE)
-        w2_base = g.to(tl.int64) * (DE * DH)
-        if WRITE_W:
-            if first:  # a loop of its own: the main loop's loads stay plain dot operands (software-pipelined)
-                for e0 in range(0, DE, BLOCK_E):
-                    w1_off = w1_base + offs_d[:, None] * DE + (e0 + offs_e)[None, :]
-                    w2_off = w2_base + (e0 + offs_e)[:, None] * DH + offs_d[None, :]
-                    tl.store(w1c_ptr + w1_off, tl.load(w1_ptr + w1_off).to(cdt))
-                    tl.store(w2c_ptr + w2_off, tl.load(w2_ptr + w2_off).to(cdt))
+        cdt = w1_ptr.dtype.element_ty
         x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
         x = x.to(cdt)
-        w1_ptrs = w1_ptr + w1_base + offs_d[:, None] * DE + offs_e[None, :]  # (DH, BLOCK_E) chunk at e0 = 0
-        w2_ptrs = w2_ptr + w2_base + offs_e[:, None] * DH + offs_d[None, :]  # (BLOCK_E, DH)
+        offs_e = tl.arange(0, BLOCK_E)
+        w1_base = w1_ptr + g.to(tl.int64) * (DH * DE)
+        w2_base = w2_ptr + g.to(tl.int64) * (DE * DH)
         acc = tl.zeros((BLOCK_M, DH), tl.float32)
-        if OVERLAP:
-            # chunk i's accumulating product is issued after chunk i+1's first product and before chunk i+1's
-            # gelu, so that gelu runs while the tensor cores work on the (asynchronous) accumulation
-            # (a is carried in fp32 and rounded inside the loop: Triton keeps a product asynchronous only if its
-            # register operand is made in the same iteration from an MMA-layout value)
-            a = _gelu(tl.dot(x, tl.load(w1_ptrs).to(cdt), input_precision=PRECISION), FAST_TANH)
-            for e0 in range(BLOCK_E, DE, BLOCK_E):
-                h = tl.dot(x, tl.load(w1_ptrs + e0).to(cdt), input_precision=PRECISION)
-                acc = tl.dot(a.to(cdt), tl.load(w2_ptrs + (e0 - BLOCK_E) * DH).to(cdt), acc, input_precision=PRECISION)
-                a = _gelu(h, FAST_TANH)
-            acc = tl.dot(a.to(cdt), tl.load(w2_ptrs + (DE - BLOCK_E) * DH).to(cdt), acc, input_precision=PRECISION)
-        else:
-            for e0 in range(0, DE, BLOCK_E):
-                h = tl.dot(x, tl.load(w1_ptrs + e0).to(cdt), input_precision=PRECISION)  # (BLOCK_M, BLOCK_E) fp32
-                a = _gelu(h, FAST_TANH).to(cdt)
-                acc = tl.dot(a, tl.load(w2_ptrs + e0 * DH).to(cdt), acc, input_precision=PRECISION)
+        for e0 in range(0, DE, BLOCK_E):
+            w1 = tl.load(w1_base + offs_d[:, None] * DE + (e0 + offs_e)[None, :])  # (DH, BLOCK_E)
+            h = tl.dot(x, w1, input_precision=PRECISION)  # (BLOCK_M, BLOCK_E) fp32
+            a = _gelu(h, FAST_TANH).to(cdt)
+            w2 = tl.load(w2_base + (e0 + offs_e)[:, None] * DH + offs_d[None, :])  # (BLOCK_E, DH)
+            acc = tl.dot(a, w2, acc, input_precision=PRECISION)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _dx_chunk(h, da, gate, gacc, cdt: tl.constexpr, FAST_TANH: tl.constexpr, DGATES: tl.constexpr):
-    """The dX kernel's elementwise work on one de chunk: H, dA (dA' with DGATES) fp32 -> dH (fp32: the caller
-    rounds it to cdt), and the gate-gradient accumulator (DGATES: += A * dA', then dA = gate * dA')."""
-    a, dgelu = _gelu_and_grad(h, FAST_TANH)
-    if DGATES:
-        gacc = tl.fma(a.to(cdt).to(tl.float32), da, gacc)
-        da = da * gate[:, None]
-    return da * dgelu, gacc
 
 
 @triton.jit
@@ -194,7 +151,7 @@ def expert_dx_kernel(
     dx_ptr, dgate_ptr,  # outputs (P, DH): gradient of each packed row's input; (P,) fp32 (DGATES only)
     K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr = False,
-    DGATES: tl.constexpr = False, OVERLAP: tl.constexpr = False,
+    DGATES: tl.constexpr = False,
 ):
     """DGATES (not with PACKED): also the combine's gate gradient of each packed row, from values already
     in registers: with dA' = dy W2^T (ungated; dA = gate * dA'), <out row, dy> = <A W2, dy> = sum over de
@@ -217,33 +174,24 @@ def expert_dx_kernel(
             d = tl.load(dy_ptr + src[:, None] * DH + offs_d[None, :], mask=valid[:, None], other=0.0)
         else:  # d = dO = gate * dy rows
             x, d = _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K, DH, PACKED)
-            gate = tl.zeros((BLOCK_M,), tl.float32)  # unused
         x = x.to(cdt)
         d = d.to(cdt)
         offs_e = tl.arange(0, BLOCK_E)
         w1_base = w1_ptr + g.to(tl.int64) * (DH * DE)
         w2_base = w2_ptr + g.to(tl.int64) * (DE * DH)
-        w1_ptrs = w1_base + offs_d[:, None] * DE + offs_e[None, :]  # (DH, BLOCK_E) chunk at e0 = 0
-        w2t_ptrs = w2_base + offs_e[None, :] * DH + offs_d[:, None]  # (DH, BLOCK_E) = W2^T
         acc = tl.zeros((BLOCK_M, DH), tl.float32)
         gacc = tl.zeros((BLOCK_M, BLOCK_E), tl.float32)
-        if OVERLAP:  # as the forward's OVERLAP: chunk i's dX product runs under chunk i+1's gelu'
-            h = tl.dot(x, tl.load(w1_ptrs), input_precision=PRECISION)
-            da = tl.dot(d, tl.load(w2t_ptrs), input_precision=PRECISION)
-            dh, gacc = _dx_chunk(h, da, gate, gacc, cdt, FAST_TANH, DGATES)  # dh in fp32: see the forward's OVERLAP
-            for e0 in range(BLOCK_E, DE, BLOCK_E):
-                h = tl.dot(x, tl.load(w1_ptrs + e0), input_precision=PRECISION)
-                da = tl.dot(d, tl.load(w2t_ptrs + e0 * DH), input_precision=PRECISION)
-                acc = tl.dot(dh.to(cdt), tl.trans(tl.load(w1_ptrs + (e0 - BLOCK_E))), acc, input_precision=PRECISION)
-                dh, gacc = _dx_chunk(h, da, gate, gacc, cdt, FAST_TANH, DGATES)
-            acc = tl.dot(dh.to(cdt), tl.trans(tl.load(w1_ptrs + (DE - BLOCK_E))), acc, input_precision=PRECISION)
-        else:
-            for e0 in range(0, DE, BLOCK_E):
-                w1 = tl.load(w1_ptrs + e0)
-                h = tl.dot(x, w1, input_precision=PRECISION)
-                da = tl.dot(d, tl.load(w2t_ptrs + e0 * DH), input_precision=PRECISION)
-                dh, gacc = _dx_chunk(h, da, gate, gacc, cdt, FAST_TANH, DGATES)
-                acc = tl.dot(dh.to(cdt), tl.trans(w1), acc, input_precision=PRECISION)
+        for e0 in range(0, DE, BLOCK_E):
+            w1 = tl.load(w1_base + offs_d[:, None] * DE + (e0 + offs_e)[None, :])  # (DH, BLOCK_E)
+            w2t = tl.load(w2_base + (e0 + offs_e)[None, :] * DH + offs_d[:, None])  # (DH, BLOCK_E) = W2^T
+            h = tl.dot(x, w1, input_precision=PRECISION)
+            a, dgelu = _gelu_and_grad(h, FAST_TANH)
+            da = tl.dot(d, w2t, input_precision=PRECISION)  # (BLOCK_M, BLOCK_E): dA, or dA' with DGATES
+            if DGATES:
+                gacc = tl.fma(a.to(cdt).to(tl.float32), da, gacc)
+                da = da * gate[:, None]
+            dh = (da * dgelu).to(cdt)
+            acc = tl.dot(dh, tl.trans(w1), acc, input_precision=PRECISION)
         tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty))
         if DGATES:
             tl.store(dgate_ptr + rows, tl.sum(gacc, axis=1))
@@ -345,15 +293,12 @@ def check_blocks(dh: int, de: int, pack_block: int, block_m: int, block_e: int) 
 
 @dataclass(frozen=True)
 class Tile:
-    """Launch shape of one kernel: rows per program step, DE chunk, warps, software-pipeline depth; overlap
-    (forward and dX kernels): issue each chunk's accumulating product before the next chunk's gelu, so the
-    two overlap (OVERLAP)."""
+    """Launch shape of one kernel: rows per program step, DE chunk, warps, software-pipeline depth."""
 
     block_m: int = 64
     block_e: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    overlap: bool = False
 
 
 def dgates_in_dx_kernel(cfg: "ExpertsConfig", de: int) -> bool:
@@ -373,9 +318,7 @@ class ExpertsConfig:
     Variants (old defaults first): dw_form "rows" | "t" (which dW kernel); packed_bwd: write packed X and
     gate-scaled dO rows once and let the dX / dW kernels read them contiguously; pack_impl "argsort" |
     "count" | "triton" (the JAX packing: key sort, or the chunked counting sort; or the Triton kernels of
-    kernels/packing.py, emulated runs use the JAX sort instead); fused_cast: with fp32 master weights and
-    bf16 x, the forward kernel reads the masters and writes the bf16 copies the backward reads (WRITE_W)
-    instead of a separate XLA cast."""
+    kernels/packing.py, emulated runs use the JAX sort instead)."""
 
     pack_block: int = 128
     fwd: Tile = Tile(128, 64, 8, 2)
@@ -384,7 +327,6 @@ class ExpertsConfig:
     dw_form: str = "rows"
     packed_bwd: bool = False
     pack_impl: str = "argsort"
-    fused_cast: bool = True
 
     def check(self, dh: int, de: int) -> None:
         for t in (self.fwd, self.dx, self.dw):
@@ -396,7 +338,7 @@ class ExpertsConfig:
     def fit(self, de: int) -> ExpertsConfig:
         """Clamp tiles to the packing block and to de (small shapes in tests)."""
         def f(t: Tile) -> Tile:
-            return replace(t, block_m=min(t.block_m, self.pack_block), block_e=min(t.block_e, de))
+            return Tile(min(t.block_m, self.pack_block), min(t.block_e, de), t.num_warps, t.num_stages)
 
         return replace(self, fwd=f(self.fwd), dx=f(self.dx), dw=f(self.dw))
 

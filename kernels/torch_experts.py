@@ -74,22 +74,17 @@ def _launch_opts(x: torch.Tensor) -> dict:
 
 
 def experts_fwd(x: torch.Tensor, row_slot: torch.Tensor, block_group: torch.Tensor, w1: torch.Tensor,
-                w2: torch.Tensor, k: int, cfg: ExpertsConfig, out: torch.Tensor | None = None,
-                copies: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                w2: torch.Tensor, k: int, cfg: ExpertsConfig, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: (S, dh); w1: (G, dh, de); w2: (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0).
-    `out` (P, dh), if given, is written in place (tests poison it first). `copies` (w1c, w2c) shaped like
-    w1 / w2: the kernel's WRITE_W mode: w1 / w2 are fp32 masters, the matmuls run in the copies' dtype and
-    every group with rows gets its rounded weights written there (other groups' entries are left as they were)."""
+    `out` (P, dh), if given, is written in place (tests poison it first)."""
     p, (_, dh), de = row_slot.shape[0], x.shape, w1.shape[2]
     cfg.check(dh, de)
     t = cfg.fwd
     out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
-    w1c, w2c = copies if copies is not None else (out, out)  # unused pointers without WRITE_W
     expert_fwd_kernel[(p // t.block_m,)](
-        x.contiguous(), row_slot, block_group, w1.contiguous(), w2.contiguous(), out, w1c, w2c,
+        x.contiguous(), row_slot, block_group, w1.contiguous(), w2.contiguous(), out,
         K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
-        WRITE_W=copies is not None, OVERLAP=bool(t.overlap), num_warps=t.num_warps, num_stages=t.num_stages,
-        **_launch_opts(x))
+        num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
     return out
 
 
@@ -129,7 +124,7 @@ def experts_dx(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: Torch
     expert_dx_kernel[(p // t.block_m,)](
         x, dy, gates, pk.row_slot, pk.block_group, w1, w2, dx, dgate_rows, K=k, DH=dh, DE=de,
         PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, num_warps=t.num_warps,
-        num_stages=t.num_stages, DGATES=dgates, PACKED=cfg.packed_bwd, OVERLAP=bool(t.overlap), **_launch_opts(x))
+        num_stages=t.num_stages, DGATES=dgates, PACKED=cfg.packed_bwd, **_launch_opts(x))
     return dx, dgate_rows if dgates else None
 
 

@@ -52,7 +52,7 @@ class Static(NamedTuple):
 
 # ------------------------------------------------------------------------------ variants (benchmarks)
 
-VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "xla_cast")
+VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -64,12 +64,9 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     rows for the backward; "count" = counting-sort packing; "new" = "t" + "count" (the default of the
     afternoon of 2026-11-23 at packing block 64 up to COUNT_SORT_MAX_SLOTS slots); "tpack" = "default"
     with the Triton packing kernels (kernels/packing.py), i.e. "default" itself at blocks >= 64 since the
-    evening of 2026-11-23; "xla_cast" = "default" with the fp32 -> bf16 weight cast as a separate XLA pass
-    (the default until 2026-11-24, before the forward kernel's WRITE_W)."""
+    evening of 2026-11-23."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
-    if name == "xla_cast":
-        return replace(default_config(num_slots, num_groups, dh, de), fused_cast=False)
     if name in ("default", "tpack"):
         cfg = default_config(num_slots, num_groups, dh, de)
         return replace(cfg, pack_impl="triton") if name == "tpack" else cfg
@@ -88,24 +85,19 @@ def _opts(dtype) -> dict:
     return dict(FAST_TANH=True, PRECISION="ieee" if dtype == jnp.float32 else "tf32")
 
 
-def _fwd_triton(st: Static, xs, meta: Meta, w1, w2, copy_dtype=None):
-    """Output rows (P, dh); with `copy_dtype` (w1 / w2 fp32 masters) also the weights rounded to it, written
-    by the kernel (WRITE_W) instead of a separate cast pass: (out_rows, w1c, w2c)."""
+def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
     jt = import_jax_triton()
 
     from kernels.experts import expert_fwd_kernel
 
     p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
     t = st.cfg.fwd
-    write = copy_dtype is not None
-    copy_shapes = [jax.ShapeDtypeStruct(w.shape if write else (1,), copy_dtype or xs.dtype) for w in (w1, w2)]
-    out = jt.triton_call(
+    return jt.triton_call(
         xs, meta.row_slot, meta.block_group, w1, w2, kernel=expert_fwd_kernel,
-        out_shape=[jax.ShapeDtypeStruct((p, dh), xs.dtype), *copy_shapes], grid=(p // t.block_m,),
+        out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype), grid=(p // t.block_m,),
         num_warps=t.num_warps, num_stages=t.num_stages,
-        K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, WRITE_W=write,
-        OVERLAP=bool(t.overlap), **_opts(xs.dtype))
-    return tuple(out) if write else out[0]
+        K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
+        **_opts(xs.dtype))
 
 
 def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
@@ -135,7 +127,7 @@ def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
         xs, dys, gates, meta.row_slot, meta.block_group, w1, w2, kernel=expert_dx_kernel,
         out_shape=[jax.ShapeDtypeStruct((p, dh), xs.dtype), jax.ShapeDtypeStruct((p if dgates else 1,), jnp.float32)],
         grid=(p // t.block_m,), num_warps=t.num_warps, num_stages=t.num_stages, BLOCK_M=t.block_m,
-        BLOCK_E=t.block_e, DGATES=dgates, OVERLAP=bool(t.overlap), **common)
+        BLOCK_E=t.block_e, DGATES=dgates, **common)
     return dx, dw1, dw2, dgate_rows if dgates else None
 
 
@@ -237,25 +229,15 @@ def _combine(out_rows, slot_row, gates):
 def _forward(st: Static, x, gates, w1, w2, meta: Meta):
     n, h, dh = x.shape
     _, ne, _, de = w1.shape
-    w1g, w2g = w1.reshape(h * ne, dh, de), w2.reshape(h * ne, de, dh)
+    w1c = w1.reshape(h * ne, dh, de).astype(x.dtype)
+    w2c = w2.reshape(h * ne, de, dh).astype(x.dtype)
     xs = x.reshape(n * h, dh)
-    if fused_cast(st, x.dtype, w1.dtype):  # the forward kernel rounds the fp32 masters and writes the copies
-        out_rows, w1c, w2c = _fwd_triton(st, xs, meta, w1g, w2g, copy_dtype=x.dtype)
-    else:
-        w1c, w2c = w1g.astype(x.dtype), w2g.astype(x.dtype)
-        fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
-        out_rows = fwd(st, xs, meta, w1c, w2c)
+    fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
+    out_rows = fwd(st, xs, meta, w1c, w2c)
     y = _combine(out_rows, meta.slot_row, gates.astype(jnp.float32)).astype(x.dtype)
     # the output rows are kept for the backward only where the dX kernel does not make the gate gradients
     keep = None if dgates_in_dx_kernel(st.cfg, de) else out_rows
     return y, (xs, gates, keep, w1c, w2c, meta)
-
-
-def fused_cast(st: Static, x_dtype, w_dtype) -> bool:
-    """Whether the forward kernel makes the compute-dtype weight copies itself (cfg.fused_cast, on Triton,
-    for weights wider than x)."""
-    return (st.cfg.fused_cast and st.backend == "triton" and jnp.dtype(w_dtype) == jnp.float32
-            and jnp.dtype(x_dtype) != jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
