@@ -1,0 +1,113 @@
+"""Why a kernel waits: Nsight Compute's warp stall reasons for the three expert kernels and the router forward,
+each launched alone from torch (no JAX in the process: ncu under JAX segfaulted on the router, 2026-11-24).
+
+    python bench/profile_stalls.py [--tokens 81920] [--ne 384] [--de 256] [--out FILE]
+
+The parent runs itself under `ncu --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio
+(+ issue-active and duration)`; the child launches each kernel twice (compile, then the profiled launch: the
+last launch of each kernel name is kept). Per kernel, one JSON line: ms, issue_active_pct (share of cycles a
+scheduler issued), and `stalls`: for each reason, warps stalled per issued instruction (the sum over reasons
+is the mean cycles between two issues of one warp), largest first. Needs a GPU and ncu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.timing import emit  # noqa: E402
+
+STALL = "smsp__average_warps_issue_stalled_"
+METRICS = [f"regex:{STALL}.*_per_issue_active\\.ratio", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+           "gpu__time_duration.sum"]
+KERNELS = "regex:expert_fwd_kernel|expert_dx_kernel|expert_dwt_kernel|router_fwd_kernel"
+
+
+def child(tokens: int, ne: int, de: int) -> None:
+    """Launch the forward (128, 32, 4, 3), dX (64, 32, 4, 3), transposed dW (64, 64, 4, 3) kernels and the
+    router forward (default tiles, bf16x3) at the layer's shapes, twice each."""
+    import torch
+
+    from kernels.experts import ExpertsConfig, Tile, default_config
+    from kernels.torch_experts import experts_dw, experts_dx, experts_fwd, pack_torch
+    from kernels.torch_router import router_fwd
+
+    nh, dh, k, dev = 8, 128, 4, "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    pack_block = default_config(tokens * nh * k, nh * ne, dh, de).pack_block
+    x = torch.randn(tokens * nh, dh, device=dev, generator=g).bfloat16()
+    dy = torch.randn(tokens * nh, dh, device=dev, generator=g).bfloat16()
+    gates = torch.rand(tokens * nh * k, device=dev, generator=g)
+    wr = torch.randn(nh, dh, ne, device=dev, generator=g) * dh ** -0.5
+    bias = torch.randn(nh, ne, device=dev, generator=g) * 0.01
+    w1 = (torch.randn(nh * ne, dh, de, device=dev, generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(nh * ne, de, dh, device=dev, generator=g) * 0.05).bfloat16()
+    for _ in range(2):
+        _, idx = router_fwd(x.view(tokens, nh, dh), wr, bias, k)
+        pk = pack_torch(idx.long(), ne, pack_block)
+        cfg = ExpertsConfig(pack_block, Tile(min(128, pack_block), 32, 4, 3), Tile(64, 32, 4, 3),
+                            Tile(64, 64, 4, 3), dw_form="t").fit(de)
+        experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg)
+        experts_dx(x, dy, gates, pk, w1, w2, k, cfg)
+        experts_dw(x, dy, gates, pk, w1, w2, k, cfg, torch.float32)
+    torch.cuda.synchronize()
+
+
+def parse(text: str) -> dict:
+    """ncu --csv (details page) -> {kernel name: {metric: value}} for the last launch of each kernel."""
+    rows = list(csv.DictReader(io.StringIO(text[text.index('"ID"'):])))
+    last: dict = {}
+    for r in rows:
+        name = r["Kernel Name"].split("(")[0]
+        launch = int(r["ID"])
+        if name not in last or last[name][0] < launch:
+            last[name] = (launch, {})
+        if last[name][0] == launch:
+            last[name][1][r["Metric Name"]] = float(r["Metric Value"].replace(",", "") or 0)
+    return {n: m for n, (_, m) in last.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=81920)
+    ap.add_argument("--ne", type=int, default=384)
+    ap.add_argument("--de", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        child(args.tokens, args.ne, args.de)
+        return
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    cmd = [ncu, "--csv", "--print-units", "base", "-k", KERNELS, "--metrics", ",".join(METRICS), sys.executable,
+           os.path.abspath(__file__), "--child", "--tokens", str(args.tokens), "--ne", str(args.ne),
+           "--de", str(args.de)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode or '"ID"' not in p.stdout:
+        raise SystemExit(f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-2000:]}")
+    import torch
+
+    outf = open(args.out, "a") if args.out else None
+    base = dict(bench="profile_stalls", device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                params=dict(tokens=args.tokens, ne=args.ne, de=args.de, nh=8, dh=128, k=4))
+    for name, m in parse(p.stdout).items():
+        stalls = {k[len(STALL):].replace("_per_issue_active.ratio", ""): v for k, v in m.items() if k.startswith(STALL)}
+        stalls = dict(sorted(((k, round(v, 3)) for k, v in stalls.items() if v >= 0.01), key=lambda kv: -kv[1]))
+        rec = dict(base, kernel=name, ms=m.get("gpu__time_duration.sum", 0) / 1e6,
+                   issue_active_pct=m.get("smsp__issue_active.avg.pct_of_peak_sustained_active"), stalls=stalls)
+        emit(rec, outf)
+        top = ", ".join(f"{k} {v:.2f}" for k, v in list(stalls.items())[:6])
+        print(f"{name:>20} {rec['ms']:7.3f} ms  issue {rec['issue_active_pct'] or 0:5.1f}%  {top}")
+
+
+if __name__ == "__main__":
+    main()
