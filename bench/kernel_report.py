@@ -33,17 +33,16 @@ POINTER_TYPES = {"gates_ptr": "*fp32", "dgate_ptr": "*fp32", "dw1_ptr": "*fp32",
 
 def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: int, dh: int = 128, de: int = 256,
            k: int = 4, pack_block: int = 128) -> dict:
-    """Compile kernel `kind` (fwd | fwdws | dx | dwt, the model's launch options) and read ptxas' report."""
+    """Compile kernel `kind` (fwd | dx | dwt, the model's launch options) and read ptxas' report."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     import kernels.experts as ke
 
-    fn = {"fwd": ke.expert_fwd_kernel, "fwdws": ke.expert_fwd_ws_kernel, "dx": ke.expert_dx_kernel,
-          "dwt": ke.expert_dwt_kernel}[kind]
+    fn = {"fwd": ke.expert_fwd_kernel, "dx": ke.expert_dx_kernel, "dwt": ke.expert_dwt_kernel}[kind]
     consts = dict(K=k, DH=dh, DE=de, PACK_BLOCK=pack_block, BLOCK_M=block_m, BLOCK_E=block_e, FAST_TANH=True,
-                  PRECISION="tf32", FUSE_DX=False, PACKED=False, DGATES=True, NG=3072)
+                  PRECISION="tf32", FUSE_DX=False, PACKED=False, DGATES=True)
     params = list(inspect.signature(fn.fn).parameters)
     signature = {p: "constexpr" if p in consts else POINTER_TYPES.get(p, "*bf16") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}

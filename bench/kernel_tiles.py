@@ -3,7 +3,7 @@ fastest at the layer's shapes. Unlike `bench/experts.py --sweep` (which times th
 together), every line here is one kernel launch.
 
     python bench/kernel_tiles.py [--tokens 81920 8192] [--ne 384] [--de 256] [--out FILE]
-        [--fwd 128,32,4,3 ...] [--fwdws ...] [--dx ...] [--dwt ...]
+        [--fwd 128,32,4,3 ...] [--dx ...] [--dwt ...]
 
 One JSON line per (shape, kernel, tile): ms (median, several input sets), TFLOP/s of the kernel's own
 matmuls (fwd 2, dX 3, dW 4 units of 2 * rows * dh * de), and rel_vs_first: the relative difference of the
@@ -24,11 +24,10 @@ from bench.timing import emit  # noqa: E402
 
 DEFAULT_TILES = {
     "fwd": ["128,32,4,3", "64,32,4,2", "128,32,4,2", "64,64,4,2", "64,32,4,3"],
-    "fwdws": ["64,64,4,2", "128,64,8,2"],
     "dx": ["128,32,4,3", "64,32,4,2", "64,32,4,3", "128,32,4,2", "64,64,4,2", "128,64,8,2"],
     "dwt": ["64,64,4,3", "64,64,4,2", "64,32,4,2", "64,32,4,3", "32,64,4,3"],
 }
-UNITS = {"fwd": 2, "fwdws": 2, "dx": 3, "dwt": 4}
+UNITS = {"fwd": 2, "dx": 3, "dwt": 4}
 
 
 def launch(kind: str, cfg, s, w1, w2, k: int):
@@ -38,9 +37,8 @@ def launch(kind: str, cfg, s, w1, w2, k: int):
     from kernels.torch_experts import experts_dw, experts_dx, experts_fwd
 
     x, dy, gates, pk = s
-    if kind in ("fwd", "fwdws"):  # fwdws: the weights-stationary forward (cfg.fwd_ws)
-        return (experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg,
-                            groups=(pk.group_block_start, pk.group_nblocks)),)
+    if kind == "fwd":
+        return (experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg),)
     if kind == "dx":  # as the binding runs it: with the gate gradients (DGATES)
         return experts_dx(x, dy, gates, pk, w1, w2, k, cfg)
     return experts_dw(x, dy, gates, pk, w1, w2, k, cfg, torch.float32)  # fp32 masters' gradients
@@ -95,12 +93,12 @@ def main() -> None:
         w1 = (torch.randn(nh * ne, dh, de, device=dev, generator=g) * 0.05).bfloat16()
         w2 = (torch.randn(nh * ne, de, dh, device=dev, generator=g) * 0.05).bfloat16()
         rows_total = tokens * nh * k
-        for kind in ("fwd", "fwdws", "dx", "dwt"):
+        for kind in ("fwd", "dx", "dwt"):
             first = None
             for spec in getattr(args, kind):
                 t = Tile(*(int(v) for v in spec.split(",")))
                 t = Tile(min(t.block_m, pack_block), min(t.block_e, de), t.num_warps, t.num_stages)
-                cfg = ExpertsConfig(pack_block, t, t, t, dw_form="t", fwd_ws=kind == "fwdws")
+                cfg = ExpertsConfig(pack_block, t, t, t, dw_form="t")
                 rec = dict(bench="kernel_tiles", kernel=kind, device=device, date=date,
                            params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=pack_block,
                                        tile=[t.block_m, t.block_e, t.num_warps, t.num_stages]))

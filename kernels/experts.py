@@ -146,65 +146,6 @@ def expert_fwd_kernel(
 
 
 @triton.jit
-def _ws_weights(w1_ptr, w2_ptr, g, c: tl.constexpr, offs_d, offs_c, DH: tl.constexpr, DE: tl.constexpr,
-                CH: tl.constexpr):
-    """Chunk c (CH wide) of group g's weights: W1[:, chunk] (DH, CH) and W2[chunk, :] (CH, DH)."""
-    cols = c * CH + offs_c
-    w1c = tl.load(w1_ptr + g * (DH * DE) + offs_d[:, None] * DE + cols[None, :])
-    w2c = tl.load(w2_ptr + g * (DE * DH) + cols[:, None] * DH + offs_d[None, :])
-    return w1c, w2c
-
-
-@triton.jit
-def _ws_fwd_chunk(x, w1c, w2c, acc, cdt: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr):
-    h = tl.dot(x, w1c, input_precision=PRECISION)
-    return tl.dot(_gelu(h, FAST_TANH).to(cdt), w2c, acc, input_precision=PRECISION)
-
-
-@triton.jit
-def expert_fwd_ws_kernel(
-    x_ptr, row_slot_ptr, block_group_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,  # inputs
-    out_ptr,  # output (P, DH)
-    NG: tl.constexpr, K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """`expert_fwd_kernel` with the weights held still: grid (NG + P / PACK_BLOCK,). Program g < NG loads group
-    g's W1 and W2 once (DE / BLOCK_E chunks, at most 4, kept in shared memory as the products' operands) and
-    walks the group's row blocks, so the gathered X rows are what the software pipeline streams; programs
-    >= NG write zeros over the all-padding row blocks. For DH * DE small enough that both weights fit in
-    shared memory (bf16: 128 KB at 128 x 256)."""
-    pid = tl.program_id(0)
-    NCH: tl.constexpr = DE // BLOCK_E
-    offs_d = tl.arange(0, DH)
-    if pid >= NG:
-        blk = pid - NG
-        if tl.load(block_group_ptr + blk) < 0:
-            rows = blk.to(tl.int64) * PACK_BLOCK + tl.arange(0, PACK_BLOCK)
-            tl.store(out_ptr + rows[:, None] * DH + offs_d[None, :], tl.zeros((PACK_BLOCK, DH), out_ptr.dtype.element_ty))
-    else:
-        cdt = w1_ptr.dtype.element_ty
-        g = pid.to(tl.int64)
-        offs_c = tl.arange(0, BLOCK_E)
-        w1_0, w2_0 = _ws_weights(w1_ptr, w2_ptr, g, 0, offs_d, offs_c, DH, DE, BLOCK_E)
-        if NCH > 1:
-            w1_1, w2_1 = _ws_weights(w1_ptr, w2_ptr, g, 1, offs_d, offs_c, DH, DE, BLOCK_E)
-        if NCH > 2:
-            w1_2, w2_2 = _ws_weights(w1_ptr, w2_ptr, g, 2, offs_d, offs_c, DH, DE, BLOCK_E)
-            w1_3, w2_3 = _ws_weights(w1_ptr, w2_ptr, g, 3, offs_d, offs_c, DH, DE, BLOCK_E)
-        row0 = tl.load(group_block_start_ptr + pid).to(tl.int64) * PACK_BLOCK
-        for i in range(0, tl.load(group_nblocks_ptr + pid) * (PACK_BLOCK // BLOCK_M)):
-            rows = row0 + i * BLOCK_M + tl.arange(0, BLOCK_M)
-            x = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)[0].to(cdt)
-            acc = _ws_fwd_chunk(x, w1_0, w2_0, tl.zeros((BLOCK_M, DH), tl.float32), cdt, FAST_TANH, PRECISION)
-            if NCH > 1:
-                acc = _ws_fwd_chunk(x, w1_1, w2_1, acc, cdt, FAST_TANH, PRECISION)
-            if NCH > 2:
-                acc = _ws_fwd_chunk(x, w1_2, w2_2, acc, cdt, FAST_TANH, PRECISION)
-                acc = _ws_fwd_chunk(x, w1_3, w2_3, acc, cdt, FAST_TANH, PRECISION)
-            tl.store(out_ptr + rows[:, None] * DH + offs_d[None, :], acc.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
 def expert_dx_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr,  # inputs
     dx_ptr, dgate_ptr,  # outputs (P, DH): gradient of each packed row's input; (P,) fp32 (DGATES only)
@@ -377,8 +318,7 @@ class ExpertsConfig:
     Variants (old defaults first): dw_form "rows" | "t" (which dW kernel); packed_bwd: write packed X and
     gate-scaled dO rows once and let the dX / dW kernels read them contiguously; pack_impl "argsort" |
     "count" | "triton" (the JAX packing: key sort, or the chunked counting sort; or the Triton kernels of
-    kernels/packing.py, emulated runs use the JAX sort instead); fwd_ws: the forward as `expert_fwd_ws_kernel`
-    (one program per group, weights held in shared memory; de / fwd.block_e chunks, 1, 2 or 4)."""
+    kernels/packing.py, emulated runs use the JAX sort instead)."""
 
     pack_block: int = 128
     fwd: Tile = Tile(128, 64, 8, 2)
@@ -387,13 +327,10 @@ class ExpertsConfig:
     dw_form: str = "rows"
     packed_bwd: bool = False
     pack_impl: str = "argsort"
-    fwd_ws: bool = False
 
     def check(self, dh: int, de: int) -> None:
         for t in (self.fwd, self.dx, self.dw):
             check_blocks(dh, de, self.pack_block, min(t.block_m, self.pack_block), min(t.block_e, de))
-        if self.fwd_ws and min(de, self.fwd.block_e) * 4 < de:
-            raise ValueError(f"expert kernels: fwd_ws takes at most 4 de chunks, got de={de} / block_e={self.fwd.block_e}")
         if self.dw_form not in DW_FORMS or self.pack_impl not in PACK_IMPLS:
             raise ValueError(f"expert kernels: dw_form={self.dw_form!r} (one of {DW_FORMS}), "
                              f"pack_impl={self.pack_impl!r} (one of {PACK_IMPLS})")
@@ -462,6 +399,6 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
                          dw=Tile(bm, 32, 8, 2), dw_form=form, pack_impl="count" if count else "argsort").fit(de)
 
 
-__all__ = ["expert_fwd_kernel", "expert_fwd_ws_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
+__all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
            "dgates_in_dx_kernel",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]

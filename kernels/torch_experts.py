@@ -23,7 +23,6 @@ from kernels.experts import (
     expert_dwt_kernel,
     expert_dx_kernel,
     expert_fwd_kernel,
-    expert_fwd_ws_kernel,
 )
 from kernels.interpreter_patch import fix_interpreter_scalar_index
 
@@ -75,24 +74,13 @@ def _launch_opts(x: torch.Tensor) -> dict:
 
 
 def experts_fwd(x: torch.Tensor, row_slot: torch.Tensor, block_group: torch.Tensor, w1: torch.Tensor,
-                w2: torch.Tensor, k: int, cfg: ExpertsConfig, out: torch.Tensor | None = None,
-                groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                w2: torch.Tensor, k: int, cfg: ExpertsConfig, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: (S, dh); w1: (G, dh, de); w2: (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0).
-    `out` (P, dh), if given, is written in place (tests poison it first). cfg.fwd_ws needs `groups`: the
-    packing's (group_block_start, group_nblocks)."""
+    `out` (P, dh), if given, is written in place (tests poison it first)."""
     p, (_, dh), de = row_slot.shape[0], x.shape, w1.shape[2]
     cfg.check(dh, de)
     t = cfg.fwd
     out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
-    if cfg.fwd_ws:
-        if groups is None:
-            raise ValueError("experts_fwd: cfg.fwd_ws needs groups=(group_block_start, group_nblocks)")
-        g = w1.shape[0]
-        expert_fwd_ws_kernel[(g + p // cfg.pack_block,)](
-            x.contiguous(), row_slot, block_group, *groups, w1.contiguous(), w2.contiguous(), out,
-            NG=g, K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
-            num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
-        return out
     expert_fwd_kernel[(p // t.block_m,)](
         x.contiguous(), row_slot, block_group, w1.contiguous(), w2.contiguous(), out,
         K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
@@ -183,8 +171,7 @@ class TritonExpertFFN(torch.autograd.Function):
         ne, de = w1.shape[1], w1.shape[3]
         w1g, w2g = w1.reshape(h * ne, dh, de), w2.reshape(h * ne, de, dh)
         xs = x.reshape(n * h, dh)
-        out = experts_fwd(xs, pk.row_slot, pk.block_group, w1g, w2g, k, cfg, groups=(pk.group_block_start,
-                                                                                      pk.group_nblocks))
+        out = experts_fwd(xs, pk.row_slot, pk.block_group, w1g, w2g, k, cfg)
         per_slot = out[pk.slot_row.long()].view(n, h, k, dh).float()
         y = torch.einsum("nhkd,nhk->nhd", per_slot, gates.float()).to(x.dtype)
         ctx.save_for_backward(xs, gates, out, w1g, w2g)

@@ -44,9 +44,6 @@ CONFIGS = {
     "t_fused_dx": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), dw_form="t"),
     "t_packed": ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(32, 16), dw_form="t", packed_bwd=True),
     "rows_packed_fused": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), packed_bwd=True),
-    # the weights-stationary forward (one program per group) with 2 de chunks and sub-blocked rows, and 1 chunk
-    "fwd_ws": ExpertsConfig(32, Tile(16, 16), Tile(32, 16), Tile(16, 16), dw_form="t", fwd_ws=True),
-    "fwd_ws1": ExpertsConfig(16, Tile(16, 32), Tile(16, 16), Tile(16, 16), fwd_ws=True),
 }
 
 
@@ -96,25 +93,6 @@ def test_fwd_writes_every_row_and_zero_padding():
     out = experts_fwd(x.reshape(20, 16), pk.row_slot, pk.block_group, w1.reshape(8, 16, 16),
                       w2.reshape(8, 16, 16), 2, cfg, out=out)
     assert torch.isfinite(out).all()
-    assert (out[pk.row_slot < 0] == 0).all()
-
-
-@pytest.mark.skipif(not INTERPRET, reason="interpreter test")
-@pytest.mark.parametrize("chunks", [1, 2, 4])
-def test_fwd_ws_same_rows_as_row_block_kernel(chunks):
-    """The weights-stationary forward (cfg.fwd_ws) against the row-block forward with the same de chunks (the
-    same sums in the same order): equal output rows, every row written (poisoned buffer), padding rows and
-    all-padding blocks zero."""
-    x, idx, gates, w1, w2 = _inputs(5, 40, 2, 2, 5, 16, 64, skew=True)
-    pk = pack_torch(idx, 5, 32)
-    assert (pk.group_nblocks > 1).any() and (pk.group_nblocks == 0).any() and (pk.block_group < 0).any()
-    w1g, w2g, xs = w1.reshape(10, 16, 64), w2.reshape(10, 64, 16), x.reshape(80, 16)
-    tile = Tile(16, 64 // chunks)
-    plain = experts_fwd(xs, pk.row_slot, pk.block_group, w1g, w2g, 2, ExpertsConfig(32, tile, tile, tile))
-    out = torch.full_like(plain, float("nan"))
-    experts_fwd(xs, pk.row_slot, pk.block_group, w1g, w2g, 2, ExpertsConfig(32, tile, tile, tile, fwd_ws=True),
-                out=out, groups=(pk.group_block_start, pk.group_nblocks))
-    assert torch.equal(out, plain)
     assert (out[pk.row_slot < 0] == 0).all()
 
 

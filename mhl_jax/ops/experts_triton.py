@@ -88,17 +88,10 @@ def _opts(dtype) -> dict:
 def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
     jt = import_jax_triton()
 
-    from kernels.experts import expert_fwd_kernel, expert_fwd_ws_kernel
+    from kernels.experts import expert_fwd_kernel
 
     p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
     t = st.cfg.fwd
-    if st.cfg.fwd_ws:
-        g = w1.shape[0]
-        return jt.triton_call(
-            xs, meta.row_slot, meta.block_group, meta.group_block_start, meta.group_nblocks, w1, w2,
-            kernel=expert_fwd_ws_kernel, out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype),
-            grid=(g + p // st.cfg.pack_block,), num_warps=t.num_warps, num_stages=t.num_stages, NG=g, K=st.k,
-            DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, **_opts(xs.dtype))
     return jt.triton_call(
         xs, meta.row_slot, meta.block_group, w1, w2, kernel=expert_fwd_kernel,
         out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype), grid=(p // t.block_m,),
