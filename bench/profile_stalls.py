@@ -29,6 +29,7 @@ from bench.timing import emit  # noqa: E402
 STALL = "smsp__average_warps_issue_stalled_"
 METRICS = [f"regex:{STALL}.*_per_issue_active\\.ratio", "smsp__issue_active.avg.pct_of_peak_sustained_active",
            "gpu__time_duration.sum"]
+TIME_UNITS = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
 KERNELS = "regex:expert_fwd_kernel|expert_dx_kernel|expert_dwt_kernel|router_fwd_kernel"
 
 
@@ -63,7 +64,8 @@ def child(tokens: int, ne: int, de: int) -> None:
 
 
 def parse(text: str) -> dict:
-    """ncu --csv (details page) -> {kernel name: {metric: value}} for the last launch of each kernel."""
+    """ncu --csv (details page) -> {kernel name: {metric: value}} for the last launch of each kernel (times in
+    nanoseconds whatever unit a row carries)."""
     rows = list(csv.DictReader(io.StringIO(text[text.index('"ID"'):])))
     last: dict = {}
     for r in rows:
@@ -72,7 +74,8 @@ def parse(text: str) -> dict:
         if name not in last or last[name][0] < launch:
             last[name] = (launch, {})
         if last[name][0] == launch:
-            last[name][1][r["Metric Name"]] = float(r["Metric Value"].replace(",", "") or 0)
+            scale = TIME_UNITS.get(r.get("Metric Unit", ""), 1.0)  # durations -> nanoseconds
+            last[name][1][r["Metric Name"]] = float(r["Metric Value"].replace(",", "") or 0) * scale
     return {n: m for n, (_, m) in last.items()}
 
 

@@ -87,6 +87,25 @@ def test_profile_layer_reads_ncu_csv():
     assert short("void cutlass::Kernel<T>(Params)") == "void cutlass::Kernel"
 
 
+def test_profile_stalls_reads_ncu_csv():
+    """bench/profile_stalls.py: per kernel, the metrics of its last launch (the first one compiles), durations
+    in nanoseconds whatever the row's unit."""
+    from bench.profile_stalls import parse
+
+    head = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
+    stall = "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"
+    rows = [(0, "expert_fwd_kernel", "gpu__time_duration.sum", "msecond", "9"),
+            (1, "expert_fwd_kernel", "gpu__time_duration.sum", "usecond", "1,044.5"),
+            (1, "expert_fwd_kernel", stall, "", "1.14"),
+            (2, "router_fwd_kernel(int)", "gpu__time_duration.sum", "nsecond", "978,208")]
+    lines = [head] + [f'"{i}","1","{k}","s","{m}","{u}","{v}"' for i, k, m, u, v in rows]
+    text = "==PROF== Connected\n" + "\n".join(lines)
+    got = parse(text)
+    assert set(got) == {"expert_fwd_kernel", "router_fwd_kernel"}
+    assert got["expert_fwd_kernel"] == {"gpu__time_duration.sum": 1044500.0, stall: 1.14}
+    assert got["router_fwd_kernel"]["gpu__time_duration.sum"] == 978208.0
+
+
 def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path):
     """bench/kernel_report.py compiles the three expert kernels at their 81920-token default tiles for sm_90a
     with the Triton wheel's ptxas (no GPU): wgmma (HGMMA) is used, and the registers hold the tiles (the
