@@ -3,7 +3,7 @@ fastest at the layer's shapes. Unlike `bench/experts.py --sweep` (which times th
 together), every line here is one kernel launch.
 
     python bench/kernel_tiles.py [--tokens 81920 8192] [--ne 384] [--de 256] [--out FILE]
-        [--fwd 128,32,4,3 ...] [--dx ...] [--dwt ...]
+        [--fwd 128,32,4,3 ...] [--dx ...] [--dwt ...] [--dw ...]
 
 One JSON line per (shape, kernel, tile): ms (median, several input sets), TFLOP/s of the kernel's own
 matmuls (fwd 2, dX 3, dW 4 units of 2 * rows * dh * de), and rel_vs_first: the relative difference of the
@@ -26,8 +26,9 @@ DEFAULT_TILES = {
     "fwd": ["128,32,4,3", "64,32,4,2", "128,32,4,2", "64,64,4,2", "64,32,4,3"],
     "dx": ["128,32,4,3", "64,32,4,2", "64,32,4,3", "128,32,4,2", "64,64,4,2", "128,64,8,2"],
     "dwt": ["64,64,4,3", "64,64,4,2", "64,32,4,2", "64,32,4,3", "32,64,4,3"],
+    "dw": [],  # the row-form dW kernel (dw_form "rows"), none by default
 }
-UNITS = {"fwd": 2, "dx": 3, "dwt": 4}
+UNITS = {"fwd": 2, "dx": 3, "dwt": 4, "dw": 4}
 
 
 def launch(kind: str, cfg, s, w1, w2, k: int):
@@ -93,12 +94,12 @@ def main() -> None:
         w1 = (torch.randn(nh * ne, dh, de, device=dev, generator=g) * 0.05).bfloat16()
         w2 = (torch.randn(nh * ne, de, dh, device=dev, generator=g) * 0.05).bfloat16()
         rows_total = tokens * nh * k
-        for kind in ("fwd", "dx", "dwt"):
+        for kind in ("fwd", "dx", "dwt", "dw"):
             first = None
             for spec in getattr(args, kind):
                 t = Tile(*(int(v) for v in spec.split(",")))
                 t = Tile(min(t.block_m, pack_block), min(t.block_e, de), t.num_warps, t.num_stages)
-                cfg = ExpertsConfig(pack_block, t, t, t, dw_form="t")
+                cfg = ExpertsConfig(pack_block, t, t, t, dw_form="rows" if kind == "dw" else "t")
                 rec = dict(bench="kernel_tiles", kernel=kind, device=device, date=date,
                            params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=pack_block,
                                        tile=[t.block_m, t.block_e, t.num_warps, t.num_stages]))

@@ -317,6 +317,8 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=["ours", "reference", "ours_torch"])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-ne", type=int, nargs="+", default=[128, 2048])
+    ap.add_argument("--fwd-tiles", nargs="+", default=None,
+                    help="forward tiles of --sweep as block_n,block_e,warps,stages,select (default FWD_TILES)")
     ap.add_argument("--precision", action="store_true")
     ap.add_argument("--precision-ne", type=int, nargs="+", default=[2048])
     ap.add_argument("--meta", action="store_true", help="also time the JAX backward's sort + metadata per Ne")
@@ -344,6 +346,9 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     outf = open(args.out, "a") if args.out else None
     k, n = args.k, args.tokens
+    if args.fwd_tiles:
+        global FWD_TILES
+        FWD_TILES = [tuple(int(v) for v in t.split(",")) for t in args.fwd_tiles]
     best = sweep(n, args.sweep_ne, k, device, date, outf) if args.sweep else {}
 
     def tiles_for(ne: int):
