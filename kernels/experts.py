@@ -200,10 +200,10 @@ def expert_dx_kernel(
 @triton.jit
 def expert_dw_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,
-    dw1_ptr, dw2_ptr, dx_ptr,  # outputs: (G, DH, DE), (G, DE, DH), (P, DH) (dx only with FUSE_DX)
+    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs: (G, DH, DE), (G, DE, DH), (P, DH) (FUSE_DX), dgate unused
     K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, FUSE_DX: tl.constexpr,
-    PACKED: tl.constexpr = False,
+    PACKED: tl.constexpr = False, DGATES: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     gi = tl.program_id(1)
@@ -241,12 +241,17 @@ def expert_dw_kernel(
 @triton.jit
 def expert_dwt_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,
-    dw1_ptr, dw2_ptr, dx_ptr,  # outputs: (G, DH, DE), (G, DE, DH), (P, DH) (dx only with FUSE_DX)
+    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs: (G, DH, DE), (G, DE, DH), (P, DH) (FUSE_DX), (P,) (DGATES)
     K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, FUSE_DX: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, DGATES: tl.constexpr = False,
 ):
-    """`expert_dw_kernel` in transposed form (module docstring); same grid, outputs and order of sums."""
+    """`expert_dw_kernel` in transposed form (module docstring); same grid, outputs and order of sums.
+
+    DGATES (with FUSE_DX, not PACKED: the program holds all of DE for its rows) also writes each packed row's
+    gate gradient as the dX kernel's DGATES does: the dy rows are loaded as stored, dA'^T = W2 dy^T, and
+    <out row, dy> = sum over de of A * dA' (A rounded to the compute dtype); the gate then scales the columns
+    (dA^T = dA'^T diag(gate), dW2 += (A^T diag(gate)) dy)."""
     tile = tl.program_id(0)
     gi = tl.program_id(1)
     start = tl.load(group_block_start_ptr + gi)
@@ -264,12 +269,21 @@ def expert_dwt_kernel(
     row0 = start.to(tl.int64) * PACK_BLOCK
     for i in range(0, nblk * (PACK_BLOCK // BLOCK_M)):
         rows = row0 + i * BLOCK_M + tl.arange(0, BLOCK_M)
-        x, do = _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K, DH, PACKED)
+        if DGATES:  # do = dy rows as stored; the gate is applied to the products below
+            x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
+            gate = tl.load(gates_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0).to(tl.float32)
+            do = tl.load(dy_ptr + src[:, None] * DH + offs_d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            x, do = _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K, DH, PACKED)
         x = x.to(cdt)
         do = do.to(cdt)
         ht = tl.dot(w1t, tl.trans(x), input_precision=PRECISION)  # (BLOCK_E, BLOCK_M) = H^T
         a, dgelu = _gelu_and_grad(ht, FAST_TANH)
-        dat = tl.dot(w2, tl.trans(do), input_precision=PRECISION)  # dA^T
+        dat = tl.dot(w2, tl.trans(do), input_precision=PRECISION)  # dA^T (dA'^T with DGATES)
+        if DGATES:
+            tl.store(dgate_ptr + rows, tl.sum(a.to(cdt).to(tl.float32) * dat, axis=0))
+            dat = dat * gate[None, :]
+            a = a * gate[None, :]
         dht = (dat * dgelu).to(cdt)
         acc2 = tl.dot(a.to(cdt), do, acc2, input_precision=PRECISION)
         acc1 = tl.dot(dht, x, acc1, input_precision=PRECISION)
@@ -301,10 +315,11 @@ class Tile:
     num_stages: int = 2
 
 
-def dgates_in_dx_kernel(cfg: "ExpertsConfig", de: int) -> bool:
-    """Whether the backward's dX kernel also makes the gate gradients (DGATES): it runs (dX not fused into
-    the dW kernel) and reads raw dy rows (not packed gate-scaled dO rows)."""
-    return not cfg.packed_bwd and cfg.dw.block_e != de
+def dgates_in_kernels(cfg: "ExpertsConfig", de: int) -> bool:
+    """Whether a backward kernel also makes the gate gradients (DGATES), reading raw dy rows (not packed
+    gate-scaled dO rows): the dX kernel, or the transposed dW kernel when dX is fused into it (its programs
+    then hold all of de for their rows). Else the binding reduces the kept output rows against dy."""
+    return not cfg.packed_bwd and (cfg.dw.block_e != de or cfg.dw_form == "t")
 
 
 DW_FORMS = ("rows", "t")  # expert_dw_kernel | expert_dwt_kernel
@@ -369,15 +384,19 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     # SM); H100 2026-11-24, kernel alone: 1.78 ms vs 1.98 for (128, 32, 4, 3) at 81920 tokens, 0.275 ms at
     # 8192 (bench/kernel_tiles.py)
     dx = Tile(64, 32, 4, 3)
+    # de = 128: one backward kernel (dX and the gate gradients fused into the transposed dW kernel, 8 warps,
+    # each warpgroup 64 of the 128 de rows); H100 2026-11-24, 81920 tokens, Ne 768, k 8: 3.96 ms vs 2.51 (dX)
+    # + 2.13 (dW) split, Ne 1536: 4.77 vs 2.79 + 2.62; 8192 tokens, Ne 768: 1.02 vs 0.36 + 0.69
+    fused = Tile(64, 128, 8, 3) if measured and form == "t" and de == 128 else None
     if pack >= 128:  # measured on H100 at 81920 tokens, Ne 384, de 256 (bench/NOTES.md)
-        dw = Tile(64, 64, 4, 3) if form == "t" else Tile(128, 64, 8, 2)
+        dw = fused or (Tile(64, 64, 4, 3) if form == "t" else Tile(128, 64, 8, 2))
         return ExpertsConfig(pack, Tile(128, 32, 4, 3), dx, dw, dw_form=form, pack_impl=pack_impl).fit(de)
     bm = pack
     return ExpertsConfig(
         pack_block=pack,
         fwd=Tile(bm, 64, 4, 3),
         dx=dx if pack >= 64 else Tile(bm, 64, 4, 3),
-        dw=Tile(min(bm, 64), 64, 4, 3),
+        dw=fused or Tile(min(bm, 64), 64, 4, 3),
         dw_form=form,
         pack_impl=pack_impl,
     ).fit(de)
@@ -400,5 +419,5 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
-           "dgates_in_dx_kernel",
+           "dgates_in_kernels",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]

@@ -18,7 +18,7 @@ import torch
 from kernels.experts import (
     ExpertsConfig,
     default_config,
-    dgates_in_dx_kernel,
+    dgates_in_kernels,
     expert_dw_kernel,
     expert_dwt_kernel,
     expert_dx_kernel,
@@ -96,18 +96,19 @@ def experts_bwd(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: Torc
     x, dy: (S, dh); gates: (M,) fp32. Returns dX rows (P, dh) in x.dtype (rows of all-padding blocks
     are unspecified when dX is fused into the dW kernel, cfg.dw.block_e == de), dW1 (G, dh, de) and
     dW2 (G, de, dh) in dw_dtype (default w1.dtype), and each packed row's gate gradient <output row,
-    dy[slot // k]> (P,) fp32 made by the dX kernel when `dgates` and `dgates_in_dx_kernel(cfg, de)`, else
-    None.
+    dy[slot // k]> (P,) fp32 made by the dX kernel or the fused dW kernel when `dgates` and
+    `dgates_in_kernels(cfg, de)` (all-padding blocks unspecified when fused), else None.
     """
     cfg.check(x.shape[1], w1.shape[2])
     x, dy, gates, w1, w2 = (t.contiguous() for t in (x, dy, gates, w1, w2))
     if cfg.packed_bwd:  # packed X and gate-scaled dO rows, zero on padding (the kernels' PACKED inputs)
         x, dy = pack_bwd_rows(x, dy, gates, pk.row_slot, k)
-    if cfg.dw.block_e == w1.shape[2]:  # dX fused into the dW kernel
-        dx, dgate_rows = torch.empty(pk.row_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device), None
+    if cfg.dw.block_e == w1.shape[2]:  # dX (and the gate gradients) fused into the dW kernel
+        dx = torch.empty(pk.row_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        dw1, dw2, dgate_rows = experts_dw(x, dy, gates, pk, w1, w2, k, cfg, dw_dtype, dx, dgates)
     else:
         dx, dgate_rows = experts_dx(x, dy, gates, pk, w1, w2, k, cfg, dgates)
-    dw1, dw2 = experts_dw(x, dy, gates, pk, w1, w2, k, cfg, dw_dtype, dx)
+        dw1, dw2, _ = experts_dw(x, dy, gates, pk, w1, w2, k, cfg, dw_dtype)
     return dx, dw1, dw2, dgate_rows
 
 
@@ -115,9 +116,9 @@ def experts_dx(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: Torch
                w2: torch.Tensor, k: int, cfg: ExpertsConfig, dgates: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of the dX kernel (tile cfg.dx) on contiguous inputs as `experts_bwd` prepares them: dX rows
-    (P, dh) and, when `dgates` and `dgates_in_dx_kernel(cfg, de)`, the per-row gate gradients (P,) fp32."""
+    (P, dh) and, when `dgates` and `dgates_in_kernels(cfg, de)`, the per-row gate gradients (P,) fp32."""
     p, dh, de = pk.row_slot.shape[0], x.shape[1], w1.shape[2]
-    dgates = dgates and dgates_in_dx_kernel(cfg, de)
+    dgates = dgates and dgates_in_kernels(cfg, de)
     dx = torch.empty(p, dh, dtype=x.dtype, device=x.device)
     dgate_rows = torch.empty(p if dgates else 1, dtype=torch.float32, device=x.device)
     t = cfg.dx
@@ -130,21 +131,28 @@ def experts_dx(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: Torch
 
 def experts_dw(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: TorchPacking, w1: torch.Tensor,
                w2: torch.Tensor, k: int, cfg: ExpertsConfig, dw_dtype: torch.dtype | None = None,
-               dx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               dx: torch.Tensor | None = None, dgates: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One launch of the dW kernel (cfg.dw_form, tile cfg.dw) on inputs as `experts_bwd` prepares them:
     dW1 (G, dh, de), dW2 (G, de, dh) in dw_dtype (default w1.dtype); with dX fused (cfg.dw.block_e == de)
-    it also writes the dX rows into `dx` (P, dh)."""
+    it also writes the dX rows into `dx` (P, dh), and then (when `dgates` and `dgates_in_kernels(cfg, de)`)
+    returns the per-row gate gradients (P,) fp32 third, else None."""
     (g, dh, de), fuse = w1.shape, cfg.dw.block_e == w1.shape[2]
+    if fuse and dx is None:
+        raise ValueError("experts_dw: a de-wide dW tile fuses dX into the kernel: pass the dX rows buffer `dx`")
+    dgates = dgates and fuse and dgates_in_kernels(cfg, de)
     dw_dtype = dw_dtype or w1.dtype
     dw1 = torch.empty(g, dh, de, dtype=dw_dtype, device=x.device)
     dw2 = torch.empty(g, de, dh, dtype=dw_dtype, device=x.device)
+    dgate_rows = torch.empty(pk.row_slot.shape[0] if dgates else 1, dtype=torch.float32, device=x.device)
     t = cfg.dw
     kernel = expert_dwt_kernel if cfg.dw_form == "t" else expert_dw_kernel
     kernel[(de // t.block_e, g)](
         x, dy, gates, pk.row_slot, pk.group_block_start, pk.group_nblocks, w1, w2, dw1, dw2, x if dx is None else dx,
-        K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, FUSE_DX=fuse,
-        num_warps=t.num_warps, num_stages=t.num_stages, PACKED=cfg.packed_bwd, **_launch_opts(x))
-    return dw1, dw2
+        dgate_rows, K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
+        FUSE_DX=fuse, num_warps=t.num_warps, num_stages=t.num_stages, PACKED=cfg.packed_bwd, DGATES=dgates,
+        **_launch_opts(x))
+    return dw1, dw2, dgate_rows if dgates else None
 
 
 def pack_bwd_rows(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, row_slot: torch.Tensor, k: int

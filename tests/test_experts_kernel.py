@@ -137,11 +137,12 @@ def _layer_jax(params, x, idx, expert_impl):
 
 
 @pytest.mark.gpu
-def test_gpu_layer_triton_vs_oracle_and_reference():
+@pytest.mark.parametrize("de", [256, 128])  # 128: dX and the gate gradients fused into the dW kernel
+def test_gpu_layer_triton_vs_oracle_and_reference(de):
     import jax
     import jax.numpy as jnp
 
-    n, d, nh, dh, ne, k, de = 2048, 256, 4, 128, 16, 4, 256
+    n, d, nh, dh, ne, k = 2048, 256, 4, 128, 16, 4
     ks = jax.random.split(jax.random.key(0), 8)
     params = (jax.random.normal(ks[0], (d, nh * dh)) * 0.05, jax.random.normal(ks[1], (nh, dh, ne)) * 0.1,
               jax.random.normal(ks[2], (nh, ne)) * 0.01, jax.random.normal(ks[3], (nh, ne, dh, de)) * 0.08,
@@ -203,7 +204,8 @@ def test_gpu_layer_triton_vs_oracle_and_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,de,skew", [("t", 256, False), ("t", 256, True), ("t_packed", 256, False),
                                              ("count", 256, True), ("new", 256, True), ("new", 128, False),
-                                             ("new_packed", 128, True), ("default", 256, True)])
+                                             ("new_packed", 128, True), ("default", 256, True),
+                                             ("default", 128, True), ("default", 128, False), ("split_bwd", 128, True)])
 def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew):
     """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
     rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all

@@ -5,8 +5,9 @@
 Pipeline (packing from `packing.py`, kernels from `kernels/experts.py`):
   forward   pack idx -> fwd kernel (gathers x rows itself) -> out rows (P, dh) -> combine with gates
   backward  dW kernel (+ dX kernel unless fused) gather x rows and dO = gate * dy themselves; the dX
-            kernel also makes dgates = <dy, out row> per packed row from values in registers (read back
-            per slot; in XLA from the kept output rows when dX is fused or the rows are packed);
+            kernel (or the transposed dW kernel with dX fused) also makes dgates = <dy, out row> per packed
+            row from values in registers (read back per slot; in XLA from the kept output rows when the rows
+            are packed or dX is fused into the row-form dW kernel);
             dx = sum over the k slots of the dX rows (fixed order)
 
 Neither the packed copy of x, nor the packed dO (unless cfg.packed_bwd), nor the (rows x de) hidden
@@ -28,7 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels.experts import ExpertsConfig, Tile, default_config, dgates_in_dx_kernel
+from kernels.experts import ExpertsConfig, Tile, default_config, dgates_in_kernels
 from mhl_jax.ops import packing as pk
 from mhl_jax.ops.kernels_select import import_jax_triton
 
@@ -52,7 +53,7 @@ class Static(NamedTuple):
 
 # ------------------------------------------------------------------------------ variants (benchmarks)
 
-VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack")
+VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -64,9 +65,13 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     rows for the backward; "count" = counting-sort packing; "new" = "t" + "count" (the default of the
     afternoon of 2026-11-23 at packing block 64 up to COUNT_SORT_MAX_SLOTS slots); "tpack" = "default"
     with the Triton packing kernels (kernels/packing.py), i.e. "default" itself at blocks >= 64 since the
-    evening of 2026-11-23."""
+    evening of 2026-11-23; "split_bwd" = "default" with separate dX and dW kernels where the default fuses
+    them (de = 128, the default until 2026-11-24)."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
+    if name == "split_bwd":
+        cfg = default_config(num_slots, num_groups, dh, de)
+        return replace(cfg, dw=Tile(64, 64, 4, 3)).fit(de) if cfg.dw.block_e == de and cfg.dw_form == "t" else cfg
     if name in ("default", "tpack"):
         cfg = default_config(num_slots, num_groups, dh, de)
         return replace(cfg, pack_impl="triton") if name == "tpack" else cfg
@@ -101,27 +106,30 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
 
 
 def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
-    """dX rows, dW1, dW2 and (when `dgates_in_dx_kernel`) each packed row's gate gradient (P,) fp32."""
+    """dX rows, dW1, dW2 and (when `dgates_in_kernels`) each packed row's gate gradient (P,) fp32, made by the
+    dX kernel or, with dX fused, by the dW kernel."""
     jt = import_jax_triton()
 
     from kernels.experts import expert_dw_kernel, expert_dwt_kernel, expert_dx_kernel
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     fuse = st.cfg.dw.block_e == de
-    dgates = dgates_in_dx_kernel(st.cfg, de)
+    dgates = dgates_in_kernels(st.cfg, de)
     common = dict(K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, PACKED=st.cfg.packed_bwd, **_opts(xs.dtype))
     if st.cfg.packed_bwd:  # the kernels then read packed X / dO rows contiguously (gates unused)
         xs, dys = packed_bwd_rows(st, xs, dys, gates, meta)
     t = st.cfg.dw
-    dw1, dw2, dx_fused = jt.triton_call(
+    fused_dgates = fuse and dgates  # the fused dW kernel makes the gate gradients (transposed form only)
+    dw1, dw2, dx_fused, dgate_fused = jt.triton_call(
         xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
         kernel=expert_dwt_kernel if st.cfg.dw_form == "t" else expert_dw_kernel,
         out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
-                   jax.ShapeDtypeStruct((p, dh) if fuse else (1, dh), xs.dtype)],
+                   jax.ShapeDtypeStruct((p, dh) if fuse else (1, dh), xs.dtype),
+                   jax.ShapeDtypeStruct((p if fused_dgates else 1,), jnp.float32)],
         grid=(de // t.block_e, g), num_warps=t.num_warps, num_stages=t.num_stages,
-        BLOCK_M=t.block_m, BLOCK_E=t.block_e, FUSE_DX=fuse, **common)
+        BLOCK_M=t.block_m, BLOCK_E=t.block_e, FUSE_DX=fuse, DGATES=fused_dgates, **common)
     if fuse:
-        return dx_fused, dw1, dw2, None
+        return dx_fused, dw1, dw2, dgate_fused if fused_dgates else None
     t = st.cfg.dx
     dx, dgate_rows = jt.triton_call(
         xs, dys, gates, meta.row_slot, meta.block_group, w1, w2, kernel=expert_dx_kernel,
@@ -162,7 +170,7 @@ def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
                      rows, w1, w2)
     drows, dw1, dw2 = vjp(do)
     dgate_rows = None
-    if dgates_in_dx_kernel(st.cfg, w1.shape[2]):  # the dX kernel's DGATES output: <out row, dy row> per row
+    if dgates_in_kernels(st.cfg, w1.shape[2]):  # the kernels' DGATES output: <out row, dy row> per row
         out_rows = _fwd_emulate(st, xs, meta, w1, w2)  # the kernel's A W2, recomputed (none kept for it)
         dy_rows = jnp.take(dys, jnp.maximum(meta.row_slot, 0) // st.k, axis=0).astype(jnp.float32)
         dgate_rows = jnp.where(meta.row_slot >= 0, jnp.sum(out_rows.astype(jnp.float32) * dy_rows, axis=1), 0.0)
@@ -235,8 +243,8 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta):
     fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
     out_rows = fwd(st, xs, meta, w1c, w2c)
     y = _combine(out_rows, meta.slot_row, gates.astype(jnp.float32)).astype(x.dtype)
-    # the output rows are kept for the backward only where the dX kernel does not make the gate gradients
-    keep = None if dgates_in_dx_kernel(st.cfg, de) else out_rows
+    # the output rows are kept for the backward only where no kernel makes the gate gradients
+    keep = None if dgates_in_kernels(st.cfg, de) else out_rows
     return y, (xs, gates, keep, w1c, w2c, meta)
 
 
@@ -256,7 +264,7 @@ def _experts_bwd(st: Static, res, dy):
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
     dxr, dw1, dw2, dgate_rows = bwd(st, xs, dy.reshape(n * h, -1), gates.reshape(-1).astype(jnp.float32), meta,
                                     w1c, w2c, jnp.dtype(st.w_dtype))
-    if dgate_rows is None:  # dX fused into the dW kernel, or packed dO rows: the gate gradient in XLA
+    if dgate_rows is None:  # packed dO rows, or dX fused into the row-form dW kernel: the gate gradient in XLA
         dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)[1]
     else:  # the dX kernel's per-row gate gradients, read back per slot (empty slots: 0)
         dgates = take_slots(dgate_rows[:, None], meta.slot_row).reshape(n, h, k).astype(gates.dtype)
