@@ -358,10 +358,15 @@ class ExpertsConfig:
         return replace(self, fwd=f(self.fwd), dx=f(self.dx), dw=f(self.dw))
 
 
+# smallest packing block where the fused de = 128 backward is the default: measured at 128, 64 and 32 (H100,
+# 2026-11-24, layer fwd+bwd: 81920 tokens Ne 768 / 1536, k 8: 13.16 -> 12.50 / 16.18 -> 15.56 ms; 8192 tokens
+# Ne 768: 2.60 -> 2.59, Ne 1536 (packing block 32): 4.40 -> 3.97)
+FUSED_BWD_MIN_PACK = 32
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
 
-def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: str | None = None) -> ExpertsConfig:
+def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: str | None = None,
+                   fuse_bwd: bool = True, fuse_min_pack: int | None = None) -> ExpertsConfig:
     """Pick the packing block from the mean rows per group (padding waste ~ block / 2 per group) and
     tiles that keep the accumulators in registers on Hopper (tuned in bench/NOTES.md).
 
@@ -369,13 +374,17 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     at packing blocks 64 and 128 (H100: dW 4.05 ms vs 5.60 ms for "rows" at 81920 tokens, Ne 384, de 256;
     with the counting-sort packing the 8192-token layer 2.47 ms vs 2.76 ms), "rows" below (unmeasured
     there). Packing: the Triton kernels (kernels/packing.py) at those blocks, else the JAX sort. "rows" | "t"
-    force a form ("rows" with argsort packing = the defaults until 2026-11-23, variant "v2")."""
+    force a form ("rows" with argsort packing = the defaults until 2026-11-23, variant "v2"). fuse_bwd: at
+    de = 128 one backward kernel (dX and the gate gradients made by the transposed dW kernel) where measured
+    faster (packing blocks >= fuse_min_pack, default FUSED_BWD_MIN_PACK); False keeps the dX and dW kernels
+    apart (the default until 2026-11-24, variant "split_bwd")."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
     if dh > 128:
         return _wide_config(pack, num_slots, de, dw_form)
     measured = pack >= 64 and dw_form is None
-    form = dw_form or ("t" if pack >= 64 else "rows")
+    fused_bwd = fuse_bwd and dw_form is None and de == 128 and pack >= (fuse_min_pack or FUSED_BWD_MIN_PACK)
+    form = dw_form or ("t" if pack >= 64 or fused_bwd else "rows")
     # the Triton packing where measured (H100, 2026-11-23: layer 2.30 -> 2.22 ms at 8192 tokens, 10.26 ->
     # 10.10 at 81920; packing alone 0.135 / 0.23 ms vs 0.20 / 0.52 for the best JAX one); emulated
     # (CPU) runs pack with the JAX sort instead (`experts_triton.pack_method`, same arrays)
@@ -385,9 +394,9 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     # 8192 (bench/kernel_tiles.py)
     dx = Tile(64, 32, 4, 3)
     # de = 128: one backward kernel (dX and the gate gradients fused into the transposed dW kernel, 8 warps,
-    # each warpgroup 64 of the 128 de rows); H100 2026-11-24, 81920 tokens, Ne 768, k 8: 3.96 ms vs 2.51 (dX)
-    # + 2.13 (dW) split, Ne 1536: 4.77 vs 2.79 + 2.62; 8192 tokens, Ne 768: 1.02 vs 0.36 + 0.69
-    fused = Tile(64, 128, 8, 3) if measured and form == "t" and de == 128 else None
+    # each warpgroup 64 of the 128 de rows); H100 2026-11-24, kernels alone, 81920 tokens, Ne 768, k 8: 3.96 ms
+    # vs 2.51 (dX) + 2.13 (dW) split, Ne 1536: 4.77 vs 2.79 + 2.62; 8192 tokens, Ne 768: 1.02 vs 0.36 + 0.69
+    fused = Tile(min(pack, 64), 128, 8, 3) if fused_bwd else None
     if pack >= 128:  # measured on H100 at 81920 tokens, Ne 384, de 256 (bench/NOTES.md)
         dw = fused or (Tile(64, 64, 4, 3) if form == "t" else Tile(128, 64, 8, 2))
         return ExpertsConfig(pack, Tile(128, 32, 4, 3), dx, dw, dw_form=form, pack_impl=pack_impl).fit(de)

@@ -53,7 +53,7 @@ class Static(NamedTuple):
 
 # ------------------------------------------------------------------------------ variants (benchmarks)
 
-VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd")
+VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd", "fused_bwd16")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -66,12 +66,11 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     afternoon of 2026-11-23 at packing block 64 up to COUNT_SORT_MAX_SLOTS slots); "tpack" = "default"
     with the Triton packing kernels (kernels/packing.py), i.e. "default" itself at blocks >= 64 since the
     evening of 2026-11-23; "split_bwd" = "default" with separate dX and dW kernels where the default fuses
-    them (de = 128, the default until 2026-11-24)."""
+    them (de = 128, the default until 2026-11-24); "fused_bwd16" = the fused one down to packing block 16."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
-    if name == "split_bwd":
-        cfg = default_config(num_slots, num_groups, dh, de)
-        return replace(cfg, dw=Tile(64, 64, 4, 3)).fit(de) if cfg.dw.block_e == de and cfg.dw_form == "t" else cfg
+    if name in ("split_bwd", "fused_bwd16"):
+        return default_config(num_slots, num_groups, dh, de, fuse_bwd=name != "split_bwd", fuse_min_pack=16)
     if name in ("default", "tpack"):
         cfg = default_config(num_slots, num_groups, dh, de)
         return replace(cfg, pack_impl="triton") if name == "tpack" else cfg
