@@ -71,6 +71,23 @@ def test_default_tiles_keep_accumulators_in_registers(dh):
         assert 2 * cfg.dw.block_e * dh / threads(cfg.dw) <= 128, (mean, cfg.dw)
 
 
+def test_default_config_fuses_the_de128_backward():
+    """At de = 128 (packing blocks >= 32) the default backward is one kernel: the transposed dW kernel with a
+    de-wide tile, which then also makes dX and the gate gradients; de = 256, explicit forms and the
+    "split_bwd" variant keep the dX and dW kernels apart."""
+    from kernels.experts import default_config, dgates_in_kernels
+    from mhl_jax.ops.experts_triton import variant_config
+
+    for mean in (40, 100, 512):
+        cfg = default_config(mean * 96, 96, 128, 128)
+        assert cfg.dw_form == "t" and cfg.dw.block_e == 128 and dgates_in_kernels(cfg, 128), (mean, cfg)
+        split = variant_config("split_bwd", mean * 96, 96, 128, 128)
+        assert split.dw.block_e < 128 and split.fwd == cfg.fwd and split.dx == cfg.dx, (mean, split)
+    for cfg in (default_config(8 * 96, 96, 128, 128), default_config(512 * 96, 96, 128, 256),
+                default_config(512 * 96, 96, 128, 128, dw_form="t")):
+        assert cfg.dw.block_e < 128, cfg
+
+
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
 def test_wide_default_config_fwd_bwd_vs_float64():
     """dh = 256 with the tiles default_config picks there (8 warps, 32-wide dW chunk)."""
