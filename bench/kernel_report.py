@@ -43,7 +43,8 @@ def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: in
     fn = {"fwd": ke.expert_fwd_kernel, "dx": ke.expert_dx_kernel, "dwt": ke.expert_dwt_kernel,
           "dw": ke.expert_dw_kernel}[kind]
     consts = dict(K=k, DH=dh, DE=de, PACK_BLOCK=pack_block, BLOCK_M=block_m, BLOCK_E=block_e, FAST_TANH=True,
-                  PRECISION="tf32", FUSE_DX=kind == "dwt" and block_e == de, PACKED=False, DGATES=True)
+                  PRECISION="tf32", FUSE_DX=kind == "dwt" and block_e == de, PACKED=False,
+                  DGATES=kind == "dx" or (kind == "dwt" and block_e == de))  # as the binding launches them
     params = list(inspect.signature(fn.fn).parameters)
     signature = {p: "constexpr" if p in consts else POINTER_TYPES.get(p, "*bf16") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}

@@ -252,6 +252,7 @@ def expert_dwt_kernel(
     gate gradient as the dX kernel's DGATES does: the dy rows are loaded as stored, dA'^T = W2 dy^T, and
     <out row, dy> = sum over de of A * dA' (A rounded to the compute dtype); the gate then scales the columns
     (dA^T = dA'^T diag(gate), dW2 += (A^T diag(gate)) dy)."""
+    tl.static_assert(not DGATES or (FUSE_DX and not PACKED), "DGATES needs FUSE_DX (all of DE per program), not PACKED")
     tile = tl.program_id(0)
     gi = tl.program_id(1)
     start = tl.load(group_block_start_ptr + gi)

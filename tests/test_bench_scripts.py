@@ -106,10 +106,12 @@ def test_profile_stalls_reads_ncu_csv():
     assert got["router_fwd_kernel"]["gpu__time_duration.sum"] == 978208.0
 
 
-def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path):
+@pytest.mark.parametrize("ne,k,de,dw_spill", [(384, 4, 256, 64), (768, 8, 128, 512)])
+def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k, de, dw_spill):
     """bench/kernel_report.py compiles the three expert kernels at their 81920-token default tiles for sm_90a
     with the Triton wheel's ptxas (no GPU): wgmma (HGMMA) is used, and the registers hold the tiles (the
-    fwd and dX kernels spill nothing, the dW kernel at most a few words; 2026-11-24: 0 / 0 / 24 bytes)."""
+    fwd and dX kernels spill nothing, the dW kernel at most a few words; 2026-11-24: 0 / 0 / 24 bytes at de 256;
+    at de 128 the dW kernel is the fused backward with the gate gradients: 296 bytes)."""
     import json
     import subprocess
     import sys
@@ -117,7 +119,7 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path):
     pytest.importorskip("triton")
     from kernels.experts import default_config
 
-    cfg = default_config(81920 * 8 * 4, 8 * 384, 128, 256)
+    cfg = default_config(81920 * 8 * k, 8 * ne, 128, de)
     tiles = [f"{kind},{t.block_m},{t.block_e},{t.num_warps},{t.num_stages}"
              for kind, t in (("fwd", cfg.fwd), ("dx", cfg.dx), ("dwt", cfg.dw))]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
@@ -125,11 +127,12 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
     out = tmp_path / "report.jsonl"
     p = subprocess.run([sys.executable, os.path.join(train_scale.ROOT, "bench", "kernel_report.py"), "--tiles",
-                        *tiles, "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                        *tiles, "--de", str(de), "--out", str(out)], env=env, capture_output=True, text=True,
+                       timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     recs = {r["kernel"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(recs) == {"fwd", "dx", "dwt"}
     for r in recs.values():
         assert r["sass_counts"]["HGMMA"] > 0 and r["registers"] <= 255, r
     assert recs["fwd"]["spill_store_bytes"] == 0 and recs["dx"]["spill_store_bytes"] == 0, recs
-    assert recs["dwt"]["spill_store_bytes"] <= 64, recs["dwt"]
+    assert recs["dwt"]["spill_store_bytes"] <= dw_spill, recs["dwt"]
