@@ -43,10 +43,12 @@ def launch(kind: str, cfg, s, w1, w2, k: int):
     if kind == "dx":  # as the binding runs it: with the gate gradients (DGATES)
         return experts_dx(x, dy, gates, pk, w1, w2, k, cfg)
     # fp32 masters' gradients; a de-wide tile (block_e == de) fuses dX into the dW kernel: its rows go to `dx`
+    # (rows of all-padding blocks are never written by a fused kernel: dx starts at zero, and its gate gradient
+    # rows are left out of the outputs compared)
     fused = cfg.dw.block_e == w1.shape[2]
-    dx = torch.empty(pk.row_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device) if fused else None
-    outs = experts_dw(x, dy, gates, pk, w1, w2, k, cfg, torch.float32, dx)  # fused: with the gate gradients
-    return tuple(o for o in outs if o is not None) + ((dx,) if fused else ())
+    dx = torch.zeros(pk.row_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device) if fused else None
+    dw1, dw2, _ = experts_dw(x, dy, gates, pk, w1, w2, k, cfg, torch.float32, dx)
+    return (dw1, dw2) + ((dx,) if fused else ())
 
 
 def rotating(kind: str, cfg, sets: list, w1, w2, k: int):

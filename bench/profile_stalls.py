@@ -34,17 +34,19 @@ KERNELS = "regex:expert_fwd_kernel|expert_dx_kernel|expert_dwt_kernel|router_fwd
 
 
 def child(tokens: int, ne: int, de: int) -> None:
-    """Launch the forward (128, 32, 4, 3), dX (64, 32, 4, 3), transposed dW (64, 64, 4, 3) kernels and the
-    router forward (default tiles, bf16x3) at the layer's shapes, twice each."""
+    """Launch the expert kernels with `default_config`'s tiles (the forward, then the dX and dW kernels, or at
+    de = 128 the one fused backward kernel) and the router forward (default tiles, bf16x3) at the layer's
+    shapes, twice each."""
     import torch
 
-    from kernels.experts import ExpertsConfig, Tile, default_config
+    from kernels.experts import default_config
     from kernels.torch_experts import experts_dw, experts_dx, experts_fwd, pack_torch
     from kernels.torch_router import router_fwd
 
     nh, dh, k, dev = 8, 128, 4, "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
-    pack_block = default_config(tokens * nh * k, nh * ne, dh, de).pack_block
+    cfg = default_config(tokens * nh * k, nh * ne, dh, de)
+    fused = cfg.dw.block_e == de
     x = torch.randn(tokens * nh, dh, device=dev, generator=g).bfloat16()
     dy = torch.randn(tokens * nh, dh, device=dev, generator=g).bfloat16()
     gates = torch.rand(tokens * nh * k, device=dev, generator=g)
@@ -54,12 +56,12 @@ def child(tokens: int, ne: int, de: int) -> None:
     w2 = (torch.randn(nh * ne, de, dh, device=dev, generator=g) * 0.05).bfloat16()
     for _ in range(2):
         _, idx = router_fwd(x.view(tokens, nh, dh), wr, bias, k)
-        pk = pack_torch(idx.long(), ne, pack_block)
-        cfg = ExpertsConfig(pack_block, Tile(min(128, pack_block), 32, 4, 3), Tile(64, 32, 4, 3),
-                            Tile(64, 64, 4, 3), dw_form="t").fit(de)
+        pk = pack_torch(idx.long(), ne, cfg.pack_block)
         experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg)
-        experts_dx(x, dy, gates, pk, w1, w2, k, cfg)
-        experts_dw(x, dy, gates, pk, w1, w2, k, cfg, torch.float32)
+        dx = torch.empty(pk.row_slot.shape[0], dh, dtype=x.dtype, device=dev) if fused else None
+        if not fused:
+            experts_dx(x, dy, gates, pk, w1, w2, k, cfg)
+        experts_dw(x, dy, gates, pk, w1, w2, k, cfg, torch.float32, dx)
     torch.cuda.synchronize()
 
 

@@ -27,7 +27,9 @@ apart from the packing.
   (dw_form "t"): H^T = W1_tile^T X^T (BLOCK_E, BLOCK_M), so the accumulating products
   dW2_tile += A^T dO and dW1_tile^T += dH^T X take their left operand (A^T, dH^T) straight from
   registers and their right one (X, dO rows) untransposed from shared memory; accumulators are
-  (BLOCK_E, DH), so a 128-wide de tile feeds the tensor cores 128 columns per instruction.
+  (BLOCK_E, DH), so a 128-wide de tile feeds the tensor cores 128 columns per instruction. With FUSE_DX
+  (BLOCK_E == DE) it also writes the dX rows and, with DGATES, each row's gate gradient: the whole backward
+  in one launch (the de = 128 default).
 
 The gather of X rows and of dO = gate * dy rows is fused into the loads (no packed copies in HBM),
 unless PACKED (dX and dW kernels): x / dy then point to packed X rows and packed gate-scaled dO rows
@@ -205,6 +207,7 @@ def expert_dw_kernel(
     BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, FUSE_DX: tl.constexpr,
     PACKED: tl.constexpr = False, DGATES: tl.constexpr = False,
 ):
+    tl.static_assert(not DGATES, "the row-form dW kernel does not make the gate gradients")
     tile = tl.program_id(0)
     gi = tl.program_id(1)
     start = tl.load(group_block_start_ptr + gi)
@@ -252,7 +255,8 @@ def expert_dwt_kernel(
     gate gradient as the dX kernel's DGATES does: the dy rows are loaded as stored, dA'^T = W2 dy^T, and
     <out row, dy> = sum over de of A * dA' (A rounded to the compute dtype); the gate then scales the columns
     (dA^T = dA'^T diag(gate), dW2 += (A^T diag(gate)) dy)."""
-    tl.static_assert(not DGATES or (FUSE_DX and not PACKED), "DGATES needs FUSE_DX (all of DE per program), not PACKED")
+    tl.static_assert(not DGATES or (FUSE_DX and BLOCK_E == DE and not PACKED),
+                     "DGATES needs FUSE_DX (all of DE per program) and unpacked rows")
     tile = tl.program_id(0)
     gi = tl.program_id(1)
     start = tl.load(group_block_start_ptr + gi)
@@ -374,8 +378,10 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     dw_form None = the measured choice: the transposed dW kernel ("t", tile 64 x 64, 4 warps, 3 stages)
     at packing blocks 64 and 128 (H100: dW 4.05 ms vs 5.60 ms for "rows" at 81920 tokens, Ne 384, de 256;
     with the counting-sort packing the 8192-token layer 2.47 ms vs 2.76 ms), "rows" below (unmeasured
-    there). Packing: the Triton kernels (kernels/packing.py) at those blocks, else the JAX sort. "rows" | "t"
-    force a form ("rows" with argsort packing = the defaults until 2026-11-23, variant "v2"). fuse_bwd: at
+    there); at de = 128 the fused backward below instead (tile min(block, 64) x 128, 8 warps, 3 stages,
+    form "t" down to packing block FUSED_BWD_MIN_PACK). Packing: the Triton kernels (kernels/packing.py) at
+    blocks 64 and 128, else the JAX sort. "rows" | "t" force a form ("rows" with argsort packing = the
+    defaults until 2026-11-23, variant "v2"). fuse_bwd: at
     de = 128 one backward kernel (dX and the gate gradients made by the transposed dW kernel) where measured
     faster (packing blocks >= fuse_min_pack, default FUSED_BWD_MIN_PACK); False keeps the dX and dW kernels
     apart (the default until 2026-11-24, variant "split_bwd")."""
@@ -384,7 +390,8 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     if dh > 128:
         return _wide_config(pack, num_slots, de, dw_form)
     measured = pack >= 64 and dw_form is None
-    fused_bwd = fuse_bwd and dw_form is None and de == 128 and pack >= (fuse_min_pack or FUSED_BWD_MIN_PACK)
+    min_pack = FUSED_BWD_MIN_PACK if fuse_min_pack is None else fuse_min_pack
+    fused_bwd = fuse_bwd and dw_form is None and de == 128 and pack >= min_pack
     form = dw_form or ("t" if pack >= 64 or fused_bwd else "rows")
     # the Triton packing where measured (H100, 2026-11-23: layer 2.30 -> 2.22 ms at 8192 tokens, 10.26 ->
     # 10.10 at 81920; packing alone 0.135 / 0.23 ms vs 0.20 / 0.52 for the best JAX one); emulated

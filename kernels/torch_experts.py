@@ -194,7 +194,7 @@ class TritonExpertFFN(torch.autograd.Function):
         sr = pk.slot_row.long()
         dxr, dw1, dw2, dgate_rows = experts_bwd(xs, dy.reshape(n * h, dh), gates.reshape(-1).float(), pk, w1g,
                                                 w2g, k, cfg)
-        if dgate_rows is None:  # dX fused into the dW kernel, or packed dO rows: the gate gradient here
+        if dgate_rows is None:  # packed dO rows, or dX fused into the row-form dW kernel: the gate gradient here
             dgates = torch.einsum("nhkd,nhd->nhk", out[sr].view(n, h, k, dh).float(), dy.float())
         else:
             dgates = dgate_rows[sr].view(n, h, k)

@@ -42,6 +42,8 @@ CONFIGS = {
     # the transposed dW kernel (dw_form "t"), alone and fused with dX; packed X / dO rows (packed_bwd)
     "t": ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(16, 16), dw_form="t"),
     "t_fused_dx": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), dw_form="t"),
+    # the same with two row steps per packing block (its gate gradients written per 16-row step)
+    "t_fused_dx_sub": ExpertsConfig(32, Tile(16, 16), Tile(16, 16), Tile(16, 32), dw_form="t"),
     "t_packed": ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(32, 16), dw_form="t", packed_bwd=True),
     "rows_packed_fused": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), packed_bwd=True),
 }
@@ -219,11 +221,13 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,de,skew", [("t", 256, False), ("t", 256, True), ("t_packed", 256, False),
-                                             ("count", 256, True), ("new", 256, True), ("new", 128, False),
-                                             ("new_packed", 128, True), ("default", 256, True),
-                                             ("default", 128, True), ("default", 128, False), ("split_bwd", 128, True)])
-def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew):
+@pytest.mark.parametrize("variant,de,skew,ne", [
+    ("t", 256, False, 16), ("t", 256, True, 16), ("t_packed", 256, False, 16), ("count", 256, True, 16),
+    ("new", 256, True, 16), ("new", 128, False, 16), ("new_packed", 128, True, 16), ("default", 256, True, 16),
+    # de = 128: the fused backward at packing blocks 128, 64 (Ne 128) and 32 (Ne 512), and the split one
+    ("default", 128, True, 16), ("default", 128, False, 128), ("default", 128, True, 512),
+    ("split_bwd", 128, True, 16)])
+def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne):
     """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
     rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all
     four gradients, and bitwise-identical weight gradients across two runs."""
@@ -233,7 +237,7 @@ def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew):
     from mhl_jax.ops.experts import expert_ffn
     from mhl_jax.ops.experts_triton import expert_ffn_triton, variant_config
 
-    n, h, dh, ne, k = 4096, 4, 128, 16, 4
+    n, h, dh, k = 4096, 4, 128, 4
     ks = jax.random.split(jax.random.key(de + skew), 6)
     x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
     idx = jnp.argsort(jax.random.uniform(ks[1], (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)

@@ -265,7 +265,7 @@ def _experts_bwd(st: Static, res, dy):
                                     w1c, w2c, jnp.dtype(st.w_dtype))
     if dgate_rows is None:  # packed dO rows, or dX fused into the row-form dW kernel: the gate gradient in XLA
         dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)[1]
-    else:  # the dX kernel's per-row gate gradients, read back per slot (empty slots: 0)
+    else:  # the per-row gate gradients of the dX kernel (or of the fused dW kernel), read back per slot (empty: 0)
         dgates = take_slots(dgate_rows[:, None], meta.slot_row).reshape(n, h, k).astype(gates.dtype)
     return bwd_cotangents(dxr, dgates, dw1, dw2, xs.dtype, meta)
 
