@@ -1,7 +1,7 @@
 """Why a kernel waits: Nsight Compute's warp stall reasons for the three expert kernels and the router forward,
 each launched alone from torch (no JAX in the process: ncu under JAX segfaulted on the router, 2026-11-24).
 
-    python bench/profile_stalls.py [--tokens 81920] [--ne 384] [--de 256] [--out FILE]
+    python bench/profile_stalls.py [--tokens 81920] [--ne 384] [--de 256] [--k 4] [--out FILE]
 
 The parent runs itself under `ncu --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio
 (+ issue-active and duration)`; the child launches each kernel twice (compile, then the profiled launch: the
@@ -33,7 +33,7 @@ TIME_UNITS = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
 KERNELS = "regex:expert_fwd_kernel|expert_dx_kernel|expert_dwt_kernel|router_fwd_kernel"
 
 
-def child(tokens: int, ne: int, de: int) -> None:
+def child(tokens: int, ne: int, de: int, k: int) -> None:
     """Launch the expert kernels with `default_config`'s tiles (the forward, then the dX and dW kernels, or at
     de = 128 the one fused backward kernel) and the router forward (default tiles, bf16x3) at the layer's
     shapes, twice each."""
@@ -43,7 +43,7 @@ def child(tokens: int, ne: int, de: int) -> None:
     from kernels.torch_experts import experts_dw, experts_dx, experts_fwd, pack_torch
     from kernels.torch_router import router_fwd
 
-    nh, dh, k, dev = 8, 128, 4, "cuda"
+    nh, dh, dev = 8, 128, "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
     fused = cfg.dw.block_e == de
@@ -86,16 +86,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=81920)
     ap.add_argument("--ne", type=int, default=384)
     ap.add_argument("--de", type=int, default=256)
+    ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:
-        child(args.tokens, args.ne, args.de)
+        child(args.tokens, args.ne, args.de, args.k)
         return
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     cmd = [ncu, "--csv", "--print-units", "base", "-k", KERNELS, "--metrics", ",".join(METRICS), sys.executable,
            os.path.abspath(__file__), "--child", "--tokens", str(args.tokens), "--ne", str(args.ne),
-           "--de", str(args.de)]
+           "--de", str(args.de), "--k", str(args.k)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode or '"ID"' not in p.stdout:
         raise SystemExit(f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-2000:]}")
@@ -103,7 +104,7 @@ def main() -> None:
 
     outf = open(args.out, "a") if args.out else None
     base = dict(bench="profile_stalls", device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                params=dict(tokens=args.tokens, ne=args.ne, de=args.de, nh=8, dh=128, k=4))
+                params=dict(tokens=args.tokens, ne=args.ne, de=args.de, nh=8, dh=128, k=args.k))
     for name, m in parse(p.stdout).items():
         stalls = {k[len(STALL):].replace("_per_issue_active.ratio", ""): v for k, v in m.items() if k.startswith(STALL)}
         stalls = dict(sorted(((k, round(v, 3)) for k, v in stalls.items() if v >= 0.01), key=lambda kv: -kv[1]))
