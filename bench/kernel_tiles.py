@@ -51,6 +51,29 @@ def launch(kind: str, cfg, s, w1, w2, k: int):
     return (dw1, dw2) + ((dx,) if fused else ())
 
 
+def input_set(tokens: int, ne: int, k: int, pack_block: int, g, nh: int = 8, dh: int = 128):
+    """One input set (x, dy, gates, packing) on CUDA: bf16 x / dy rows (tokens * nh, dh), fp32 gates, a uniform
+    random top-k routing packed with `pack_block`."""
+    import torch
+
+    from kernels.torch_experts import pack_torch
+
+    x = torch.randn(tokens * nh, dh, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(tokens * nh, dh, device="cuda", generator=g).bfloat16()
+    gates = torch.rand(tokens * nh * k, device="cuda", generator=g)
+    idx = torch.rand(tokens, nh, ne, device="cuda", generator=g).topk(k, dim=-1).indices
+    return x, dy, gates, pack_torch(idx, ne, pack_block)
+
+
+def expert_weights(ne: int, de: int, g, nh: int = 8, dh: int = 128):
+    """bf16 W1 (nh * ne, dh, de) and W2 (nh * ne, de, dh) on CUDA."""
+    import torch
+
+    w1 = (torch.randn(nh * ne, dh, de, device="cuda", generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(nh * ne, de, dh, device="cuda", generator=g) * 0.05).bfloat16()
+    return w1, w2
+
+
 def rotating(kind: str, cfg, sets: list, w1, w2, k: int):
     """A no-argument callable for do_bench that launches on the next input set each call."""
     state = {"i": 0}
@@ -78,7 +101,6 @@ def main() -> None:
     from triton.testing import do_bench
 
     from kernels.experts import ExpertsConfig, Tile, default_config
-    from kernels.torch_experts import pack_torch
 
     nh, dh, k, ne, de = 8, 128, args.k, args.ne, args.de
     dev = "cuda"
@@ -89,16 +111,8 @@ def main() -> None:
     for tokens in args.tokens:
         g = torch.Generator(device=dev).manual_seed(0)
         pack_block = default_config(tokens * nh * k, nh * ne, dh, de).pack_block
-        sets = []
-        for _ in range(3):
-            x = torch.randn(tokens * nh, dh, device=dev, generator=g).bfloat16()
-            dy = torch.randn(tokens * nh, dh, device=dev, generator=g).bfloat16()
-            gates = torch.rand(tokens * nh * k, device=dev, generator=g)
-            idx = torch.rand(tokens, nh, ne, device=dev, generator=g).topk(k, dim=-1).indices
-            pk = pack_torch(idx, ne, pack_block)
-            sets.append((x, dy, gates, pk))
-        w1 = (torch.randn(nh * ne, dh, de, device=dev, generator=g) * 0.05).bfloat16()
-        w2 = (torch.randn(nh * ne, de, dh, device=dev, generator=g) * 0.05).bfloat16()
+        sets = [input_set(tokens, ne, k, pack_block, g, nh, dh) for _ in range(3)]
+        w1, w2 = expert_weights(ne, de, g, nh, dh)
         rows_total = tokens * nh * k
         for kind in ("fwd", "dx", "dwt", "dw"):
             first = None

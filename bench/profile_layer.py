@@ -56,17 +56,24 @@ def short(name: str) -> str:
     return re.sub(r"(_\d+)+$", "", name)
 
 
+MS_PER_UNIT = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
+               "second": 1e3}  # ncu's time units
+
+
+def csv_rows(text: str) -> list[dict]:
+    """ncu --csv output (banner lines dropped) -> one dict per metric row."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    return list(csv.DictReader(io.StringIO("\n".join(lines))))
+
+
+def metric_value(row: dict) -> float:
+    return float(row["Metric Value"].replace(",", "") or 0)
+
+
 def parse(text: str) -> list[tuple[str, float]]:
     """ncu --csv output -> [(kernel name, ms)] in launch order."""
-    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
-    out = []
-    for row in csv.DictReader(io.StringIO("\n".join(lines))):
-        if row.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        scale = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0}[
-            row["Metric Unit"]]
-        out.append((row["Kernel Name"], float(row["Metric Value"].replace(",", "")) * scale))
-    return out
+    return [(row["Kernel Name"], metric_value(row) * MS_PER_UNIT[row["Metric Unit"]]) for row in csv_rows(text)
+            if row.get("Metric Name") == "gpu__time_duration.sum"]
 
 
 def main() -> None:

@@ -13,9 +13,7 @@ is the mean cycles between two issues of one warp), largest first. Needs a GPU a
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
-import io
 import os
 import shutil
 import subprocess
@@ -24,60 +22,52 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.profile_layer import MS_PER_UNIT, csv_rows, metric_value  # noqa: E402
 from bench.timing import emit  # noqa: E402
 
 STALL = "smsp__average_warps_issue_stalled_"
 METRICS = [f"regex:{STALL}.*_per_issue_active\\.ratio", "smsp__issue_active.avg.pct_of_peak_sustained_active",
            "gpu__time_duration.sum"]
-TIME_UNITS = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
 KERNELS = "regex:expert_fwd_kernel|expert_dx_kernel|expert_dwt_kernel|router_fwd_kernel"
 
 
 def child(tokens: int, ne: int, de: int, k: int) -> None:
-    """Launch the expert kernels with `default_config`'s tiles (the forward, then the dX and dW kernels, or at
-    de = 128 the one fused backward kernel) and the router forward (default tiles, bf16x3) at the layer's
-    shapes, twice each."""
+    """Launch the router forward (default tiles, bf16x3) and the expert kernels with `default_config`'s tiles
+    (the forward, then the dX and dW kernels, or at de = 128 the one fused backward kernel) on uniform random
+    routing (`kernel_tiles.input_set`) at the layer's shapes, twice each."""
     import torch
 
+    from bench.kernel_tiles import expert_weights, input_set, launch
     from kernels.experts import default_config
-    from kernels.torch_experts import experts_dw, experts_dx, experts_fwd, pack_torch
     from kernels.torch_router import router_fwd
 
-    nh, dh, dev = 8, 128, "cuda"
-    g = torch.Generator(device=dev).manual_seed(0)
+    nh, dh = 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
-    fused = cfg.dw.block_e == de
-    x = torch.randn(tokens * nh, dh, device=dev, generator=g).bfloat16()
-    dy = torch.randn(tokens * nh, dh, device=dev, generator=g).bfloat16()
-    gates = torch.rand(tokens * nh * k, device=dev, generator=g)
-    wr = torch.randn(nh, dh, ne, device=dev, generator=g) * dh ** -0.5
-    bias = torch.randn(nh, ne, device=dev, generator=g) * 0.01
-    w1 = (torch.randn(nh * ne, dh, de, device=dev, generator=g) * 0.05).bfloat16()
-    w2 = (torch.randn(nh * ne, de, dh, device=dev, generator=g) * 0.05).bfloat16()
+    s = input_set(tokens, ne, k, cfg.pack_block, g, nh, dh)
+    w1, w2 = expert_weights(ne, de, g, nh, dh)
+    wr = torch.randn(nh, dh, ne, device="cuda", generator=g) * dh ** -0.5
+    bias = torch.randn(nh, ne, device="cuda", generator=g) * 0.01
+    kinds = ("fwd", "dwt") if cfg.dw.block_e == de else ("fwd", "dx", "dwt")  # de-wide dW tile: dX fused
     for _ in range(2):
-        _, idx = router_fwd(x.view(tokens, nh, dh), wr, bias, k)
-        pk = pack_torch(idx.long(), ne, cfg.pack_block)
-        experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg)
-        dx = torch.empty(pk.row_slot.shape[0], dh, dtype=x.dtype, device=dev) if fused else None
-        if not fused:
-            experts_dx(x, dy, gates, pk, w1, w2, k, cfg)
-        experts_dw(x, dy, gates, pk, w1, w2, k, cfg, torch.float32, dx)
+        router_fwd(s[0].view(tokens, nh, dh), wr, bias, k)
+        for kind in kinds:
+            launch(kind, cfg, s, w1, w2, k)
     torch.cuda.synchronize()
 
 
 def parse(text: str) -> dict:
     """ncu --csv (details page) -> {kernel name: {metric: value}} for the last launch of each kernel (times in
     nanoseconds whatever unit a row carries)."""
-    rows = list(csv.DictReader(io.StringIO(text[text.index('"ID"'):])))
     last: dict = {}
-    for r in rows:
+    for r in csv_rows(text):
         name = r["Kernel Name"].split("(")[0]
         launch = int(r["ID"])
         if name not in last or last[name][0] < launch:
             last[name] = (launch, {})
         if last[name][0] == launch:
-            scale = TIME_UNITS.get(r.get("Metric Unit", ""), 1.0)  # durations -> nanoseconds
-            last[name][1][r["Metric Name"]] = float(r["Metric Value"].replace(",", "") or 0) * scale
+            scale = MS_PER_UNIT.get(r.get("Metric Unit", ""), 1e-6) * 1e6  # durations -> nanoseconds
+            last[name][1][r["Metric Name"]] = metric_value(r) * scale
     return {n: m for n, (_, m) in last.items()}
 
 

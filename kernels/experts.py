@@ -95,10 +95,17 @@ def _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K: tl.constexpr, DH: tl.cons
 
 
 @triton.jit
-def _load_do_rows(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH: tl.constexpr):
-    """dO rows = gate[slot] * dy[slot // K], fp32 (BLOCK_M, DH), zero on padding."""
+def _load_dy_gate(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH: tl.constexpr):
+    """dy[slot // K] rows as stored (BLOCK_M, DH) and gate[slot] fp32 (BLOCK_M,), both zero on padding."""
     gate = tl.load(gates_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + src[:, None] * DH + offs_d[None, :], mask=valid[:, None], other=0.0)
+    return dy, gate
+
+
+@triton.jit
+def _load_do_rows(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH: tl.constexpr):
+    """dO rows = gate[slot] * dy[slot // K], fp32 (BLOCK_M, DH), zero on padding."""
+    dy, gate = _load_dy_gate(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH)
     return dy.to(tl.float32) * gate[:, None]
 
 
@@ -172,8 +179,7 @@ def expert_dx_kernel(
         cdt = w1_ptr.dtype.element_ty
         if DGATES:  # d = dy rows as stored (the gate is applied to dA' in fp32 below)
             x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
-            gate = tl.load(gates_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0).to(tl.float32)
-            d = tl.load(dy_ptr + src[:, None] * DH + offs_d[None, :], mask=valid[:, None], other=0.0)
+            d, gate = _load_dy_gate(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH)
         else:  # d = dO = gate * dy rows
             x, d = _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K, DH, PACKED)
         x = x.to(cdt)
@@ -276,8 +282,7 @@ def expert_dwt_kernel(
         rows = row0 + i * BLOCK_M + tl.arange(0, BLOCK_M)
         if DGATES:  # do = dy rows as stored; the gate is applied to the products below
             x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
-            gate = tl.load(gates_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0).to(tl.float32)
-            do = tl.load(dy_ptr + src[:, None] * DH + offs_d[None, :], mask=valid[:, None], other=0.0)
+            do, gate = _load_dy_gate(dy_ptr, gates_ptr, slot, valid, src, offs_d, DH)
         else:
             x, do = _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K, DH, PACKED)
         x = x.to(cdt)
@@ -378,13 +383,13 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     dw_form None = the measured choice: the transposed dW kernel ("t", tile 64 x 64, 4 warps, 3 stages)
     at packing blocks 64 and 128 (H100: dW 4.05 ms vs 5.60 ms for "rows" at 81920 tokens, Ne 384, de 256;
     with the counting-sort packing the 8192-token layer 2.47 ms vs 2.76 ms), "rows" below (unmeasured
-    there); at de = 128 the fused backward below instead (tile min(block, 64) x 128, 8 warps, 3 stages,
-    form "t" down to packing block FUSED_BWD_MIN_PACK). Packing: the Triton kernels (kernels/packing.py) at
-    blocks 64 and 128, else the JAX sort. "rows" | "t" force a form ("rows" with argsort packing = the
-    defaults until 2026-11-23, variant "v2"). fuse_bwd: at
-    de = 128 one backward kernel (dX and the gate gradients made by the transposed dW kernel) where measured
-    faster (packing blocks >= fuse_min_pack, default FUSED_BWD_MIN_PACK); False keeps the dX and dW kernels
-    apart (the default until 2026-11-24, variant "split_bwd")."""
+    there). Packing: the Triton kernels (kernels/packing.py) at blocks 64 and 128, else the JAX sort.
+    "rows" | "t" force a form ("rows" with argsort packing = the defaults until 2026-11-23, variant "v2").
+
+    fuse_bwd: at de = 128 one backward kernel instead (dX and the gate gradients made by the transposed dW
+    kernel, tile min(block, 64) x 128, 8 warps, 3 stages) at packing blocks >= fuse_min_pack (default
+    FUSED_BWD_MIN_PACK), where it was measured faster; False keeps the dX and dW kernels apart (the default
+    until 2026-11-24, variant "split_bwd")."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
     if dh > 128:
@@ -404,7 +409,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     # de = 128: one backward kernel (dX and the gate gradients fused into the transposed dW kernel, 8 warps,
     # each warpgroup 64 of the 128 de rows); H100 2026-11-24, kernels alone, 81920 tokens, Ne 768, k 8: 3.96 ms
     # vs 2.51 (dX) + 2.13 (dW) split, Ne 1536: 4.77 vs 2.79 + 2.62; 8192 tokens, Ne 768: 1.02 vs 0.36 + 0.69
-    fused = Tile(min(pack, 64), 128, 8, 3) if fused_bwd else None
+    fused = Tile(64, 128, 8, 3) if fused_bwd else None  # (fit clamps the rows to the packing block)
     if pack >= 128:  # measured on H100 at 81920 tokens, Ne 384, de 256 (bench/NOTES.md)
         dw = fused or (Tile(64, 64, 4, 3) if form == "t" else Tile(128, 64, 8, 2))
         return ExpertsConfig(pack, Tile(128, 32, 4, 3), dx, dw, dw_form=form, pack_impl=pack_impl).fit(de)
