@@ -4,6 +4,7 @@ FADD, MUFU.TANH, local loads / stores). Costs no device time: the Triton wheel c
 cuobjdump.
 
     python bench/kernel_report.py [--tiles fwd,128,32,4,3 dx,64,32,4,3 dwt,64,64,4,3] [--dh 128] [--de 256]
+    python bench/kernel_report.py --tiles router,64,64,4,3,1 --ne 768 --k 8   # router fwd: bn,be,w,s,select
 
 Pointers are marked 16-byte divisible as the launchers' arguments are (without that mark the gathered
 row loads come out scalar and every tile spills). One JSON line per tile (`bench: kernel_report`).
@@ -25,7 +26,7 @@ sys.path.insert(0, ROOT)
 from bench.timing import emit  # noqa: E402
 
 DEFAULT_TILES = ["fwd,128,32,4,3", "dx,64,32,4,3", "dwt,64,64,4,3"]
-COUNTED = ("HGMMA", "FFMA", "FMUL", "FADD", "MUFU.TANH", "LDL", "STL")
+COUNTED = ("HGMMA", "FFMA", "FMUL", "FADD", "MUFU.TANH", "LDL", "STL", "BAR.SYNC", "SHFL.BFLY", "STS", "LDS")
 POINTER_TYPES = {"gates_ptr": "*fp32", "dgate_ptr": "*fp32", "dw1_ptr": "*fp32", "dw2_ptr": "*fp32",
                  "row_slot_ptr": "*i32", "block_group_ptr": "*i32", "group_block_start_ptr": "*i32",
                  "group_nblocks_ptr": "*i32"}  # every other pointer: bf16
@@ -34,10 +35,6 @@ POINTER_TYPES = {"gates_ptr": "*fp32", "dgate_ptr": "*fp32", "dw1_ptr": "*fp32",
 def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: int, dh: int = 128, de: int = 256,
            k: int = 4, pack_block: int = 128) -> dict:
     """Compile kernel `kind` (fwd | dx | dwt, the model's launch options) and read ptxas' report."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     import kernels.experts as ke
 
     fn = {"fwd": ke.expert_fwd_kernel, "dx": ke.expert_dx_kernel, "dwt": ke.expert_dwt_kernel,
@@ -45,13 +42,43 @@ def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: in
     consts = dict(K=k, DH=dh, DE=de, PACK_BLOCK=pack_block, BLOCK_M=block_m, BLOCK_E=block_e, FAST_TANH=True,
                   PRECISION="tf32", FUSE_DX=kind == "dwt" and block_e == de, PACKED=False,
                   DGATES=kind == "dx" or (kind == "dwt" and block_e == de))  # as the binding launches them
+    rec = _compile_report(fn, consts, num_warps, num_stages)
+    return dict(bench="kernel_report", kernel=kind, tile=[block_m, block_e, num_warps, num_stages],
+                params=dict(dh=dh, de=de, k=k, pack_block=pack_block), **rec)
+
+
+def report_router(block_n: int, block_e: int, num_warps: int, num_stages: int, select: int, dh: int = 128,
+                  ne: int = 768, k: int = 8, heads: int = 8, tokens: int = 81920) -> dict:
+    """Compile the router forward (bf16x3 weights, as the model launches it) and read ptxas' report."""
+    import kernels.router as kr
+
+    kp = max(2, kr.next_pow2(k))
+    consts = dict(N=tokens, H=heads, DH=dh, DHP=kr.next_pow2(dh), NE=ne, K=k, KP=kp, PARTS=3, PRECISION="ieee",
+                  BLOCK_N=block_n, BLOCK_E=block_e, SELECT=select, UPCAST=False)
+    rec = _compile_report(kr.router_fwd_kernel, consts, num_warps, num_stages,
+                          pointer_types={"b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32"})
+    return dict(bench="kernel_report", kernel="router", tile=[block_n, block_e, num_warps, num_stages, select],
+                params=dict(dh=dh, ne=ne, k=k), **rec)
+
+
+def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_types: dict | None = None) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointer_types = POINTER_TYPES if pointer_types is None else pointer_types
     params = list(inspect.signature(fn.fn).parameters)
-    signature = {p: "constexpr" if p in consts else POINTER_TYPES.get(p, "*bf16") for p in params}
+    signature = {p: "constexpr" if p in consts else pointer_types.get(p, "*bf16") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
     src = ASTSource(fn=fn, signature=signature, constexprs={p: consts[p] for p in params if p in consts},
                     attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
+    if os.environ.get("KERNEL_REPORT_DUMP"):  # directory: write the TTGIR and SASS there
+        d = os.environ["KERNEL_REPORT_DUMP"]
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, fn.fn.__name__ + ".ttgir"), "w") as f:
+            f.write(compiled.asm["ttgir"])
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
@@ -61,15 +88,17 @@ def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: in
                               capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
+    if os.environ.get("KERNEL_REPORT_DUMP"):
+        with open(os.path.join(os.environ["KERNEL_REPORT_DUMP"], fn.fn.__name__ + ".sass"), "w") as f:
+            f.write(sass)
 
     def num(pattern: str) -> int:
         m = re.search(pattern, info)
         return int(m.group(1)) if m else 0
 
-    return dict(bench="kernel_report", kernel=kind, tile=[block_m, block_e, num_warps, num_stages],
-                params=dict(dh=dh, de=de, k=k, pack_block=pack_block), registers=num(r"Used (\d+) registers"),
-                spill_store_bytes=num(r"(\d+) bytes spill stores"), spill_load_bytes=num(r"(\d+) bytes spill loads"),
-                shared_bytes=int(compiled.metadata.shared),
+    return dict(registers=num(r"Used (\d+) registers"), spill_store_bytes=num(r"(\d+) bytes spill stores"),
+                spill_load_bytes=num(r"(\d+) bytes spill loads"), shared_bytes=int(compiled.metadata.shared),
+                sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M)),
                 sass_counts={op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in COUNTED})
 
 
@@ -79,19 +108,25 @@ def main() -> None:
     ap.add_argument("--dh", type=int, default=128)
     ap.add_argument("--de", type=int, default=256)
     ap.add_argument("--pack-block", type=int, default=128)
+    ap.add_argument("--ne", type=int, default=768, help="router kind only")
+    ap.add_argument("--k", type=int, default=None, help="top-k (default 4 for the experts, 8 for the router)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     outf = open(args.out, "a") if args.out else None
     rows = []
     for spec in args.tiles:
         kind, *nums = spec.split(",")
-        rec = report(kind, *(int(v) for v in nums), dh=args.dh, de=args.de, pack_block=args.pack_block)
+        if kind == "router":
+            rec = report_router(*(int(v) for v in nums), dh=args.dh, ne=args.ne, k=args.k or 8)
+        else:
+            rec = report(kind, *(int(v) for v in nums), dh=args.dh, de=args.de, k=args.k or 4,
+                         pack_block=args.pack_block)
         emit(rec, outf)
         rows.append(rec)
     print(f"\n{'kernel':>6} {'tile':>16} {'regs':>5} {'spill B':>8} {'smem KB':>8}  sass")
     for r in rows:
         print(f"{r['kernel']:>6} {str(r['tile']):>16} {r['registers']:>5} {r['spill_store_bytes']:>8} "
-              f"{r['shared_bytes'] / 1024:8.1f}  {r['sass_counts']}")
+              f"{r['shared_bytes'] / 1024:8.1f}  {r['sass_instructions']} {r['sass_counts']}")
 
 
 if __name__ == "__main__":

@@ -121,18 +121,18 @@ def jax_fns(impl: str, k: int, tiles=None):
     return fwd, fb
 
 
-def sweep(tokens: int, nes: list[int], k: int, device: str, date: str, outf) -> dict:
+def sweep(tokens: int, nes: list[int], k: int, device: str, date: str, outf, fwd_only: bool = False) -> dict:
     """Forward tiles and backward parts on the torch launcher. Returns {ne: best RouterTiles}."""
     best = {}
     for ne in nes:
-        t = sweep_one(tokens, ne, k, device, date, outf)
+        t = sweep_one(tokens, ne, k, device, date, outf, fwd_only)
         if t is not None:
             best[ne] = t
         empty_cache()
     return best
 
 
-def sweep_one(tokens: int, ne: int, k: int, device: str, date: str, outf):
+def sweep_one(tokens: int, ne: int, k: int, device: str, date: str, outf, fwd_only: bool = False):
     import torch
 
     from kernels import torch_router as ktr
@@ -154,6 +154,8 @@ def sweep_one(tokens: int, ne: int, k: int, device: str, date: str, outf):
             rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         emit(rec, outf)
     best = min(res, key=lambda r: r[0])[1] if res else None
+    if fwd_only or best is None:
+        return best
     # backward parts with the default tiles, then whole-backward tiles
     _, idx = ktr.router_fwd(x, w, b, k, "bf16x3", best)
     t0 = router_tiles(ne, k)
@@ -319,6 +321,7 @@ def main() -> None:
     ap.add_argument("--sweep-ne", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--fwd-tiles", nargs="+", default=None,
                     help="forward tiles of --sweep as block_n,block_e,warps,stages,select (default FWD_TILES)")
+    ap.add_argument("--fwd-only", action="store_true", help="--sweep: forward tiles only")
     ap.add_argument("--precision", action="store_true")
     ap.add_argument("--precision-ne", type=int, nargs="+", default=[2048])
     ap.add_argument("--meta", action="store_true", help="also time the JAX backward's sort + metadata per Ne")
@@ -349,7 +352,7 @@ def main() -> None:
     if args.fwd_tiles:
         global FWD_TILES
         FWD_TILES = [tuple(int(v) for v in t.split(",")) for t in args.fwd_tiles]
-    best = sweep(n, args.sweep_ne, k, device, date, outf) if args.sweep else {}
+    best = sweep(n, args.sweep_ne, k, device, date, outf, args.fwd_only) if args.sweep else {}
 
     def tiles_for(ne: int):
         t = nearest(best, ne)

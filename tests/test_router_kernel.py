@@ -100,6 +100,10 @@ SHAPES = [  # n, h, dh, ne, k, block_n, block_e, select, precision
     (29, 3, 16, 64, 8, 16, 16, 1, "bf16x3"),  # k = 8 (KP = block_e / 2)
     (21, 2, 32, 100, 8, 16, 32, 0, "bf16x2"),
     (40, 1, 32, 7, 6, 16, 16, 0, "tf32x3"),  # Ne < block_e
+    (37, 2, 32, 40, 3, 16, 16, 2, "bf16x3"),  # pairwise selection: k odd, Ne % 16 != 0
+    (29, 3, 16, 64, 8, 16, 16, 2, "bf16x3"),  # pairwise selection, k = 8
+    (33, 2, 32, 200, 8, 16, 64, 2, "bf16x3"),  # pairwise selection, the model's block width
+    (40, 1, 32, 7, 6, 16, 16, 2, "tf32x3"),  # pairwise selection, Ne < block_e
 ]
 
 
@@ -118,10 +122,10 @@ def test_forward_vs_float64(shape):
 
 
 @interp
-@pytest.mark.parametrize("select", [0, 1])
+@pytest.mark.parametrize("select", [0, 1, 2])
 def test_exact_ties_go_to_lower_index(select):
     """Duplicated weight columns and bias give bit-equal biased scores: lax.top_k's order (lower index first)."""
-    n, h, dh, ne, k = 19, 2, 16, 24, 4
+    n, h, dh, ne, k = 19, 2, 16, 24, 5  # odd k: the 5th slot holds one of a tied pair, the lower one
     x, w, b = _inputs(7, n, h, dh, ne // 2)
     w = torch.cat([w, w], 2)[..., torch.arange(ne).remainder(2) * (ne // 2) + torch.arange(ne) // 2]
     b = torch.cat([b, b], 1)[..., torch.arange(ne).remainder(2) * (ne // 2) + torch.arange(ne) // 2]
@@ -130,8 +134,22 @@ def test_exact_ties_go_to_lower_index(select):
     idx = idx.numpy()
     assert (idx[..., 0] % 2 == 0).all() and (idx[..., 1] == idx[..., 0] + 1).all()
     assert (idx[..., 2] % 2 == 0).all() and (idx[..., 3] == idx[..., 2] + 1).all()
+    assert (idx[..., 4] % 2 == 0).all()
     v = vals.numpy()
     assert np.array_equal(v[..., 0], v[..., 1]) and np.array_equal(v[..., 2], v[..., 3])
+    check_topk(idx, vals, _scores64(x, w), b.double().numpy(), k, max_mismatch=0.0)
+
+
+@interp
+@pytest.mark.parametrize("select", [1, 2])
+def test_exact_ties_across_blocks_and_pairs(select):
+    """Experts e and e + Ne/2 identical (other column pairs, other blocks): the lower index still goes first."""
+    n, h, dh, ne, k = 19, 2, 16, 48, 7
+    x, w, b = _inputs(11, n, h, dh, ne // 2)
+    w, b = torch.cat([w, w], 2), torch.cat([b, b], 1)
+    vals, idx = ktr.router_fwd(x, w, b, k, "bf16x3", kr.router_tiles(ne, k, block_n=16, block_e=16, select=select))
+    idx = idx.numpy()
+    assert (idx[..., 0::2] < ne // 2).all() and (idx[..., 1::2] == idx[..., 0:-1:2] + ne // 2).all()
     check_topk(idx, vals, _scores64(x, w), b.double().numpy(), k, max_mismatch=0.0)
 
 
