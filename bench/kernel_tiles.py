@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--ne", type=int, default=384)
     ap.add_argument("--de", type=int, default=256)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--pack-block", type=int, default=None, help="override default_config's packing block")
     ap.add_argument("--out", default=None)
     ap.add_argument("--once", action="store_true", help="launch each tile once, untimed (for ncu)")
     for kind, tiles in DEFAULT_TILES.items():
@@ -110,7 +111,7 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         g = torch.Generator(device=dev).manual_seed(0)
-        pack_block = default_config(tokens * nh * k, nh * ne, dh, de).pack_block
+        pack_block = args.pack_block or default_config(tokens * nh * k, nh * ne, dh, de).pack_block
         sets = [input_set(tokens, ne, k, pack_block, g, nh, dh) for _ in range(3)]
         w1, w2 = expert_weights(ne, de, g, nh, dh)
         rows_total = tokens * nh * k

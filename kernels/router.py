@@ -16,8 +16,8 @@ Forward (`router_fwd_kernel`, grid (cdiv(N, BLOCK_N), H)): the X block stays on 
 through in BLOCK_E expert blocks; biased scores become order-preserving uint64 keys
 (fp32 key << 32 | (NE - e)): one integer compare orders by score, then by lower index; a block top-KP
 (SELECT 0: bitonic `tl.topk` over the packed block, as the paper; SELECT 1: fp32 scores
-above the running K-th, then at most K rounds of row max, packing only the winners; SELECT 2: as 1 over
-thread-local column pairs, with the round count fixed per block) is merged into the running
+above the running K-th, then at most K rounds of row max, packing only the winners; SELECT 2: as 1 with
+the round count fixed per block) is merged into the running
 top-KP (max against the flipped list, then a KP-wide sort). Only (N, H, K) values and indices are
 written: HBM traffic O(N k + params), independent of NE.
 
@@ -145,31 +145,22 @@ def _select_block(sb, cols, run, NE: tl.constexpr, KP: tl.constexpr, K: tl.const
         p = tl.where(cols[None, :] < NE, p, tl.zeros_like(p))  # padding experts never win
         cand = tl.topk(p, KP, dim=1)  # (BN, KP) descending
     elif SELECT == 2:
-        # As SELECT 1 on column pairs (2c, 2c + 1), which sit in one thread: each round reduces over BE / 2
-        # pair maxima (hi) instead of BE scores; taking a pair's hi promotes its lo. The round count is
-        # fixed once per block (the most candidates any row has, at most K) instead of a block-wide
-        # reduction per round.
+        # SELECT 1 with the round count fixed once per block (the most candidates any row has, at most K)
+        # instead of a block-wide reduction (three barriers) per round.
         kth_key = tl.max(tl.where(kcol == K - 1, run, tl.zeros_like(run)), axis=1)
         kth = tl.where(kth_key == 0, float("-inf"), _key_float((kth_key >> 32).to(tl.uint32)))
-        sv = tl.where((sb > kth[:, None]) & (cols[None, :] < NE), sb, float("-inf"))
-        rounds = tl.minimum(tl.max(tl.sum((sv > float("-inf")).to(tl.int32), axis=1), axis=0), K)
-        a, b = tl.split(tl.reshape(sv, (sv.shape[0], sv.shape[1] // 2, 2)))
-        ca, cb = tl.split(tl.reshape(cols, (cols.shape[0] // 2, 2)))
-        tb = b > a  # the pair's hi is its odd column (ties: the even, lower one)
-        hi = tl.maximum(a, b)
-        lo = tl.minimum(a, b)
+        ok = (sb > kth[:, None]) & (cols[None, :] < NE)
+        sv = tl.where(ok, sb, float("-inf"))
+        rounds = tl.minimum(tl.max(tl.sum(ok.to(tl.int32), axis=1), axis=0), K)
         cand = tl.zeros_like(run)
+        m = tl.max(sv, axis=1)
         for j in range(rounds):
-            m = tl.max(hi, axis=1)
-            hc = tl.where(tb, cb[None, :], ca[None, :])
-            e = tl.min(tl.where(hi == m[:, None], hc, NE), axis=1)
+            e = tl.min(tl.where(sv == m[:, None], cols[None, :], NE), axis=1)
             key = _pack(m, e, NE)
             key = tl.where(m > float("-inf"), key, tl.zeros_like(key))
             cand = tl.where(kcol == j, key[:, None], cand)
-            sel = hc == e[:, None]
-            hi = tl.where(sel, lo, hi)
-            lo = tl.where(sel, float("-inf"), lo)
-            tb = tb ^ sel
+            sv = tl.where(cols[None, :] == e[:, None], float("-inf"), sv)
+            m = tl.max(sv, axis=1)
     else:
         # Only scores above the running K-th can enter (ties: the block's indices are all higher, so
         # they lose). Take row maxima (lowest index among equals) until no row has a candidate left,
