@@ -156,14 +156,13 @@ def _select_block(sb, cols, run, NE: tl.constexpr, KP: tl.constexpr, K: tl.const
         rounds = tl.minimum(tl.max(tl.sum(ok.to(tl.int32), axis=1), axis=0), K)
         cand = tl.zeros_like(run)
         m = tl.max(sv, axis=1)
-        for j in tl.static_range(K):
-            if j < rounds:
-                e = tl.min(tl.where(sv == m[:, None], cols[None, :], NE), axis=1)
-                key = _pack(m, e, NE)
-                key = tl.where(m > float("-inf"), key, tl.zeros_like(key))
-                cand = tl.where(kcol == j, key[:, None], cand)
-                sv = tl.where(cols[None, :] == e[:, None], float("-inf"), sv)
-                m = tl.max(sv, axis=1)
+        for j in range(rounds):
+            e = tl.min(tl.where(sv == m[:, None], cols[None, :], NE), axis=1)
+            key = _pack(m, e, NE)
+            key = tl.where(m > float("-inf"), key, tl.zeros_like(key))
+            cand = tl.where(kcol == j, key[:, None], cand)
+            sv = tl.where(cols[None, :] == e[:, None], float("-inf"), sv)
+            m = tl.max(sv, axis=1)
     else:
         # Only scores above the running K-th can enter (ties: the block's indices are all higher, so
         # they lose). Take row maxima (lowest index among equals) until no row has a candidate left,
