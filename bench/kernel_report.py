@@ -4,7 +4,7 @@ FADD, MUFU.TANH, local loads / stores). Costs no device time: the Triton wheel c
 cuobjdump.
 
     python bench/kernel_report.py [--tiles fwd,128,32,4,3 dx,64,32,4,3 dwt,64,64,4,3] [--dh 128] [--de 256]
-    python bench/kernel_report.py --tiles router,64,64,4,3,1 --ne 768 --k 8   # router fwd: bn,be,w,s,select
+    python bench/kernel_report.py --tiles router,64,64,4,3,1 --ne 768 --k 8   # router fwd: bn,be,w,s,select[,row_tiles]
 
 Pointers are marked 16-byte divisible as the launchers' arguments are (without that mark the gathered
 row loads come out scalar and every tile spills). One JSON line per tile (`bench: kernel_report`).
@@ -47,18 +47,19 @@ def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: in
                 params=dict(dh=dh, de=de, k=k, pack_block=pack_block), **rec)
 
 
-def report_router(block_n: int, block_e: int, num_warps: int, num_stages: int, select: int, dh: int = 128,
-                  ne: int = 768, k: int = 8, heads: int = 8, tokens: int = 81920) -> dict:
+def report_router(block_n: int, block_e: int, num_warps: int, num_stages: int, select: int, row_tiles: int = 1,
+                  dh: int = 128, ne: int = 768, k: int = 8, heads: int = 8, tokens: int = 81920) -> dict:
     """Compile the router forward (bf16x3 weights, as the model launches it) and read ptxas' report."""
     import kernels.router as kr
 
     kp = max(2, kr.next_pow2(k))
     consts = dict(N=tokens, H=heads, DH=dh, DHP=kr.next_pow2(dh), NE=ne, K=k, KP=kp, PARTS=3, PRECISION="ieee",
-                  BLOCK_N=block_n, BLOCK_E=block_e, SELECT=select, UPCAST=False)
+                  BLOCK_N=block_n, BLOCK_E=block_e, SELECT=select, UPCAST=False,
+                  ROW_TILES=row_tiles)
     rec = _compile_report(kr.router_fwd_kernel, consts, num_warps, num_stages,
                           pointer_types={"b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32"})
-    return dict(bench="kernel_report", kernel="router", tile=[block_n, block_e, num_warps, num_stages, select],
-                params=dict(dh=dh, ne=ne, k=k), **rec)
+    return dict(bench="kernel_report", kernel="router", params=dict(dh=dh, ne=ne, k=k),
+                tile=[block_n, block_e, num_warps, num_stages, select, row_tiles], **rec)
 
 
 def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_types: dict | None = None) -> dict:

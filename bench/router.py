@@ -141,7 +141,8 @@ def sweep_one(tokens: int, ne: int, k: int, device: str, date: str, outf, fwd_on
     x, w, b, dv = (to_torch(a) for a in make_inputs(100 + ne, tokens, ne, k))
     res = []
     for t in FWD_TILES:
-        tiles = router_tiles(ne, k, block_n=t[0], block_e=t[1], fwd_warps=t[2], fwd_stages=t[3], select=t[4])
+        tiles = router_tiles(ne, k, block_n=t[0], block_e=t[1], fwd_warps=t[2], fwd_stages=t[3], select=t[4],
+                             row_tiles=t[5] if len(t) > 5 else 1)
         rec = dict(bench="router_sweep", kernel="fwd", device=device, date=date,
                    params=dict(tokens=tokens, nh=NH, dh=DH, ne=ne, k=k, tile=list(t)))
         try:
@@ -320,7 +321,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-ne", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--fwd-tiles", nargs="+", default=None,
-                    help="forward tiles of --sweep as block_n,block_e,warps,stages,select (default FWD_TILES)")
+                    help="--sweep forward tiles: block_n,block_e,warps,stages,select[,row_tiles] (default FWD_TILES)")
     ap.add_argument("--fwd-only", action="store_true", help="--sweep: forward tiles only")
     ap.add_argument("--precision", action="store_true")
     ap.add_argument("--precision-ne", type=int, nargs="+", default=[2048])

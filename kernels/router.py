@@ -65,6 +65,7 @@ class RouterTiles(NamedTuple):
     block_e: int = 0  # forward: experts per streamed W_r block (power of 2, >= KP); 0: 128 if Ne <= 128 else 64
     fwd_warps: int = 4
     fwd_stages: int = 3
+    row_tiles: int = 1  # forward: BLOCK_N-row tiles per program (1 or 2; 2 share each W_r block)
     select: int = 2  # forward block selection: 0 bitonic tl.topk, 1 threshold + at most K rounds of row max
     # (block-wide exit test per round), 2 the same with the round count fixed per block (H100, 81920 tokens:
     # Ne 768 k 8 2.27 vs 2.44 ms, Ne 1536 3.87 vs 4.02, Ne 384 k 4 0.93 vs 1.00 at block_e 64)
@@ -97,6 +98,8 @@ def check_router_args(n: int, h: int, dh: int, ne: int, k: int, tiles: RouterTil
         v = getattr(tiles, name)
         if v < 16 or v & (v - 1):
             raise ValueError(f"router tiles: {name}={v} must be a power of 2 >= 16")
+    if tiles.row_tiles not in (1, 2):
+        raise ValueError(f"router tiles: row_tiles={tiles.row_tiles} must be 1 or 2")
     if tiles.block_e < kp:
         raise ValueError(f"router tiles: block_e={tiles.block_e} must be >= next power of 2 of k ({kp})")
     if tiles.dw_block % tiles.dw_sub:
@@ -187,50 +190,85 @@ def _select_block(sb, cols, run, NE: tl.constexpr, KP: tl.constexpr, K: tl.const
 
 
 @triton.jit
+def _x_tile(x_ptr, rows, N: tl.constexpr, H: tl.constexpr, h, DH: tl.constexpr, offs_d, dmask, UPCAST: tl.constexpr,
+            W_BF16: tl.constexpr):
+    """x rows `rows` of head h (BLOCK_N, DHP), in the dot's input dtype."""
+    xrow = rows.to(tl.int64) * H + h  # (BLOCK_N,) row of x viewed as (N * H, DH)
+    x = tl.load(x_ptr + xrow[:, None] * DH + offs_d[None, :], mask=(rows < N)[:, None] & dmask[None, :], other=0.0)
+    if UPCAST or not W_BF16:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _score_dot(x, w, s, UPCAST: tl.constexpr, W_BF16: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:
+        return tl.dot(x, w.to(tl.float32), s, input_precision="ieee")
+    elif W_BF16:
+        return tl.dot(x, w, s)
+    else:
+        return tl.dot(x, w, s, input_precision=PRECISION)
+
+
+@triton.jit
+def _store_topk(run, rows, b_ptr, vals_ptr, idx_ptr, N: tl.constexpr, H: tl.constexpr, h, NE: tl.constexpr,
+                K: tl.constexpr, KP: tl.constexpr):
+    """Running top-KP keys (BLOCK_N, KP) -> raw selected scores (bias removed) and expert indices."""
+    e = NE - (run & 0xFFFFFFFF).to(tl.int32)
+    biased = _key_float((run >> 32).to(tl.uint32))
+    kcol = tl.arange(0, KP)
+    omask = (rows < N)[:, None] & (kcol[None, :] < K)
+    b_sel = tl.load(b_ptr + h * NE + e, mask=omask & (e < NE), other=0.0)
+    out = (rows.to(tl.int64) * H + h)[:, None] * K + kcol[None, :]
+    tl.store(vals_ptr + out, biased - b_sel, mask=omask)
+    tl.store(idx_ptr + out, e, mask=omask)
+
+
+@triton.jit
 def router_fwd_kernel(
     x_ptr, w_ptr, b_ptr,  # inputs: x (N, H, DH), w (PARTS, H, DH, NE), bias (H, NE) fp32
     vals_ptr, idx_ptr,  # outputs: (N, H, K) fp32, (N, H, K) int32
     N: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr,
     K: tl.constexpr, KP: tl.constexpr, PARTS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, SELECT: tl.constexpr, UPCAST: tl.constexpr,
+    ROW_TILES: tl.constexpr = 1,
 ):
+    """ROW_TILES = 2: the program takes two BLOCK_N-row tiles that share each streamed W_r block (half the
+    W_r traffic per row); each tile keeps its own running top-k and round counts."""
+    tl.static_assert(ROW_TILES == 1 or ROW_TILES == 2, "ROW_TILES must be 1 or 2")
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    xrow = rows.to(tl.int64) * H + h  # (BLOCK_N,) row of x viewed as (N * H, DH)
     offs_d = tl.arange(0, DHP)
     dmask = offs_d < DH
-    x = tl.load(x_ptr + xrow[:, None] * DH + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
     w_is_bf16: tl.constexpr = w_ptr.dtype.element_ty == tl.bfloat16
-    if UPCAST or not w_is_bf16:
-        x = x.to(tl.float32)
+    rows0 = pid * (BLOCK_N * ROW_TILES) + tl.arange(0, BLOCK_N)
+    x0 = _x_tile(x_ptr, rows0, N, H, h, DH, offs_d, dmask, UPCAST, w_is_bf16)
+    run0 = tl.zeros((BLOCK_N, KP), tl.uint64)
+    if ROW_TILES == 2:
+        rows1 = rows0 + BLOCK_N
+        x1 = _x_tile(x_ptr, rows1, N, H, h, DH, offs_d, dmask, UPCAST, w_is_bf16)
+        run1 = tl.zeros((BLOCK_N, KP), tl.uint64)
     offs_e = tl.arange(0, BLOCK_E)
-    run = tl.zeros((BLOCK_N, KP), tl.uint64)
     for e0 in range(0, NE, BLOCK_E):
         cols = e0 + offs_e
         cmask = cols < NE
-        s = tl.zeros((BLOCK_N, BLOCK_E), tl.float32)
+        s0 = tl.zeros((BLOCK_N, BLOCK_E), tl.float32)
+        if ROW_TILES == 2:
+            s1 = tl.zeros((BLOCK_N, BLOCK_E), tl.float32)
         for q in tl.static_range(PARTS):  # smallest term first
             part = PARTS - 1 - q
             w = tl.load(w_ptr + (part * H + h) * DH * NE + offs_d[:, None] * NE + cols[None, :],
                         mask=dmask[:, None] & cmask[None, :], other=0.0)
-            if UPCAST:
-                s = tl.dot(x, w.to(tl.float32), s, input_precision="ieee")
-            elif w_is_bf16:
-                s = tl.dot(x, w, s)
-            else:
-                s = tl.dot(x, w, s, input_precision=PRECISION)
+            s0 = _score_dot(x0, w, s0, UPCAST, w_is_bf16, PRECISION)
+            if ROW_TILES == 2:
+                s1 = _score_dot(x1, w, s1, UPCAST, w_is_bf16, PRECISION)
         bias = tl.load(b_ptr + h * NE + cols, mask=cmask, other=0.0)
-        run = _select_block(s + bias[None, :], cols, run, NE, KP, K, SELECT)
-    e = NE - (run & 0xFFFFFFFF).to(tl.int32)
-    biased = _key_float((run >> 32).to(tl.uint32))
-    kcol = tl.arange(0, KP)
-    omask = rmask[:, None] & (kcol[None, :] < K)
-    b_sel = tl.load(b_ptr + h * NE + e, mask=omask & (e < NE), other=0.0)
-    out = xrow[:, None] * K + kcol[None, :]
-    tl.store(vals_ptr + out, biased - b_sel, mask=omask)
-    tl.store(idx_ptr + out, e, mask=omask)
+        run0 = _select_block(s0 + bias[None, :], cols, run0, NE, KP, K, SELECT)
+        if ROW_TILES == 2:
+            run1 = _select_block(s1 + bias[None, :], cols, run1, NE, KP, K, SELECT)
+    _store_topk(run0, rows0, b_ptr, vals_ptr, idx_ptr, N, H, h, NE, K, KP)
+    if ROW_TILES == 2:
+        _store_topk(run1, rows1, b_ptr, vals_ptr, idx_ptr, N, H, h, NE, K, KP)
 
 
 # --------------------------------------------------------------------------------------- backward
@@ -316,4 +354,4 @@ def router_bwd_dw_reduce_kernel(
 
 
 def fwd_grid(n: int, h: int, tiles: RouterTiles) -> tuple[int, int]:
-    return (triton.cdiv(n, tiles.block_n), h)
+    return (triton.cdiv(n, tiles.block_n * tiles.row_tiles), h)

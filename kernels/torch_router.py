@@ -24,6 +24,7 @@ from kernels.router import (
     RouterTiles,
     check_router_args,
     dw_num_blocks,
+    fwd_grid,
     next_pow2,
     router_bwd_dw_partial_kernel,
     router_bwd_dw_reduce_kernel,
@@ -80,12 +81,12 @@ def router_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int, pre
     wp = _weights_for(w, precision)
     vals = torch.empty((n, h, k), dtype=torch.float32, device=x.device)
     idx = torch.empty((n, h, k), dtype=torch.int32, device=x.device)
-    router_fwd_kernel[(triton.cdiv(n, tiles.block_n), h)](
+    router_fwd_kernel[fwd_grid(n, h, tiles)](
         x.contiguous(), wp, bias.float().contiguous(), vals, idx,
         N=n, H=h, DH=dh, DHP=max(16, next_pow2(dh)), NE=ne, K=k, KP=max(2, next_pow2(k)), PARTS=wp.shape[0],
         PRECISION=precision if not precision.startswith("bf16") else "ieee",
         BLOCK_N=tiles.block_n, BLOCK_E=tiles.block_e, SELECT=tiles.select, UPCAST=_interpreting(),
-        num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages)
+        ROW_TILES=tiles.row_tiles, num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages)
     return vals, idx
 
 

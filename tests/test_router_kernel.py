@@ -122,6 +122,23 @@ def test_forward_vs_float64(shape):
 
 
 @interp
+@pytest.mark.parametrize("n", [37, 50])  # the last program's second tile partly / wholly past N
+def test_two_row_tiles_per_program_equal_one(n):
+    """row_tiles = 2 (two row tiles share each W_r block) selects bitwise what row_tiles = 1 selects."""
+    h, dh, ne, k = 2, 32, 40, 3
+    x, w, b = _inputs(300 + n, n, h, dh, ne)
+    one = ktr.router_fwd(x, w, b, k, "bf16x3", kr.router_tiles(ne, k, block_n=16, block_e=16))
+    two = ktr.router_fwd(x, w, b, k, "bf16x3", kr.router_tiles(ne, k, block_n=16, block_e=16, row_tiles=2))
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    check_topk(two[1], two[0], _scores64(x, w), b.double().numpy(), k, max_mismatch=0.0)
+
+
+def test_row_tiles_checked():
+    with pytest.raises(ValueError, match="row_tiles=3"):
+        kr.check_router_args(8, 1, 16, 16, 2, kr.router_tiles(16, 2, row_tiles=3))
+
+
+@interp
 @pytest.mark.parametrize("select", [0, 1, 2])
 def test_exact_ties_go_to_lower_index(select):
     """Duplicated weight columns and bias give bit-equal biased scores: lax.top_k's order (lower index first)."""

@@ -167,7 +167,7 @@ def _dhp(dh: int) -> int:
 def _fwd_triton(st: Static, x, w, bias):
     jt = import_jax_triton()
 
-    from kernels.router import router_fwd_kernel
+    from kernels.router import fwd_grid, router_fwd_kernel
 
     n, h, dh = x.shape
     ne, t = w.shape[2], st.tiles
@@ -175,10 +175,10 @@ def _fwd_triton(st: Static, x, w, bias):
     vals, idx = jt.triton_call(
         x, wp, bias, kernel=router_fwd_kernel,
         out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)],
-        grid=(-(-n // t.block_n), h), num_warps=t.fwd_warps, num_stages=t.fwd_stages,
+        grid=fwd_grid(n, h, t), num_warps=t.fwd_warps, num_stages=t.fwd_stages,
         N=n, H=h, DH=dh, DHP=_dhp(dh), NE=ne, K=st.k, KP=max(2, next_pow2(st.k)), PARTS=wp.shape[0],
         PRECISION="ieee" if st.precision.startswith("bf16") else st.precision,
-        BLOCK_N=t.block_n, BLOCK_E=t.block_e, SELECT=t.select, UPCAST=False)
+        BLOCK_N=t.block_n, BLOCK_E=t.block_e, SELECT=t.select, UPCAST=False, ROW_TILES=t.row_tiles)
     return vals, idx  # a tuple (jax-triton returns a list), as the reference and shard_map out_specs
 
 
