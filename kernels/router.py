@@ -65,7 +65,6 @@ class RouterTiles(NamedTuple):
     block_e: int = 0  # forward: experts per streamed W_r block (power of 2, >= KP); 0: 128 if Ne <= 128 else 64
     fwd_warps: int = 4
     fwd_stages: int = 3
-    row_tiles: int = 1  # forward: BLOCK_N-row tiles per program (1 or 2; 2 share each W_r block)
     select: int = 2  # forward block selection: 0 bitonic tl.topk, 1 threshold + at most K rounds of row max
     # (block-wide exit test per round), 2 the same with the round count fixed per block (H100, 81920 tokens:
     # Ne 768 k 8 2.27 vs 2.44 ms, Ne 1536 3.87 vs 4.02, Ne 384 k 4 0.93 vs 1.00 at block_e 64)
@@ -76,6 +75,7 @@ class RouterTiles(NamedTuple):
     dw_warps: int = 4
     red_block_e: int = 32  # backward dW reduce: experts per program
     red_warps: int = 4
+    row_tiles: int = 1  # forward: BLOCK_N-row tiles per program (1 or 2; 2 share each W_r block)
 
 
 def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
