@@ -75,7 +75,9 @@ class RouterTiles(NamedTuple):
     dw_warps: int = 4
     red_block_e: int = 32  # backward dW reduce: experts per program
     red_warps: int = 4
-    row_tiles: int = 1  # forward: BLOCK_N-row tiles per program (1 or 2; 2 share each W_r block)
+    row_tiles: int = 0  # forward: BLOCK_N-row tiles per program (1 or 2: two share each W_r block); 0: 2 if
+    # k <= 2 and Ne > 128 else 1 (H100, 81920 tokens x 8 heads: Ne 768 k 1 0.90 vs 1.11 ms, k 2 1.26 vs 1.31,
+    # k 4 level at Ne 384, k 8 2.42 vs 2.30 at Ne 768: 185 registers halve the programs per SM)
 
 
 def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
@@ -84,7 +86,8 @@ def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
     kp = max(2, next_pow2(k))
     be = t.block_e or (128 if ne <= 128 else 64)  # H100 sweeps (bench/NOTES.md, Router; Layer, session 8)
     be = max(16, kp, min(be, next_pow2(ne)))
-    return t._replace(block_e=be)
+    rt = t.row_tiles or (2 if k <= 2 and ne > 128 else 1)
+    return t._replace(block_e=be, row_tiles=rt)
 
 
 def check_router_args(n: int, h: int, dh: int, ne: int, k: int, tiles: RouterTiles) -> None:

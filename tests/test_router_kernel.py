@@ -100,10 +100,11 @@ SHAPES = [  # n, h, dh, ne, k, block_n, block_e, select, precision
     (29, 3, 16, 64, 8, 16, 16, 1, "bf16x3"),  # k = 8 (KP = block_e / 2)
     (21, 2, 32, 100, 8, 16, 32, 0, "bf16x2"),
     (40, 1, 32, 7, 6, 16, 16, 0, "tf32x3"),  # Ne < block_e
-    (37, 2, 32, 40, 3, 16, 16, 2, "bf16x3"),  # pairwise selection: k odd, Ne % 16 != 0
-    (29, 3, 16, 64, 8, 16, 16, 2, "bf16x3"),  # pairwise selection, k = 8
-    (33, 2, 32, 200, 8, 16, 64, 2, "bf16x3"),  # pairwise selection, the model's block width
-    (40, 1, 32, 7, 6, 16, 16, 2, "tf32x3"),  # pairwise selection, Ne < block_e
+    (37, 2, 32, 40, 3, 16, 16, 2, "bf16x3"),  # round count fixed per block: k odd, Ne % 16 != 0
+    (29, 3, 16, 64, 8, 16, 16, 2, "bf16x3"),  # round count fixed per block, k = 8
+    (33, 2, 32, 200, 8, 16, 64, 2, "bf16x3"),  # round count fixed per block, the model's block width
+    (40, 1, 32, 7, 6, 16, 16, 2, "tf32x3"),  # Ne < block_e
+    (37, 2, 32, 200, 2, 16, 16, 2, "bf16x3"),  # k <= 2, Ne > 128: two row tiles per program by default
 ]
 
 
@@ -124,6 +125,7 @@ def test_forward_vs_float64(shape):
 @interp
 @pytest.mark.parametrize("n", [37, 50])  # the last program's second tile partly / wholly past N
 def test_two_row_tiles_per_program_equal_one(n):
+    assert kr.router_tiles(768, 2).row_tiles == 2 and kr.router_tiles(768, 4).row_tiles == 1
     """row_tiles = 2 (two row tiles share each W_r block) selects bitwise what row_tiles = 1 selects."""
     h, dh, ne, k = 2, 32, 40, 3
     x, w, b = _inputs(300 + n, n, h, dh, ne)
