@@ -12,14 +12,14 @@ Layout (all contiguous, row-major; slot (n, h, j) = (n * H + h) * K + j):
 - vals:  (N, H, K)          fp32 raw scores of the selected experts, by decreasing biased score
 - idx:   (N, H, K)          int32 expert indices; ties go to the lower index (as jax.lax.top_k)
 
-Forward (`router_fwd_kernel`, grid (cdiv(N, BLOCK_N), H)): the X block stays on chip; W_r streams
-through in BLOCK_E expert blocks; biased scores become order-preserving uint64 keys
+Forward (`router_fwd_kernel`, grid (cdiv(N, BLOCK_N * ROW_TILES), H)): the X block stays on chip; W_r
+streams through in BLOCK_E expert blocks; biased scores become order-preserving uint64 keys
 (fp32 key << 32 | (NE - e)): one integer compare orders by score, then by lower index; a block top-KP
-(SELECT 0: bitonic `tl.topk` over the packed block, as the paper; SELECT 1: fp32 scores
-above the running K-th, then at most K rounds of row max, packing only the winners; SELECT 2: as 1 with
-the round count fixed per block) is merged into the running
-top-KP (max against the flipped list, then a KP-wide sort). Only (N, H, K) values and indices are
-written: HBM traffic O(N k + params), independent of NE.
+(SELECT 0: bitonic `tl.topk` over the packed block, as the paper; SELECT 1: fp32 scores above the running
+K-th, then at most K rounds of row max, packing only the winners; SELECT 2: as 1 with the round count
+fixed per block) is merged into the running top-KP (max against the flipped list, then a KP-wide sort).
+Only (N, H, K) values and indices are written: HBM traffic O(N k + params), independent of NE. With
+ROW_TILES = 2 two row tiles share each W_r block (half the L2 traffic of W_r per row).
 
 Backward (Alg. 2 without float atomics, so dW_r is bitwise reproducible):
 - `router_bwd_dx_kernel`, grid (cdiv(N, BLOCK_N), H): dx[n, h] = sum_j dv[n, h, j] W_r^T[h, idx_j]
@@ -143,6 +143,18 @@ def _pack(sb, e, NE: tl.constexpr):
 
 
 @triton.jit
+def _take_row_max(sv, m, cand, cols, kcol, j, NE: tl.constexpr):
+    """One selection round: each row's max m (lowest index among equals) is packed into column j of cand
+    (0 where the row has no candidate) and removed from sv; returns sv, cand and the rows' next max."""
+    e = tl.min(tl.where(sv == m[:, None], cols[None, :], NE), axis=1)
+    key = _pack(m, e, NE)
+    key = tl.where(m > float("-inf"), key, tl.zeros_like(key))
+    cand = tl.where(kcol == j, key[:, None], cand)
+    sv = tl.where(cols[None, :] == e[:, None], float("-inf"), sv)
+    return sv, cand, tl.max(sv, axis=1)
+
+
+@triton.jit
 def _select_block(sb, cols, run, NE: tl.constexpr, KP: tl.constexpr, K: tl.constexpr, SELECT: tl.constexpr):
     """sb: (BN, BE) fp32 biased scores of experts `cols` (BE,); run: (BN, KP) uint64 running top-KP,
     descending (0 = empty). Returns the top-KP of both, descending."""
@@ -152,41 +164,27 @@ def _select_block(sb, cols, run, NE: tl.constexpr, KP: tl.constexpr, K: tl.const
         p = _pack(sb, cols[None, :], NE)
         p = tl.where(cols[None, :] < NE, p, tl.zeros_like(p))  # padding experts never win
         cand = tl.topk(p, KP, dim=1)  # (BN, KP) descending
-    elif SELECT == 2:
-        # SELECT 1 with the round count fixed once per block (the most candidates any row has, at most K)
-        # instead of a block-wide reduction (three barriers) per round.
+    else:
+        # Only scores above the running K-th can enter (ties: the block's indices are all higher, so
+        # they lose). Take row maxima (lowest index among equals), at most K rounds; only the K winners
+        # per row are packed. SELECT 1 runs rounds until no row has a candidate left (a block-wide test,
+        # three barriers, per round); SELECT 2 fixes the round count once per block (the most candidates
+        # any row has, at most K).
         kth_key = tl.max(tl.where(kcol == K - 1, run, tl.zeros_like(run)), axis=1)
         kth = tl.where(kth_key == 0, float("-inf"), _key_float((kth_key >> 32).to(tl.uint32)))
         ok = (sb > kth[:, None]) & (cols[None, :] < NE)
         sv = tl.where(ok, sb, float("-inf"))
-        rounds = tl.minimum(tl.max(tl.sum(ok.to(tl.int32), axis=1), axis=0), K)
         cand = tl.zeros_like(run)
         m = tl.max(sv, axis=1)
-        for j in range(rounds):
-            e = tl.min(tl.where(sv == m[:, None], cols[None, :], NE), axis=1)
-            key = _pack(m, e, NE)
-            key = tl.where(m > float("-inf"), key, tl.zeros_like(key))
-            cand = tl.where(kcol == j, key[:, None], cand)
-            sv = tl.where(cols[None, :] == e[:, None], float("-inf"), sv)
-            m = tl.max(sv, axis=1)
-    else:
-        # Only scores above the running K-th can enter (ties: the block's indices are all higher, so
-        # they lose). Take row maxima (lowest index among equals) until no row has a candidate left,
-        # at most K rounds; only the K winners per row are packed.
-        kth_key = tl.max(tl.where(kcol == K - 1, run, tl.zeros_like(run)), axis=1)
-        kth = tl.where(kth_key == 0, float("-inf"), _key_float((kth_key >> 32).to(tl.uint32)))
-        sv = tl.where((sb > kth[:, None]) & (cols[None, :] < NE), sb, float("-inf"))
-        cand = tl.zeros_like(run)
-        m = tl.max(sv, axis=1)
-        j = 0
-        while (j < K) & (tl.max(m, axis=0) > float("-inf")):
-            e = tl.min(tl.where(sv == m[:, None], cols[None, :], NE), axis=1)
-            key = _pack(m, e, NE)
-            key = tl.where(m > float("-inf"), key, tl.zeros_like(key))
-            cand = tl.where(kcol == j, key[:, None], cand)
-            sv = tl.where(cols[None, :] == e[:, None], float("-inf"), sv)
-            m = tl.max(sv, axis=1)
-            j += 1
+        if SELECT == 2:
+            rounds = tl.minimum(tl.max(tl.sum(ok.to(tl.int32), axis=1), axis=0), K)
+            for j in range(rounds):
+                sv, cand, m = _take_row_max(sv, m, cand, cols, kcol, j, NE)
+        else:
+            j = 0
+            while (j < K) & (tl.max(m, axis=0) > float("-inf")):
+                sv, cand, m = _take_row_max(sv, m, cand, cols, kcol, j, NE)
+                j += 1
     # bitonic merge of two descending lists: the pairwise max against the reversed candidates holds
     # the top-KP of the union; sort it back to descending order.
     return tl.sort(tl.maximum(run, tl.flip(cand, 1)), dim=1, descending=True)
