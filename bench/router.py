@@ -38,8 +38,9 @@ from bench import timing  # noqa: E402
 
 NH, DH = 8, 128
 AUTHORS_FB_MS = {128: 8.0, 256: 9.8, 512: 12.7, 1024: 17.8, 2048: 27.4}  # DESIGN §7, their router, H100
-FWD_TILES = [  # block_n, block_e, warps, stages, select
-    (64, 64, 4, 3, 1), (64, 128, 4, 3, 1), (128, 64, 8, 3, 1), (64, 128, 4, 3, 0), (128, 64, 4, 3, 1),
+FWD_TILES = [  # block_n, block_e, warps, stages, select[, row_tiles]
+    (64, 64, 4, 3, 2, 1), (64, 64, 4, 3, 2, 2), (64, 128, 4, 3, 2, 1), (64, 64, 4, 3, 1, 1), (128, 64, 8, 3, 2, 1),
+    (64, 128, 4, 3, 0, 1),
 ]
 BWD_TILES = [  # dx_block_n, dx_warps, dw_block, dw_sub, dw_warps
     (16, 4, 512, 64, 4), (32, 8, 512, 64, 4), (16, 4, 1024, 64, 8),
