@@ -75,11 +75,6 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
                     attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
-    if os.environ.get("KERNEL_REPORT_DUMP"):  # directory: write the TTGIR and SASS there
-        d = os.environ["KERNEL_REPORT_DUMP"]
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, fn.fn.__name__ + ".ttgir"), "w") as f:
-            f.write(compiled.asm["ttgir"])
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
@@ -89,9 +84,12 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
                               capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
-    if os.environ.get("KERNEL_REPORT_DUMP"):
-        with open(os.path.join(os.environ["KERNEL_REPORT_DUMP"], fn.fn.__name__ + ".sass"), "w") as f:
-            f.write(sass)
+    dump = os.environ.get("KERNEL_REPORT_DUMP")  # a directory: the TTGIR and SASS are written there
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for ext, text in (("ttgir", compiled.asm["ttgir"]), ("sass", sass)):
+            with open(os.path.join(dump, f"{fn.fn.__name__}.{ext}"), "w") as f:
+                f.write(text)
 
     def num(pattern: str) -> int:
         m = re.search(pattern, info)

@@ -97,6 +97,8 @@ def main() -> None:
     for kind, tiles in DEFAULT_TILES.items():
         ap.add_argument(f"--{kind}", nargs="*", default=tiles)
     args = ap.parse_args()
+    if args.pack_block is not None and (args.pack_block < 16 or args.pack_block & (args.pack_block - 1)):
+        ap.error(f"--pack-block={args.pack_block}: expected a power of 2 >= 16")
 
     import torch
     from triton.testing import do_bench

@@ -81,7 +81,8 @@ class RouterTiles(NamedTuple):
 
 
 def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
-    """Default tiles for NE experts and top-k (BLOCK_E shrinks for small NE, grows to fit KP)."""
+    """Default tiles for NE experts and top-k (BLOCK_E shrinks for small NE, grows to fit KP; two row tiles per
+    forward program at k <= 2 and NE > 128)."""
     t = RouterTiles()._replace(**overrides)
     kp = max(2, next_pow2(k))
     be = t.block_e or (128 if ne <= 128 else 64)  # H100 sweeps (bench/NOTES.md, Router; Layer, session 8)

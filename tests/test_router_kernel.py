@@ -161,8 +161,8 @@ def test_exact_ties_go_to_lower_index(select):
 
 @interp
 @pytest.mark.parametrize("select", [1, 2])
-def test_exact_ties_across_blocks_and_pairs(select):
-    """Experts e and e + Ne/2 identical (other column pairs, other blocks): the lower index still goes first."""
+def test_exact_ties_across_blocks(select):
+    """Experts e and e + Ne/2 identical (in other expert blocks): the lower index still goes first."""
     n, h, dh, ne, k = 19, 2, 16, 48, 7
     x, w, b = _inputs(11, n, h, dh, ne // 2)
     w, b = torch.cat([w, w], 2), torch.cat([b, b], 1)
