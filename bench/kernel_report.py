@@ -5,6 +5,7 @@ cuobjdump.
 
     python bench/kernel_report.py [--tiles fwd,128,32,4,3 dx,64,32,4,3 dwt,64,64,4,3] [--dh 128] [--de 256]
     python bench/kernel_report.py --tiles router,64,64,4,3,1 --ne 768 --k 8   # router fwd: bn,be,w,s,select[,row_tiles]
+    python bench/kernel_report.py --tiles fwd_ws --de 128   # the warp-specialised Gluon forward (fixed tile)
 
 Pointers are marked 16-byte divisible as the launchers' arguments are (without that mark the gathered
 row loads come out scalar and every tile spills). One JSON line per tile (`bench: kernel_report`).
@@ -62,24 +63,54 @@ def report_router(block_n: int, block_e: int, num_warps: int, num_stages: int, s
                 tile=[block_n, block_e, num_warps, num_stages, select, row_tiles], **rec)
 
 
+def _signature(fn, consts: dict, pointer_types: dict) -> tuple[dict, dict]:
+    """Signature (pointers typed, the rest constexpr) and 16-byte divisibility marks, as the launchers pass them."""
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {p: "constexpr" if p in consts else pointer_types.get(p, "*bf16") for p in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
+    return signature, attrs
+
+
 def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_types: dict | None = None) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     pointer_types = POINTER_TYPES if pointer_types is None else pointer_types
-    params = list(inspect.signature(fn.fn).parameters)
-    signature = {p: "constexpr" if p in consts else pointer_types.get(p, "*bf16") for p in params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
-    src = ASTSource(fn=fn, signature=signature, constexprs={p: consts[p] for p in params if p in consts},
+    signature, attrs = _signature(fn, consts, pointer_types)
+    src = ASTSource(fn=fn, signature=signature, constexprs={p: v for p, v in consts.items() if p in signature},
                     attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
+    return _ptxas_report(fn, compiled.asm["ptx"], compiled.asm["ttgir"], int(compiled.metadata.shared))
+
+
+def report_ws(dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128) -> dict:
+    """Compile the warp-specialised Gluon forward (kernels/gluon_experts.py) as the JAX binding does
+    (mhl_jax.ops.gluon_bridge) and read ptxas' report (registers: the kernel's launch limit, maxnreg)."""
+    from kernels.gluon_experts import WS_BLOCK_E, gluon_expert_fwd_ws_kernel, ws_constexprs
+    from mhl_jax.ops.gluon_bridge import compile_gluon
+
+    consts = ws_constexprs(k, dh, de, 8 * 384, 4096, pack_block)
+    signature, attrs = _signature(gluon_expert_fwd_ws_kernel, consts, POINTER_TYPES)
+    c = compile_gluon(gluon_expert_fwd_ws_kernel, signature, consts, attrs, num_warps=4)
+    rec = _ptxas_report(gluon_expert_fwd_ws_kernel, c["ptx"], c["ttgir"], int(c["shared"]))
+    rec["setmaxnreg"] = [int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", c["ptx"])]
+    rec["warp_specialized"] = "ttg.warp_specialize" in c["ttgir"]
+    rec["launch_warps"] = c["launch_warps"]  # all partitions' (the PTX requires exactly that many threads)
+    rec["reqntid"] = [int(v) for v in re.findall(r"\.reqntid (\d+)", c["ptx"])]
+    return dict(bench="kernel_report", kernel="fwd_ws", tile=[pack_block, WS_BLOCK_E, 12, de // WS_BLOCK_E],
+                params=dict(dh=dh, de=de, k=k, pack_block=pack_block), **rec)
+
+
+def _ptxas_report(fn, ptx_text: str, ttgir: str, shared: int) -> dict:
+    import triton
+
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
+            f.write(ptx_text)
         info = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
                               capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
@@ -87,7 +118,7 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
     dump = os.environ.get("KERNEL_REPORT_DUMP")  # a directory: the TTGIR and SASS are written there
     if dump:
         os.makedirs(dump, exist_ok=True)
-        for ext, text in (("ttgir", compiled.asm["ttgir"]), ("sass", sass)):
+        for ext, text in (("ttgir", ttgir), ("sass", sass)):
             with open(os.path.join(dump, f"{fn.fn.__name__}.{ext}"), "w") as f:
                 f.write(text)
 
@@ -96,7 +127,7 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
         return int(m.group(1)) if m else 0
 
     return dict(registers=num(r"Used (\d+) registers"), spill_store_bytes=num(r"(\d+) bytes spill stores"),
-                spill_load_bytes=num(r"(\d+) bytes spill loads"), shared_bytes=int(compiled.metadata.shared),
+                spill_load_bytes=num(r"(\d+) bytes spill loads"), shared_bytes=shared,
                 sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M)),
                 sass_counts={op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in COUNTED})
 
@@ -115,7 +146,9 @@ def main() -> None:
     rows = []
     for spec in args.tiles:
         kind, *nums = spec.split(",")
-        if kind == "router":
+        if kind == "fwd_ws":
+            rec = report_ws(dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block)
+        elif kind == "router":
             rec = report_router(*(int(v) for v in nums), dh=args.dh, ne=args.ne, k=args.k or 8)
         else:
             rec = report(kind, *(int(v) for v in nums), dh=args.dh, de=args.de, k=args.k or 4,

@@ -46,6 +46,8 @@ from dataclasses import dataclass, replace
 import triton
 import triton.language as tl
 
+from kernels.gluon_experts import ws_supported
+
 GELU_C = 0.7978845608028654  # sqrt(2 / pi)
 GELU_A = 0.044715
 
@@ -352,6 +354,9 @@ class ExpertsConfig:
     dw_form: str = "rows"
     packed_bwd: bool = False
     pack_impl: str = "argsort"
+    # the forward as the warp-specialised Gluon kernel (kernels/gluon_experts.py) where the JAX binding runs on a
+    # Hopper GPU and the shape is `gluon_experts.ws_supported`; elsewhere `fwd` (Triton) as before
+    fwd_ws: bool = False
 
     def check(self, dh: int, de: int) -> None:
         for t in (self.fwd, self.dx, self.dw):
@@ -412,7 +417,10 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     fused = Tile(64, 128, 8, 3) if fused_bwd else None  # (fit clamps the rows to the packing block)
     if pack >= 128:  # measured on H100 at 81920 tokens, Ne 384, de 256 (bench/NOTES.md)
         dw = fused or (Tile(64, 64, 4, 3) if form == "t" else Tile(128, 64, 8, 2))
-        return ExpertsConfig(pack, Tile(128, 32, 4, 3), dx, dw, dw_form=form, pack_impl=pack_impl).fit(de)
+        # warp-specialised Gluon forward: H100 2026-11-24, kernel alone at 81920 tokens, 0.88 vs 1.05 ms (Ne 384,
+        # de 256) ... 1.16 vs 1.52 (Ne 768, de 128, k 8); bench/gluon_fwd.py
+        return ExpertsConfig(pack, Tile(128, 32, 4, 3), dx, dw, dw_form=form, pack_impl=pack_impl,
+                             fwd_ws=measured and ws_supported(dh, de, pack)).fit(de)
     bm = pack
     return ExpertsConfig(
         pack_block=pack,

@@ -108,7 +108,7 @@ def test_profile_stalls_reads_ncu_csv():
 
 @pytest.mark.parametrize("ne,k,de,dw_spill", [(384, 4, 256, 64), (768, 8, 128, 512)])
 def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k, de, dw_spill):
-    """bench/kernel_report.py compiles the three expert kernels at their 81920-token default tiles for sm_90a
+    """bench/kernel_report.py compiles the expert kernels at their 81920-token default tiles for sm_90a
     with the Triton wheel's ptxas (no GPU): wgmma (HGMMA) is used, and the registers hold the tiles (the
     fwd and dX kernels spill nothing, the dW kernel at most a few words; 2026-11-24: 0 / 0 / 24 bytes at de 256;
     at de 128 the dW kernel is the fused backward with the gate gradients: 296 bytes)."""
@@ -122,6 +122,8 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
     cfg = default_config(81920 * 8 * k, 8 * ne, 128, de)
     tiles = [f"{kind},{t.block_m},{t.block_e},{t.num_warps},{t.num_stages}"
              for kind, t in (("fwd", cfg.fwd), ("dx", cfg.dx), ("dwt", cfg.dw))]
+    assert cfg.fwd_ws  # these shapes run the warp-specialised Gluon forward on Hopper (the Triton one elsewhere)
+    tiles.append("fwd_ws")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
     # a cache folder of its own (importing jax-triton elsewhere in this process may have set it to "")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
@@ -131,8 +133,15 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     recs = {r["kernel"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(recs) == {"fwd", "dx", "dwt"}
+    assert set(recs) == {"fwd", "dx", "dwt", "fwd_ws"}
     for r in recs.values():
         assert r["sass_counts"]["HGMMA"] > 0 and r["registers"] <= 255, r
     assert recs["fwd"]["spill_store_bytes"] == 0 and recs["dx"]["spill_store_bytes"] == 0, recs
+    # the Gluon forward as the JAX binding compiles it (mhl_jax.ops.gluon_bridge): three warp groups under the
+    # launch limit of 168 registers, the consumers raised to 208 and the producer lowered to 88, no spill
+    ws = recs["fwd_ws"]
+    assert ws["warp_specialized"] and ws["registers"] <= 168 and ws["spill_store_bytes"] == 0, ws
+    assert 208 in ws["setmaxnreg"] and 88 in ws["setmaxnreg"], ws["setmaxnreg"]
+    # launched with all three warp groups: the PTX requires exactly 384 threads (jax-triton alone would launch 128)
+    assert ws["launch_warps"] == 12 and ws["reqntid"] == [384], ws
     assert recs["dwt"]["spill_store_bytes"] <= dw_spill, recs["dwt"]

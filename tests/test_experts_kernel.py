@@ -226,7 +226,7 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de):
     ("new", 256, True, 16), ("new", 128, False, 16), ("new_packed", 128, True, 16), ("default", 256, True, 16),
     # de = 128: the fused backward at packing blocks 128, 64 (Ne 128) and 32 (Ne 512), and the split one
     ("default", 128, True, 16), ("default", 128, False, 128), ("default", 128, True, 512),
-    ("split_bwd", 128, True, 16)])
+    ("split_bwd", 128, True, 16), ("triton_fwd", 256, True, 16)])
 def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne):
     """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
     rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all
@@ -274,3 +274,54 @@ def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne):
         assert rel(got[i], base[i]) < 1e-2, (name, rel(got[i], base[i]))
     for i in (3, 4):
         assert np.array_equal(np.asarray(got[i]), np.asarray(again[i]))
+
+
+def test_ws_forward_shapes_checked_and_chosen():
+    """The warp-specialised Gluon forward takes dh 128, de 128 / 256 and 128-row packing blocks; anything else
+    gets a clear error from its launch arguments, and default_config turns it on exactly there."""
+    from kernels.experts import default_config
+    from kernels.gluon_experts import ws_constexprs, ws_supported
+
+    assert ws_constexprs(4, 128, 256, 3072, 100, 128)["NS"] == 4
+    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["NS"] == 2
+    for dh, de, pack in ((128, 512, 128), (256, 256, 128), (128, 256, 64)):
+        assert not ws_supported(dh, de, pack)
+        with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
+            ws_constexprs(4, dh, de, 64, 10, pack)
+    assert default_config(81920 * 8 * 4, 8 * 384, 128, 256).fwd_ws  # 128-row packing blocks
+    assert not default_config(8192 * 8 * 4, 8 * 384, 128, 256).fwd_ws  # 64-row packing blocks
+    assert not default_config(81920 * 8 * 4, 8 * 384, 128, 512).fwd_ws
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("de", [256, 128])
+@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
+@pytest.mark.parametrize("programs", [None, 3], ids=["one_per_sm", "three"])
+def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
+    """The warp-specialised Gluon forward (torch launcher) against the Triton forward on the same packing: the
+    same output rows bit for bit (same products in the same order: fp32 S over dh in k16 steps, the same gelu
+    FMAs, A rounded to bf16, A W2 accumulated over de in order), padding rows zero in a NaN-poisoned output,
+    and within bf16 rounding of the float64 reference. Three programs: ~100 blocks each, so the producer's
+    weight reuse across a group's blocks and its reloads at group changes both run many times."""
+    from kernels.experts import default_config
+    from kernels.gluon_experts import gluon_experts_fwd_ws
+
+    n, h, k, ne, dh = 2048, 4, 4, 16, 128
+    x, idx, gates, w1, w2 = (t.cuda() for t in _inputs(1, n, h, k, ne, dh, de, skew))
+    x = x.reshape(n * h, dh).bfloat16()
+    w1, w2 = w1.reshape(h * ne, dh, de).bfloat16(), w2.reshape(h * ne, de, dh).bfloat16()
+    cfg = default_config(n * h * k, h * ne, dh, de)
+    assert cfg.pack_block == 128 and cfg.fwd_ws
+    pk = pack_torch(idx, ne, cfg.pack_block)
+    ref = experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg)
+    out = torch.full_like(ref, float("nan"))
+    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, ref)
+    assert (out[pk.row_slot < 0] == 0).all()
+    valid = pk.row_slot >= 0
+    rows = x.double()[pk.row_slot[valid].long() // k]
+    g = (torch.arange(h, device="cuda").view(1, h, 1) * ne + idx.long()).reshape(-1)[pk.row_slot[valid].long()]
+    f64 = torch.einsum("re,red->rd", torch.nn.functional.gelu(
+        torch.einsum("rd,rde->re", rows, w1.double()[g]), approximate="tanh"), w2.double()[g])
+    assert _rel(out[valid], f64) < 1e-2

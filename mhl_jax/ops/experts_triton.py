@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.experts import ExpertsConfig, Tile, default_config, dgates_in_kernels
+from mhl_jax.ops import gluon_bridge
 from mhl_jax.ops import packing as pk
 from mhl_jax.ops.kernels_select import import_jax_triton
 
@@ -53,7 +54,8 @@ class Static(NamedTuple):
 
 # ------------------------------------------------------------------------------ variants (benchmarks)
 
-VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd", "fused_bwd16")
+VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd", "fused_bwd16",
+            "triton_fwd")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -66,13 +68,17 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     afternoon of 2026-11-23 at packing block 64 up to COUNT_SORT_MAX_SLOTS slots); "tpack" = "default"
     with the Triton packing kernels (kernels/packing.py), i.e. "default" itself at blocks >= 64 since the
     evening of 2026-11-23; "split_bwd" = "default" with separate dX and dW kernels where the default fuses
-    them (de = 128, the default until 2026-11-24); "fused_bwd16" = the fused one down to packing block 16."""
+    them (de = 128, the default until 2026-11-24); "fused_bwd16" = the fused one down to packing block 16;
+    "triton_fwd" = "default" with the Triton forward where the default runs the warp-specialised Gluon one (the
+    default until the last session of 2026-11-24)."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name in ("split_bwd", "fused_bwd16"):
         return default_config(num_slots, num_groups, dh, de, fuse_bwd=name != "split_bwd", fuse_min_pack=16)
-    if name in ("default", "tpack"):
+    if name in ("default", "tpack", "triton_fwd"):
         cfg = default_config(num_slots, num_groups, dh, de)
+        if name == "triton_fwd":
+            return replace(cfg, fwd_ws=False)
         return replace(cfg, pack_impl="triton") if name == "tpack" else cfg
     cfg = default_config(num_slots, num_groups, dh, de, dw_form="rows")
     if name in ("t", "t_packed", "new", "new_packed"):
@@ -89,12 +95,42 @@ def _opts(dtype) -> dict:
     return dict(FAST_TANH=True, PRECISION="ieee" if dtype == jnp.float32 else "tf32")
 
 
+@functools.cache
+def _hopper_sms() -> int:
+    """The SM count of the first GPU if it is a Hopper (compute capability 9.x), else 0."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9"):
+        return 0
+    return int(getattr(dev, "core_count", 0) or 132)
+
+
+def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2):
+    """The warp-specialised forward (kernels/gluon_experts.py): persistent, one program per SM."""
+    jt = import_jax_triton()
+    gluon_bridge.install(jt)
+
+    from kernels.gluon_experts import gluon_expert_fwd_ws_kernel, ws_constexprs
+
+    p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
+    nb = p // st.cfg.pack_block
+    return jt.triton_call(
+        xs, meta.row_slot, meta.block_group, meta.group_block_start, meta.group_nblocks, w1, w2,
+        kernel=gluon_expert_fwd_ws_kernel, out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype),
+        grid=(min(_hopper_sms(), nb),), num_warps=4, num_stages=1,
+        **ws_constexprs(st.k, dh, de, g, nb, st.cfg.pack_block))
+
+
 def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
+    from kernels.gluon_experts import ws_supported
+
+    p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
+    if (st.cfg.fwd_ws and xs.dtype == jnp.bfloat16 and ws_supported(dh, de, st.cfg.pack_block)
+            and _hopper_sms()):
+        return _fwd_gluon(st, xs, meta, w1, w2)
     jt = import_jax_triton()
 
     from kernels.experts import expert_fwd_kernel
 
-    p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
     t = st.cfg.fwd
     return jt.triton_call(
         xs, meta.row_slot, meta.block_group, w1, w2, kernel=expert_fwd_kernel,
