@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
-from kernels.gluon_experts import _copy_layout, _ws_copy_rows  # noqa: E402
+from kernels.gluon_experts import _copy_layout, _wgmma_layout, _ws_copy_rows  # noqa: E402
 
 
 @gluon.jit
@@ -107,10 +107,8 @@ def _dx_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
     HALF: gl.constexpr = BLOCK_M // 2
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, BLOCK_E, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, DH, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_E, NW)
+    o_layout: gl.constexpr = _wgmma_layout(DH, NW)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     sm = gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     ls: gl.constexpr = _copy_layout(DH, NW)

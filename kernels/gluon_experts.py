@@ -50,6 +50,12 @@ def _gelu(h, FAST_TANH: gl.constexpr):
 
 
 @gluon.constexpr_function
+def _wgmma_layout(n, num_warps):
+    """Accumulator layout of (rows, n) wgmma products of one warp group's warps (m16 x n x k16 instructions)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
 def _copy_layout(cols, num_warps):
     """A blocked register layout for cp.async of a row-major (rows, cols) 16-bit tile: 16-byte vectors."""
     tpc = min(32, cols // 8)
@@ -126,10 +132,8 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
     HALF: gl.constexpr = BLOCK_M // 2
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, BLOCK_E, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, DH, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_E, NW)
+    o_layout: gl.constexpr = _wgmma_layout(DH, NW)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     om = gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
     ls: gl.constexpr = _copy_layout(DH, NW)
