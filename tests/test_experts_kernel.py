@@ -325,3 +325,17 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
     f64 = torch.einsum("re,red->rd", torch.nn.functional.gelu(
         torch.einsum("rd,rde->re", rows, w1.double()[g]), approximate="tanh"), w2.double()[g])
     assert _rel(out[valid], f64) < 1e-2
+
+
+
+def test_gluon_bridge_routes_jax_triton_compile_and_launch():
+    """`gluon_bridge.install` on a stand-in for jax-triton's internals with the real Triton compiler behind it
+    (tests/gluon_bridge_check.py, in a process of its own: kernels compiled, not interpreted)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, os.path.join(root, "tests", "gluon_bridge_check.py")], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), (p.stdout[-2000:], p.stderr[-3000:])

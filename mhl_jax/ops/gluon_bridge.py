@@ -61,11 +61,19 @@ class _GluonStages:
         return self._backend.gluon_to_ttgir(mod, metadata, options, capability)
 
 
+HOOKS = ("code_gen", "compile_ttir_inplace", "triton_kernel_call_lib")  # jax_triton.triton_lib names it replaces
+
+
 def install(jt: ModuleType) -> None:
-    """Let `jt.triton_call` (jax_triton, imported) run Gluon kernels. Idempotent."""
+    """Let `jt.triton_call` (jax_triton, imported) run Gluon kernels. Idempotent. Raises RuntimeError (naming
+    the jax-triton version) if its internals are not the ones this bridge was written against (0.3.1)."""
     lib = jt.triton_lib
     if getattr(lib, "_mhl_gluon_bridge", False):
         return
+    missing = [name for name in HOOKS if not hasattr(lib, name)]
+    if missing:
+        raise RuntimeError(f"mhl_jax.ops.gluon_bridge: jax-triton {getattr(jt, '__version__', '?')} has no "
+                           f"triton_lib.{', '.join(missing)}; the Gluon bridge was written for jax-triton 0.3.1")
     from triton.backends.compiler import GPUTarget
 
     code_gen, compile_ttir, call_lib = lib.code_gen, lib.compile_ttir_inplace, lib.triton_kernel_call_lib
