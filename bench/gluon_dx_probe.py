@@ -35,17 +35,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
-from kernels.gluon_experts import _copy_layout, _wgmma_layout, _ws_copy_rows  # noqa: E402
+from kernels.gluon_experts import (  # noqa: E402
+    _copy_layout,
+    _store_rows,
+    _tanh,
+    _wgmma_layout,
+    _ws_barriers,
+    _ws_load_chunk,
+    _ws_range,
+    _zero_blocks,
+)
 
 
 @gluon.jit
 def _gelu_and_grad(h, FAST_TANH: gl.constexpr):
+    """(gelu(h), gelu'(h)): the arithmetic of `kernels.experts._gelu_and_grad`."""
     h2 = h * h
-    u = h * gl.fma(h2, 0.7978845608028654 * 0.044715, 0.7978845608028654)
-    if FAST_TANH:
-        t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=gl.float32, is_pure=True, pack=1)
-    else:
-        t = 2.0 / (1.0 + gl.exp(-2.0 * u)) - 1.0
+    t = _tanh(h * gl.fma(h2, 0.7978845608028654 * 0.044715, 0.7978845608028654), FAST_TANH)
     hh = 0.5 * h
     act = gl.fma(hh, t, hh)
     du = gl.fma(h2, 3.0 * 0.7978845608028654 * 0.044715, 0.7978845608028654)
@@ -83,17 +89,8 @@ def _dx_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
                                                    dy_ptr + src[:, None] * DH + cc[None, :])
         async_copy.mbarrier_arrive(xd_ready.index(xb), increment_count=False)
         for j in gl.static_range(N):
-            q = t * N + j
-            sl = q % NS
-            mbarrier.wait(w_empty.index(sl), ((q // NS) & 1) ^ 1)
-            if NS == N and g == g_prev:
-                mbarrier.arrive(w_ready.index(sl), count=PW * 32)
-            else:
-                fence_async_shared()
-                _ws_copy_rows(w1_smem.index(sl), w1_ptr + g * (DH * DE) + j * BLOCK_E, DH, BLOCK_E, DE, 32, PW)
-                _ws_copy_rows(w2_smem.index(sl), w2_ptr + g * (DE * DH) + j * BLOCK_E * DH, BLOCK_E, DH, DH,
-                              min(BLOCK_E, 32), PW)
-                async_copy.mbarrier_arrive(w_ready.index(sl), increment_count=False)
+            _ws_load_chunk(w1_smem, w2_smem, w_ready, w_empty, w1_ptr, w2_ptr, g, g == g_prev, j, t * N + j, DH, DE,
+                           BLOCK_E, NS, PW)
         g_prev = g
 
 
@@ -111,8 +108,6 @@ def _dx_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
     o_layout: gl.constexpr = _wgmma_layout(DH, NW)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     sm = gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-    ls: gl.constexpr = _copy_layout(DH, NW)
-    ds = gl.arange(0, DH, layout=gl.SliceLayout(0, ls))
     s_zero = gl.zeros((HALF, BLOCK_E), gl.float32, s_layout)
     for t in range(end - start):
         b = start + t
@@ -148,12 +143,8 @@ def _dx_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
         mbarrier.arrive(w_empty.index((t * N + N - 1) % NS))
         dgate = gl.where(valid, gsum, 0.0)
         gl.store(dgate_ptr + rows, dgate)
-        out = acc
         validf = gl.convert_layout(valid, gl.SliceLayout(1, o_layout))
-        out = gl.where(validf[:, None], out, 0.0).to(dx_ptr.dtype.element_ty)
-        out = gl.convert_layout(out, ls)
-        rows_s = gl.convert_layout(rows, gl.SliceLayout(1, ls))
-        gl.store(dx_ptr + rows_s[:, None] * DH + ds[None, :], out)
+        _store_rows(dx_ptr, rows, gl.where(validf[:, None], acc, 0.0).to(dx_ptr.dtype.element_ty), DH, NW)
 
 
 @gluon.jit
@@ -168,40 +159,26 @@ def gluon_expert_dx_ws_kernel(
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     rows_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt)
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    used = gl.load(group_block_start_ptr + (G - 1)) + gl.load(group_nblocks_ptr + (G - 1))
-    start = pid * used // nprog
-    end = (pid + 1) * used // nprog
+    used, start, end = _ws_range(group_block_start_ptr, group_nblocks_ptr, G)
     x_smem = gl.allocate_shared_memory(cdt, [XB, BLOCK_M, DH], rows_layout)
     dy_smem = gl.allocate_shared_memory(cdt, [XB, BLOCK_M, DH], rows_layout)
     w1_smem = gl.allocate_shared_memory(cdt, [NS, DH, BLOCK_E],
                                         gl.NVMMASharedLayout.get_default_for([DH, BLOCK_E], cdt))
     w2_smem = gl.allocate_shared_memory(cdt, [NS, BLOCK_E, DH],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_E, DH], cdt))
-    xd_ready = gl.allocate_shared_memory(gl.int64, [XB, 1], mbarrier.MBarrierLayout())
-    xd_empty = gl.allocate_shared_memory(gl.int64, [XB, 1], mbarrier.MBarrierLayout())
-    w_ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    w_empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(XB):
-        mbarrier.init(xd_ready.index(i), count=NW * 32)
-        mbarrier.init(xd_empty.index(i), count=2)
-    for i in gl.static_range(NS):
-        mbarrier.init(w_ready.index(i), count=NW * 32)
-        mbarrier.init(w_empty.index(i), count=2)
+    xd_ready, xd_empty = _ws_barriers(XB, NW * 32)
+    w_ready, w_empty = _ws_barriers(NS, NW * 32)
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, dx_ptr, dgate_ptr, x_smem,
             dy_smem, w1_smem, w2_smem, xd_ready, xd_empty, w_ready, w_empty, start, end)
     gl.warp_specialize([(_dx_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, FAST_TANH, NS, XB, 0)),
                         (_dx_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, FAST_TANH, NS, XB, 1)),
                         (_dx_producer, (args, K, DH, DE, BLOCK_M, BLOCK_E, FAST_TANH, NS, XB, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-    lz: gl.constexpr = _copy_layout(DH, NW)
-    zr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lz))
-    zc = gl.arange(0, DH, layout=gl.SliceLayout(0, lz))
-    for b in range(used + pid, NUM_BLOCKS, nprog):
-        rows = b.to(gl.int64) * BLOCK_M + zr
-        gl.store(dx_ptr + rows[:, None] * DH + zc[None, :], gl.zeros((BLOCK_M, DH), dx_ptr.dtype.element_ty, lz))
-        gl.store(dgate_ptr + rows, gl.zeros((BLOCK_M,), gl.float32, gl.SliceLayout(1, lz)))
+    _zero_blocks(dx_ptr, used, NUM_BLOCKS, BLOCK_M, DH, NW)
+    zl: gl.constexpr = gl.SliceLayout(1, _copy_layout(DH, NW))
+    zr = gl.arange(0, BLOCK_M, layout=zl)
+    for b in range(used + gl.program_id(0), NUM_BLOCKS, gl.num_programs(0)):
+        gl.store(dgate_ptr + b.to(gl.int64) * BLOCK_M + zr, gl.zeros((BLOCK_M,), gl.float32, zl))
 
 
 gluon_expert_dx_ws_kernel.mhl_compile_options = {"maxnreg": 168}
@@ -227,8 +204,7 @@ def probe_shape(tokens: int, ne: int, k: int, de: int, nh: int = 8, dh: int = 12
     import torch
     from triton.testing import do_bench
 
-    from bench.gluon_fwd import rotating
-    from bench.kernel_tiles import expert_weights, input_set
+    from bench.kernel_tiles import expert_weights, input_set, rotating
     from kernels.experts import default_config
     from kernels.torch_experts import experts_dx
 

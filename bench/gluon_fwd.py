@@ -18,21 +18,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.kernel_tiles import expert_weights, input_set  # noqa: E402
+from bench.kernel_tiles import expert_weights, input_set, rotating  # noqa: E402
 from bench.timing import emit  # noqa: E402
 
 SHAPES = ["81920/384/4/256", "81920/768/8/128", "81920/768/4/256", "81920/1536/8/128"]
-
-
-def rotating(fn, sets: list):
-    """A no-argument callable for do_bench that runs fn on the next input set each call."""
-    state = {"i": 0}
-
-    def step():
-        state["i"] += 1
-        fn(sets[state["i"] % len(sets)])
-
-    return step
 
 
 def run_shape(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,

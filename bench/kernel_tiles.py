@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import sys
 
@@ -74,13 +75,13 @@ def expert_weights(ne: int, de: int, g, nh: int = 8, dh: int = 128):
     return w1, w2
 
 
-def rotating(kind: str, cfg, sets: list, w1, w2, k: int):
-    """A no-argument callable for do_bench that launches on the next input set each call."""
+def rotating(fn, sets: list):
+    """A no-argument callable for do_bench that runs fn on the next input set each call."""
     state = {"i": 0}
 
     def step():
         state["i"] += 1
-        launch(kind, cfg, sets[state["i"] % len(sets)], w1, w2, k)
+        fn(sets[state["i"] % len(sets)])
 
     return step
 
@@ -135,8 +136,8 @@ def main() -> None:
                                            for a, b in zip(outs, first)]
                     if args.once:
                         continue
-                    rec["ms"] = float(do_bench(rotating(kind, cfg, sets, w1, w2, k), warmup=25,
-                                               rep=200, return_mode="median"))
+                    step = rotating(functools.partial(launch, kind, cfg, w1=w1, w2=w2, k=k), sets)
+                    rec["ms"] = float(do_bench(step, warmup=25, rep=200, return_mode="median"))
                     rec["tflops"] = UNITS[kind] * 2 * rows_total * dh * de / rec["ms"] / 1e9
                 except Exception as e:
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"

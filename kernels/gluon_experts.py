@@ -37,14 +37,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
-def _gelu(h, FAST_TANH: gl.constexpr):
-    """tanh-approximate gelu of fp32 h, the arithmetic of `kernels.experts._gelu`."""
-    u = h * gl.fma(h * h, 0.7978845608028654 * 0.044715, 0.7978845608028654)
+def _tanh(u, FAST_TANH: gl.constexpr):
+    """tanh of fp32 u: the single `tanh.approx.f32` instruction, or the sigmoid form (`kernels.experts._tanh`)."""
     if FAST_TANH:
         t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=gl.float32, is_pure=True,
                                       pack=1)
     else:
         t = 2.0 / (1.0 + gl.exp(-2.0 * u)) - 1.0
+    return t
+
+
+@gluon.jit
+def _gelu(h, FAST_TANH: gl.constexpr):
+    """tanh-approximate gelu of fp32 h, the arithmetic of `kernels.experts._gelu`."""
+    t = _tanh(h * gl.fma(h * h, 0.7978845608028654 * 0.044715, 0.7978845608028654), FAST_TANH)
     hh = 0.5 * h
     return gl.fma(hh, t, hh)
 
@@ -73,6 +79,66 @@ def _ws_copy_rows(smem, base, ROWS: gl.constexpr, COLS: gl.constexpr, STRIDE: gl
     for r0 in gl.static_range(0, ROWS, PASS):
         async_copy.async_copy_global_to_shared(smem.slice(r0, PASS, dim=0),
                                                base + (r0 + r)[:, None] * STRIDE + c[None, :])
+
+
+@gluon.jit
+def _ws_range(group_block_start_ptr, group_nblocks_ptr, G: gl.constexpr):
+    """(U, start, end): the row blocks in use (after the last group's) and this program's share of them."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    used = gl.load(group_block_start_ptr + (G - 1)) + gl.load(group_nblocks_ptr + (G - 1))
+    return used, pid * used // nprog, (pid + 1) * used // nprog
+
+
+@gluon.jit
+def _zero_blocks(ptr, used, NUM_BLOCKS: gl.constexpr, BLOCK_M: gl.constexpr, DH: gl.constexpr, NW: gl.constexpr):
+    """Zero rows (BLOCK_M, DH) of the blocks made only of padding (after the U in use), strided over programs."""
+    lz: gl.constexpr = _copy_layout(DH, NW)
+    zr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lz))
+    zc = gl.arange(0, DH, layout=gl.SliceLayout(0, lz))
+    for b in range(used + gl.program_id(0), NUM_BLOCKS, gl.num_programs(0)):
+        rows = b.to(gl.int64) * BLOCK_M + zr
+        gl.store(ptr + rows[:, None] * DH + zc[None, :], gl.zeros((BLOCK_M, DH), ptr.dtype.element_ty, lz))
+
+
+@gluon.jit
+def _ws_barriers(N: gl.constexpr, READY: gl.constexpr):
+    """N (ready, empty) mbarrier pairs: ready completes after READY arrivals (one per producer thread, by
+    cp.async), empty after one arrival per consumer (2)."""
+    ready = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(N):
+        mbarrier.init(ready.index(i), count=READY)
+        mbarrier.init(empty.index(i), count=2)
+    return ready, empty
+
+
+@gluon.jit
+def _ws_load_chunk(w1_smem, w2_smem, w_ready, w_empty, w1_ptr, w2_ptr, g, reuse, j: gl.constexpr, q,
+                   DH: gl.constexpr, DE: gl.constexpr, BLOCK_E: gl.constexpr, NS: gl.constexpr, PW: gl.constexpr):
+    """Producer: chunk j of group g (the q-th ring use) into slot q % NS once the consumers freed it. With
+    NS == DE / BLOCK_E the slot already holds chunk j; when `reuse` (same group as the block before) it is
+    handed over again without a copy."""
+    s = q % NS
+    mbarrier.wait(w_empty.index(s), ((q // NS) & 1) ^ 1)
+    if NS == DE // BLOCK_E and reuse:
+        mbarrier.arrive(w_ready.index(s), count=PW * 32)
+    else:
+        fence_async_shared()
+        _ws_copy_rows(w1_smem.index(s), w1_ptr + g * (DH * DE) + j * BLOCK_E, DH, BLOCK_E, DE, 32, PW)
+        _ws_copy_rows(w2_smem.index(s), w2_ptr + g * (DE * DH) + j * BLOCK_E * DH, BLOCK_E, DH, DH,
+                      min(BLOCK_E, 32), PW)
+        async_copy.mbarrier_arrive(w_ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _store_rows(ptr, rows, vals, DH: gl.constexpr, NW: gl.constexpr):
+    """Store vals (rows, DH) at ptr + rows * DH as 16-byte vectors, whole 32-byte sectors (stored from the wgmma
+    layout they go out as 4-byte pairs: half sectors, twice the L2 writes)."""
+    ls: gl.constexpr = _copy_layout(DH, NW)
+    cols = gl.arange(0, DH, layout=gl.SliceLayout(0, ls))
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, ls))
+    gl.store(ptr + rows[:, None] * DH + cols[None, :], gl.convert_layout(vals, ls))
 
 
 @gluon.jit
@@ -105,18 +171,8 @@ def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
         async_copy.async_copy_global_to_shared(x_smem.index(xb), x_ptr + src[:, None] * DH + cc[None, :])
         async_copy.mbarrier_arrive(x_ready.index(xb), increment_count=False)
         for j in gl.static_range(N):
-            q = t * N + j
-            s = q % NS
-            mbarrier.wait(w_empty.index(s), ((q // NS) & 1) ^ 1)
-            if NS == N and g == g_prev:  # slot j already holds chunk j of this group: hand it over again
-                mbarrier.arrive(w_ready.index(s), count=PW * 32)
-            else:
-                fence_async_shared()
-                _ws_copy_rows(w1_smem.index(s), w1_ptr + g * (DH * DE) + j * BLOCK_E, DH, BLOCK_E, DE, 32,
-                              PW)
-                _ws_copy_rows(w2_smem.index(s), w2_ptr + g * (DE * DH) + j * BLOCK_E * DH, BLOCK_E, DH, DH,
-                              min(BLOCK_E, 32), PW)
-                async_copy.mbarrier_arrive(w_ready.index(s), increment_count=False)
+            _ws_load_chunk(w1_smem, w2_smem, w_ready, w_empty, w1_ptr, w2_ptr, g, g == g_prev, j, t * N + j, DH, DE,
+                           BLOCK_E, NS, PW)
         g_prev = g
 
 
@@ -136,8 +192,6 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
     o_layout: gl.constexpr = _wgmma_layout(DH, NW)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     om = gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
-    ls: gl.constexpr = _copy_layout(DH, NW)
-    ds = gl.arange(0, DH, layout=gl.SliceLayout(0, ls))
     s_zero = gl.zeros((HALF, BLOCK_E), gl.float32, s_layout)
     for t in range(end - start):
         b = start + t
@@ -170,11 +224,7 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
             mbarrier.arrive(w_empty.index((q0 + N - 2) % NS))
         mbarrier.arrive(w_empty.index((q0 + N - 1) % NS))
         mbarrier.arrive(x_empty.index(xb))
-        out = gl.where(valid[:, None], acc, 0.0).to(out_ptr.dtype.element_ty)
-        # whole 32-byte sectors per store (the MMA layout writes 4-byte pairs: half sectors, twice the L2 writes)
-        out = gl.convert_layout(out, ls)
-        rows_s = gl.convert_layout(rows, gl.SliceLayout(1, ls))
-        gl.store(out_ptr + rows_s[:, None] * DH + ds[None, :], out)
+        _store_rows(out_ptr, rows, gl.where(valid[:, None], acc, 0.0).to(out_ptr.dtype.element_ty), DH, NW)
 
 
 @gluon.jit
@@ -194,11 +244,7 @@ def gluon_expert_fwd_ws_kernel(
     gl.static_assert(NS >= 3 or NS == DE // BLOCK_E,
                      "NS: a consumer holds two ring slots (chunks j, j + 1) while it waits to release chunk j - 1")
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    used = gl.load(group_block_start_ptr + (G - 1)) + gl.load(group_nblocks_ptr + (G - 1))
-    start = pid * used // nprog
-    end = (pid + 1) * used // nprog
+    used, start, end = _ws_range(group_block_start_ptr, group_nblocks_ptr, G)
 
     x_smem = gl.allocate_shared_memory(cdt, [2, BLOCK_M, DH], gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH],
                                                                                                   cdt))
@@ -206,28 +252,15 @@ def gluon_expert_fwd_ws_kernel(
                                                                                                     cdt))
     w2_smem = gl.allocate_shared_memory(cdt, [NS, BLOCK_E, DH], gl.NVMMASharedLayout.get_default_for([BLOCK_E, DH],
                                                                                                     cdt))
-    x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    w_ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    w_empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(x_ready.index(i), count=NW * 32)  # one cp.async arrival per producer thread (4 warps)
-        mbarrier.init(x_empty.index(i), count=2)  # one arrival per consumer
-    for i in gl.static_range(NS):
-        mbarrier.init(w_ready.index(i), count=NW * 32)
-        mbarrier.init(w_empty.index(i), count=2)
+    x_ready, x_empty = _ws_barriers(2, NW * 32)  # the producer warp group has NW warps too
+    w_ready, w_empty = _ws_barriers(NS, NW * 32)
     args = (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready,
             x_empty, w_ready, w_empty, start, end)
     gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0)),
                         (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1)),
                         (_ws_producer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-    lz: gl.constexpr = _copy_layout(DH, NW)
-    zr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lz))
-    zc = gl.arange(0, DH, layout=gl.SliceLayout(0, lz))
-    for b in range(used + pid, NUM_BLOCKS, nprog):  # blocks made only of padding
-        rows = b.to(gl.int64) * BLOCK_M + zr
-        gl.store(out_ptr + rows[:, None] * DH + zc[None, :], gl.zeros((BLOCK_M, DH), out_ptr.dtype.element_ty, lz))
+    _zero_blocks(out_ptr, used, NUM_BLOCKS, BLOCK_M, DH, NW)
 
 
 WS_BLOCK_E = 64  # de chunk; NS = DE / WS_BLOCK_E ring slots (2 or 4: every slot keeps its chunk)
