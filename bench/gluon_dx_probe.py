@@ -37,26 +37,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 
 from kernels.gluon_experts import (  # noqa: E402
     _copy_layout,
+    _gelu_and_grad,
     _store_rows,
-    _tanh,
     _wgmma_layout,
     _ws_barriers,
     _ws_load_chunk,
     _ws_range,
     _zero_blocks,
 )
-
-
-@gluon.jit
-def _gelu_and_grad(h, FAST_TANH: gl.constexpr):
-    """(gelu(h), gelu'(h)): the arithmetic of `kernels.experts._gelu_and_grad`."""
-    h2 = h * h
-    t = _tanh(h * gl.fma(h2, 0.7978845608028654 * 0.044715, 0.7978845608028654), FAST_TANH)
-    hh = 0.5 * h
-    act = gl.fma(hh, t, hh)
-    du = gl.fma(h2, 3.0 * 0.7978845608028654 * 0.044715, 0.7978845608028654)
-    grad = gl.fma(hh * gl.fma(-t, t, 1.0), du, gl.fma(t, 0.5, 0.5))
-    return act, grad
 
 
 @gluon.jit

@@ -6,6 +6,7 @@ cuobjdump.
     python bench/kernel_report.py [--tiles fwd,128,32,4,3 dx,64,32,4,3 dwt,64,64,4,3] [--dh 128] [--de 256]
     python bench/kernel_report.py --tiles router,64,64,4,3,1 --ne 768 --k 8   # router fwd: bn,be,w,s,select[,row_tiles]
     python bench/kernel_report.py --tiles fwd_ws --de 128   # the warp-specialised Gluon forward (fixed tile)
+    python bench/kernel_report.py --tiles dw_ws             # the warp-specialised Gluon weight gradients
 
 Pointers are marked 16-byte divisible as the launchers' arguments are (without that mark the gathered
 row loads come out scalar and every tile spills). One JSON line per tile (`bench: kernel_report`).
@@ -85,22 +86,30 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
     return _ptxas_report(fn, compiled.asm["ptx"], compiled.asm["ttgir"], int(compiled.metadata.shared))
 
 
-def report_ws(dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128) -> dict:
-    """Compile the warp-specialised Gluon forward (kernels/gluon_experts.py) as the JAX binding does
-    (mhl_jax.ops.gluon_bridge) and read ptxas' report (registers: the kernel's launch limit, maxnreg)."""
-    from kernels.gluon_experts import WS_BLOCK_E, gluon_expert_fwd_ws_kernel, ws_constexprs
+def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128) -> dict:
+    """Compile a warp-specialised Gluon kernel of kernels/gluon_experts.py (`fwd_ws`: the forward, `dw_ws`: the
+    weight gradients) as the JAX binding does (mhl_jax.ops.gluon_bridge) and read ptxas' report (registers: the
+    kernel's launch limit, maxnreg)."""
+    import kernels.gluon_experts as ge
     from mhl_jax.ops.gluon_bridge import compile_gluon
 
-    consts = ws_constexprs(k, dh, de, 8 * 384, 4096, pack_block)
-    signature, attrs = _signature(gluon_expert_fwd_ws_kernel, consts, POINTER_TYPES)
-    c = compile_gluon(gluon_expert_fwd_ws_kernel, signature, consts, attrs, num_warps=4)
-    rec = _ptxas_report(gluon_expert_fwd_ws_kernel, c["ptx"], c["ttgir"], int(c["shared"]))
+    if kind == "fwd_ws":
+        fn, consts = ge.gluon_expert_fwd_ws_kernel, ge.ws_constexprs(k, dh, de, 8 * 384, 4096, pack_block)
+        tile = [pack_block, ge.WS_BLOCK_E, 12, de // ge.WS_BLOCK_E]
+    elif kind == "dw_ws":
+        fn, consts = ge.gluon_expert_dw_ws_kernel, ge.dw_ws_constexprs(k, dh, de, 8 * 384, pack_block)
+        tile = [ge.DW_WS_BLOCK_M, 64, 12, ge.DW_WS_STAGES]
+    else:
+        raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws or dw_ws")
+    signature, attrs = _signature(fn, consts, POINTER_TYPES)
+    c = compile_gluon(fn, signature, consts, attrs, num_warps=4)
+    rec = _ptxas_report(fn, c["ptx"], c["ttgir"], int(c["shared"]))
     rec["setmaxnreg"] = [int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", c["ptx"])]
     rec["warp_specialized"] = "ttg.warp_specialize" in c["ttgir"]
     rec["launch_warps"] = c["launch_warps"]  # all partitions' (the PTX requires exactly that many threads)
     rec["reqntid"] = [int(v) for v in re.findall(r"\.reqntid (\d+)", c["ptx"])]
-    return dict(bench="kernel_report", kernel="fwd_ws", tile=[pack_block, WS_BLOCK_E, 12, de // WS_BLOCK_E],
-                params=dict(dh=dh, de=de, k=k, pack_block=pack_block), **rec)
+    return dict(bench="kernel_report", kernel=kind, tile=tile, params=dict(dh=dh, de=de, k=k, pack_block=pack_block),
+                **rec)
 
 
 def _ptxas_report(fn, ptx_text: str, ttgir: str, shared: int) -> dict:
@@ -146,8 +155,8 @@ def main() -> None:
     rows = []
     for spec in args.tiles:
         kind, *nums = spec.split(",")
-        if kind == "fwd_ws":
-            rec = report_ws(dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block)
+        if kind in ("fwd_ws", "dw_ws"):
+            rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block)
         elif kind == "router":
             rec = report_router(*(int(v) for v in nums), dh=args.dh, ne=args.ne, k=args.k or 8)
         else:

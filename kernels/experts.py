@@ -418,7 +418,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     if pack >= 128:  # measured on H100 at 81920 tokens, Ne 384, de 256 (bench/NOTES.md)
         dw = fused or (Tile(64, 64, 4, 3) if form == "t" else Tile(128, 64, 8, 2))
         # warp-specialised Gluon forward: H100 2026-11-24, kernel alone at 81920 tokens, 0.88 vs 1.05 ms (Ne 384,
-        # de 256) ... 1.16 vs 1.52 (Ne 768, de 128, k 8); bench/gluon_fwd.py
+        # de 256) ... 1.16 vs 1.52 (Ne 768, de 128, k 8); bench/gluon_kernels.py
         return ExpertsConfig(pack, Tile(128, 32, 4, 3), dx, dw, dw_form=form, pack_impl=pack_impl,
                              fwd_ws=measured and ws_supported(dh, de, pack)).fit(de)
     bm = pack

@@ -18,7 +18,7 @@ written by hand:
   consumer). Registers: consumers WS_CONSUMER_REGS, producer WS_PRODUCER_REGS, launched with maxnreg
   WS_MAXNREG (three warp groups in one 64K-register SM).
 
-Measured on H100 (bench/gluon_fwd.py, kernel alone, 81920 tokens): 0.88 vs 1.05 ms (Ne 384, de 256), 1.16 vs
+Measured on H100 (bench/gluon_kernels.py, kernel alone, 81920 tokens): 0.88 vs 1.05 ms (Ne 384, de 256), 1.16 vs
 1.52 (Ne 768, de 128, k 8), 1.39 vs 1.69 (Ne 1536), 1.00 vs 1.23 (Ne 768, de 256). Supported shapes:
 `ws_supported`. Parameters in jax-triton's binding order (inputs, the output, constexprs).
 """
@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -53,6 +54,18 @@ def _gelu(h, FAST_TANH: gl.constexpr):
     t = _tanh(h * gl.fma(h * h, 0.7978845608028654 * 0.044715, 0.7978845608028654), FAST_TANH)
     hh = 0.5 * h
     return gl.fma(hh, t, hh)
+
+
+@gluon.jit
+def _gelu_and_grad(h, FAST_TANH: gl.constexpr):
+    """(gelu(h), gelu'(h)) of fp32 h: the arithmetic of `kernels.experts._gelu_and_grad`."""
+    h2 = h * h
+    t = _tanh(h * gl.fma(h2, 0.7978845608028654 * 0.044715, 0.7978845608028654), FAST_TANH)
+    hh = 0.5 * h
+    act = gl.fma(hh, t, hh)
+    du = gl.fma(h2, 3.0 * 0.7978845608028654 * 0.044715, 0.7978845608028654)
+    grad = gl.fma(hh * gl.fma(-t, t, 1.0), du, gl.fma(t, 0.5, 0.5))
+    return act, grad
 
 
 @gluon.constexpr_function
@@ -298,3 +311,196 @@ def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int |
         x.contiguous(), pk.row_slot, pk.block_group, pk.group_block_start, pk.group_nblocks, w1.contiguous(),
         w2.contiguous(), out, num_warps=4, maxnreg=WS_MAXNREG, **consts)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weight gradients, warp-specialised (dW1, dW2 of `expert_dwt_kernel` without FUSE_DX / DGATES)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, CHUNKS: gl.constexpr, PACK_BLOCK: gl.constexpr,
+             BLOCK_M: gl.constexpr):
+    """Tile t = (group, de chunk of 64): (group as int64, first de, first packed row, row blocks of BLOCK_M)."""
+    gi = t // CHUNKS
+    start = gl.load(group_block_start_ptr + gi)
+    nblk = gl.load(group_nblocks_ptr + gi)
+    return gi.to(gl.int64), (t % CHUNKS) * 64, start.to(gl.int64) * PACK_BLOCK, nblk * (PACK_BLOCK // BLOCK_M)
+
+
+@gluon.jit
+def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+                 BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
+                 C: gl.constexpr):
+    """Per tile: its W1 columns (DH, 64) and W2 rows (64, DH) into weight buffer n % WB once both consumers freed it,
+    then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring."""
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
+     dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T) = a
+    PW: gl.constexpr = gl.num_warps()
+    lx: gl.constexpr = _copy_layout(DH, PW)
+    rr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
+    cc = gl.arange(0, DH, layout=gl.SliceLayout(0, lx))
+    q = 0
+    n = 0
+    for t in range(gl.program_id(0), T, gl.num_programs(0)):
+        g, e0, row0, nsub = _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE // 64, PACK_BLOCK, BLOCK_M)
+        wb = n % WB
+        mbarrier.wait(w_empty.index(wb), ((n // WB) & 1) ^ 1)
+        fence_async_shared()
+        _ws_copy_rows(w1_smem.index(wb), w1_ptr + g * (DH * DE) + e0, DH, 64, DE, 32, PW)
+        _ws_copy_rows(w2_smem.index(wb), w2_ptr + g * (DE * DH) + e0 * DH, 64, DH, DH, 32, PW)
+        async_copy.mbarrier_arrive(w_ready.index(wb), increment_count=False)
+        slot_next = gl.load(row_slot_ptr + row0 + rr, mask=nsub > 0, other=-1)
+        for i in range(nsub):
+            s = q % NST
+            slot = slot_next
+            slot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rr, mask=i + 1 < nsub, other=-1)
+            valid = (slot >= 0)[:, None]
+            src = gl.where(slot >= 0, slot // K, 0).to(gl.int64)[:, None] * DH + cc[None, :]
+            mbarrier.wait(d_empty.index(s), ((q // NST) & 1) ^ 1)
+            fence_async_shared()
+            async_copy.async_copy_global_to_shared(x_smem.index(s), x_ptr + src, mask=valid)
+            async_copy.async_copy_global_to_shared(dy_smem.index(s), dy_ptr + src, mask=valid)
+            async_copy.mbarrier_arrive(d_ready.index(s), increment_count=False)
+            q += 1
+        n += 1
+
+
+@gluon.jit
+def _dw_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+                 BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
+                 C: gl.constexpr):
+    """Consumer C (one warp group) of every tile (group g, de chunk [e0, e0 + 64)); per row block, transposed as in
+    `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
+        C = 0:  H^T = W1_c^T X^T,                   dW2_c   += (gelu(H^T) diag(g)) dy
+        C = 1:  H^T as C = 0 does, dA'^T = W2_c dy^T,  dW1_c^T += (dA'^T diag(g) gelu'(H^T)) X
+    (one (64, DH) fp32 accumulator each: 64 registers; both would not fit the 168 of three warp groups). H^T /
+    dA'^T: async wgmma from shared memory; the accumulating product (A operand from registers) of block i runs
+    under the wait for block i + 1 and its first products."""
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
+     dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T) = a
+    NW: gl.constexpr = gl.num_warps()
+    cdt: gl.constexpr = w1_ptr.dtype.element_ty
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, NW)
+    o_layout: gl.constexpr = _wgmma_layout(DH, NW)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    er = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    dc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    s_zero = gl.zeros((64, BLOCK_M), gl.float32, s_layout)
+    q = 0
+    n = 0
+    for t in range(gl.program_id(0), T, gl.num_programs(0)):
+        g, e0, row0, nsub = _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE // 64, PACK_BLOCK, BLOCK_M)
+        wb = n % WB
+        mbarrier.wait(w_ready.index(wb), (n // WB) & 1)
+        w1t = w1_smem.index(wb).permute((1, 0))  # (64, DH): W1[:, e0:e0 + 64]^T
+        acc = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # in flight across iterations
+        op = gl.zeros((64, BLOCK_M), cdt, a_layout)  # the accumulating product's register operand
+        slot = gl.load(row_slot_ptr + row0 + cols, mask=nsub > 0, other=-1)
+        for i in range(nsub):
+            s = q % NST
+            gate = gl.load(gates_ptr + gl.where(slot >= 0, slot, 0), mask=slot >= 0, other=0.0)
+            slot = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + cols, mask=i + 1 < nsub, other=-1)
+            mbarrier.wait(d_ready.index(s), (q // NST) & 1)
+            xs = x_smem.index(s)
+            ds = dy_smem.index(s)
+            ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if C == 0:
+                # retires the previous block's accumulating product (its stage is free) and H^T
+                ht, op = warpgroup_mma_wait(num_outstanding=0, deps=(ht, op))
+                if i > 0:
+                    mbarrier.arrive(d_empty.index((q - 1) % NST))
+                op = gl.convert_layout((_gelu(ht, FAST_TANH) * gate[None, :]).to(cdt), a_layout)
+                acc = warpgroup_mma(op, ds, acc, is_async=True)
+            else:
+                dat = warpgroup_mma(w2_smem.index(wb), ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                ht, op = warpgroup_mma_wait(num_outstanding=1, deps=(ht, op))
+                if i > 0:
+                    mbarrier.arrive(d_empty.index((q - 1) % NST))
+                _, dgelu = _gelu_and_grad(ht, FAST_TANH)
+                dat = warpgroup_mma_wait(num_outstanding=0, deps=(dat,))
+                op = gl.convert_layout((dat * gate[None, :] * dgelu).to(cdt), a_layout)
+                acc = warpgroup_mma(op, xs, acc, is_async=True)
+            q += 1
+        acc, op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, op))
+        if nsub > 0:
+            mbarrier.arrive(d_empty.index((q - 1) % NST))
+        mbarrier.arrive(w_empty.index(wb))
+        e = e0 + er
+        if C == 0:
+            gl.store(dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :], acc.to(dw2_ptr.dtype.element_ty))
+        else:  # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
+            gl.store(dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None], acc.to(dw1_ptr.dtype.element_ty))
+        n += 1
+
+
+@gluon.jit
+def gluon_expert_dw_ws_kernel(
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,  # inputs
+    dw1_ptr, dw2_ptr,  # outputs (G, DH, DE), (G, DE, DH)
+    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
+    BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """Warp-specialised persistent weight gradients: tiles (group, 64 de) strided over the programs (consecutive
+    programs take the chunks of one group together, so its gathered rows come from L2 after the first); consumer
+    0 accumulates dW2, consumer 1 dW1, each in registers; one producer warp group (cp.async: the tile's weights into
+    one of WB buffers, gathered X / dy rows into an NST-stage ring). Sums over a group's rows in packed order, no
+    atomics."""
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
+    gl.static_assert(DE % 64 == 0, "DE: tiles of 64 de")
+    cdt: gl.constexpr = w1_ptr.dtype.element_ty
+    T = G * (DE // 64)
+    x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
+    dy_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
+    w1_smem = gl.allocate_shared_memory(cdt, [WB, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
+    w2_smem = gl.allocate_shared_memory(cdt, [WB, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
+    d_ready, d_empty = _ws_barriers(NST, NW * 32)
+    w_ready, w_empty = _ws_barriers(WB, NW * 32)
+    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
+            dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T)
+    gl.warp_specialize([(_dw_consumer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0)),
+                        (_dw_consumer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1)),
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
+                       [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+DW_WS_BLOCK_M, DW_WS_STAGES, DW_WS_WBUF = 64, 4, 2
+gluon_expert_dw_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
+
+
+def dw_ws_supported(dh: int, de: int, pack_block: int) -> bool:
+    """Shapes of the warp-specialised weight gradients: dh 128, de a multiple of 64, packing blocks of >= 64 rows."""
+    return dh == 128 and de % 64 == 0 and pack_block >= DW_WS_BLOCK_M
+
+
+def dw_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = DW_WS_STAGES,
+                     wbuf: int = DW_WS_WBUF) -> dict:
+    """The dW kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
+    if not dw_ws_supported(dh, de, pack_block):
+        raise ValueError(f"warp-specialised expert dW: dh={dh}, de={de}, pack_block={pack_block}; expected dh 128, "
+                         f"de a multiple of 64 and packing blocks of at least {DW_WS_BLOCK_M} rows")
+    return dict(K=k, DH=dh, DE=de, G=num_groups, PACK_BLOCK=pack_block, BLOCK_M=DW_WS_BLOCK_M, NST=stages, WB=wbuf,
+                FAST_TANH=True, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
+
+
+def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
+                        dw_dtype=None, stages: int = DW_WS_STAGES, wbuf: int = DW_WS_WBUF):
+    """Torch launcher (CUDA, Hopper): x, dy (S, dh) rows as stored, gates (S * k,) fp32, pk a
+    `kernels.torch_experts.TorchPacking`, w1 (G, dh, de), w2 (G, de, dh) -> (dW1, dW2) in dw_dtype (fp32)."""
+    import torch
+
+    (_, dh), (g_count, _, de) = x.shape, w1.shape
+    consts = dw_ws_constexprs(k, dh, de, g_count, pack_block, stages, wbuf)
+    dw_dtype = dw_dtype or torch.float32
+    dw1 = torch.empty(w1.shape, dtype=dw_dtype, device=x.device)
+    dw2 = torch.empty(w2.shape, dtype=dw_dtype, device=x.device)
+    programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
+    gluon_expert_dw_ws_kernel[(min(programs, g_count * (de // 64)),)](
+        x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start, pk.group_nblocks,
+        w1.contiguous(), w2.contiguous(), dw1, dw2, num_warps=4, maxnreg=WS_MAXNREG, **consts)
+    return dw1, dw2

@@ -328,6 +328,55 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
 
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("de", [256, 128, 192])
+@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
+@pytest.mark.parametrize("programs", [None, 5], ids=["one_per_sm", "five"])
+def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs):
+    """The warp-specialised Gluon weight gradients (torch launcher) against a float64 reference built from the packed
+    assignment (every routed slot's row: H = x W1, dW2 += g gelu(H)^T dy, dW1 += x^T (g dy W2^T * gelu'(H))), and
+    against the transposed Triton dW kernel on the same packing (which rounds g * dy to bf16 first, so not bitwise).
+    Skewed routing leaves groups empty (their dW must come out zero, in a NaN-poisoned check below); five programs
+    take ~20-40 tiles each, so weight buffers and ring stages are reused many times."""
+    from dataclasses import replace
+
+    from kernels.experts import Tile, default_config
+    from kernels.gluon_experts import gluon_experts_dw_ws
+    from kernels.torch_experts import experts_dw
+
+    n, h, k, ne, dh = 2048, 4, 4, 16, 128
+    x, idx, gates, w1, w2 = (t.cuda() for t in _inputs(3, n, h, k, ne, dh, de, skew))
+    x = x.reshape(n * h, dh).bfloat16()
+    dy = (torch.randn(n * h, dh, device="cuda", generator=torch.Generator("cuda").manual_seed(4))).bfloat16()
+    gates = gates.reshape(-1).float().contiguous()
+    w1, w2 = w1.reshape(h * ne, dh, de).bfloat16(), w2.reshape(h * ne, de, dh).bfloat16()
+    cfg = default_config(n * h * k, h * ne, dh, de)
+    pk = pack_torch(idx, ne, cfg.pack_block)
+    dw1, dw2 = gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs)
+    assert torch.isfinite(dw1).all() and torch.isfinite(dw2).all()
+    valid = pk.row_slot >= 0
+    slot = pk.row_slot[valid].long()
+    g = (torch.arange(h, device="cuda").view(1, h, 1) * ne + idx.long()).reshape(-1)[slot]
+    xr, dyr, gr = x.double()[slot // k], dy.double()[slot // k], gates.double()[slot]
+    ref1 = torch.zeros(h * ne, dh, de, dtype=torch.float64, device="cuda")
+    ref2 = torch.zeros(h * ne, de, dh, dtype=torch.float64, device="cuda")
+    for e in torch.unique(g).tolist():
+        m = g == e
+        hid = xr[m] @ w1.double()[e]
+        t = torch.tanh(0.7978845608028654 * (hid + 0.044715 * hid ** 3))
+        dgelu = 0.5 * (1 + t) + 0.5 * hid * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * hid * hid)
+        ref2[e] = (0.5 * hid * (1 + t) * gr[m, None]).T @ dyr[m]
+        ref1[e] = xr[m].T @ ((dyr[m] * gr[m, None]) @ w2.double()[e].T * dgelu)
+    assert _rel(dw1, ref1) < 1e-2 and _rel(dw2, ref2) < 1e-2
+    empty = torch.bincount(g, minlength=h * ne) == 0
+    assert (dw1[empty] == 0).all() and (dw2[empty] == 0).all()
+    if skew:
+        assert empty.any()
+    split = replace(cfg, dw=Tile(64, 64, 4, 3), dw_form="t")
+    t1, t2, _ = experts_dw(x, dy, gates, pk, w1, w2, k, split, torch.float32)
+    assert _rel(dw1, t1) < 1e-2 and _rel(dw2, t2) < 1e-2
+
+
 def test_gluon_bridge_routes_jax_triton_compile_and_launch():
     """`gluon_bridge.install` on a stand-in for jax-triton's internals with the real Triton compiler behind it
     (tests/gluon_bridge_check.py, in a process of its own: kernels compiled, not interpreted)."""

@@ -1,0 +1,111 @@
+"""The warp-specialised Gluon expert kernels (`kernels/gluon_experts.py`) against the Triton ones on the same
+packed inputs, in one process, each kernel alone (do_bench, CUDA events, 3 rotating input sets, uniform random
+top-k routing). Hopper only.
+
+    python bench/gluon_kernels.py [--kinds fwd dw] [--shapes 81920/384/4/256 ...] [--out FILE]
+
+fwd: the Gluon forward vs `expert_fwd_kernel` (default tile). dw: the Gluon weight gradients vs the transposed
+Triton dW kernel at the tile default_config picks for a split backward, and, where the default backward is the
+fused one (de 128), that kernel too (it also makes the dX rows and gate gradients).
+One JSON line per (shape, kernel): ms (median), TFLOP/s of the kernel's matmuls (fwd 2 units, dW 4, fused 5 of
+2 * rows * dh * de), and rel / max_abs: the difference of the outputs to the first (Triton) kernel's (0 when
+bitwise equal; for dW the larger of dW1's and dW2's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from dataclasses import replace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.kernel_tiles import expert_weights, input_set, rotating  # noqa: E402
+from bench.timing import emit  # noqa: E402
+
+SHAPES = ["81920/384/4/256", "81920/768/8/128", "81920/768/4/256", "81920/1536/8/128"]
+
+
+def _diff(outs, refs) -> tuple[float, float]:
+    """(relative norm, max abs) difference of outs to refs, the larger over the outputs."""
+    rel = max(float((o.double() - r.double()).norm() / r.double().norm()) for o, r in zip(outs, refs))
+    return rel, max(float((o.double() - r.double()).abs().max()) for o, r in zip(outs, refs))
+
+
+def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,
+              dh: int = 128) -> list[dict]:
+    """The `kind` kernels at one shape (the Gluon one where supported): one record per kernel."""
+    import torch
+    from triton.testing import do_bench
+
+    from bench.kernel_tiles import launch
+    from kernels.experts import Tile, default_config
+    from kernels.gluon_experts import dw_ws_supported, gluon_experts_dw_ws, gluon_experts_fwd_ws, ws_supported
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cfg = default_config(tokens * nh * k, nh * ne, dh, de)
+    sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh) for _ in range(3)]
+    w1, w2 = expert_weights(ne, de, g, nh, dh)
+    unit = 2 * tokens * nh * k * dh * de
+    if kind == "fwd":
+        kernels = {"triton": (2, lambda s: launch("fwd", cfg, s, w1, w2, k))}
+        if ws_supported(dh, de, cfg.pack_block):
+            kernels["gluon_ws"] = (2, lambda s: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k, cfg.pack_block),))
+    else:
+        split = replace(cfg, dw=Tile(min(64, cfg.pack_block), 64, 4, 3), dw_form="t")
+        kernels = {"triton_dwt": (4, lambda s: launch("dwt", split, s, w1, w2, k))}
+        if cfg.dw.block_e == de:
+            kernels["triton_fused"] = (5, lambda s: launch("dwt", cfg, s, w1, w2, k)[:2])
+        if dw_ws_supported(dh, de, cfg.pack_block):
+            kernels["gluon_dw_ws"] = (4, lambda s: gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k,
+                                                                       cfg.pack_block))
+    refs = None
+    recs = []
+    for name, (units, fn) in kernels.items():
+        rec = dict(bench="gluon_kernels", kind=kind, kernel=name, device=device, date=date,
+                   params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block))
+        outs = fn(sets[0])
+        refs = outs if refs is None else refs
+        rec["rel"], rec["max_abs"] = _diff(outs, refs)
+        rec["ms"] = float(do_bench(rotating(fn, sets), warmup=25, rep=200, return_mode="median"))
+        rec["tflops"] = units * unit / rec["ms"] / 1e9
+        emit(rec, outf)
+        recs.append(rec)
+    return recs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", nargs="+", default=["fwd", "dw"], choices=["fwd", "dw"])
+    ap.add_argument("--shapes", nargs="+", default=SHAPES, help="tokens/Ne/k/de (Nh 8, dh 128)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    shapes = []
+    for spec in args.shapes:
+        try:
+            shapes.append(tuple(int(v) for v in spec.split("/")))
+        except ValueError:
+            shapes.append(())
+        if len(shapes[-1]) != 4:
+            ap.error(f"--shapes {spec!r}: expected tokens/Ne/k/de, e.g. 81920/384/4/256")
+
+    import torch
+
+    date, device = datetime.date.today().isoformat(), torch.cuda.get_device_name()
+    outf = open(args.out, "a") if args.out else None
+    rows = []
+    for kind in args.kinds:
+        for shape in shapes:
+            rows += run_shape(kind, *shape, date=date, device=device, outf=outf)
+    print(f"\n{'shape':>17} {'kernel':>12} {'ms':>7} {'TF/s':>6} rel")
+    for r in rows:
+        p = r["params"]
+        print(f"{p['tokens']:>6}/{p['ne']}/{p['k']}/{p['de']:<4} {r['kernel']:>12} {r['ms']:7.3f} {r['tflops']:6.1f} "
+              f"{r['rel']:.1e}")
+
+
+if __name__ == "__main__":
+    main()
