@@ -319,41 +319,38 @@ def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int |
 
 
 @gluon.jit
-def _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE: gl.constexpr, TILE_E: gl.constexpr,
-             PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Tile t = (group, de chunk of TILE_E): (group as int64, first de, first packed row, row blocks of BLOCK_M)."""
-    gi = t // (DE // TILE_E)
+def _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+             BLOCK_M: gl.constexpr):
+    """Tile t = (group, 128 de): (group as int64, first de, first packed row, row blocks of BLOCK_M)."""
+    gi = t // (DE // 128)
     start = gl.load(group_block_start_ptr + gi)
     nblk = gl.load(group_nblocks_ptr + gi)
-    e0 = (t % (DE // TILE_E)) * TILE_E
-    return gi.to(gl.int64), e0, start.to(gl.int64) * PACK_BLOCK, nblk * (PACK_BLOCK // BLOCK_M)
+    return gi.to(gl.int64), (t % (DE // 128)) * 128, start.to(gl.int64) * PACK_BLOCK, nblk * (PACK_BLOCK // BLOCK_M)
 
 
 @gluon.jit
 def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-                 BOTH: gl.constexpr, C: gl.constexpr):
-    """Per tile: its W1 columns (DH, 64) and W2 rows (64, DH) into weight buffer n % WB once both consumers freed it,
-    then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring."""
+                 C: gl.constexpr):
+    """Per tile: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
+    once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
      dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T) = a
     PW: gl.constexpr = gl.num_warps()
-    TILE_E: gl.constexpr = 128 if BOTH else 64
     lx: gl.constexpr = _copy_layout(DH, PW)
     rr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
     cc = gl.arange(0, DH, layout=gl.SliceLayout(0, lx))
     q = 0
     n = 0
     for t in range(gl.program_id(0), T, gl.num_programs(0)):
-        g, e0, row0, nsub = _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE, TILE_E, PACK_BLOCK, BLOCK_M)
+        g, e0, row0, nsub = _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK, BLOCK_M)
         wb = n % WB
         mbarrier.wait(w_empty.index(wb), ((n // WB) & 1) ^ 1)
         fence_async_shared()
-        for c in gl.static_range(TILE_E // 64):
-            _ws_copy_rows(w1_smem.index(wb * (TILE_E // 64) + c), w1_ptr + g * (DH * DE) + e0 + c * 64, DH, 64, DE, 32,
-                          PW)
-            _ws_copy_rows(w2_smem.index(wb * (TILE_E // 64) + c), w2_ptr + g * (DE * DH) + (e0 + c * 64) * DH, 64, DH,
-                          DH, 32, PW)
+        for c in gl.static_range(2):
+            e = e0 + c * 64
+            _ws_copy_rows(w1_smem.index(wb * 2 + c), w1_ptr + g * (DH * DE) + e, DH, 64, DE, 32, PW)
+            _ws_copy_rows(w2_smem.index(wb * 2 + c), w2_ptr + g * (DE * DH) + e * DH, 64, DH, DH, 32, PW)
         async_copy.mbarrier_arrive(w_ready.index(wb), increment_count=False)
         slot_next = gl.load(row_slot_ptr + row0 + rr, mask=nsub > 0, other=-1)
         for i in range(nsub):
@@ -374,18 +371,16 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
 @gluon.jit
 def _dw_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-                 BOTH: gl.constexpr, C: gl.constexpr):
-    """Consumer C (one warp group) of every tile (group g, de chunk [e0, e0 + 64)); per row block, transposed as in
-    `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
-        C = 0:  H^T = W1_c^T X^T,                   dW2_c   += (gelu(H^T) diag(g)) dy
-        C = 1:  H^T as C = 0 does, dA'^T = W2_c dy^T,  dW1_c^T += (dA'^T diag(g) gelu'(H^T)) X
-    (one (64, DH) fp32 accumulator each: 64 registers; both would not fit the 168 of three warp groups). H^T /
-    dA'^T: async wgmma from shared memory; the accumulating product (A operand from registers) of block i runs
-    under the wait for block i + 1 and its first products."""
+                 C: gl.constexpr):
+    """Consumer C (one warp group): de rows [e0 + 64 C, + 64) of every tile, both gradients. Per row block,
+    transposed as in `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
+        H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
+        dW2_c   += (gelu(H^T) diag(g)) dy                 (64, DH) fp32 accumulators in registers, A operands
+        dW1_c^T += (dA'^T diag(g) gelu'(H^T)) X            from registers
+    The accumulating products of block i run under the wait for block i + 1 and its H^T / dA'^T."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
      dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T) = a
     NW: gl.constexpr = gl.num_warps()
-    TILE_E: gl.constexpr = 128 if BOTH else 64
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, NW)
     o_layout: gl.constexpr = _wgmma_layout(DH, NW)
@@ -397,17 +392,16 @@ def _dw_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
     q = 0
     n = 0
     for t in range(gl.program_id(0), T, gl.num_programs(0)):
-        g, e0, row0, nsub = _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE, TILE_E, PACK_BLOCK, BLOCK_M)
+        g, e0, row0, nsub = _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK, BLOCK_M)
         wb = n % WB
         mbarrier.wait(w_ready.index(wb), (n // WB) & 1)
-        wi = wb * (TILE_E // 64) + (C if BOTH else 0)
-        if BOTH:
-            e0 = e0 + C * 64
-        w1t = w1_smem.index(wi).permute((1, 0))  # (64, DH): W1[:, e0:e0 + 64]^T
-        acc = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # in flight across iterations
-        op = gl.zeros((64, BLOCK_M), cdt, a_layout)  # the accumulating product's register operand
-        acc_b = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # BOTH: dW2 next to dW1
-        op_b = gl.zeros((64, BLOCK_M), cdt, a_layout)
+        w1t = w1_smem.index(wb * 2 + C).permute((1, 0))  # (64, DH): W1[:, e:e + 64]^T
+        w2c = w2_smem.index(wb * 2 + C)  # (64, DH): W2[e:e + 64, :]
+        # in flight across iterations: carried as wgmma accumulators, with their register operands
+        acc1 = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # dW1[:, e:e + 64]^T
+        acc2 = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # dW2[e:e + 64, :]
+        op1 = gl.zeros((64, BLOCK_M), cdt, a_layout)
+        op2 = gl.zeros((64, BLOCK_M), cdt, a_layout)
         slot = gl.load(row_slot_ptr + row0 + cols, mask=nsub > 0, other=-1)
         for i in range(nsub):
             s = q % NST
@@ -417,37 +411,26 @@ def _dw_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
             xs = x_smem.index(s)
             ds = dy_smem.index(s)
             ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if C == 0 and not BOTH:
-                # retires the previous block's accumulating product (its stage is free) and H^T
-                ht, op = warpgroup_mma_wait(num_outstanding=0, deps=(ht, op))
-                if i > 0:
-                    mbarrier.arrive(d_empty.index((q - 1) % NST))
-                op = gl.convert_layout((_gelu(ht, FAST_TANH) * gate[None, :]).to(cdt), a_layout)
-                acc = warpgroup_mma(op, ds, acc, is_async=True)
-            else:
-                dat = warpgroup_mma(w2_smem.index(wi), ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                ht, op, op_b = warpgroup_mma_wait(num_outstanding=1, deps=(ht, op, op_b))
-                if i > 0:
-                    mbarrier.arrive(d_empty.index((q - 1) % NST))
-                act, dgelu = _gelu_and_grad(ht, FAST_TANH)
-                if BOTH:
-                    op_b = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
-                    acc_b = warpgroup_mma(op_b, ds, acc_b, is_async=True)
-                dat = warpgroup_mma_wait(num_outstanding=0, deps=(dat,))
-                op = gl.convert_layout((dat * gate[None, :] * dgelu).to(cdt), a_layout)
-                acc = warpgroup_mma(op, xs, acc, is_async=True)
+            dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # retires the previous block's accumulating products (its stage is then free) and H^T
+            ht, op1, op2 = warpgroup_mma_wait(num_outstanding=1, deps=(ht, op1, op2))
+            if i > 0:
+                mbarrier.arrive(d_empty.index((q - 1) % NST))
+            act, dgelu = _gelu_and_grad(ht, FAST_TANH)
+            op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
+            acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
+            dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
+            op1 = gl.convert_layout((dat * gate[None, :] * dgelu).to(cdt), a_layout)
+            acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
             q += 1
-        acc, op, acc_b, op_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, op, acc_b, op_b))
+        acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
         if nsub > 0:
             mbarrier.arrive(d_empty.index((q - 1) % NST))
         mbarrier.arrive(w_empty.index(wb))
-        e = e0 + er
-        if C == 0 and not BOTH:
-            gl.store(dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :], acc.to(dw2_ptr.dtype.element_ty))
-        else:  # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
-            gl.store(dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None], acc.to(dw1_ptr.dtype.element_ty))
-            if BOTH:
-                gl.store(dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :], acc_b.to(dw2_ptr.dtype.element_ty))
+        e = e0 + C * 64 + er
+        # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
+        gl.store(dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None], acc1.to(dw1_ptr.dtype.element_ty))
+        gl.store(dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :], acc2.to(dw2_ptr.dtype.element_ty))
         n += 1
 
 
@@ -456,73 +439,72 @@ def gluon_expert_dw_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,  # inputs
     dw1_ptr, dw2_ptr,  # outputs (G, DH, DE), (G, DE, DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
-    BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr, BOTH: gl.constexpr,
+    BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """Warp-specialised persistent weight gradients: tiles (group, 64 de) strided over the programs (consecutive
-    programs take the chunks of one group together, so its gathered rows come from L2 after the first); consumer
-    0 accumulates dW2, consumer 1 dW1, each in registers; one producer warp group (cp.async: the tile's weights into
-    one of WB buffers, gathered X / dy rows into an NST-stage ring). Sums over a group's rows in packed order, no
-    atomics."""
+    """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de)
+    strided over the programs (the tiles of one group run side by side, so its gathered rows come from L2 after
+    the first); two consumer warp groups, each both gradients of 64 de in registers (128 accumulator registers:
+    they run at CONSUMER_REGS after setmaxnreg, the producer at PRODUCER_REGS); one producer warp group (cp.async:
+    the tile's weights into one of WB buffers, gathered X / dy rows of BLOCK_M into an NST-stage ring). Sums over
+    a group's rows in packed order, no atomics."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
-    TILE_E: gl.constexpr = 128 if BOTH else 64
-    gl.static_assert(DE % TILE_E == 0, "DE: a multiple of the de tile (64, or 128 with BOTH)")
+    gl.static_assert(DE % 128 == 0, "DE: tiles of 128 de (two consumers of 64)")
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
-    T = G * (DE // TILE_E)
+    T = G * (DE // 128)
     x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
     dy_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
-    w1_smem = gl.allocate_shared_memory(cdt, [WB * (TILE_E // 64), DH, 64],
-                                        gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
-    w2_smem = gl.allocate_shared_memory(cdt, [WB * (TILE_E // 64), 64, DH],
-                                        gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
+    w1_smem = gl.allocate_shared_memory(cdt, [WB * 2, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
+    w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
     d_ready, d_empty = _ws_barriers(NST, NW * 32)
     w_ready, w_empty = _ws_barriers(WB, NW * 32)
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
             dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T)
-    gl.warp_specialize([(_dw_consumer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, BOTH, 0)),
-                        (_dw_consumer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, BOTH, 1)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, BOTH, 0))],
+    gl.warp_specialize([(_dw_consumer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0)),
+                        (_dw_consumer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1)),
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-DW_WS_BLOCK_M, DW_WS_STAGES, DW_WS_WBUF = 64, 4, 2
+# 32-row blocks (64-row ones need ~250 registers per consumer thread and spill), two weight buffers, six stages;
+# consumers 240 / producer 32 registers (H100 2026-11-24, kernel alone, bench/gluon_dw_variants.py)
+DW_WS_BLOCK_M, DW_WS_STAGES, DW_WS_WBUF, DW_WS_REGS = 32, 6, 2, (240, 32)
 gluon_expert_dw_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
 def dw_ws_supported(dh: int, de: int, pack_block: int) -> bool:
-    """Shapes of the warp-specialised weight gradients: dh 128, de a multiple of 64, packing blocks of >= 64 rows."""
-    return dh == 128 and de % 64 == 0 and pack_block >= DW_WS_BLOCK_M
+    """Shapes of the warp-specialised weight gradients: dh 128, de a multiple of 128, packing blocks of >= 32 rows."""
+    return dh == 128 and de % 128 == 0 and pack_block >= DW_WS_BLOCK_M
 
 
 def dw_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = DW_WS_STAGES,
-                     wbuf: int = DW_WS_WBUF, both: bool = False, regs: tuple[int, int] | None = None,
-                     block_m: int = DW_WS_BLOCK_M) -> dict:
+                     wbuf: int = DW_WS_WBUF, regs: tuple[int, int] = DW_WS_REGS, block_m: int = DW_WS_BLOCK_M) -> dict:
     """The dW kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
-    if not dw_ws_supported(dh, de, pack_block):
-        raise ValueError(f"warp-specialised expert dW: dh={dh}, de={de}, pack_block={pack_block}; expected dh 128, "
-                         f"de a multiple of 64 and packing blocks of at least {DW_WS_BLOCK_M} rows")
+    if not dw_ws_supported(dh, de, pack_block) or pack_block % block_m:
+        raise ValueError(f"warp-specialised expert dW: dh={dh}, de={de}, pack_block={pack_block}, block_m={block_m}; "
+                         f"expected dh 128, de a multiple of 128 and packing blocks of at least {DW_WS_BLOCK_M} rows, "
+                         "a multiple of block_m")
     return dict(K=k, DH=dh, DE=de, G=num_groups, PACK_BLOCK=pack_block, BLOCK_M=block_m, NST=stages, WB=wbuf,
-                FAST_TANH=True, BOTH=both, CONSUMER_REGS=(regs or (WS_CONSUMER_REGS,))[0],
-                PRODUCER_REGS=(regs or (0, WS_PRODUCER_REGS))[1])
+                FAST_TANH=True, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
 
 
 def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
-                        dw_dtype=None, stages: int = DW_WS_STAGES, wbuf: int = DW_WS_WBUF, both: bool = False,
-                        regs: tuple[int, int] | None = None, block_m: int = DW_WS_BLOCK_M):
+                        dw_dtype=None, **options):
     """Torch launcher (CUDA, Hopper): x, dy (S, dh) rows as stored, gates (S * k,) fp32, pk a
-    `kernels.torch_experts.TorchPacking`, w1 (G, dh, de), w2 (G, de, dh) -> (dW1, dW2) in dw_dtype (fp32)."""
+    `kernels.torch_experts.TorchPacking`, w1 (G, dh, de), w2 (G, de, dh) -> (dW1, dW2) in dw_dtype (fp32);
+    options: `dw_ws_constexprs`' stages / wbuf / regs / block_m (probes)."""
     import torch
 
     (_, dh), (g_count, _, de) = x.shape, w1.shape
-    consts = dw_ws_constexprs(k, dh, de, g_count, pack_block, stages, wbuf, both, regs, block_m)
+    consts = dw_ws_constexprs(k, dh, de, g_count, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32
     dw1 = torch.empty(w1.shape, dtype=dw_dtype, device=x.device)
     dw2 = torch.empty(w2.shape, dtype=dw_dtype, device=x.device)
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
-    gluon_expert_dw_ws_kernel[(min(programs, g_count * (de // (128 if both else 64))),)](
+    gluon_expert_dw_ws_kernel[(min(programs, g_count * (de // 128)),)](
         x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start, pk.group_nblocks,
         w1.contiguous(), w2.contiguous(), dw1, dw2, num_warps=4, maxnreg=WS_MAXNREG, **consts)
     return dw1, dw2

@@ -329,7 +329,7 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("de", [256, 128, 192])
+@pytest.mark.parametrize("de", [256, 128])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 @pytest.mark.parametrize("programs", [None, 5], ids=["one_per_sm", "five"])
 def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs):
@@ -337,7 +337,7 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs):
     assignment (every routed slot's row: H = x W1, dW2 += g gelu(H)^T dy, dW1 += x^T (g dy W2^T * gelu'(H))), and
     against the transposed Triton dW kernel on the same packing (which rounds g * dy to bf16 first, so not bitwise).
     Skewed routing leaves groups empty (their dW must come out zero, in a NaN-poisoned check below); five programs
-    take ~20-40 tiles each, so weight buffers and ring stages are reused many times."""
+    take ~13-26 tiles each, so weight buffers and ring stages are reused many times."""
     from dataclasses import replace
 
     from kernels.experts import Tile, default_config
