@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import triton
 import triton.language as tl
 
-from kernels.gluon_experts import ws_supported
+from kernels.gluon_experts import dw_ws_supported, ws_supported
 
 GELU_C = 0.7978845608028654  # sqrt(2 / pi)
 GELU_A = 0.044715
@@ -357,6 +357,9 @@ class ExpertsConfig:
     # the forward as the warp-specialised Gluon kernel (kernels/gluon_experts.py) where the JAX binding runs on a
     # Hopper GPU and the shape is `gluon_experts.ws_supported`; elsewhere `fwd` (Triton) as before
     fwd_ws: bool = False
+    # the weight gradients of a split backward (dX kernel apart) as the warp-specialised Gluon kernel where the JAX
+    # binding runs on a Hopper GPU in bf16 and the shape is `gluon_experts.dw_ws_supported`; elsewhere `dw`
+    dw_ws: bool = False
 
     def check(self, dh: int, de: int) -> None:
         for t in (self.fwd, self.dx, self.dw):
@@ -377,11 +380,16 @@ class ExpertsConfig:
 # 2026-11-24, layer fwd+bwd: 81920 tokens Ne 768 / 1536, k 8: 13.16 -> 12.50 / 16.18 -> 15.56 ms; 8192 tokens
 # Ne 768: 2.60 -> 2.59, Ne 1536 (packing block 32): 4.40 -> 3.97)
 FUSED_BWD_MIN_PACK = 32
+# packing blocks where de = 128 runs the split backward with the Gluon dW kernel instead of the fused one: H100
+# 2026-11-24, kernels alone, 8192 tokens, Ne 768, k 8: dX 0.36 + Gluon dW 0.58 ms vs fused 1.02 (at block 128:
+# dX 2.51 + 2.11 vs fused 4.09 at 81920 tokens; at block 32, 1536/8/128: 1.03 + dX vs fused, layer 3.97 vs 4.40
+# split with the Triton dW at 1.19)
+DW_WS_SPLIT_PACKS = (64,)
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
 
 def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: str | None = None,
-                   fuse_bwd: bool = True, fuse_min_pack: int | None = None) -> ExpertsConfig:
+                   fuse_bwd: bool = True, fuse_min_pack: int | None = None, dw_ws: bool = True) -> ExpertsConfig:
     """Pick the packing block from the mean rows per group (padding waste ~ block / 2 per group) and
     tiles that keep the accumulators in registers on Hopper (tuned in bench/NOTES.md).
 
@@ -394,14 +402,21 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     fuse_bwd: at de = 128 one backward kernel instead (dX and the gate gradients made by the transposed dW
     kernel, tile min(block, 64) x 128, 8 warps, 3 stages) at packing blocks >= fuse_min_pack (default
     FUSED_BWD_MIN_PACK), where it was measured faster; False keeps the dX and dW kernels apart (the default
-    until 2026-11-24, variant "split_bwd")."""
+    until 2026-11-24, variant "split_bwd").
+
+    dw_ws: the split backward's weight gradients by the warp-specialised Gluon kernel where it takes the shape
+    (`dw_ws_supported`), and at packing block 64 with de = 128 the split backward with it instead of the fused
+    one (DW_WS_SPLIT_PACKS); False: the choices before (variant "triton_dw")."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
     if dh > 128:
         return _wide_config(pack, num_slots, de, dw_form)
     measured = pack >= 64 and dw_form is None
     min_pack = FUSED_BWD_MIN_PACK if fuse_min_pack is None else fuse_min_pack
-    fused_bwd = fuse_bwd and dw_form is None and de == 128 and pack >= min_pack
+    gluon_dw = dw_ws and dw_form is None and dw_ws_supported(dh, de, pack)
+    fused_bwd = (fuse_bwd and dw_form is None and de == 128 and pack >= min_pack
+                 and not (gluon_dw and pack in DW_WS_SPLIT_PACKS))
+    gluon_dw = gluon_dw and not fused_bwd
     form = dw_form or ("t" if pack >= 64 or fused_bwd else "rows")
     # the Triton packing where measured (H100, 2026-11-23: layer 2.30 -> 2.22 ms at 8192 tokens, 10.26 ->
     # 10.10 at 81920; packing alone 0.135 / 0.23 ms vs 0.20 / 0.52 for the best JAX one); emulated
@@ -420,7 +435,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
         # warp-specialised Gluon forward: H100 2026-11-24, kernel alone at 81920 tokens, 0.88 vs 1.05 ms (Ne 384,
         # de 256) ... 1.16 vs 1.52 (Ne 768, de 128, k 8); bench/gluon_kernels.py
         return ExpertsConfig(pack, Tile(128, 32, 4, 3), dx, dw, dw_form=form, pack_impl=pack_impl,
-                             fwd_ws=measured and ws_supported(dh, de, pack)).fit(de)
+                             fwd_ws=measured and ws_supported(dh, de, pack), dw_ws=gluon_dw).fit(de)
     bm = pack
     return ExpertsConfig(
         pack_block=pack,
@@ -429,6 +444,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
         dw=fused or Tile(min(bm, 64), 64, 4, 3),
         dw_form=form,
         pack_impl=pack_impl,
+        dw_ws=gluon_dw,
     ).fit(de)
 
 
@@ -449,5 +465,5 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
-           "dgates_in_kernels",
+           "dgates_in_kernels", "DW_WS_SPLIT_PACKS",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]

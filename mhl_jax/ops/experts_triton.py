@@ -55,7 +55,7 @@ class Static(NamedTuple):
 # ------------------------------------------------------------------------------ variants (benchmarks)
 
 VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd", "fused_bwd16",
-            "triton_fwd")
+            "triton_fwd", "triton_dw")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -70,11 +70,15 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     evening of 2026-11-23; "split_bwd" = "default" with separate dX and dW kernels where the default fuses
     them (de = 128, the default until 2026-11-24); "fused_bwd16" = the fused one down to packing block 16;
     "triton_fwd" = "default" with the Triton forward where the default runs the warp-specialised Gluon one (the
-    default until the last session of 2026-11-24)."""
+    default until the last session of 2026-11-24); "triton_dw" = "default" without the Gluon dW kernel (and so
+    with the fused de = 128 backward at packing block 64), the default until the fifth session of 2026-11-24."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name in ("split_bwd", "fused_bwd16"):
-        return default_config(num_slots, num_groups, dh, de, fuse_bwd=name != "split_bwd", fuse_min_pack=16)
+        return default_config(num_slots, num_groups, dh, de, fuse_bwd=name != "split_bwd", fuse_min_pack=16,
+                              dw_ws=False)
+    if name == "triton_dw":
+        return default_config(num_slots, num_groups, dh, de, dw_ws=False)
     if name in ("default", "tpack", "triton_fwd"):
         cfg = default_config(num_slots, num_groups, dh, de)
         if name == "triton_fwd":
@@ -139,6 +143,22 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
         **_opts(xs.dtype))
 
 
+def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
+    """dW1, dW2 by the warp-specialised Gluon kernel (kernels/gluon_experts.py): persistent, one program per SM."""
+    jt = import_jax_triton()
+    gluon_bridge.install(jt)
+
+    from kernels.gluon_experts import dw_ws_constexprs, gluon_expert_dw_ws_kernel
+
+    (_, dh), (g, _, de) = xs.shape, w1.shape
+    return jt.triton_call(
+        xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
+        kernel=gluon_expert_dw_ws_kernel,
+        out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype)],
+        grid=(min(_hopper_sms(), g * (de // 128)),), num_warps=4, num_stages=1,
+        **dw_ws_constexprs(st.k, dh, de, g, st.cfg.pack_block))
+
+
 def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
     """dX rows, dW1, dW2 and (when `dgates_in_kernels`) each packed row's gate gradient (P,) fp32, made by the
     dX kernel or, with dX fused, by the dW kernel."""
@@ -154,14 +174,18 @@ def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
         xs, dys = packed_bwd_rows(st, xs, dys, gates, meta)
     t = st.cfg.dw
     fused_dgates = fuse and dgates  # the fused dW kernel makes the gate gradients (transposed form only)
-    dw1, dw2, dx_fused, dgate_fused = jt.triton_call(
-        xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
-        kernel=expert_dwt_kernel if st.cfg.dw_form == "t" else expert_dw_kernel,
-        out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
-                   jax.ShapeDtypeStruct((p, dh) if fuse else (1, dh), xs.dtype),
-                   jax.ShapeDtypeStruct((p if fused_dgates else 1,), jnp.float32)],
-        grid=(de // t.block_e, g), num_warps=t.num_warps, num_stages=t.num_stages,
-        BLOCK_M=t.block_m, BLOCK_E=t.block_e, FUSE_DX=fuse, DGATES=fused_dgates, **common)
+    if st.cfg.dw_ws and not fuse and not st.cfg.packed_bwd and xs.dtype == jnp.bfloat16 and _hopper_sms():
+        # (default_config sets dw_ws only where the split backward runs and dw_ws_supported holds)
+        dw1, dw2 = _dw_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype)
+    else:
+        dw1, dw2, dx_fused, dgate_fused = jt.triton_call(
+            xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
+            kernel=expert_dwt_kernel if st.cfg.dw_form == "t" else expert_dw_kernel,
+            out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
+                       jax.ShapeDtypeStruct((p, dh) if fuse else (1, dh), xs.dtype),
+                       jax.ShapeDtypeStruct((p if fused_dgates else 1,), jnp.float32)],
+            grid=(de // t.block_e, g), num_warps=t.num_warps, num_stages=t.num_stages,
+            BLOCK_M=t.block_m, BLOCK_E=t.block_e, FUSE_DX=fuse, DGATES=fused_dgates, **common)
     if fuse:
         return dx_fused, dw1, dw2, dgate_fused if fused_dgates else None
     t = st.cfg.dx
