@@ -385,6 +385,11 @@ FUSED_BWD_MIN_PACK = 32
 # dX 2.51 + 2.11 vs fused 4.09 at 81920 tokens; at block 32, 1536/8/128: 1.03 + dX vs fused, layer 3.97 vs 4.40
 # split with the Triton dW at 1.19)
 DW_WS_SPLIT_PACKS = (64,)
+# largest packing block where the split backward takes the Gluon dW kernel: H100 2026-11-24, layer fwd+bwd, default
+# vs without it (results/layer-h100-2026-11-24-dwws.jsonl): 8192 tokens 2.13 vs 2.18 ms (384/4/256), 3.54 vs 3.66
+# (768/4/256, block 32), 2.59 vs 2.59 (768/8/128, split instead of fused: peak 1.98 vs 2.18 GiB); at 81920 tokens
+# (block 128) level alone (2.02 vs 2.06 ms) but 9.47 vs 9.24 in the 384/4/256 layer, 11.16 vs 11.17 at 768/4/256
+DW_WS_MAX_PACK = 64
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
 
@@ -405,15 +410,16 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     until 2026-11-24, variant "split_bwd").
 
     dw_ws: the split backward's weight gradients by the warp-specialised Gluon kernel where it takes the shape
-    (`dw_ws_supported`), and at packing block 64 with de = 128 the split backward with it instead of the fused
-    one (DW_WS_SPLIT_PACKS); False: the choices before (variant "triton_dw")."""
+    (`dw_ws_supported`) at packing blocks up to DW_WS_MAX_PACK, and at packing block 64 with de = 128 the split
+    backward with it instead of the fused one (DW_WS_SPLIT_PACKS); False: the choices before (variant
+    "triton_dw")."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
     if dh > 128:
         return _wide_config(pack, num_slots, de, dw_form)
     measured = pack >= 64 and dw_form is None
     min_pack = FUSED_BWD_MIN_PACK if fuse_min_pack is None else fuse_min_pack
-    gluon_dw = dw_ws and dw_form is None and dw_ws_supported(dh, de, pack)
+    gluon_dw = dw_ws and dw_form is None and dw_ws_supported(dh, de, pack) and pack <= DW_WS_MAX_PACK
     fused_bwd = (fuse_bwd and dw_form is None and de == 128 and pack >= min_pack
                  and not (gluon_dw and pack in DW_WS_SPLIT_PACKS))
     gluon_dw = gluon_dw and not fused_bwd
@@ -465,5 +471,5 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
-           "dgates_in_kernels", "DW_WS_SPLIT_PACKS",
+           "dgates_in_kernels", "DW_WS_SPLIT_PACKS", "DW_WS_MAX_PACK",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]
