@@ -380,15 +380,11 @@ class ExpertsConfig:
 # 2026-11-24, layer fwd+bwd: 81920 tokens Ne 768 / 1536, k 8: 13.16 -> 12.50 / 16.18 -> 15.56 ms; 8192 tokens
 # Ne 768: 2.60 -> 2.59, Ne 1536 (packing block 32): 4.40 -> 3.97)
 FUSED_BWD_MIN_PACK = 32
-# packing blocks where de = 128 runs the split backward with the Gluon dW kernel instead of the fused one: H100
-# 2026-11-24, kernels alone, 8192 tokens, Ne 768, k 8: dX 0.36 + Gluon dW 0.58 ms vs fused 1.02 (at block 128:
-# dX 2.51 + 2.11 vs fused 4.09 at 81920 tokens; at block 32, 1536/8/128: 1.03 + dX vs fused, layer 3.97 vs 4.40
-# split with the Triton dW at 1.19)
-DW_WS_SPLIT_PACKS = (64,)
 # largest packing block where the split backward takes the Gluon dW kernel: H100 2026-11-24, layer fwd+bwd, default
-# vs without it (results/layer-h100-2026-11-24-dwws.jsonl): 8192 tokens 2.13 vs 2.18 ms (384/4/256), 3.54 vs 3.66
-# (768/4/256, block 32), 2.59 vs 2.59 (768/8/128, split instead of fused: peak 1.98 vs 2.18 GiB); at 81920 tokens
-# (block 128) level alone (2.02 vs 2.06 ms) but 9.47 vs 9.24 in the 384/4/256 layer, 11.16 vs 11.17 at 768/4/256
+# vs without it, two runs (results/layer-h100-2026-11-24-dwws{,-8192}.jsonl): 8192 tokens 3.54 / 3.47 vs 3.66 / 3.62
+# ms (768/4/256, block 32), 2.13 / 2.14 vs 2.18 / 2.14 (384/4/256, block 64); at 81920 tokens (block 128) level
+# alone (2.02 vs 2.06 ms) but 9.47 vs 9.24 in the 384/4/256 layer. (At de 128 the fused backward stays: split with
+# the Gluon dW, 768/8/128 at 8192 tokens, 2.59 / 2.60 vs 2.59 / 2.55.)
 DW_WS_MAX_PACK = 64
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
@@ -410,8 +406,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     until 2026-11-24, variant "split_bwd").
 
     dw_ws: the split backward's weight gradients by the warp-specialised Gluon kernel where it takes the shape
-    (`dw_ws_supported`) at packing blocks up to DW_WS_MAX_PACK, and at packing block 64 with de = 128 the split
-    backward with it instead of the fused one (DW_WS_SPLIT_PACKS); False: the choices before (variant
+    (`dw_ws_supported`) at packing blocks up to DW_WS_MAX_PACK; False: the Triton dW kernel there (variant
     "triton_dw")."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
@@ -419,10 +414,8 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
         return _wide_config(pack, num_slots, de, dw_form)
     measured = pack >= 64 and dw_form is None
     min_pack = FUSED_BWD_MIN_PACK if fuse_min_pack is None else fuse_min_pack
-    gluon_dw = dw_ws and dw_form is None and dw_ws_supported(dh, de, pack) and pack <= DW_WS_MAX_PACK
-    fused_bwd = (fuse_bwd and dw_form is None and de == 128 and pack >= min_pack
-                 and not (gluon_dw and pack in DW_WS_SPLIT_PACKS))
-    gluon_dw = gluon_dw and not fused_bwd
+    fused_bwd = fuse_bwd and dw_form is None and de == 128 and pack >= min_pack
+    gluon_dw = dw_ws and dw_form is None and not fused_bwd and dw_ws_supported(dh, de, pack) and pack <= DW_WS_MAX_PACK
     form = dw_form or ("t" if pack >= 64 or fused_bwd else "rows")
     # the Triton packing where measured (H100, 2026-11-23: layer 2.30 -> 2.22 ms at 8192 tokens, 10.26 ->
     # 10.10 at 81920; packing alone 0.135 / 0.23 ms vs 0.20 / 0.52 for the best JAX one); emulated
@@ -471,5 +464,5 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
-           "dgates_in_kernels", "DW_WS_SPLIT_PACKS", "DW_WS_MAX_PACK",
+           "dgates_in_kernels", "DW_WS_MAX_PACK",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]

@@ -227,8 +227,8 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de):
     # de = 128: the fused backward at packing blocks 128, 64 (Ne 128) and 32 (Ne 512), and the split one
     ("default", 128, True, 16), ("default", 128, False, 128), ("default", 128, True, 512),
     ("split_bwd", 128, True, 16), ("triton_fwd", 256, True, 16),
-    # the Gluon dW kernel at packing block 64 (Ne 128), de 256 and (split backward) de 128; and without it
-    ("default", 256, False, 128), ("triton_dw", 128, False, 128)])
+    # the Gluon dW kernel at packing block 64 (Ne 128) and, split, at de 128; and without it
+    ("default", 256, False, 128), ("split_bwd", 128, False, 128), ("triton_dw", 256, False, 128)])
 def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne):
     """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
     rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all
@@ -299,8 +299,7 @@ def test_ws_dw_shapes_checked_and_chosen():
     """The warp-specialised Gluon dW kernel takes dh 128, de a multiple of 128 and packing blocks of >= 32 rows (a
     multiple of its 32-row blocks); anything else gets a clear error from its launch arguments. default_config
     turns it on for the split backward where it takes the shape at packing blocks <= 64 (where it was measured
-    faster in the layer), and at packing block 64 with de 128 prefers the
-    split backward with it to the fused one (variant triton_dw: the choices before)."""
+    faster in the layer); de 128 keeps the fused backward; variant triton_dw: the Triton dW kernel instead."""
     from kernels.experts import default_config
     from kernels.gluon_experts import dw_ws_constexprs
     from mhl_jax.ops.experts_triton import variant_config
@@ -311,14 +310,14 @@ def test_ws_dw_shapes_checked_and_chosen():
             dw_ws_constexprs(4, dh, de, 64, pack)
     # (tokens, Ne, k, de) -> (packing block, dw_ws, fused backward)
     expected = {(81920, 384, 4, 256): (128, False, False), (81920, 768, 8, 128): (128, False, True),
-                (8192, 384, 4, 256): (64, True, False), (8192, 768, 8, 128): (64, True, False),
+                (8192, 384, 4, 256): (64, True, False), (8192, 768, 8, 128): (64, False, True),
                 (8192, 768, 4, 256): (32, True, False), (8192, 1536, 8, 128): (32, False, True),
                 (8192, 384, 4, 512): (64, True, False)}
     for (tokens, ne, k, de), want in expected.items():
         cfg = default_config(tokens * 8 * k, 8 * ne, 128, de)
         assert (cfg.pack_block, cfg.dw_ws, cfg.dw.block_e == de) == want, (tokens, ne, k, de, cfg)
         old = variant_config("triton_dw", tokens * 8 * k, 8 * ne, 128, de)
-        assert not old.dw_ws and (old.dw.block_e == de) == (de == 128), old
+        assert not old.dw_ws and old.dw == cfg.dw and old.pack_block == cfg.pack_block, old
     assert not default_config(8192 * 8 * 4, 8 * 384, 256, 256).dw_ws  # wide experts: the grouped kernels' tiles
 
 

@@ -70,13 +70,13 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     evening of 2026-11-23; "split_bwd" = "default" with separate dX and dW kernels where the default fuses
     them (de = 128, the default until 2026-11-24); "fused_bwd16" = the fused one down to packing block 16;
     "triton_fwd" = "default" with the Triton forward where the default runs the warp-specialised Gluon one (the
-    default until the last session of 2026-11-24); "triton_dw" = "default" without the Gluon dW kernel (and so
-    with the fused de = 128 backward at packing block 64), the default until the fifth session of 2026-11-24."""
+    default until the last session of 2026-11-24); "triton_dw" = "default" with the Triton dW kernel where the
+    default's split backward runs the warp-specialised Gluon one (the default until the fifth session of
+    2026-11-24)."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name in ("split_bwd", "fused_bwd16"):
-        return default_config(num_slots, num_groups, dh, de, fuse_bwd=name != "split_bwd", fuse_min_pack=16,
-                              dw_ws=False)
+        return default_config(num_slots, num_groups, dh, de, fuse_bwd=name != "split_bwd", fuse_min_pack=16)
     if name == "triton_dw":
         return default_config(num_slots, num_groups, dh, de, dw_ws=False)
     if name in ("default", "tpack", "triton_fwd"):
