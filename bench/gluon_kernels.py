@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 from bench.kernel_tiles import expert_weights, input_set, rotating  # noqa: E402
 from bench.timing import emit  # noqa: E402
 
-SHAPES = ["81920/384/4/256", "81920/768/8/128", "81920/768/4/256", "81920/1536/8/128"]
+SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
 
 
 def _diff(outs, refs) -> tuple[float, float]:

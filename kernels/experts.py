@@ -359,6 +359,7 @@ class ExpertsConfig:
     fwd_ws: bool = False
     # the weight gradients of a split backward (dX kernel apart) as the warp-specialised Gluon kernel where the JAX
     # binding runs on a Hopper GPU in bf16 and the shape is `gluon_experts.dw_ws_supported`; elsewhere `dw`
+    # (`experts_triton.use_dw_gluon`)
     dw_ws: bool = False
 
     def check(self, dh: int, de: int) -> None:

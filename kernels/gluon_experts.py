@@ -215,6 +215,7 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
         xs = x_smem.index(xb).slice(C * HALF, HALF, dim=0)
         q0 = t * N
         mbarrier.wait(w_ready.index(q0 % NS), (q0 // NS) & 1)
+        fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
         s_tok = warpgroup_mma(xs, w1_smem.index(q0 % NS), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         acc = gl.zeros((HALF, DH), gl.float32, o_layout)
@@ -224,6 +225,7 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
             if j + 1 < N:
                 qn = q + 1
                 mbarrier.wait(w_ready.index(qn % NS), (qn // NS) & 1)
+                fence_async_shared()
                 s_next = warpgroup_mma(xs, w1_smem.index(qn % NS), s_zero, use_acc=False, is_async=True)
             a_cur = gl.convert_layout(_gelu(s, FAST_TANH).to(cdt), a_layout)
             acc = warpgroup_mma(a_cur, w2_smem.index(q % NS), acc, is_async=True)
@@ -395,6 +397,7 @@ def _dw_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
         g, e0, row0, nsub = _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK, BLOCK_M)
         wb = n % WB
         mbarrier.wait(w_ready.index(wb), (n // WB) & 1)
+        fence_async_shared()
         w1t = w1_smem.index(wb * 2 + C).permute((1, 0))  # (64, DH): W1[:, e:e + 64]^T
         w2c = w2_smem.index(wb * 2 + C)  # (64, DH): W2[e:e + 64, :]
         # in flight across iterations: carried as wgmma accumulators, with their register operands
@@ -408,6 +411,7 @@ def _dw_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
             gate = gl.load(gates_ptr + gl.where(slot >= 0, slot, 0), mask=slot >= 0, other=0.0)
             slot = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + cols, mask=i + 1 < nsub, other=-1)
             mbarrier.wait(d_ready.index(s), (q // NST) & 1)
+            fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
             xs = x_smem.index(s)
             ds = dy_smem.index(s)
             ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -445,12 +449,14 @@ def gluon_expert_dw_ws_kernel(
     """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de)
     strided over the programs (the tiles of one group run side by side, so its gathered rows come from L2 after
     the first); two consumer warp groups, each both gradients of 64 de in registers (128 accumulator registers:
-    they run at CONSUMER_REGS after setmaxnreg, the producer at PRODUCER_REGS); one producer warp group (cp.async:
+    the worker consumer runs at CONSUMER_REGS after setmaxnreg, the producer at PRODUCER_REGS, the default partition
+    at what is left of 512 per lane); one producer warp group (cp.async:
     the tile's weights into one of WB buffers, gathered X / dy rows of BLOCK_M into an NST-stage ring). Sums over
     a group's rows in packed order, no atomics."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0, "DE: tiles of 128 de (two consumers of 64)")
+    gl.static_assert(NST >= 2 and WB >= 1, "NST: a consumer frees stage q - 1 only after it waited for stage q")
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     T = G * (DE // 128)
     x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
@@ -470,7 +476,8 @@ def gluon_expert_dw_ws_kernel(
 
 
 # 32-row blocks (64-row ones need ~250 registers per consumer thread and spill), two weight buffers, six stages;
-# consumers 240 / producer 32 registers (H100 2026-11-24, kernel alone, bench/gluon_dw_variants.py)
+# worker registers (240, 32): the worker consumer runs at 240, the producer at 32 and Triton gives the default
+# partition (the other consumer) the rest, 232 (H100 2026-11-24, kernel alone, bench/gluon_dw_variants.py)
 DW_WS_BLOCK_M, DW_WS_STAGES, DW_WS_WBUF, DW_WS_REGS = 32, 6, 2, (240, 32)
 gluon_expert_dw_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
@@ -492,17 +499,17 @@ def dw_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int,
 
 
 def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
-                        dw_dtype=None, **options):
+                        dw_dtype=None, out=None, **options):
     """Torch launcher (CUDA, Hopper): x, dy (S, dh) rows as stored, gates (S * k,) fp32, pk a
-    `kernels.torch_experts.TorchPacking`, w1 (G, dh, de), w2 (G, de, dh) -> (dW1, dW2) in dw_dtype (fp32);
-    options: `dw_ws_constexprs`' stages / wbuf / regs / block_m (probes)."""
+    `kernels.torch_experts.TorchPacking`, w1 (G, dh, de), w2 (G, de, dh) -> (dW1, dW2) in dw_dtype (fp32), or
+    written into `out` = (dW1, dW2) if given; options: `dw_ws_constexprs`' stages / wbuf / regs / block_m (probes)."""
     import torch
 
     (_, dh), (g_count, _, de) = x.shape, w1.shape
     consts = dw_ws_constexprs(k, dh, de, g_count, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32
-    dw1 = torch.empty(w1.shape, dtype=dw_dtype, device=x.device)
-    dw2 = torch.empty(w2.shape, dtype=dw_dtype, device=x.device)
+    dw1, dw2 = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
+                       torch.empty(w2.shape, dtype=dw_dtype, device=x.device))
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     gluon_expert_dw_ws_kernel[(min(programs, g_count * (de // 128)),)](
         x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start, pk.group_nblocks,

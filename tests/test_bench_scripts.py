@@ -148,9 +148,9 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
     # launched with all three warp groups: the PTX requires exactly 384 threads (jax-triton alone would launch 128)
     assert ws["launch_warps"] == 12 and ws["reqntid"] == [384], ws
     assert recs["dwt"]["spill_store_bytes"] <= dw_spill, recs["dwt"]
-    if de == 256:  # consumers raised to 240 registers (both dW accumulators of 64 de: 128), the producer to 32;
-        # ptxas allocates each partition's code at its setmaxnreg count (2026-11-24: 52 spill bytes; 884 at 64-row
-        # blocks, 1520 with consumers at 208)
+    if de == 256:  # the worker consumer raised to 240 registers, the default-partition one to 232 (both dW
+        # accumulators of 64 de: 128), the producer lowered to 32; ptxas allocates each partition's code at its
+        # setmaxnreg count (2026-11-24: 52 spill bytes; 884 at 64-row blocks, 1520 with the worker at 208)
         dw = recs["dw_ws"]
         assert dw["warp_specialized"] and dw["launch_warps"] == 12 and dw["reqntid"] == [384], dw
-        assert 240 in dw["setmaxnreg"] and 32 in dw["setmaxnreg"] and dw["spill_store_bytes"] <= 64, dw
+        assert {240, 232, 32} <= set(dw["setmaxnreg"]) and dw["spill_store_bytes"] <= 64, dw

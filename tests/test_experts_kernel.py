@@ -229,7 +229,7 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de):
     ("split_bwd", 128, True, 16), ("triton_fwd", 256, True, 16),
     # the Gluon dW kernel at packing block 64 (Ne 128) and, split, at de 128; and without it
     ("default", 256, False, 128), ("split_bwd", 128, False, 128), ("triton_dw", 256, False, 128)])
-def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne):
+def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne, monkeypatch):
     """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
     rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all
     four gradients, and bitwise-identical weight gradients across two runs."""
@@ -266,8 +266,17 @@ def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
+    import mhl_jax.ops.experts_triton as et
+
     cfg = variant_config(variant, n * h * k, h * ne, dh, de)
+    gluon_dw_calls = []
+    real_dw_gluon = et._dw_gluon
+    monkeypatch.setattr(et, "_dw_gluon", lambda *a: gluon_dw_calls.append(1) or real_dw_gluon(*a))
     got, again = grads(cfg), grads(cfg)
+    # the Gluon dW kernel ran exactly where the config asks for it (traced once per grads call)
+    assert len(gluon_dw_calls) == (2 if et.use_dw_gluon(cfg, jnp.bfloat16, dh, de) else 0), (cfg, gluon_dw_calls)
+    assert et.use_dw_gluon(cfg, jnp.bfloat16, dh, de) == (cfg.dw_ws and cfg.pack_block <= 64 and de % 128 == 0
+                                                          and cfg.dw.block_e != de)
     base = grads(variant_config("v2", n * h * k, h * ne, dh, de))
     with jax.default_matmul_precision("highest"):
         ref = grads(None, jnp.float32, "reference")
@@ -293,6 +302,28 @@ def test_ws_forward_shapes_checked_and_chosen():
     assert default_config(81920 * 8 * 4, 8 * 384, 128, 256).fwd_ws  # 128-row packing blocks
     assert not default_config(8192 * 8 * 4, 8 * 384, 128, 256).fwd_ws  # 64-row packing blocks
     assert not default_config(81920 * 8 * 4, 8 * 384, 128, 512).fwd_ws
+
+
+def test_dw_gluon_dispatch_rule(monkeypatch):
+    """`experts_triton.use_dw_gluon`: the Gluon dW kernel runs only for cfg.dw_ws on a split, unpacked backward, in
+    bf16, on a Hopper GPU, at a shape it takes; a hand-made dw_ws config elsewhere falls back to the Triton kernel."""
+    from dataclasses import replace
+
+    import jax.numpy as jnp
+
+    import mhl_jax.ops.experts_triton as et
+    from kernels.experts import default_config
+
+    cfg = default_config(8192 * 8 * 4, 8 * 384, 128, 256)
+    assert cfg.dw_ws and not et.use_dw_gluon(cfg, jnp.bfloat16, 128, 256)  # no Hopper GPU here
+    monkeypatch.setattr(et, "_hopper_sms", lambda: 132)
+    assert et.use_dw_gluon(cfg, jnp.bfloat16, 128, 256)
+    assert not et.use_dw_gluon(cfg, jnp.float32, 128, 256)
+    assert not et.use_dw_gluon(replace(cfg, packed_bwd=True), jnp.bfloat16, 128, 256)
+    assert not et.use_dw_gluon(replace(cfg, dw_ws=False), jnp.bfloat16, 128, 256)
+    assert not et.use_dw_gluon(cfg, jnp.bfloat16, 128, 192)  # de not a multiple of 128
+    fused = default_config(81920 * 8 * 8, 8 * 768, 128, 128)
+    assert not et.use_dw_gluon(replace(fused, dw_ws=True), jnp.bfloat16, 128, 128)  # dX fused into the dW kernel
 
 
 def test_ws_dw_shapes_checked_and_chosen():
@@ -357,30 +388,34 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ne", [16, 128, 512], ids=["pack128", "pack64", "pack32"])
 @pytest.mark.parametrize("de", [256, 128])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 @pytest.mark.parametrize("programs", [None, 5], ids=["one_per_sm", "five"])
-def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs):
+def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
     """The warp-specialised Gluon weight gradients (torch launcher) against a float64 reference built from the packed
     assignment (every routed slot's row: H = x W1, dW2 += g gelu(H)^T dy, dW1 += x^T (g dy W2^T * gelu'(H))), and
     against the transposed Triton dW kernel on the same packing (which rounds g * dy to bf16 first, so not bitwise).
-    Skewed routing leaves groups empty (their dW must come out zero, in a NaN-poisoned check below); five programs
-    take ~13-26 tiles each, so weight buffers and ring stages are reused many times."""
+    Skewed routing leaves groups empty (their dW must come out zero: the outputs start NaN-poisoned); packing blocks
+    128, 64 and 32 (Ne 16, 128, 512; the JAX binding takes the kernel at <= 64); five programs take many tiles
+    each, so weight buffers and ring stages are reused many times."""
     from dataclasses import replace
 
     from kernels.experts import Tile, default_config
     from kernels.gluon_experts import gluon_experts_dw_ws
     from kernels.torch_experts import experts_dw
 
-    n, h, k, ne, dh = 2048, 4, 4, 16, 128
+    n, h, k, dh = 2048, 4, 4, 128
     x, idx, gates, w1, w2 = (t.cuda() for t in _inputs(3, n, h, k, ne, dh, de, skew))
     x = x.reshape(n * h, dh).bfloat16()
     dy = (torch.randn(n * h, dh, device="cuda", generator=torch.Generator("cuda").manual_seed(4))).bfloat16()
     gates = gates.reshape(-1).float().contiguous()
     w1, w2 = w1.reshape(h * ne, dh, de).bfloat16(), w2.reshape(h * ne, de, dh).bfloat16()
     cfg = default_config(n * h * k, h * ne, dh, de)
+    assert cfg.pack_block == {16: 128, 128: 64, 512: 32}[ne]
     pk = pack_torch(idx, ne, cfg.pack_block)
-    dw1, dw2 = gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs)
+    out = (torch.full(w1.shape, float("nan"), device="cuda"), torch.full(w2.shape, float("nan"), device="cuda"))
+    dw1, dw2 = gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out)
     assert torch.isfinite(dw1).all() and torch.isfinite(dw2).all()
     valid = pk.row_slot >= 0
     slot = pk.row_slot[valid].long()
@@ -400,7 +435,7 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs):
     assert (dw1[empty] == 0).all() and (dw2[empty] == 0).all()
     if skew:
         assert empty.any()
-    split = replace(cfg, dw=Tile(64, 64, 4, 3), dw_form="t")
+    split = replace(cfg, dw=Tile(min(64, cfg.pack_block), 64, 4, 3), dw_form="t")
     t1, t2, _ = experts_dw(x, dy, gates, pk, w1, w2, k, split, torch.float32)
     assert _rel(dw1, t1) < 1e-2 and _rel(dw2, t2) < 1e-2
 

@@ -143,6 +143,15 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
         **_opts(xs.dtype))
 
 
+def use_dw_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
+    """Whether the backward's weight gradients run on the warp-specialised Gluon kernel: cfg.dw_ws on a split
+    backward (no fused dX, unpacked rows), bf16, a Hopper GPU, a shape the kernel takes; else the Triton dW kernel."""
+    from kernels.gluon_experts import dw_ws_supported
+
+    return (cfg.dw_ws and cfg.dw.block_e != de and not cfg.packed_bwd and dtype == jnp.bfloat16
+            and dw_ws_supported(dh, de, cfg.pack_block) and bool(_hopper_sms()))
+
+
 def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
     """dW1, dW2 by the warp-specialised Gluon kernel (kernels/gluon_experts.py): persistent, one program per SM."""
     jt = import_jax_triton()
@@ -174,8 +183,7 @@ def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
         xs, dys = packed_bwd_rows(st, xs, dys, gates, meta)
     t = st.cfg.dw
     fused_dgates = fuse and dgates  # the fused dW kernel makes the gate gradients (transposed form only)
-    if st.cfg.dw_ws and not fuse and not st.cfg.packed_bwd and xs.dtype == jnp.bfloat16 and _hopper_sms():
-        # (default_config sets dw_ws only where the split backward runs and dw_ws_supported holds)
+    if use_dw_gluon(st.cfg, xs.dtype, dh, de):
         dw1, dw2 = _dw_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype)
     else:
         dw1, dw2, dx_fused, dgate_fused = jt.triton_call(
