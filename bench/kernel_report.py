@@ -98,7 +98,7 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
         tile = [pack_block, ge.WS_BLOCK_E, 12, de // ge.WS_BLOCK_E]
     elif kind == "dw_ws":
         fn, consts = ge.gluon_expert_dw_ws_kernel, ge.dw_ws_constexprs(k, dh, de, 8 * 384, pack_block)
-        tile = [ge.DW_WS_BLOCK_M, 64, 12, ge.DW_WS_STAGES]
+        tile = [ge.DW_WS_BLOCK_M, 128, 12, ge.DW_WS_STAGES]
     else:
         raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws or dw_ws")
     signature, attrs = _signature(fn, consts, POINTER_TYPES)
