@@ -2,11 +2,13 @@
 packed inputs, in one process, each kernel alone (do_bench, CUDA events, 3 rotating input sets, uniform random
 top-k routing). Hopper only.
 
-    python bench/gluon_kernels.py [--kinds fwd dw] [--shapes 81920/384/4/256 ...] [--out FILE]
+    python bench/gluon_kernels.py [--kinds fwd dw dw_options] [--shapes 81920/384/4/256 ...] [--out FILE]
 
 fwd: the Gluon forward vs `expert_fwd_kernel` (default tile). dw: the Gluon weight gradients vs the transposed
 Triton dW kernel at the tile default_config picks for a split backward, and, where the default backward is the
-fused one (de 128), that kernel too (it also makes the dX rows and gate gradients).
+fused one (de 128), that kernel too (it also makes the dX rows and gate gradients). dw_options: the Gluon weight
+gradients at each of DW_OPTIONS' launch options (row block, weight buffers, ring stages, registers) vs the same
+Triton dW kernel.
 One JSON line per (shape, kernel): ms (median), TFLOP/s of the kernel's matmuls (fwd 2 units, dW 4, fused 5 of
 2 * rows * dh * de), and rel / max_abs: the difference of the outputs to the first (Triton) kernel's (0 when
 bitwise equal; for dW the larger of dW1's and dW2's).
@@ -27,6 +29,12 @@ from bench.kernel_tiles import expert_weights, input_set, rotating  # noqa: E402
 from bench.timing import emit  # noqa: E402
 
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
+KINDS = ("fwd", "dw", "dw_options")
+# `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
+# the kernel's default (H100 2026-11-24: results/gluon_dw_variants-h100-2026-11-24.jsonl, measured by the probe
+# this kind replaced)
+DW_OPTIONS = [(32, 2, 6, (240, 32)), (32, 2, 4, (240, 32)), (32, 1, 4, (240, 32)), (32, 2, 6, (232, 40)),
+              (64, 1, 4, (240, 32))]
 
 
 def _diff(outs, refs) -> tuple[float, float]:
@@ -43,7 +51,13 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
 
     from bench.kernel_tiles import launch
     from kernels.experts import Tile, default_config
-    from kernels.gluon_experts import dw_ws_supported, gluon_experts_dw_ws, gluon_experts_fwd_ws, ws_supported
+    from kernels.gluon_experts import (
+        DW_WS_BLOCK_M,
+        dw_ws_supported,
+        gluon_experts_dw_ws,
+        gluon_experts_fwd_ws,
+        ws_supported,
+    )
 
     g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
@@ -57,11 +71,16 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
     else:
         split = replace(cfg, dw=Tile(min(64, cfg.pack_block), 64, 4, 3), dw_form="t")
         kernels = {"triton_dwt": (4, lambda s: launch("dwt", split, s, w1, w2, k))}
-        if cfg.dw.block_e == de:
+        if kind == "dw" and cfg.dw.block_e == de:
             kernels["triton_fused"] = (5, lambda s: launch("dwt", cfg, s, w1, w2, k)[:2])
-        if dw_ws_supported(dh, de, cfg.pack_block):
-            kernels["gluon_dw_ws"] = (4, lambda s: gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k,
-                                                                       cfg.pack_block))
+        # dw: the kernel's defaults (DW_WS_*); dw_options: each launch option
+        options = {"gluon_dw_ws": {}} if kind == "dw" else {
+            f"ws_bm{bm}_wb{wb}_st{st}_r{r[0]}_{r[1]}": dict(block_m=bm, wbuf=wb, stages=st, regs=r)
+            for bm, wb, st, r in DW_OPTIONS}
+        for name, opt in options.items():
+            if dw_ws_supported(dh, de, cfg.pack_block) and cfg.pack_block % opt.get("block_m", DW_WS_BLOCK_M) == 0:
+                kernels[name] = (4, lambda s, o=opt: gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k,
+                                                                         cfg.pack_block, **o))
     refs = None
     recs = []
     for name, (units, fn) in kernels.items():
@@ -79,7 +98,7 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kinds", nargs="+", default=["fwd", "dw"], choices=["fwd", "dw"])
+    ap.add_argument("--kinds", nargs="+", default=["fwd", "dw"], choices=KINDS)
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="tokens/Ne/k/de (Nh 8, dh 128)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

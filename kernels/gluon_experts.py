@@ -485,7 +485,8 @@ def gluon_expert_dw_ws_kernel(
 
 # 32-row blocks (64-row ones need ~250 registers per consumer thread and spill), two weight buffers, six stages;
 # worker registers (240, 32): the worker consumer runs at 240, the producer at 32 and Triton gives the default
-# partition (the other consumer) the rest, 232 (H100 2026-11-24, kernel alone, bench/gluon_dw_variants.py)
+# partition (the other consumer) the rest, 232 (H100 2026-11-24, kernel alone, bench/gluon_kernels.py --kinds
+# dw_options)
 DW_WS_BLOCK_M, DW_WS_STAGES, DW_WS_WBUF, DW_WS_REGS = 32, 6, 2, (240, 32)
 gluon_expert_dw_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 

@@ -108,20 +108,24 @@ def _hopper_sms() -> int:
     return int(getattr(dev, "core_count", 0) or 132)
 
 
-def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2):
-    """The warp-specialised forward (kernels/gluon_experts.py): persistent, one program per SM."""
+def _gluon_call(*args, kernel, out_shape, work_items: int, **constexprs):
+    """A persistent warp-specialised Gluon kernel (kernels/gluon_experts.py) through jax-triton and
+    `gluon_bridge`: one program per SM (at most one per work item), four warps per partition."""
     jt = import_jax_triton()
     gluon_bridge.install(jt)
+    return jt.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=(min(_hopper_sms(), work_items),),
+                          num_warps=4, num_stages=1, **constexprs)
 
+
+def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2):
+    """The warp-specialised forward: work items = row blocks."""
     from kernels.gluon_experts import gluon_expert_fwd_ws_kernel, ws_constexprs
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     nb = p // st.cfg.pack_block
-    return jt.triton_call(
-        xs, meta.row_slot, meta.block_group, meta.group_block_start, meta.group_nblocks, w1, w2,
-        kernel=gluon_expert_fwd_ws_kernel, out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype),
-        grid=(min(_hopper_sms(), nb),), num_warps=4, num_stages=1,
-        **ws_constexprs(st.k, dh, de, g, nb, st.cfg.pack_block))
+    return _gluon_call(xs, meta.row_slot, meta.block_group, meta.group_block_start, meta.group_nblocks, w1, w2,
+                       kernel=gluon_expert_fwd_ws_kernel, out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype),
+                       work_items=nb, **ws_constexprs(st.k, dh, de, g, nb, st.cfg.pack_block))
 
 
 def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
@@ -153,19 +157,15 @@ def use_dw_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
 
 
 def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
-    """dW1, dW2 by the warp-specialised Gluon kernel (kernels/gluon_experts.py): persistent, one program per SM."""
-    jt = import_jax_triton()
-    gluon_bridge.install(jt)
-
+    """dW1, dW2 by the warp-specialised Gluon kernel: work items = (group, 128 de) tiles."""
     from kernels.gluon_experts import dw_ws_constexprs, gluon_expert_dw_ws_kernel
 
     (_, dh), (g, _, de) = xs.shape, w1.shape
-    return jt.triton_call(
-        xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
-        kernel=gluon_expert_dw_ws_kernel,
-        out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype)],
-        grid=(min(_hopper_sms(), g * (de // 128)),), num_warps=4, num_stages=1,
-        **dw_ws_constexprs(st.k, dh, de, g, st.cfg.pack_block))
+    return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
+                       kernel=gluon_expert_dw_ws_kernel,
+                       out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype),
+                                  jax.ShapeDtypeStruct((g, de, dh), dw_dtype)],
+                       work_items=g * (de // 128), **dw_ws_constexprs(st.k, dh, de, g, st.cfg.pack_block))
 
 
 def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
