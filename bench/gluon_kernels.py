@@ -8,7 +8,9 @@ fwd: the Gluon forward vs `expert_fwd_kernel` (default tile). dw: the Gluon weig
 Triton dW kernel at the tile default_config picks for a split backward, and, where the default backward is the
 fused one (de 128), that kernel too (it also makes the dX rows and gate gradients). dw_options: the Gluon weight
 gradients at each of DW_OPTIONS' launch options (row block, weight buffers, ring stages, registers) vs the same
-Triton dW kernel.
+Triton dW kernel. router: the warp-specialised Gluon router forward (kernels/gluon_router.py) at each of
+ROUTER_OPTIONS vs `router_fwd_kernel` at its default tiles (bf16x3, 8 heads; de is ignored; rel: the fraction of
+indices that differ from the Triton kernel's, max_abs: the values' largest difference).
 One JSON line per (shape, kernel): ms (median), TFLOP/s of the kernel's matmuls (fwd 2 units, dW 4, fused 5 of
 2 * rows * dh * de), and rel / max_abs: the difference of the outputs to the first (Triton) kernel's (0 when
 bitwise equal; for dW the larger of dW1's and dW2's).
@@ -29,7 +31,9 @@ from bench.kernel_tiles import expert_weights, input_set, rotating  # noqa: E402
 from bench.timing import emit  # noqa: E402
 
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
-KINDS = ("fwd", "dw", "dw_options")
+KINDS = ("fwd", "dw", "dw_options", "router")
+# `gluon_router_fwd_ws` launch options (consumers, ring stages, expert block); the first is the kernel's default
+ROUTER_OPTIONS = [(2, 3, 64), (3, 2, 64), (2, 4, 32)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
 # the kernel's default (H100 2026-11-24: results/gluon_dw_variants-h100-2026-11-24.jsonl, measured by the probe
 # this kind replaced)
@@ -59,6 +63,8 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
         ws_supported,
     )
 
+    if kind == "router":
+        return run_router(tokens, ne, k, date, device, outf, nh, dh)
     g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
     sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh) for _ in range(3)]
@@ -96,6 +102,41 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
     return recs
 
 
+def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: int = 8, dh: int = 128) -> list[dict]:
+    """The router forward: Triton kernel (default tiles) and the Gluon one at ROUTER_OPTIONS, same inputs."""
+    import torch
+    from triton.testing import do_bench
+
+    from kernels.gluon_router import gluon_router_fwd_ws, ws_router_supported
+    from kernels.torch_router import router_fwd, split_bf16
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sets = []
+    for _ in range(3):
+        x = torch.randn(tokens, nh, dh, device="cuda", generator=g).to(torch.bfloat16)
+        w = torch.randn(nh, dh, ne, device="cuda", generator=g) * dh ** -0.5
+        b = 0.1 * torch.randn(nh, ne, device="cuda", generator=g)
+        sets.append((x, w, split_bf16(w, 3).contiguous(), b))
+    kernels = {"triton": lambda s: router_fwd(s[0], s[1], s[3], k)}
+    if ws_router_supported(dh, ne, k, 3):
+        for nc, st, be in ROUTER_OPTIONS:
+            kernels[f"gluon_ws_nc{nc}_st{st}_be{be}"] = (
+                lambda s, o=dict(nc=nc, stages=st, block_e=be): gluon_router_fwd_ws(s[0], s[2], s[3], k, **o))
+    refs, recs = None, []
+    for name, fn in kernels.items():
+        rec = dict(bench="gluon_kernels", kind="router", kernel=name, device=device, date=date,
+                   params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne))
+        vals, idx = fn(sets[0])
+        refs = (vals, idx) if refs is None else refs
+        rec["rel"] = float((idx != refs[1]).double().mean())
+        rec["max_abs"] = float((vals.double() - refs[0].double()).abs().max())
+        rec["ms"] = float(do_bench(rotating(fn, sets), warmup=25, rep=200, return_mode="median"))
+        rec["tflops"] = 2 * 3 * tokens * nh * dh * ne / rec["ms"] / 1e9  # the bf16x3 products executed
+        emit(rec, outf)
+        recs.append(rec)
+    return recs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", nargs="+", default=["fwd", "dw"], choices=KINDS)
@@ -122,8 +163,8 @@ def main() -> None:
     print(f"\n{'shape':>17} {'kernel':>12} {'ms':>7} {'TF/s':>6} rel")
     for r in rows:
         p = r["params"]
-        print(f"{p['tokens']:>6}/{p['ne']}/{p['k']}/{p['de']:<4} {r['kernel']:>12} {r['ms']:7.3f} {r['tflops']:6.1f} "
-              f"{r['rel']:.1e}")
+        shape = f"{p['tokens']}/{p['ne']}/{p['k']}/{p.get('de', '-')}"
+        print(f"{shape:>17} {r['kernel']:>12} {r['ms']:7.3f} {r['tflops']:6.1f} {r['rel']:.1e}")
 
 
 if __name__ == "__main__":

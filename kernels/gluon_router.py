@@ -1,0 +1,267 @@
+"""The router forward of `kernels/router.py` (`router_fwd_kernel`, selection SELECT 2), warp-specialised, in Gluon
+(`triton.experimental.gluon`, Triton >= 3.6), Hopper only: the same top-k of the same bf16xP scores, with the
+schedule written by hand.
+
+    scores = x_h W_r[h] (+ bias[h]),  x_h: (ROWS, DH) bf16 rows of head h, W_r[h] = sum_p W_p[h], W_p bf16 (DH, NE)
+
+- Persistent: work items (row tile of NC * 64 tokens, head) strided over the programs.
+- One producer warp group loads by cp.async: the item's x rows (zero past N) into one of two x buffers (64 rows
+  per consumer), and every
+  W_r block (the PARTS bf16 terms of BLOCK_E experts; zero past NE) into a ring of NST stages. The W_r stream is
+  shared by the NC consumers: per row it is 1 / NC of the Triton kernel's (one W_r stream per 64-row program),
+  which session 8 found L2-bound at k = 1 (bench/NOTES.md, Router forward).
+- NC consumer warp groups, 64 rows each, keep their rows' running top-k in registers: block b + 1's PARTS products
+  (async wgmma, smallest term first, as the Triton kernel chains its dots) are issued before block b's selection,
+  so the tensor cores run under the selection. The selection is SELECT 2's: scores above the running k-th enter,
+  each round takes every row's max (lowest index among equals), as many rounds as the consumer's busiest row has
+  candidates (at most K); a winner goes into the descending list by insertion (no sort). Ties go to the lower
+  expert index everywhere, as in the Triton kernel: a block's experts have higher indices than the list's, and a
+  block's equal scores leave in index order, so a newcomer never displaces an equal score.
+- Outputs as the Triton kernel: values = biased score - bias (the raw score, rounded as there), indices int32.
+
+Supported shapes: `ws_router_supported`.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from kernels.gluon_experts import _copy_layout, _wgmma_layout
+
+
+@gluon.jit
+def _insert(rv, ri, cv, ci, K: gl.constexpr):
+    """Insert (cv, ci) (per row) into the descending lists rv / ri (K-tuples of row vectors); an equal existing
+    score stays ahead of the newcomer. cv = -inf changes nothing."""
+    nv = ()
+    ni = ()
+    for j in gl.static_range(K):
+        keep = rv[j] >= cv
+        if j == 0:
+            nv = nv + (gl.where(keep, rv[j], cv),)
+            ni = ni + (gl.where(keep, ri[j], ci),)
+        else:
+            above = rv[j - 1] >= cv
+            nv = nv + (gl.where(above, gl.where(keep, rv[j], cv), rv[j - 1]),)
+            ni = ni + (gl.where(above, gl.where(keep, ri[j], ci), ri[j - 1]),)
+    return nv, ni
+
+
+@gluon.jit
+def _select(sb, cols, rv, ri, NE: gl.constexpr, K: gl.constexpr):
+    """SELECT 2 of `kernels.router._select_block` on one block: sb (64, BLOCK_E) biased scores of experts cols."""
+    ok = (sb > rv[K - 1][:, None]) & (cols < NE)[None, :]
+    sv = gl.where(ok, sb, float("-inf"))
+    rounds = gl.minimum(gl.max(gl.sum(ok.to(gl.int32), axis=1), axis=0), K)
+    m = gl.max(sv, axis=1)
+    for _ in range(rounds):
+        e = gl.min(gl.where(sv == m[:, None], cols[None, :], NE), axis=1)
+        rv, ri = _insert(rv, ri, m, e, K)
+        sv = gl.where(cols[None, :] == e[:, None], float("-inf"), sv)
+        m = gl.max(sv, axis=1)
+    return rv, ri
+
+
+@gluon.jit
+def _issue_block(xs, w_smem, s, zero, PARTS: gl.constexpr):
+    """The PARTS async products of one W_r block (smallest term first), chained in one accumulator."""
+    acc = warpgroup_mma(xs, w_smem.index(s * PARTS + PARTS - 1), zero, use_acc=False, is_async=True)
+    for q in gl.static_range(1, PARTS):
+        acc = warpgroup_mma(xs, w_smem.index(s * PARTS + PARTS - 1 - q), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
+                     PARTS: gl.constexpr, BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr,
+                     C: gl.constexpr):
+    """Per item: its x rows into x buffer t % 2, then W_r block by block (all PARTS terms) into the ring."""
+    (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
+    PW: gl.constexpr = gl.num_warps()
+    ROWS: gl.constexpr = NC * 64
+    lx: gl.constexpr = _copy_layout(DH, PW)
+    rr = gl.arange(0, 64, layout=gl.SliceLayout(1, lx))
+    cc = gl.arange(0, DH, layout=gl.SliceLayout(0, lx))
+    lw: gl.constexpr = _copy_layout(BLOCK_E, PW)
+    wr = gl.arange(0, DH, layout=gl.SliceLayout(1, lw))
+    wc = gl.arange(0, BLOCK_E, layout=gl.SliceLayout(0, lw))
+    q = 0
+    t = 0
+    for item in range(gl.program_id(0), T, gl.num_programs(0)):
+        h = item % H
+        xb = t % 2
+        mbarrier.wait(x_empty.index(xb), ((t // 2) & 1) ^ 1)
+        fence_async_shared()
+        for c in gl.static_range(NC):
+            rows = (item // H) * ROWS + c * 64 + rr
+            src = (rows.to(gl.int64) * H + h)[:, None] * DH + cc[None, :]
+            async_copy.async_copy_global_to_shared(x_smem.index(xb * NC + c), x_ptr + src, mask=(rows < N)[:, None])
+        async_copy.mbarrier_arrive(x_ready.index(xb), increment_count=False)
+        for e0 in range(0, NE, BLOCK_E):
+            s = q % NST
+            mbarrier.wait(w_empty.index(s), ((q // NST) & 1) ^ 1)
+            fence_async_shared()
+            wmask = (e0 + wc < NE)[None, :]
+            for p in gl.static_range(PARTS):
+                base = w_ptr + (p * H + h).to(gl.int64) * (DH * NE) + e0
+                async_copy.async_copy_global_to_shared(w_smem.index(s * PARTS + p),
+                                                       base + wr[:, None] * NE + wc[None, :], mask=wmask)
+            async_copy.mbarrier_arrive(w_ready.index(s), increment_count=False)
+            q += 1
+        t += 1
+
+
+@gluon.jit
+def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
+                     PARTS: gl.constexpr, BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr,
+                     C: gl.constexpr):
+    """Consumer C: rows [C * 64, C * 64 + 64) of every item; block b + 1's products run under block b's selection."""
+    (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
+    NW: gl.constexpr = gl.num_warps()
+    NB: gl.constexpr = (NE + BLOCK_E - 1) // BLOCK_E
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_E, NW)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+    offs_e = gl.arange(0, BLOCK_E, layout=col_l)
+    rloc = gl.arange(0, 64, layout=row_l)
+    zero = gl.zeros((64, BLOCK_E), gl.float32, s_layout)
+    q = 0
+    t = 0
+    for item in range(gl.program_id(0), T, gl.num_programs(0)):
+        h = item % H
+        rows = (item // H) * (NC * 64) + C * 64 + rloc
+        xb = t % 2
+        rv = ()
+        ri = ()
+        for _ in gl.static_range(K):
+            rv = rv + (gl.full([64], float("-inf"), gl.float32, row_l),)
+            ri = ri + (gl.full([64], NE, gl.int32, row_l),)
+        mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
+        xs = x_smem.index(xb * NC + C)
+        mbarrier.wait(w_ready.index(q % NST), (q // NST) & 1)
+        fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+        acc = _issue_block(xs, w_smem, q % NST, zero, PARTS)
+        for b in range(NB - 1):
+            cols = b * BLOCK_E + offs_e
+            bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
+            qn = q + 1
+            mbarrier.wait(w_ready.index(qn % NST), (qn // NST) & 1)
+            fence_async_shared()
+            acc_next = _issue_block(xs, w_smem, qn % NST, zero, PARTS)
+            sc = warpgroup_mma_wait(num_outstanding=PARTS, deps=(acc,))  # block b done, b + 1 in flight
+            mbarrier.arrive(w_empty.index(q % NST))
+            rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
+            acc = acc_next
+            q = qn
+        cols = (NB - 1) * BLOCK_E + offs_e
+        bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(w_empty.index(q % NST))
+        mbarrier.arrive(x_empty.index(xb))
+        rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
+        q += 1
+        t += 1
+        out = (rows.to(gl.int64) * H + h) * K
+        rmask = rows < N
+        for j in gl.static_range(K):
+            b_sel = gl.load(b_ptr + h * NE + ri[j], mask=rmask & (ri[j] < NE), other=0.0)
+            gl.store(vals_ptr + out + j, rv[j] - b_sel, mask=rmask)
+            gl.store(idx_ptr + out + j, ri[j], mask=rmask)
+
+
+@gluon.jit
+def gluon_router_fwd_ws_kernel(
+    x_ptr, w_ptr, b_ptr,  # inputs: x (N, H, DH) bf16, w (PARTS, H, DH, NE) bf16, bias (H, NE) fp32
+    vals_ptr, idx_ptr,  # outputs: (N, H, K) fp32, (N, H, K) int32
+    N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr, PARTS: gl.constexpr,
+    BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    """Warp-specialised persistent router forward: items (NC * 64 rows, head) strided over the programs; one
+    producer warp group (cp.async of x rows and W_r blocks), NC consumer warp groups of 64 rows (the default
+    partition and NC - 1 workers at CONSUMER_REGS; the producer at PRODUCER_REGS); mbarriers hand the buffers over."""
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
+    gl.static_assert(NC == 2 or NC == 3, "NC: two or three consumer warp groups")
+    gl.static_assert(NST >= 2, "NST: a consumer holds block b + 1's stage while it frees block b's")
+    cdt: gl.constexpr = x_ptr.dtype.element_ty
+    T = H * ((N + NC * 64 - 1) // (NC * 64))
+    x_smem = gl.allocate_shared_memory(cdt, [2 * NC, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
+    w_smem = gl.allocate_shared_memory(cdt, [NST * PARTS, DH, BLOCK_E],
+                                       gl.NVMMASharedLayout.get_default_for([DH, BLOCK_E], cdt))
+    x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(x_ready.index(i), count=NW * 32)
+        mbarrier.init(x_empty.index(i), count=NC)
+    for i in gl.static_range(NST):
+        mbarrier.init(w_ready.index(i), count=NW * 32)
+        mbarrier.init(w_empty.index(i), count=NC)
+    args = (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T)
+    if NC == 2:
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 1)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 0))],
+                           [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 1)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 2)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 0))],
+                           [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+# consumers, ring stages, expert block, worker registers (consumer, producer) and the launch limit per consumer count
+WS_ROUTER_NC, WS_ROUTER_NST, WS_ROUTER_BLOCK_E = 2, 3, 64
+WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40)}
+WS_ROUTER_MAXNREG = {2: 168, 3: 128}
+gluon_router_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[WS_ROUTER_NC]}
+
+
+def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
+    """Shapes of the warp-specialised router forward: dh 128, NE a multiple of 8 (16-byte W_r rows for cp.async),
+    1 <= k <= 8, bf16 W_r terms (1-3 parts)."""
+    return dh == 128 and ne % 8 == 0 and 1 <= k <= min(8, ne) and 1 <= parts <= 3
+
+
+def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int = WS_ROUTER_NC,
+                         stages: int = WS_ROUTER_NST, block_e: int = WS_ROUTER_BLOCK_E) -> dict:
+    """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
+    if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
+        raise ValueError(f"warp-specialised router forward: dh={dh}, Ne={ne}, k={k}, parts={parts}, nc={nc}; "
+                         "expected dh 128, Ne a multiple of 8, 1 <= k <= 8, 1-3 bf16 parts, 2 or 3 consumers")
+    regs = WS_ROUTER_REGS[nc]
+    return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, BLOCK_E=block_e, NST=stages, NC=nc,
+                CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+
+
+def ws_router_items(n: int, h: int, nc: int = WS_ROUTER_NC) -> int:
+    return h * -(-n // (nc * 64))
+
+
+def gluon_router_fwd_ws(x, wp, bias, k: int, programs: int | None = None, **options):
+    """Torch launcher (CUDA, Hopper): x (N, H, dh) bf16, wp (parts, H, dh, Ne) bf16 (`torch_router.split_bf16`),
+    bias (H, Ne) fp32 -> values (N, H, k) fp32, indices (N, H, k) int32; options: `ws_router_constexprs`' nc /
+    stages / block_e (probes)."""
+    import torch
+
+    n, h, dh = x.shape
+    parts, ne = wp.shape[0], wp.shape[3]
+    consts = ws_router_constexprs(n, h, dh, ne, k, parts, **options)
+    vals = torch.empty(n, h, k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(n, h, k, dtype=torch.int32, device=x.device)
+    programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
+    gluon_router_fwd_ws_kernel[(min(programs, ws_router_items(n, h, consts["NC"])),)](
+        x.contiguous(), wp.contiguous(), bias.float().contiguous(), vals, idx, num_warps=4,
+        maxnreg=WS_ROUTER_MAXNREG[consts["NC"]], **consts)
+    return vals, idx
