@@ -56,17 +56,33 @@ def _insert(rv, ri, cv, ci, K: gl.constexpr):
 
 
 @gluon.jit
-def _select(sb, cols, rv, ri, NE: gl.constexpr, K: gl.constexpr):
-    """SELECT 2 of `kernels.router._select_block` on one block: sb (64, BLOCK_E) biased scores of experts cols."""
+def _argmax_combine(v1, i1, v2, i2):
+    """(value, index) pairs: the larger value, the lower index among equals."""
+    first = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return gl.where(first, v1, v2), gl.where(first, i1, i2)
+
+
+@gluon.jit
+def _select(sb, cols, rv, ri, NE: gl.constexpr, K: gl.constexpr, PAIR: gl.constexpr):
+    """SELECT 2 of `kernels.router._select_block` on one block: sb (64, BLOCK_E) biased scores of experts cols.
+    PAIR: each round is one (max, lowest index at the max) reduction over pairs; else a max, then a min of the
+    indices at the max (two reductions in sequence)."""
     ok = (sb > rv[K - 1][:, None]) & (cols < NE)[None, :]
     sv = gl.where(ok, sb, float("-inf"))
     rounds = gl.minimum(gl.max(gl.sum(ok.to(gl.int32), axis=1), axis=0), K)
-    m = gl.max(sv, axis=1)
-    for _ in range(rounds):
-        e = gl.min(gl.where(sv == m[:, None], cols[None, :], NE), axis=1)
-        rv, ri = _insert(rv, ri, m, e, K)
-        sv = gl.where(cols[None, :] == e[:, None], float("-inf"), sv)
+    if PAIR:
+        cb = gl.full_like(sv, 0, dtype=gl.int32) + cols[None, :]
+        for _ in range(rounds):
+            m, e = gl.reduce((sv, cb), 1, _argmax_combine)
+            rv, ri = _insert(rv, ri, m, e, K)
+            sv = gl.where(cb == e[:, None], float("-inf"), sv)
+    else:
         m = gl.max(sv, axis=1)
+        for _ in range(rounds):
+            e = gl.min(gl.where(sv == m[:, None], cols[None, :], NE), axis=1)
+            rv, ri = _insert(rv, ri, m, e, K)
+            sv = gl.where(cols[None, :] == e[:, None], float("-inf"), sv)
+            m = gl.max(sv, axis=1)
     return rv, ri
 
 
@@ -82,7 +98,7 @@ def _issue_block(xs, w_smem, s, zero, PARTS: gl.constexpr):
 @gluon.jit
 def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
                      PARTS: gl.constexpr, BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr,
-                     C: gl.constexpr):
+                     OVERLAP: gl.constexpr, PAIR: gl.constexpr, C: gl.constexpr):
     """Per item: its x rows into x buffer t % 2, then W_r block by block (all PARTS terms) into the ring."""
     (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
     PW: gl.constexpr = gl.num_warps()
@@ -122,7 +138,7 @@ def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
 @gluon.jit
 def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
                      PARTS: gl.constexpr, BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr,
-                     C: gl.constexpr):
+                     OVERLAP: gl.constexpr, PAIR: gl.constexpr, C: gl.constexpr):
     """Consumer C: rows [C * 64, C * 64 + 64) of every item; block b + 1's products run under block b's selection."""
     (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
     NW: gl.constexpr = gl.num_warps()
@@ -146,28 +162,40 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
             ri = ri + (gl.full([64], NE, gl.int32, row_l),)
         mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
         xs = x_smem.index(xb * NC + C)
-        mbarrier.wait(w_ready.index(q % NST), (q // NST) & 1)
-        fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-        acc = _issue_block(xs, w_smem, q % NST, zero, PARTS)
-        for b in range(NB - 1):
-            cols = b * BLOCK_E + offs_e
+        if OVERLAP:
+            mbarrier.wait(w_ready.index(q % NST), (q // NST) & 1)
+            fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+            acc = _issue_block(xs, w_smem, q % NST, zero, PARTS)
+            for b in range(NB - 1):
+                cols = b * BLOCK_E + offs_e
+                bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
+                qn = q + 1
+                mbarrier.wait(w_ready.index(qn % NST), (qn // NST) & 1)
+                fence_async_shared()
+                acc_next = _issue_block(xs, w_smem, qn % NST, zero, PARTS)
+                sc = warpgroup_mma_wait(num_outstanding=PARTS, deps=(acc,))  # block b done, b + 1 in flight
+                mbarrier.arrive(w_empty.index(q % NST))
+                rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K, PAIR)
+                acc = acc_next
+                q = qn
+            cols = (NB - 1) * BLOCK_E + offs_e
             bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
-            qn = q + 1
-            mbarrier.wait(w_ready.index(qn % NST), (qn // NST) & 1)
-            fence_async_shared()
-            acc_next = _issue_block(xs, w_smem, qn % NST, zero, PARTS)
-            sc = warpgroup_mma_wait(num_outstanding=PARTS, deps=(acc,))  # block b done, b + 1 in flight
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(w_empty.index(q % NST))
-            rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
-            acc = acc_next
-            q = qn
-        cols = (NB - 1) * BLOCK_E + offs_e
-        bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(w_empty.index(q % NST))
+            rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K, PAIR)
+            q += 1
+        else:  # one block at a time: the other consumers' selections run under this one's products
+            for b in range(NB):
+                cols = b * BLOCK_E + offs_e
+                bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
+                mbarrier.wait(w_ready.index(q % NST), (q // NST) & 1)
+                fence_async_shared()
+                acc = _issue_block(xs, w_smem, q % NST, zero, PARTS)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(w_empty.index(q % NST))
+                rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K, PAIR)
+                q += 1
         mbarrier.arrive(x_empty.index(xb))
-        rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
-        q += 1
         t += 1
         out = (rows.to(gl.int64) * H + h) * K
         rmask = rows < N
@@ -182,15 +210,15 @@ def gluon_router_fwd_ws_kernel(
     x_ptr, w_ptr, b_ptr,  # inputs: x (N, H, DH) bf16, w (PARTS, H, DH, NE) bf16, bias (H, NE) fp32
     vals_ptr, idx_ptr,  # outputs: (N, H, K) fp32, (N, H, K) int32
     N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr, PARTS: gl.constexpr,
-    BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, OVERLAP: gl.constexpr, PAIR: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Warp-specialised persistent router forward: items (NC * 64 rows, head) strided over the programs; one
     producer warp group (cp.async of x rows and W_r blocks), NC consumer warp groups of 64 rows (the default
     partition and NC - 1 workers at CONSUMER_REGS; the producer at PRODUCER_REGS); mbarriers hand the buffers over."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
-    gl.static_assert(NC == 2 or NC == 3, "NC: two or three consumer warp groups")
+    gl.static_assert(NC >= 2 and NC <= 4, "NC: two to four consumer warp groups")
     gl.static_assert(NST >= 2, "NST: a consumer holds block b + 1's stage while it frees block b's")
     cdt: gl.constexpr = x_ptr.dtype.element_ty
     T = H * ((N + NC * 64 - 1) // (NC * 64))
@@ -209,22 +237,29 @@ def gluon_router_fwd_ws_kernel(
         mbarrier.init(w_empty.index(i), count=NC)
     args = (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T)
     if NC == 2:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 1)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 0))],
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 1)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0))],
                            [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 1)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 2)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, 0))],
+    elif NC == 3:
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 1)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 2)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0))],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 1)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 2)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 3)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0))],
+                           [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 # consumers, ring stages, expert block, worker registers (consumer, producer) and the launch limit per consumer count
 WS_ROUTER_NC, WS_ROUTER_NST, WS_ROUTER_BLOCK_E = 2, 3, 64
-WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40)}
-WS_ROUTER_MAXNREG = {2: 168, 3: 128}
+WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40), 4: (112, 40)}
+WS_ROUTER_MAXNREG = {2: 168, 3: 128, 4: 96}
 gluon_router_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[WS_ROUTER_NC]}
 
 
@@ -235,14 +270,16 @@ def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
 
 
 def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int = WS_ROUTER_NC,
-                         stages: int = WS_ROUTER_NST, block_e: int = WS_ROUTER_BLOCK_E) -> dict:
+                         stages: int = WS_ROUTER_NST, block_e: int = WS_ROUTER_BLOCK_E, overlap: bool | None = None,
+                         regs: tuple[int, int] | None = None, pair: bool = True) -> dict:
     """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
     if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
         raise ValueError(f"warp-specialised router forward: dh={dh}, Ne={ne}, k={k}, parts={parts}, nc={nc}; "
-                         "expected dh 128, Ne a multiple of 8, 1 <= k <= 8, 1-3 bf16 parts, 2 or 3 consumers")
-    regs = WS_ROUTER_REGS[nc]
-    return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, BLOCK_E=block_e, NST=stages, NC=nc,
-                CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+                         "expected dh 128, Ne a multiple of 8, 1 <= k <= 8, 1-3 bf16 parts, 2-4 consumers")
+    regs = regs or WS_ROUTER_REGS[nc]
+    overlap = nc < 4 if overlap is None else overlap
+    return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, BLOCK_E=block_e, NST=stages, NC=nc, OVERLAP=overlap,
+                PAIR=pair, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
 
 
 def ws_router_items(n: int, h: int, nc: int = WS_ROUTER_NC) -> int:
