@@ -87,9 +87,9 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
 
 
 def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128) -> dict:
-    """Compile a warp-specialised Gluon kernel of kernels/gluon_experts.py (`fwd_ws`: the forward, `dw_ws`: the
-    weight gradients) as the JAX binding does (mhl_jax.ops.gluon_bridge) and read ptxas' report (registers: the
-    kernel's launch limit, maxnreg)."""
+    """Compile a warp-specialised Gluon kernel (kernels/gluon_experts.py: `fwd_ws` the forward, `dw_ws` the weight
+    gradients; kernels/gluon_router.py: `router_ws` the router forward, Ne = de) as the JAX binding does
+    (mhl_jax.ops.gluon_bridge) and read ptxas' report (registers: the kernel's launch limit, maxnreg)."""
     import kernels.gluon_experts as ge
     from mhl_jax.ops.gluon_bridge import compile_gluon
 
@@ -99,9 +99,15 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
     elif kind == "dw_ws":
         fn, consts = ge.gluon_expert_dw_ws_kernel, ge.dw_ws_constexprs(k, dh, de, 8 * 384, pack_block)
         tile = [ge.DW_WS_BLOCK_M, 128, 12, ge.DW_WS_STAGES]
+    elif kind == "router_ws":  # the router forward at 81920 tokens x 8 heads, Ne = de, bf16x3
+        import kernels.gluon_router as gr
+
+        fn, consts = gr.gluon_router_fwd_ws_kernel, gr.ws_router_constexprs(81920, 8, dh, de, k, 3)
+        tile = [64 * gr.WS_ROUTER_NC, gr.WS_ROUTER_BLOCK_E, 4 * (gr.WS_ROUTER_NC + 1), gr.WS_ROUTER_NST]
+        pointer = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32"}
     else:
-        raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws or dw_ws")
-    signature, attrs = _signature(fn, consts, POINTER_TYPES)
+        raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws, dw_ws or router_ws")
+    signature, attrs = _signature(fn, consts, pointer if kind == "router_ws" else POINTER_TYPES)
     c = compile_gluon(fn, signature, consts, attrs, num_warps=4)
     rec = _ptxas_report(fn, c["ptx"], c["ttgir"], int(c["shared"]))
     rec["setmaxnreg"] = [int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", c["ptx"])]
@@ -137,7 +143,7 @@ def _ptxas_report(fn, ptx_text: str, ttgir: str, shared: int) -> dict:
 
     return dict(registers=num(r"Used (\d+) registers"), spill_store_bytes=num(r"(\d+) bytes spill stores"),
                 spill_load_bytes=num(r"(\d+) bytes spill loads"), shared_bytes=shared,
-                sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M)),
+                sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
                 sass_counts={op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in COUNTED})
 
 
@@ -155,7 +161,7 @@ def main() -> None:
     rows = []
     for spec in args.tiles:
         kind, *nums = spec.split(",")
-        if kind in ("fwd_ws", "dw_ws"):
+        if kind in ("fwd_ws", "dw_ws", "router_ws"):
             rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block)
         elif kind == "router":
             rec = report_router(*(int(v) for v in nums), dh=args.dh, ne=args.ne, k=args.k or 8)

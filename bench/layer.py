@@ -70,8 +70,23 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
     return variant_config(variant, tokens * NH * k, NH * ne, DH, de, dwt_tile)
 
 
-def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None):
-    """x: (N, d) bf16 -> (N, d) bf16. cfg: the expert op's ExpertsConfig (triton only)."""
+ROUTER_VARIANTS = ("triton_router_fwd",)  # the default experts with the Triton router forward at every k
+
+
+def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, router_ws: bool = True):
+    """x: (N, d) bf16 -> (N, d) bf16. cfg: the expert op's ExpertsConfig (triton only). router_ws False: the Triton
+    router forward where the default runs the warp-specialised Gluon one (kernels.router.WS_MAX_K = 0 while traced)."""
+    import kernels.router as kr
+
+    saved = kr.WS_MAX_K
+    kr.WS_MAX_K = saved if router_ws else 0
+    try:
+        return _layer(params, x, k, expert_impl, router_impl, cfg)
+    finally:
+        kr.WS_MAX_K = saved
+
+
+def _layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None):
     from mhl_jax.model.moe_core import moe_heads
     from mhl_jax.ops.experts import expert_ffn
     from mhl_jax.ops.router import route_topk
@@ -190,7 +205,8 @@ def main() -> None:
     ap.add_argument("--experts", nargs="+", default=["triton"])
     ap.add_argument("--router", default="auto")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--variants", nargs="+", default=[None], help="expert configs (experts_triton.VARIANTS)")
+    ap.add_argument("--variants", nargs="+", default=[None],
+                    help="expert configs (experts_triton.VARIANTS) or ROUTER_VARIANTS")
     ap.add_argument("--dwt-tile", default=None, help="block_m,block_e,warps,stages of the transposed dW kernel")
     ap.add_argument("--breakdown", action="store_true", help="also time the layer's parts (see above)")
     ap.add_argument("--fallback", default="v2", help="variant run when a --variants run fails at a shape")
@@ -220,10 +236,12 @@ def main() -> None:
             for impl, variant in runs:
                 if variant == "fallback":
                     variant = args.fallback
-                cfg = expert_cfg(variant, tokens, ne, k, de, dwt_tile) if impl == "triton" else None
-                fwd = jax.jit(lambda p, x, impl=impl, k=k, cfg=cfg: layer(p, x, k, impl, router, cfg))
-                grad = jax.jit(jax.grad(lambda p, x, impl=impl, k=k, cfg=cfg: jnp.sum(
-                    layer(p, x, k, impl, router, cfg).astype(jnp.float32) ** 2), argnums=(0, 1)))
+                rws = variant not in ROUTER_VARIANTS
+                cfg = None if impl != "triton" else expert_cfg(variant if rws else "default", tokens, ne, k, de,
+                                                               dwt_tile)
+                fwd = jax.jit(lambda p, x, impl=impl, k=k, cfg=cfg, rws=rws: layer(p, x, k, impl, router, cfg, rws))
+                grad = jax.jit(jax.grad(lambda p, x, impl=impl, k=k, cfg=cfg, rws=rws: jnp.sum(
+                    layer(p, x, k, impl, router, cfg, rws).astype(jnp.float32) ** 2), argnums=(0, 1)))
                 rec = dict(bench="layer", impl=impl, router=router, device=device, date=date,
                            params=dict(tokens=tokens, d=D, nh=NH, dh=DH, ne=ne, k=k, de=de,
                                        expert_weights=args.expert_weights))

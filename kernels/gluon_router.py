@@ -18,8 +18,11 @@ schedule written by hand.
   expert index everywhere, as in the Triton kernel: a block's experts have higher indices than the list's, and a
   block's equal scores leave in index order, so a newcomer never displaces an equal score.
 - Outputs as the Triton kernel: values = biased score - bias (the raw score, rounded as there), indices int32.
+  Bitwise equal to it in every run so far (same products in the same order, same selection).
 
-Supported shapes: `ws_router_supported`.
+Measured on H100 (kernel alone, 81920 tokens x 8 heads; Triton in brackets): Ne 384 k 4 0.81 ms (0.92), Ne 768 k 4
+1.46 (1.67), Ne 768 k 8 2.40 (2.27), Ne 1536 k 8 3.84 (3.79); 8192 tokens, Ne 384 k 4 0.11 (0.13). The rounds
+dominate at k = 8: `kernels.router.WS_MAX_K` keeps this kernel to k <= 4. Supported shapes: `ws_router_supported`.
 """
 
 from __future__ import annotations
@@ -56,33 +59,19 @@ def _insert(rv, ri, cv, ci, K: gl.constexpr):
 
 
 @gluon.jit
-def _argmax_combine(v1, i1, v2, i2):
-    """(value, index) pairs: the larger value, the lower index among equals."""
-    first = (v1 > v2) | ((v1 == v2) & (i1 < i2))
-    return gl.where(first, v1, v2), gl.where(first, i1, i2)
-
-
-@gluon.jit
-def _select(sb, cols, rv, ri, NE: gl.constexpr, K: gl.constexpr, PAIR: gl.constexpr):
+def _select(sb, cols, rv, ri, NE: gl.constexpr, K: gl.constexpr):
     """SELECT 2 of `kernels.router._select_block` on one block: sb (64, BLOCK_E) biased scores of experts cols.
-    PAIR: each round is one (max, lowest index at the max) reduction over pairs; else a max, then a min of the
-    indices at the max (two reductions in sequence)."""
+    (One (max, lowest index) reduction over pairs per round instead of a max and then a min of the indices at it
+    measured 17-22% slower: bench/NOTES.md, Router, session 11.)"""
     ok = (sb > rv[K - 1][:, None]) & (cols < NE)[None, :]
     sv = gl.where(ok, sb, float("-inf"))
     rounds = gl.minimum(gl.max(gl.sum(ok.to(gl.int32), axis=1), axis=0), K)
-    if PAIR:
-        cb = gl.full_like(sv, 0, dtype=gl.int32) + cols[None, :]
-        for _ in range(rounds):
-            m, e = gl.reduce((sv, cb), 1, _argmax_combine)
-            rv, ri = _insert(rv, ri, m, e, K)
-            sv = gl.where(cb == e[:, None], float("-inf"), sv)
-    else:
+    m = gl.max(sv, axis=1)
+    for _ in range(rounds):
+        e = gl.min(gl.where(sv == m[:, None], cols[None, :], NE), axis=1)
+        rv, ri = _insert(rv, ri, m, e, K)
+        sv = gl.where(cols[None, :] == e[:, None], float("-inf"), sv)
         m = gl.max(sv, axis=1)
-        for _ in range(rounds):
-            e = gl.min(gl.where(sv == m[:, None], cols[None, :], NE), axis=1)
-            rv, ri = _insert(rv, ri, m, e, K)
-            sv = gl.where(cols[None, :] == e[:, None], float("-inf"), sv)
-            m = gl.max(sv, axis=1)
     return rv, ri
 
 
@@ -98,7 +87,7 @@ def _issue_block(xs, w_smem, s, zero, PARTS: gl.constexpr):
 @gluon.jit
 def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
                      PARTS: gl.constexpr, BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr,
-                     OVERLAP: gl.constexpr, PAIR: gl.constexpr, C: gl.constexpr):
+                     OVERLAP: gl.constexpr, C: gl.constexpr):
     """Per item: its x rows into x buffer t % 2, then W_r block by block (all PARTS terms) into the ring."""
     (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
     PW: gl.constexpr = gl.num_warps()
@@ -138,7 +127,7 @@ def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
 @gluon.jit
 def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
                      PARTS: gl.constexpr, BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr,
-                     OVERLAP: gl.constexpr, PAIR: gl.constexpr, C: gl.constexpr):
+                     OVERLAP: gl.constexpr, C: gl.constexpr):
     """Consumer C: rows [C * 64, C * 64 + 64) of every item; block b + 1's products run under block b's selection."""
     (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
     NW: gl.constexpr = gl.num_warps()
@@ -175,14 +164,14 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
                 acc_next = _issue_block(xs, w_smem, qn % NST, zero, PARTS)
                 sc = warpgroup_mma_wait(num_outstanding=PARTS, deps=(acc,))  # block b done, b + 1 in flight
                 mbarrier.arrive(w_empty.index(q % NST))
-                rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K, PAIR)
+                rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
                 acc = acc_next
                 q = qn
             cols = (NB - 1) * BLOCK_E + offs_e
             bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(w_empty.index(q % NST))
-            rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K, PAIR)
+            rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
             q += 1
         else:  # one block at a time: the other consumers' selections run under this one's products
             for b in range(NB):
@@ -193,7 +182,7 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
                 acc = _issue_block(xs, w_smem, q % NST, zero, PARTS)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(w_empty.index(q % NST))
-                rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K, PAIR)
+                rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
                 q += 1
         mbarrier.arrive(x_empty.index(xb))
         t += 1
@@ -210,8 +199,8 @@ def gluon_router_fwd_ws_kernel(
     x_ptr, w_ptr, b_ptr,  # inputs: x (N, H, DH) bf16, w (PARTS, H, DH, NE) bf16, bias (H, NE) fp32
     vals_ptr, idx_ptr,  # outputs: (N, H, K) fp32, (N, H, K) int32
     N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr, PARTS: gl.constexpr,
-    BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, OVERLAP: gl.constexpr, PAIR: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     """Warp-specialised persistent router forward: items (NC * 64 rows, head) strided over the programs; one
     producer warp group (cp.async of x rows and W_r blocks), NC consumer warp groups of 64 rows (the default
@@ -237,27 +226,30 @@ def gluon_router_fwd_ws_kernel(
         mbarrier.init(w_empty.index(i), count=NC)
     args = (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T)
     if NC == 2:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 1)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0))],
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 1)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0))],
                            [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     elif NC == 3:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 1)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 2)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0))],
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 1)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 2)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0))],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 1)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 2)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 3)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, PAIR, 0))],
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 1)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 2)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 3)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0))],
                            [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
-# consumers, ring stages, expert block, worker registers (consumer, producer) and the launch limit per consumer count
-WS_ROUTER_NC, WS_ROUTER_NST, WS_ROUTER_BLOCK_E = 2, 3, 64
+# Defaults (H100, 81920 tokens x 8 heads, kernel alone, bench/gluon_kernels.py --kinds router): three consumers (192-row
+# items: a third of the W_r stream per row), two ring stages (3 x 48 KB), 64-expert blocks, block b + 1's products
+# under block b's selection. Worker registers (consumer, producer) and the launch limit (all partitions in one
+# 64K-register SM) per consumer count.
+WS_ROUTER_NC, WS_ROUTER_NST, WS_ROUTER_BLOCK_E = 3, 2, 64
 WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40), 4: (112, 40)}
 WS_ROUTER_MAXNREG = {2: 168, 3: 128, 4: 96}
 gluon_router_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[WS_ROUTER_NC]}
@@ -271,7 +263,7 @@ def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
 
 def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int = WS_ROUTER_NC,
                          stages: int = WS_ROUTER_NST, block_e: int = WS_ROUTER_BLOCK_E, overlap: bool | None = None,
-                         regs: tuple[int, int] | None = None, pair: bool = True) -> dict:
+                         regs: tuple[int, int] | None = None) -> dict:
     """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
     if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
         raise ValueError(f"warp-specialised router forward: dh={dh}, Ne={ne}, k={k}, parts={parts}, nc={nc}; "
@@ -279,7 +271,7 @@ def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, n
     regs = regs or WS_ROUTER_REGS[nc]
     overlap = nc < 4 if overlap is None else overlap
     return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, BLOCK_E=block_e, NST=stages, NC=nc, OVERLAP=overlap,
-                PAIR=pair, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+                CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
 
 
 def ws_router_items(n: int, h: int, nc: int = WS_ROUTER_NC) -> int:

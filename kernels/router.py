@@ -78,17 +78,22 @@ class RouterTiles(NamedTuple):
     row_tiles: int = 0  # forward: BLOCK_N-row tiles per program (1 or 2: two share each W_r block); 0: 2 if
     # k <= 2 and Ne > 128 else 1 (H100, 81920 tokens x 8 heads: Ne 768 k 1 0.90 vs 1.11 ms, k 2 1.26 vs 1.31,
     # k 4 level at Ne 384, k 8 2.42 vs 2.30 at Ne 768: 185 registers halve the programs per SM)
+    ws: bool | None = None  # forward on the warp-specialised Gluon kernel (kernels/gluon_router.py) where it runs
+    # (Hopper, bf16 W_r terms, `ws_router_supported`); None: k <= WS_MAX_K
+
+
+WS_MAX_K = 4  # the Gluon forward's k range (H100, 81920 tokens: Ne 384 k 4 0.81 vs 0.92 ms, Ne 768 k 8 2.40 vs 2.27)
 
 
 def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
     """Default tiles for NE experts and top-k (BLOCK_E shrinks for small NE, grows to fit KP; two row tiles per
-    forward program at k <= 2 and NE > 128)."""
+    forward program at k <= 2 and NE > 128; the warp-specialised forward at k <= WS_MAX_K)."""
     t = RouterTiles()._replace(**overrides)
     kp = max(2, next_pow2(k))
     be = t.block_e or (128 if ne <= 128 else 64)  # H100 sweeps (bench/NOTES.md, Router; Layer, session 8)
     be = max(16, kp, min(be, next_pow2(ne)))
     rt = t.row_tiles or (2 if k <= 2 and ne > 128 else 1)
-    return t._replace(block_e=be, row_tiles=rt)
+    return t._replace(block_e=be, row_tiles=rt, ws=k <= WS_MAX_K if t.ws is None else t.ws)
 
 
 def check_router_args(n: int, h: int, dh: int, ne: int, k: int, tiles: RouterTiles) -> None:

@@ -251,6 +251,57 @@ def test_errors(bad):
             ktr.router_fwd(x.float(), w, b, 2, precision="bf16x3")
 
 
+def test_ws_router_shapes_checked():
+    """The warp-specialised Gluon forward's shape rule, with errors that name the values."""
+    from kernels.gluon_router import ws_router_constexprs, ws_router_supported
+
+    assert ws_router_supported(128, 384, 4, 3) and ws_router_supported(128, 16, 8, 1)
+    for dh, ne, k, parts in [(64, 384, 4, 3), (128, 100, 4, 3), (128, 384, 9, 3), (128, 8, 9, 3), (128, 384, 4, 4)]:
+        assert not ws_router_supported(dh, ne, k, parts)
+        with pytest.raises(ValueError, match=f"dh={dh}, Ne={ne}, k={k}, parts={parts}"):
+            ws_router_constexprs(100, 8, dh, ne, k, parts)
+    with pytest.raises(ValueError, match="nc=5"):
+        ws_router_constexprs(100, 8, 128, 384, 4, 3, nc=5)
+    c = ws_router_constexprs(81920, 8, 128, 384, 4, 3)
+    assert (c["NC"], c["NST"], c["BLOCK_E"], c["OVERLAP"]) == (3, 2, 64, True)
+
+
+def test_ws_router_dispatch_rule(monkeypatch):
+    """Which forward the JAX binding runs: the Gluon one on Hopper for bf16 x / W_r terms at k <= WS_MAX_K and
+    shapes it takes, the Triton one otherwise; the Gluon launch gets the same split W_r terms."""
+    import jax.numpy as jnp
+
+    from mhl_jax.ops import gluon_bridge
+    from mhl_jax.ops import router_triton as rt
+
+    monkeypatch.setattr(gluon_bridge, "hopper_sms", lambda: 132)
+
+    def st(k, precision="bf16x3", ne=384, **tiles):
+        return rt.Static(k, precision, kr.router_tiles(ne, k, **tiles), "triton", "flat")
+
+    assert kr.router_tiles(384, 4).ws and kr.router_tiles(768, 1).ws and not kr.router_tiles(768, 8).ws
+    assert rt.use_fwd_gluon(st(4), jnp.bfloat16, 128, 384) and rt.use_fwd_gluon(st(1), jnp.bfloat16, 128, 64)
+    assert rt.use_fwd_gluon(st(8, ws=True), jnp.bfloat16, 128, 768)  # asked for: the kernel takes k = 8
+    for case, args in {"k > WS_MAX_K": (st(8), jnp.bfloat16, 128, 768), "ws off": (st(4, ws=False), jnp.bfloat16,
+                       128, 384), "fp32 x": (st(4, "ieee"), jnp.float32, 128, 384), "dh": (st(4), jnp.bfloat16, 64,
+                       384), "Ne % 8": (st(4, ne=100), jnp.bfloat16, 128, 100)}.items():
+        assert not rt.use_fwd_gluon(*args), case
+    calls = []
+
+    def fake_gluon(static, x, wp, bias):  # records the launch; returns the reference top-k for the plumbing
+        calls.append(wp)
+        return rt.route_topk_reference(x, w, bias, static.k)
+
+    monkeypatch.setattr(rt, "_fwd_gluon", fake_gluon)
+    x, w, b = _jax_inputs(3, 40, 2, 128, 64)
+    vals, idx = rt._fwd_triton(st(4, ne=64), x, w, b)
+    assert len(calls) == 1 and calls[0].shape == (3, 2, 128, 64) and calls[0].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(calls[0]), np.asarray(rt.split_bf16(w, 3)))
+    assert idx.shape == (40, 2, 4)
+    monkeypatch.setattr(gluon_bridge, "hopper_sms", lambda: 0)
+    assert not rt.use_fwd_gluon(st(4), jnp.bfloat16, 128, 384)
+
+
 # --------------------------------------------------- CPU: the JAX binding's plumbing (emulate backend)
 
 def _jax_inputs(seed, n, h, dh, ne, bias_scale=0.1):
@@ -523,6 +574,44 @@ def test_gpu_gradients_bitwise_deterministic(skew):
     g2 = jax.block_until_ready(f(x + jnp.zeros_like(x), w * 1.0))
     for a, c in zip(g1, g2):
         assert np.array_equal(np.asarray(a), np.asarray(c))
+
+
+WS_CASES = [  # n, h, ne, k, options (consumers / stages / expert block), programs, ties
+    (4099, 8, 384, 4, {}, None, False),  # the default: N not a multiple of the 192-row items
+    (1000, 2, 64, 1, {}, 5, False),  # five programs: many items each, x and W_r buffers reused in turn
+    (777, 3, 1000, 3, dict(nc=2, stages=3), None, False),  # Ne % 64 != 0 (masked W_r columns), k odd
+    (2048, 4, 768, 8, {}, 7, False),  # k = 8 (not the default there, but taken)
+    (300, 2, 16, 2, dict(nc=4, overlap=False), None, False),  # Ne < block, four consumers, no overlap
+    (1500, 2, 256, 4, {}, None, True),  # exact ties within and across expert blocks
+    (1500, 2, 256, 4, dict(block_e=32, stages=4), 3, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WS_CASES, ids=[f"n{c[0]}-ne{c[2]}-k{c[3]}-{'ties' if c[6] else 'rand'}-{i}"
+                                                for i, c in enumerate(WS_CASES)])
+def test_gpu_ws_router_vs_triton_and_float64(case):
+    """The warp-specialised Gluon forward (kernels/gluon_router.py) against the Triton forward (bitwise: the same
+    products in the same order, the same selection) and the float64 top-k (ties to the lower index)."""
+    from kernels.gluon_router import gluon_router_fwd_ws
+
+    n, h, ne, k, options, programs, ties = case
+    x, w, b = _inputs(n + ne + k, n, h, 128, ne)
+    if ties:  # experts 64-127 copy 0-63 (ties across blocks), 9 copies 5 (within a block), same bias
+        w[:, :, 64:128] = w[:, :, 0:64]
+        w[:, :, 9] = w[:, :, 5]
+        b[:, 64:128] = b[:, 0:64]
+        b[:, 9] = b[:, 5]
+    xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
+    vals, idx = gluon_router_fwd_ws(xc, ktr.split_bf16(wc, 3), bc, k, programs=programs, **options)
+    tv, ti = ktr.router_fwd(xc, wc, bc, k)
+    assert torch.equal(idx, ti) and torch.equal(vals, tv)
+    s64 = _scores64(x, w)
+    frac = check_topk(idx.cpu(), vals.cpu(), s64, b.double().numpy(), k, tol=2e-6, max_mismatch=1e-3)
+    if ties:  # the ties are exact in float64 too: every row must be the stable top-k
+        assert frac == 0.0
+    again = gluon_router_fwd_ws(xc, ktr.split_bf16(wc, 3), bc, k, programs=programs, **options)
+    assert torch.equal(again[0], vals) and torch.equal(again[1], idx)
 
 
 @pytest.mark.gpu

@@ -99,22 +99,13 @@ def _opts(dtype) -> dict:
     return dict(FAST_TANH=True, PRECISION="ieee" if dtype == jnp.float32 else "tf32")
 
 
-@functools.cache
-def _hopper_sms() -> int:
-    """The SM count of the first GPU if it is a Hopper (compute capability 9.x), else 0."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9"):
-        return 0
-    return int(getattr(dev, "core_count", 0) or 132)
+_hopper_sms = gluon_bridge.hopper_sms  # a module name the tests can patch
 
 
 def _gluon_call(*args, kernel, out_shape, work_items: int, **constexprs):
-    """A persistent warp-specialised Gluon kernel (kernels/gluon_experts.py) through jax-triton and
-    `gluon_bridge`: one program per SM (at most one per work item), four warps per partition."""
-    jt = import_jax_triton()
-    gluon_bridge.install(jt)
-    return jt.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=(min(_hopper_sms(), work_items),),
-                          num_warps=4, num_stages=1, **constexprs)
+    """A persistent Gluon expert kernel (kernels/gluon_experts.py): one program per SM, at most one per work item."""
+    return gluon_bridge.gluon_call(*args, kernel=kernel, out_shape=out_shape,
+                                   programs=min(_hopper_sms(), work_items), **constexprs)
 
 
 def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2):

@@ -8,7 +8,9 @@ Same contract as `route_topk_reference` (selection = top-k of scores + bias, tie
 index; values are the raw scores; bias gets no gradient).
 
 forward   split W_r into bf16 terms (precision "bf16x3": exact products, fp32 accumulation) ->
-          one kernel streams W_r blocks and keeps a running top-k on chip; writes only (N, H, k).
+          one kernel streams W_r blocks and keeps a running top-k on chip; writes only (N, H, k). On Hopper
+          at k <= 4 the warp-specialised Gluon kernel (kernels/gluon_router.py, same outputs to the bit),
+          else the Triton one (`use_fwd_gluon`).
 backward  dx: k gathered rows of W_r^T per token (fixed order). dW_r: slots sorted per head by expert
           (one uint32 radix sort of (expert << bits | slot) keys), cut into blocks of one
           (head, expert) each; a kernel sums each block in order, another sums each expert's blocks
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.router import RouterTiles, check_router_args, dw_num_blocks, next_pow2, router_tiles, weight_parts
+from mhl_jax.ops import gluon_bridge
 from mhl_jax.ops import packing as pk
 from mhl_jax.ops.kernels_select import import_jax_triton
 from mhl_jax.ops.packing import prefix_scan
@@ -164,14 +167,36 @@ def _dhp(dh: int) -> int:
 
 # ----------------------------------------------------------------------------- kernel calls (Triton)
 
-def _fwd_triton(st: Static, x, w, bias):
-    jt = import_jax_triton()
+def use_fwd_gluon(st: Static, dtype, dh: int, ne: int) -> bool:
+    """Whether the forward runs on the warp-specialised Gluon kernel (kernels/gluon_router.py): tiles.ws, bf16 x and
+    W_r terms, a Hopper GPU, a shape the kernel takes; else the Triton kernel."""
+    from kernels.gluon_router import ws_router_supported
 
+    return bool(st.tiles.ws and dtype == jnp.bfloat16 and st.precision.startswith("bf16")
+                and ws_router_supported(dh, ne, st.k, weight_parts(st.precision)) and gluon_bridge.hopper_sms())
+
+
+def _fwd_gluon(st: Static, x, wp, bias):
+    from kernels.gluon_router import gluon_router_fwd_ws_kernel, ws_router_constexprs, ws_router_items
+
+    n, h, dh = x.shape
+    vals, idx = gluon_bridge.gluon_call(
+        x, wp, bias, kernel=gluon_router_fwd_ws_kernel,
+        out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)],
+        programs=min(gluon_bridge.hopper_sms(), ws_router_items(n, h)),
+        **ws_router_constexprs(n, h, dh, wp.shape[3], st.k, wp.shape[0]))
+    return vals, idx
+
+
+def _fwd_triton(st: Static, x, w, bias):
     from kernels.router import fwd_grid, router_fwd_kernel
 
     n, h, dh = x.shape
     ne, t = w.shape[2], st.tiles
     wp = split_bf16(w, weight_parts(st.precision)) if st.precision.startswith("bf16") else w[None]
+    if use_fwd_gluon(st, x.dtype, dh, ne):
+        return _fwd_gluon(st, x, wp, bias)
+    jt = import_jax_triton()
     vals, idx = jt.triton_call(
         x, wp, bias, kernel=router_fwd_kernel,
         out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)],
