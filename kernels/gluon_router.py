@@ -76,6 +76,179 @@ def _select(sb, cols, rv, ri, NE: gl.constexpr, K: gl.constexpr):
 
 
 @gluon.jit
+def _better(va, ia, vb, ib):
+    """(va, ia) goes before (vb, ib): the larger score, the lower expert index among equal scores."""
+    return (va > vb) | ((va == vb) & (ia < ib))
+
+
+@gluon.jit
+def _cas_pass(v, i, N: gl.constexpr, KK: gl.constexpr, JJ: gl.constexpr):
+    """One compare-exchange pass of a bitonic network over the N-tuples v / i (values, indices): pairs (t, t ^ JJ);
+    the pair's first element gets the better one where t & KK == 0 (KK = 0: everywhere), the worse one elsewhere."""
+    nv = ()
+    ni = ()
+    sw = ()
+    for t in gl.static_range(N):
+        if (t ^ JJ) > t:
+            if (t & KK) == 0:
+                s = _better(v[t ^ JJ], i[t ^ JJ], v[t], i[t])
+            else:
+                s = _better(v[t], i[t], v[t ^ JJ], i[t ^ JJ])
+        else:
+            s = sw[t ^ JJ]
+        sw = sw + (s,)
+        nv = nv + (gl.where(s, v[t ^ JJ], v[t]),)
+        ni = ni + (gl.where(s, i[t ^ JJ], i[t]),)
+    return nv, ni
+
+
+@gluon.constexpr_function
+def _log2(n):
+    return int(n).bit_length() - 1
+
+
+@gluon.jit
+def _bitonic_sort(v, i, N: gl.constexpr):
+    """Sort the N-tuples (N a power of 2) into the better-first order."""
+    for lk in gl.static_range(1, _log2(N) + 1):
+        for lj in gl.static_range(lk):
+            v, i = _cas_pass(v, i, N, 1 << lk, 1 << (lk - 1 - lj))
+    return v, i
+
+
+@gluon.jit
+def _merge_top(av, ai, bv, bi, KP: gl.constexpr):
+    """The best KP of two better-first lists of KP, better-first: the better of a_t and b_{KP-1-t} (a bitonic
+    sequence holding the top KP), then a bitonic merge."""
+    cv = ()
+    ci = ()
+    for t in gl.static_range(KP):
+        s = _better(av[t], ai[t], bv[KP - 1 - t], bi[KP - 1 - t])
+        cv = cv + (gl.where(s, av[t], bv[KP - 1 - t]),)
+        ci = ci + (gl.where(s, ai[t], bi[KP - 1 - t]),)
+    for lj in gl.static_range(_log2(KP)):
+        cv, ci = _cas_pass(cv, ci, KP, 0, KP >> (lj + 1))
+    return cv, ci
+
+
+@gluon.jit
+def _split_cols(t):
+    """(64, 4, 16) -> the 16 (64, 4) slices t[:, :, j], j = 0..15 (the columns each thread holds)."""
+    a0 = t.reshape([64, 4, 8, 2])
+    e, o = gl.split(a0)  # j = 2m, 2m + 1
+    out = ()
+    for u in gl.static_range(2):
+        x1 = (e if u == 0 else o).reshape([64, 4, 4, 2])
+        e1, o1 = gl.split(x1)  # m = 2m1, 2m1 + 1
+        for u1 in gl.static_range(2):
+            x2 = (e1 if u1 == 0 else o1).reshape([64, 4, 2, 2])
+            e2, o2 = gl.split(x2)
+            for u2 in gl.static_range(2):
+                x3 = (e2 if u2 == 0 else o2)
+                e3, o3 = gl.split(x3)
+                out = out + (e3, o3)
+    return out  # leaf order: j = u + 2 u1 + 4 u2 + 8 u3 for leaf index 8 u + 4 u1 + 2 u2 + u3
+
+
+@gluon.jit
+def _net_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr):
+    """One 64-expert block by sorting networks, each thread on its own 16 columns of its rows: sc (64, 64) scores
+    of experts e0..e0+63 in the wgmma layout; rv / ri the thread's running best KP (KP-tuples of (64, 4))."""
+    l16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    cols = e0 + gl.arange(0, 64, layout=gl.SliceLayout(0, l16))
+    bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
+    sb = gl.convert_layout(sc, l16) + bias[None, :]
+    sb = gl.where((cols < NE)[None, :], sb, float("-inf"))
+    cb = gl.full([64, 64], 0, gl.int32, l16) + cols[None, :]
+    lv = _split_cols(sb.reshape([64, 4, 16]))
+    li = _split_cols(cb.reshape([64, 4, 16]))
+    # the best KP of each group of KP leaves, then a tree of merges, then into the running list
+    lists_v = ()
+    lists_i = ()
+    for g in gl.static_range(16 // KP):
+        gv = ()
+        gi = ()
+        for u in gl.static_range(KP):
+            gv = gv + (lv[g * KP + u],)
+            gi = gi + (li[g * KP + u],)
+        gv, gi = _bitonic_sort(gv, gi, KP)
+        lists_v = lists_v + (gv,)
+        lists_i = lists_i + (gi,)
+    n: gl.constexpr = 16 // KP
+    for lvl in gl.static_range(_log2(16 // KP)):
+        nv = ()
+        ni = ()
+        for g in gl.static_range(n >> (lvl + 1)):
+            mv, mi = _merge_top(lists_v[2 * g], lists_i[2 * g], lists_v[2 * g + 1], lists_i[2 * g + 1], KP)
+            nv = nv + (mv,)
+            ni = ni + (mi,)
+        lists_v = nv
+        lists_i = ni
+    return _merge_top(rv, ri, lists_v[0], lists_i[0], KP)
+
+
+@gluon.jit
+def _net_grid(NE: gl.constexpr):
+    """(row, column) indices of the l16 layout's (64, 64) tile, as the per-thread (64, 4) slices `_split_cols` gives."""
+    l16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    z = gl.full([64, 64], 0, gl.int32, l16)
+    r = z + gl.arange(0, 64, layout=gl.SliceLayout(1, l16))[:, None]
+    c = z + gl.arange(0, 64, layout=gl.SliceLayout(0, l16))[None, :]
+    return _split_cols(r.reshape([64, 4, 16])), _split_cols(c.reshape([64, 4, 16]))
+
+
+@gluon.jit
+def _net_init(NE: gl.constexpr, KP: gl.constexpr):
+    """Empty running lists: KP x (-inf, NE + column) per thread and row."""
+    _, c = _net_grid(NE)
+    rv = ()
+    ri = ()
+    for u in gl.static_range(KP):
+        rv = rv + (gl.where(c[u] >= 0, float("-inf"), 0.0),)
+        ri = ri + (c[u] + NE,)
+    return rv, ri
+
+
+@gluon.jit
+def _net_store(rv, ri, row0, h, b_ptr, vals_ptr, idx_ptr, N: gl.constexpr, H: gl.constexpr, NE: gl.constexpr,
+               K: gl.constexpr):
+    """Rows row0 + (0..63): the best K (the same in the row's four threads: the first of them stores)."""
+    r, c = _net_grid(NE)
+    rows = row0 + r[0]
+    mask = (rows < N) & (c[0] < 16)  # c[0] = 16 q: the row's first thread
+    out = (rows.to(gl.int64) * H + h) * K
+    for j in gl.static_range(K):
+        b_sel = gl.load(b_ptr + h * NE + ri[j], mask=mask & (ri[j] < NE), other=0.0)
+        gl.store(vals_ptr + out + j, rv[j] - b_sel, mask=mask)
+        gl.store(idx_ptr + out + j, ri[j], mask=mask)
+
+
+@gluon.jit
+def _shfl_bfly(x, LANES: gl.constexpr):
+    """x (32-bit) of the lane LANES apart (shfl.sync.bfly over the full warp), elementwise."""
+    if LANES == 1:
+        y = gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 1, 0x1f, -1;", "=r,r", [x], dtype=x.dtype,
+                                      is_pure=True, pack=1)
+    else:
+        y = gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 2, 0x1f, -1;", "=r,r", [x], dtype=x.dtype,
+                                      is_pure=True, pack=1)
+    return y
+
+
+@gluon.jit
+def _net_finish(rv, ri, KP: gl.constexpr):
+    """The row's best KP from its four threads' lists (lanes 4r .. 4r + 3 of the l16 layout): two butterfly merges."""
+    for d in gl.static_range(2):
+        pv = ()
+        pi = ()
+        for t in gl.static_range(KP):
+            pv = pv + (_shfl_bfly(rv[t], 1 << d),)
+            pi = pi + (_shfl_bfly(ri[t], 1 << d),)
+        rv, ri = _merge_top(rv, ri, pv, pi, KP)
+    return rv, ri
+
+
+@gluon.jit
 def _issue_block(xs, w_smem, s, zero, PARTS: gl.constexpr):
     """The PARTS async products of one W_r block (smallest term first), chained in one accumulator."""
     acc = warpgroup_mma(xs, w_smem.index(s * PARTS + PARTS - 1), zero, use_acc=False, is_async=True)
@@ -87,7 +260,7 @@ def _issue_block(xs, w_smem, s, zero, PARTS: gl.constexpr):
 @gluon.jit
 def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
                      PARTS: gl.constexpr, BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr,
-                     OVERLAP: gl.constexpr, C: gl.constexpr):
+                     OVERLAP: gl.constexpr, NET: gl.constexpr, C: gl.constexpr):
     """Per item: its x rows into x buffer t % 2, then W_r block by block (all PARTS terms) into the ring."""
     (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
     PW: gl.constexpr = gl.num_warps()
@@ -127,11 +300,13 @@ def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
 @gluon.jit
 def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
                      PARTS: gl.constexpr, BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr,
-                     OVERLAP: gl.constexpr, C: gl.constexpr):
+                     OVERLAP: gl.constexpr, NET: gl.constexpr, C: gl.constexpr):
     """Consumer C: rows [C * 64, C * 64 + 64) of every item; block b + 1's products run under block b's selection."""
     (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
     NW: gl.constexpr = gl.num_warps()
     NB: gl.constexpr = (NE + BLOCK_E - 1) // BLOCK_E
+    KP: gl.constexpr = 1 << _log2(2 * K - 1)  # K rounded up to a power of 2
+    gl.static_assert(not NET or BLOCK_E == 64, "NET: 64-expert blocks (16 columns per thread)")
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_E, NW)
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -144,11 +319,14 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
         h = item % H
         rows = (item // H) * (NC * 64) + C * 64 + rloc
         xb = t % 2
-        rv = ()
-        ri = ()
-        for _ in gl.static_range(K):
-            rv = rv + (gl.full([64], float("-inf"), gl.float32, row_l),)
-            ri = ri + (gl.full([64], NE, gl.int32, row_l),)
+        if NET:  # each thread's running best KP of its own columns
+            rv, ri = _net_init(NE, KP)
+        else:
+            rv = ()
+            ri = ()
+            for _ in gl.static_range(K):
+                rv = rv + (gl.full([64], float("-inf"), gl.float32, row_l),)
+                ri = ri + (gl.full([64], NE, gl.int32, row_l),)
         mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
         xs = x_smem.index(xb * NC + C)
         if OVERLAP:
@@ -164,14 +342,20 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
                 acc_next = _issue_block(xs, w_smem, qn % NST, zero, PARTS)
                 sc = warpgroup_mma_wait(num_outstanding=PARTS, deps=(acc,))  # block b done, b + 1 in flight
                 mbarrier.arrive(w_empty.index(q % NST))
-                rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
+                if NET:
+                    rv, ri = _net_block(sc, b * BLOCK_E, h, b_ptr, rv, ri, NE, KP)
+                else:
+                    rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
                 acc = acc_next
                 q = qn
             cols = (NB - 1) * BLOCK_E + offs_e
             bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(w_empty.index(q % NST))
-            rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
+            if NET:
+                rv, ri = _net_block(sc, (NB - 1) * BLOCK_E, h, b_ptr, rv, ri, NE, KP)
+            else:
+                rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
             q += 1
         else:  # one block at a time: the other consumers' selections run under this one's products
             for b in range(NB):
@@ -182,16 +366,23 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
                 acc = _issue_block(xs, w_smem, q % NST, zero, PARTS)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(w_empty.index(q % NST))
-                rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
+                if NET:
+                    rv, ri = _net_block(sc, b * BLOCK_E, h, b_ptr, rv, ri, NE, KP)
+                else:
+                    rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
                 q += 1
         mbarrier.arrive(x_empty.index(xb))
         t += 1
-        out = (rows.to(gl.int64) * H + h) * K
-        rmask = rows < N
-        for j in gl.static_range(K):
-            b_sel = gl.load(b_ptr + h * NE + ri[j], mask=rmask & (ri[j] < NE), other=0.0)
-            gl.store(vals_ptr + out + j, rv[j] - b_sel, mask=rmask)
-            gl.store(idx_ptr + out + j, ri[j], mask=rmask)
+        if NET:
+            rv, ri = _net_finish(rv, ri, KP)
+            _net_store(rv, ri, (item // H) * (NC * 64) + C * 64, h, b_ptr, vals_ptr, idx_ptr, N, H, NE, K)
+        else:
+            out = (rows.to(gl.int64) * H + h) * K
+            rmask = rows < N
+            for j in gl.static_range(K):
+                b_sel = gl.load(b_ptr + h * NE + ri[j], mask=rmask & (ri[j] < NE), other=0.0)
+                gl.store(vals_ptr + out + j, rv[j] - b_sel, mask=rmask)
+                gl.store(idx_ptr + out + j, ri[j], mask=rmask)
 
 
 @gluon.jit
@@ -199,7 +390,8 @@ def gluon_router_fwd_ws_kernel(
     x_ptr, w_ptr, b_ptr,  # inputs: x (N, H, DH) bf16, w (PARTS, H, DH, NE) bf16, bias (H, NE) fp32
     vals_ptr, idx_ptr,  # outputs: (N, H, K) fp32, (N, H, K) int32
     N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr, PARTS: gl.constexpr,
-    BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, OVERLAP: gl.constexpr, NET: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
     """Warp-specialised persistent router forward: items (NC * 64 rows, head) strided over the programs; one
@@ -226,22 +418,22 @@ def gluon_router_fwd_ws_kernel(
         mbarrier.init(w_empty.index(i), count=NC)
     args = (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T)
     if NC == 2:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 1)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0))],
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 1)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0))],
                            [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     elif NC == 3:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 1)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 2)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0))],
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 1)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 2)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0))],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 1)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 2)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 3)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, 0))],
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 1)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 2)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 3)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0))],
                            [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -263,7 +455,7 @@ def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
 
 def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int = WS_ROUTER_NC,
                          stages: int = WS_ROUTER_NST, block_e: int = WS_ROUTER_BLOCK_E, overlap: bool | None = None,
-                         regs: tuple[int, int] | None = None) -> dict:
+                         regs: tuple[int, int] | None = None, net: bool = False) -> dict:
     """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
     if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
         raise ValueError(f"warp-specialised router forward: dh={dh}, Ne={ne}, k={k}, parts={parts}, nc={nc}; "
@@ -271,7 +463,7 @@ def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, n
     regs = regs or WS_ROUTER_REGS[nc]
     overlap = nc < 4 if overlap is None else overlap
     return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, BLOCK_E=block_e, NST=stages, NC=nc, OVERLAP=overlap,
-                CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+                NET=net, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
 
 
 def ws_router_items(n: int, h: int, nc: int = WS_ROUTER_NC) -> int:
