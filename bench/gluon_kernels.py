@@ -32,9 +32,8 @@ from bench.timing import emit  # noqa: E402
 
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
 KINDS = ("fwd", "dw", "dw_options", "router")
-# `gluon_router_fwd_ws` launch options (consumers, ring stages, expert block, block b + 1's products under block b's
-# selection, selection by sorting networks); the first is the kernel's default
-ROUTER_OPTIONS = [(3, 2, 64, True, False), (3, 2, 64, True, True), (2, 3, 64, True, True), (3, 2, 64, False, True)]
+# `gluon_router_fwd_ws` launch options (consumers, ring stages); the first is the kernel's default
+ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
 # the kernel's default (H100 2026-11-24: results/gluon_dw_variants-h100-2026-11-24.jsonl, measured by the probe
 # this kind replaced)
@@ -120,9 +119,9 @@ def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: i
         sets.append((x, w, split_bf16(w, 3).contiguous(), b))
     kernels = {"triton": lambda s: router_fwd(s[0], s[1], s[3], k)}
     if ws_router_supported(dh, ne, k, 3):
-        for nc, st, be, ov, net in ROUTER_OPTIONS:
-            o = dict(nc=nc, stages=st, block_e=be, overlap=ov, net=net)
-            kernels[f"ws_nc{nc}_st{st}_be{be}_ov{int(ov)}{'_net' if net else ''}"] = (
+        for nc, st in ROUTER_OPTIONS:
+            o = dict(nc=nc, stages=st)
+            kernels[f"gluon_ws_nc{nc}_st{st}"] = (
                 lambda s, o=o: gluon_router_fwd_ws(s[0], s[2], s[3], k, **o))
     refs, recs = None, []
     for name, fn in kernels.items():

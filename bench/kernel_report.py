@@ -103,7 +103,7 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
         import kernels.gluon_router as gr
 
         fn, consts = gr.gluon_router_fwd_ws_kernel, gr.ws_router_constexprs(81920, 8, dh, de, k, 3)
-        tile = [64 * gr.WS_ROUTER_NC, gr.WS_ROUTER_BLOCK_E, 4 * (gr.WS_ROUTER_NC + 1), gr.WS_ROUTER_NST]
+        tile = [64 * gr.WS_ROUTER_NC, 64, 4 * (gr.WS_ROUTER_NC + 1), gr.WS_ROUTER_NST]
         pointer = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32"}
     else:
         raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws, dw_ws or router_ws")

@@ -1,28 +1,29 @@
-"""The router forward of `kernels/router.py` (`router_fwd_kernel`, selection SELECT 2), warp-specialised, in Gluon
-(`triton.experimental.gluon`, Triton >= 3.6), Hopper only: the same top-k of the same bf16xP scores, with the
-schedule written by hand.
+"""The router forward of `kernels/router.py` (`router_fwd_kernel`), warp-specialised, in Gluon
+(`triton.experimental.gluon`, Triton >= 3.6), Hopper only: the same top-k of the same bf16xP scores, selected by
+sorting networks instead of rounds of row maxima, with the schedule written by hand.
 
     scores = x_h W_r[h] (+ bias[h]),  x_h: (ROWS, DH) bf16 rows of head h, W_r[h] = sum_p W_p[h], W_p bf16 (DH, NE)
 
 - Persistent: work items (row tile of NC * 64 tokens, head) strided over the programs.
-- One producer warp group loads by cp.async: the item's x rows (zero past N) into one of two x buffers (64 rows
-  per consumer), and every
-  W_r block (the PARTS bf16 terms of BLOCK_E experts; zero past NE) into a ring of NST stages. The W_r stream is
-  shared by the NC consumers: per row it is 1 / NC of the Triton kernel's (one W_r stream per 64-row program),
-  which session 8 found L2-bound at k = 1 (bench/NOTES.md, Router forward).
-- NC consumer warp groups, 64 rows each, keep their rows' running top-k in registers: block b + 1's PARTS products
-  (async wgmma, smallest term first, as the Triton kernel chains its dots) are issued before block b's selection,
-  so the tensor cores run under the selection. The selection is SELECT 2's: scores above the running k-th enter,
-  each round takes every row's max (lowest index among equals), as many rounds as the consumer's busiest row has
-  candidates (at most K); a winner goes into the descending list by insertion (no sort). Ties go to the lower
-  expert index everywhere, as in the Triton kernel: a block's experts have higher indices than the list's, and a
-  block's equal scores leave in index order, so a newcomer never displaces an equal score.
+- One producer warp group loads by cp.async: the item's x rows (zero past N) into one of two x buffers (64 rows per
+  consumer), and every W_r block (the PARTS bf16 terms of 64 experts; zero past NE) into a ring of NST stages. The
+  W_r stream is shared by the NC consumers: per row it is 1 / NC of the Triton kernel's (one stream per 64-row
+  program), which session 8 found L2-bound at k = 1 (bench/NOTES.md, Router forward).
+- NC consumer warp groups of 64 rows: per W_r block the PARTS products (wgmma, smallest term first, as the Triton
+  kernel chains its dots), then the selection. The scores go to a layout where each thread holds 16 consecutive
+  experts of two rows, and each thread keeps the best KP (k rounded up to a power of 2) of its own experts: per
+  block, bitonic networks sort groups of KP of its 16 scores, merge the groups (the better of a_t and b_{KP-1-t},
+  then a bitonic merge) and merge the result into its running list. No data-dependent control flow, no
+  cross-thread work until the item's end, where two butterfly shuffles merge the four threads of a row.
+  "Better" = the larger biased score, the lower expert index among equal ones (the Triton kernel's order), a total
+  order: ties go exactly as there.
 - Outputs as the Triton kernel: values = biased score - bias (the raw score, rounded as there), indices int32.
-  Bitwise equal to it in every run so far (same products in the same order, same selection).
+  Bitwise equal to it in every run so far (same products in the same order, same order of selection).
 
-Measured on H100 (kernel alone, 81920 tokens x 8 heads; Triton in brackets): Ne 384 k 4 0.81 ms (0.92), Ne 768 k 4
-1.46 (1.67), Ne 768 k 8 2.40 (2.27), Ne 1536 k 8 3.84 (3.79); 8192 tokens, Ne 384 k 4 0.11 (0.13). The rounds
-dominate at k = 8: `kernels.router.WS_MAX_K` keeps this kernel to k <= 4. Supported shapes: `ws_router_supported`.
+Measured on H100 (kernel alone, 81920 tokens x 8 heads, bench/gluon_kernels.py --kinds router; Triton in brackets):
+Ne 384 k 4 0.67 ms (0.91), Ne 768 k 8 1.81 (2.24), Ne 1536 k 8 3.50 (3.73), Ne 768 k 1 0.79 (0.91), Ne 384 k 2 0.49
+(0.66); 8192 tokens, Ne 384 k 4 0.087 (0.134). Rounds of row maxima (the Triton kernel's selection) in this kernel:
+0.81 / 2.40 / 3.83 ms. Supported shapes: `ws_router_supported`.
 """
 
 from __future__ import annotations
@@ -38,41 +39,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.gluon_experts import _copy_layout, _wgmma_layout
-
-
-@gluon.jit
-def _insert(rv, ri, cv, ci, K: gl.constexpr):
-    """Insert (cv, ci) (per row) into the descending lists rv / ri (K-tuples of row vectors); an equal existing
-    score stays ahead of the newcomer. cv = -inf changes nothing."""
-    nv = ()
-    ni = ()
-    for j in gl.static_range(K):
-        keep = rv[j] >= cv
-        if j == 0:
-            nv = nv + (gl.where(keep, rv[j], cv),)
-            ni = ni + (gl.where(keep, ri[j], ci),)
-        else:
-            above = rv[j - 1] >= cv
-            nv = nv + (gl.where(above, gl.where(keep, rv[j], cv), rv[j - 1]),)
-            ni = ni + (gl.where(above, gl.where(keep, ri[j], ci), ri[j - 1]),)
-    return nv, ni
-
-
-@gluon.jit
-def _select(sb, cols, rv, ri, NE: gl.constexpr, K: gl.constexpr):
-    """SELECT 2 of `kernels.router._select_block` on one block: sb (64, BLOCK_E) biased scores of experts cols.
-    (One (max, lowest index) reduction over pairs per round instead of a max and then a min of the indices at it
-    measured 17-22% slower: bench/NOTES.md, Router, session 11.)"""
-    ok = (sb > rv[K - 1][:, None]) & (cols < NE)[None, :]
-    sv = gl.where(ok, sb, float("-inf"))
-    rounds = gl.minimum(gl.max(gl.sum(ok.to(gl.int32), axis=1), axis=0), K)
-    m = gl.max(sv, axis=1)
-    for _ in range(rounds):
-        e = gl.min(gl.where(sv == m[:, None], cols[None, :], NE), axis=1)
-        rv, ri = _insert(rv, ri, m, e, K)
-        sv = gl.where(cols[None, :] == e[:, None], float("-inf"), sv)
-        m = gl.max(sv, axis=1)
-    return rv, ri
 
 
 @gluon.jit
@@ -249,28 +215,26 @@ def _net_finish(rv, ri, KP: gl.constexpr):
 
 
 @gluon.jit
-def _issue_block(xs, w_smem, s, zero, PARTS: gl.constexpr):
-    """The PARTS async products of one W_r block (smallest term first), chained in one accumulator."""
+def _block_scores(xs, w_smem, s, zero, PARTS: gl.constexpr):
+    """The scores of one W_r block: its PARTS products (smallest term first) chained in one accumulator."""
     acc = warpgroup_mma(xs, w_smem.index(s * PARTS + PARTS - 1), zero, use_acc=False, is_async=True)
     for q in gl.static_range(1, PARTS):
         acc = warpgroup_mma(xs, w_smem.index(s * PARTS + PARTS - 1 - q), acc, is_async=True)
-    return acc
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
 
 @gluon.jit
 def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
-                     PARTS: gl.constexpr, BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr,
-                     OVERLAP: gl.constexpr, NET: gl.constexpr, C: gl.constexpr):
+                     PARTS: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, C: gl.constexpr):
     """Per item: its x rows into x buffer t % 2, then W_r block by block (all PARTS terms) into the ring."""
     (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
     PW: gl.constexpr = gl.num_warps()
-    ROWS: gl.constexpr = NC * 64
     lx: gl.constexpr = _copy_layout(DH, PW)
     rr = gl.arange(0, 64, layout=gl.SliceLayout(1, lx))
     cc = gl.arange(0, DH, layout=gl.SliceLayout(0, lx))
-    lw: gl.constexpr = _copy_layout(BLOCK_E, PW)
+    lw: gl.constexpr = _copy_layout(64, PW)
     wr = gl.arange(0, DH, layout=gl.SliceLayout(1, lw))
-    wc = gl.arange(0, BLOCK_E, layout=gl.SliceLayout(0, lw))
+    wc = gl.arange(0, 64, layout=gl.SliceLayout(0, lw))
     q = 0
     t = 0
     for item in range(gl.program_id(0), T, gl.num_programs(0)):
@@ -279,11 +243,11 @@ def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
         mbarrier.wait(x_empty.index(xb), ((t // 2) & 1) ^ 1)
         fence_async_shared()
         for c in gl.static_range(NC):
-            rows = (item // H) * ROWS + c * 64 + rr
+            rows = (item // H) * (NC * 64) + c * 64 + rr
             src = (rows.to(gl.int64) * H + h)[:, None] * DH + cc[None, :]
             async_copy.async_copy_global_to_shared(x_smem.index(xb * NC + c), x_ptr + src, mask=(rows < N)[:, None])
         async_copy.mbarrier_arrive(x_ready.index(xb), increment_count=False)
-        for e0 in range(0, NE, BLOCK_E):
+        for e0 in range(0, NE, 64):
             s = q % NST
             mbarrier.wait(w_empty.index(s), ((q // NST) & 1) ^ 1)
             fence_async_shared()
@@ -299,90 +263,34 @@ def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
 
 @gluon.jit
 def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
-                     PARTS: gl.constexpr, BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr,
-                     OVERLAP: gl.constexpr, NET: gl.constexpr, C: gl.constexpr):
-    """Consumer C: rows [C * 64, C * 64 + 64) of every item; block b + 1's products run under block b's selection."""
+                     PARTS: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, C: gl.constexpr):
+    """Consumer C: rows [C * 64, C * 64 + 64) of every item, block by block (the other consumers' selections run
+    under this one's products; issuing block b + 1's before block b's selection measured slower: the second
+    accumulator's registers)."""
     (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
     NW: gl.constexpr = gl.num_warps()
-    NB: gl.constexpr = (NE + BLOCK_E - 1) // BLOCK_E
     KP: gl.constexpr = 1 << _log2(2 * K - 1)  # K rounded up to a power of 2
-    gl.static_assert(not NET or BLOCK_E == 64, "NET: 64-expert blocks (16 columns per thread)")
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_E, NW)
-    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    offs_e = gl.arange(0, BLOCK_E, layout=col_l)
-    rloc = gl.arange(0, 64, layout=row_l)
-    zero = gl.zeros((64, BLOCK_E), gl.float32, s_layout)
+    zero = gl.zeros((64, 64), gl.float32, _wgmma_layout(64, NW))
     q = 0
     t = 0
     for item in range(gl.program_id(0), T, gl.num_programs(0)):
         h = item % H
-        rows = (item // H) * (NC * 64) + C * 64 + rloc
         xb = t % 2
-        if NET:  # each thread's running best KP of its own columns
-            rv, ri = _net_init(NE, KP)
-        else:
-            rv = ()
-            ri = ()
-            for _ in gl.static_range(K):
-                rv = rv + (gl.full([64], float("-inf"), gl.float32, row_l),)
-                ri = ri + (gl.full([64], NE, gl.int32, row_l),)
+        rv, ri = _net_init(NE, KP)
         mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
         xs = x_smem.index(xb * NC + C)
-        if OVERLAP:
-            mbarrier.wait(w_ready.index(q % NST), (q // NST) & 1)
+        for e0 in range(0, NE, 64):
+            s = q % NST
+            mbarrier.wait(w_ready.index(s), (q // NST) & 1)
             fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-            acc = _issue_block(xs, w_smem, q % NST, zero, PARTS)
-            for b in range(NB - 1):
-                cols = b * BLOCK_E + offs_e
-                bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
-                qn = q + 1
-                mbarrier.wait(w_ready.index(qn % NST), (qn // NST) & 1)
-                fence_async_shared()
-                acc_next = _issue_block(xs, w_smem, qn % NST, zero, PARTS)
-                sc = warpgroup_mma_wait(num_outstanding=PARTS, deps=(acc,))  # block b done, b + 1 in flight
-                mbarrier.arrive(w_empty.index(q % NST))
-                if NET:
-                    rv, ri = _net_block(sc, b * BLOCK_E, h, b_ptr, rv, ri, NE, KP)
-                else:
-                    rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
-                acc = acc_next
-                q = qn
-            cols = (NB - 1) * BLOCK_E + offs_e
-            bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(w_empty.index(q % NST))
-            if NET:
-                rv, ri = _net_block(sc, (NB - 1) * BLOCK_E, h, b_ptr, rv, ri, NE, KP)
-            else:
-                rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
+            sc = _block_scores(xs, w_smem, s, zero, PARTS)
+            mbarrier.arrive(w_empty.index(s))
+            rv, ri = _net_block(sc, e0, h, b_ptr, rv, ri, NE, KP)
             q += 1
-        else:  # one block at a time: the other consumers' selections run under this one's products
-            for b in range(NB):
-                cols = b * BLOCK_E + offs_e
-                bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
-                mbarrier.wait(w_ready.index(q % NST), (q // NST) & 1)
-                fence_async_shared()
-                acc = _issue_block(xs, w_smem, q % NST, zero, PARTS)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(w_empty.index(q % NST))
-                if NET:
-                    rv, ri = _net_block(sc, b * BLOCK_E, h, b_ptr, rv, ri, NE, KP)
-                else:
-                    rv, ri = _select(sc + bias[None, :], cols, rv, ri, NE, K)
-                q += 1
         mbarrier.arrive(x_empty.index(xb))
         t += 1
-        if NET:
-            rv, ri = _net_finish(rv, ri, KP)
-            _net_store(rv, ri, (item // H) * (NC * 64) + C * 64, h, b_ptr, vals_ptr, idx_ptr, N, H, NE, K)
-        else:
-            out = (rows.to(gl.int64) * H + h) * K
-            rmask = rows < N
-            for j in gl.static_range(K):
-                b_sel = gl.load(b_ptr + h * NE + ri[j], mask=rmask & (ri[j] < NE), other=0.0)
-                gl.store(vals_ptr + out + j, rv[j] - b_sel, mask=rmask)
-                gl.store(idx_ptr + out + j, ri[j], mask=rmask)
+        rv, ri = _net_finish(rv, ri, KP)
+        _net_store(rv, ri, (item // H) * (NC * 64) + C * 64, h, b_ptr, vals_ptr, idx_ptr, N, H, NE, K)
 
 
 @gluon.jit
@@ -390,60 +298,51 @@ def gluon_router_fwd_ws_kernel(
     x_ptr, w_ptr, b_ptr,  # inputs: x (N, H, DH) bf16, w (PARTS, H, DH, NE) bf16, bias (H, NE) fp32
     vals_ptr, idx_ptr,  # outputs: (N, H, K) fp32, (N, H, K) int32
     N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr, PARTS: gl.constexpr,
-    BLOCK_E: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, OVERLAP: gl.constexpr, NET: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    NST: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Warp-specialised persistent router forward: items (NC * 64 rows, head) strided over the programs; one
-    producer warp group (cp.async of x rows and W_r blocks), NC consumer warp groups of 64 rows (the default
-    partition and NC - 1 workers at CONSUMER_REGS; the producer at PRODUCER_REGS); mbarriers hand the buffers over."""
+    producer warp group (cp.async of x rows and 64-expert W_r blocks), NC consumer warp groups of 64 rows (the
+    default partition and NC - 1 workers at CONSUMER_REGS; the producer at PRODUCER_REGS); mbarriers hand the
+    buffers over."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
-    gl.static_assert(NC >= 2 and NC <= 4, "NC: two to four consumer warp groups")
-    gl.static_assert(NST >= 2, "NST: a consumer holds block b + 1's stage while it frees block b's")
+    gl.static_assert(NC == 2 or NC == 3, "NC: two or three consumer warp groups")
+    gl.static_assert(NST >= 2, "NST: the producer fills one stage while the consumers read another")
     cdt: gl.constexpr = x_ptr.dtype.element_ty
     T = H * ((N + NC * 64 - 1) // (NC * 64))
     x_smem = gl.allocate_shared_memory(cdt, [2 * NC, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
-    w_smem = gl.allocate_shared_memory(cdt, [NST * PARTS, DH, BLOCK_E],
-                                       gl.NVMMASharedLayout.get_default_for([DH, BLOCK_E], cdt))
+    w_smem = gl.allocate_shared_memory(cdt, [NST * PARTS, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
     x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     w_ready = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
     w_empty = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(x_ready.index(i), count=NW * 32)
-        mbarrier.init(x_empty.index(i), count=NC)
+        mbarrier.init(x_ready.index(i), count=NW * 32)  # one cp.async arrival per producer thread
+        mbarrier.init(x_empty.index(i), count=NC)  # one arrival per consumer
     for i in gl.static_range(NST):
         mbarrier.init(w_ready.index(i), count=NW * 32)
         mbarrier.init(w_empty.index(i), count=NC)
     args = (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T)
     if NC == 2:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 1)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0))],
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0))],
                            [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-    elif NC == 3:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 1)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 2)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0))],
-                           [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 1)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 2)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 3)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, BLOCK_E, NST, NC, OVERLAP, NET, 0))],
-                           [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 2)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0))],
+                           [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 # Defaults (H100, 81920 tokens x 8 heads, kernel alone, bench/gluon_kernels.py --kinds router): three consumers (192-row
-# items: a third of the W_r stream per row), two ring stages (3 x 48 KB), 64-expert blocks, block b + 1's products
-# under block b's selection. Worker registers (consumer, producer) and the launch limit (all partitions in one
-# 64K-register SM) per consumer count.
-WS_ROUTER_NC, WS_ROUTER_NST, WS_ROUTER_BLOCK_E = 3, 2, 64
-WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40), 4: (112, 40)}
-WS_ROUTER_MAXNREG = {2: 168, 3: 128, 4: 96}
+# items: a third of the W_r stream per row; four do not fit in shared memory with the layout conversion's scratch),
+# two ring stages of 3 x 16 KB. Worker registers (consumer, producer) and the launch limit (all partitions in one
+# 64K-register SM) per consumer count; the default-partition consumer gets what is left of 512 per lane.
+WS_ROUTER_NC, WS_ROUTER_NST = 3, 2
+WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40)}
+WS_ROUTER_MAXNREG = {2: 168, 3: 128}
 gluon_router_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[WS_ROUTER_NC]}
 
 
@@ -454,16 +353,14 @@ def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
 
 
 def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int = WS_ROUTER_NC,
-                         stages: int = WS_ROUTER_NST, block_e: int = WS_ROUTER_BLOCK_E, overlap: bool | None = None,
-                         regs: tuple[int, int] | None = None, net: bool = False) -> dict:
+                         stages: int = WS_ROUTER_NST) -> dict:
     """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
     if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
         raise ValueError(f"warp-specialised router forward: dh={dh}, Ne={ne}, k={k}, parts={parts}, nc={nc}; "
-                         "expected dh 128, Ne a multiple of 8, 1 <= k <= 8, 1-3 bf16 parts, 2-4 consumers")
-    regs = regs or WS_ROUTER_REGS[nc]
-    overlap = nc < 4 if overlap is None else overlap
-    return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, BLOCK_E=block_e, NST=stages, NC=nc, OVERLAP=overlap,
-                NET=net, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+                         "expected dh 128, Ne a multiple of 8, 1 <= k <= 8, 1-3 bf16 parts, 2 or 3 consumers")
+    regs = WS_ROUTER_REGS[nc]
+    return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, NST=stages, NC=nc, CONSUMER_REGS=regs[0],
+                PRODUCER_REGS=regs[1])
 
 
 def ws_router_items(n: int, h: int, nc: int = WS_ROUTER_NC) -> int:
@@ -473,7 +370,7 @@ def ws_router_items(n: int, h: int, nc: int = WS_ROUTER_NC) -> int:
 def gluon_router_fwd_ws(x, wp, bias, k: int, programs: int | None = None, **options):
     """Torch launcher (CUDA, Hopper): x (N, H, dh) bf16, wp (parts, H, dh, Ne) bf16 (`torch_router.split_bf16`),
     bias (H, Ne) fp32 -> values (N, H, k) fp32, indices (N, H, k) int32; options: `ws_router_constexprs`' nc /
-    stages / block_e (probes)."""
+    stages (probes)."""
     import torch
 
     n, h, dh = x.shape

@@ -82,7 +82,8 @@ class RouterTiles(NamedTuple):
     # (Hopper, bf16 W_r terms, `ws_router_supported`); None: k <= WS_MAX_K
 
 
-WS_MAX_K = 4  # the Gluon forward's k range (H100, 81920 tokens: Ne 384 k 4 0.81 vs 0.92 ms, Ne 768 k 8 2.40 vs 2.27)
+WS_MAX_K = 8  # the Gluon forward's k range (H100, 81920 tokens, kernel alone: Ne 384 k 4 0.67 vs 0.91 ms, Ne 768 k 8
+# 1.81 vs 2.24, Ne 1536 k 8 3.50 vs 3.73, Ne 768 k 1 0.79 vs 0.91; bench/layer.py's variant triton_router_fwd sets 0)
 
 
 def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:

@@ -263,11 +263,11 @@ def test_ws_router_shapes_checked():
     with pytest.raises(ValueError, match="nc=5"):
         ws_router_constexprs(100, 8, 128, 384, 4, 3, nc=5)
     c = ws_router_constexprs(81920, 8, 128, 384, 4, 3)
-    assert (c["NC"], c["NST"], c["BLOCK_E"], c["OVERLAP"]) == (3, 2, 64, True)
+    assert (c["NC"], c["NST"], c["K"], c["PARTS"]) == (3, 2, 4, 3)
 
 
 def test_ws_router_dispatch_rule(monkeypatch):
-    """Which forward the JAX binding runs: the Gluon one on Hopper for bf16 x / W_r terms at k <= WS_MAX_K and
+    """Which forward the JAX binding runs: the Gluon one on Hopper for bf16 x / W_r terms at k <= WS_MAX_K (8) and
     shapes it takes, the Triton one otherwise; the Gluon launch gets the same split W_r terms."""
     import jax.numpy as jnp
 
@@ -279,12 +279,15 @@ def test_ws_router_dispatch_rule(monkeypatch):
     def st(k, precision="bf16x3", ne=384, **tiles):
         return rt.Static(k, precision, kr.router_tiles(ne, k, **tiles), "triton", "flat")
 
-    assert kr.router_tiles(384, 4).ws and kr.router_tiles(768, 1).ws and not kr.router_tiles(768, 8).ws
+    assert kr.router_tiles(384, 4).ws and kr.router_tiles(768, 8).ws and not kr.router_tiles(2000, 9).ws
     assert rt.use_fwd_gluon(st(4), jnp.bfloat16, 128, 384) and rt.use_fwd_gluon(st(1), jnp.bfloat16, 128, 64)
-    assert rt.use_fwd_gluon(st(8, ws=True), jnp.bfloat16, 128, 768)  # asked for: the kernel takes k = 8
-    for case, args in {"k > WS_MAX_K": (st(8), jnp.bfloat16, 128, 768), "ws off": (st(4, ws=False), jnp.bfloat16,
-                       128, 384), "fp32 x": (st(4, "ieee"), jnp.float32, 128, 384), "dh": (st(4), jnp.bfloat16, 64,
-                       384), "Ne % 8": (st(4, ne=100), jnp.bfloat16, 128, 100)}.items():
+    assert rt.use_fwd_gluon(st(8), jnp.bfloat16, 128, 768)
+    monkeypatch.setattr(kr, "WS_MAX_K", 4)  # what bench/layer.py's variant triton_router_fwd does (with 0)
+    assert not kr.router_tiles(768, 8).ws and kr.router_tiles(768, 4).ws
+    monkeypatch.setattr(kr, "WS_MAX_K", 8)
+    for case, args in {"k > 8": (st(9, ne=2000, ws=True), jnp.bfloat16, 128, 2000), "ws off": (
+            st(4, ws=False), jnp.bfloat16, 128, 384), "fp32 x": (st(4, "ieee"), jnp.float32, 128, 384), "dh": (
+            st(4), jnp.bfloat16, 64, 384), "Ne % 8": (st(4, ne=100), jnp.bfloat16, 128, 100)}.items():
         assert not rt.use_fwd_gluon(*args), case
     calls = []
 
@@ -576,14 +579,15 @@ def test_gpu_gradients_bitwise_deterministic(skew):
         assert np.array_equal(np.asarray(a), np.asarray(c))
 
 
-WS_CASES = [  # n, h, ne, k, options (consumers / stages / expert block), programs, ties
+WS_CASES = [  # n, h, ne, k, options (consumers / stages), programs, ties
     (4099, 8, 384, 4, {}, None, False),  # the default: N not a multiple of the 192-row items
-    (1000, 2, 64, 1, {}, 5, False),  # five programs: many items each, x and W_r buffers reused in turn
-    (777, 3, 1000, 3, dict(nc=2, stages=3), None, False),  # Ne % 64 != 0 (masked W_r columns), k odd
-    (2048, 4, 768, 8, {}, 7, False),  # k = 8 (not the default there, but taken)
-    (300, 2, 16, 2, dict(nc=4, overlap=False), None, False),  # Ne < block, four consumers, no overlap
+    (1000, 2, 64, 1, {}, 5, False),  # k = 1 (lists of one); five programs: many items each, buffers reused in turn
+    (777, 3, 1000, 3, dict(nc=2, stages=3), None, False),  # Ne % 64 != 0 (masked W_r columns), k odd (lists of 4)
+    (2048, 4, 768, 8, {}, 7, False),  # k = 8
+    (999, 2, 200, 6, dict(stages=3), None, False),  # k = 6 (lists of 8)
+    (300, 2, 16, 2, dict(nc=2), None, False),  # Ne < the 64-expert block
     (1500, 2, 256, 4, {}, None, True),  # exact ties within and across expert blocks
-    (1500, 2, 256, 4, dict(block_e=32, stages=4), 3, True),
+    (1500, 2, 256, 8, dict(nc=2), 3, True),
 ]
 
 
