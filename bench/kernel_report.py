@@ -102,8 +102,9 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
     elif kind == "router_ws":  # the router forward at 81920 tokens x 8 heads, Ne = de, bf16x3
         import kernels.gluon_router as gr
 
-        fn, consts = gr.gluon_router_fwd_ws_kernel, gr.ws_router_constexprs(81920, 8, dh, de, k, 3)
-        tile = [64 * gr.WS_ROUTER_NC, 64, 4 * (gr.WS_ROUTER_NC + 1), gr.WS_ROUTER_NST]
+        consts = gr.ws_router_constexprs(81920, 8, dh, de, k, 3)
+        fn = gr.ws_router_kernel(consts["NC"])
+        tile = [64 * consts["NC"], 64, 4 * (consts["NC"] + 1), consts["NST"]]
         pointer = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32"}
     else:
         raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws, dw_ws or router_ws")

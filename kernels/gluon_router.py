@@ -336,14 +336,30 @@ def gluon_router_fwd_ws_kernel(
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
-# Defaults (H100, 81920 tokens x 8 heads, kernel alone, bench/gluon_kernels.py --kinds router): three consumers (192-row
-# items: a third of the W_r stream per row; four do not fit in shared memory with the layout conversion's scratch),
-# two ring stages of 3 x 16 KB. Worker registers (consumer, producer) and the launch limit (all partitions in one
-# 64K-register SM) per consumer count; the default-partition consumer gets what is left of 512 per lane.
-WS_ROUTER_NC, WS_ROUTER_NST = 3, 2
+# Defaults (H100, 81920 tokens x 8 heads, kernel alone, bench/gluon_kernels.py --kinds router; results/gluon_router-
+# h100-2026-11-24-net2.jsonl): three consumers (192-row items: a third of the W_r stream per row) and two ring stages of
+# 3 x 16 KB at k <= 4 (Ne 384: 0.685 vs 0.699 ms with two consumers, Ne 768: 1.24 vs 1.34); two consumers and three
+# stages at k > 4, where lists of 8 want the registers (Ne 768 k 8: 1.72 vs 1.82, Ne 1536: 3.13 vs 3.48). Four
+# consumers do not fit in shared memory with the layout conversion's scratch. Worker registers (consumer, producer)
+# and the launch limit (all partitions in one 64K-register SM: setmaxnreg moves registers within the CTA's launch
+# allocation) per consumer count; the default-partition consumer gets what is left of 512 per lane.
+WS_ROUTER_NST = {2: 3, 3: 2}
 WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40)}
 WS_ROUTER_MAXNREG = {2: 168, 3: 128}
-gluon_router_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[WS_ROUTER_NC]}
+gluon_router_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[3]}
+# the same kernel compiled with the two-consumer launch limit (jax-triton takes the limit from the kernel object)
+gluon_router_fwd_ws_kernel_nc2 = gluon.jit(gluon_router_fwd_ws_kernel.fn)
+gluon_router_fwd_ws_kernel_nc2.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[2]}
+
+
+def ws_router_consumers(k: int) -> int:
+    """Consumer warp groups of the default launch: 3 at k <= 4, 2 above (lists of 8)."""
+    return 3 if k <= 4 else 2
+
+
+def ws_router_kernel(nc: int):
+    """The kernel object compiled with nc consumers' launch limit."""
+    return gluon_router_fwd_ws_kernel if nc == 3 else gluon_router_fwd_ws_kernel_nc2
 
 
 def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
@@ -352,9 +368,12 @@ def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
     return dh == 128 and ne % 8 == 0 and 1 <= k <= min(8, ne) and 1 <= parts <= 3
 
 
-def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int = WS_ROUTER_NC,
-                         stages: int = WS_ROUTER_NST) -> dict:
-    """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
+def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int | None = None,
+                         stages: int | None = None) -> dict:
+    """The kernel's constexpr arguments (torch and JAX launchers alike; nc / stages default by k); raises on
+    unsupported shapes."""
+    nc = nc or ws_router_consumers(k)
+    stages = stages or WS_ROUTER_NST.get(nc, 2)
     if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
         raise ValueError(f"warp-specialised router forward: dh={dh}, Ne={ne}, k={k}, parts={parts}, nc={nc}; "
                          "expected dh 128, Ne a multiple of 8, 1 <= k <= 8, 1-3 bf16 parts, 2 or 3 consumers")
@@ -363,7 +382,7 @@ def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, n
                 PRODUCER_REGS=regs[1])
 
 
-def ws_router_items(n: int, h: int, nc: int = WS_ROUTER_NC) -> int:
+def ws_router_items(n: int, h: int, nc: int) -> int:
     return h * -(-n // (nc * 64))
 
 
@@ -379,7 +398,7 @@ def gluon_router_fwd_ws(x, wp, bias, k: int, programs: int | None = None, **opti
     vals = torch.empty(n, h, k, dtype=torch.float32, device=x.device)
     idx = torch.empty(n, h, k, dtype=torch.int32, device=x.device)
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
-    gluon_router_fwd_ws_kernel[(min(programs, ws_router_items(n, h, consts["NC"])),)](
+    ws_router_kernel(consts["NC"])[(min(programs, ws_router_items(n, h, consts["NC"])),)](
         x.contiguous(), wp.contiguous(), bias.float().contiguous(), vals, idx, num_warps=4,
         maxnreg=WS_ROUTER_MAXNREG[consts["NC"]], **consts)
     return vals, idx

@@ -264,6 +264,8 @@ def test_ws_router_shapes_checked():
         ws_router_constexprs(100, 8, 128, 384, 4, 3, nc=5)
     c = ws_router_constexprs(81920, 8, 128, 384, 4, 3)
     assert (c["NC"], c["NST"], c["K"], c["PARTS"]) == (3, 2, 4, 3)
+    c = ws_router_constexprs(81920, 8, 128, 768, 8, 3)  # lists of 8: two consumers with more registers
+    assert (c["NC"], c["NST"], c["CONSUMER_REGS"]) == (2, 3, 200)
 
 
 def test_ws_router_dispatch_rule(monkeypatch):

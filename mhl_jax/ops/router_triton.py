@@ -9,8 +9,8 @@ index; values are the raw scores; bias gets no gradient).
 
 forward   split W_r into bf16 terms (precision "bf16x3": exact products, fp32 accumulation) ->
           one kernel streams W_r blocks and keeps a running top-k on chip; writes only (N, H, k). On Hopper
-          at k <= 4 the warp-specialised Gluon kernel (kernels/gluon_router.py, same outputs to the bit),
-          else the Triton one (`use_fwd_gluon`).
+          the warp-specialised Gluon kernel (kernels/gluon_router.py: sorting networks, same outputs to the
+          bit) where it takes the shape, else the Triton one (`use_fwd_gluon`).
 backward  dx: k gathered rows of W_r^T per token (fixed order). dW_r: slots sorted per head by expert
           (one uint32 radix sort of (expert << bits | slot) keys), cut into blocks of one
           (head, expert) each; a kernel sums each block in order, another sums each expert's blocks
@@ -177,14 +177,14 @@ def use_fwd_gluon(st: Static, dtype, dh: int, ne: int) -> bool:
 
 
 def _fwd_gluon(st: Static, x, wp, bias):
-    from kernels.gluon_router import gluon_router_fwd_ws_kernel, ws_router_constexprs, ws_router_items
+    from kernels.gluon_router import ws_router_constexprs, ws_router_items, ws_router_kernel
 
     n, h, dh = x.shape
+    consts = ws_router_constexprs(n, h, dh, wp.shape[3], st.k, wp.shape[0])
     vals, idx = gluon_bridge.gluon_call(
-        x, wp, bias, kernel=gluon_router_fwd_ws_kernel,
+        x, wp, bias, kernel=ws_router_kernel(consts["NC"]),
         out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)],
-        programs=min(gluon_bridge.hopper_sms(), ws_router_items(n, h)),
-        **ws_router_constexprs(n, h, dh, wp.shape[3], st.k, wp.shape[0]))
+        programs=min(gluon_bridge.hopper_sms(), ws_router_items(n, h, consts["NC"])), **consts)
     return vals, idx
 
 
