@@ -113,7 +113,9 @@ def _split_cols(t):
                 x3 = (e2 if u2 == 0 else o2)
                 e3, o3 = gl.split(x3)
                 out = out + (e3, o3)
-    return out  # leaf order: j = u + 2 u1 + 4 u2 + 8 u3 for leaf index 8 u + 4 u1 + 2 u2 + u3
+    # leaf 8 u + 4 u1 + 2 u2 + u3 holds column u + 2 u1 + 4 u2 + 8 u3 (bit-reversed); the index grids go through the
+    # same splits, so values and indices stay paired
+    return out
 
 
 @gluon.jit
@@ -154,7 +156,7 @@ def _net_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr):
 
 
 @gluon.jit
-def _net_grid(NE: gl.constexpr):
+def _net_grid():
     """(row, column) indices of the l16 layout's (64, 64) tile, as the per-thread (64, 4) slices `_split_cols` gives."""
     l16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     z = gl.full([64, 64], 0, gl.int32, l16)
@@ -165,8 +167,8 @@ def _net_grid(NE: gl.constexpr):
 
 @gluon.jit
 def _net_init(NE: gl.constexpr, KP: gl.constexpr):
-    """Empty running lists: KP x (-inf, NE + column) per thread and row."""
-    _, c = _net_grid(NE)
+    """Empty running lists: KP x (-inf, NE + column) per thread and row (distinct indices: a total order)."""
+    _, c = _net_grid()
     rv = ()
     ri = ()
     for u in gl.static_range(KP):
@@ -179,7 +181,7 @@ def _net_init(NE: gl.constexpr, KP: gl.constexpr):
 def _net_store(rv, ri, row0, h, b_ptr, vals_ptr, idx_ptr, N: gl.constexpr, H: gl.constexpr, NE: gl.constexpr,
                K: gl.constexpr):
     """Rows row0 + (0..63): the best K (the same in the row's four threads: the first of them stores)."""
-    r, c = _net_grid(NE)
+    r, c = _net_grid()
     rows = row0 + r[0]
     mask = (rows < N) & (c[0] < 16)  # c[0] = 16 q: the row's first thread
     out = (rows.to(gl.int64) * H + h) * K
