@@ -32,6 +32,7 @@ alone overlap (each packs), so only moe_fwd_bwd + dense + rest adds up to the la
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
@@ -73,17 +74,24 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 ROUTER_VARIANTS = ("triton_router_fwd",)  # the default experts with the Triton router forward at every k
 
 
-def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, router_ws: bool = True):
-    """x: (N, d) bf16 -> (N, d) bf16. cfg: the expert op's ExpertsConfig (triton only). router_ws False: the Triton
-    router forward where the default runs the warp-specialised Gluon one (kernels.router.WS_MAX_K = 0 while traced)."""
+@contextlib.contextmanager
+def router_ws(enabled: bool):
+    """enabled False: the Triton router forward where the default runs the warp-specialised Gluon one
+    (kernels.router.WS_MAX_K = 0 while functions are traced inside)."""
     import kernels.router as kr
 
     saved = kr.WS_MAX_K
-    kr.WS_MAX_K = saved if router_ws else 0
+    kr.WS_MAX_K = saved if enabled else 0
     try:
-        return _layer(params, x, k, expert_impl, router_impl, cfg)
+        yield
     finally:
         kr.WS_MAX_K = saved
+
+
+def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, ws: bool = True):
+    """x: (N, d) bf16 -> (N, d) bf16. cfg: the expert op's ExpertsConfig (triton only). ws: see `router_ws`."""
+    with router_ws(ws):
+        return _layer(params, x, k, expert_impl, router_impl, cfg)
 
 
 def _layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None):
@@ -267,8 +275,9 @@ def main() -> None:
                 if args.breakdown and impl == "triton" and "ms" in rec:
                     b = dict(rec, bench="layer_breakdown")
                     try:
-                        b["parts_ms"] = breakdown(params, xs, k, router, cfg or expert_cfg(
-                            "default", tokens, ne, k, de), rec["ms"])
+                        with router_ws(rws):  # the parts are traced and timed with the row's router forward
+                            b["parts_ms"] = breakdown(params, xs, k, router, cfg or expert_cfg(
+                                "default", tokens, ne, k, de), rec["ms"])
                     except Exception as e:
                         b["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     emit(b, outf)

@@ -12,6 +12,8 @@ input sets rotated); fwd+bwd = value and gradients of sum(values * dv) w.r.t. x 
              tiles for the nearest swept Ne. Also times the backward's parts.
 --precision  index agreement with a float64 top-k for each dot precision (ieee, tf32, tf32x3,
              bf16x3, bf16x2) and for a cuBLAS fp32 matmul, plus each precision's forward time.
+On Hopper the JAX "ours" forward is the warp-specialised Gluon kernel (kernels/gluon_router.py) at k <= 8, which
+the swept Triton tiles do not change; the torch launcher and --sweep time the Triton kernel.
 Peak memory: JAX: the compiled executable's arguments + outputs + temporaries (memory_analysis);
 torch: max_memory_allocated over one fwd+bwd, inputs included (the authors' convention).
 Output: one JSON line per measurement (DESIGN §8), a table last.

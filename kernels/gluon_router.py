@@ -18,12 +18,16 @@ sorting networks instead of rounds of row maxima, with the schedule written by h
   "Better" = the larger biased score, the lower expert index among equal ones (the Triton kernel's order), a total
   order: ties go exactly as there.
 - Outputs as the Triton kernel: values = biased score - bias (the raw score, rounded as there), indices int32.
-  Bitwise equal to it in every run so far (same products in the same order, same order of selection).
+  Bitwise equal to it in every run so far (same products in the same order, same order of selection). Where they
+  differ: -0.0 and +0.0 are equal here (the lower index wins) and ordered -0.0 < +0.0 by the Triton
+  kernel's integer keys; a row with fewer than k finite biased scores gets its lowest-index -inf experts here, and
+  index Ne with a NaN value there. NaN scores are never selected by either.
 
 Measured on H100 (kernel alone, 81920 tokens x 8 heads, bench/gluon_kernels.py --kinds router; Triton in brackets):
-Ne 384 k 4 0.67 ms (0.91), Ne 768 k 8 1.81 (2.24), Ne 1536 k 8 3.50 (3.73), Ne 768 k 1 0.79 (0.91), Ne 384 k 2 0.49
-(0.66); 8192 tokens, Ne 384 k 4 0.087 (0.134). Rounds of row maxima (the Triton kernel's selection) in this kernel:
-0.81 / 2.40 / 3.83 ms. Supported shapes: `ws_router_supported`.
+Ne 384 k 4 0.685 ms (0.926), Ne 768 k 4 1.24 (1.69), Ne 768 k 8 1.72 (2.26), Ne 1536 k 8 3.13 (3.77), Ne 768 k 1 0.79
+(0.91), Ne 384 k 2 0.49 (0.66); 8192 tokens, Ne 384 k 4 0.084 (0.134), Ne 768 k 8 0.188 (0.287). Rounds of row maxima
+(the Triton kernel's selection) in this kernel: 0.81 / 2.40 / 3.83 ms at Ne 384 k 4 / Ne 768 k 8 / Ne 1536 k 8.
+Supported shapes: `ws_router_supported`.
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def _net_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr):
     cols = e0 + gl.arange(0, 64, layout=gl.SliceLayout(0, l16))
     bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
     sb = gl.convert_layout(sc, l16) + bias[None, :]
-    sb = gl.where((cols < NE)[None, :], sb, float("-inf"))
+    sb = gl.where((cols < NE)[None, :] & (sb == sb), sb, float("-inf"))  # NaN never selected, as in the Triton kernel
     cb = gl.full([64, 64], 0, gl.int32, l16) + cols[None, :]
     lv = _split_cols(sb.reshape([64, 4, 16]))
     li = _split_cols(cb.reshape([64, 4, 16]))
@@ -303,9 +307,9 @@ def gluon_router_fwd_ws_kernel(
     NST: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Warp-specialised persistent router forward: items (NC * 64 rows, head) strided over the programs; one
-    producer warp group (cp.async of x rows and 64-expert W_r blocks), NC consumer warp groups of 64 rows (the
-    default partition and NC - 1 workers at CONSUMER_REGS; the producer at PRODUCER_REGS); mbarriers hand the
-    buffers over."""
+    producer warp group (cp.async of x rows and 64-expert W_r blocks), NC consumer warp groups of 64 rows (NC - 1
+    workers at CONSUMER_REGS, the producer at PRODUCER_REGS, the default-partition consumer at what Triton leaves it:
+    168 at NC 3, 256 at NC 2); mbarriers hand the buffers over."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(NC == 2 or NC == 3, "NC: two or three consumer warp groups")
@@ -344,7 +348,7 @@ def gluon_router_fwd_ws_kernel(
 # stages at k > 4, where lists of 8 want the registers (Ne 768 k 8: 1.72 vs 1.82, Ne 1536: 3.13 vs 3.48). Four
 # consumers do not fit in shared memory with the layout conversion's scratch. Worker registers (consumer, producer)
 # and the launch limit (all partitions in one 64K-register SM: setmaxnreg moves registers within the CTA's launch
-# allocation) per consumer count; the default-partition consumer gets what is left of 512 per lane.
+# allocation) per consumer count; the default-partition consumer gets the rest (168 at NC 3, 256 at NC 2).
 WS_ROUTER_NST = {2: 3, 3: 2}
 WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40)}
 WS_ROUTER_MAXNREG = {2: 168, 3: 128}

@@ -288,9 +288,13 @@ def test_ws_router_dispatch_rule(monkeypatch):
     assert not kr.router_tiles(768, 8).ws and kr.router_tiles(768, 4).ws
     monkeypatch.setattr(kr, "WS_MAX_K", 8)
     for case, args in {"k > 8": (st(9, ne=2000, ws=True), jnp.bfloat16, 128, 2000), "ws off": (
-            st(4, ws=False), jnp.bfloat16, 128, 384), "fp32 x": (st(4, "ieee"), jnp.float32, 128, 384), "dh": (
-            st(4), jnp.bfloat16, 64, 384), "Ne % 8": (st(4, ne=100), jnp.bfloat16, 128, 100)}.items():
+            st(4, ws=False), jnp.bfloat16, 128, 384), "fp32 x": (st(4), jnp.float32, 128, 384), "ieee": (
+            st(4, "ieee"), jnp.bfloat16, 128, 384), "dh": (st(4), jnp.bfloat16, 64, 384), "Ne % 8": (
+            st(4, ne=100), jnp.bfloat16, 128, 100)}.items():
         assert not rt.use_fwd_gluon(*args), case
+    # a hand-made RouterTiles leaves ws None: resolved by k as router_tiles does
+    assert rt.use_fwd_gluon(rt.Static(4, "bf16x3", kr.RouterTiles(block_e=64), "triton", "flat"), jnp.bfloat16, 128,
+                            384)
     calls = []
 
     def fake_gluon(static, x, wp, bias):  # records the launch; returns the reference top-k for the plumbing
@@ -305,6 +309,38 @@ def test_ws_router_dispatch_rule(monkeypatch):
     assert idx.shape == (40, 2, 4)
     monkeypatch.setattr(gluon_bridge, "hopper_sms", lambda: 0)
     assert not rt.use_fwd_gluon(st(4), jnp.bfloat16, 128, 384)
+
+
+@pytest.mark.parametrize("k,nc", [(4, 3), (8, 2)])
+def test_ws_router_launch_pairs_kernel_object_and_consumers(monkeypatch, k, nc):
+    """The JAX launch of the Gluon forward: the kernel object compiled at the launch limit of its consumer count
+    (jax-triton takes maxnreg from the object), the constexprs of that count, one program per SM at most one per
+    item, the split W_r terms and bias as inputs."""
+    import jax.numpy as jnp
+
+    import kernels.gluon_router as gr
+    from mhl_jax.ops import gluon_bridge
+    from mhl_jax.ops import router_triton as rt
+
+    monkeypatch.setattr(gluon_bridge, "hopper_sms", lambda: 132)
+    seen = {}
+
+    def fake_call(*args, kernel, out_shape, programs, **consts):
+        seen.update(args=args, kernel=kernel, programs=programs, consts=consts)
+        return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+    monkeypatch.setattr(gluon_bridge, "gluon_call", fake_call)
+    x, w, b = _jax_inputs(5, 1000, 8, 128, 768)
+    st = rt.Static(k, "bf16x3", kr.router_tiles(768, k), "triton", "flat")
+    vals, idx = rt._fwd_triton(st, x, w, b)
+    assert vals.shape == idx.shape == (1000, 8, k)
+    c = seen["consts"]
+    assert (c["NC"], c["K"], c["NE"], c["N"], c["PARTS"]) == (nc, k, 768, 1000, 3)
+    assert seen["kernel"] is gr.ws_router_kernel(nc)
+    assert seen["kernel"].mhl_compile_options["maxnreg"] == gr.WS_ROUTER_MAXNREG[nc]
+    assert seen["programs"] == min(132, 8 * -(-1000 // (64 * nc)))
+    xs, wp, bias = seen["args"]
+    assert xs is x and bias is b and wp.shape == (3, 8, 128, 768)
 
 
 # --------------------------------------------------- CPU: the JAX binding's plumbing (emulate backend)
@@ -536,6 +572,12 @@ def test_gpu_jax_triton_vs_reference(ne, k):
     _gpu_setup()
     n, h, dh = 8191, 4, 128
     x, w, b = _gpu_inputs(ne + k, n, h, dh, ne)
+    from kernels.router import router_tiles
+    from mhl_jax.ops import gluon_bridge
+    from mhl_jax.ops import router_triton as rt
+
+    if gluon_bridge.hopper_sms():  # on Hopper this test runs the warp-specialised Gluon forward
+        assert rt.use_fwd_gluon(rt.Static(k, "bf16x3", router_tiles(ne, k), "triton", "flat"), x.dtype, dh, ne)
     dv = jax.random.normal(jax.random.key(99), (n, h, k), jnp.float32)
     vals, idx = jax.jit(lambda x, w, b: route_topk(x, w, b, k, impl="triton"))(x, w, b)
     vr, ir = jax.jit(lambda x, w, b: route_topk(x, w, b, k, impl="reference"))(x, w, b)
@@ -603,11 +645,13 @@ def test_gpu_ws_router_vs_triton_and_float64(case):
 
     n, h, ne, k, options, programs, ties = case
     x, w, b = _inputs(n + ne + k, n, h, 128, ne)
-    if ties:  # experts 64-127 copy 0-63 (ties across blocks), 9 copies 5 (within a block), same bias
+    if ties:  # experts 64-127 copy 0-63 (ties across blocks), 9 copies 5 (within one thread's 16 experts), 20 and 50
+        # copy 5 too (ties between the four threads of a row: their butterfly merge), same bias
         w[:, :, 64:128] = w[:, :, 0:64]
-        w[:, :, 9] = w[:, :, 5]
         b[:, 64:128] = b[:, 0:64]
-        b[:, 9] = b[:, 5]
+        for e in (9, 20, 50, 73, 84, 114):
+            w[:, :, e] = w[:, :, 5]
+            b[:, e] = b[:, 5]
     xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
     vals, idx = gluon_router_fwd_ws(xc, ktr.split_bf16(wc, 3), bc, k, programs=programs, **options)
     tv, ti = ktr.router_fwd(xc, wc, bc, k)
