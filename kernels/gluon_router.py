@@ -130,7 +130,9 @@ def _net_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr):
     cols = e0 + gl.arange(0, 64, layout=gl.SliceLayout(0, l16))
     bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
     sb = gl.convert_layout(sc, l16) + bias[None, :]
-    sb = gl.where((cols < NE)[None, :] & (sb == sb), sb, float("-inf"))  # NaN never selected, as in the Triton kernel
+    # columns past NE are -inf; so is NaN, never selected (as in the Triton kernel): max.f32 returns the non-NaN
+    # operand, one instruction per score (a select on sb == sb measured 6-15% slower)
+    sb = gl.maximum(gl.where((cols < NE)[None, :], sb, float("-inf")), float("-inf"))
     cb = gl.full([64, 64], 0, gl.int32, l16) + cols[None, :]
     lv = _split_cols(sb.reshape([64, 4, 16]))
     li = _split_cols(cb.reshape([64, 4, 16]))
