@@ -16,7 +16,7 @@ sorting networks instead of rounds of row maxima, with the schedule written by h
   then a bitonic merge) and merge the result into its running list. No data-dependent control flow, no
   cross-thread work until the item's end, where two butterfly shuffles merge the four threads of a row.
   "Better" = the larger biased score, the lower expert index among equal ones (the Triton kernel's order), a total
-  order: ties go exactly as there.
+  order on non-NaN scores: ties go exactly as there.
 - Outputs as the Triton kernel: values = biased score - bias (the raw score, rounded as there), indices int32.
   Bitwise equal to it in every run so far (same products in the same order, same order of selection). Where they
   differ: -0.0 and +0.0 are equal here (the lower index wins) and ordered -0.0 < +0.0 by the Triton
