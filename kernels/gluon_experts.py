@@ -123,14 +123,14 @@ def _zero_blocks(ptr, used, NUM_BLOCKS: gl.constexpr, BLOCK_M: gl.constexpr, DH:
 
 
 @gluon.jit
-def _ws_barriers(N: gl.constexpr, READY: gl.constexpr):
+def _ws_barriers(N: gl.constexpr, READY: gl.constexpr, CONSUMERS: gl.constexpr = 2):
     """N (ready, empty) mbarrier pairs: ready completes after READY arrivals (one per producer thread, by
-    cp.async), empty after one arrival per consumer (2)."""
+    cp.async), empty after one arrival per consumer (CONSUMERS)."""
     ready = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(N):
         mbarrier.init(ready.index(i), count=READY)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
     return ready, empty
 
 

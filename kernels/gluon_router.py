@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.gluon_experts import _copy_layout, _wgmma_layout
+from kernels.gluon_experts import _copy_layout, _wgmma_layout, _ws_barriers
 
 
 @gluon.jit
@@ -322,16 +322,8 @@ def gluon_router_fwd_ws_kernel(
     T = H * ((N + NC * 64 - 1) // (NC * 64))
     x_smem = gl.allocate_shared_memory(cdt, [2 * NC, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
     w_smem = gl.allocate_shared_memory(cdt, [NST * PARTS, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
-    x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    w_ready = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
-    w_empty = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(x_ready.index(i), count=NW * 32)  # one cp.async arrival per producer thread
-        mbarrier.init(x_empty.index(i), count=NC)  # one arrival per consumer
-    for i in gl.static_range(NST):
-        mbarrier.init(w_ready.index(i), count=NW * 32)
-        mbarrier.init(w_empty.index(i), count=NC)
+    x_ready, x_empty = _ws_barriers(2, NW * 32, NC)  # the producer warp group has NW warps too
+    w_ready, w_empty = _ws_barriers(NST, NW * 32, NC)
     args = (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T)
     if NC == 2:
         gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),

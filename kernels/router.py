@@ -79,12 +79,16 @@ class RouterTiles(NamedTuple):
     # k <= 2 and Ne > 128 else 1 (H100, 81920 tokens x 8 heads: Ne 768 k 1 0.90 vs 1.11 ms, k 2 1.26 vs 1.31,
     # k 4 level at Ne 384, k 8 2.42 vs 2.30 at Ne 768: 185 registers halve the programs per SM)
     ws: bool | None = None  # forward on the warp-specialised Gluon kernel (kernels/gluon_router.py) where it runs
-    # (Hopper, bf16 W_r terms, `ws_router_supported`); None: k <= WS_MAX_K (resolved by router_tiles and by
-    # mhl_jax.ops.router_triton.use_fwd_gluon)
+    # (Hopper, bf16 W_r terms, `ws_router_supported`); None: k <= WS_MAX_K (`ws_wanted`)
 
 
 WS_MAX_K = 8  # the Gluon forward's k range (H100, 81920 tokens, kernel alone: Ne 384 k 4 0.685 vs 0.926 ms, Ne 768 k 8
 # 1.72 vs 2.26, Ne 1536 k 8 3.13 vs 3.77, Ne 768 k 1 0.79 vs 0.91; bench/layer.py's variant triton_router_fwd sets 0)
+
+
+def ws_wanted(tiles: RouterTiles, k: int) -> bool:
+    """tiles.ws, or where unset (None), k <= WS_MAX_K (read at call time: bench/layer.py lowers it)."""
+    return k <= WS_MAX_K if tiles.ws is None else tiles.ws
 
 
 def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
@@ -95,7 +99,7 @@ def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
     be = t.block_e or (128 if ne <= 128 else 64)  # H100 sweeps (bench/NOTES.md, Router; Layer, session 8)
     be = max(16, kp, min(be, next_pow2(ne)))
     rt = t.row_tiles or (2 if k <= 2 and ne > 128 else 1)
-    return t._replace(block_e=be, row_tiles=rt, ws=k <= WS_MAX_K if t.ws is None else t.ws)
+    return t._replace(block_e=be, row_tiles=rt, ws=ws_wanted(t, k))
 
 
 def check_router_args(n: int, h: int, dh: int, ne: int, k: int, tiles: RouterTiles) -> None:

@@ -170,11 +170,10 @@ def _dhp(dh: int) -> int:
 def use_fwd_gluon(st: Static, dtype, dh: int, ne: int) -> bool:
     """Whether the forward runs on the warp-specialised Gluon kernel (kernels/gluon_router.py): tiles.ws, bf16 x and
     W_r terms, a Hopper GPU, a shape the kernel takes; else the Triton kernel."""
-    import kernels.router as kr
     from kernels.gluon_router import ws_router_supported
+    from kernels.router import ws_wanted
 
-    ws = st.k <= kr.WS_MAX_K if st.tiles.ws is None else st.tiles.ws
-    return bool(ws and dtype == jnp.bfloat16 and st.precision.startswith("bf16")
+    return bool(ws_wanted(st.tiles, st.k) and dtype == jnp.bfloat16 and st.precision.startswith("bf16")
                 and ws_router_supported(dh, ne, st.k, weight_parts(st.precision)) and gluon_bridge.hopper_sms())
 
 
