@@ -8,7 +8,9 @@ fwd: the Gluon forward vs `expert_fwd_kernel` (default tile). dw: the Gluon weig
 Triton dW kernel at the tile default_config picks for a split backward, and, where the default backward is the
 fused one (de 128), that kernel too (it also makes the dX rows and gate gradients). dw_options: the Gluon weight
 gradients at each of DW_OPTIONS' launch options (row block, weight buffers, ring stages, registers) vs the same
-Triton dW kernel. router: the warp-specialised Gluon router forward (kernels/gluon_router.py) at each of
+Triton dW kernel. bwd (de 128): the warp-specialised fused backward (weight gradients, dX rows, gate gradients) at
+each of BWD_OPTIONS vs the fused Triton kernel, output buffers allocated once (rel over dW1, dW2 and the dX rows and
+gate gradients of routed rows). router: the warp-specialised Gluon router forward (kernels/gluon_router.py) at each of
 ROUTER_OPTIONS vs `router_fwd_kernel` at its default tiles (bf16x3, 8 heads; de is ignored; rel: the fraction of
 indices that differ from the Triton kernel's, max_abs: the values' largest difference).
 One JSON line per (shape, kernel): ms (median), TFLOP/s of the kernel's matmuls (fwd 2 units, dW 4, fused 5 of
@@ -31,7 +33,9 @@ from bench.kernel_tiles import expert_weights, input_set, rotating  # noqa: E402
 from bench.timing import emit  # noqa: E402
 
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
-KINDS = ("fwd", "dw", "dw_options", "router")
+KINDS = ("fwd", "dw", "dw_options", "bwd", "router")
+# `gluon_experts_bwd_ws` launch options (wbuf, stages, (worker consumer regs, producer regs)); the first is the default
+BWD_OPTIONS = [(2, 4, (240, 32)), (1, 6, (240, 32)), (2, 3, (240, 32))]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
@@ -65,6 +69,8 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
 
     if kind == "router":
         return run_router(tokens, ne, k, date, device, outf, nh, dh)
+    if kind == "bwd":
+        return run_bwd(tokens, ne, k, de, date, device, outf, nh, dh)
     g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
     sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh) for _ in range(3)]
@@ -97,6 +103,53 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
         rec["rel"], rec["max_abs"] = _diff(outs, refs)
         rec["ms"] = float(do_bench(rotating(fn, sets), warmup=25, rep=200, return_mode="median"))
         rec["tflops"] = units * unit / rec["ms"] / 1e9
+        emit(rec, outf)
+        recs.append(rec)
+    return recs
+
+
+def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,
+            dh: int = 128) -> list[dict]:
+    """The fused backward (de 128): the Triton kernel at default_config's tile and the Gluon one at BWD_OPTIONS."""
+    import torch
+    from triton.testing import do_bench
+
+    from kernels.experts import default_config
+    from kernels.gluon_experts import bwd_ws_supported, gluon_experts_bwd_ws
+    from kernels.torch_experts import experts_dw
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cfg = default_config(tokens * nh * k, nh * ne, dh, de)
+    if cfg.dw.block_e != de or not bwd_ws_supported(dh, de, cfg.pack_block):
+        return []
+    sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh) for _ in range(3)]
+    w1, w2 = expert_weights(ne, de, g, nh, dh)
+    p = sets[0][3].row_slot.shape[0]
+    dx = torch.zeros(p, dh, dtype=torch.bfloat16, device="cuda")
+    out = (torch.empty(w1.shape, device="cuda"), torch.empty(w2.shape, device="cuda"), dx,
+           torch.zeros(p, device="cuda"))
+
+    def triton_fused(s):
+        dw1, dw2, dgate = experts_dw(s[0], s[1], s[2], s[3], w1, w2, k, cfg, torch.float32, dx)
+        return dw1, dw2, dx, dgate
+
+    kernels = {"triton_fused": triton_fused}
+    for wb, st, r in BWD_OPTIONS:
+        kernels[f"gluon_bwd_ws_wb{wb}_st{st}_r{r[0]}_{r[1]}"] = (
+            lambda s, o=dict(wbuf=wb, stages=st, regs=r): gluon_experts_bwd_ws(
+                s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, **o))
+    valid = sets[0][3].row_slot >= 0
+    refs, recs = None, []
+    for name, fn in kernels.items():
+        rec = dict(bench="gluon_kernels", kind="bwd", kernel=name, device=device, date=date,
+                   params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block))
+        dx.zero_()
+        outs = [o.clone() for o in fn(sets[0])]
+        outs[2:] = [outs[2][valid], outs[3][valid]]
+        refs = outs if refs is None else refs
+        rec["rel"], rec["max_abs"] = _diff(outs, refs)
+        rec["ms"] = float(do_bench(rotating(fn, sets), warmup=25, rep=200, return_mode="median"))
+        rec["tflops"] = 5 * 2 * tokens * nh * k * dh * de / rec["ms"] / 1e9
         emit(rec, outf)
         recs.append(rec)
     return recs

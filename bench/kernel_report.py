@@ -7,6 +7,7 @@ cuobjdump.
     python bench/kernel_report.py --tiles router,64,64,4,3,1 --ne 768 --k 8   # router fwd: bn,be,w,s,select[,row_tiles]
     python bench/kernel_report.py --tiles fwd_ws --de 128   # the warp-specialised Gluon forward (fixed tile)
     python bench/kernel_report.py --tiles dw_ws             # the warp-specialised Gluon weight gradients
+    python bench/kernel_report.py --tiles bwd_ws --de 128   # the warp-specialised fused backward (de 128)
 
 Pointers are marked 16-byte divisible as the launchers' arguments are (without that mark the gathered
 row loads come out scalar and every tile spills). One JSON line per tile (`bench: kernel_report`).
@@ -99,6 +100,9 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
     elif kind == "dw_ws":
         fn, consts = ge.gluon_expert_dw_ws_kernel, ge.dw_ws_constexprs(k, dh, de, 8 * 384, pack_block)
         tile = [ge.DW_WS_BLOCK_M, 128, 12, ge.DW_WS_STAGES]
+    elif kind == "bwd_ws":  # the fused backward (de 128)
+        fn, consts = ge.gluon_expert_bwd_ws_kernel, ge.bwd_ws_constexprs(k, dh, de, 8 * 768, pack_block)
+        tile = [ge.DW_WS_BLOCK_M, 128, 12, ge.BWD_WS_STAGES]
     elif kind == "router_ws":  # the router forward at 81920 tokens x 8 heads, Ne = de, bf16x3
         import kernels.gluon_router as gr
 
@@ -107,7 +111,7 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
         tile = [64 * consts["NC"], 64, 4 * (consts["NC"] + 1), consts["NST"]]
         pointer = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32"}
     else:
-        raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws, dw_ws or router_ws")
+        raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws, dw_ws, bwd_ws or router_ws")
     signature, attrs = _signature(fn, consts, pointer if kind == "router_ws" else POINTER_TYPES)
     c = compile_gluon(fn, signature, consts, attrs, num_warps=4)
     rec = _ptxas_report(fn, c["ptx"], c["ttgir"], int(c["shared"]))
@@ -162,7 +166,7 @@ def main() -> None:
     rows = []
     for spec in args.tiles:
         kind, *nums = spec.split(",")
-        if kind in ("fwd_ws", "dw_ws", "router_ws"):
+        if kind in ("fwd_ws", "dw_ws", "bwd_ws", "router_ws"):
             rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block)
         elif kind == "router":
             rec = report_router(*(int(v) for v in nums), dh=args.dh, ne=args.ne, k=args.k or 8)

@@ -379,17 +379,25 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
 
 
 @gluon.jit
-def _dw_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-                 C: gl.constexpr):
+                 C: gl.constexpr, FUSE: gl.constexpr):
     """Consumer C (one warp group): de rows [e0 + 64 C, + 64) of every tile, both gradients. Per row block,
     transposed as in `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
         H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
         dW2_c   += (gelu(H^T) diag(g)) dy                 (64, DH) fp32 accumulators in registers, A operands
         dW1_c^T += (dA'^T diag(g) gelu'(H^T)) X            from registers
-    The accumulating products of block i run under the wait for block i + 1 and its H^T / dA'^T."""
+    The accumulating products of block i run under the wait for block i + 1 and its H^T / dA'^T.
+
+    FUSE (DE == 128, `gluon_expert_bwd_ws_kernel`): also the block's dX rows and gate gradients. Each consumer
+    writes its dH_c^T = dA'^T diag(g) gelu'(H^T) (64 de, BLOCK_M) to shared memory (one of two buffers, `f`'s
+    h_ready / h_empty hand them over between the two consumers); consumer C then makes dh columns [64 C, + 64)
+    of the block's dX: dX^T_C = W1[64 C:, :64] dH_0^T + W1[64 C:, 64:] dH_1^T (the W1 tile already in shared
+    memory), and consumer 0 adds consumer 1's half of <gelu(H) row, dA' row> (through shared memory) to its own:
+    the gate gradient of every row, in a fixed order. The block's products all retire before the next block."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
      dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T) = a
+    (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, NW)
@@ -399,6 +407,9 @@ def _dw_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
     er = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
     dc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
     s_zero = gl.zeros((64, BLOCK_M), gl.float32, s_layout)
+    lxs: gl.constexpr = _copy_layout(64, NW)  # the dX half's store: 16-byte vectors of 8 dh
+    xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
+    xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     q = 0
     n = 0
     for t in range(gl.program_id(0), T, gl.num_programs(0)):
@@ -424,19 +435,47 @@ def _dw_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
             ds = dy_smem.index(s)
             ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            # retires the previous block's accumulating products (its stage is then free) and H^T
-            ht, op1, op2 = warpgroup_mma_wait(num_outstanding=1, deps=(ht, op1, op2))
-            if i > 0:
-                mbarrier.arrive(d_empty.index((q - 1) % NST))
+            if FUSE:  # the block before retired at its end
+                ht = warpgroup_mma_wait(num_outstanding=1, deps=(ht,))
+            else:  # retires the previous block's accumulating products (its stage is then free) and H^T
+                ht, op1, op2 = warpgroup_mma_wait(num_outstanding=1, deps=(ht, op1, op2))
+                if i > 0:
+                    mbarrier.arrive(d_empty.index((q - 1) % NST))
             act, dgelu = _gelu_and_grad(ht, FAST_TANH)
             op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
             acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
             dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
-            op1 = gl.convert_layout((dat * gate[None, :] * dgelu).to(cdt), a_layout)
+            dht = (dat * gate[None, :] * dgelu).to(cdt)
+            op1 = gl.convert_layout(dht, a_layout)
             acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
+            if FUSE:
+                hb = q % 2
+                # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's)
+                dg = gl.sum(act.to(cdt).to(gl.float32) * dat, axis=0)
+                mbarrier.wait(h_empty.index(hb), ((q // 2) & 1) ^ 1)
+                dh_smem.index(hb * 2 + C).store(dht)
+                if C == 1:
+                    dg_smem.index(hb).store(dg)
+                fence_async_shared()  # the generic writes before the other consumer's wgmma reads them
+                mbarrier.arrive(h_ready.index(hb))
+                mbarrier.wait(h_ready.index(hb), (q // 2) & 1)
+                w1a = w1_smem.index(wb * 2).slice(64 * C, 64, dim=0)  # (64, 64): W1[64 C:, :64]
+                w1b = w1_smem.index(wb * 2 + 1).slice(64 * C, 64, dim=0)  # W1[64 C:, 64:]
+                dxt = warpgroup_mma(w1a, dh_smem.index(hb * 2), s_zero, use_acc=False, is_async=True)
+                dxt = warpgroup_mma(w1b, dh_smem.index(hb * 2 + 1), dxt, is_async=True)
+                rows = row0 + i * BLOCK_M
+                if C == 0:
+                    dg = dg + dg_smem.index(hb).load(gl.SliceLayout(0, s_layout))
+                    gl.store(dgate_ptr + rows + cols, dg)
+                # retires the block's products (acc1 / acc2 stay wgmma accumulators: the next wait names them)
+                dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
+                mbarrier.arrive(d_empty.index(s))
+                mbarrier.arrive(h_empty.index(hb))
+                dxv = gl.convert_layout(gl.permute(dxt.to(cdt), (1, 0)), lxs)  # (BLOCK_M, 64)
+                gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * DH + (64 * C + xc)[None, :], dxv)
             q += 1
         acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
-        if nsub > 0:
+        if not FUSE and nsub > 0:
             mbarrier.arrive(d_empty.index((q - 1) % NST))
         mbarrier.arrive(w_empty.index(wb))
         e = e0 + C * 64 + er
@@ -477,8 +516,47 @@ def gluon_expert_dw_ws_kernel(
     w_ready, w_empty = _ws_barriers(WB, NW * 32)
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
             dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T)
-    gl.warp_specialize([(_dw_consumer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0)),
-                        (_dw_consumer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1)),
+    f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False)),
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
+                       [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def gluon_expert_bwd_ws_kernel(
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,  # inputs
+    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DH), (P,) fp32
+    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
+    BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """The whole expert backward at DE == 128 (`expert_dwt_kernel` with FUSE_DX and DGATES), warp-specialised:
+    `gluon_expert_dw_ws_kernel`'s structure (one tile per group), whose two consumers also exchange their halves
+    of dH^T through shared memory for the block's dX rows and gate gradients (`_dw_consumer`, FUSE). Rows of
+    blocks made only of padding are not written (as the Triton kernel)."""
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
+    gl.static_assert(DE == 128 and DH == 128, "the fused backward: DE == DH == 128 (two consumers of 64)")
+    gl.static_assert(NST >= 2 and WB >= 1, "NST >= 2, WB >= 1")
+    cdt: gl.constexpr = w1_ptr.dtype.element_ty
+    x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
+    dy_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
+    w1_smem = gl.allocate_shared_memory(cdt, [WB * 2, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
+    w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
+    dh_smem = gl.allocate_shared_memory(cdt, [4, 64, BLOCK_M], gl.NVMMASharedLayout.get_default_for([64, BLOCK_M],
+                                                                                                  cdt))
+    dg_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    d_ready, d_empty = _ws_barriers(NST, NW * 32)
+    w_ready, w_empty = _ws_barriers(WB, NW * 32)
+    h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
+    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
+            dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, G)
+    f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -489,6 +567,47 @@ def gluon_expert_dw_ws_kernel(
 # dw_options)
 DW_WS_BLOCK_M, DW_WS_STAGES, DW_WS_WBUF, DW_WS_REGS = 32, 6, 2, (240, 32)
 gluon_expert_dw_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
+
+
+# the fused backward: two weight buffers, four stages (shared memory: 128 + 64 KB + 16 KB of dH^T halves)
+BWD_WS_STAGES, BWD_WS_WBUF = 4, 2
+gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
+
+
+def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
+    """Shapes of the warp-specialised fused backward: dh = de = 128, packing blocks of >= 32 rows."""
+    return dh == 128 and de == 128 and pack_block >= DW_WS_BLOCK_M
+
+
+def bwd_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = BWD_WS_STAGES,
+                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = DW_WS_REGS) -> dict:
+    """The fused backward's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
+    if not bwd_ws_supported(dh, de, pack_block):
+        raise ValueError(f"warp-specialised fused expert backward: dh={dh}, de={de}, pack_block={pack_block}; "
+                         f"expected dh = de = 128 and packing blocks of at least {DW_WS_BLOCK_M} rows")
+    return dict(K=k, DH=dh, DE=de, G=num_groups, PACK_BLOCK=pack_block, BLOCK_M=DW_WS_BLOCK_M, NST=stages, WB=wbuf,
+                FAST_TANH=True, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+
+
+def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
+                         dw_dtype=None, out=None, **options):
+    """Torch launcher (CUDA, Hopper) of the fused backward: as `gluon_experts_dw_ws`, plus dX rows (P, dh) in
+    x.dtype and each packed row's gate gradient (P,) fp32 (rows of blocks made only of padding unwritten):
+    -> (dW1, dW2, dX, dgate), or written into `out` (the same four)."""
+    import torch
+
+    p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
+    consts = bwd_ws_constexprs(k, dh, de, g_count, pack_block, **options)
+    dw_dtype = dw_dtype or torch.float32
+    out = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
+                  torch.empty(w2.shape, dtype=dw_dtype, device=x.device),
+                  torch.empty(p, dh, dtype=x.dtype, device=x.device),
+                  torch.empty(p, dtype=torch.float32, device=x.device))
+    programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
+    gluon_expert_bwd_ws_kernel[(min(programs, g_count),)](
+        x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start, pk.group_nblocks,
+        w1.contiguous(), w2.contiguous(), *out, num_warps=4, maxnreg=WS_MAXNREG, **consts)
+    return out
 
 
 def dw_ws_supported(dh: int, de: int, pack_block: int) -> bool:

@@ -387,6 +387,36 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
 
 
 
+def _f64_bwd(x, dy, gates, pk, idx, w1, w2, k: int, h: int, ne: int):
+    """Float64 backward of the packed expert rows from the packed assignment (every routed slot's row r of group e:
+    H = x W1[e], dO = g dy, dW2[e] += gelu(H)^T dO, dW1[e] += x^T (dO W2[e]^T * gelu'(H)), dX_r = (dO W2^T *
+    gelu'(H)) W1^T, dgate_r = <gelu(H) W2, dy>) -> (dW1, dW2, dX rows, dgate rows, group of each routed row); the
+    rows in the order of pk.row_slot's routed entries."""
+    import torch
+
+    valid = pk.row_slot >= 0
+    slot = pk.row_slot[valid].long()
+    g = (torch.arange(h, device="cuda").view(1, h, 1) * ne + idx.long()).reshape(-1)[slot]
+    xr, dyr, gr = x.double()[slot // k], dy.double()[slot // k], gates.double()[slot]
+    (_, dh, de) = w1.shape
+    ref1 = torch.zeros(h * ne, dh, de, dtype=torch.float64, device="cuda")
+    ref2 = torch.zeros(h * ne, de, dh, dtype=torch.float64, device="cuda")
+    dx = torch.zeros(xr.shape, dtype=torch.float64, device="cuda")
+    dgate = torch.zeros(xr.shape[0], dtype=torch.float64, device="cuda")
+    for e in torch.unique(g).tolist():
+        m = g == e
+        hid = xr[m] @ w1.double()[e]
+        t = torch.tanh(0.7978845608028654 * (hid + 0.044715 * hid ** 3))
+        act = 0.5 * hid * (1 + t)
+        dgelu = 0.5 * (1 + t) + 0.5 * hid * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * hid * hid)
+        ref2[e] = (act * gr[m, None]).T @ dyr[m]
+        dh_ = (dyr[m] * gr[m, None]) @ w2.double()[e].T * dgelu
+        ref1[e] = xr[m].T @ dh_
+        dx[m] = dh_ @ w1.double()[e].T
+        dgate[m] = ((act @ w2.double()[e]) * dyr[m]).sum(1)
+    return ref1, ref2, dx, dgate, g
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ne", [16, 128, 512], ids=["pack128", "pack64", "pack32"])
 @pytest.mark.parametrize("de", [256, 128])
@@ -417,19 +447,7 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
     out = (torch.full(w1.shape, float("nan"), device="cuda"), torch.full(w2.shape, float("nan"), device="cuda"))
     dw1, dw2 = gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out)
     assert torch.isfinite(dw1).all() and torch.isfinite(dw2).all()
-    valid = pk.row_slot >= 0
-    slot = pk.row_slot[valid].long()
-    g = (torch.arange(h, device="cuda").view(1, h, 1) * ne + idx.long()).reshape(-1)[slot]
-    xr, dyr, gr = x.double()[slot // k], dy.double()[slot // k], gates.double()[slot]
-    ref1 = torch.zeros(h * ne, dh, de, dtype=torch.float64, device="cuda")
-    ref2 = torch.zeros(h * ne, de, dh, dtype=torch.float64, device="cuda")
-    for e in torch.unique(g).tolist():
-        m = g == e
-        hid = xr[m] @ w1.double()[e]
-        t = torch.tanh(0.7978845608028654 * (hid + 0.044715 * hid ** 3))
-        dgelu = 0.5 * (1 + t) + 0.5 * hid * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * hid * hid)
-        ref2[e] = (0.5 * hid * (1 + t) * gr[m, None]).T @ dyr[m]
-        ref1[e] = xr[m].T @ ((dyr[m] * gr[m, None]) @ w2.double()[e].T * dgelu)
+    ref1, ref2, _, _, g = _f64_bwd(x, dy, gates, pk, idx, w1, w2, k, h, ne)
     assert _rel(dw1, ref1) < 1e-2 and _rel(dw2, ref2) < 1e-2
     empty = torch.bincount(g, minlength=h * ne) == 0
     assert (dw1[empty] == 0).all() and (dw2[empty] == 0).all()
@@ -438,6 +456,55 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
     split = replace(cfg, dw=Tile(min(64, cfg.pack_block), 64, 4, 3), dw_form="t")
     t1, t2, _ = experts_dw(x, dy, gates, pk, w1, w2, k, split, torch.float32)
     assert _rel(dw1, t1) < 1e-2 and _rel(dw2, t2) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ne", [16, 128, 512], ids=["pack128", "pack64", "pack32"])
+@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
+@pytest.mark.parametrize("programs", [None, 5], ids=["one_per_sm", "five"])
+def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, ne):
+    """The warp-specialised fused backward at de 128 (torch launcher): dW1, dW2, the dX rows and the gate gradients
+    of every routed row against the float64 reference (`_f64_bwd`) and against the fused Triton kernel on the same
+    packing (within bf16 rounding: the two sum dX over de and the gate gradient's halves in different orders). The
+    outputs start NaN-poisoned: empty groups' dW must come out zero, padding rows of used blocks dX = 0 and gate
+    gradient 0. Packing blocks 128, 64, 32; five programs take many groups each (the dH^T buffers and barriers
+    shared by the two consumers go round many times)."""
+    from kernels.experts import default_config
+    from kernels.gluon_experts import gluon_experts_bwd_ws
+    from kernels.torch_experts import experts_dw
+
+    n, h, k, dh, de = 2048, 4, 4, 128, 128
+    x, idx, gates, w1, w2 = (t.cuda() for t in _inputs(5, n, h, k, ne, dh, de, skew))
+    x = x.reshape(n * h, dh).bfloat16()
+    dy = (torch.randn(n * h, dh, device="cuda", generator=torch.Generator("cuda").manual_seed(6))).bfloat16()
+    gates = gates.reshape(-1).float().contiguous()
+    w1, w2 = w1.reshape(h * ne, dh, de).bfloat16(), w2.reshape(h * ne, de, dh).bfloat16()
+    cfg = default_config(n * h * k, h * ne, dh, de)
+    assert cfg.pack_block == {16: 128, 128: 64, 512: 32}[ne] and cfg.dw.block_e == de
+    pk = pack_torch(idx, ne, cfg.pack_block)
+    p = pk.row_slot.shape[0]
+    nan = float("nan")
+    out = (torch.full(w1.shape, nan, device="cuda"), torch.full(w2.shape, nan, device="cuda"),
+           torch.full((p, dh), nan, device="cuda", dtype=torch.bfloat16), torch.full((p,), nan, device="cuda"))
+    dw1, dw2, dx, dgate = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs,
+                                               out=out)
+    ref1, ref2, rdx, rdg, g = _f64_bwd(x, dy, gates, pk, idx, w1, w2, k, h, ne)
+    valid = pk.row_slot >= 0
+    used = torch.arange(p, device="cuda") < int(pk.group_block_start[-1] + pk.group_nblocks[-1]) * cfg.pack_block
+    assert torch.isfinite(dw1).all() and torch.isfinite(dw2).all()
+    assert torch.isfinite(dx[used]).all() and torch.isfinite(dgate[used]).all()
+    assert _rel(dw1, ref1) < 1e-2 and _rel(dw2, ref2) < 1e-2
+    assert _rel(dx[valid], rdx) < 1e-2 and _rel(dgate[valid], rdg) < 1e-2
+    pad = used & ~valid
+    assert (dx[pad] == 0).all() and (dgate[pad] == 0).all()
+    empty = torch.bincount(g, minlength=h * ne) == 0
+    assert (dw1[empty] == 0).all() and (dw2[empty] == 0).all()
+    if skew:
+        assert empty.any()
+    tdx = torch.zeros(p, dh, device="cuda", dtype=torch.bfloat16)
+    t1, t2, tdg = experts_dw(x, dy, gates, pk, w1, w2, k, cfg, torch.float32, tdx)
+    assert _rel(dw1, t1) < 1e-2 and _rel(dw2, t2) < 1e-2
+    assert _rel(dx[valid], tdx[valid]) < 1e-2 and _rel(dgate[valid], tdg[valid]) < 1e-2
 
 
 def test_gluon_bridge_routes_jax_triton_compile_and_launch():
