@@ -1,7 +1,7 @@
 """Why a kernel waits: Nsight Compute's warp stall reasons for the three expert kernels and the router forward,
 each launched alone from torch (no JAX in the process: ncu under JAX segfaulted on the router, 2026-11-24).
 
-    python bench/profile_stalls.py [--tokens 81920] [--ne 384] [--de 256] [--k 4] [--out FILE]
+    python bench/profile_stalls.py [--tokens 81920] [--ne 384] [--de 256] [--k 4] [--gluon] [--out FILE]
 
 The parent runs itself under `ncu --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio
 (+ issue-active and duration)`; the child launches each kernel twice (compile, then the profiled launch: the
@@ -27,11 +27,11 @@ from bench.timing import emit  # noqa: E402
 
 STALL = "smsp__average_warps_issue_stalled_"
 METRICS = [f"regex:{STALL}.*_per_issue_active\\.ratio", "smsp__issue_active.avg.pct_of_peak_sustained_active",
-           "gpu__time_duration.sum"]
-KERNELS = "regex:expert_fwd_kernel|expert_dx_kernel|expert_dwt_kernel|router_fwd_kernel"
+           "gpu__time_duration.sum", "regex:sm__pipe_tensor_op_.*cycles_active\\.avg\\.pct_of_peak_sustained_active"]
+KERNELS = "regex:expert_fwd_kernel|expert_dx_kernel|expert_dwt_kernel|router_fwd_kernel|gluon_expert_"
 
 
-def child(tokens: int, ne: int, de: int, k: int) -> None:
+def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
     """Launch the router forward (default tiles, bf16x3) and the expert kernels with `default_config`'s tiles
     (the forward, then the dX and dW kernels, or at de = 128 the one fused backward kernel) on uniform random
     routing (`kernel_tiles.input_set`) at the layer's shapes, twice each."""
@@ -53,6 +53,12 @@ def child(tokens: int, ne: int, de: int, k: int) -> None:
         router_fwd(s[0].view(tokens, nh, dh), wr, bias, k)
         for kind in kinds:
             launch(kind, cfg, s, w1, w2, k)
+        if gluon:  # the warp-specialised weight gradients, and the fused backward where de = 128
+            from kernels.gluon_experts import bwd_ws_supported, gluon_experts_bwd_ws, gluon_experts_dw_ws
+
+            gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block)
+            if bwd_ws_supported(dh, de, cfg.pack_block):
+                gluon_experts_bwd_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block)
     torch.cuda.synchronize()
 
 
@@ -78,15 +84,16 @@ def main() -> None:
     ap.add_argument("--de", type=int, default=256)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gluon", action="store_true", help="also the Gluon dW and fused backward kernels")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:
-        child(args.tokens, args.ne, args.de, args.k)
+        child(args.tokens, args.ne, args.de, args.k, args.gluon)
         return
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     cmd = [ncu, "--csv", "--print-units", "base", "-k", KERNELS, "--metrics", ",".join(METRICS), sys.executable,
            os.path.abspath(__file__), "--child", "--tokens", str(args.tokens), "--ne", str(args.ne),
-           "--de", str(args.de), "--k", str(args.k)]
+           "--de", str(args.de), "--k", str(args.k)] + (["--gluon"] if args.gluon else [])
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode or '"ID"' not in p.stdout:
         raise SystemExit(f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-2000:]}")
@@ -96,10 +103,12 @@ def main() -> None:
     base = dict(bench="profile_stalls", device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                 params=dict(tokens=args.tokens, ne=args.ne, de=args.de, nh=8, dh=128, k=args.k))
     for name, m in parse(p.stdout).items():
+        tensor = {k: round(v, 1) for k, v in m.items() if k.startswith("sm__pipe_tensor_op_")}
         stalls = {k[len(STALL):].replace("_per_issue_active.ratio", ""): v for k, v in m.items() if k.startswith(STALL)}
         stalls = dict(sorted(((k, round(v, 3)) for k, v in stalls.items() if v >= 0.01), key=lambda kv: -kv[1]))
         rec = dict(base, kernel=name, ms=m.get("gpu__time_duration.sum", 0) / 1e6,
-                   issue_active_pct=m.get("smsp__issue_active.avg.pct_of_peak_sustained_active"), stalls=stalls)
+                   issue_active_pct=m.get("smsp__issue_active.avg.pct_of_peak_sustained_active"),
+                   tensor_pipe_pct=tensor, stalls=stalls)
         emit(rec, outf)
         top = ", ".join(f"{k} {v:.2f}" for k, v in list(stalls.items())[:6])
         print(f"{name:>20} {rec['ms']:7.3f} ms  issue {rec['issue_active_pct'] or 0:5.1f}%  {top}")

@@ -379,41 +379,9 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
 
 
 @gluon.jit
-def _fused_dx_issue(w1_smem, dh_smem, dg_smem, h_ready, dgate_ptr, wb, qq, rows, s_zero, C: gl.constexpr,
-                    HB: gl.constexpr, BLOCK_M: gl.constexpr):
-    """FUSE: once both consumers' dH^T halves of ring use qq are in shared memory, issue consumer C's dX^T half
-    dX^T_C = W1[64 C:, :64] dH_0^T + W1[64 C:, 64:] dH_1^T (async) and (consumer 0) store the block's gate
-    gradients: its half plus consumer 1's, in that order."""
-    hb = qq % HB
-    mbarrier.wait(h_ready.index(hb), (qq // HB) & 1)
-    w1a = w1_smem.index(wb * 2).slice(64 * C, 64, dim=0)  # (64, 64): W1[64 C:, :64]
-    w1b = w1_smem.index(wb * 2 + 1).slice(64 * C, 64, dim=0)  # W1[64 C:, 64:]
-    dxt = warpgroup_mma(w1a, dh_smem.index(hb * 2), s_zero, use_acc=False, is_async=True)
-    dxt = warpgroup_mma(w1b, dh_smem.index(hb * 2 + 1), dxt, is_async=True)
-    if C == 0:
-        cl: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
-        dg = dg_smem.index(hb * 2).load(cl) + dg_smem.index(hb * 2 + 1).load(cl)
-        gl.store(dgate_ptr + rows + gl.arange(0, BLOCK_M, layout=cl), dg)
-    return dxt
-
-
-@gluon.jit
-def _fused_dx_store(dxr, dx_ptr, h_empty, qq, rows, C: gl.constexpr, HB: gl.constexpr, DH: gl.constexpr,
-                    BLOCK_M: gl.constexpr, NW: gl.constexpr):
-    """FUSE: store consumer C's retired dX^T half (64 dh, BLOCK_M rows) as dX columns [64 C, + 64) of the block's
-    rows (16-byte vectors) and free the dH^T buffer of ring use qq."""
-    lxs: gl.constexpr = _copy_layout(64, NW)
-    xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
-    xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
-    dxv = gl.convert_layout(gl.permute(dxr.to(dx_ptr.dtype.element_ty), (1, 0)), lxs)  # (BLOCK_M, 64)
-    gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * DH + (64 * C + xc)[None, :], dxv)
-    mbarrier.arrive(h_empty.index(qq % HB))
-
-
-@gluon.jit
 def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-                 C: gl.constexpr, FUSE: gl.constexpr, HB: gl.constexpr = 2):
+                 C: gl.constexpr, FUSE: gl.constexpr):
     """Consumer C (one warp group): de rows [e0 + 64 C, + 64) of every tile, both gradients. Per row block,
     transposed as in `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
         H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
@@ -421,12 +389,12 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         dW1_c^T += (dA'^T diag(g) gelu'(H^T)) X            from registers
     The accumulating products of block i run under the wait for block i + 1 and its H^T / dA'^T.
 
-    FUSE (DE == 128, `gluon_expert_bwd_ws_kernel`): also every block's dX rows and gate gradients. Each consumer
-    writes its dH_c^T = dA'^T diag(g) gelu'(H^T) (64 de, BLOCK_M) and its half of <gelu(H) row, dA' row> to
-    shared memory (a ring of HB buffers; `f`'s h_ready / h_empty hand them between the two consumers). One block
-    later (so that neither consumer waits for the other's current block) consumer C issues its dX half
-    (`_fused_dx_issue`); it retires with the next block's products and is stored then (`_fused_dx_store`). A
-    tile's last block's dX is made at the tile's end."""
+    FUSE (DE == 128, `gluon_expert_bwd_ws_kernel`): also the block's dX rows and gate gradients. Each consumer
+    writes its dH_c^T = dA'^T diag(g) gelu'(H^T) (64 de, BLOCK_M) to shared memory (one of two buffers, `f`'s
+    h_ready / h_empty hand them over between the two consumers); consumer C then makes dh columns [64 C, + 64)
+    of the block's dX: dX^T_C = W1[64 C:, :64] dH_0^T + W1[64 C:, 64:] dH_1^T (the W1 tile already in shared
+    memory), and consumer 0 adds consumer 1's half of <gelu(H) row, dA' row> (through shared memory) to its own:
+    the gate gradient of every row, in a fixed order. The block's products all retire before the next block."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
      dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
@@ -439,6 +407,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     er = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
     dc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
     s_zero = gl.zeros((64, BLOCK_M), gl.float32, s_layout)
+    lxs: gl.constexpr = _copy_layout(64, NW)  # the dX half's store: 16-byte vectors of 8 dh
+    xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
+    xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     q = 0
     n = 0
     for t in range(gl.program_id(0), T, gl.num_programs(0)):
@@ -451,7 +422,6 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         # in flight across iterations: carried as wgmma accumulators, with their register operands
         acc1 = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # dW1[:, e:e + 64]^T
         acc2 = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # dW2[e:e + 64, :]
-        dxt = warpgroup_mma_init(s_zero)  # FUSE: the previous block's dX^T half
         op1 = gl.zeros((64, BLOCK_M), cdt, a_layout)
         op2 = gl.zeros((64, BLOCK_M), cdt, a_layout)
         slot = gl.load(row_slot_ptr + row0 + cols, mask=nsub > 0, other=-1)
@@ -465,16 +435,12 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
             ds = dy_smem.index(s)
             ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            # retires the previous block's accumulating products (its stage is then free), the dX half of the
-            # block before it (FUSE) and H^T
-            if FUSE:
-                ht, op1, op2, dxr = warpgroup_mma_wait(num_outstanding=1, deps=(ht, op1, op2, dxt))
-                if i > 1:
-                    _fused_dx_store(dxr, dx_ptr, h_empty, q - 2, row0 + (i - 2) * BLOCK_M, C, HB, DH, BLOCK_M, NW)
-            else:
+            if FUSE:  # the block before retired at its end
+                ht = warpgroup_mma_wait(num_outstanding=1, deps=(ht,))
+            else:  # retires the previous block's accumulating products (its stage is then free) and H^T
                 ht, op1, op2 = warpgroup_mma_wait(num_outstanding=1, deps=(ht, op1, op2))
-            if i > 0:
-                mbarrier.arrive(d_empty.index((q - 1) % NST))
+                if i > 0:
+                    mbarrier.arrive(d_empty.index((q - 1) % NST))
             act, dgelu = _gelu_and_grad(ht, FAST_TANH)
             op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
             acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
@@ -483,29 +449,33 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
             op1 = gl.convert_layout(dht, a_layout)
             acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
             if FUSE:
-                hb = q % HB
-                mbarrier.wait(h_empty.index(hb), ((q // HB) & 1) ^ 1)
-                dh_smem.index(hb * 2 + C).store(dht)
+                hb = q % 2
                 # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's)
-                dg_smem.index(hb * 2 + C).store(gl.sum(act.to(cdt).to(gl.float32) * dat, axis=0))
+                dg = gl.sum(act.to(cdt).to(gl.float32) * dat, axis=0)
+                mbarrier.wait(h_empty.index(hb), ((q // 2) & 1) ^ 1)
+                dh_smem.index(hb * 2 + C).store(dht)
+                if C == 1:
+                    dg_smem.index(hb).store(dg)
                 fence_async_shared()  # the generic writes before the other consumer's wgmma reads them
                 mbarrier.arrive(h_ready.index(hb))
-                if i > 0:
-                    dxt = _fused_dx_issue(w1_smem, dh_smem, dg_smem, h_ready, dgate_ptr, wb, q - 1,
-                                          row0 + (i - 1) * BLOCK_M, s_zero, C, HB, BLOCK_M)
+                mbarrier.wait(h_ready.index(hb), (q // 2) & 1)
+                w1a = w1_smem.index(wb * 2).slice(64 * C, 64, dim=0)  # (64, 64): W1[64 C:, :64]
+                w1b = w1_smem.index(wb * 2 + 1).slice(64 * C, 64, dim=0)  # W1[64 C:, 64:]
+                dxt = warpgroup_mma(w1a, dh_smem.index(hb * 2), s_zero, use_acc=False, is_async=True)
+                dxt = warpgroup_mma(w1b, dh_smem.index(hb * 2 + 1), dxt, is_async=True)
+                rows = row0 + i * BLOCK_M
+                if C == 0:
+                    dg = dg + dg_smem.index(hb).load(gl.SliceLayout(0, s_layout))
+                    gl.store(dgate_ptr + rows + cols, dg)
+                # retires the block's products (acc1 / acc2 stay wgmma accumulators: the next wait names them)
+                dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
+                mbarrier.arrive(d_empty.index(s))
+                mbarrier.arrive(h_empty.index(hb))
+                dxv = gl.convert_layout(gl.permute(dxt.to(cdt), (1, 0)), lxs)  # (BLOCK_M, 64)
+                gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * DH + (64 * C + xc)[None, :], dxv)
             q += 1
-        if FUSE:
-            acc1, acc2, op1, op2, dxr = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2, dxt))
-            if nsub > 1:
-                _fused_dx_store(dxr, dx_ptr, h_empty, q - 2, row0 + (nsub - 2) * BLOCK_M, C, HB, DH, BLOCK_M, NW)
-            if nsub > 0:
-                dxt = _fused_dx_issue(w1_smem, dh_smem, dg_smem, h_ready, dgate_ptr, wb, q - 1,
-                                      row0 + (nsub - 1) * BLOCK_M, s_zero, C, HB, BLOCK_M)
-                dxr = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
-                _fused_dx_store(dxr, dx_ptr, h_empty, q - 1, row0 + (nsub - 1) * BLOCK_M, C, HB, DH, BLOCK_M, NW)
-        else:
-            acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
-        if nsub > 0:
+        acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
+        if not FUSE and nsub > 0:
             mbarrier.arrive(d_empty.index((q - 1) % NST))
         mbarrier.arrive(w_empty.index(wb))
         e = e0 + C * 64 + er
@@ -558,7 +528,7 @@ def gluon_expert_bwd_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,  # inputs
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DH), (P,) fp32
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
-    BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, HB: gl.constexpr, FAST_TANH: gl.constexpr,
+    BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """The whole expert backward at DE == 128 (`expert_dwt_kernel` with FUSE_DX and DGATES), warp-specialised:
@@ -576,17 +546,17 @@ def gluon_expert_bwd_ws_kernel(
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
     w1_smem = gl.allocate_shared_memory(cdt, [WB * 2, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
     w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
-    dh_smem = gl.allocate_shared_memory(cdt, [HB * 2, 64, BLOCK_M],
-                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], cdt))
-    dg_smem = gl.allocate_shared_memory(gl.float32, [HB * 2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    dh_smem = gl.allocate_shared_memory(cdt, [4, 64, BLOCK_M], gl.NVMMASharedLayout.get_default_for([64, BLOCK_M],
+                                                                                                  cdt))
+    dg_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     d_ready, d_empty = _ws_barriers(NST, NW * 32)
     w_ready, w_empty = _ws_barriers(WB, NW * 32)
-    h_ready, h_empty = _ws_barriers(HB, 2)  # both consumers arrive on both
+    h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
             dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, G)
     f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
-    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True, HB)),
-                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True, HB)),
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -600,7 +570,7 @@ gluon_expert_dw_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
 # the fused backward: two weight buffers, four stages (shared memory: 128 + 64 KB + 16 KB of dH^T halves)
-BWD_WS_STAGES, BWD_WS_WBUF, BWD_WS_HBUF = 4, 2, 2
+BWD_WS_STAGES, BWD_WS_WBUF = 4, 2
 gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
@@ -610,13 +580,13 @@ def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
 
 
 def bwd_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = BWD_WS_STAGES,
-                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = DW_WS_REGS, hbuf: int = BWD_WS_HBUF) -> dict:
+                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = DW_WS_REGS) -> dict:
     """The fused backward's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
     if not bwd_ws_supported(dh, de, pack_block):
         raise ValueError(f"warp-specialised fused expert backward: dh={dh}, de={de}, pack_block={pack_block}; "
                          f"expected dh = de = 128 and packing blocks of at least {DW_WS_BLOCK_M} rows")
     return dict(K=k, DH=dh, DE=de, G=num_groups, PACK_BLOCK=pack_block, BLOCK_M=DW_WS_BLOCK_M, NST=stages, WB=wbuf,
-                HB=hbuf, FAST_TANH=True, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+                FAST_TANH=True, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
 
 
 def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
