@@ -446,18 +446,16 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
             acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
             dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
             dht = (dat * gate[None, :] * dgelu).to(cdt)
-            op1 = gl.convert_layout(dht, a_layout)
-            acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
             if FUSE:
                 hb = q % 2
                 # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's)
                 dg = gl.sum(act.to(cdt).to(gl.float32) * dat, axis=0)
                 mbarrier.wait(h_empty.index(hb), ((q // 2) & 1) ^ 1)
                 dh_smem.index(hb * 2 + C).store(dht)
-                if C == 1:
-                    dg_smem.index(hb).store(dg)
-                fence_async_shared()  # the generic writes before the other consumer's wgmma reads them
+                dg_smem.index(hb * 2 + C).store(dg)
+                fence_async_shared()  # the generic writes before the wgmma reads (the arrive syncs the warp group)
                 mbarrier.arrive(h_ready.index(hb))
+                acc1 = warpgroup_mma(dh_smem.index(hb * 2 + C), xs, acc1, is_async=True)  # dH_c^T from shared
                 mbarrier.wait(h_ready.index(hb), (q // 2) & 1)
                 w1a = w1_smem.index(wb * 2).slice(64 * C, 64, dim=0)  # (64, 64): W1[64 C:, :64]
                 w1b = w1_smem.index(wb * 2 + 1).slice(64 * C, 64, dim=0)  # W1[64 C:, 64:]
@@ -465,7 +463,8 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 dxt = warpgroup_mma(w1b, dh_smem.index(hb * 2 + 1), dxt, is_async=True)
                 rows = row0 + i * BLOCK_M
                 if C == 0:
-                    dg = dg + dg_smem.index(hb).load(gl.SliceLayout(0, s_layout))
+                    cl: gl.constexpr = gl.SliceLayout(0, s_layout)
+                    dg = dg_smem.index(hb * 2).load(cl) + dg_smem.index(hb * 2 + 1).load(cl)
                     gl.store(dgate_ptr + rows + cols, dg)
                 # retires the block's products (acc1 / acc2 stay wgmma accumulators: the next wait names them)
                 dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
@@ -473,6 +472,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 mbarrier.arrive(h_empty.index(hb))
                 dxv = gl.convert_layout(gl.permute(dxt.to(cdt), (1, 0)), lxs)  # (BLOCK_M, 64)
                 gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * DH + (64 * C + xc)[None, :], dxv)
+            else:
+                op1 = gl.convert_layout(dht, a_layout)
+                acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
             q += 1
         acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
         if not FUSE and nsub > 0:
@@ -548,7 +550,7 @@ def gluon_expert_bwd_ws_kernel(
     w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
     dh_smem = gl.allocate_shared_memory(cdt, [4, 64, BLOCK_M], gl.NVMMASharedLayout.get_default_for([64, BLOCK_M],
                                                                                                   cdt))
-    dg_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    dg_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     d_ready, d_empty = _ws_barriers(NST, NW * 32)
     w_ready, w_empty = _ws_barriers(WB, NW * 32)
     h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
