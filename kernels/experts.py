@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import triton
 import triton.language as tl
 
-from kernels.gluon_experts import dw_ws_supported, ws_supported
+from kernels.gluon_experts import bwd_ws_supported, dw_ws_supported, ws_supported
 
 GELU_C = 0.7978845608028654  # sqrt(2 / pi)
 GELU_A = 0.044715
@@ -361,6 +361,10 @@ class ExpertsConfig:
     # binding runs on a Hopper GPU in bf16 and the shape is `gluon_experts.dw_ws_supported`; elsewhere `dw`
     # (`experts_triton.use_dw_gluon`)
     dw_ws: bool = False
+    # the fused de = 128 backward (dw.block_e == de) as the warp-specialised Gluon kernel where the JAX binding runs
+    # on a Hopper GPU in bf16 and the shape is `gluon_experts.bwd_ws_supported`; elsewhere the fused Triton kernel
+    # (`experts_triton.use_bwd_gluon`)
+    bwd_ws: bool = False
 
     def check(self, dh: int, de: int) -> None:
         for t in (self.fwd, self.dx, self.dw):
@@ -387,11 +391,17 @@ FUSED_BWD_MIN_PACK = 32
 # alone (2.02 vs 2.06 ms) but 9.47 vs 9.24 in the 384/4/256 layer. (At de 128 the fused backward stays: split with
 # the Gluon dW, 768/8/128 at 8192 tokens, 2.59 / 2.60 vs 2.59 / 2.55.)
 DW_WS_MAX_PACK = 64
+# largest packing block where the fused de = 128 backward runs as the warp-specialised Gluon kernel: H100 2026-11-24,
+# kernels alone (bench/gluon_kernels.py --kinds bwd, results/gluon_kernels-h100-2026-11-24-bwd.jsonl): 8192 tokens
+# 0.83 vs 1.02 ms (Ne 768, k 8, block 64), 1.26 vs 1.56 (Ne 1536, block 32); at 81920 tokens (block 128) level:
+# 4.06 vs 3.99 (Ne 768), 4.77 vs 4.80 (Ne 1536)
+BWD_WS_MAX_PACK = 64
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
 
 def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: str | None = None,
-                   fuse_bwd: bool = True, fuse_min_pack: int | None = None, dw_ws: bool = True) -> ExpertsConfig:
+                   fuse_bwd: bool = True, fuse_min_pack: int | None = None, dw_ws: bool = True,
+                   bwd_ws: bool = True) -> ExpertsConfig:
     """Pick the packing block from the mean rows per group (padding waste ~ block / 2 per group) and
     tiles that keep the accumulators in registers on Hopper (tuned in bench/NOTES.md).
 
@@ -408,7 +418,10 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
 
     dw_ws: the split backward's weight gradients by the warp-specialised Gluon kernel where it takes the shape
     (`dw_ws_supported`) at packing blocks up to DW_WS_MAX_PACK; False: the Triton dW kernel there (variant
-    "triton_dw")."""
+    "triton_dw").
+
+    bwd_ws: the fused backward by the warp-specialised Gluon kernel where it takes the shape (`bwd_ws_supported`)
+    at packing blocks up to BWD_WS_MAX_PACK; False: the fused Triton kernel there (variant "triton_fused_bwd")."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
     if dh > 128:
@@ -417,6 +430,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     min_pack = FUSED_BWD_MIN_PACK if fuse_min_pack is None else fuse_min_pack
     fused_bwd = fuse_bwd and dw_form is None and de == 128 and pack >= min_pack
     gluon_dw = dw_ws and dw_form is None and not fused_bwd and dw_ws_supported(dh, de, pack) and pack <= DW_WS_MAX_PACK
+    gluon_bwd = bwd_ws and fused_bwd and bwd_ws_supported(dh, de, pack) and pack <= BWD_WS_MAX_PACK
     form = dw_form or ("t" if pack >= 64 or fused_bwd else "rows")
     # the Triton packing where measured (H100, 2026-11-23: layer 2.30 -> 2.22 ms at 8192 tokens, 10.26 ->
     # 10.10 at 81920; packing alone 0.135 / 0.23 ms vs 0.20 / 0.52 for the best JAX one); emulated
@@ -435,7 +449,8 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
         # warp-specialised Gluon forward: H100 2026-11-24, kernel alone at 81920 tokens, 0.88 vs 1.05 ms (Ne 384,
         # de 256) ... 1.16 vs 1.52 (Ne 768, de 128, k 8); bench/gluon_kernels.py
         return ExpertsConfig(pack, Tile(128, 32, 4, 3), dx, dw, dw_form=form, pack_impl=pack_impl,
-                             fwd_ws=measured and ws_supported(dh, de, pack), dw_ws=gluon_dw).fit(de)
+                             fwd_ws=measured and ws_supported(dh, de, pack), dw_ws=gluon_dw,
+                             bwd_ws=gluon_bwd).fit(de)
     bm = pack
     return ExpertsConfig(
         pack_block=pack,
@@ -445,6 +460,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
         dw_form=form,
         pack_impl=pack_impl,
         dw_ws=gluon_dw,
+        bwd_ws=gluon_bwd,
     ).fit(de)
 
 
@@ -465,5 +481,5 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
-           "dgates_in_kernels", "DW_WS_MAX_PACK",
+           "dgates_in_kernels", "DW_WS_MAX_PACK", "BWD_WS_MAX_PACK",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]

@@ -228,7 +228,9 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de):
     ("default", 128, True, 16), ("default", 128, False, 128), ("default", 128, True, 512),
     ("split_bwd", 128, True, 16), ("triton_fwd", 256, True, 16),
     # the Gluon dW kernel at packing block 64 (Ne 128) and, split, at de 128; and without it
-    ("default", 256, False, 128), ("split_bwd", 128, False, 128), ("triton_dw", 256, False, 128)])
+    ("default", 256, False, 128), ("split_bwd", 128, False, 128), ("triton_dw", 256, False, 128),
+    # the fused backward at packing blocks 64 / 32 runs the Gluon kernel by default; the fused Triton one there
+    ("triton_fused_bwd", 128, True, 512)])
 def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne, monkeypatch):
     """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
     rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all
@@ -269,14 +271,18 @@ def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne, monkeypatch):
     import mhl_jax.ops.experts_triton as et
 
     cfg = variant_config(variant, n * h * k, h * ne, dh, de)
-    gluon_dw_calls = []
-    real_dw_gluon = et._dw_gluon
+    gluon_dw_calls, gluon_bwd_calls = [], []
+    real_dw_gluon, real_bwd_gluon = et._dw_gluon, et._bwd_gluon
     monkeypatch.setattr(et, "_dw_gluon", lambda *a: gluon_dw_calls.append(1) or real_dw_gluon(*a))
+    monkeypatch.setattr(et, "_bwd_gluon", lambda *a: gluon_bwd_calls.append(1) or real_bwd_gluon(*a))
     got, again = grads(cfg), grads(cfg)
-    # the Gluon dW kernel ran exactly where the config asks for it (traced once per grads call)
+    # the Gluon dW / fused backward kernels ran exactly where the config asks for them (traced once per grads call)
     assert len(gluon_dw_calls) == (2 if et.use_dw_gluon(cfg, jnp.bfloat16, dh, de) else 0), (cfg, gluon_dw_calls)
     assert et.use_dw_gluon(cfg, jnp.bfloat16, dh, de) == (cfg.dw_ws and cfg.pack_block <= 64 and de % 128 == 0
                                                           and cfg.dw.block_e != de)
+    assert len(gluon_bwd_calls) == (2 if et.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) else 0), (cfg, gluon_bwd_calls)
+    assert et.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) == (cfg.bwd_ws and cfg.pack_block <= 64 and de == 128
+                                                           and cfg.dw.block_e == de and not cfg.packed_bwd)
     base = grads(variant_config("v2", n * h * k, h * ne, dh, de))
     with jax.default_matmul_precision("highest"):
         ref = grads(None, jnp.float32, "reference")
@@ -326,6 +332,42 @@ def test_dw_gluon_dispatch_rule(monkeypatch):
     assert not et.use_dw_gluon(replace(fused, dw_ws=True), jnp.bfloat16, 128, 128)  # dX fused into the dW kernel
 
 
+def test_bwd_gluon_dispatch_rule(monkeypatch):
+    """`experts_triton.use_bwd_gluon`: the fused Gluon backward runs only for cfg.bwd_ws on a fused (de = 128) backward
+    that makes the gate gradients (unpacked rows), in bf16, on a Hopper GPU, at a shape it takes; elsewhere the fused
+    Triton kernel (or the split kernels)."""
+    from dataclasses import replace
+
+    import jax.numpy as jnp
+
+    import mhl_jax.ops.experts_triton as et
+    from kernels.experts import default_config
+
+    cfg = default_config(8192 * 8 * 8, 8 * 768, 128, 128)
+    assert cfg.bwd_ws and cfg.dw.block_e == 128 and not et.use_bwd_gluon(cfg, jnp.bfloat16, 128, 128)  # no GPU
+    monkeypatch.setattr(et, "_hopper_sms", lambda: 132)
+    assert et.use_bwd_gluon(cfg, jnp.bfloat16, 128, 128)
+    assert not et.use_bwd_gluon(cfg, jnp.float32, 128, 128)
+    assert not et.use_bwd_gluon(replace(cfg, packed_bwd=True), jnp.bfloat16, 128, 128)  # no gate gradients there
+    assert not et.use_bwd_gluon(replace(cfg, bwd_ws=False), jnp.bfloat16, 128, 128)
+    assert not et.use_bwd_gluon(replace(cfg, dw_form="rows"), jnp.bfloat16, 128, 128)
+    split = default_config(8192 * 8 * 4, 8 * 384, 128, 256)
+    assert not et.use_bwd_gluon(replace(split, bwd_ws=True), jnp.bfloat16, 128, 256)  # dX apart
+
+
+def test_ws_bwd_shapes_checked():
+    """The warp-specialised fused backward takes dh = de = 128 and packing blocks of >= 32 rows; anything else gets
+    a clear error naming the shape from its launch arguments."""
+    from kernels.gluon_experts import bwd_ws_constexprs, bwd_ws_supported
+
+    consts = bwd_ws_constexprs(8, 128, 128, 6144, 64)
+    assert consts["BLOCK_M"] == 32 and consts["DE"] == 128 and consts["NST"] >= 2
+    for dh, de, pack in ((128, 256, 64), (256, 128, 64), (128, 128, 16)):
+        assert not bwd_ws_supported(dh, de, pack)
+        with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
+            bwd_ws_constexprs(8, dh, de, 64, pack)
+
+
 def test_ws_dw_shapes_checked_and_chosen():
     """The warp-specialised Gluon dW kernel takes dh 128, de a multiple of 128 and packing blocks of >= 32 rows (a
     multiple of its 32-row blocks); anything else gets a clear error from its launch arguments. default_config
@@ -339,16 +381,18 @@ def test_ws_dw_shapes_checked_and_chosen():
     for dh, de, pack in ((128, 192, 128), (256, 256, 128), (128, 256, 16)):
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
             dw_ws_constexprs(4, dh, de, 64, pack)
-    # (tokens, Ne, k, de) -> (packing block, dw_ws, fused backward)
-    expected = {(81920, 384, 4, 256): (128, False, False), (81920, 768, 8, 128): (128, False, True),
-                (8192, 384, 4, 256): (64, True, False), (8192, 768, 8, 128): (64, False, True),
-                (8192, 768, 4, 256): (32, True, False), (8192, 1536, 8, 128): (32, False, True),
-                (8192, 384, 4, 512): (64, True, False)}
+    # (tokens, Ne, k, de) -> (packing block, dw_ws, fused backward, fused backward on Gluon)
+    expected = {(81920, 384, 4, 256): (128, False, False, False), (81920, 768, 8, 128): (128, False, True, False),
+                (8192, 384, 4, 256): (64, True, False, False), (8192, 768, 8, 128): (64, False, True, True),
+                (8192, 768, 4, 256): (32, True, False, False), (8192, 1536, 8, 128): (32, False, True, True),
+                (8192, 384, 4, 512): (64, True, False, False)}
     for (tokens, ne, k, de), want in expected.items():
         cfg = default_config(tokens * 8 * k, 8 * ne, 128, de)
-        assert (cfg.pack_block, cfg.dw_ws, cfg.dw.block_e == de) == want, (tokens, ne, k, de, cfg)
+        assert (cfg.pack_block, cfg.dw_ws, cfg.dw.block_e == de, cfg.bwd_ws) == want, (tokens, ne, k, de, cfg)
         old = variant_config("triton_dw", tokens * 8 * k, 8 * ne, 128, de)
         assert not old.dw_ws and old.dw == cfg.dw and old.pack_block == cfg.pack_block, old
+        old = variant_config("triton_fused_bwd", tokens * 8 * k, 8 * ne, 128, de)
+        assert not old.bwd_ws and old.dw == cfg.dw and old.pack_block == cfg.pack_block, old
     assert not default_config(8192 * 8 * 4, 8 * 384, 256, 256).dw_ws  # wide experts: the grouped kernels' tiles
 
 

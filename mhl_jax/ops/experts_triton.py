@@ -55,7 +55,7 @@ class Static(NamedTuple):
 # ------------------------------------------------------------------------------ variants (benchmarks)
 
 VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd", "fused_bwd16",
-            "triton_fwd", "triton_dw")
+            "triton_fwd", "triton_dw", "triton_fused_bwd")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -72,13 +72,16 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     "triton_fwd" = "default" with the Triton forward where the default runs the warp-specialised Gluon one (the
     default until the last session of 2026-11-24); "triton_dw" = "default" with the Triton dW kernel where the
     default's split backward runs the warp-specialised Gluon one (the default until the fifth session of
-    2026-11-24)."""
+    2026-11-24); "triton_fused_bwd" = "default" with the fused Triton backward where the default runs the
+    warp-specialised Gluon one (the default until the seventh session of 2026-11-24)."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name in ("split_bwd", "fused_bwd16"):
         return default_config(num_slots, num_groups, dh, de, fuse_bwd=name != "split_bwd", fuse_min_pack=16)
     if name == "triton_dw":
         return default_config(num_slots, num_groups, dh, de, dw_ws=False)
+    if name == "triton_fused_bwd":
+        return default_config(num_slots, num_groups, dh, de, bwd_ws=False)
     if name in ("default", "tpack", "triton_fwd"):
         cfg = default_config(num_slots, num_groups, dh, de)
         if name == "triton_fwd":
@@ -159,14 +162,40 @@ def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
                        work_items=g * (de // 128), **dw_ws_constexprs(st.k, dh, de, g, st.cfg.pack_block))
 
 
+def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
+    """Whether the fused backward (dX, gate gradients and weight gradients in one kernel) runs on the warp-specialised
+    Gluon kernel: cfg.bwd_ws on a fused backward that makes the gate gradients (unpacked rows, transposed form),
+    bf16, a Hopper GPU, a shape the kernel takes; else the fused Triton kernel."""
+    from kernels.gluon_experts import bwd_ws_supported
+
+    return (cfg.bwd_ws and cfg.dw.block_e == de and dgates_in_kernels(cfg, de) and dtype == jnp.bfloat16
+            and bwd_ws_supported(dh, de, cfg.pack_block) and bool(_hopper_sms()))
+
+
+def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
+    """dX rows, dW1, dW2, gate gradients by the warp-specialised fused Gluon kernel: work items = groups."""
+    from kernels.gluon_experts import bwd_ws_constexprs, gluon_expert_bwd_ws_kernel
+
+    p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
+    dw1, dw2, dx, dgate = _gluon_call(
+        xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
+        kernel=gluon_expert_bwd_ws_kernel,
+        out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
+                   jax.ShapeDtypeStruct((p, dh), xs.dtype), jax.ShapeDtypeStruct((p,), jnp.float32)],
+        work_items=g, **bwd_ws_constexprs(st.k, dh, de, g, st.cfg.pack_block))
+    return dx, dw1, dw2, dgate
+
+
 def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
     """dX rows, dW1, dW2 and (when `dgates_in_kernels`) each packed row's gate gradient (P,) fp32, made by the
     dX kernel or, with dX fused, by the dW kernel."""
+    p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
+    if use_bwd_gluon(st.cfg, xs.dtype, dh, de):
+        return _bwd_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype)
     jt = import_jax_triton()
 
     from kernels.experts import expert_dw_kernel, expert_dwt_kernel, expert_dx_kernel
 
-    p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     fuse = st.cfg.dw.block_e == de
     dgates = dgates_in_kernels(st.cfg, de)
     common = dict(K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, PACKED=st.cfg.packed_bwd, **_opts(xs.dtype))
