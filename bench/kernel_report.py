@@ -111,7 +111,8 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
         tile = [64 * consts["NC"], 64, 4 * (consts["NC"] + 1), consts["NST"]]
         pointer = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32"}
     else:
-        raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws, dw_ws, bwd_ws or router_ws")
+        raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws, dw_ws, bwd_ws or "
+                         "router_ws")
     signature, attrs = _signature(fn, consts, pointer if kind == "router_ws" else POINTER_TYPES)
     c = compile_gluon(fn, signature, consts, attrs, num_warps=4)
     rec = _ptxas_report(fn, c["ptx"], c["ttgir"], int(c["shared"]))
