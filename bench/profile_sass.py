@@ -1,0 +1,108 @@
+"""Where one Gluon expert kernel's warps wait, instruction by instruction: Nsight Compute's warp-state sampling
+per SASS instruction (SourceCounters), the kernel launched alone from torch at one shape.
+
+    python bench/profile_sass.py [--kernel bwd_ws|dw_ws] [--tokens 81920] [--ne 768] [--k 8] [--de 128]
+                                 [--top 40] [--out FILE] [--csv FILE]
+
+The parent runs itself under `ncu --section SourceCounters --page source --print-source sass --csv` (the last
+launch of the kernel is profiled: the child launches it twice); it prints the `--top` instructions by stall
+samples with their neighbourhood's share, and emits one JSON line (`bench: profile_sass`): total samples, and
+per top instruction its address, SASS text, samples and share. `--csv` keeps ncu's raw table. Needs a GPU and ncu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.timing import emit  # noqa: E402
+
+NAMES = {"bwd_ws": "gluon_expert_bwd_ws_kernel", "dw_ws": "gluon_expert_dw_ws_kernel"}
+
+
+def child(kernel: str, tokens: int, ne: int, k: int, de: int) -> None:
+    import torch
+
+    from bench.kernel_tiles import expert_weights, input_set
+    from kernels.experts import default_config
+    from kernels.gluon_experts import gluon_experts_bwd_ws, gluon_experts_dw_ws
+
+    nh, dh = 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cfg = default_config(tokens * nh * k, nh * ne, dh, de)
+    s = input_set(tokens, ne, k, cfg.pack_block, g, nh, dh)
+    w1, w2 = expert_weights(ne, de, g, nh, dh)
+    fn = gluon_experts_bwd_ws if kernel == "bwd_ws" else gluon_experts_dw_ws
+    for _ in range(2):
+        fn(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block)
+    torch.cuda.synchronize()
+
+
+def table(text: str) -> list[dict]:
+    """ncu's CSV source page -> rows (the lines from the header that names the SASS source column on)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if '"Source"' in line or line.startswith("Address,"))
+    return list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", default="bwd_ws", choices=sorted(NAMES))
+    ap.add_argument("--tokens", type=int, default=81920)
+    ap.add_argument("--ne", type=int, default=768)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--de", type=int, default=128)
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--csv", default=None, help="also write ncu's raw CSV here")
+    ap.add_argument("--child", action="store_true")
+    args = ap.parse_args()
+    shape = ["--kernel", args.kernel, "--tokens", str(args.tokens), "--ne", str(args.ne), "--k", str(args.k),
+             "--de", str(args.de)]
+    if args.child:
+        child(args.kernel, args.tokens, args.ne, args.k, args.de)
+        return
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    cmd = [ncu, "--csv", "--section", "SourceCounters", "--page", "source", "--print-source", "sass", "-k",
+           NAMES[args.kernel], "-s", "1", "-c", "1", sys.executable, os.path.abspath(__file__), "--child", *shape]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write(p.stdout)
+    if p.returncode:
+        raise SystemExit(f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-2000:]}")
+    rows = table(p.stdout)
+    col = next(c for c in rows[0] if c.startswith("Warp Stall Sampling (All"))
+    src = next(c for c in rows[0] if c == "Source")
+
+    def samples(r: dict) -> float:
+        try:
+            return float(r[col] or 0)
+        except ValueError:
+            return 0.0
+
+    total = sum(samples(r) for r in rows)
+    top = sorted(rows, key=samples, reverse=True)[:args.top]
+    import torch
+
+    rec = dict(bench="profile_sass", kernel=NAMES[args.kernel], device=torch.cuda.get_device_name(),
+               date=datetime.date.today().isoformat(),
+               params=dict(tokens=args.tokens, ne=args.ne, k=args.k, de=args.de, nh=8, dh=128), samples=total,
+               top=[dict(address=r.get("Address", ""), sass=r[src].strip(), samples=samples(r),
+                         share=round(samples(r) / max(total, 1), 4)) for r in top])
+    emit(rec, open(args.out, "a") if args.out else None)
+    for t in rec["top"]:
+        print(f"{t['address']:>8} {t['share'] * 100:5.1f}%  {t['sass'][:100]}")
+
+
+if __name__ == "__main__":
+    main()
