@@ -156,12 +156,16 @@ def _layer_jax(params, x, idx, expert_impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("de", [256, 128])  # 128: dX and the gate gradients fused into the dW kernel
-def test_gpu_layer_triton_vs_oracle_and_reference(de):
+# de 128: dX and the gate gradients fused into the dW kernel (Ne 16: packing block 128, the Triton kernel; Ne 128:
+# block 64, the warp-specialised Gluon kernel on Hopper)
+@pytest.mark.parametrize("de,ne", [(256, 16), (128, 16), (128, 128)])
+def test_gpu_layer_triton_vs_oracle_and_reference(de, ne, monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    n, d, nh, dh, ne, k = 2048, 256, 4, 128, 16, 4
+    import mhl_jax.ops.experts_triton as et
+
+    n, d, nh, dh, k = 2048, 256, 4, 128, 4
     ks = jax.random.split(jax.random.key(0), 8)
     params = (jax.random.normal(ks[0], (d, nh * dh)) * 0.05, jax.random.normal(ks[1], (nh, dh, ne)) * 0.1,
               jax.random.normal(ks[2], (nh, ne)) * 0.01, jax.random.normal(ks[3], (nh, ne, dh, de)) * 0.08,
@@ -178,6 +182,9 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de):
     def loss(params, x, impl, dtype):
         return jnp.sum(_layer_jax(params, x.astype(dtype), idx, impl).astype(jnp.float32) * wy)
 
+    bwd_gluon = []
+    real_bwd_gluon = et._bwd_gluon
+    monkeypatch.setattr(et, "_bwd_gluon", lambda *a: bwd_gluon.append(1) or real_bwd_gluon(*a))
     res = {}
     for name, impl, dt in (("triton", "triton", jnp.bfloat16), ("reference", "reference", jnp.bfloat16),
                            ("fp32", "reference", jnp.float32)):
@@ -185,6 +192,7 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de):
             f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
             val, grads = f(params, x, impl, dt)
         res[name] = (val, None, jax.tree.leaves(grads))
+    assert len(bwd_gluon) == (1 if (de, ne) == (128, 128) else 0), bwd_gluon  # the Gluon fused backward where chosen
     idx = np.asarray(idx)
 
     # the oracle, same weights and inputs, same routing decision (the binding's import_jax_triton
