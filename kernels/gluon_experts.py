@@ -345,11 +345,12 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
     """Per tile: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
     once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
-     dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T) = a
+     dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem) = a
     PW: gl.constexpr = gl.num_warps()
     lx: gl.constexpr = _copy_layout(DH, PW)
     rr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
     cc = gl.arange(0, DH, layout=gl.SliceLayout(0, lx))
+    rg = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [PW], [0]))  # the gates' rows
     q = 0
     n = 0
     for t in range(gl.program_id(0), T, gl.num_programs(0)):
@@ -363,16 +364,21 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
             _ws_copy_rows(w2_smem.index(wb * 2 + c), w2_ptr + g * (DE * DH) + e * DH, 64, DH, DH, 32, PW)
         async_copy.mbarrier_arrive(w_ready.index(wb), increment_count=False)
         slot_next = gl.load(row_slot_ptr + row0 + rr, mask=nsub > 0, other=-1)
+        gslot_next = gl.load(row_slot_ptr + row0 + rg, mask=nsub > 0, other=-1)
         for i in range(nsub):
             s = q % NST
             slot = slot_next
+            gslot = gslot_next
             slot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rr, mask=i + 1 < nsub, other=-1)
+            gslot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rg, mask=i + 1 < nsub, other=-1)
             valid = (slot >= 0)[:, None]
             src = gl.where(slot >= 0, slot // K, 0).to(gl.int64)[:, None] * DH + cc[None, :]
             mbarrier.wait(d_empty.index(s), ((q // NST) & 1) ^ 1)
             fence_async_shared()
             async_copy.async_copy_global_to_shared(x_smem.index(s), x_ptr + src, mask=valid)
             async_copy.async_copy_global_to_shared(dy_smem.index(s), dy_ptr + src, mask=valid)
+            async_copy.async_copy_global_to_shared(g_smem.index(s), gates_ptr + gl.where(gslot >= 0, gslot, 0),
+                                                   mask=gslot >= 0)  # the rows' gates (padding: 0)
             async_copy.mbarrier_arrive(d_ready.index(s), increment_count=False)
             q += 1
         n += 1
@@ -396,7 +402,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     memory), and consumer 0 adds consumer 1's half of <gelu(H) row, dA' row> (through shared memory) to its own:
     the gate gradient of every row, in a fixed order. The block's products all retire before the next block."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
-     dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T) = a
+     dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
@@ -424,13 +430,11 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         acc2 = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # dW2[e:e + 64, :]
         op1 = gl.zeros((64, BLOCK_M), cdt, a_layout)
         op2 = gl.zeros((64, BLOCK_M), cdt, a_layout)
-        slot = gl.load(row_slot_ptr + row0 + cols, mask=nsub > 0, other=-1)
         for i in range(nsub):
             s = q % NST
-            gate = gl.load(gates_ptr + gl.where(slot >= 0, slot, 0), mask=slot >= 0, other=0.0)
-            slot = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + cols, mask=i + 1 < nsub, other=-1)
             mbarrier.wait(d_ready.index(s), (q // NST) & 1)
             fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+            gate = g_smem.index(s).load(cols.type.layout)  # the block's gates (gathered by the producer)
             xs = x_smem.index(s)
             ds = dy_smem.index(s)
             ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -512,12 +516,13 @@ def gluon_expert_dw_ws_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
     dy_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
+    g_smem = gl.allocate_shared_memory(gl.float32, [NST, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # gates
     w1_smem = gl.allocate_shared_memory(cdt, [WB * 2, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
     w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
     d_ready, d_empty = _ws_barriers(NST, NW * 32)
     w_ready, w_empty = _ws_barriers(WB, NW * 32)
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
-            dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T)
+            dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem)
     f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False)),
@@ -546,6 +551,7 @@ def gluon_expert_bwd_ws_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
     dy_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
+    g_smem = gl.allocate_shared_memory(gl.float32, [NST, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # gates
     w1_smem = gl.allocate_shared_memory(cdt, [WB * 2, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
     w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
     dh_smem = gl.allocate_shared_memory(cdt, [4, 64, BLOCK_M], gl.NVMMASharedLayout.get_default_for([64, BLOCK_M],
@@ -555,7 +561,7 @@ def gluon_expert_bwd_ws_kernel(
     w_ready, w_empty = _ws_barriers(WB, NW * 32)
     h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
-            dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, G)
+            dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, G, g_smem)
     f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True)),
