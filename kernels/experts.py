@@ -389,13 +389,11 @@ FUSED_BWD_MIN_PACK = 32
 # vs without it, two runs (results/layer-h100-2026-11-24-dwws{,-8192}.jsonl): 8192 tokens 3.54 / 3.47 vs 3.66 / 3.62
 # ms (768/4/256, block 32), 2.13 / 2.14 vs 2.18 / 2.14 (384/4/256, block 64); at 81920 tokens (block 128) level
 # alone (2.02 vs 2.06 ms) but 9.47 vs 9.24 in the 384/4/256 layer. (At de 128 the fused backward stays: split with
-# the Gluon dW, 768/8/128 at 8192 tokens, 2.59 / 2.60 vs 2.59 / 2.55.)
+# the Gluon dW, 768/8/128 at 8192 tokens, 2.59 / 2.60 vs 2.59 / 2.55.) Re-measured after its gates moved into shared
+# memory (seventh session of 2026-11-24, results/layer-h100-2026-11-24-pack128.jsonl): alone 1.97 vs 2.05 ms at
+# 81920 tokens 384/4/256, but in the layer with it at block 128: 9.05 vs 8.87 ms (384/4/256), 10.55 vs 10.64
+# (768/4/256): not taken there.
 DW_WS_MAX_PACK = 64
-# largest packing block where the fused de = 128 backward runs as the warp-specialised Gluon kernel: H100 2026-11-24,
-# kernels alone (bench/gluon_kernels.py --kinds bwd, results/gluon_kernels-h100-2026-11-24-bwd.jsonl): 8192 tokens
-# 0.83 vs 1.02 ms (Ne 768, k 8, block 64), 1.26 vs 1.56 (Ne 1536, block 32); at 81920 tokens (block 128) level:
-# 4.06 vs 3.99 (Ne 768), 4.77 vs 4.80 (Ne 1536)
-BWD_WS_MAX_PACK = 64
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
 
@@ -420,8 +418,8 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     (`dw_ws_supported`) at packing blocks up to DW_WS_MAX_PACK; False: the Triton dW kernel there (variant
     "triton_dw").
 
-    bwd_ws: the fused backward by the warp-specialised Gluon kernel where it takes the shape (`bwd_ws_supported`)
-    at packing blocks up to BWD_WS_MAX_PACK; False: the fused Triton kernel there (variant "triton_fused_bwd")."""
+    bwd_ws: the fused backward by the warp-specialised Gluon kernel where it takes the shape (`bwd_ws_supported`);
+    False: the fused Triton kernel there (variant "triton_fused_bwd")."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
     if dh > 128:
@@ -430,7 +428,10 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     min_pack = FUSED_BWD_MIN_PACK if fuse_min_pack is None else fuse_min_pack
     fused_bwd = fuse_bwd and dw_form is None and de == 128 and pack >= min_pack
     gluon_dw = dw_ws and dw_form is None and not fused_bwd and dw_ws_supported(dh, de, pack) and pack <= DW_WS_MAX_PACK
-    gluon_bwd = bwd_ws and fused_bwd and bwd_ws_supported(dh, de, pack) and pack <= BWD_WS_MAX_PACK
+    # the fused backward warp-specialised wherever it takes the shape: H100 2026-11-24, kernel alone
+    # (results/gluon_kernels-h100-2026-11-24-bwd-gates.jsonl) 81920 tokens 3.54 vs 3.94 ms (Ne 768, k 8), 4.14 vs
+    # 4.77 (Ne 1536); 8192 tokens 0.78 vs 1.02, 1.29 vs 1.57; layer at 81920 tokens 11.22 vs 11.40, 14.01 vs 14.51
+    gluon_bwd = bwd_ws and fused_bwd and bwd_ws_supported(dh, de, pack)
     form = dw_form or ("t" if pack >= 64 or fused_bwd else "rows")
     # the Triton packing where measured (H100, 2026-11-23: layer 2.30 -> 2.22 ms at 8192 tokens, 10.26 ->
     # 10.10 at 81920; packing alone 0.135 / 0.23 ms vs 0.20 / 0.52 for the best JAX one); emulated
@@ -481,5 +482,5 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
-           "dgates_in_kernels", "DW_WS_MAX_PACK", "BWD_WS_MAX_PACK",
+           "dgates_in_kernels", "DW_WS_MAX_PACK",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]
