@@ -8,11 +8,13 @@ fwd: the Gluon forward vs `expert_fwd_kernel` (default tile). dw: the Gluon weig
 Triton dW kernel at the tile default_config picks for a split backward, and, where the default backward is the
 fused one (de 128), that kernel too (it also makes the dX rows and gate gradients). dw_options: the Gluon weight
 gradients at each of DW_OPTIONS' launch options (row block, weight buffers, ring stages, registers) vs the same
-Triton dW kernel. bwd (de 128): the warp-specialised fused backward (weight gradients, dX rows, gate gradients) at
-each of BWD_OPTIONS vs the fused Triton kernel, output buffers allocated once (rel over dW1, dW2 and the dX rows and
-gate gradients of routed rows). router: the warp-specialised Gluon router forward (kernels/gluon_router.py) at each of
-ROUTER_OPTIONS vs `router_fwd_kernel` at its default tiles (bf16x3, 8 heads; de is ignored; rel: the fraction of
-indices that differ from the Triton kernel's, max_abs: the values' largest difference).
+Triton dW kernel. bwd: the warp-specialised fused backward (weight gradients, dX rows, gate gradients; partials
+per 128 de, summed for the comparison) at each of BWD_OPTIONS vs the fused Triton kernel (de 128) or the split
+backward default_config picks (the dX kernel and the Gluon or Triton dW kernel), output buffers allocated once
+(rel over dW1, dW2 and the dX rows and gate gradients of routed rows). router: the warp-specialised Gluon router
+forward (kernels/gluon_router.py) at each of ROUTER_OPTIONS vs `router_fwd_kernel` at its default tiles (bf16x3,
+8 heads; de is ignored; rel: the fraction of indices that differ from the Triton kernel's, max_abs: the values'
+largest difference).
 One JSON line per (shape, kernel): ms (median), TFLOP/s of the kernel's matmuls (fwd 2 units, dW 4, fused 5 of
 2 * rows * dh * de), and rel / max_abs: the difference of the outputs to the first (Triton) kernel's (0 when
 bitwise equal; for dW the larger of dW1's and dW2's).
@@ -115,25 +117,35 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
     from triton.testing import do_bench
 
     from kernels.experts import default_config
-    from kernels.gluon_experts import bwd_ws_supported, gluon_experts_bwd_ws
-    from kernels.torch_experts import experts_dw
+    from kernels.gluon_experts import bwd_ws_supported, gluon_experts_bwd_ws, gluon_experts_dw_ws
+    from kernels.torch_experts import experts_dw, experts_dx
 
     g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
-    if cfg.dw.block_e != de or not bwd_ws_supported(dh, de, cfg.pack_block):
+    if not bwd_ws_supported(dh, de, cfg.pack_block):
         return []
     sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh) for _ in range(3)]
     w1, w2 = expert_weights(ne, de, g, nh, dh)
     p = sets[0][3].row_slot.shape[0]
     dx = torch.zeros(p, dh, dtype=torch.bfloat16, device="cuda")
-    out = (torch.empty(w1.shape, device="cuda"), torch.empty(w2.shape, device="cuda"), dx,
-           torch.zeros(p, device="cuda"))
+    out = (torch.empty(w1.shape, device="cuda"), torch.empty(w2.shape, device="cuda"),
+           torch.zeros(p, de // 128, dh, dtype=torch.bfloat16, device="cuda"),
+           torch.zeros(p, de // 128, device="cuda"))
 
     def triton_fused(s):
         dw1, dw2, dgate = experts_dw(s[0], s[1], s[2], s[3], w1, w2, k, cfg, torch.float32, dx)
         return dw1, dw2, dx, dgate
 
-    kernels = {"triton_fused": triton_fused}
+    def triton_split(s):  # the split backward as default_config picks it (dX kernel; Gluon dW where chosen)
+        dxs, dgate = experts_dx(s[0], s[1], s[2], s[3], w1, w2, k, cfg)
+        if cfg.dw_ws:
+            dw1, dw2 = gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block)
+        else:
+            dw1, dw2, _ = experts_dw(s[0], s[1], s[2], s[3], w1, w2, k, cfg, torch.float32)
+        return dw1, dw2, dxs, dgate
+
+    kernels = {"triton_fused" if cfg.dw.block_e == de else "split_default": (
+        triton_fused if cfg.dw.block_e == de else triton_split)}
     for wb, st, r in BWD_OPTIONS:
         kernels[f"gluon_bwd_ws_wb{wb}_st{st}_r{r[0]}_{r[1]}"] = (
             lambda s, o=dict(wbuf=wb, stages=st, regs=r): gluon_experts_bwd_ws(
@@ -145,11 +157,13 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
                    params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block))
         dx.zero_()
         outs = [o.clone() for o in fn(sets[0])]
+        if outs[2].dim() == 3:  # the Gluon kernel's partials per 128 de
+            outs[2:] = [outs[2].float().sum(1), outs[3].sum(1)]
         outs[2:] = [outs[2][valid], outs[3][valid]]
         refs = outs if refs is None else refs
         rec["rel"], rec["max_abs"] = _diff(outs, refs)
         rec["ms"] = float(do_bench(rotating(fn, sets), warmup=25, rep=200, return_mode="median"))
-        rec["tflops"] = 5 * 2 * tokens * nh * k * dh * de / rec["ms"] / 1e9
+        rec["tflops"] = 5 * 2 * tokens * nh * k * dh * de / rec["ms"] / 1e9  # the fused form's 5 units
         emit(rec, outf)
         recs.append(rec)
     return recs

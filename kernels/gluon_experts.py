@@ -395,7 +395,8 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         dW1_c^T += (dA'^T diag(g) gelu'(H^T)) X            from registers
     The accumulating products of block i run under the wait for block i + 1 and its H^T / dA'^T.
 
-    FUSE (DE == 128, `gluon_expert_bwd_ws_kernel`): also the block's dX rows and gate gradients. Each consumer
+    FUSE (`gluon_expert_bwd_ws_kernel`): also the block's dX rows and gate gradients (over the tile's 128 de: with
+    DE > 128 each row gets DE / 128 partials, side by side: dX (P, DE / 128, DH), gate (P, DE / 128)). Each consumer
     writes its dH_c^T = dA'^T diag(g) gelu'(H^T) (64 de, BLOCK_M) to shared memory (one of two buffers, `f`'s
     h_ready / h_empty hand them over between the two consumers); consumer C then makes dh columns [64 C, + 64)
     of the block's dX: dX^T_C = W1[64 C:, :64] dH_0^T + W1[64 C:, 64:] dH_1^T (the W1 tile already in shared
@@ -466,16 +467,18 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 dxt = warpgroup_mma(w1a, dh_smem.index(hb * 2), s_zero, use_acc=False, is_async=True)
                 dxt = warpgroup_mma(w1b, dh_smem.index(hb * 2 + 1), dxt, is_async=True)
                 rows = row0 + i * BLOCK_M
+                NP: gl.constexpr = DE // 128  # the tiles' partial dX / gate gradients of a row, side by side
                 if C == 0:
                     cl: gl.constexpr = gl.SliceLayout(0, s_layout)
                     dg = dg_smem.index(hb * 2).load(cl) + dg_smem.index(hb * 2 + 1).load(cl)
-                    gl.store(dgate_ptr + rows + cols, dg)
+                    gl.store(dgate_ptr + (rows + cols) * NP + e0 // 128, dg)
                 # retires the block's products (acc1 / acc2 stay wgmma accumulators: the next wait names them)
                 dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
                 mbarrier.arrive(d_empty.index(s))
                 mbarrier.arrive(h_empty.index(hb))
                 dxv = gl.convert_layout(gl.permute(dxt.to(cdt), (1, 0)), lxs)  # (BLOCK_M, 64)
-                gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * DH + (64 * C + xc)[None, :], dxv)
+                dx_cols = (e0 // 128) * DH + 64 * C + xc  # this tile's partial, this consumer's dh half
+                gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + dx_cols[None, :], dxv)
             else:
                 op1 = gl.convert_layout(dht, a_layout)
                 acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
@@ -533,18 +536,19 @@ def gluon_expert_dw_ws_kernel(
 @gluon.jit
 def gluon_expert_bwd_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,  # inputs
-    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DH), (P,) fp32
+    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """The whole expert backward at DE == 128 (`expert_dwt_kernel` with FUSE_DX and DGATES), warp-specialised:
-    `gluon_expert_dw_ws_kernel`'s structure (one tile per group), whose two consumers also exchange their halves
-    of dH^T through shared memory for the block's dX rows and gate gradients (`_dw_consumer`, FUSE). Rows of
-    blocks made only of padding are not written (as the Triton kernel)."""
+    """The whole expert backward (`expert_dwt_kernel` with FUSE_DX and DGATES at DE == 128), warp-specialised:
+    `gluon_expert_dw_ws_kernel`'s structure (tiles of (group, 128 de)), whose two consumers also exchange their
+    halves of dH^T through shared memory for the block's dX rows and gate gradients (`_dw_consumer`, FUSE). With
+    DE > 128 every tile writes its own partial dX row and gate gradient (over its 128 de; the caller sums the
+    DE / 128 partials, in order). Rows of blocks made only of padding are not written (as the Triton kernel)."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
-    gl.static_assert(DE == 128 and DH == 128, "the fused backward: DE == DH == 128 (two consumers of 64)")
+    gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1, "NST >= 2, WB >= 1")
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
@@ -561,7 +565,7 @@ def gluon_expert_bwd_ws_kernel(
     w_ready, w_empty = _ws_barriers(WB, NW * 32)
     h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
-            dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, G, g_smem)
+            dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, G * (DE // 128), g_smem)
     f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True)),
@@ -583,8 +587,8 @@ gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
 def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
-    """Shapes of the warp-specialised fused backward: dh = de = 128, packing blocks of >= 32 rows."""
-    return dh == 128 and de == 128 and pack_block >= DW_WS_BLOCK_M
+    """Shapes of the warp-specialised fused backward: dh 128, de a multiple of 128, packing blocks of >= 32 rows."""
+    return dh == 128 and de % 128 == 0 and pack_block >= DW_WS_BLOCK_M
 
 
 def bwd_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = BWD_WS_STAGES,
@@ -592,16 +596,16 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int
     """The fused backward's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
     if not bwd_ws_supported(dh, de, pack_block):
         raise ValueError(f"warp-specialised fused expert backward: dh={dh}, de={de}, pack_block={pack_block}; "
-                         f"expected dh = de = 128 and packing blocks of at least {DW_WS_BLOCK_M} rows")
+                         f"expected dh 128, de a multiple of 128 and packing blocks of at least {DW_WS_BLOCK_M} rows")
     return dict(K=k, DH=dh, DE=de, G=num_groups, PACK_BLOCK=pack_block, BLOCK_M=DW_WS_BLOCK_M, NST=stages, WB=wbuf,
                 FAST_TANH=True, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
 
 
 def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
                          dw_dtype=None, out=None, **options):
-    """Torch launcher (CUDA, Hopper) of the fused backward: as `gluon_experts_dw_ws`, plus dX rows (P, dh) in
-    x.dtype and each packed row's gate gradient (P,) fp32 (rows of blocks made only of padding unwritten):
-    -> (dW1, dW2, dX, dgate), or written into `out` (the same four)."""
+    """Torch launcher (CUDA, Hopper) of the fused backward: as `gluon_experts_dw_ws`, plus dX rows (P, de / 128, dh)
+    in x.dtype and each packed row's gate gradient (P, de / 128) fp32, one partial per 128 de (sum them; rows of
+    blocks made only of padding unwritten): -> (dW1, dW2, dX, dgate), or written into `out` (the same four)."""
     import torch
 
     p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
@@ -609,10 +613,10 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
     dw_dtype = dw_dtype or torch.float32
     out = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(w2.shape, dtype=dw_dtype, device=x.device),
-                  torch.empty(p, dh, dtype=x.dtype, device=x.device),
-                  torch.empty(p, dtype=torch.float32, device=x.device))
+                  torch.empty(p, de // 128, dh, dtype=x.dtype, device=x.device),
+                  torch.empty(p, de // 128, dtype=torch.float32, device=x.device))
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
-    gluon_expert_bwd_ws_kernel[(min(programs, g_count),)](
+    gluon_expert_bwd_ws_kernel[(min(programs, g_count * (de // 128)),)](
         x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start, pk.group_nblocks,
         w1.contiguous(), w2.contiguous(), *out, num_warps=4, maxnreg=WS_MAXNREG, **consts)
     return out

@@ -238,7 +238,9 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de, ne, monkeypatch):
     # the Gluon dW kernel at packing block 64 (Ne 128) and, split, at de 128; and without it
     ("default", 256, False, 128), ("split_bwd", 128, False, 128), ("triton_dw", 256, False, 128),
     # the fused backward runs the Gluon kernel by default; the fused Triton one
-    ("triton_fused_bwd", 128, True, 512), ("triton_fused_bwd", 128, False, 16)])
+    ("triton_fused_bwd", 128, True, 512), ("triton_fused_bwd", 128, False, 16),
+    # the whole backward on the Gluon kernel at de 256 (partial dX rows per 128 de), packing blocks 128 and 64
+    ("gluon_bwd", 256, True, 16), ("gluon_bwd", 256, False, 128)])
 def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne, monkeypatch):
     """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
     rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all
@@ -289,8 +291,7 @@ def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne, monkeypatch):
     assert et.use_dw_gluon(cfg, jnp.bfloat16, dh, de) == (cfg.dw_ws and cfg.pack_block <= 64 and de % 128 == 0
                                                           and cfg.dw.block_e != de)
     assert len(gluon_bwd_calls) == (2 if et.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) else 0), (cfg, gluon_bwd_calls)
-    assert et.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) == (cfg.bwd_ws and de == 128 and cfg.dw.block_e == de
-                                                           and not cfg.packed_bwd)
+    assert et.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) == (cfg.bwd_ws and de % 128 == 0 and not cfg.packed_bwd)
     base = grads(variant_config("v2", n * h * k, h * ne, dh, de))
     with jax.default_matmul_precision("highest"):
         ref = grads(None, jnp.float32, "reference")
@@ -360,17 +361,18 @@ def test_bwd_gluon_dispatch_rule(monkeypatch):
     assert not et.use_bwd_gluon(replace(cfg, bwd_ws=False), jnp.bfloat16, 128, 128)
     assert not et.use_bwd_gluon(replace(cfg, dw_form="rows"), jnp.bfloat16, 128, 128)
     split = default_config(8192 * 8 * 4, 8 * 384, 128, 256)
-    assert not et.use_bwd_gluon(replace(split, bwd_ws=True), jnp.bfloat16, 128, 256)  # dX apart
+    assert et.use_bwd_gluon(replace(split, bwd_ws=True), jnp.bfloat16, 128, 256)  # de 256: partial dX rows
+    assert not et.use_bwd_gluon(replace(split, bwd_ws=True), jnp.bfloat16, 128, 192)
 
 
 def test_ws_bwd_shapes_checked():
-    """The warp-specialised fused backward takes dh = de = 128 and packing blocks of >= 32 rows; anything else gets
-    a clear error naming the shape from its launch arguments."""
+    """The warp-specialised fused backward takes dh 128, de a multiple of 128 and packing blocks of >= 32 rows;
+    anything else gets a clear error naming the shape from its launch arguments."""
     from kernels.gluon_experts import bwd_ws_constexprs, bwd_ws_supported
 
     consts = bwd_ws_constexprs(8, 128, 128, 6144, 64)
     assert consts["BLOCK_M"] == 32 and consts["DE"] == 128 and consts["NST"] >= 2
-    for dh, de, pack in ((128, 256, 64), (256, 128, 64), (128, 128, 16)):
+    for dh, de, pack in ((128, 192, 64), (256, 128, 64), (128, 128, 16)):
         assert not bwd_ws_supported(dh, de, pack)
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
             bwd_ws_constexprs(8, dh, de, 64, pack)
@@ -512,49 +514,59 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ne", [16, 128, 512], ids=["pack128", "pack64", "pack32"])
+@pytest.mark.parametrize("de", [128, 256])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 @pytest.mark.parametrize("programs", [None, 5], ids=["one_per_sm", "five"])
-def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, ne):
-    """The warp-specialised fused backward at de 128 (torch launcher): dW1, dW2, the dX rows and the gate gradients
-    of every routed row against the float64 reference (`_f64_bwd`) and against the fused Triton kernel on the same
-    packing (within bf16 rounding: the two sum dX over de and the gate gradient's halves in different orders). The
-    outputs start NaN-poisoned: empty groups' dW must come out zero, padding rows of used blocks dX = 0 and gate
-    gradient 0. Packing blocks 128, 64, 32; five programs take many groups each (the dH^T buffers and barriers
-    shared by the two consumers go round many times)."""
-    from kernels.experts import default_config
-    from kernels.gluon_experts import gluon_experts_bwd_ws
-    from kernels.torch_experts import experts_dw
+def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne):
+    """The warp-specialised fused backward (torch launcher): dW1, dW2, the dX rows and the gate gradients of every
+    routed row (at de 256 the sums of the two tiles' partials) against the float64 reference (`_f64_bwd`) and against
+    the Triton kernels on the same packing (the fused one at de 128, the dX and transposed dW kernels at 256; within
+    bf16 rounding: the sums over de run in other orders). The outputs start NaN-poisoned: empty groups' dW must come
+    out zero, padding rows of used blocks dX = 0 and gate gradient 0. Packing blocks 128, 64, 32; five programs take
+    many tiles each (the dH^T buffers and barriers shared by the two consumers go round many times)."""
+    from dataclasses import replace
 
-    n, h, k, dh, de = 2048, 4, 4, 128, 128
+    from kernels.experts import Tile, default_config
+    from kernels.gluon_experts import gluon_experts_bwd_ws
+    from kernels.torch_experts import experts_dw, experts_dx
+
+    n, h, k, dh = 2048, 4, 4, 128
     x, idx, gates, w1, w2 = (t.cuda() for t in _inputs(5, n, h, k, ne, dh, de, skew))
     x = x.reshape(n * h, dh).bfloat16()
     dy = (torch.randn(n * h, dh, device="cuda", generator=torch.Generator("cuda").manual_seed(6))).bfloat16()
     gates = gates.reshape(-1).float().contiguous()
     w1, w2 = w1.reshape(h * ne, dh, de).bfloat16(), w2.reshape(h * ne, de, dh).bfloat16()
     cfg = default_config(n * h * k, h * ne, dh, de)
-    assert cfg.pack_block == {16: 128, 128: 64, 512: 32}[ne] and cfg.dw.block_e == de
+    assert cfg.pack_block == {16: 128, 128: 64, 512: 32}[ne] and (cfg.dw.block_e == de) == (de == 128)
     pk = pack_torch(idx, ne, cfg.pack_block)
-    p = pk.row_slot.shape[0]
+    p, parts = pk.row_slot.shape[0], de // 128
     nan = float("nan")
     out = (torch.full(w1.shape, nan, device="cuda"), torch.full(w2.shape, nan, device="cuda"),
-           torch.full((p, dh), nan, device="cuda", dtype=torch.bfloat16), torch.full((p,), nan, device="cuda"))
-    dw1, dw2, dx, dgate = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs,
-                                               out=out)
+           torch.full((p, parts, dh), nan, device="cuda", dtype=torch.bfloat16),
+           torch.full((p, parts), nan, device="cuda"))
+    dw1, dw2, dxp, dgp = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs,
+                                              out=out)
     ref1, ref2, rdx, rdg, g = _f64_bwd(x, dy, gates, pk, idx, w1, w2, k, h, ne)
     valid = pk.row_slot >= 0
     used = torch.arange(p, device="cuda") < int(pk.group_block_start[-1] + pk.group_nblocks[-1]) * cfg.pack_block
     assert torch.isfinite(dw1).all() and torch.isfinite(dw2).all()
-    assert torch.isfinite(dx[used]).all() and torch.isfinite(dgate[used]).all()
+    assert torch.isfinite(dxp[used]).all() and torch.isfinite(dgp[used]).all()
+    dx, dgate = dxp.float().sum(1), dgp.sum(1)
     assert _rel(dw1, ref1) < 1e-2 and _rel(dw2, ref2) < 1e-2
     assert _rel(dx[valid], rdx) < 1e-2 and _rel(dgate[valid], rdg) < 1e-2
     pad = used & ~valid
-    assert (dx[pad] == 0).all() and (dgate[pad] == 0).all()
+    assert (dxp[pad] == 0).all() and (dgp[pad] == 0).all()
     empty = torch.bincount(g, minlength=h * ne) == 0
     assert (dw1[empty] == 0).all() and (dw2[empty] == 0).all()
     if skew:
         assert empty.any()
-    tdx = torch.zeros(p, dh, device="cuda", dtype=torch.bfloat16)
-    t1, t2, tdg = experts_dw(x, dy, gates, pk, w1, w2, k, cfg, torch.float32, tdx)
+    if de == 128:
+        tdx = torch.zeros(p, dh, device="cuda", dtype=torch.bfloat16)
+        t1, t2, tdg = experts_dw(x, dy, gates, pk, w1, w2, k, cfg, torch.float32, tdx)
+    else:
+        tdx, tdg = experts_dx(x, dy, gates, pk, w1, w2, k, cfg)
+        split = replace(cfg, dw=Tile(min(64, cfg.pack_block), 64, 4, 3), dw_form="t")
+        t1, t2, _ = experts_dw(x, dy, gates, pk, w1, w2, k, split, torch.float32)
     assert _rel(dw1, t1) < 1e-2 and _rel(dw2, t2) < 1e-2
     assert _rel(dx[valid], tdx[valid]) < 1e-2 and _rel(dgate[valid], tdg[valid]) < 1e-2
 

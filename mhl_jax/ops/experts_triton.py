@@ -55,7 +55,7 @@ class Static(NamedTuple):
 # ------------------------------------------------------------------------------ variants (benchmarks)
 
 VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd", "fused_bwd16",
-            "triton_fwd", "triton_dw", "triton_fused_bwd")
+            "triton_fwd", "triton_dw", "triton_fused_bwd", "gluon_bwd")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -73,7 +73,9 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     default until the last session of 2026-11-24); "triton_dw" = "default" with the Triton dW kernel where the
     default's split backward runs the warp-specialised Gluon one (the default until the fifth session of
     2026-11-24); "triton_fused_bwd" = "default" with the fused Triton backward where the default runs the
-    warp-specialised Gluon one (the default until the seventh session of 2026-11-24)."""
+    warp-specialised Gluon one (the default until the seventh session of 2026-11-24); "gluon_bwd" = "default" with
+    the whole backward on the warp-specialised Gluon kernel wherever it takes the shape (at de > 128 too: partial dX
+    rows per 128 de, summed by the combine)."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name in ("split_bwd", "fused_bwd16"):
@@ -82,6 +84,11 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
         return default_config(num_slots, num_groups, dh, de, dw_ws=False)
     if name == "triton_fused_bwd":
         return default_config(num_slots, num_groups, dh, de, bwd_ws=False)
+    if name == "gluon_bwd":
+        from kernels.gluon_experts import bwd_ws_supported
+
+        cfg = default_config(num_slots, num_groups, dh, de)
+        return replace(cfg, bwd_ws=bwd_ws_supported(dh, de, cfg.pack_block) and dgates_in_kernels(cfg, de))
     if name in ("default", "tpack", "triton_fwd"):
         cfg = default_config(num_slots, num_groups, dh, de)
         if name == "triton_fwd":
@@ -163,17 +170,18 @@ def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
 
 
 def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
-    """Whether the fused backward (dX, gate gradients and weight gradients in one kernel) runs on the warp-specialised
-    Gluon kernel: cfg.bwd_ws on a fused backward that makes the gate gradients (unpacked rows, transposed form),
-    bf16, a Hopper GPU, a shape the kernel takes; else the fused Triton kernel."""
+    """Whether the backward (dX, gate gradients and weight gradients) runs as the one warp-specialised Gluon kernel:
+    cfg.bwd_ws on a backward whose kernels make the gate gradients (unpacked rows), bf16, a Hopper GPU, a shape the
+    kernel takes; else the Triton kernel(s) of cfg (fused at de = 128, dX and dW apart otherwise)."""
     from kernels.gluon_experts import bwd_ws_supported
 
-    return (cfg.bwd_ws and cfg.dw.block_e == de and dgates_in_kernels(cfg, de) and dtype == jnp.bfloat16
+    return (cfg.bwd_ws and dgates_in_kernels(cfg, de) and dtype == jnp.bfloat16
             and bwd_ws_supported(dh, de, cfg.pack_block) and bool(_hopper_sms()))
 
 
 def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
-    """dX rows, dW1, dW2, gate gradients by the warp-specialised fused Gluon kernel: work items = groups."""
+    """dX rows (P, de / 128, dh), dW1, dW2, gate gradients (P, de / 128) by the warp-specialised fused Gluon kernel
+    (one partial per 128 de: the callers sum them); work items = (group, 128 de) tiles."""
     from kernels.gluon_experts import bwd_ws_constexprs, gluon_expert_bwd_ws_kernel
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
@@ -181,9 +189,10 @@ def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
         xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
         kernel=gluon_expert_bwd_ws_kernel,
         out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
-                   jax.ShapeDtypeStruct((p, dh), xs.dtype), jax.ShapeDtypeStruct((p,), jnp.float32)],
-        work_items=g, **bwd_ws_constexprs(st.k, dh, de, g, st.cfg.pack_block))
-    return dx, dw1, dw2, dgate
+                   jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype),
+                   jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
+        work_items=g * (de // 128), **bwd_ws_constexprs(st.k, dh, de, g, st.cfg.pack_block))
+    return dx.reshape(p, de // 128, dh), dw1, dw2, dgate
 
 
 def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
@@ -352,18 +361,20 @@ def _experts_bwd(st: Static, res, dy):
                                     w1c, w2c, jnp.dtype(st.w_dtype))
     if dgate_rows is None:  # packed dO rows, or dX fused into the row-form dW kernel: the gate gradient in XLA
         dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)[1]
-    else:  # the per-row gate gradients of the dX kernel (or of the fused dW kernel), read back per slot (empty: 0)
-        dgates = take_slots(dgate_rows[:, None], meta.slot_row).reshape(n, h, k).astype(gates.dtype)
+    else:  # the per-row gate gradients of the kernels (partials of the Gluon backward summed), per slot (empty: 0)
+        dg = dgate_rows.reshape(dgate_rows.shape[0], -1)
+        dgates = take_slots(dg, meta.slot_row).sum(-1).reshape(n, h, k).astype(gates.dtype)
     return bwd_cotangents(dxr, dgates, dw1, dw2, xs.dtype, meta)
 
 
 def bwd_cotangents(dx_rows, dgates, dw1, dw2, x_dtype, meta: Meta):
-    """The custom_vjp's cotangents (x, gates, w1, w2, meta) from the packed dX rows (P, dh), dgates
-    (N, H, k) and the per-group dW1 (G, dh, de), dW2 (G, de, dh): dx sums each sub-token's k slots in a
-    fixed order; the weights go back to (H, Ne, ...)."""
+    """The custom_vjp's cotangents (x, gates, w1, w2, meta) from the packed dX rows (P, dh) or partial rows
+    (P, parts, dh), dgates (N, H, k) and the per-group dW1 (G, dh, de), dW2 (G, de, dh): dx sums each sub-token's
+    k slots (and their partials) in fp32; the weights go back to (H, Ne, ...)."""
     n, h, k = dgates.shape
     g, dh, de = dw1.shape
-    dx = take_slots(dx_rows, meta.slot_row).reshape(n, h, k, dh).sum(2)
+    p = dx_rows.shape[0]
+    dx = take_slots(dx_rows.reshape(p, -1), meta.slot_row).reshape(n, h, k, -1, dh).sum((2, 3))
     zero_meta = jax.tree.map(lambda a: None, meta)
     return (dx.astype(x_dtype), dgates, dw1.reshape(h, g // h, dh, de), dw2.reshape(h, g // h, de, dh), zero_meta)
 
