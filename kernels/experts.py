@@ -394,6 +394,7 @@ FUSED_BWD_MIN_PACK = 32
 # 81920 tokens 384/4/256, but in the layer with it at block 128: 9.05 vs 8.87 ms (384/4/256), 10.55 vs 10.64
 # (768/4/256): not taken there.
 DW_WS_MAX_PACK = 64
+BWD_WS_WIDE_MAX_PACK = 32  # largest packing block where the Gluon backward replaces the split one at de > 128
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
 
@@ -418,8 +419,9 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     (`dw_ws_supported`) at packing blocks up to DW_WS_MAX_PACK; False: the Triton dW kernel there (variant
     "triton_dw").
 
-    bwd_ws: the fused backward by the warp-specialised Gluon kernel where it takes the shape (`bwd_ws_supported`);
-    False: the fused Triton kernel there (variant "triton_fused_bwd")."""
+    bwd_ws: the backward as the one warp-specialised Gluon kernel where it takes the shape (`bwd_ws_supported`): at
+    de = 128 in place of the fused Triton kernel, at larger de in place of the split backward at packing blocks up to
+    BWD_WS_WIDE_MAX_PACK; False: the Triton kernels of the other fields (variant "triton_fused_bwd")."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
     if dh > 128:
@@ -431,7 +433,13 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     # the fused backward warp-specialised wherever it takes the shape: H100 2026-11-24, kernel alone
     # (results/gluon_kernels-h100-2026-11-24-bwd-gates.jsonl) 81920 tokens 3.54 vs 3.94 ms (Ne 768, k 8), 4.14 vs
     # 4.77 (Ne 1536); 8192 tokens 0.78 vs 1.02, 1.29 vs 1.57; layer at 81920 tokens 11.22 vs 11.40, 14.01 vs 14.51
-    gluon_bwd = bwd_ws and fused_bwd and bwd_ws_supported(dh, de, pack)
+    # At de > 128 it writes one partial dX row per 128 de (the combine sums them): alone 3.60 vs 3.95 ms (81920 tokens,
+    # 384/4/256), 4.23 vs 4.59 (768/4/256), 0.80 vs 0.78 / 1.25 vs 1.40 at 8192 tokens against the split backward,
+    # but in the layer (results/layer-h100-2026-11-24-gluon-bwd-de256.jsonl, two runs) 9.26 / 9.22 vs 9.00 / 9.02,
+    # 10.77 / 10.88 vs 10.67 / 10.76 at 81920 tokens (the partials' extra combine reads), 2.05 / 2.09 vs 2.07 / 2.04
+    # (384/4/256, block 64) and 3.37 / 3.30 vs 3.45 / 3.45 (768/4/256, block 32) at 8192: taken at blocks <= 32 only
+    gluon_bwd = bwd_ws and dw_form is None and bwd_ws_supported(dh, de, pack) and (
+        fused_bwd or pack <= BWD_WS_WIDE_MAX_PACK)
     form = dw_form or ("t" if pack >= 64 or fused_bwd else "rows")
     # the Triton packing where measured (H100, 2026-11-23: layer 2.30 -> 2.22 ms at 8192 tokens, 10.26 ->
     # 10.10 at 81920; packing alone 0.135 / 0.23 ms vs 0.20 / 0.52 for the best JAX one); emulated
@@ -482,5 +490,5 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
-           "dgates_in_kernels", "DW_WS_MAX_PACK",
+           "dgates_in_kernels", "DW_WS_MAX_PACK", "BWD_WS_WIDE_MAX_PACK",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]

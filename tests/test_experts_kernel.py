@@ -240,7 +240,7 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de, ne, monkeypatch):
     # the fused backward runs the Gluon kernel by default; the fused Triton one
     ("triton_fused_bwd", 128, True, 512), ("triton_fused_bwd", 128, False, 16),
     # the whole backward on the Gluon kernel at de 256 (partial dX rows per 128 de), packing blocks 128 and 64
-    ("gluon_bwd", 256, True, 16), ("gluon_bwd", 256, False, 128)])
+    ("gluon_bwd", 256, True, 16), ("gluon_bwd", 256, False, 128), ("default", 256, True, 512)])
 def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne, monkeypatch):
     """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
     rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all
@@ -394,7 +394,7 @@ def test_ws_dw_shapes_checked_and_chosen():
     # (tokens, Ne, k, de) -> (packing block, dw_ws, fused backward, fused backward on Gluon)
     expected = {(81920, 384, 4, 256): (128, False, False, False), (81920, 768, 8, 128): (128, False, True, True),
                 (8192, 384, 4, 256): (64, True, False, False), (8192, 768, 8, 128): (64, False, True, True),
-                (8192, 768, 4, 256): (32, True, False, False), (8192, 1536, 8, 128): (32, False, True, True),
+                (8192, 768, 4, 256): (32, True, False, True), (8192, 1536, 8, 128): (32, False, True, True),
                 (8192, 384, 4, 512): (64, True, False, False)}
     for (tokens, ne, k, de), want in expected.items():
         cfg = default_config(tokens * 8 * k, 8 * ne, 128, de)

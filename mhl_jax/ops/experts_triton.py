@@ -72,7 +72,7 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     "triton_fwd" = "default" with the Triton forward where the default runs the warp-specialised Gluon one (the
     default until the last session of 2026-11-24); "triton_dw" = "default" with the Triton dW kernel where the
     default's split backward runs the warp-specialised Gluon one (the default until the fifth session of
-    2026-11-24); "triton_fused_bwd" = "default" with the fused Triton backward where the default runs the
+    2026-11-24); "triton_fused_bwd" = "default" with the Triton backward kernels where the default runs the
     warp-specialised Gluon one (the default until the seventh session of 2026-11-24); "gluon_bwd" = "default" with
     the whole backward on the warp-specialised Gluon kernel wherever it takes the shape (at de > 128 too: partial dX
     rows per 128 de, summed by the combine)."""
