@@ -289,7 +289,7 @@ def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne, monkeypatch):
     # the Gluon dW / fused backward kernels ran exactly where the config asks for them (traced once per grads call)
     assert len(gluon_dw_calls) == (2 if et.use_dw_gluon(cfg, jnp.bfloat16, dh, de) else 0), (cfg, gluon_dw_calls)
     assert et.use_dw_gluon(cfg, jnp.bfloat16, dh, de) == (cfg.dw_ws and cfg.pack_block <= 64 and de % 128 == 0
-                                                          and cfg.dw.block_e != de)
+                                                          and cfg.dw.block_e != de and not gluon_bwd_calls)
     assert len(gluon_bwd_calls) == (2 if et.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) else 0), (cfg, gluon_bwd_calls)
     assert et.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) == (cfg.bwd_ws and de % 128 == 0 and not cfg.packed_bwd)
     base = grads(variant_config("v2", n * h * k, h * ne, dh, de))
@@ -363,6 +363,7 @@ def test_bwd_gluon_dispatch_rule(monkeypatch):
     split = default_config(8192 * 8 * 4, 8 * 384, 128, 256)
     assert et.use_bwd_gluon(replace(split, bwd_ws=True), jnp.bfloat16, 128, 256)  # de 256: partial dX rows
     assert not et.use_bwd_gluon(replace(split, bwd_ws=True), jnp.bfloat16, 128, 192)
+    assert not et.use_dw_gluon(replace(split, bwd_ws=True), jnp.bfloat16, 128, 256)  # the whole backward instead
 
 
 def test_ws_bwd_shapes_checked():

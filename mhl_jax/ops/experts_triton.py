@@ -150,11 +150,13 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
 
 def use_dw_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
     """Whether the backward's weight gradients run on the warp-specialised Gluon kernel: cfg.dw_ws on a split
-    backward (no fused dX, unpacked rows), bf16, a Hopper GPU, a shape the kernel takes; else the Triton dW kernel."""
+    backward (no fused dX, unpacked rows, not the whole backward on Gluon: `use_bwd_gluon`), bf16, a Hopper GPU, a
+    shape the kernel takes; else the Triton dW kernel."""
     from kernels.gluon_experts import dw_ws_supported
 
     return (cfg.dw_ws and cfg.dw.block_e != de and not cfg.packed_bwd and dtype == jnp.bfloat16
-            and dw_ws_supported(dh, de, cfg.pack_block) and bool(_hopper_sms()))
+            and dw_ws_supported(dh, de, cfg.pack_block) and bool(_hopper_sms())
+            and not use_bwd_gluon(cfg, dtype, dh, de))
 
 
 def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
