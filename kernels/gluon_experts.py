@@ -25,10 +25,18 @@ Measured on H100 (bench/gluon_kernels.py, kernel alone, 81920 tokens): 0.88 vs 1
 `gluon_expert_dw_ws_kernel`: the weight gradients of `expert_dwt_kernel` (without fused dX) in the same structure:
 persistent over (group, 128 de) tiles, two consumer warp groups each holding both gradients of 64 de (128 fp32
 accumulator registers: the consumers run at setmaxnreg 232 / 240, which ptxas honours per partition), 32-row
-blocks of gathered X / dy rows through a cp.async ring, the next tile's weights in a second buffer. H100, kernel
-alone: 0.63 vs 0.70 ms (8192 tokens, Ne 384, de 256), 0.97 vs 1.19 (Ne 768, packing block 32), level at 81920
-tokens; the split backward takes it at packing blocks <= 64 (`kernels.experts.default_config`). Supported shapes:
+blocks of gathered X / dy rows (and their gates) through a cp.async ring, the next tile's weights in a second
+buffer. H100, kernel alone: 0.50 vs 0.70 ms (8192 tokens, Ne 384, de 256), 0.95 vs 1.19 (Ne 768, packing block 32),
+1.97 vs 2.05 at 81920 tokens; the split backward takes it at packing blocks <= 64 (`kernels.experts.default_config`;
+at 128 the layer measured it slower). Supported shapes:
 `dw_ws_supported`.
+
+`gluon_expert_bwd_ws_kernel`: the whole backward (dW1, dW2, dX rows, gate gradients; `expert_dwt_kernel` with
+FUSE_DX and DGATES at de = 128) in the dW kernel's structure: the two consumers exchange their dH^T halves through
+shared memory and each makes 64 dh columns of every block's dX rows (`_dw_consumer`, FUSE). At de > 128 each
+128-de tile writes a partial dX row / gate gradient (the caller sums them). H100, kernel alone: 3.54 vs 3.94 ms
+(81920 tokens, Ne 768, de 128, k 8; the fused Triton kernel), 0.78 vs 1.02 at 8192 tokens. Supported shapes:
+`bwd_ws_supported`.
 """
 
 from __future__ import annotations
@@ -400,8 +408,10 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     writes its dH_c^T = dA'^T diag(g) gelu'(H^T) (64 de, BLOCK_M) to shared memory (one of two buffers, `f`'s
     h_ready / h_empty hand them over between the two consumers); consumer C then makes dh columns [64 C, + 64)
     of the block's dX: dX^T_C = W1[64 C:, :64] dH_0^T + W1[64 C:, 64:] dH_1^T (the W1 tile already in shared
-    memory), and consumer 0 adds consumer 1's half of <gelu(H) row, dA' row> (through shared memory) to its own:
-    the gate gradient of every row, in a fixed order. The block's products all retire before the next block."""
+    memory; dW1's product also takes its A operand dH_c^T from there), and consumer 0 adds the two consumers' halves
+    of <gelu(H) row, dA' row> (both through shared memory): the gate gradient of every row, in a fixed order. The
+    block's products all retire before the next block (deferring the dX half by one block measured slower, 2026-11-24).
+    The gates of each block come from shared memory (`g_smem`, gathered by the producer)."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
      dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
