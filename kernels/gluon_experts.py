@@ -505,6 +505,23 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
 
 
 @gluon.jit
+def _dw_buffers(cdt: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M: gl.constexpr, DH: gl.constexpr,
+                NW: gl.constexpr):
+    """Shared memory of the dW / backward kernels: an NST-stage ring of gathered X / dy rows and their gates, WB
+    buffers of a tile's W1 columns / W2 rows (two 64-de halves each), and their (ready, empty) mbarriers."""
+    x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
+    dy_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
+    g_smem = gl.allocate_shared_memory(gl.float32, [NST, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # gates
+    w1_smem = gl.allocate_shared_memory(cdt, [WB * 2, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
+    w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
+    d_ready, d_empty = _ws_barriers(NST, NW * 32)
+    w_ready, w_empty = _ws_barriers(WB, NW * 32)
+    return x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty
+
+
+@gluon.jit
 def gluon_expert_dw_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,  # inputs
     dw1_ptr, dw2_ptr,  # outputs (G, DH, DE), (G, DE, DH)
@@ -525,15 +542,8 @@ def gluon_expert_dw_ws_kernel(
     gl.static_assert(NST >= 2 and WB >= 1, "NST: a consumer frees stage q - 1 only after it waited for stage q")
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     T = G * (DE // 128)
-    x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
-    dy_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
-    g_smem = gl.allocate_shared_memory(gl.float32, [NST, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # gates
-    w1_smem = gl.allocate_shared_memory(cdt, [WB * 2, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
-    w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
-    d_ready, d_empty = _ws_barriers(NST, NW * 32)
-    w_ready, w_empty = _ws_barriers(WB, NW * 32)
+    x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
+                                                                                                 DH, NW)
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
             dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem)
     f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
@@ -561,18 +571,11 @@ def gluon_expert_bwd_ws_kernel(
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1, "NST >= 2, WB >= 1")
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
-    x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
-    dy_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
-    g_smem = gl.allocate_shared_memory(gl.float32, [NST, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # gates
-    w1_smem = gl.allocate_shared_memory(cdt, [WB * 2, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
-    w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
+    x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
+                                                                                                 DH, NW)
     dh_smem = gl.allocate_shared_memory(cdt, [4, 64, BLOCK_M], gl.NVMMASharedLayout.get_default_for([64, BLOCK_M],
                                                                                                   cdt))
     dg_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    d_ready, d_empty = _ws_barriers(NST, NW * 32)
-    w_ready, w_empty = _ws_barriers(WB, NW * 32)
     h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
             dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, G * (DE // 128), g_smem)

@@ -442,6 +442,15 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
 
 
 
+def _bwd_inputs(seed: int, n: int, h: int, k: int, ne: int, dh: int, de: int, skew: bool):
+    """CUDA inputs of the backward kernels' torch launchers: bf16 x / dy rows (n * h, dh), routing idx, fp32 gates
+    (n * h * k,), bf16 W1 (h * ne, dh, de) / W2 (h * ne, de, dh)."""
+    x, idx, gates, w1, w2 = (t.cuda() for t in _inputs(seed, n, h, k, ne, dh, de, skew))
+    dy = torch.randn(n * h, dh, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 1)).bfloat16()
+    return (x.reshape(n * h, dh).bfloat16(), dy, idx, gates.reshape(-1).float().contiguous(),
+            w1.reshape(h * ne, dh, de).bfloat16(), w2.reshape(h * ne, de, dh).bfloat16())
+
+
 def _f64_bwd(x, dy, gates, pk, idx, w1, w2, k: int, h: int, ne: int):
     """Float64 backward of the packed expert rows from the packed assignment (every routed slot's row r of group e:
     H = x W1[e], dO = g dy, dW2[e] += gelu(H)^T dO, dW1[e] += x^T (dO W2[e]^T * gelu'(H)), dX_r = (dO W2^T *
@@ -491,11 +500,7 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
     from kernels.torch_experts import experts_dw
 
     n, h, k, dh = 2048, 4, 4, 128
-    x, idx, gates, w1, w2 = (t.cuda() for t in _inputs(3, n, h, k, ne, dh, de, skew))
-    x = x.reshape(n * h, dh).bfloat16()
-    dy = (torch.randn(n * h, dh, device="cuda", generator=torch.Generator("cuda").manual_seed(4))).bfloat16()
-    gates = gates.reshape(-1).float().contiguous()
-    w1, w2 = w1.reshape(h * ne, dh, de).bfloat16(), w2.reshape(h * ne, de, dh).bfloat16()
+    x, dy, idx, gates, w1, w2 = _bwd_inputs(3, n, h, k, ne, dh, de, skew)
     cfg = default_config(n * h * k, h * ne, dh, de)
     assert cfg.pack_block == {16: 128, 128: 64, 512: 32}[ne]
     pk = pack_torch(idx, ne, cfg.pack_block)
@@ -532,11 +537,7 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne):
     from kernels.torch_experts import experts_dw, experts_dx
 
     n, h, k, dh = 2048, 4, 4, 128
-    x, idx, gates, w1, w2 = (t.cuda() for t in _inputs(5, n, h, k, ne, dh, de, skew))
-    x = x.reshape(n * h, dh).bfloat16()
-    dy = (torch.randn(n * h, dh, device="cuda", generator=torch.Generator("cuda").manual_seed(6))).bfloat16()
-    gates = gates.reshape(-1).float().contiguous()
-    w1, w2 = w1.reshape(h * ne, dh, de).bfloat16(), w2.reshape(h * ne, de, dh).bfloat16()
+    x, dy, idx, gates, w1, w2 = _bwd_inputs(5, n, h, k, ne, dh, de, skew)
     cfg = default_config(n * h * k, h * ne, dh, de)
     assert cfg.pack_block == {16: 128, 128: 64, 512: 32}[ne] and (cfg.dw.block_e == de) == (de == 128)
     pk = pack_torch(idx, ne, cfg.pack_block)
