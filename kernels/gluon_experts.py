@@ -450,21 +450,25 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
             ds = dy_smem.index(s)
             ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if FUSE:  # the block before retired at its end
-                ht = warpgroup_mma_wait(num_outstanding=1, deps=(ht,))
+            if FUSE:  # the block before retired at its end; H^T and dA'^T together (the gate gradient takes both)
+                ht, dat = warpgroup_mma_wait(num_outstanding=0, deps=(ht, dat))
+                act, dgelu = _gelu_and_grad(ht, FAST_TANH)
+                # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's), first:
+                # the activation's registers are free once its A operand is made
+                dg = gl.sum(act.to(cdt).to(gl.float32) * dat, axis=0)
+                op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
+                acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
             else:  # retires the previous block's accumulating products (its stage is then free) and H^T
                 ht, op1, op2 = warpgroup_mma_wait(num_outstanding=1, deps=(ht, op1, op2))
                 if i > 0:
                     mbarrier.arrive(d_empty.index((q - 1) % NST))
-            act, dgelu = _gelu_and_grad(ht, FAST_TANH)
-            op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
-            acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
-            dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
+                act, dgelu = _gelu_and_grad(ht, FAST_TANH)
+                op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
+                acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
+                dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
             dht = (dat * gate[None, :] * dgelu).to(cdt)
             if FUSE:
                 hb = q % 2
-                # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's)
-                dg = gl.sum(act.to(cdt).to(gl.float32) * dat, axis=0)
                 mbarrier.wait(h_empty.index(hb), ((q // 2) & 1) ^ 1)
                 dh_smem.index(hb * 2 + C).store(dht)
                 dg_smem.index(hb * 2 + C).store(dg)
