@@ -37,7 +37,7 @@ from bench.timing import emit  # noqa: E402
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
 KINDS = ("fwd", "dw", "dw_options", "bwd", "router")
 # `gluon_experts_bwd_ws` launch options (wbuf, stages, (worker consumer regs, producer regs)); the first is the default
-BWD_OPTIONS = [(2, 4, (240, 32)), (2, 4, (232, 40)), (2, 3, (232, 40))]
+BWD_OPTIONS = [(2, 3, (232, 40)), (2, 4, (232, 40)), (2, 4, (240, 32))]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is

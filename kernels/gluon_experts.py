@@ -598,8 +598,11 @@ DW_WS_BLOCK_M, DW_WS_STAGES, DW_WS_WBUF, DW_WS_REGS = 32, 6, 2, (240, 32)
 gluon_expert_dw_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
-# the fused backward: two weight buffers, four stages (shared memory: 128 + 64 KB + 16 KB of dH^T halves)
-BWD_WS_STAGES, BWD_WS_WBUF = 4, 2
+# the fused backward: two weight buffers, three stages (shared memory: 128 + 48 KB + 16 KB of dH^T halves), worker
+# consumer / producer registers (232, 40) (H100 2026-11-24, kernel alone, results/gluon_kernels-h100-2026-11-24-bwd-
+# dg-first.jsonl: 0.705 vs 0.735 ms for (4 stages, (240, 32)) at 8192 tokens 768/8/128, 1.088 vs 1.190 at 1536/8/128,
+# level within 0.04 ms at 81920 tokens)
+BWD_WS_STAGES, BWD_WS_WBUF, BWD_WS_REGS = 3, 2, (232, 40)
 gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
@@ -609,7 +612,7 @@ def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
 
 
 def bwd_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = BWD_WS_STAGES,
-                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = DW_WS_REGS) -> dict:
+                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = BWD_WS_REGS) -> dict:
     """The fused backward's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
     if not bwd_ws_supported(dh, de, pack_block):
         raise ValueError(f"warp-specialised fused expert backward: dh={dh}, de={de}, pack_block={pack_block}; "

@@ -182,9 +182,9 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
         dw = recs["dw_ws"]
         assert dw["warp_specialized"] and dw["launch_warps"] == 12 and dw["reqntid"] == [384], dw
         assert {240, 232, 32} <= set(dw["setmaxnreg"]) and dw["spill_store_bytes"] <= 64, dw
-    else:  # the fused backward: the dW kernel's partitions, plus dX / gate gradients (2026-11-24: 284 spill bytes,
-        # addresses reloaded around the products; 452 with dW1's A operand in registers)
+    else:  # the fused backward: the dW kernel's partitions (consumers 232 / 232, producer 40), plus dX and the gate
+        # gradients (2026-11-24: 80 spill bytes; 300 with the gate-gradient half made after dW2's product was issued)
         bwd = recs["bwd_ws"]
         assert bwd["warp_specialized"] and bwd["launch_warps"] == 12 and bwd["reqntid"] == [384], bwd
-        assert {240, 232, 32} <= set(bwd["setmaxnreg"]) and bwd["spill_store_bytes"] <= 320, bwd
+        assert {232, 40} <= set(bwd["setmaxnreg"]) and bwd["spill_store_bytes"] <= 128, bwd
         assert bwd["shared_bytes"] <= 227 * 1024, bwd
