@@ -34,8 +34,8 @@ at 128 the layer measured it slower). Supported shapes:
 `gluon_expert_bwd_ws_kernel`: the whole backward (dW1, dW2, dX rows, gate gradients; `expert_dwt_kernel` with
 FUSE_DX and DGATES at de = 128) in the dW kernel's structure: the two consumers exchange their dH^T halves through
 shared memory and each makes 64 dh columns of every block's dX rows (`_dw_consumer`, FUSE). At de > 128 each
-128-de tile writes a partial dX row / gate gradient (the caller sums them). H100, kernel alone: 3.54 vs 3.94 ms
-(81920 tokens, Ne 768, de 128, k 8; the fused Triton kernel), 0.78 vs 1.02 at 8192 tokens. Supported shapes:
+128-de tile writes a partial dX row / gate gradient (the caller sums them). H100, kernel alone: 3.44 vs 4.00 ms
+(81920 tokens, Ne 768, de 128, k 8; the fused Triton kernel), 0.71 vs 1.03 at 8192 tokens. Supported shapes:
 `bwd_ws_supported`.
 """
 
