@@ -341,6 +341,51 @@ def test_dw_gluon_dispatch_rule(monkeypatch):
     assert not et.use_dw_gluon(replace(fused, dw_ws=True), jnp.bfloat16, 128, 128)  # dX fused into the dW kernel
 
 
+def test_binding_sums_partial_dx_rows_and_gate_gradients(monkeypatch):
+    """The Gluon backward at de > 128 returns one dX row and gate gradient per 128-de tile, (P, parts, dh) and
+    (P, parts); the binding must sum the parts with the k slots. Here the emulated kernels' outputs are split into
+    two exact halves (bf16 / fp32 halving is exact): x and gates gradients as with whole rows, weight gradients
+    bitwise the same."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.ops.experts_triton as et
+    from mhl_jax.ops.experts_triton import expert_ffn_triton, variant_config
+
+    n, h, dh, de, ne, k = 64, 2, 16, 32, 4, 2
+    cfg = variant_config("t", n * h * k, h * ne, dh, de)  # the transposed dW kernel: the kernels make the dgates
+    ks = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
+    idx = jnp.argsort(jax.random.uniform(ks[1], (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
+    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
+    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) * dh ** -0.5
+    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) * de ** -0.5
+
+    def grads():
+        def loss(x, g, a, b):
+            y = expert_ffn_triton(x, idx, g, a, b, cfg=cfg, backend="emulate")[0]
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, gates, w1, w2)
+
+    whole = grads()
+    real = et._bwd_emulate
+
+    def halves(*a):
+        dx, dw1, dw2, dg = real(*a)
+        assert dg is not None
+        return jnp.stack([dx * 0.5, dx * 0.5], axis=1), dw1, dw2, jnp.stack([dg * 0.5, dg * 0.5], axis=1)
+
+    monkeypatch.setattr(et, "_bwd_emulate", halves)
+    parts = grads()
+    for name, a, b in zip(("x", "gates"), whole[:2], parts[:2]):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-6,
+                                   err_msg=name)
+    assert float(jnp.abs(whole[1] - parts[1]).max()) <= 1e-6  # the gate gradients: fp32 throughout
+    for a, b in zip(whole[2:], parts[2:]):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_bwd_gluon_dispatch_rule(monkeypatch):
     """`experts_triton.use_bwd_gluon`: the fused Gluon backward runs only for cfg.bwd_ws on a fused (de = 128) backward
     that makes the gate gradients (unpacked rows), in bf16, on a Hopper GPU, at a shape it takes; elsewhere the fused
