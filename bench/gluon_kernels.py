@@ -57,7 +57,6 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
               dh: int = 128) -> list[dict]:
     """The `kind` kernels at one shape (the Gluon one where supported): one record per kernel."""
     import torch
-    from triton.testing import do_bench
 
     from bench.kernel_tiles import launch
     from kernels.experts import Tile, default_config
@@ -95,12 +94,21 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
             if dw_ws_supported(dh, de, cfg.pack_block) and cfg.pack_block % opt.get("block_m", DW_WS_BLOCK_M) == 0:
                 kernels[name] = (4, lambda s, o=opt: gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k,
                                                                          cfg.pack_block, **o))
-    refs = None
-    recs = []
+    params = dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block)
+    return _time_kernels(kind, kernels, sets, params, unit, date, device, outf)
+
+
+def _time_kernels(kind: str, kernels: dict, sets, params: dict, unit: float, date: str, device: str, outf,
+                  outputs=None) -> list[dict]:
+    """One record per kernel {name: (matmul units, fn(input set) -> outputs)}: its outputs on the first input set
+    (`outputs(fn)`, default fn(sets[0])) against the first kernel's, its median time over the rotating sets and
+    units * unit FLOPs per call as TFLOP/s."""
+    from triton.testing import do_bench
+
+    refs, recs = None, []
     for name, (units, fn) in kernels.items():
-        rec = dict(bench="gluon_kernels", kind=kind, kernel=name, device=device, date=date,
-                   params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block))
-        outs = fn(sets[0])
+        rec = dict(bench="gluon_kernels", kind=kind, kernel=name, device=device, date=date, params=params)
+        outs = outputs(fn) if outputs else fn(sets[0])
         refs = outs if refs is None else refs
         rec["rel"], rec["max_abs"] = _diff(outs, refs)
         rec["ms"] = float(do_bench(rotating(fn, sets), warmup=25, rep=200, return_mode="median"))
@@ -112,9 +120,9 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
 
 def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,
             dh: int = 128) -> list[dict]:
-    """The fused backward (de 128): the Triton kernel at default_config's tile and the Gluon one at BWD_OPTIONS."""
+    """The whole backward: the fused Triton kernel at default_config's tile (de 128) or the split backward
+    default_config picks (larger de), and the Gluon one at BWD_OPTIONS."""
     import torch
-    from triton.testing import do_bench
 
     from kernels.experts import default_config
     from kernels.gluon_experts import bwd_ws_supported, gluon_experts_bwd_ws, gluon_experts_dw_ws
@@ -144,29 +152,24 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
             dw1, dw2, _ = experts_dw(s[0], s[1], s[2], s[3], w1, w2, k, cfg, torch.float32)
         return dw1, dw2, dxs, dgate
 
-    kernels = {"triton_fused" if cfg.dw.block_e == de else "split_default": (
-        triton_fused if cfg.dw.block_e == de else triton_split)}
+    fused = cfg.dw.block_e == de
+    kernels = {"triton_fused" if fused else "split_default": (5, triton_fused if fused else triton_split)}
     for wb, st, r in BWD_OPTIONS:
-        kernels[f"gluon_bwd_ws_wb{wb}_st{st}_r{r[0]}_{r[1]}"] = (
+        kernels[f"gluon_bwd_ws_wb{wb}_st{st}_r{r[0]}_{r[1]}"] = (5, (
             lambda s, o=dict(wbuf=wb, stages=st, regs=r): gluon_experts_bwd_ws(
-                s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, **o))
+                s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, **o)))
     valid = sets[0][3].row_slot >= 0
-    refs, recs = None, []
-    for name, fn in kernels.items():
-        rec = dict(bench="gluon_kernels", kind="bwd", kernel=name, device=device, date=date,
-                   params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block))
+
+    def outputs(fn):  # dW1, dW2, and the dX rows and gate gradients of the routed rows (partials summed)
         dx.zero_()
         outs = [o.clone() for o in fn(sets[0])]
         if outs[2].dim() == 3:  # the Gluon kernel's partials per 128 de
             outs[2:] = [outs[2].float().sum(1), outs[3].sum(1)]
-        outs[2:] = [outs[2][valid], outs[3][valid]]
-        refs = outs if refs is None else refs
-        rec["rel"], rec["max_abs"] = _diff(outs, refs)
-        rec["ms"] = float(do_bench(rotating(fn, sets), warmup=25, rep=200, return_mode="median"))
-        rec["tflops"] = 5 * 2 * tokens * nh * k * dh * de / rec["ms"] / 1e9  # the fused form's 5 units
-        emit(rec, outf)
-        recs.append(rec)
-    return recs
+        return outs[:2] + [outs[2][valid], outs[3][valid]]
+
+    params = dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block)
+    # TFLOP/s of the fused form's 5 units
+    return _time_kernels("bwd", kernels, sets, params, 2 * tokens * nh * k * dh * de, date, device, outf, outputs)
 
 
 def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: int = 8, dh: int = 128) -> list[dict]:

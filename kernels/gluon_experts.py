@@ -607,18 +607,15 @@ gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
 def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
-    """Shapes of the warp-specialised fused backward: dh 128, de a multiple of 128, packing blocks of >= 32 rows."""
-    return dh == 128 and de % 128 == 0 and pack_block >= DW_WS_BLOCK_M
+    """Shapes of the warp-specialised fused backward: the dW kernel's (`dw_ws_supported`; same tiles and ring)."""
+    return dw_ws_supported(dh, de, pack_block)
 
 
 def bwd_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = BWD_WS_STAGES,
                       wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = BWD_WS_REGS) -> dict:
-    """The fused backward's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
-    if not bwd_ws_supported(dh, de, pack_block):
-        raise ValueError(f"warp-specialised fused expert backward: dh={dh}, de={de}, pack_block={pack_block}; "
-                         f"expected dh 128, de a multiple of 128 and packing blocks of at least {DW_WS_BLOCK_M} rows")
-    return dict(K=k, DH=dh, DE=de, G=num_groups, PACK_BLOCK=pack_block, BLOCK_M=DW_WS_BLOCK_M, NST=stages, WB=wbuf,
-                FAST_TANH=True, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+    """The fused backward's constexpr arguments (torch and JAX launchers alike): the dW kernel's (`dw_ws_constexprs`,
+    32-row blocks) at the backward's defaults; raises on unsupported shapes."""
+    return dw_ws_constexprs(k, dh, de, num_groups, pack_block, stages, wbuf, regs, kernel="fused expert backward")
 
 
 def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
@@ -648,10 +645,12 @@ def dw_ws_supported(dh: int, de: int, pack_block: int) -> bool:
 
 
 def dw_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = DW_WS_STAGES,
-                     wbuf: int = DW_WS_WBUF, regs: tuple[int, int] = DW_WS_REGS, block_m: int = DW_WS_BLOCK_M) -> dict:
-    """The dW kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
+                     wbuf: int = DW_WS_WBUF, regs: tuple[int, int] = DW_WS_REGS, block_m: int = DW_WS_BLOCK_M,
+                     kernel: str = "expert dW") -> dict:
+    """The dW kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes, naming
+    `kernel`."""
     if not dw_ws_supported(dh, de, pack_block) or pack_block % block_m:
-        raise ValueError(f"warp-specialised expert dW: dh={dh}, de={de}, pack_block={pack_block}, block_m={block_m}; "
+        raise ValueError(f"warp-specialised {kernel}: dh={dh}, de={de}, pack_block={pack_block}, block_m={block_m}; "
                          f"expected dh 128, de a multiple of 128 and packing blocks of at least {DW_WS_BLOCK_M} rows, "
                          "a multiple of block_m")
     return dict(K=k, DH=dh, DE=de, G=num_groups, PACK_BLOCK=pack_block, BLOCK_M=block_m, NST=stages, WB=wbuf,
