@@ -1,7 +1,8 @@
 """Per-kernel GPU times of one MH-LatentMoE layer forward+backward (bench/layer.py's layer), read with
 Nsight Compute: where the layer's milliseconds go, kernel by kernel.
 
-    python bench/profile_layer.py [--tokens 8192 81920] [--configs 384/4/256] [--out FILE]
+    python bench/profile_layer.py [--tokens 8192 81920] [--configs 384/4/256] [--variants default gluon_bwd]
+                                  [--out FILE]
 
 The parent runs itself under `ncu --profile-from-start off` (metric gpu__time_duration.sum, real clocks,
 caches not flushed); the child compiles and warms the jitted fwd+bwd, then runs it once between
@@ -29,17 +30,18 @@ sys.path.insert(0, ROOT)
 from bench.timing import emit  # noqa: E402
 
 
-def child(tokens: int, config: str) -> None:
+def child(tokens: int, config: str, variant: str) -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import jax.numpy as jnp
 
-    from bench.layer import D, init_params, layer
+    from bench.layer import D, expert_cfg, init_params, layer
 
     ne, k, de = (int(v) for v in config.split("/"))
     params = init_params(jax.random.key(0), ne, de)
     x = jax.random.normal(jax.random.key(1), (tokens, D), jnp.bfloat16)
-    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(layer(p, x, k, "triton", "triton").astype(jnp.float32) ** 2),
+    cfg = expert_cfg(None if variant == "default" else variant, tokens, ne, k, de)
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(layer(p, x, k, "triton", "triton", cfg).astype(jnp.float32) ** 2),
                             argnums=(0, 1)))
     for _ in range(3):
         jax.block_until_ready(grad(params, x))
@@ -80,37 +82,39 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 81920])
     ap.add_argument("--configs", nargs="+", default=["384/4/256"])
+    ap.add_argument("--variants", nargs="+", default=["default"],
+                    help="expert configs (mhl_jax.ops.experts_triton.VARIANTS; default = the binding's default)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--child", nargs=2, default=None, metavar=("TOKENS", "CONFIG"))
+    ap.add_argument("--child", nargs=3, default=None, metavar=("TOKENS", "CONFIG", "VARIANT"))
     args = ap.parse_args()
     if args.child:
-        child(int(args.child[0]), args.child[1])
+        child(int(args.child[0]), args.child[1], args.child[2])
         return
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     date = datetime.date.today().isoformat()
     outf = open(args.out, "a") if args.out else None
-    for tokens in args.tokens:
-        for config in args.configs:
-            cmd = [ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv",
-                   "--print-units", "base", "--clock-control", "none", "--cache-control", "none",
-                   sys.executable, os.path.abspath(__file__), "--child", str(tokens), config]
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            kernels = parse(p.stdout)
-            groups: dict[str, list[float]] = {}
-            for name, ms in kernels:
-                groups.setdefault(short(name), []).append(ms)
-            ranked = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
-            rec = dict(bench="layer_profile", device=os.environ.get("GPU_NAME", ""), date=date,
-                       params=dict(tokens=tokens, config=config), launches=len(kernels),
-                       total_ms=sum(ms for _, ms in kernels),
-                       kernels=[dict(name=n, count=len(v), ms=sum(v)) for n, v in ranked],
-                       sequence=[(short(n), round(ms, 4)) for n, ms in kernels])
-            if not kernels:
-                rec["error"] = f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-600:]}"
-            emit(rec, outf)
-            print(f"\n{tokens} tokens {config}: {len(kernels)} launches, {rec['total_ms']:.3f} ms of kernels")
-            for n, v in ranked[:25]:
-                print(f"  {sum(v):8.3f} ms  x{len(v):<3} {n[:90]}")
+    for tokens, config, variant in ((t, c, v) for t in args.tokens for c in args.configs for v in args.variants):
+        cmd = [ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv",
+               "--print-units", "base", "--clock-control", "none", "--cache-control", "none",
+               sys.executable, os.path.abspath(__file__), "--child", str(tokens), config,
+               variant]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        kernels = parse(p.stdout)
+        groups: dict[str, list[float]] = {}
+        for name, ms in kernels:
+            groups.setdefault(short(name), []).append(ms)
+        ranked = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+        rec = dict(bench="layer_profile", device=os.environ.get("GPU_NAME", ""), date=date,
+                   params=dict(tokens=tokens, config=config, variant=variant), launches=len(kernels),
+                   total_ms=sum(ms for _, ms in kernels),
+                   kernels=[dict(name=n, count=len(v), ms=sum(v)) for n, v in ranked],
+                   sequence=[(short(n), round(ms, 4)) for n, ms in kernels])
+        if not kernels:
+            rec["error"] = f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-600:]}"
+        emit(rec, outf)
+        print(f"\n{tokens} tokens {config} {variant}: {len(kernels)} launches, {rec['total_ms']:.3f} ms of kernels")
+        for n, v in ranked[:25]:
+            print(f"  {sum(v):8.3f} ms  x{len(v):<3} {n[:90]}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ shared memory and each makes 64 dh columns of every block's dX rows (`_dw_consum
 
 from __future__ import annotations
 
+import numpy as np
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -352,8 +354,8 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
                  C: gl.constexpr):
     """Per tile: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
     once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
-     dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem) = a
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr, w2_ptr,
+     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem) = a
     PW: gl.constexpr = gl.num_warps()
     lx: gl.constexpr = _copy_layout(DH, PW)
     rr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
@@ -361,8 +363,9 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
     rg = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [PW], [0]))  # the gates' rows
     q = 0
     n = 0
-    for t in range(gl.program_id(0), T, gl.num_programs(0)):
-        g, e0, row0, nsub = _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK, BLOCK_M)
+    for j in range(gl.program_id(0), T, gl.num_programs(0)):
+        g, e0, row0, nsub = _dw_tile(gl.load(tile_order_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE,
+                                     PACK_BLOCK, BLOCK_M)
         wb = n % WB
         mbarrier.wait(w_empty.index(wb), ((n // WB) & 1) ^ 1)
         fence_async_shared()
@@ -412,8 +415,8 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     of <gelu(H) row, dA' row> (both through shared memory): the gate gradient of every row, in a fixed order. The
     block's products all retire before the next block (deferring the dX half by one block measured slower, 2026-11-24).
     The gates of each block come from shared memory (`g_smem`, gathered by the producer)."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
-     dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem) = a
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr, w2_ptr,
+     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
@@ -429,8 +432,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     q = 0
     n = 0
-    for t in range(gl.program_id(0), T, gl.num_programs(0)):
-        g, e0, row0, nsub = _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK, BLOCK_M)
+    for j in range(gl.program_id(0), T, gl.num_programs(0)):
+        g, e0, row0, nsub = _dw_tile(gl.load(tile_order_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE,
+                                     PACK_BLOCK, BLOCK_M)
         wb = n % WB
         mbarrier.wait(w_ready.index(wb), (n // WB) & 1)
         fence_async_shared()
@@ -527,15 +531,17 @@ def _dw_buffers(cdt: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M:
 
 @gluon.jit
 def gluon_expert_dw_ws_kernel(
-    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,  # inputs
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr,
+    w2_ptr,  # inputs
     dw1_ptr, dw2_ptr,  # outputs (G, DH, DE), (G, DE, DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de)
-    strided over the programs (the tiles of one group run side by side, so its gathered rows come from L2 after
-    the first); two consumer warp groups, each both gradients of 64 de in registers (128 accumulator registers:
+    """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de),
+    program p taking tile_order[p], tile_order[p + programs], ... (`tile_order`: largest groups first, dealt out so
+    that every program gets about the same rows; the tiles of one group run side by side, so its gathered rows come
+    from L2 after the first); two consumer warp groups, each both gradients of 64 de in registers (128 accumulator registers:
     the worker consumer runs at CONSUMER_REGS after setmaxnreg, the producer at PRODUCER_REGS, the default partition
     at what is left of 512 per lane); one producer warp group (cp.async:
     the tile's weights into one of WB buffers, gathered X / dy rows of BLOCK_M into an NST-stage ring). Sums over
@@ -548,8 +554,8 @@ def gluon_expert_dw_ws_kernel(
     T = G * (DE // 128)
     x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
                                                                                                  DH, NW)
-    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
-            dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem)
+    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr,
+            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem)
     f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False)),
@@ -559,7 +565,8 @@ def gluon_expert_dw_ws_kernel(
 
 @gluon.jit
 def gluon_expert_bwd_ws_kernel(
-    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,  # inputs
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr,
+    w2_ptr,  # inputs
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
@@ -581,8 +588,9 @@ def gluon_expert_bwd_ws_kernel(
                                                                                                   cdt))
     dg_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
-    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr, dw1_ptr,
-            dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, G * (DE // 128), g_smem)
+    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr,
+            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty,
+            G * (DE // 128), g_smem)
     f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True)),
@@ -633,10 +641,35 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
                   torch.empty(p, de // 128, dh, dtype=x.dtype, device=x.device),
                   torch.empty(p, de // 128, dtype=torch.float32, device=x.device))
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
-    gluon_expert_bwd_ws_kernel[(min(programs, g_count * (de // 128)),)](
+    programs = min(programs, g_count * (de // 128))
+    order = tile_order_torch(pk.group_nblocks, de // 128, programs)
+    gluon_expert_bwd_ws_kernel[(programs,)](
         x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start, pk.group_nblocks,
-        w1.contiguous(), w2.contiguous(), *out, num_warps=4, maxnreg=WS_MAXNREG, **consts)
+        order, w1.contiguous(), w2.contiguous(), *out, num_warps=4, maxnreg=WS_MAXNREG, **consts)
     return out
+
+
+def deal_positions(num_tiles: int, programs: int) -> np.ndarray:
+    """The persistent dW / backward kernels' schedule: launch slot j (program j % programs, its (j // programs)-th
+    tile) takes position deal_positions[j] of the tiles sorted by size, largest first. Full rounds alternate in
+    direction (program p gets positions p, 2 P - 1 - p, 2 P + p, ...; a last partial round goes in order), so every
+    program's sum of tile sizes comes out about even: the longest-first rule dealt like cards. Groups are as uneven as
+    the router makes them: at 81920 tokens, Ne 384, the layer's first step has groups of 102 to 2471 rows; strided in
+    group order the busiest of 132 programs had 1544 row blocks against a mean of 1336, dealt like this 1360."""
+    j = np.arange(num_tiles)
+    r, i = j // programs, j % programs
+    return np.where(((r + 1) * programs <= num_tiles) & (r % 2 == 1), r * programs + programs - 1 - i, j)
+
+
+def tile_order_torch(group_nblocks, tiles_per_group: int, programs: int):
+    """`deal_positions`' order of the (group, 128 de) tiles (int32, torch): groups sorted by row blocks, largest
+    first (stable: equal groups keep their order), their tiles side by side."""
+    import torch
+
+    go = torch.argsort(-group_nblocks.long(), stable=True)
+    tiles = (go[:, None] * tiles_per_group + torch.arange(tiles_per_group, device=go.device)).reshape(-1)
+    pos = torch.as_tensor(deal_positions(tiles.numel(), programs), device=go.device)
+    return tiles[pos].to(torch.int32)
 
 
 def dw_ws_supported(dh: int, de: int, pack_block: int) -> bool:
@@ -670,7 +703,9 @@ def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, progr
     dw1, dw2 = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                        torch.empty(w2.shape, dtype=dw_dtype, device=x.device))
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
-    gluon_expert_dw_ws_kernel[(min(programs, g_count * (de // 128)),)](
+    programs = min(programs, g_count * (de // 128))
+    order = tile_order_torch(pk.group_nblocks, de // 128, programs)
+    gluon_expert_dw_ws_kernel[(programs,)](
         x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start, pk.group_nblocks,
-        w1.contiguous(), w2.contiguous(), dw1, dw2, num_warps=4, maxnreg=WS_MAXNREG, **consts)
+        order, w1.contiguous(), w2.contiguous(), dw1, dw2, num_warps=4, maxnreg=WS_MAXNREG, **consts)
     return dw1, dw2

@@ -386,6 +386,36 @@ def test_binding_sums_partial_dx_rows_and_gate_gradients(monkeypatch):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_tile_order_deals_largest_groups_evenly():
+    """The persistent dW / backward kernels' schedule: every (group, 128 de) tile exactly once, a group's tiles side
+    by side, groups largest first; each program's rows within one largest tile of the mean (the dealt rounds
+    alternate), where striding over the tiles in group order does worse on skewed groups. The JAX order (the
+    binding's) equals the torch launchers'."""
+    import jax.numpy as jnp
+    import torch
+
+    from kernels.gluon_experts import deal_positions, tile_order_torch
+    from mhl_jax.ops.experts_triton import tile_order
+
+    for t, p in [(6144, 132), (10, 4), (8, 4), (3, 5), (132, 132), (300, 132)]:
+        assert sorted(deal_positions(t, p).tolist()) == list(range(t)), (t, p)
+    rng = np.random.default_rng(0)
+    nblocks = np.minimum(rng.lognormal(2.0, 0.6, 3072).astype(np.int32), 80)
+    nblocks[::97] = 0  # empty groups: last
+    for nt, programs in [(2, 132), (1, 132), (2, 7)]:
+        order = tile_order(jnp.asarray(nblocks), nt, programs)
+        assert order.dtype == jnp.int32
+        assert np.array_equal(np.asarray(order), tile_order_torch(torch.from_numpy(nblocks), nt, programs).numpy())
+        order = np.asarray(order)
+        assert sorted(order.tolist()) == list(range(3072 * nt))
+        by_position = order[np.argsort(deal_positions(order.size, programs))]  # undo the dealing: sorted tiles
+        sizes = nblocks[by_position // nt]
+        assert (np.diff(sizes) <= 0).all() and (by_position.reshape(-1, nt) // nt == by_position[::nt, None] // nt).all()
+        loads = np.bincount(np.arange(order.size) % programs, weights=nblocks[order // nt], minlength=programs)
+        strided = np.bincount(np.arange(order.size) % programs, weights=np.repeat(nblocks, nt), minlength=programs)
+        assert loads.max() <= loads.mean() + nblocks.max() and loads.max() < strided.max(), (nt, programs)
+
+
 def test_bwd_gluon_dispatch_rule(monkeypatch):
     """`experts_triton.use_bwd_gluon`: the fused Gluon backward runs only for cfg.bwd_ws on a fused (de = 128) backward
     that makes the gate gradients (unpacked rows), in bf16, on a Hopper GPU, at a shape it takes; elsewhere the fused

@@ -118,6 +118,17 @@ def _gluon_call(*args, kernel, out_shape, work_items: int, **constexprs):
                                    programs=min(_hopper_sms(), work_items), **constexprs)
 
 
+def tile_order(group_nblocks, tiles_per_group: int, programs: int | None = None):
+    """(G * tiles_per_group,) int32: the order in which the persistent dW / backward kernels' `programs` (default:
+    one per SM) take their (group, 128 de) tiles (`kernels.gluon_experts.deal_positions`: largest groups first,
+    dealt so that the programs' rows even out; `tile_order_torch` is the same for the torch launchers)."""
+    from kernels.gluon_experts import deal_positions
+
+    go = jnp.argsort(-group_nblocks, stable=True).astype(jnp.int32)
+    tiles = (go[:, None] * tiles_per_group + jnp.arange(tiles_per_group, dtype=jnp.int32)).reshape(-1)
+    return tiles[deal_positions(tiles.shape[0], min(programs or _hopper_sms(), tiles.shape[0]))]
+
+
 def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2):
     """The warp-specialised forward: work items = row blocks."""
     from kernels.gluon_experts import gluon_expert_fwd_ws_kernel, ws_constexprs
@@ -164,8 +175,8 @@ def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
     from kernels.gluon_experts import dw_ws_constexprs, gluon_expert_dw_ws_kernel
 
     (_, dh), (g, _, de) = xs.shape, w1.shape
-    return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
-                       kernel=gluon_expert_dw_ws_kernel,
+    return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
+                       tile_order(meta.group_nblocks, de // 128), w1, w2, kernel=gluon_expert_dw_ws_kernel,
                        out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype),
                                   jax.ShapeDtypeStruct((g, de, dh), dw_dtype)],
                        work_items=g * (de // 128), **dw_ws_constexprs(st.k, dh, de, g, st.cfg.pack_block))
@@ -188,8 +199,8 @@ def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     dw1, dw2, dx, dgate = _gluon_call(
-        xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
-        kernel=gluon_expert_bwd_ws_kernel,
+        xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
+        tile_order(meta.group_nblocks, de // 128), w1, w2, kernel=gluon_expert_bwd_ws_kernel,
         out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
                    jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype),
                    jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
