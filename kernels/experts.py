@@ -394,7 +394,11 @@ FUSED_BWD_MIN_PACK = 32
 # 81920 tokens 384/4/256, but in the layer with it at block 128: 9.05 vs 8.87 ms (384/4/256), 10.55 vs 10.64
 # (768/4/256): not taken there.
 DW_WS_MAX_PACK = 64
-BWD_WS_WIDE_MAX_PACK = 32  # largest packing block where the Gluon backward replaces the split one at de > 128
+# largest de where the Gluon backward (one partial dX row per 128 de) replaces the split one: measured at 256 only
+# (H100 2026-11-24, eighth session, with its tiles dealt longest-first: layer 8.77 vs 8.98 ms at 81920 tokens
+# 384/4/256, 10.44 vs 10.60 at 768/4/256; results/layer-h100-2026-11-24-s8-deal.jsonl); before the dealing it lost at
+# packing block 128 (9.24 vs 9.01: the layer's uneven groups left its busiest program 16% above the mean)
+BWD_WS_WIDE_MAX_DE = 256
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
 
@@ -420,8 +424,8 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     "triton_dw").
 
     bwd_ws: the backward as the one warp-specialised Gluon kernel where it takes the shape (`bwd_ws_supported`): at
-    de = 128 in place of the fused Triton kernel, at larger de in place of the split backward at packing blocks up to
-    BWD_WS_WIDE_MAX_PACK; False: the Triton kernels of the other fields (variant "triton_fused_bwd")."""
+    de = 128 in place of the fused Triton kernel, at larger de (up to BWD_WS_WIDE_MAX_DE) in place of the split
+    backward; False: the Triton kernels of the other fields (variant "triton_fused_bwd")."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
     if dh > 128:
@@ -436,10 +440,10 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     # At de > 128 it writes one partial dX row per 128 de (the combine sums them): alone 3.60 vs 3.95 ms (81920 tokens,
     # 384/4/256), 4.23 vs 4.59 (768/4/256), 0.80 vs 0.78 / 1.25 vs 1.40 at 8192 tokens against the split backward,
     # but in the layer (results/layer-h100-2026-11-24-gluon-bwd-de256.jsonl, two runs) 9.26 / 9.22 vs 9.00 / 9.02,
-    # 10.77 / 10.88 vs 10.67 / 10.76 at 81920 tokens (the partials' extra combine reads), 2.05 / 2.09 vs 2.07 / 2.04
-    # (384/4/256, block 64) and 3.37 / 3.30 vs 3.45 / 3.45 (768/4/256, block 32) at 8192: taken at blocks <= 32 only
+    # 10.77 / 10.88 vs 10.67 / 10.76 at 81920 tokens, until its tiles were dealt longest-first (the layer's groups are
+    # uneven, the kernel-alone inputs were not): see BWD_WS_WIDE_MAX_DE
     gluon_bwd = bwd_ws and dw_form is None and bwd_ws_supported(dh, de, pack) and (
-        fused_bwd or pack <= BWD_WS_WIDE_MAX_PACK)
+        fused_bwd or de <= BWD_WS_WIDE_MAX_DE)
     form = dw_form or ("t" if pack >= 64 or fused_bwd else "rows")
     # the Triton packing where measured (H100, 2026-11-23: layer 2.30 -> 2.22 ms at 8192 tokens, 10.26 ->
     # 10.10 at 81920; packing alone 0.135 / 0.23 ms vs 0.20 / 0.52 for the best JAX one); emulated
@@ -490,5 +494,5 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
 
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
-           "dgates_in_kernels", "DW_WS_MAX_PACK", "BWD_WS_WIDE_MAX_PACK",
+           "dgates_in_kernels", "DW_WS_MAX_PACK", "BWD_WS_WIDE_MAX_DE",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]

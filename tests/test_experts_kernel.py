@@ -468,8 +468,8 @@ def test_ws_dw_shapes_checked_and_chosen():
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
             dw_ws_constexprs(4, dh, de, 64, pack)
     # (tokens, Ne, k, de) -> (packing block, dw_ws, fused backward, fused backward on Gluon)
-    expected = {(81920, 384, 4, 256): (128, False, False, False), (81920, 768, 8, 128): (128, False, True, True),
-                (8192, 384, 4, 256): (64, True, False, False), (8192, 768, 8, 128): (64, False, True, True),
+    expected = {(81920, 384, 4, 256): (128, False, False, True), (81920, 768, 8, 128): (128, False, True, True),
+                (8192, 384, 4, 256): (64, True, False, True), (8192, 768, 8, 128): (64, False, True, True),
                 (8192, 768, 4, 256): (32, True, False, True), (8192, 1536, 8, 128): (32, False, True, True),
                 (8192, 384, 4, 512): (64, True, False, False)}
     for (tokens, ne, k, de), want in expected.items():
