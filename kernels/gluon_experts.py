@@ -42,7 +42,6 @@ shared memory and each makes 64 dh columns of every block's dX rows (`_dw_consum
 from __future__ import annotations
 
 import numpy as np
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -541,9 +540,9 @@ def gluon_expert_dw_ws_kernel(
     """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de),
     program p taking tile_order[p], tile_order[p + programs], ... (`tile_order`: largest groups first, dealt out so
     that every program gets about the same rows; the tiles of one group run side by side, so its gathered rows come
-    from L2 after the first); two consumer warp groups, each both gradients of 64 de in registers (128 accumulator registers:
-    the worker consumer runs at CONSUMER_REGS after setmaxnreg, the producer at PRODUCER_REGS, the default partition
-    at what is left of 512 per lane); one producer warp group (cp.async:
+    from L2 after the first); two consumer warp groups, each both gradients of 64 de in registers (128 accumulator
+    registers: the worker consumer runs at CONSUMER_REGS after setmaxnreg, the producer at PRODUCER_REGS, the default
+    partition at what is left of 512 per lane); one producer warp group (cp.async:
     the tile's weights into one of WB buffers, gathered X / dy rows of BLOCK_M into an NST-stage ring). Sums over
     a group's rows in packed order, no atomics."""
     NW: gl.constexpr = gl.num_warps()

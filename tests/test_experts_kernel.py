@@ -330,9 +330,12 @@ def test_dw_gluon_dispatch_rule(monkeypatch):
     from kernels.experts import default_config
 
     cfg = default_config(8192 * 8 * 4, 8 * 384, 128, 256)
-    assert cfg.dw_ws and not et.use_dw_gluon(cfg, jnp.bfloat16, 128, 256)  # no Hopper GPU here
+    assert cfg.dw_ws and cfg.bwd_ws
+    cfg = replace(cfg, bwd_ws=False)  # the split backward (variant triton_fused_bwd)
+    assert not et.use_dw_gluon(cfg, jnp.bfloat16, 128, 256)  # no Hopper GPU here
     monkeypatch.setattr(et, "_hopper_sms", lambda: 132)
     assert et.use_dw_gluon(cfg, jnp.bfloat16, 128, 256)
+    assert not et.use_dw_gluon(replace(cfg, bwd_ws=True), jnp.bfloat16, 128, 256)  # the Gluon backward instead
     assert not et.use_dw_gluon(cfg, jnp.float32, 128, 256)
     assert not et.use_dw_gluon(replace(cfg, packed_bwd=True), jnp.bfloat16, 128, 256)
     assert not et.use_dw_gluon(replace(cfg, dw_ws=False), jnp.bfloat16, 128, 256)
@@ -410,7 +413,8 @@ def test_tile_order_deals_largest_groups_evenly():
         assert sorted(order.tolist()) == list(range(3072 * nt))
         by_position = order[np.argsort(deal_positions(order.size, programs))]  # undo the dealing: sorted tiles
         sizes = nblocks[by_position // nt]
-        assert (np.diff(sizes) <= 0).all() and (by_position.reshape(-1, nt) // nt == by_position[::nt, None] // nt).all()
+        assert (np.diff(sizes) <= 0).all()
+        assert (by_position.reshape(-1, nt) // nt == by_position[::nt, None] // nt).all()  # a group's tiles together
         loads = np.bincount(np.arange(order.size) % programs, weights=nblocks[order // nt], minlength=programs)
         strided = np.bincount(np.arange(order.size) % programs, weights=np.repeat(nblocks, nt), minlength=programs)
         assert loads.max() <= loads.mean() + nblocks.max() and loads.max() < strided.max(), (nt, programs)
