@@ -36,8 +36,9 @@ from bench.timing import emit  # noqa: E402
 
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
 KINDS = ("fwd", "dw", "dw_options", "bwd", "router")
-# `gluon_experts_bwd_ws` launch options (wbuf, stages, (worker consumer regs, producer regs)); the first is the default
-BWD_OPTIONS = [(2, 3, (232, 40)), (2, 4, (232, 40)), (2, 4, (240, 32))]
+# `gluon_experts_bwd_ws` launch options (wbuf, stages, (worker consumer regs, producer regs), exchange XCH); the first
+# is the default
+BWD_OPTIONS = [(2, 3, (232, 40), 1), (2, 3, (232, 40), 2), (2, 3, (240, 32), 2)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
@@ -154,9 +155,9 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
 
     fused = cfg.dw.block_e == de
     kernels = {"triton_fused" if fused else "split_default": (5, triton_fused if fused else triton_split)}
-    for wb, st, r in BWD_OPTIONS:
-        kernels[f"gluon_bwd_ws_wb{wb}_st{st}_r{r[0]}_{r[1]}"] = (5, (
-            lambda s, o=dict(wbuf=wb, stages=st, regs=r): gluon_experts_bwd_ws(
+    for wb, st, r, xch in BWD_OPTIONS:
+        kernels[f"gluon_bwd_ws_wb{wb}_st{st}_r{r[0]}_{r[1]}_x{xch}"] = (5, (
+            lambda s, o=dict(wbuf=wb, stages=st, regs=r, xch=xch): gluon_experts_bwd_ws(
                 s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, **o)))
     valid = sets[0][3].row_slot >= 0
 

@@ -416,7 +416,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     The gates of each block come from shared memory (`g_smem`, gathered by the producer)."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem) = a
-    (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
+    (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty, px_smem) = f
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, NW)
@@ -470,7 +470,40 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
                 dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
             dht = (dat * gate[None, :] * dgelu).to(cdt)
-            if FUSE:
+            if FUSE == 2:  # each consumer its own dH_c^T and a partial dX over its 64 de; consumer 1 hands its partial
+                # (fp32, through shared memory) to consumer 0, which accumulates its own on it and stores the rows
+                dh_smem.index(C).store(dht)
+                fence_async_shared()
+                gl.thread_barrier()  # the warp group's writes of dH_c^T before its wgmma reads
+                acc1 = warpgroup_mma(dh_smem.index(C), xs, acc1, is_async=True)
+                w1c = w1_smem.index(wb * 2 + C)  # (DH, 64): W1[:, e0 + 64 C:][:, :64]
+                rows = row0 + i * BLOCK_M
+                NPX: gl.constexpr = DE // 128
+                pb = q % 2
+                if C == 1:
+                    mbarrier.wait(h_empty.index(pb), ((q // 2) & 1) ^ 1)
+                    for hh in gl.static_range(2):
+                        dxt = warpgroup_mma(w1c.slice(64 * hh, 64, dim=0), dh_smem.index(C), s_zero, use_acc=False,
+                                            is_async=True)
+                        dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
+                        px_smem.index(pb * 2 + hh).store(dxt)
+                    dg_smem.index(pb).store(dg)
+                    mbarrier.arrive(h_ready.index(pb))
+                    mbarrier.arrive(d_empty.index(s))
+                else:
+                    mbarrier.wait(h_ready.index(pb), (q // 2) & 1)
+                    cl0: gl.constexpr = gl.SliceLayout(0, s_layout)
+                    gl.store(dgate_ptr + (rows + cols) * NPX + e0 // 128, dg + dg_smem.index(pb).load(cl0))
+                    for hh in gl.static_range(2):
+                        dxt = warpgroup_mma(w1c.slice(64 * hh, 64, dim=0), dh_smem.index(C),
+                                            px_smem.index(pb * 2 + hh).load(s_layout), is_async=True)
+                        dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
+                        dxv = gl.convert_layout(gl.permute(dxt.to(cdt), (1, 0)), lxs)  # (BLOCK_M, 64)
+                        dx_cols = (e0 // 128) * DH + 64 * hh + xc
+                        gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NPX * DH) + dx_cols[None, :], dxv)
+                    mbarrier.arrive(h_empty.index(pb))
+                    mbarrier.arrive(d_empty.index(s))
+            elif FUSE:
                 hb = q % 2
                 mbarrier.wait(h_empty.index(hb), ((q // 2) & 1) ^ 1)
                 dh_smem.index(hb * 2 + C).store(dht)
@@ -555,9 +588,9 @@ def gluon_expert_dw_ws_kernel(
                                                                                                  DH, NW)
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr,
             w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem)
-    f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
-    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False)),
-                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False)),
+    f = (0, 0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, 0)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, 0)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -569,7 +602,7 @@ def gluon_expert_bwd_ws_kernel(
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, XCH: gl.constexpr,
 ):
     """The whole expert backward (`expert_dwt_kernel` with FUSE_DX and DGATES at DE == 128), warp-specialised:
     `gluon_expert_dw_ws_kernel`'s structure (tiles of (group, 128 de)), whose two consumers also exchange their
@@ -583,16 +616,23 @@ def gluon_expert_bwd_ws_kernel(
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
                                                                                                  DH, NW)
-    dh_smem = gl.allocate_shared_memory(cdt, [4, 64, BLOCK_M], gl.NVMMASharedLayout.get_default_for([64, BLOCK_M],
-                                                                                                  cdt))
+    gl.static_assert(XCH == 1 or XCH == 2, "XCH: 1 (dH^T halves exchanged) or 2 (partial dX handed over)")
+    dh_smem = gl.allocate_shared_memory(cdt, [4 if XCH == 1 else 2, 64, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], cdt))
     dg_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
+    if XCH == 1:
+        h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
+        px_smem = 0
+    else:
+        h_ready, h_empty = _ws_barriers(2, 1, 1)  # consumer 1 fills, consumer 0 frees
+        px_smem = gl.allocate_shared_memory(gl.float32, [4, 64, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl.float32))
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr,
             w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty,
             G * (DE // 128), g_smem)
-    f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
-    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True)),
-                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True)),
+    f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty, px_smem)
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, XCH)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, XCH)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -609,7 +649,7 @@ gluon_expert_dw_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 # consumer / producer registers (232, 40) (H100 2026-11-24, kernel alone, results/gluon_kernels-h100-2026-11-24-bwd-
 # dg-first.jsonl: 0.705 vs 0.735 ms for (4 stages, (240, 32)) at 8192 tokens 768/8/128, 1.088 vs 1.190 at 1536/8/128,
 # level within 0.04 ms at 81920 tokens)
-BWD_WS_STAGES, BWD_WS_WBUF, BWD_WS_REGS = 3, 2, (232, 40)
+BWD_WS_STAGES, BWD_WS_WBUF, BWD_WS_REGS, BWD_WS_XCH = 3, 2, (232, 40), 1
 gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
@@ -619,10 +659,11 @@ def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
 
 
 def bwd_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = BWD_WS_STAGES,
-                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = BWD_WS_REGS) -> dict:
+                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = BWD_WS_REGS, xch: int = BWD_WS_XCH) -> dict:
     """The fused backward's constexpr arguments (torch and JAX launchers alike): the dW kernel's (`dw_ws_constexprs`,
-    32-row blocks) at the backward's defaults; raises on unsupported shapes."""
-    return dw_ws_constexprs(k, dh, de, num_groups, pack_block, stages, wbuf, regs, kernel="fused expert backward")
+    32-row blocks) at the backward's defaults, and its exchange (XCH); raises on unsupported shapes."""
+    return dict(dw_ws_constexprs(k, dh, de, num_groups, pack_block, stages, wbuf, regs, kernel="fused expert backward"),
+                XCH=xch)
 
 
 def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,

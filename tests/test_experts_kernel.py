@@ -602,7 +602,8 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
 @pytest.mark.parametrize("de", [128, 256])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 @pytest.mark.parametrize("programs", [None, 5], ids=["one_per_sm", "five"])
-def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne):
+@pytest.mark.parametrize("xch", [1, 2], ids=["xch1", "xch2"])
+def test_gpu_ws_fused_bwd_vs_f64_and_triton(xch, skew, programs, de, ne):
     """The warp-specialised fused backward (torch launcher): dW1, dW2, the dX rows and the gate gradients of every
     routed row (at de 256 the sums of the two tiles' partials) against the float64 reference (`_f64_bwd`) and against
     the Triton kernels on the same packing (the fused one at de 128, the dX and transposed dW kernels at 256; within
@@ -626,7 +627,7 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne):
            torch.full((p, parts, dh), nan, device="cuda", dtype=torch.bfloat16),
            torch.full((p, parts), nan, device="cuda"))
     dw1, dw2, dxp, dgp = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs,
-                                              out=out)
+                                              out=out, xch=xch)
     ref1, ref2, rdx, rdg, g = _f64_bwd(x, dy, gates, pk, idx, w1, w2, k, h, ne)
     valid = pk.row_slot >= 0
     used = torch.arange(p, device="cuda") < int(pk.group_block_start[-1] + pk.group_nblocks[-1]) * cfg.pack_block
