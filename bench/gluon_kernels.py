@@ -36,9 +36,9 @@ from bench.timing import emit  # noqa: E402
 
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
 KINDS = ("fwd", "dw", "dw_options", "bwd", "router")
-# `gluon_experts_bwd_ws` launch options (wbuf, stages, (worker consumer regs, producer regs), exchange XCH); the first
-# is the default
-BWD_OPTIONS = [(2, 3, (232, 40), 1), (2, 3, (232, 40), 2), (2, 3, (240, 32), 2)]
+# `gluon_experts_bwd_ws` launch options (wbuf, stages, (worker consumer regs, producer regs), dealt schedule (False:
+# tiles strided in group order)); the first is the default
+BWD_OPTIONS = [(2, 3, (232, 40), True), (2, 3, (232, 40), False)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
@@ -94,7 +94,7 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
         for name, opt in options.items():
             if dw_ws_supported(dh, de, cfg.pack_block) and cfg.pack_block % opt.get("block_m", DW_WS_BLOCK_M) == 0:
                 kernels[name] = (4, lambda s, o=opt: gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k,
-                                                                         cfg.pack_block, **o))
+                                                                         cfg.pack_block, heads=nh, **o))
     params = dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block)
     return _time_kernels(kind, kernels, sets, params, unit, date, device, outf)
 
@@ -148,17 +148,17 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
     def triton_split(s):  # the split backward as default_config picks it (dX kernel; Gluon dW where chosen)
         dxs, dgate = experts_dx(s[0], s[1], s[2], s[3], w1, w2, k, cfg)
         if cfg.dw_ws:
-            dw1, dw2 = gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block)
+            dw1, dw2 = gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
         else:
             dw1, dw2, _ = experts_dw(s[0], s[1], s[2], s[3], w1, w2, k, cfg, torch.float32)
         return dw1, dw2, dxs, dgate
 
     fused = cfg.dw.block_e == de
     kernels = {"triton_fused" if fused else "split_default": (5, triton_fused if fused else triton_split)}
-    for wb, st, r, xch in BWD_OPTIONS:
-        kernels[f"gluon_bwd_ws_wb{wb}_st{st}_r{r[0]}_{r[1]}_x{xch}"] = (5, (
-            lambda s, o=dict(wbuf=wb, stages=st, regs=r, xch=xch): gluon_experts_bwd_ws(
-                s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, **o)))
+    for wb, st, r, deal in BWD_OPTIONS:
+        kernels[f"gluon_bwd_ws_wb{wb}_st{st}_r{r[0]}_{r[1]}" + ("" if deal else "_strided")] = (5, (
+            lambda s, o=dict(wbuf=wb, stages=st, regs=r, deal=deal): gluon_experts_bwd_ws(
+                s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, heads=nh, **o)))
     valid = sets[0][3].row_slot >= 0
 
     def outputs(fn):  # dW1, dW2, and the dX rows and gate gradients of the routed rows (partials summed)

@@ -43,7 +43,7 @@ def child(kernel: str, tokens: int, ne: int, k: int, de: int) -> None:
     w1, w2 = expert_weights(ne, de, g, nh, dh)
     fn = gluon_experts_bwd_ws if kernel == "bwd_ws" else gluon_experts_dw_ws
     for _ in range(2):
-        fn(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block)
+        fn(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
     torch.cuda.synchronize()
 
 

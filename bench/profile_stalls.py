@@ -55,9 +55,9 @@ def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
         for kind in kinds:
             launch(kind, cfg, s, w1, w2, k)
         if gluon:  # the warp-specialised weight gradients, and the fused backward where it takes the shape
-            gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block)
+            gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
             if bwd_ws_supported(dh, de, cfg.pack_block):
-                gluon_experts_bwd_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block)
+                gluon_experts_bwd_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
     torch.cuda.synchronize()
 
 

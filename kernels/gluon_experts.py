@@ -41,6 +41,8 @@ shared memory and each makes 64 dh columns of every block's dX rows (`_dw_consum
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -353,8 +355,8 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
                  C: gl.constexpr):
     """Per tile: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
     once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr, w2_ptr,
-     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem) = a
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
+     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     PW: gl.constexpr = gl.num_warps()
     lx: gl.constexpr = _copy_layout(DH, PW)
     rr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
@@ -362,9 +364,10 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
     rg = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [PW], [0]))  # the gates' rows
     q = 0
     n = 0
-    for j in range(gl.program_id(0), T, gl.num_programs(0)):
-        g, e0, row0, nsub = _dw_tile(gl.load(tile_order_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE,
-                                     PACK_BLOCK, BLOCK_M)
+    # this program's tiles: sched[sched[pid]:sched[pid + 1]] (`tile_schedule`: the offsets count from sched_ptr)
+    for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
+        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK,
+                                     BLOCK_M)
         wb = n % WB
         mbarrier.wait(w_empty.index(wb), ((n // WB) & 1) ^ 1)
         fence_async_shared()
@@ -414,9 +417,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     of <gelu(H) row, dA' row> (both through shared memory): the gate gradient of every row, in a fixed order. The
     block's products all retire before the next block (deferring the dX half by one block measured slower, 2026-11-24).
     The gates of each block come from shared memory (`g_smem`, gathered by the producer)."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr, w2_ptr,
-     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem) = a
-    (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty, px_smem) = f
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
+     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
+    (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, NW)
@@ -431,9 +434,10 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     q = 0
     n = 0
-    for j in range(gl.program_id(0), T, gl.num_programs(0)):
-        g, e0, row0, nsub = _dw_tile(gl.load(tile_order_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE,
-                                     PACK_BLOCK, BLOCK_M)
+    # this program's tiles: sched[sched[pid]:sched[pid + 1]] (`tile_schedule`: the offsets count from sched_ptr)
+    for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
+        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK,
+                                     BLOCK_M)
         wb = n % WB
         mbarrier.wait(w_ready.index(wb), (n // WB) & 1)
         fence_async_shared()
@@ -470,40 +474,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
                 dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
             dht = (dat * gate[None, :] * dgelu).to(cdt)
-            if FUSE == 2:  # each consumer its own dH_c^T and a partial dX over its 64 de; consumer 1 hands its partial
-                # (fp32, through shared memory) to consumer 0, which accumulates its own on it and stores the rows
-                dh_smem.index(C).store(dht)
-                fence_async_shared()
-                gl.thread_barrier()  # the warp group's writes of dH_c^T before its wgmma reads
-                acc1 = warpgroup_mma(dh_smem.index(C), xs, acc1, is_async=True)
-                w1c = w1_smem.index(wb * 2 + C)  # (DH, 64): W1[:, e0 + 64 C:][:, :64]
-                rows = row0 + i * BLOCK_M
-                NPX: gl.constexpr = DE // 128
-                pb = q % 2
-                if C == 1:
-                    mbarrier.wait(h_empty.index(pb), ((q // 2) & 1) ^ 1)
-                    for hh in gl.static_range(2):
-                        dxt = warpgroup_mma(w1c.slice(64 * hh, 64, dim=0), dh_smem.index(C), s_zero, use_acc=False,
-                                            is_async=True)
-                        dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
-                        px_smem.index(pb * 2 + hh).store(dxt)
-                    dg_smem.index(pb).store(dg)
-                    mbarrier.arrive(h_ready.index(pb))
-                    mbarrier.arrive(d_empty.index(s))
-                else:
-                    mbarrier.wait(h_ready.index(pb), (q // 2) & 1)
-                    cl0: gl.constexpr = gl.SliceLayout(0, s_layout)
-                    gl.store(dgate_ptr + (rows + cols) * NPX + e0 // 128, dg + dg_smem.index(pb).load(cl0))
-                    for hh in gl.static_range(2):
-                        dxt = warpgroup_mma(w1c.slice(64 * hh, 64, dim=0), dh_smem.index(C),
-                                            px_smem.index(pb * 2 + hh).load(s_layout), is_async=True)
-                        dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
-                        dxv = gl.convert_layout(gl.permute(dxt.to(cdt), (1, 0)), lxs)  # (BLOCK_M, 64)
-                        dx_cols = (e0 // 128) * DH + 64 * hh + xc
-                        gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NPX * DH) + dx_cols[None, :], dxv)
-                    mbarrier.arrive(h_empty.index(pb))
-                    mbarrier.arrive(d_empty.index(s))
-            elif FUSE:
+            if FUSE:
                 hb = q % 2
                 mbarrier.wait(h_empty.index(hb), ((q // 2) & 1) ^ 1)
                 dh_smem.index(hb * 2 + C).store(dht)
@@ -563,19 +534,19 @@ def _dw_buffers(cdt: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M:
 
 @gluon.jit
 def gluon_expert_dw_ws_kernel(
-    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr,
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
     w2_ptr,  # inputs
     dw1_ptr, dw2_ptr,  # outputs (G, DH, DE), (G, DE, DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de),
-    program p taking tile_order[p], tile_order[p + programs], ... (`tile_order`: largest groups first, dealt out so
-    that every program gets about the same rows; the tiles of one group run side by side, so its gathered rows come
-    from L2 after the first); two consumer warp groups, each both gradients of 64 de in registers (128 accumulator
-    registers: the worker consumer runs at CONSUMER_REGS after setmaxnreg, the producer at PRODUCER_REGS, the default
-    partition at what is left of 512 per lane); one producer warp group (cp.async:
+    """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de) as
+    the schedule sched_ptr deals them (`deal_schedule`: offsets of each program's tiles, then the tiles; about the
+    same rows for every program, largest groups first, one head at a time; the tiles of one group run side by side,
+    so its gathered rows come from L2 after the first); two consumer warp groups, each both gradients of 64 de in
+    registers (128 accumulator registers: the worker consumer runs at CONSUMER_REGS after setmaxnreg, the producer at
+    PRODUCER_REGS, the default partition at what is left of 512 per lane); one producer warp group (cp.async:
     the tile's weights into one of WB buffers, gathered X / dy rows of BLOCK_M into an NST-stage ring). Sums over
     a group's rows in packed order, no atomics."""
     NW: gl.constexpr = gl.num_warps()
@@ -583,26 +554,25 @@ def gluon_expert_dw_ws_kernel(
     gl.static_assert(DE % 128 == 0, "DE: tiles of 128 de (two consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1, "NST: a consumer frees stage q - 1 only after it waited for stage q")
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
-    T = G * (DE // 128)
     x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
                                                                                                  DH, NW)
-    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr,
-            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, T, g_smem)
-    f = (0, 0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
-    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, 0)),
-                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, 0)),
+    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
+            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
+    f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
 def gluon_expert_bwd_ws_kernel(
-    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr,
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
     w2_ptr,  # inputs
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, XCH: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """The whole expert backward (`expert_dwt_kernel` with FUSE_DX and DGATES at DE == 128), warp-specialised:
     `gluon_expert_dw_ws_kernel`'s structure (tiles of (group, 128 de)), whose two consumers also exchange their
@@ -616,23 +586,15 @@ def gluon_expert_bwd_ws_kernel(
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
                                                                                                  DH, NW)
-    gl.static_assert(XCH == 1 or XCH == 2, "XCH: 1 (dH^T halves exchanged) or 2 (partial dX handed over)")
-    dh_smem = gl.allocate_shared_memory(cdt, [4 if XCH == 1 else 2, 64, BLOCK_M],
-                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], cdt))
+    dh_smem = gl.allocate_shared_memory(cdt, [4, 64, BLOCK_M], gl.NVMMASharedLayout.get_default_for([64, BLOCK_M],
+                                                                                                  cdt))
     dg_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    if XCH == 1:
-        h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
-        px_smem = 0
-    else:
-        h_ready, h_empty = _ws_barriers(2, 1, 1)  # consumer 1 fills, consumer 0 frees
-        px_smem = gl.allocate_shared_memory(gl.float32, [4, 64, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl.float32))
-    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, tile_order_ptr, w1_ptr,
-            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty,
-            G * (DE // 128), g_smem)
-    f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty, px_smem)
-    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, XCH)),
-                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, XCH)),
+    h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
+    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
+            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
+    f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -649,7 +611,7 @@ gluon_expert_dw_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 # consumer / producer registers (232, 40) (H100 2026-11-24, kernel alone, results/gluon_kernels-h100-2026-11-24-bwd-
 # dg-first.jsonl: 0.705 vs 0.735 ms for (4 stages, (240, 32)) at 8192 tokens 768/8/128, 1.088 vs 1.190 at 1536/8/128,
 # level within 0.04 ms at 81920 tokens)
-BWD_WS_STAGES, BWD_WS_WBUF, BWD_WS_REGS, BWD_WS_XCH = 3, 2, (232, 40), 1
+BWD_WS_STAGES, BWD_WS_WBUF, BWD_WS_REGS = 3, 2, (232, 40)
 gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
@@ -659,15 +621,14 @@ def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
 
 
 def bwd_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = BWD_WS_STAGES,
-                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = BWD_WS_REGS, xch: int = BWD_WS_XCH) -> dict:
+                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = BWD_WS_REGS) -> dict:
     """The fused backward's constexpr arguments (torch and JAX launchers alike): the dW kernel's (`dw_ws_constexprs`,
-    32-row blocks) at the backward's defaults, and its exchange (XCH); raises on unsupported shapes."""
-    return dict(dw_ws_constexprs(k, dh, de, num_groups, pack_block, stages, wbuf, regs, kernel="fused expert backward"),
-                XCH=xch)
+    32-row blocks) at the backward's defaults; raises on unsupported shapes."""
+    return dw_ws_constexprs(k, dh, de, num_groups, pack_block, stages, wbuf, regs, kernel="fused expert backward")
 
 
 def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
-                         dw_dtype=None, out=None, **options):
+                         dw_dtype=None, out=None, heads: int = 1, deal: bool = True, **options):
     """Torch launcher (CUDA, Hopper) of the fused backward: as `gluon_experts_dw_ws`, plus dX rows (P, de / 128, dh)
     in x.dtype and each packed row's gate gradient (P, de / 128) fp32, one partial per 128 de (sum them; rows of
     blocks made only of padding unwritten): -> (dW1, dW2, dX, dgate), or written into `out` (the same four)."""
@@ -682,34 +643,58 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
                   torch.empty(p, de // 128, dtype=torch.float32, device=x.device))
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     programs = min(programs, g_count * (de // 128))
-    order = tile_order_torch(pk.group_nblocks, de // 128, programs)
+    order = tile_schedule_torch(pk.group_nblocks, de // 128, heads, programs, deal)
     gluon_expert_bwd_ws_kernel[(programs,)](
         x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start, pk.group_nblocks,
         order, w1.contiguous(), w2.contiguous(), *out, num_warps=4, maxnreg=WS_MAXNREG, **consts)
     return out
 
 
-def deal_positions(num_tiles: int, programs: int) -> np.ndarray:
-    """The persistent dW / backward kernels' schedule: launch slot j (program j % programs, its (j // programs)-th
-    tile) takes position deal_positions[j] of the tiles sorted by size, largest first. Full rounds alternate in
-    direction (program p gets positions p, 2 P - 1 - p, 2 P + p, ...; a last partial round goes in order), so every
-    program's sum of tile sizes comes out about even: the longest-first rule dealt like cards. Groups are as uneven as
-    the router makes them: at 81920 tokens, Ne 384, the layer's first step has groups of 102 to 2471 rows; strided in
-    group order the busiest of 132 programs had 1544 row blocks against a mean of 1336, dealt like this 1360."""
+def deal_schedule(num_tiles: int, heads: int, programs: int, deal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The persistent dW / backward kernels' static schedule. The tiles come in head-major order, each head's sorted by
+    size, largest first (`tile_schedule`); position j of that sequence goes to one program. Within a head the positions
+    are dealt like cards in rounds of alternating direction (program p gets the head's positions p, 2 P - 1 - p,
+    2 P + p, ...), and each head's deal starts at another program (rotated by P / heads): the longest-first rule, so
+    every program's sum of tile sizes comes out about even, while the programs stay in about the same head at a time
+    (its gathered X / dy rows, 21 MB per head at 81920 tokens, stay in L2).
+    Groups are as uneven as the router makes them: at 81920 tokens, Ne 384, the layer's first step has groups of 102
+    to 2471 rows; strided in group order the busiest of 132 programs had 1544 row blocks against a mean of 1336,
+    dealt like this 1356 (and 1360 dealt over all heads at once, which took the gathers out of L2: slower alone).
+    -> (perm, starts): program p takes positions perm[starts[p]:starts[p + 1]], in order. deal=False: position j
+    to program j % programs (strided in the given order: comparisons)."""
+    if num_tiles % heads:
+        raise ValueError(f"deal_schedule: {num_tiles} tiles do not split into {heads} heads")
     j = np.arange(num_tiles)
-    r, i = j // programs, j % programs
-    return np.where(((r + 1) * programs <= num_tiles) & (r % 2 == 1), r * programs + programs - 1 - i, j)
+    h, jh = j // (num_tiles // heads), j % (num_tiles // heads)
+    r, i = jh // programs, jh % programs
+    prog = (np.where(r % 2 == 1, programs - 1 - i, i) + h * programs // heads) % programs if deal else j % programs
+    starts = np.concatenate([[0], np.cumsum(np.bincount(prog, minlength=programs))])
+    return np.argsort(prog, kind="stable"), starts
 
 
-def tile_order_torch(group_nblocks, tiles_per_group: int, programs: int):
-    """`deal_positions`' order of the (group, 128 de) tiles (int32, torch): groups sorted by row blocks, largest
-    first (stable: equal groups keep their order), their tiles side by side."""
+@functools.lru_cache(maxsize=64)
+def _deal_schedule_torch(num_tiles: int, heads: int, programs: int, device: str, deal: bool):
     import torch
 
-    go = torch.argsort(-group_nblocks.long(), stable=True)
-    tiles = (go[:, None] * tiles_per_group + torch.arange(tiles_per_group, device=go.device)).reshape(-1)
-    pos = torch.as_tensor(deal_positions(tiles.numel(), programs), device=go.device)
-    return tiles[pos].to(torch.int32)
+    perm, starts = deal_schedule(num_tiles, heads, programs, deal)
+    return (torch.as_tensor(perm, device=device),
+            torch.as_tensor((starts + programs + 1).astype(np.int32), device=device))
+
+
+def tile_schedule_torch(group_nblocks, tiles_per_group: int, heads: int, programs: int, deal: bool = True):
+    """The schedule array the dW / backward kernels read (int32, torch): `deal_schedule`'s program offsets (counted
+    from the array's start: program p's tiles are sched[sched[p]:sched[p + 1]]), then the (group, 128 de) tiles
+    program by program. Groups are head-major (G = heads x experts); each head's sorted by row
+    blocks, largest first (stable), a group's tiles side by side; deal=False: the tiles in group order, strided over the
+    programs (comparisons)."""
+    import torch
+
+    nb = group_nblocks.long().reshape(heads, -1)
+    go = torch.argsort(-nb, dim=1, stable=True) if deal else torch.arange(nb.shape[1], device=nb.device).expand_as(nb)
+    go = go + torch.arange(heads, device=nb.device)[:, None] * nb.shape[1]
+    tiles = (go.reshape(-1, 1) * tiles_per_group + torch.arange(tiles_per_group, device=nb.device)).reshape(-1)
+    perm, starts = _deal_schedule_torch(tiles.numel(), heads, programs, str(nb.device), deal)
+    return torch.cat([starts, tiles[perm].to(torch.int32)])
 
 
 def dw_ws_supported(dh: int, de: int, pack_block: int) -> bool:
@@ -731,7 +716,7 @@ def dw_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int,
 
 
 def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
-                        dw_dtype=None, out=None, **options):
+                        dw_dtype=None, out=None, heads: int = 1, deal: bool = True, **options):
     """Torch launcher (CUDA, Hopper): x, dy (S, dh) rows as stored, gates (S * k,) fp32, pk a
     `kernels.torch_experts.TorchPacking`, w1 (G, dh, de), w2 (G, de, dh) -> (dW1, dW2) in dw_dtype (fp32), or
     written into `out` = (dW1, dW2) if given; options: `dw_ws_constexprs`' stages / wbuf / regs / block_m (probes)."""
@@ -744,7 +729,7 @@ def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, progr
                        torch.empty(w2.shape, dtype=dw_dtype, device=x.device))
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     programs = min(programs, g_count * (de // 128))
-    order = tile_order_torch(pk.group_nblocks, de // 128, programs)
+    order = tile_schedule_torch(pk.group_nblocks, de // 128, heads, programs, deal)
     gluon_expert_dw_ws_kernel[(programs,)](
         x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start, pk.group_nblocks,
         order, w1.contiguous(), w2.contiguous(), dw1, dw2, num_warps=4, maxnreg=WS_MAXNREG, **consts)

@@ -389,35 +389,45 @@ def test_binding_sums_partial_dx_rows_and_gate_gradients(monkeypatch):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_tile_order_deals_largest_groups_evenly():
-    """The persistent dW / backward kernels' schedule: every (group, 128 de) tile exactly once, a group's tiles side
-    by side, groups largest first; each program's rows within one largest tile of the mean (the dealt rounds
-    alternate), where striding over the tiles in group order does worse on skewed groups. The JAX order (the
-    binding's) equals the torch launchers'."""
+def test_tile_schedule_deals_largest_groups_evenly_head_by_head():
+    """The persistent dW / backward kernels' schedule: offsets of each program's tiles, then every (group, 128 de) tile
+    exactly once; each program goes through the heads in order, within a head largest
+    groups first; each program's rows within a few tiles of the mean (dealt in alternating, rotated rounds), where
+    striding over the tiles in group order does worse on skewed groups. The JAX schedule (the binding's) equals the
+    torch launchers'."""
     import jax.numpy as jnp
     import torch
 
-    from kernels.gluon_experts import deal_positions, tile_order_torch
-    from mhl_jax.ops.experts_triton import tile_order
+    from kernels.gluon_experts import deal_schedule, tile_schedule_torch
+    from mhl_jax.ops.experts_triton import tile_schedule
 
-    for t, p in [(6144, 132), (10, 4), (8, 4), (3, 5), (132, 132), (300, 132)]:
-        assert sorted(deal_positions(t, p).tolist()) == list(range(t)), (t, p)
+    for t, h, p in [(6144, 8, 132), (12, 1, 4), (8, 2, 4), (3, 1, 5), (132, 4, 132), (300, 3, 132)]:
+        perm, starts = deal_schedule(t, h, p)
+        assert sorted(perm.tolist()) == list(range(t)) and starts[0] == 0 and starts[-1] == t and len(starts) == p + 1
+    with pytest.raises(ValueError, match="10 tiles do not split into 3 heads"):
+        deal_schedule(10, 3, 4)
     rng = np.random.default_rng(0)
-    nblocks = np.minimum(rng.lognormal(2.0, 0.6, 3072).astype(np.int32), 80)
-    nblocks[::97] = 0  # empty groups: last
+    heads, ne = 8, 384
+    nblocks = np.minimum(rng.lognormal(2.0, 0.6, heads * ne).astype(np.int32), 80)
+    nblocks[::97] = 0  # empty groups: last in their head
     for nt, programs in [(2, 132), (1, 132), (2, 7)]:
-        order = tile_order(jnp.asarray(nblocks), nt, programs)
-        assert order.dtype == jnp.int32
-        assert np.array_equal(np.asarray(order), tile_order_torch(torch.from_numpy(nblocks), nt, programs).numpy())
-        order = np.asarray(order)
-        assert sorted(order.tolist()) == list(range(3072 * nt))
-        by_position = order[np.argsort(deal_positions(order.size, programs))]  # undo the dealing: sorted tiles
-        sizes = nblocks[by_position // nt]
-        assert (np.diff(sizes) <= 0).all()
-        assert (by_position.reshape(-1, nt) // nt == by_position[::nt, None] // nt).all()  # a group's tiles together
-        loads = np.bincount(np.arange(order.size) % programs, weights=nblocks[order // nt], minlength=programs)
-        strided = np.bincount(np.arange(order.size) % programs, weights=np.repeat(nblocks, nt), minlength=programs)
-        assert loads.max() <= loads.mean() + nblocks.max() and loads.max() < strided.max(), (nt, programs)
+        sched = tile_schedule(jnp.asarray(nblocks), nt, heads, programs)
+        assert sched.dtype == jnp.int32
+        assert np.array_equal(np.asarray(sched), tile_schedule_torch(torch.from_numpy(nblocks), nt, heads,
+                                                                     programs).numpy())
+        sched = np.asarray(sched)
+        starts, tiles = sched[:programs + 1] - (programs + 1), sched[programs + 1:]
+        assert sorted(tiles.tolist()) == list(range(heads * ne * nt)) and starts[0] == 0 and starts[-1] == tiles.size
+        loads = np.zeros(programs)
+        for q in range(programs):
+            mine = tiles[starts[q]:starts[q + 1]]
+            group, head = mine // nt, mine // nt // ne
+            assert (np.diff(head) >= 0).all(), q  # head by head
+            for hh in np.unique(head):  # within a head: largest first
+                assert (np.diff(nblocks[group[head == hh]]) <= 0).all(), (q, hh)
+            loads[q] = nblocks[group].sum()
+        strided = np.bincount(np.arange(tiles.size) % programs, weights=np.repeat(nblocks, nt), minlength=programs)
+        assert loads.max() <= loads.mean() + 2 * nblocks.max() and loads.max() < strided.max(), (nt, programs)
 
 
 def test_bwd_gluon_dispatch_rule(monkeypatch):
@@ -584,7 +594,8 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
     assert cfg.pack_block == {16: 128, 128: 64, 512: 32}[ne]
     pk = pack_torch(idx, ne, cfg.pack_block)
     out = (torch.full(w1.shape, float("nan"), device="cuda"), torch.full(w2.shape, float("nan"), device="cuda"))
-    dw1, dw2 = gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out)
+    dw1, dw2 = gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out,
+                                   heads=h)
     assert torch.isfinite(dw1).all() and torch.isfinite(dw2).all()
     ref1, ref2, _, _, g = _f64_bwd(x, dy, gates, pk, idx, w1, w2, k, h, ne)
     assert _rel(dw1, ref1) < 1e-2 and _rel(dw2, ref2) < 1e-2
@@ -602,8 +613,7 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
 @pytest.mark.parametrize("de", [128, 256])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 @pytest.mark.parametrize("programs", [None, 5], ids=["one_per_sm", "five"])
-@pytest.mark.parametrize("xch", [1, 2], ids=["xch1", "xch2"])
-def test_gpu_ws_fused_bwd_vs_f64_and_triton(xch, skew, programs, de, ne):
+def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne):
     """The warp-specialised fused backward (torch launcher): dW1, dW2, the dX rows and the gate gradients of every
     routed row (at de 256 the sums of the two tiles' partials) against the float64 reference (`_f64_bwd`) and against
     the Triton kernels on the same packing (the fused one at de 128, the dX and transposed dW kernels at 256; within
@@ -627,7 +637,7 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(xch, skew, programs, de, ne):
            torch.full((p, parts, dh), nan, device="cuda", dtype=torch.bfloat16),
            torch.full((p, parts), nan, device="cuda"))
     dw1, dw2, dxp, dgp = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs,
-                                              out=out, xch=xch)
+                                              out=out, heads=h)
     ref1, ref2, rdx, rdg, g = _f64_bwd(x, dy, gates, pk, idx, w1, w2, k, h, ne)
     valid = pk.row_slot >= 0
     used = torch.arange(p, device="cuda") < int(pk.group_block_start[-1] + pk.group_nblocks[-1]) * cfg.pack_block

@@ -118,15 +118,21 @@ def _gluon_call(*args, kernel, out_shape, work_items: int, **constexprs):
                                    programs=min(_hopper_sms(), work_items), **constexprs)
 
 
-def tile_order(group_nblocks, tiles_per_group: int, programs: int | None = None):
-    """(G * tiles_per_group,) int32: the order in which the persistent dW / backward kernels' `programs` (default:
-    one per SM) take their (group, 128 de) tiles (`kernels.gluon_experts.deal_positions`: largest groups first,
-    dealt so that the programs' rows even out; `tile_order_torch` is the same for the torch launchers)."""
-    from kernels.gluon_experts import deal_positions
+def tile_schedule(group_nblocks, tiles_per_group: int, heads: int, programs: int | None = None):
+    """The schedule array the persistent dW / backward kernels read: (programs + 1 + G * tiles_per_group,) int32,
+    each program's offsets (counted from the array's start: program p's tiles are sched[sched[p]:sched[p + 1]]), then
+    the (group, 128 de) tiles program by program (`kernels.gluon_experts.deal_schedule`:
+    head-major, each head's groups largest first, dealt so that the programs' rows even out); `programs` default: one
+    per SM. `tile_schedule_torch` is the same for the torch launchers."""
+    from kernels.gluon_experts import deal_schedule
 
-    go = jnp.argsort(-group_nblocks, stable=True).astype(jnp.int32)
-    tiles = (go[:, None] * tiles_per_group + jnp.arange(tiles_per_group, dtype=jnp.int32)).reshape(-1)
-    return tiles[deal_positions(tiles.shape[0], min(programs or _hopper_sms(), tiles.shape[0]))]
+    nb = group_nblocks.reshape(heads, -1)
+    go = jnp.argsort(-nb, axis=1, stable=True).astype(jnp.int32) + \
+        (jnp.arange(heads, dtype=jnp.int32) * nb.shape[1])[:, None]
+    tiles = (go.reshape(-1, 1) * tiles_per_group + jnp.arange(tiles_per_group, dtype=jnp.int32)).reshape(-1)
+    programs = min(programs or _hopper_sms(), tiles.shape[0])
+    perm, starts = deal_schedule(tiles.shape[0], heads, programs)
+    return jnp.concatenate([jnp.asarray(starts + programs + 1, jnp.int32), tiles[perm]])
 
 
 def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2):
@@ -170,13 +176,13 @@ def use_dw_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
             and not use_bwd_gluon(cfg, dtype, dh, de))
 
 
-def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
+def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
     """dW1, dW2 by the warp-specialised Gluon kernel: work items = (group, 128 de) tiles."""
     from kernels.gluon_experts import dw_ws_constexprs, gluon_expert_dw_ws_kernel
 
     (_, dh), (g, _, de) = xs.shape, w1.shape
     return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
-                       tile_order(meta.group_nblocks, de // 128), w1, w2, kernel=gluon_expert_dw_ws_kernel,
+                       tile_schedule(meta.group_nblocks, de // 128, heads), w1, w2, kernel=gluon_expert_dw_ws_kernel,
                        out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype),
                                   jax.ShapeDtypeStruct((g, de, dh), dw_dtype)],
                        work_items=g * (de // 128), **dw_ws_constexprs(st.k, dh, de, g, st.cfg.pack_block))
@@ -192,7 +198,7 @@ def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
             and bwd_ws_supported(dh, de, cfg.pack_block) and bool(_hopper_sms()))
 
 
-def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
+def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
     """dX rows (P, de / 128, dh), dW1, dW2, gate gradients (P, de / 128) by the warp-specialised fused Gluon kernel
     (one partial per 128 de: the callers sum them); work items = (group, 128 de) tiles."""
     from kernels.gluon_experts import bwd_ws_constexprs, gluon_expert_bwd_ws_kernel
@@ -200,7 +206,7 @@ def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     dw1, dw2, dx, dgate = _gluon_call(
         xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
-        tile_order(meta.group_nblocks, de // 128), w1, w2, kernel=gluon_expert_bwd_ws_kernel,
+        tile_schedule(meta.group_nblocks, de // 128, heads), w1, w2, kernel=gluon_expert_bwd_ws_kernel,
         out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
                    jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype),
                    jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
@@ -208,12 +214,12 @@ def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
     return dx.reshape(p, de // 128, dh), dw1, dw2, dgate
 
 
-def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
+def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int = 1):
     """dX rows, dW1, dW2 and (when `dgates_in_kernels`) each packed row's gate gradient (P,) fp32, made by the
     dX kernel or, with dX fused, by the dW kernel."""
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     if use_bwd_gluon(st.cfg, xs.dtype, dh, de):
-        return _bwd_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype)
+        return _bwd_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype, heads)
     jt = import_jax_triton()
 
     from kernels.experts import expert_dw_kernel, expert_dwt_kernel, expert_dx_kernel
@@ -226,7 +232,7 @@ def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
     t = st.cfg.dw
     fused_dgates = fuse and dgates  # the fused dW kernel makes the gate gradients (transposed form only)
     if use_dw_gluon(st.cfg, xs.dtype, dh, de):
-        dw1, dw2 = _dw_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype)
+        dw1, dw2 = _dw_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype, heads)
     else:
         dw1, dw2, dx_fused, dgate_fused = jt.triton_call(
             xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
@@ -270,7 +276,7 @@ def _fwd_emulate(st: Static, xs, meta: Meta, w1, w2):
     return _rows_fn(st, meta, xs, w1, w2)
 
 
-def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype):
+def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int = 1):
     rows, do = packed_bwd_rows(st, xs, dys, gates, meta)
     from mhl_jax.ops.experts import expert_rows_reference
 
@@ -371,7 +377,7 @@ def _experts_bwd(st: Static, res, dy):
     bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
     dxr, dw1, dw2, dgate_rows = bwd(st, xs, dy.reshape(n * h, -1), gates.reshape(-1).astype(jnp.float32), meta,
-                                    w1c, w2c, jnp.dtype(st.w_dtype))
+                                    w1c, w2c, jnp.dtype(st.w_dtype), h)
     if dgate_rows is None:  # packed dO rows, or dX fused into the row-form dW kernel: the gate gradient in XLA
         dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)[1]
     else:  # the per-row gate gradients of the kernels (partials of the Gluon backward summed), per slot (empty: 0)
