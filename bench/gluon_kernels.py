@@ -1,8 +1,9 @@
 """The warp-specialised Gluon expert kernels (`kernels/gluon_experts.py`) against the Triton ones on the same
-packed inputs, in one process, each kernel alone (do_bench, CUDA events, 3 rotating input sets, uniform random
-top-k routing). Hopper only.
+packed inputs, in one process, each kernel alone (do_bench, CUDA events, 3 rotating input sets; top-k routing
+uniform at random, or with --routing layer as uneven as bench/layer.py's: `bench.kernel_tiles.input_set`). Hopper only.
 
-    python bench/gluon_kernels.py [--kinds fwd dw dw_options] [--shapes 81920/384/4/256 ...] [--out FILE]
+    python bench/gluon_kernels.py [--kinds fwd dw dw_options] [--shapes 81920/384/4/256 ...] [--routing layer]
+                                  [--out FILE]
 
 fwd: the Gluon forward vs `expert_fwd_kernel` (default tile). dw: the Gluon weight gradients vs the transposed
 Triton dW kernel at the tile default_config picks for a split backward, and, where the default backward is the
@@ -31,7 +32,7 @@ from dataclasses import replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.kernel_tiles import expert_weights, input_set, rotating  # noqa: E402
+from bench.kernel_tiles import ROUTINGS, expert_weights, input_set, rotating  # noqa: E402
 from bench.timing import emit  # noqa: E402
 
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
@@ -55,7 +56,7 @@ def _diff(outs, refs) -> tuple[float, float]:
 
 
 def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,
-              dh: int = 128) -> list[dict]:
+              dh: int = 128, routing: str = "uniform") -> list[dict]:
     """The `kind` kernels at one shape (the Gluon one where supported): one record per kernel."""
     import torch
 
@@ -72,10 +73,10 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
     if kind == "router":
         return run_router(tokens, ne, k, date, device, outf, nh, dh)
     if kind == "bwd":
-        return run_bwd(tokens, ne, k, de, date, device, outf, nh, dh)
+        return run_bwd(tokens, ne, k, de, date, device, outf, nh, dh, routing)
     g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
-    sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh) for _ in range(3)]
+    sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh, routing) for _ in range(3)]
     w1, w2 = expert_weights(ne, de, g, nh, dh)
     unit = 2 * tokens * nh * k * dh * de
     if kind == "fwd":
@@ -95,7 +96,7 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
             if dw_ws_supported(dh, de, cfg.pack_block) and cfg.pack_block % opt.get("block_m", DW_WS_BLOCK_M) == 0:
                 kernels[name] = (4, lambda s, o=opt: gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k,
                                                                          cfg.pack_block, heads=nh, **o))
-    params = dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block)
+    params = dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block, routing=routing)
     return _time_kernels(kind, kernels, sets, params, unit, date, device, outf)
 
 
@@ -120,7 +121,7 @@ def _time_kernels(kind: str, kernels: dict, sets, params: dict, unit: float, dat
 
 
 def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,
-            dh: int = 128) -> list[dict]:
+            dh: int = 128, routing: str = "uniform") -> list[dict]:
     """The whole backward: the fused Triton kernel at default_config's tile (de 128) or the split backward
     default_config picks (larger de), and the Gluon one at BWD_OPTIONS."""
     import torch
@@ -133,7 +134,7 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
     if not bwd_ws_supported(dh, de, cfg.pack_block):
         return []
-    sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh) for _ in range(3)]
+    sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh, routing) for _ in range(3)]
     w1, w2 = expert_weights(ne, de, g, nh, dh)
     p = sets[0][3].row_slot.shape[0]
     dx = torch.zeros(p, dh, dtype=torch.bfloat16, device="cuda")
@@ -168,7 +169,7 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
             outs[2:] = [outs[2].float().sum(1), outs[3].sum(1)]
         return outs[:2] + [outs[2][valid], outs[3][valid]]
 
-    params = dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block)
+    params = dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block, routing=routing)
     # TFLOP/s of the fused form's 5 units
     return _time_kernels("bwd", kernels, sets, params, 2 * tokens * nh * k * dh * de, date, device, outf, outputs)
 
@@ -213,6 +214,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", nargs="+", default=["fwd", "dw"], choices=KINDS)
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="tokens/Ne/k/de (Nh 8, dh 128)")
+    ap.add_argument("--routing", default="uniform", choices=ROUTINGS,
+                    help="uniform (nearly equal groups) or layer (groups as uneven as bench/layer.py's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     shapes = []
@@ -231,7 +234,7 @@ def main() -> None:
     rows = []
     for kind in args.kinds:
         for shape in shapes:
-            rows += run_shape(kind, *shape, date=date, device=device, outf=outf)
+            rows += run_shape(kind, *shape, date=date, device=device, outf=outf, routing=args.routing)
     print(f"\n{'shape':>17} {'kernel':>12} {'ms':>7} {'TF/s':>6} rel")
     for r in rows:
         p = r["params"]

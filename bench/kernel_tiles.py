@@ -52,17 +52,37 @@ def launch(kind: str, cfg, s, w1, w2, k: int):
     return (dw1, dw2) + ((dx,) if fused else ())
 
 
-def input_set(tokens: int, ne: int, k: int, pack_block: int, g, nh: int = 8, dh: int = 128):
-    """One input set (x, dy, gates, packing) on CUDA: bf16 x / dy rows (tokens * nh, dh), fp32 gates, a uniform
-    random top-k routing packed with `pack_block`."""
+ROUTINGS = ("uniform", "layer")
+
+
+def input_set(tokens: int, ne: int, k: int, pack_block: int, g, nh: int = 8, dh: int = 128, routing: str = "uniform"):
+    """One input set (x, dy, gates, packing) on CUDA: bf16 x / dy rows (tokens * nh, dh), fp32 gates, a top-k routing
+    packed with `pack_block`: "uniform" (k distinct experts uniformly at random: groups of nearly equal size) or
+    "layer" (bench/layer.py's first step: x = a (tokens, 1024) normal batch through W_in, routed by W_r and a bias
+    drawn as `bench.layer.init_params` draws them, in fp32: groups as uneven as the layer's, ~0.4 coefficient of
+    variation)."""
     import torch
 
     from kernels.torch_experts import pack_torch
 
-    x = torch.randn(tokens * nh, dh, device="cuda", generator=g).bfloat16()
+    if routing not in ROUTINGS:
+        raise ValueError(f"input_set: routing={routing!r}, expected one of {ROUTINGS}")
+    if routing == "layer":
+        d = 1024
+        xin = torch.randn(tokens, d, device="cuda", generator=g).bfloat16()
+        w_in = (torch.randn(d, nh * dh, device="cuda", generator=g) * 0.02).bfloat16()
+        w_r = torch.randn(nh, dh, ne, device="cuda", generator=g) * 0.02
+        bias = torch.randn(nh, ne, device="cuda", generator=g) * 1e-3
+        sub = (xin @ w_in).reshape(tokens, nh, dh)
+        idx = (torch.einsum("nhd,hde->nhe", sub.float(), w_r) + bias).topk(k, dim=-1).indices
+        x = sub.reshape(tokens * nh, dh).contiguous()
+    else:
+        x = torch.randn(tokens * nh, dh, device="cuda", generator=g).bfloat16()
+        idx = None
     dy = torch.randn(tokens * nh, dh, device="cuda", generator=g).bfloat16()
     gates = torch.rand(tokens * nh * k, device="cuda", generator=g)
-    idx = torch.rand(tokens, nh, ne, device="cuda", generator=g).topk(k, dim=-1).indices
+    if idx is None:
+        idx = torch.rand(tokens, nh, ne, device="cuda", generator=g).topk(k, dim=-1).indices
     return x, dy, gates, pack_torch(idx, ne, pack_block)
 
 
