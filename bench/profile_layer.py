@@ -82,7 +82,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 81920])
     ap.add_argument("--configs", nargs="+", default=["384/4/256"])
-    ap.add_argument("--variants", nargs="+", default=["default"],
+    from mhl_jax.ops.experts_triton import VARIANTS
+
+    ap.add_argument("--variants", nargs="+", default=["default"], choices=VARIANTS,
                     help="expert configs (mhl_jax.ops.experts_triton.VARIANTS; default = the binding's default)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", nargs=3, default=None, metavar=("TOKENS", "CONFIG", "VARIANT"))

@@ -361,9 +361,10 @@ class ExpertsConfig:
     # binding runs on a Hopper GPU in bf16 and the shape is `gluon_experts.dw_ws_supported`; elsewhere `dw`
     # (`experts_triton.use_dw_gluon`)
     dw_ws: bool = False
-    # the fused de = 128 backward (dw.block_e == de) as the warp-specialised Gluon kernel where the JAX binding runs
-    # on a Hopper GPU in bf16 and the shape is `gluon_experts.bwd_ws_supported`; elsewhere the fused Triton kernel
-    # (`experts_triton.use_bwd_gluon`)
+    # the whole backward (dX rows, gate and weight gradients) as the warp-specialised Gluon kernel where the JAX
+    # binding runs on a Hopper GPU in bf16, the kernels make the gate gradients (unpacked rows) and the shape is
+    # `gluon_experts.bwd_ws_supported`: in place of the fused Triton kernel at de = 128, of the split backward at de
+    # = 256 (partial dX rows per 128 de, summed by the binding); elsewhere the Triton kernels (`use_bwd_gluon`)
     bwd_ws: bool = False
 
     def check(self, dh: int, de: int) -> None:

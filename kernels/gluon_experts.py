@@ -23,20 +23,22 @@ Measured on H100 (bench/gluon_kernels.py, kernel alone, 81920 tokens): 0.88 vs 1
 `ws_supported`. Parameters in jax-triton's binding order (inputs, the output, constexprs).
 
 `gluon_expert_dw_ws_kernel`: the weight gradients of `expert_dwt_kernel` (without fused dX) in the same structure:
-persistent over (group, 128 de) tiles, two consumer warp groups each holding both gradients of 64 de (128 fp32
-accumulator registers: the consumers run at setmaxnreg 232 / 240, which ptxas honours per partition), 32-row
-blocks of gathered X / dy rows (and their gates) through a cp.async ring, the next tile's weights in a second
-buffer. H100, kernel alone: 0.50 vs 0.70 ms (8192 tokens, Ne 384, de 256), 0.95 vs 1.19 (Ne 768, packing block 32),
-1.97 vs 2.05 at 81920 tokens; the split backward takes it at packing blocks <= 64 (`kernels.experts.default_config`;
-at 128 the layer measured it slower). Supported shapes:
+persistent over (group, 128 de) tiles taken from a static schedule (`deal_schedule`: head by head, each head's
+groups largest first, dealt so that every program gets about the same rows), two consumer warp groups each holding
+both gradients of 64 de (128 fp32 accumulator registers: the consumers run at setmaxnreg 232 / 240, which ptxas
+honours per partition), 32-row blocks of gathered X / dy rows (and their gates) through a cp.async ring, the next
+tile's weights in a second buffer. H100, kernel alone: 0.50 vs 0.70 ms (8192 tokens, Ne 384, de 256), 0.95 vs 1.19
+(Ne 768, packing block 32), 1.97 vs 2.05 at 81920 tokens; the split backward takes it at packing blocks <= 64 where
+the Gluon backward is off (`kernels.experts.default_config`; at 128 the layer measured it slower). Supported shapes:
 `dw_ws_supported`.
 
 `gluon_expert_bwd_ws_kernel`: the whole backward (dW1, dW2, dX rows, gate gradients; `expert_dwt_kernel` with
 FUSE_DX and DGATES at de = 128) in the dW kernel's structure: the two consumers exchange their dH^T halves through
 shared memory and each makes 64 dh columns of every block's dX rows (`_dw_consumer`, FUSE). At de > 128 each
-128-de tile writes a partial dX row / gate gradient (the caller sums them). H100, kernel alone: 3.44 vs 4.00 ms
-(81920 tokens, Ne 768, de 128, k 8; the fused Triton kernel), 0.71 vs 1.03 at 8192 tokens. Supported shapes:
-`bwd_ws_supported`.
+128-de tile writes a partial dX row / gate gradient (the caller sums them). The default backward at de 128 and 256
+(`kernels.experts.default_config`). H100, kernel alone on the layer's routing (`bench/gluon_kernels.py --routing
+layer`, 81920 tokens): 3.62 vs 4.09 ms (Ne 768, de 128, k 8; the fused Triton kernel), 3.81 vs 3.93 (Ne 384, de 256,
+k 4; the split Triton backward). Supported shapes: `bwd_ws_supported`.
 """
 
 from __future__ import annotations
@@ -537,7 +539,7 @@ def gluon_expert_dw_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
     w2_ptr,  # inputs
     dw1_ptr, dw2_ptr,  # outputs (G, DH, DE), (G, DE, DH)
-    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
+    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
@@ -570,7 +572,7 @@ def gluon_expert_bwd_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
     w2_ptr,  # inputs
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
-    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, PACK_BLOCK: gl.constexpr,
+    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
@@ -620,22 +622,22 @@ def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
     return dw_ws_supported(dh, de, pack_block)
 
 
-def bwd_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = BWD_WS_STAGES,
+def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_WS_STAGES,
                       wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = BWD_WS_REGS) -> dict:
     """The fused backward's constexpr arguments (torch and JAX launchers alike): the dW kernel's (`dw_ws_constexprs`,
     32-row blocks) at the backward's defaults; raises on unsupported shapes."""
-    return dw_ws_constexprs(k, dh, de, num_groups, pack_block, stages, wbuf, regs, kernel="fused expert backward")
+    return dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs, kernel="fused expert backward")
 
 
 def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
-                         dw_dtype=None, out=None, heads: int = 1, deal: bool = True, **options):
+                         dw_dtype=None, out=None, *, heads: int, deal: bool = True, **options):
     """Torch launcher (CUDA, Hopper) of the fused backward: as `gluon_experts_dw_ws`, plus dX rows (P, de / 128, dh)
     in x.dtype and each packed row's gate gradient (P, de / 128) fp32, one partial per 128 de (sum them; rows of
     blocks made only of padding unwritten): -> (dW1, dW2, dX, dgate), or written into `out` (the same four)."""
     import torch
 
     p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
-    consts = bwd_ws_constexprs(k, dh, de, g_count, pack_block, **options)
+    consts = bwd_ws_constexprs(k, dh, de, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32
     out = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(w2.shape, dtype=dw_dtype, device=x.device),
@@ -650,6 +652,15 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
     return out
 
 
+def check_schedule_args(num_groups: int, tiles_per_group: int, heads: int, programs: int) -> None:
+    """Raise a ValueError naming the values unless the groups split into `heads` equal heads and 1 <= programs <=
+    num_groups * tiles_per_group (the launch grid a schedule is dealt for)."""
+    if heads < 1 or num_groups % heads or not 1 <= programs <= num_groups * tiles_per_group:
+        raise ValueError(f"tile schedule: {num_groups} groups, heads={heads}, programs={programs}, tiles_per_group="
+                         f"{tiles_per_group}; expected the groups to split into equal heads and 1 <= programs <= "
+                         f"{num_groups * tiles_per_group} (the tiles)")
+
+
 def deal_schedule(num_tiles: int, heads: int, programs: int, deal: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """The persistent dW / backward kernels' static schedule. The tiles come in head-major order, each head's sorted by
     size, largest first (`tile_schedule`); position j of that sequence goes to one program. Within a head the positions
@@ -662,8 +673,9 @@ def deal_schedule(num_tiles: int, heads: int, programs: int, deal: bool = True) 
     dealt like this 1356 (and 1360 dealt over all heads at once, which took the gathers out of L2: slower alone).
     -> (perm, starts): program p takes positions perm[starts[p]:starts[p + 1]], in order. deal=False: position j
     to program j % programs (strided in the given order: comparisons)."""
-    if num_tiles % heads:
-        raise ValueError(f"deal_schedule: {num_tiles} tiles do not split into {heads} heads")
+    if heads < 1 or num_tiles % heads or programs < 1:
+        raise ValueError(f"deal_schedule: {num_tiles} tiles, heads={heads}, programs={programs}; expected the tiles to "
+                         "split into equal heads and at least one program")
     j = np.arange(num_tiles)
     h, jh = j // (num_tiles // heads), j % (num_tiles // heads)
     r, i = jh // programs, jh % programs
@@ -689,6 +701,7 @@ def tile_schedule_torch(group_nblocks, tiles_per_group: int, heads: int, program
     programs (comparisons)."""
     import torch
 
+    check_schedule_args(group_nblocks.shape[0], tiles_per_group, heads, programs)
     nb = group_nblocks.long().reshape(heads, -1)
     go = torch.argsort(-nb, dim=1, stable=True) if deal else torch.arange(nb.shape[1], device=nb.device).expand_as(nb)
     go = go + torch.arange(heads, device=nb.device)[:, None] * nb.shape[1]
@@ -702,7 +715,7 @@ def dw_ws_supported(dh: int, de: int, pack_block: int) -> bool:
     return dh == 128 and de % 128 == 0 and pack_block >= DW_WS_BLOCK_M
 
 
-def dw_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int, stages: int = DW_WS_STAGES,
+def dw_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = DW_WS_STAGES,
                      wbuf: int = DW_WS_WBUF, regs: tuple[int, int] = DW_WS_REGS, block_m: int = DW_WS_BLOCK_M,
                      kernel: str = "expert dW") -> dict:
     """The dW kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes, naming
@@ -711,19 +724,19 @@ def dw_ws_constexprs(k: int, dh: int, de: int, num_groups: int, pack_block: int,
         raise ValueError(f"warp-specialised {kernel}: dh={dh}, de={de}, pack_block={pack_block}, block_m={block_m}; "
                          f"expected dh 128, de a multiple of 128 and packing blocks of at least {DW_WS_BLOCK_M} rows, "
                          "a multiple of block_m")
-    return dict(K=k, DH=dh, DE=de, G=num_groups, PACK_BLOCK=pack_block, BLOCK_M=block_m, NST=stages, WB=wbuf,
+    return dict(K=k, DH=dh, DE=de, PACK_BLOCK=pack_block, BLOCK_M=block_m, NST=stages, WB=wbuf,
                 FAST_TANH=True, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
 
 
 def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
-                        dw_dtype=None, out=None, heads: int = 1, deal: bool = True, **options):
+                        dw_dtype=None, out=None, *, heads: int, deal: bool = True, **options):
     """Torch launcher (CUDA, Hopper): x, dy (S, dh) rows as stored, gates (S * k,) fp32, pk a
     `kernels.torch_experts.TorchPacking`, w1 (G, dh, de), w2 (G, de, dh) -> (dW1, dW2) in dw_dtype (fp32), or
     written into `out` = (dW1, dW2) if given; options: `dw_ws_constexprs`' stages / wbuf / regs / block_m (probes)."""
     import torch
 
     (_, dh), (g_count, _, de) = x.shape, w1.shape
-    consts = dw_ws_constexprs(k, dh, de, g_count, pack_block, **options)
+    consts = dw_ws_constexprs(k, dh, de, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32
     dw1, dw2 = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                        torch.empty(w2.shape, dtype=dw_dtype, device=x.device))

@@ -404,11 +404,23 @@ def test_tile_schedule_deals_largest_groups_evenly_head_by_head():
     for t, h, p in [(6144, 8, 132), (12, 1, 4), (8, 2, 4), (3, 1, 5), (132, 4, 132), (300, 3, 132)]:
         perm, starts = deal_schedule(t, h, p)
         assert sorted(perm.tolist()) == list(range(t)) and starts[0] == 0 and starts[-1] == t and len(starts) == p + 1
-    with pytest.raises(ValueError, match="10 tiles do not split into 3 heads"):
-        deal_schedule(10, 3, 4)
+    for bad in [(10, 3, 4), (12, 0, 4), (12, 2, 0)]:
+        with pytest.raises(ValueError, match=f"{bad[0]} tiles, heads={bad[1]}, programs={bad[2]}"):
+            deal_schedule(*bad)
+    # exact small deals: rounds of alternating direction, each head's first program rotated by programs / heads
+    for (t, h, p), want in {(12, 1, 4): [[0, 7, 8], [1, 6, 9], [2, 5, 10], [3, 4, 11]],
+                            (16, 2, 4): [[0, 7, 10, 13], [1, 6, 11, 12], [2, 5, 8, 15], [3, 4, 9, 14]]}.items():
+        perm, starts = deal_schedule(t, h, p)
+        assert [perm[starts[q]:starts[q + 1]].tolist() for q in range(p)] == want, (t, h, p)
+    perm, starts = deal_schedule(12, 2, 4, deal=False)  # the comparisons' strided order
+    assert [perm[starts[q]:starts[q + 1]].tolist() for q in range(4)] == [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]
+    with pytest.raises(ValueError, match="12 groups, heads=5, programs=4"):
+        tile_schedule(jnp.zeros(12, jnp.int32), 1, 5, 4)
+    with pytest.raises(ValueError, match="12 groups, heads=2, programs=25"):
+        tile_schedule_torch(torch.zeros(12, dtype=torch.int32), 2, 2, 25)
     rng = np.random.default_rng(0)
     heads, ne = 8, 384
-    nblocks = np.minimum(rng.lognormal(2.0, 0.6, heads * ne).astype(np.int32), 80)
+    nblocks = rng.lognormal(2.0, 0.6, heads * ne).astype(np.int32)
     nblocks[::97] = 0  # empty groups: last in their head
     for nt, programs in [(2, 132), (1, 132), (2, 7)]:
         sched = tile_schedule(jnp.asarray(nblocks), nt, heads, programs)
@@ -427,13 +439,51 @@ def test_tile_schedule_deals_largest_groups_evenly_head_by_head():
                 assert (np.diff(nblocks[group[head == hh]]) <= 0).all(), (q, hh)
             loads[q] = nblocks[group].sum()
         strided = np.bincount(np.arange(tiles.size) % programs, weights=np.repeat(nblocks, nt), minlength=programs)
-        assert loads.max() <= loads.mean() + 2 * nblocks.max() and loads.max() < strided.max(), (nt, programs)
+        assert loads.max() - loads.mean() <= nblocks.max() and loads.max() < strided.max(), (nt, programs)
+
+
+def test_binding_schedule_matches_launch_grid(monkeypatch):
+    """The JAX binding deals the dW / backward kernels' tiles for exactly the programs it launches: with the Gluon call
+    replaced by a recorder (no GPU here) and 132, 5 or 1000 SMs, the schedule argument has programs + 1 offsets that
+    count from its start, the last one its length, and every (group, 128 de) tile once."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.ops.experts_triton as et
+    from mhl_jax.ops import gluon_bridge
+    from mhl_jax.ops.experts_triton import variant_config
+
+    n, h, dh, de, ne, k = 64, 2, 128, 256, 8, 2
+    cfg = variant_config("t", n * h * k, h * ne, dh, de)
+    idx = jnp.argsort(jax.random.uniform(jax.random.key(0), (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
+    _, meta = et.packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, "emulate", None, "test")
+    st = et.Static(cfg, k, "triton", "float32")
+    xs = jnp.zeros((n * h, dh), jnp.bfloat16)
+    gates = jnp.zeros((n * h * k,), jnp.float32)
+    w1, w2 = jnp.zeros((h * ne, dh, de), jnp.bfloat16), jnp.zeros((h * ne, de, dh), jnp.bfloat16)
+    calls = []
+
+    def record(*args, kernel, out_shape, programs, **constexprs):
+        calls.append((np.asarray(args[6]), programs))
+        return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+    monkeypatch.setattr(gluon_bridge, "gluon_call", record)
+    tiles = h * ne * (de // 128)
+    for sms in (132, 5, 1000):
+        monkeypatch.setattr(et, "_hopper_sms", lambda sms=sms: sms)
+        et._bwd_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h)
+        et._dw_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h)
+        for sched, programs in calls[-2:]:
+            assert programs == min(sms, tiles) and sched.size == programs + 1 + tiles
+            offsets = sched[:programs + 1]
+            assert offsets[0] == programs + 1 and offsets[-1] == sched.size and (np.diff(offsets) >= 0).all()
+            assert sorted(sched[programs + 1:].tolist()) == list(range(tiles))
 
 
 def test_bwd_gluon_dispatch_rule(monkeypatch):
-    """`experts_triton.use_bwd_gluon`: the fused Gluon backward runs only for cfg.bwd_ws on a fused (de = 128) backward
-    that makes the gate gradients (unpacked rows), in bf16, on a Hopper GPU, at a shape it takes; elsewhere the fused
-    Triton kernel (or the split kernels)."""
+    """`experts_triton.use_bwd_gluon`: the Gluon backward runs only for cfg.bwd_ws on a backward whose kernels make the
+    gate gradients (unpacked rows: the fused de = 128 one, the split one at de 256), in bf16, on a Hopper GPU, at a
+    shape it takes (de a multiple of 128); elsewhere the fused Triton kernel or the split kernels."""
     from dataclasses import replace
 
     import jax.numpy as jnp
@@ -460,12 +510,12 @@ def test_ws_bwd_shapes_checked():
     anything else gets a clear error naming the shape from its launch arguments."""
     from kernels.gluon_experts import bwd_ws_constexprs, bwd_ws_supported
 
-    consts = bwd_ws_constexprs(8, 128, 128, 6144, 64)
+    consts = bwd_ws_constexprs(8, 128, 128, 64)
     assert consts["BLOCK_M"] == 32 and consts["DE"] == 128 and consts["NST"] >= 2
     for dh, de, pack in ((128, 192, 64), (256, 128, 64), (128, 128, 16)):
         assert not bwd_ws_supported(dh, de, pack)
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
-            bwd_ws_constexprs(8, dh, de, 64, pack)
+            bwd_ws_constexprs(8, dh, de, pack)
 
 
 def test_ws_dw_shapes_checked_and_chosen():
@@ -477,10 +527,10 @@ def test_ws_dw_shapes_checked_and_chosen():
     from kernels.gluon_experts import dw_ws_constexprs
     from mhl_jax.ops.experts_triton import variant_config
 
-    assert dw_ws_constexprs(4, 128, 256, 3072, 64)["BLOCK_M"] == 32
+    assert dw_ws_constexprs(4, 128, 256, 64)["BLOCK_M"] == 32
     for dh, de, pack in ((128, 192, 128), (256, 256, 128), (128, 256, 16)):
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
-            dw_ws_constexprs(4, dh, de, 64, pack)
+            dw_ws_constexprs(4, dh, de, pack)
     # (tokens, Ne, k, de) -> (packing block, dw_ws, fused backward, fused backward on Gluon)
     expected = {(81920, 384, 4, 256): (128, False, False, True), (81920, 768, 8, 128): (128, False, True, True),
                 (8192, 384, 4, 256): (64, True, False, True), (8192, 768, 8, 128): (64, False, True, True),

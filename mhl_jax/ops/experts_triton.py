@@ -112,25 +112,30 @@ def _opts(dtype) -> dict:
 _hopper_sms = gluon_bridge.hopper_sms  # a module name the tests can patch
 
 
-def _gluon_call(*args, kernel, out_shape, work_items: int, **constexprs):
-    """A persistent Gluon expert kernel (kernels/gluon_experts.py): one program per SM, at most one per work item."""
-    return gluon_bridge.gluon_call(*args, kernel=kernel, out_shape=out_shape,
-                                   programs=min(_hopper_sms(), work_items), **constexprs)
+def _persistent_programs(work_items: int) -> int:
+    """Programs of a persistent Gluon expert kernel: one per SM, at most one per work item (the launch grid, and the
+    program count a dW / backward schedule is dealt for: `tile_schedule`)."""
+    return min(_hopper_sms(), work_items)
 
 
-def tile_schedule(group_nblocks, tiles_per_group: int, heads: int, programs: int | None = None):
+def _gluon_call(*args, kernel, out_shape, programs: int, **constexprs):
+    """A persistent Gluon expert kernel (kernels/gluon_experts.py) on `programs` programs (`_persistent_programs`)."""
+    return gluon_bridge.gluon_call(*args, kernel=kernel, out_shape=out_shape, programs=programs, **constexprs)
+
+
+def tile_schedule(group_nblocks, tiles_per_group: int, heads: int, programs: int):
     """The schedule array the persistent dW / backward kernels read: (programs + 1 + G * tiles_per_group,) int32,
     each program's offsets (counted from the array's start: program p's tiles are sched[sched[p]:sched[p + 1]]), then
-    the (group, 128 de) tiles program by program (`kernels.gluon_experts.deal_schedule`:
-    head-major, each head's groups largest first, dealt so that the programs' rows even out); `programs` default: one
-    per SM. `tile_schedule_torch` is the same for the torch launchers."""
-    from kernels.gluon_experts import deal_schedule
+    the (group, 128 de) tiles program by program (`kernels.gluon_experts.deal_schedule`: head-major, each head's groups
+    largest first, dealt so that the programs' rows even out). `programs` must be the launch grid (1 to G *
+    tiles_per_group). `tile_schedule_torch` is the same for the torch launchers."""
+    from kernels.gluon_experts import check_schedule_args, deal_schedule
 
+    check_schedule_args(group_nblocks.shape[0], tiles_per_group, heads, programs)
     nb = group_nblocks.reshape(heads, -1)
     go = jnp.argsort(-nb, axis=1, stable=True).astype(jnp.int32) + \
         (jnp.arange(heads, dtype=jnp.int32) * nb.shape[1])[:, None]
     tiles = (go.reshape(-1, 1) * tiles_per_group + jnp.arange(tiles_per_group, dtype=jnp.int32)).reshape(-1)
-    programs = min(programs or _hopper_sms(), tiles.shape[0])
     perm, starts = deal_schedule(tiles.shape[0], heads, programs)
     return jnp.concatenate([jnp.asarray(starts + programs + 1, jnp.int32), tiles[perm]])
 
@@ -143,7 +148,7 @@ def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2):
     nb = p // st.cfg.pack_block
     return _gluon_call(xs, meta.row_slot, meta.block_group, meta.group_block_start, meta.group_nblocks, w1, w2,
                        kernel=gluon_expert_fwd_ws_kernel, out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype),
-                       work_items=nb, **ws_constexprs(st.k, dh, de, g, nb, st.cfg.pack_block))
+                       programs=_persistent_programs(nb), **ws_constexprs(st.k, dh, de, g, nb, st.cfg.pack_block))
 
 
 def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
@@ -181,11 +186,13 @@ def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: i
     from kernels.gluon_experts import dw_ws_constexprs, gluon_expert_dw_ws_kernel
 
     (_, dh), (g, _, de) = xs.shape, w1.shape
+    programs = _persistent_programs(g * (de // 128))
     return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
-                       tile_schedule(meta.group_nblocks, de // 128, heads), w1, w2, kernel=gluon_expert_dw_ws_kernel,
+                       tile_schedule(meta.group_nblocks, de // 128, heads, programs), w1, w2,
+                       kernel=gluon_expert_dw_ws_kernel,
                        out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype),
                                   jax.ShapeDtypeStruct((g, de, dh), dw_dtype)],
-                       work_items=g * (de // 128), **dw_ws_constexprs(st.k, dh, de, g, st.cfg.pack_block))
+                       programs=programs, **dw_ws_constexprs(st.k, dh, de, st.cfg.pack_block))
 
 
 def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
@@ -204,17 +211,18 @@ def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: 
     from kernels.gluon_experts import bwd_ws_constexprs, gluon_expert_bwd_ws_kernel
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
+    programs = _persistent_programs(g * (de // 128))
     dw1, dw2, dx, dgate = _gluon_call(
         xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
-        tile_schedule(meta.group_nblocks, de // 128, heads), w1, w2, kernel=gluon_expert_bwd_ws_kernel,
+        tile_schedule(meta.group_nblocks, de // 128, heads, programs), w1, w2, kernel=gluon_expert_bwd_ws_kernel,
         out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
                    jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype),
                    jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
-        work_items=g * (de // 128), **bwd_ws_constexprs(st.k, dh, de, g, st.cfg.pack_block))
+        programs=programs, **bwd_ws_constexprs(st.k, dh, de, st.cfg.pack_block))
     return dx.reshape(p, de // 128, dh), dw1, dw2, dgate
 
 
-def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int = 1):
+def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
     """dX rows, dW1, dW2 and (when `dgates_in_kernels`) each packed row's gate gradient (P,) fp32, made by the
     dX kernel or, with dX fused, by the dW kernel."""
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
@@ -276,7 +284,7 @@ def _fwd_emulate(st: Static, xs, meta: Meta, w1, w2):
     return _rows_fn(st, meta, xs, w1, w2)
 
 
-def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int = 1):
+def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
     rows, do = packed_bwd_rows(st, xs, dys, gates, meta)
     from mhl_jax.ops.experts import expert_rows_reference
 
