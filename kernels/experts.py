@@ -396,9 +396,10 @@ FUSED_BWD_MIN_PACK = 32
 # (768/4/256): not taken there.
 DW_WS_MAX_PACK = 64
 # largest de where the Gluon backward (one partial dX row per 128 de) replaces the split one: measured at 256 only
-# (H100 2026-11-24, eighth session, with its tiles dealt longest-first: layer 8.77 vs 8.98 ms at 81920 tokens
-# 384/4/256, 10.44 vs 10.60 at 768/4/256; results/layer-h100-2026-11-24-s8-deal.jsonl); before the dealing it lost at
-# packing block 128 (9.24 vs 9.01: the layer's uneven groups left its busiest program 16% above the mean)
+# (H100 2026-11-24, eighth session, its tiles dealt head by head, against variant triton_fused_bwd in one process:
+# layer 8.85 vs 8.96 ms at 81920 tokens 384/4/256, 10.48 vs 10.64 at 768/4/256, 2.00 vs 2.09 and 3.32 vs 3.57 at 8192
+# tokens; results/layer-h100-2026-11-24-s8-review.jsonl); before the dealing it lost at packing block 128 (9.24 vs
+# 9.01: the layer's uneven groups left its busiest program 16% above the mean)
 BWD_WS_WIDE_MAX_DE = 256
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
