@@ -636,20 +636,30 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
     blocks made only of padding unwritten): -> (dW1, dW2, dX, dgate), or written into `out` (the same four)."""
     import torch
 
-    p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
+    p, (_, dh), (_, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
     consts = bwd_ws_constexprs(k, dh, de, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32
     out = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(w2.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(p, de // 128, dh, dtype=x.dtype, device=x.device),
                   torch.empty(p, de // 128, dtype=torch.float32, device=x.device))
-    programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
-    programs = min(programs, g_count * (de // 128))
-    order = tile_schedule_torch(pk.group_nblocks, de // 128, heads, programs, deal)
-    gluon_expert_bwd_ws_kernel[(programs,)](
-        x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start, pk.group_nblocks,
-        order, w1.contiguous(), w2.contiguous(), *out, num_warps=4, maxnreg=WS_MAXNREG, **consts)
+    _launch_tiled(gluon_expert_bwd_ws_kernel, x, dy, gates, pk, w1, w2, out, consts, programs, heads, deal)
     return out
+
+
+def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs: int | None, heads: int,
+                  deal: bool) -> None:
+    """Launch a persistent dW / backward kernel from torch: one program per SM (or `programs`), at most one per
+    (group, 128 de) tile, with `tile_schedule_torch`'s schedule for exactly that many programs."""
+    import torch
+
+    tiles_per_group = w1.shape[2] // 128
+    programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count,
+                   w1.shape[0] * tiles_per_group)
+    sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal)
+    kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start,
+                        pk.group_nblocks, sched, w1.contiguous(), w2.contiguous(), *outs, num_warps=4,
+                        maxnreg=WS_MAXNREG, **consts)
 
 
 def check_schedule_args(num_groups: int, tiles_per_group: int, heads: int, programs: int) -> None:
@@ -735,15 +745,10 @@ def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, progr
     written into `out` = (dW1, dW2) if given; options: `dw_ws_constexprs`' stages / wbuf / regs / block_m (probes)."""
     import torch
 
-    (_, dh), (g_count, _, de) = x.shape, w1.shape
+    (_, dh), (_, _, de) = x.shape, w1.shape
     consts = dw_ws_constexprs(k, dh, de, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32
     dw1, dw2 = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                        torch.empty(w2.shape, dtype=dw_dtype, device=x.device))
-    programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
-    programs = min(programs, g_count * (de // 128))
-    order = tile_schedule_torch(pk.group_nblocks, de // 128, heads, programs, deal)
-    gluon_expert_dw_ws_kernel[(programs,)](
-        x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start, pk.group_nblocks,
-        order, w1.contiguous(), w2.contiguous(), dw1, dw2, num_warps=4, maxnreg=WS_MAXNREG, **consts)
+    _launch_tiled(gluon_expert_dw_ws_kernel, x, dy, gates, pk, w1, w2, (dw1, dw2), consts, programs, heads, deal)
     return dw1, dw2

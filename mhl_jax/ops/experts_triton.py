@@ -186,13 +186,19 @@ def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: i
     from kernels.gluon_experts import dw_ws_constexprs, gluon_expert_dw_ws_kernel
 
     (_, dh), (g, _, de) = xs.shape, w1.shape
-    programs = _persistent_programs(g * (de // 128))
+    return _tiled_call(gluon_expert_dw_ws_kernel, xs, dys, gates, meta, w1, w2, heads,
+                       [jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype)],
+                       dw_ws_constexprs(st.k, dh, de, st.cfg.pack_block))
+
+
+def _tiled_call(kernel, xs, dys, gates, meta: Meta, w1, w2, heads: int, out_shape, constexprs: dict):
+    """A persistent dW / backward Gluon kernel over (group, 128 de) tiles: the launch grid (`_persistent_programs`)
+    and the schedule dealt for exactly that many programs (`tile_schedule`)."""
+    tiles_per_group = w1.shape[2] // 128
+    programs = _persistent_programs(w1.shape[0] * tiles_per_group)
     return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
-                       tile_schedule(meta.group_nblocks, de // 128, heads, programs), w1, w2,
-                       kernel=gluon_expert_dw_ws_kernel,
-                       out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype),
-                                  jax.ShapeDtypeStruct((g, de, dh), dw_dtype)],
-                       programs=programs, **dw_ws_constexprs(st.k, dh, de, st.cfg.pack_block))
+                       tile_schedule(meta.group_nblocks, tiles_per_group, heads, programs), w1, w2, kernel=kernel,
+                       out_shape=out_shape, programs=programs, **constexprs)
 
 
 def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
@@ -211,14 +217,11 @@ def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: 
     from kernels.gluon_experts import bwd_ws_constexprs, gluon_expert_bwd_ws_kernel
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
-    programs = _persistent_programs(g * (de // 128))
-    dw1, dw2, dx, dgate = _gluon_call(
-        xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
-        tile_schedule(meta.group_nblocks, de // 128, heads, programs), w1, w2, kernel=gluon_expert_bwd_ws_kernel,
-        out_shape=[jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
-                   jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype),
-                   jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
-        programs=programs, **bwd_ws_constexprs(st.k, dh, de, st.cfg.pack_block))
+    dw1, dw2, dx, dgate = _tiled_call(
+        gluon_expert_bwd_ws_kernel, xs, dys, gates, meta, w1, w2, heads,
+        [jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
+         jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype), jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
+        bwd_ws_constexprs(st.k, dh, de, st.cfg.pack_block))
     return dx.reshape(p, de // 128, dh), dw1, dw2, dgate
 
 
