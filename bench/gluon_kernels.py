@@ -29,6 +29,8 @@ import os
 import sys
 from dataclasses import replace
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -37,9 +39,10 @@ from bench.timing import emit  # noqa: E402
 
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
 KINDS = ("fwd", "dw", "dw_options", "bwd", "router")
-# `gluon_experts_bwd_ws` launch options (wbuf, stages, (worker consumer regs, producer regs), dealt schedule (False:
-# tiles strided in group order)); the first is the default
-BWD_OPTIONS = [(2, 3, (232, 40), True), (2, 3, (232, 40), False)]
+# `gluon_experts_bwd_ws` launch options (`bwd_ws_constexprs`' / `bwd_xw_constexprs`' options, deal=False: tiles
+# strided in group order, xw: the dX warp group); the first is the default
+BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, regs=(208, 24, 64)), dict(xw=True, regs=(224, 24, 48)),
+               dict(xw=True, hb=3)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
@@ -156,9 +159,11 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
 
     fused = cfg.dw.block_e == de
     kernels = {"triton_fused" if fused else "split_default": (5, triton_fused if fused else triton_split)}
-    for wb, st, r, deal in BWD_OPTIONS:
-        kernels[f"gluon_bwd_ws_wb{wb}_st{st}_r{r[0]}_{r[1]}" + ("" if deal else "_strided")] = (5, (
-            lambda s, o=dict(wbuf=wb, stages=st, regs=r, deal=deal): gluon_experts_bwd_ws(
+    for opts in BWD_OPTIONS:
+        name = "gluon_bwd_ws" + "".join(f"_{o}" + ("" if v is True else "_".join(map(str, np.ravel(v))))
+                                        for o, v in opts.items())
+        kernels[name] = (5, (
+            lambda s, o=opts: gluon_experts_bwd_ws(
                 s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, heads=nh, **o)))
     valid = sets[0][3].row_slot >= 0
 

@@ -103,6 +103,9 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
     elif kind == "bwd_ws":  # the fused backward (de 128)
         fn, consts = ge.gluon_expert_bwd_ws_kernel, ge.bwd_ws_constexprs(k, dh, de, pack_block)
         tile = [ge.DW_WS_BLOCK_M, 128, 12, ge.BWD_WS_STAGES]
+    elif kind == "bwd_xw":  # the fused backward with the dX warp group
+        fn, consts = ge.gluon_expert_bwd_xw_kernel, ge.bwd_xw_constexprs(k, dh, de, pack_block)
+        tile = [ge.DW_WS_BLOCK_M, 128, 16, ge.BWD_XW_STAGES]
     elif kind == "router_ws":  # the router forward at 81920 tokens x 8 heads, Ne = de, bf16x3
         import kernels.gluon_router as gr
 
@@ -111,8 +114,8 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
         tile = [64 * consts["NC"], 64, 4 * (consts["NC"] + 1), consts["NST"]]
         pointer = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32"}
     else:
-        raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws, dw_ws, bwd_ws or "
-                         "router_ws")
+        raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws, dw_ws, bwd_ws, "
+                         "bwd_xw or router_ws")
     signature, attrs = _signature(fn, consts, pointer if kind == "router_ws" else POINTER_TYPES)
     c = compile_gluon(fn, signature, consts, attrs, num_warps=4)
     rec = _ptxas_report(fn, c["ptx"], c["ttgir"], int(c["shared"]))

@@ -402,7 +402,7 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
 @gluon.jit
 def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-                 C: gl.constexpr, FUSE: gl.constexpr):
+                 C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2):
     """Consumer C (one warp group): de rows [e0 + 64 C, + 64) of every tile, both gradients. Per row block,
     transposed as in `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
         H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
@@ -418,7 +418,12 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     memory; dW1's product also takes its A operand dH_c^T from there), and consumer 0 adds the two consumers' halves
     of <gelu(H) row, dA' row> (both through shared memory): the gate gradient of every row, in a fixed order. The
     block's products all retire before the next block (deferring the dX half by one block measured slower, 2026-11-24).
-    The gates of each block come from shared memory (`g_smem`, gathered by the producer)."""
+    The gates of each block come from shared memory (`g_smem`, gathered by the producer).
+
+    XW (`gluon_expert_bwd_xw_kernel`, not with FUSE): FUSE's order without the dX products: each block's products
+    retire at the next block's first wait, and the block's dH_c^T and this consumer's half of the gate gradient go
+    to an HB-deep ring in shared memory (`f`'s h_ready / h_empty) for the dX warp group (`_dx_worker`), which makes
+    the dX rows and gate gradients off the consumers' chain."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
@@ -459,8 +464,12 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
             ds = dy_smem.index(s)
             ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if FUSE:  # the block before retired at its end; H^T and dA'^T together (the gate gradient takes both)
+            if FUSE or XW:  # H^T and dA'^T together (the gate gradient takes both)
+                # FUSE: the block before retired at its end; XW: this also retires its products (they ran before
+                # these two on the tensor cores anyway), so its stage is free
                 ht, dat = warpgroup_mma_wait(num_outstanding=0, deps=(ht, dat))
+                if XW and i > 0:
+                    mbarrier.arrive(d_empty.index((q - 1) % NST))
                 act, dgelu = _gelu_and_grad(ht, FAST_TANH)
                 # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's), first:
                 # the activation's registers are free once its A operand is made
@@ -503,8 +512,19 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 dx_cols = (e0 // 128) * DH + 64 * C + xc  # this tile's partial, this consumer's dh half
                 gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + dx_cols[None, :], dxv)
             else:
-                op1 = gl.convert_layout(dht, a_layout)
-                acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
+                if XW:  # dH_c^T and the gate gradient's half to the dX warp group
+                    hb = q % HB
+                    mbarrier.wait(h_empty.index(hb), ((q // HB) & 1) ^ 1)
+                    dh_smem.index(hb * 2 + C).store(dht)
+                    dg_smem.index(hb * 2 + C).store(dg)
+                    fence_async_shared()  # the generic writes before the wgmma reads (the arrive syncs the warp group)
+                    mbarrier.arrive(h_ready.index(hb))
+                    # dH_c^T from shared memory: no A operand registers in flight (the slot is written again HB >= 2
+                    # blocks later, after the next block's first wait retired this product)
+                    acc1 = warpgroup_mma(dh_smem.index(hb * 2 + C), xs, acc1, is_async=True)
+                else:
+                    op1 = gl.convert_layout(dht, a_layout)
+                    acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
             q += 1
         acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
         if not FUSE and nsub > 0:
@@ -519,7 +539,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
 
 @gluon.jit
 def _dw_buffers(cdt: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M: gl.constexpr, DH: gl.constexpr,
-                NW: gl.constexpr):
+                NW: gl.constexpr, W_USERS: gl.constexpr = 2):
     """Shared memory of the dW / backward kernels: an NST-stage ring of gathered X / dy rows and their gates, WB
     buffers of a tile's W1 columns / W2 rows (two 64-de halves each), and their (ready, empty) mbarriers."""
     x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
@@ -530,7 +550,7 @@ def _dw_buffers(cdt: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M:
     w1_smem = gl.allocate_shared_memory(cdt, [WB * 2, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
     w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
     d_ready, d_empty = _ws_barriers(NST, NW * 32)
-    w_ready, w_empty = _ws_barriers(WB, NW * 32)
+    w_ready, w_empty = _ws_barriers(WB, NW * 32, W_USERS)  # W_USERS partitions free a weight buffer
     return x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty
 
 
@@ -601,6 +621,94 @@ def gluon_expert_bwd_ws_kernel(
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+@gluon.jit
+def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
+               WB: gl.constexpr, HB: gl.constexpr):
+    """The dX warp group of `gluon_expert_bwd_xw_kernel`: per row block, once both consumers handed over their dH_c^T
+    (h_ready), the block's dX rows over the tile's 128 de, dh half D: dX^T_D = W1[64 D:, :64] dH_0^T + W1[64 D:, 64:]
+    dH_1^T (W1 from the tile's weight buffer), stored as (BLOCK_M, DH) rows of this tile's partial; and the gate
+    gradient (the consumers' two halves added in a fixed order). Frees the ring slot (h_empty) once its products
+    retired, the weight buffer (w_empty) after the tile's last block."""
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
+     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
+    (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
+    NW: gl.constexpr = gl.num_warps()
+    cdt: gl.constexpr = w1_ptr.dtype.element_ty
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, NW)
+    cl: gl.constexpr = gl.SliceLayout(0, s_layout)
+    cols = gl.arange(0, BLOCK_M, layout=cl)
+    s_zero = gl.zeros((64, BLOCK_M), gl.float32, s_layout)
+    lxs: gl.constexpr = _copy_layout(64, NW)  # the dX half's store: 16-byte vectors of 8 dh
+    xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
+    xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
+    NP: gl.constexpr = DE // 128  # the tiles' partial dX / gate gradients of a row, side by side
+    q = 0
+    n = 0
+    for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
+        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK,
+                                     BLOCK_M)
+        wb = n % WB
+        mbarrier.wait(w_ready.index(wb), (n // WB) & 1)
+        fence_async_shared()
+        for i in range(nsub):
+            hb = q % HB
+            mbarrier.wait(h_ready.index(hb), (q // HB) & 1)
+            h0 = dh_smem.index(hb * 2)
+            h1 = dh_smem.index(hb * 2 + 1)
+            d0 = warpgroup_mma(w1_smem.index(wb * 2).slice(0, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
+            d0 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(0, 64, dim=0), h1, d0, is_async=True)
+            d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
+            d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
+            rows = row0 + i * BLOCK_M
+            dg = dg_smem.index(hb * 2).load(cl) + dg_smem.index(hb * 2 + 1).load(cl)
+            gl.store(dgate_ptr + (rows + cols) * NP + e0 // 128, dg)
+            d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
+            mbarrier.arrive(h_empty.index(hb))
+            base = dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + (e0 // 128) * DH + xc[None, :]
+            gl.store(base, gl.convert_layout(gl.permute(d0.to(cdt), (1, 0)), lxs))
+            gl.store(base + 64, gl.convert_layout(gl.permute(d1.to(cdt), (1, 0)), lxs))
+            q += 1
+        mbarrier.arrive(w_empty.index(wb))
+        n += 1
+
+
+@gluon.jit
+def gluon_expert_bwd_xw_kernel(
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
+    w2_ptr,  # inputs
+    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
+    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+    BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
+):
+    """The whole expert backward as `gluon_expert_bwd_ws_kernel` computes it (same outputs, same sums in the same
+    order), with a fourth warp group for the dX rows (`_dx_worker`): the consumers run the dW kernel's pipeline and
+    hand each block's dH^T halves and gate-gradient halves over through an HB-deep ring (`_dw_consumer`, XW), so
+    neither the dX products nor the other consumer sit on a consumer's per-block chain. 16 warps: launched with
+    maxnreg 128; worker registers (CONSUMER_REGS, PRODUCER_REGS, DX_REGS), the default consumer the rest."""
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
+    gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
+    gl.static_assert(NST >= 2 and WB >= 1 and HB >= 2, "NST >= 2, WB >= 1, HB >= 2")
+    cdt: gl.constexpr = w1_ptr.dtype.element_ty
+    x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
+                                                                                                 DH, NW, 3)
+    dh_smem = gl.allocate_shared_memory(cdt, [2 * HB, 64, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], cdt))
+    dg_smem = gl.allocate_shared_memory(gl.float32, [2 * HB, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    h_ready, h_empty = _ws_barriers(HB, 2, 1)  # both consumers arrive on ready, the dX warp group on empty
+    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
+            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
+    f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
+                                        HB)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
+                                        HB)),
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0)),
+                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB))],
+                       [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
+
+
 # 32-row blocks (64-row ones need ~250 registers per consumer thread and spill), two weight buffers, six stages;
 # worker registers (240, 32): the worker consumer runs at 240, the producer at 32 and Triton gives the default
 # partition (the other consumer) the rest, 232 (H100 2026-11-24, kernel alone, bench/gluon_kernels.py --kinds
@@ -617,6 +725,12 @@ BWD_WS_STAGES, BWD_WS_WBUF, BWD_WS_REGS = 3, 2, (232, 40)
 gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
+# the fused backward with the dX warp group: 16 warps, so launched at maxnreg 128; worker registers (consumer,
+# producer, dX warp group), the default consumer gets 512 - their sum - 8
+BWD_XW_STAGES, BWD_XW_WBUF, BWD_XW_HB, BWD_XW_REGS = 3, 2, 2, (216, 24, 56)
+gluon_expert_bwd_xw_kernel.mhl_compile_options = {"maxnreg": 128}
+
+
 def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
     """Shapes of the warp-specialised fused backward: the dW kernel's (`dw_ws_supported`; same tiles and ring)."""
     return dw_ws_supported(dh, de, pack_block)
@@ -629,21 +743,31 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
     return dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs, kernel="fused expert backward")
 
 
+def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
+                      wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB) -> dict:
+    """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
+    the dH^T ring's depth."""
+    consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward")
+    return dict(consts, DX_REGS=regs[2], HB=hb)
+
+
 def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
-                         dw_dtype=None, out=None, *, heads: int, deal: bool = True, **options):
+                         dw_dtype=None, out=None, *, heads: int, deal: bool = True, xw: bool = False, **options):
     """Torch launcher (CUDA, Hopper) of the fused backward: as `gluon_experts_dw_ws`, plus dX rows (P, de / 128, dh)
     in x.dtype and each packed row's gate gradient (P, de / 128) fp32, one partial per 128 de (sum them; rows of
-    blocks made only of padding unwritten): -> (dW1, dW2, dX, dgate), or written into `out` (the same four)."""
+    blocks made only of padding unwritten): -> (dW1, dW2, dX, dgate), or written into `out` (the same four).
+    xw: `gluon_expert_bwd_xw_kernel` (the dX rows by a fourth warp group; options: `bwd_xw_constexprs`')."""
     import torch
 
     p, (_, dh), (_, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
-    consts = bwd_ws_constexprs(k, dh, de, pack_block, **options)
+    consts = (bwd_xw_constexprs if xw else bwd_ws_constexprs)(k, dh, de, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32
     out = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(w2.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(p, de // 128, dh, dtype=x.dtype, device=x.device),
                   torch.empty(p, de // 128, dtype=torch.float32, device=x.device))
-    _launch_tiled(gluon_expert_bwd_ws_kernel, x, dy, gates, pk, w1, w2, out, consts, programs, heads, deal)
+    _launch_tiled(gluon_expert_bwd_xw_kernel if xw else gluon_expert_bwd_ws_kernel, x, dy, gates, pk, w1, w2, out,
+                  consts, programs, heads, deal)
     return out
 
 
@@ -659,7 +783,7 @@ def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs
     sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal)
     kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start,
                         pk.group_nblocks, sched, w1.contiguous(), w2.contiguous(), *outs, num_warps=4,
-                        maxnreg=WS_MAXNREG, **consts)
+                        maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
 
 
 def check_schedule_args(num_groups: int, tiles_per_group: int, heads: int, programs: int) -> None:

@@ -663,13 +663,15 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
 @pytest.mark.parametrize("de", [128, 256])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 @pytest.mark.parametrize("programs", [None, 5], ids=["one_per_sm", "five"])
-def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne):
+@pytest.mark.parametrize("xw", [False, True], ids=["", "xw"])
+def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne, xw):
     """The warp-specialised fused backward (torch launcher): dW1, dW2, the dX rows and the gate gradients of every
     routed row (at de 256 the sums of the two tiles' partials) against the float64 reference (`_f64_bwd`) and against
     the Triton kernels on the same packing (the fused one at de 128, the dX and transposed dW kernels at 256; within
     bf16 rounding: the sums over de run in other orders). The outputs start NaN-poisoned: empty groups' dW must come
     out zero, padding rows of used blocks dX = 0 and gate gradient 0. Packing blocks 128, 64, 32; five programs take
-    many tiles each (the dH^T buffers and barriers shared by the two consumers go round many times)."""
+    many tiles each (the dH^T buffers and barriers shared by the two consumers go round many times). xw: the kernel
+    with the dX warp group, which computes the same products in the same order: bitwise the other kernel's outputs."""
     from dataclasses import replace
 
     from kernels.experts import Tile, default_config
@@ -687,7 +689,11 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne):
            torch.full((p, parts, dh), nan, device="cuda", dtype=torch.bfloat16),
            torch.full((p, parts), nan, device="cuda"))
     dw1, dw2, dxp, dgp = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs,
-                                              out=out, heads=h)
+                                              out=out, heads=h, xw=xw)
+    if xw:
+        base = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, heads=h)
+        for a, b in zip((dw1, dw2, dxp, dgp), base):  # where `out` was written (unwritten rows stay NaN)
+            assert torch.equal(a[~a.isnan()], b[~a.isnan()])
     ref1, ref2, rdx, rdg, g = _f64_bwd(x, dy, gates, pk, idx, w1, w2, k, h, ne)
     valid = pk.row_slot >= 0
     used = torch.arange(p, device="cuda") < int(pk.group_block_start[-1] + pk.group_nblocks[-1]) * cfg.pack_block
