@@ -170,7 +170,7 @@ def main() -> None:
     rows = []
     for spec in args.tiles:
         kind, *nums = spec.split(",")
-        if kind in ("fwd_ws", "dw_ws", "bwd_ws", "router_ws"):
+        if kind in ("fwd_ws", "dw_ws", "bwd_ws", "bwd_xw", "router_ws"):
             rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block)
         elif kind == "router":
             rec = report_router(*(int(v) for v in nums), dh=args.dh, ne=args.ne, k=args.k or 8)

@@ -366,6 +366,9 @@ class ExpertsConfig:
     # `gluon_experts.bwd_ws_supported`: in place of the fused Triton kernel at de = 128, of the split backward at de
     # = 256 (partial dX rows per 128 de, summed by the binding); elsewhere the Triton kernels (`use_bwd_gluon`)
     bwd_ws: bool = False
+    # with bwd_ws: the Gluon backward with a fourth warp group for the dX rows and gate gradients
+    # (`gluon_experts.gluon_expert_bwd_xw_kernel`, same outputs bitwise)
+    bwd_xw: bool = False
 
     def check(self, dh: int, de: int) -> None:
         for t in (self.fwd, self.dx, self.dw):
@@ -401,6 +404,12 @@ DW_WS_MAX_PACK = 64
 # tokens; results/layer-h100-2026-11-24-s8-review.jsonl); before the dealing it lost at packing block 128 (9.24 vs
 # 9.01: the layer's uneven groups left its busiest program 16% above the mean)
 BWD_WS_WIDE_MAX_DE = 256
+# fewest routed slots where the Gluon backward runs with the dX warp group (`ExpertsConfig.bwd_xw`): H100
+# 2026-11-25, layer fwd+bwd against the same kernel without it, one process (results/layer-h100-2026-11-25-xw.jsonl):
+# 81920 tokens (2.6M / 5.2M slots) 8.51 vs 8.84 ms (384/4/256), 10.83 vs 10.96 (768/8/128), 10.19 vs 10.51
+# (768/4/256), 13.58 vs 13.84 (1536/8/128); 8192 tokens (262K / 524K slots) 2.01 vs 2.02, 2.33 vs 2.32, 3.34 vs
+# 3.25, 3.81 vs 3.67: not taken there (unmeasured in between)
+BWD_XW_MIN_SLOTS = 1 << 21
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
 
@@ -427,7 +436,8 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
 
     bwd_ws: the backward as the one warp-specialised Gluon kernel where it takes the shape (`bwd_ws_supported`): at
     de = 128 in place of the fused Triton kernel, at larger de (up to BWD_WS_WIDE_MAX_DE) in place of the split
-    backward; False: the Triton kernels of the other fields (variant "triton_fused_bwd")."""
+    backward; False: the Triton kernels of the other fields (variant "triton_fused_bwd"). From BWD_XW_MIN_SLOTS
+    routed slots on, that kernel runs with its dX warp group (bwd_xw)."""
     mean = num_slots / max(num_groups, 1)
     pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
     if dh > 128:
@@ -465,7 +475,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
         # de 256) ... 1.16 vs 1.52 (Ne 768, de 128, k 8); bench/gluon_kernels.py
         return ExpertsConfig(pack, Tile(128, 32, 4, 3), dx, dw, dw_form=form, pack_impl=pack_impl,
                              fwd_ws=measured and ws_supported(dh, de, pack), dw_ws=gluon_dw,
-                             bwd_ws=gluon_bwd).fit(de)
+                             bwd_ws=gluon_bwd, bwd_xw=gluon_bwd and num_slots >= BWD_XW_MIN_SLOTS).fit(de)
     bm = pack
     return ExpertsConfig(
         pack_block=pack,
@@ -476,6 +486,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
         pack_impl=pack_impl,
         dw_ws=gluon_dw,
         bwd_ws=gluon_bwd,
+        bwd_xw=gluon_bwd and num_slots >= BWD_XW_MIN_SLOTS,
     ).fit(de)
 
 

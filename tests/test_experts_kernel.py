@@ -240,7 +240,9 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de, ne, monkeypatch):
     # the fused backward runs the Gluon kernel by default; the fused Triton one
     ("triton_fused_bwd", 128, True, 512), ("triton_fused_bwd", 128, False, 16),
     # the whole backward on the Gluon kernel at de 256 (partial dX rows per 128 de), packing blocks 128 and 64
-    ("gluon_bwd", 256, True, 16), ("gluon_bwd", 256, False, 128), ("default", 256, True, 512)])
+    ("gluon_bwd", 256, True, 16), ("gluon_bwd", 256, False, 128), ("default", 256, True, 512),
+    # the Gluon backward with the dX warp group, de 256 and 128
+    ("gluon_bwd_xw", 256, True, 16), ("gluon_bwd_xw", 128, False, 128)])
 def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne, monkeypatch):
     """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
     rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all
@@ -523,6 +525,8 @@ def test_ws_dw_shapes_checked_and_chosen():
     multiple of its 32-row blocks); anything else gets a clear error from its launch arguments. default_config
     turns it on for the split backward where it takes the shape at packing blocks <= 64 (where it was measured
     faster in the layer); de 128 keeps the fused backward; variant triton_dw: the Triton dW kernel instead."""
+    from dataclasses import replace
+
     from kernels.experts import default_config
     from kernels.gluon_experts import dw_ws_constexprs
     from mhl_jax.ops.experts_triton import variant_config
@@ -531,14 +535,24 @@ def test_ws_dw_shapes_checked_and_chosen():
     for dh, de, pack in ((128, 192, 128), (256, 256, 128), (128, 256, 16)):
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
             dw_ws_constexprs(4, dh, de, pack)
-    # (tokens, Ne, k, de) -> (packing block, dw_ws, fused backward, fused backward on Gluon)
-    expected = {(81920, 384, 4, 256): (128, False, False, True), (81920, 768, 8, 128): (128, False, True, True),
-                (8192, 384, 4, 256): (64, True, False, True), (8192, 768, 8, 128): (64, False, True, True),
-                (8192, 768, 4, 256): (32, True, False, True), (8192, 1536, 8, 128): (32, False, True, True),
-                (8192, 384, 4, 512): (64, True, False, False)}
+    # (tokens, Ne, k, de) -> (packing block, dw_ws, fused backward, fused backward on Gluon, with the dX warp group:
+    # from 2M slots on, the 81920-token rows where it was measured faster)
+    expected = {(81920, 384, 4, 256): (128, False, False, True, True),
+                (81920, 768, 8, 128): (128, False, True, True, True),
+                (81920, 384, 4, 512): (128, False, False, False, False),
+                (8192, 384, 4, 256): (64, True, False, True, False),
+                (8192, 768, 8, 128): (64, False, True, True, False),
+                (8192, 768, 4, 256): (32, True, False, True, False),
+                (8192, 1536, 8, 128): (32, False, True, True, False),
+                (8192, 384, 4, 512): (64, True, False, False, False)}
     for (tokens, ne, k, de), want in expected.items():
         cfg = default_config(tokens * 8 * k, 8 * ne, 128, de)
-        assert (cfg.pack_block, cfg.dw_ws, cfg.dw.block_e == de, cfg.bwd_ws) == want, (tokens, ne, k, de, cfg)
+        got = (cfg.pack_block, cfg.dw_ws, cfg.dw.block_e == de, cfg.bwd_ws, cfg.bwd_xw)
+        assert got == want, (tokens, ne, k, de, cfg)
+        xw = variant_config("gluon_bwd_xw", tokens * 8 * k, 8 * ne, 128, de)
+        noxw = variant_config("gluon_bwd_noxw", tokens * 8 * k, 8 * ne, 128, de)
+        assert xw.bwd_xw == cfg.bwd_ws and not noxw.bwd_xw and replace(xw, bwd_xw=False) == noxw == replace(
+            cfg, bwd_xw=False)
         old = variant_config("triton_dw", tokens * 8 * k, 8 * ne, 128, de)
         assert not old.dw_ws and old.dw == cfg.dw and old.pack_block == cfg.pack_block, old
         old = variant_config("triton_fused_bwd", tokens * 8 * k, 8 * ne, 128, de)

@@ -55,7 +55,7 @@ class Static(NamedTuple):
 # ------------------------------------------------------------------------------ variants (benchmarks)
 
 VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd", "fused_bwd16",
-            "triton_fwd", "triton_dw", "triton_fused_bwd", "gluon_bwd")
+            "triton_fwd", "triton_dw", "triton_fused_bwd", "gluon_bwd", "gluon_bwd_xw", "gluon_bwd_noxw")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -75,7 +75,8 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     2026-11-24); "triton_fused_bwd" = "default" with the Triton backward kernels where the default runs the
     warp-specialised Gluon one (the default until the seventh session of 2026-11-24); "gluon_bwd" = "default" with
     the whole backward on the warp-specialised Gluon kernel wherever it takes the shape (at de > 128 too: partial dX
-    rows per 128 de, summed by the combine)."""
+    rows per 128 de, summed by the combine); "gluon_bwd_xw" / "gluon_bwd_noxw" = "default" with / without the dX warp
+    group in the Gluon backward (`ExpertsConfig.bwd_xw`)."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name in ("split_bwd", "fused_bwd16"):
@@ -84,6 +85,9 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
         return default_config(num_slots, num_groups, dh, de, dw_ws=False)
     if name == "triton_fused_bwd":
         return default_config(num_slots, num_groups, dh, de, bwd_ws=False)
+    if name in ("gluon_bwd_xw", "gluon_bwd_noxw"):
+        cfg = default_config(num_slots, num_groups, dh, de)
+        return replace(cfg, bwd_xw=cfg.bwd_ws and name == "gluon_bwd_xw")
     if name == "gluon_bwd":
         from kernels.gluon_experts import bwd_ws_supported
 
@@ -214,14 +218,15 @@ def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
 def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
     """dX rows (P, de / 128, dh), dW1, dW2, gate gradients (P, de / 128) by the warp-specialised fused Gluon kernel
     (one partial per 128 de: the callers sum them); work items = (group, 128 de) tiles."""
-    from kernels.gluon_experts import bwd_ws_constexprs, gluon_expert_bwd_ws_kernel
+    from kernels import gluon_experts as ge
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
+    xw = st.cfg.bwd_xw  # the kernel with the dX warp group
     dw1, dw2, dx, dgate = _tiled_call(
-        gluon_expert_bwd_ws_kernel, xs, dys, gates, meta, w1, w2, heads,
+        ge.gluon_expert_bwd_xw_kernel if xw else ge.gluon_expert_bwd_ws_kernel, xs, dys, gates, meta, w1, w2, heads,
         [jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
          jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype), jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
-        bwd_ws_constexprs(st.k, dh, de, st.cfg.pack_block))
+        (ge.bwd_xw_constexprs if xw else ge.bwd_ws_constexprs)(st.k, dh, de, st.cfg.pack_block))
     return dx.reshape(p, de // 128, dh), dw1, dw2, dgate
 
 
