@@ -41,7 +41,7 @@ SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", 
 KINDS = ("fwd", "dw", "dw_options", "bwd", "router")
 # `gluon_experts_bwd_ws` launch options (`bwd_ws_constexprs`' / `bwd_xw_constexprs`' options, deal=False: tiles
 # strided in group order, xw: the dX warp group); the first is the default
-BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, pp=True), dict(xw=True, pp=True, hb=3)]
+BWD_OPTIONS = [{}, dict(xw=True)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is

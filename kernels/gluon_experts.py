@@ -423,7 +423,8 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     XW (`gluon_expert_bwd_xw_kernel`, not with FUSE): FUSE's order without the dX products: each block's products
     retire at the next block's first wait, and the block's dH_c^T and this consumer's half of the gate gradient go
     to an HB-deep ring in shared memory (`f`'s h_ready / h_empty) for the dX warp group (`_dx_worker`), which makes
-    the dX rows and gate gradients off the consumers' chain."""
+    the dX rows and gate gradients off the consumers' chain. The gate gradient's half leaves as one partial per warp
+    (its 16 de rows: no exchange between the warps; the dX warp group adds them)."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
@@ -473,7 +474,10 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 act, dgelu = _gelu_and_grad(ht, FAST_TANH)
                 # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's), first:
                 # the activation's registers are free once its A operand is made
-                dg = gl.sum(act.to(cdt).to(gl.float32) * dat, axis=0)
+                if XW:  # per warp (16 de each): the dX warp group adds the eight partials
+                    dg = gl.sum(gl.reshape(act.to(cdt).to(gl.float32) * dat, (NW, 64 // NW, BLOCK_M)), axis=1)
+                else:
+                    dg = gl.sum(act.to(cdt).to(gl.float32) * dat, axis=0)
                 op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
                 acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
             else:  # retires the previous block's accumulating products (its stage is then free) and H^T
@@ -627,21 +631,21 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
     """The dX warp group of `gluon_expert_bwd_xw_kernel`: per row block, once both consumers handed over their dH_c^T
     (h_ready), the block's dX rows over the tile's 128 de, dh half D: dX^T_D = W1[64 D:, :64] dH_0^T + W1[64 D:, 64:]
     dH_1^T (W1 from the tile's weight buffer), stored as (BLOCK_M, DH) rows of this tile's partial; and the gate
-    gradient (the consumers' two halves added in a fixed order). Frees the ring slot (h_empty) once its products
-    retired, the weight buffer (w_empty) after the tile's last block."""
+    gradient (the consumers' per-warp partials, 16 de each, added in a fixed order). Frees the ring slot (h_empty)
+    once its products retired, the weight buffer (w_empty) after the tile's last block."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, NW)
-    cl: gl.constexpr = gl.SliceLayout(0, s_layout)
-    cols = gl.arange(0, BLOCK_M, layout=cl)
     s_zero = gl.zeros((64, BLOCK_M), gl.float32, s_layout)
     lxs: gl.constexpr = _copy_layout(64, NW)  # the dX half's store: 16-byte vectors of 8 dh
     xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     NP: gl.constexpr = DE // 128  # the tiles' partial dX / gate gradients of a row, side by side
+    lg: gl.constexpr = gl.BlockedLayout([NW, 1], [1, 32], [1, NW], [0, 1])  # a thread holds a column's NW partials
+    gcol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, lg))
     q = 0
     n = 0
     for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
@@ -660,8 +664,9 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
             d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
             d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
             rows = row0 + i * BLOCK_M
-            dg = dg_smem.index(hb * 2).load(cl) + dg_smem.index(hb * 2 + 1).load(cl)
-            gl.store(dgate_ptr + (rows + cols) * NP + e0 // 128, dg)
+            # the consumers' per-warp partials (NW each), added in a fixed order within each thread
+            dg = gl.sum(dg_smem.index(hb * 2).load(lg), axis=0) + gl.sum(dg_smem.index(hb * 2 + 1).load(lg), axis=0)
+            gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg)
             d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
             mbarrier.arrive(h_empty.index(hb))
             base = dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + (e0 // 128) * DH + xc[None, :]
@@ -695,7 +700,7 @@ def gluon_expert_bwd_xw_kernel(
                                                                                                  DH, NW, 3)
     dh_smem = gl.allocate_shared_memory(cdt, [2 * HB, 64, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], cdt))
-    dg_smem = gl.allocate_shared_memory(gl.float32, [2 * HB, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    dg_smem = gl.allocate_shared_memory(gl.float32, [2 * HB, NW, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     h_ready, h_empty = _ws_barriers(HB, 2, 1)  # both consumers arrive on ready, the dX warp group on empty
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
             w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
