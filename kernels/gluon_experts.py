@@ -399,6 +399,20 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
         n += 1
 
 
+@gluon.constexpr_function
+def _partials_layout(num_warps):
+    """(num_warps, cols) per-warp partial sums, read so that one thread holds all of a column's partials."""
+    return gl.BlockedLayout([num_warps, 1], [1, 32], [1, num_warps], [0, 1])
+
+
+@gluon.jit
+def _sum_partials(dg_smem, hb, BLOCK_M: gl.constexpr, NW: gl.constexpr):
+    """The gate gradient of a block's BLOCK_M rows over the tile's 128 de: the two consumers' per-warp partials in
+    slots 2 hb and 2 hb + 1 of dg_smem (2 x NW of them, 16 de each), added in a fixed order within each thread."""
+    lg: gl.constexpr = _partials_layout(NW)
+    return gl.sum(dg_smem.index(hb * 2).load(lg), axis=0) + gl.sum(dg_smem.index(hb * 2 + 1).load(lg), axis=0)
+
+
 @gluon.jit
 def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
@@ -474,10 +488,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 act, dgelu = _gelu_and_grad(ht, FAST_TANH)
                 # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's), first:
                 # the activation's registers are free once its A operand is made
-                if XW:  # per warp (16 de each): the dX warp group adds the eight partials
-                    dg = gl.sum(gl.reshape(act.to(cdt).to(gl.float32) * dat, (NW, 64 // NW, BLOCK_M)), axis=1)
-                else:
-                    dg = gl.sum(act.to(cdt).to(gl.float32) * dat, axis=0)
+                # per warp (16 de each, no exchange between the warps): consumer 0 (FUSE) or the dX warp group (XW)
+                # adds the eight partials
+                dg = gl.sum(gl.reshape(act.to(cdt).to(gl.float32) * dat, (NW, 64 // NW, BLOCK_M)), axis=1)
                 op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
                 acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
             else:  # retires the previous block's accumulating products (its stage is then free) and H^T
@@ -505,9 +518,8 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 rows = row0 + i * BLOCK_M
                 NP: gl.constexpr = DE // 128  # the tiles' partial dX / gate gradients of a row, side by side
                 if C == 0:
-                    cl: gl.constexpr = gl.SliceLayout(0, s_layout)
-                    dg = dg_smem.index(hb * 2).load(cl) + dg_smem.index(hb * 2 + 1).load(cl)
-                    gl.store(dgate_ptr + (rows + cols) * NP + e0 // 128, dg)
+                    dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
+                    gl.store(dgate_ptr + (rows + gl.arange(0, BLOCK_M, layout=dg.type.layout)) * NP + e0 // 128, dg)
                 # retires the block's products (acc1 / acc2 stay wgmma accumulators: the next wait names them)
                 dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
                 mbarrier.arrive(d_empty.index(s))
@@ -614,7 +626,7 @@ def gluon_expert_bwd_ws_kernel(
                                                                                                  DH, NW)
     dh_smem = gl.allocate_shared_memory(cdt, [4, 64, BLOCK_M], gl.NVMMASharedLayout.get_default_for([64, BLOCK_M],
                                                                                                   cdt))
-    dg_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    dg_smem = gl.allocate_shared_memory(gl.float32, [4, NW, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
             w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
@@ -644,8 +656,7 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
     xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     NP: gl.constexpr = DE // 128  # the tiles' partial dX / gate gradients of a row, side by side
-    lg: gl.constexpr = gl.BlockedLayout([NW, 1], [1, 32], [1, NW], [0, 1])  # a thread holds a column's NW partials
-    gcol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, lg))
+    gcol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _partials_layout(NW)))
     q = 0
     n = 0
     for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
@@ -664,8 +675,7 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
             d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
             d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
             rows = row0 + i * BLOCK_M
-            # the consumers' per-warp partials (NW each), added in a fixed order within each thread
-            dg = gl.sum(dg_smem.index(hb * 2).load(lg), axis=0) + gl.sum(dg_smem.index(hb * 2 + 1).load(lg), axis=0)
+            dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
             gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg)
             d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
             mbarrier.arrive(h_empty.index(hb))
