@@ -408,7 +408,9 @@ BWD_WS_WIDE_MAX_DE = 256
 # 2026-11-25, layer fwd+bwd against the same kernel without it, one process (results/layer-h100-2026-11-25-xw.jsonl):
 # 81920 tokens (2.6M / 5.2M slots) 8.51 vs 8.84 ms (384/4/256), 10.83 vs 10.96 (768/8/128), 10.19 vs 10.51
 # (768/4/256), 13.58 vs 13.84 (1536/8/128); 8192 tokens (262K / 524K slots) 2.01 vs 2.02, 2.33 vs 2.32, 3.34 vs
-# 3.25, 3.81 vs 3.67: not taken there (unmeasured in between)
+# 3.25, 3.81 vs 3.67: not taken there (unmeasured in between). Once both kernels left the gate gradient per warp the
+# gap closed (results/layer-h100-2026-11-25-final.jsonl: 8.21 vs 8.20, 10.30 vs 10.43, 9.74 vs 9.77, 13.16 vs 13.19
+# at 81920 tokens): kept, level or ahead at those rows
 BWD_XW_MIN_SLOTS = 1 << 21
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 

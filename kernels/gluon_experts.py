@@ -34,11 +34,19 @@ the Gluon backward is off (`kernels.experts.default_config`; at 128 the layer me
 
 `gluon_expert_bwd_ws_kernel`: the whole backward (dW1, dW2, dX rows, gate gradients; `expert_dwt_kernel` with
 FUSE_DX and DGATES at de = 128) in the dW kernel's structure: the two consumers exchange their dH^T halves through
-shared memory and each makes 64 dh columns of every block's dX rows (`_dw_consumer`, FUSE). At de > 128 each
-128-de tile writes a partial dX row / gate gradient (the caller sums them). The default backward at de 128 and 256
-(`kernels.experts.default_config`). H100, kernel alone on the layer's routing (`bench/gluon_kernels.py --routing
-layer`, 81920 tokens): 3.62 vs 4.09 ms (Ne 768, de 128, k 8; the fused Triton kernel), 3.81 vs 3.93 (Ne 384, de 256,
-k 4; the split Triton backward). Supported shapes: `bwd_ws_supported`.
+shared memory and each makes 64 dh columns of every block's dX rows (`_dw_consumer`, FUSE); each warp leaves its
+part of the gate gradient as a partial in shared memory, consumer 0 adds the eight. At de > 128 each 128-de tile
+writes a partial dX row / gate gradient (the caller sums them). The default backward at de 128 and 256
+(`kernels.experts.default_config`). H100 2026-11-25, kernel alone on the layer's routing (`bench/gluon_kernels.py
+--routing layer`): 2.98 vs 3.93 ms (81920 tokens, Ne 384, de 256, k 4; the split Triton backward), 0.73 vs 0.88
+(8192 tokens, Ne 768, de 128, k 8; the fused Triton kernel). Supported shapes: `bwd_ws_supported`.
+
+`gluon_expert_bwd_xw_kernel`: the same backward with a fourth warp group (`_dx_worker`) for the dX rows and gate
+gradients: the consumers run the dW kernel's loop and hand their dH^T halves and gate-gradient partials over through
+a shared-memory ring, so neither the dX products nor the other consumer sit on a consumer's per-block chain (16
+warps, launched at 128 registers, consumers at 216). The default from `kernels.experts.BWD_XW_MIN_SLOTS` routed slots
+on; after the per-warp gate gradient went into both kernels they measure level (3.00 vs 2.98 ms alone at 81920
+tokens 384/4/256; layer within 0.13 ms), and the fused one is faster at 8192 tokens (0.78 vs 0.73).
 """
 
 from __future__ import annotations
