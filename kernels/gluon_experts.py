@@ -407,6 +407,15 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
         n += 1
 
 
+@gluon.jit
+def _wait_weights(w_ready, n, WB: gl.constexpr):
+    """A weight-buffer user's wait for its n-th tile's buffer (n % WB) -> that buffer's index."""
+    wb = n % WB
+    mbarrier.wait(w_ready.index(wb), (n // WB) & 1)
+    fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+    return wb
+
+
 @gluon.constexpr_function
 def _partials_layout(num_warps):
     """(num_warps, cols) per-warp partial sums, read so that one thread holds all of a column's partials."""
@@ -468,9 +477,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
         g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK,
                                      BLOCK_M)
-        wb = n % WB
-        mbarrier.wait(w_ready.index(wb), (n // WB) & 1)
-        fence_async_shared()
+        wb = _wait_weights(w_ready, n, WB)
         w1t = w1_smem.index(wb * 2 + C).permute((1, 0))  # (64, DH): W1[:, e:e + 64]^T
         w2c = w2_smem.index(wb * 2 + C)  # (64, DH): W2[e:e + 64, :]
         # in flight across iterations: carried as wgmma accumulators, with their register operands
@@ -670,9 +677,7 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
     for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
         g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK,
                                      BLOCK_M)
-        wb = n % WB
-        mbarrier.wait(w_ready.index(wb), (n // WB) & 1)
-        fence_async_shared()
+        wb = _wait_weights(w_ready, n, WB)
         for i in range(nsub):
             hb = q % HB
             mbarrier.wait(h_ready.index(hb), (q // HB) & 1)
