@@ -8,6 +8,7 @@ cuobjdump.
     python bench/kernel_report.py --tiles fwd_ws --de 128   # the warp-specialised Gluon forward (fixed tile)
     python bench/kernel_report.py --tiles dw_ws             # the warp-specialised Gluon weight gradients
     python bench/kernel_report.py --tiles bwd_ws --de 128   # the warp-specialised fused backward (de 128)
+    python bench/kernel_report.py --tiles bwd_xw --de 128   # the same with the dX warp group (four warp groups)
 
 Pointers are marked 16-byte divisible as the launchers' arguments are (without that mark the gathered
 row loads come out scalar and every tile spills). One JSON line per tile (`bench: kernel_report`).
@@ -89,7 +90,8 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
 
 def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128) -> dict:
     """Compile a warp-specialised Gluon kernel (kernels/gluon_experts.py: `fwd_ws` the forward, `dw_ws` the weight
-    gradients; kernels/gluon_router.py: `router_ws` the router forward, Ne = de) as the JAX binding does
+    gradients, `bwd_ws` the fused backward, `bwd_xw` the same with the dX warp group; kernels/gluon_router.py:
+    `router_ws` the router forward, Ne = de) as the JAX binding does
     (mhl_jax.ops.gluon_bridge) and read ptxas' report (registers: the kernel's launch limit, maxnreg)."""
     import kernels.gluon_experts as ge
     from mhl_jax.ops.gluon_bridge import compile_gluon

@@ -446,8 +446,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     writes its dH_c^T = dA'^T diag(g) gelu'(H^T) (64 de, BLOCK_M) to shared memory (one of two buffers, `f`'s
     h_ready / h_empty hand them over between the two consumers); consumer C then makes dh columns [64 C, + 64)
     of the block's dX: dX^T_C = W1[64 C:, :64] dH_0^T + W1[64 C:, 64:] dH_1^T (the W1 tile already in shared
-    memory; dW1's product also takes its A operand dH_c^T from there), and consumer 0 adds the two consumers' halves
-    of <gelu(H) row, dA' row> (both through shared memory): the gate gradient of every row, in a fixed order. The
+    memory; dW1's product also takes its A operand dH_c^T from there), and consumer 0 adds the two consumers'
+    per-warp partials of <gelu(H) row, dA' row> (2 x NW of 16 de each, through shared memory: `_sum_partials`): the
+    gate gradient of every row, in a fixed order. The
     block's products all retire before the next block (deferring the dX half by one block measured slower, 2026-11-24).
     The gates of each block come from shared memory (`g_smem`, gathered by the producer).
 
@@ -550,8 +551,8 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                     dg_smem.index(hb * 2 + C).store(dg)
                     fence_async_shared()  # the generic writes before the wgmma reads (the arrive syncs the warp group)
                     mbarrier.arrive(h_ready.index(hb))
-                    # dH_c^T from shared memory: no A operand registers in flight (the slot is written again HB >= 2
-                    # blocks later, after the next block's first wait retired this product)
+                    # dH_c^T from shared memory: no A operand registers in flight (this consumer writes the slot again
+                    # only after the next block's first wait retired this product; HB >= 2 is for overlap)
                     acc1 = warpgroup_mma(dh_smem.index(hb * 2 + C), xs, acc1, is_async=True)
                 else:
                     op1 = gl.convert_layout(dht, a_layout)
@@ -754,7 +755,7 @@ gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
 # the fused backward with the dX warp group: 16 warps, so launched at maxnreg 128; worker registers (consumer,
-# producer, dX warp group), the default consumer gets 512 - their sum - 8
+# producer, dX warp group), the default consumer gets 512 - their sum (216)
 BWD_XW_STAGES, BWD_XW_WBUF, BWD_XW_HB, BWD_XW_REGS = 3, 2, 2, (216, 24, 56)
 gluon_expert_bwd_xw_kernel.mhl_compile_options = {"maxnreg": 128}
 
@@ -774,7 +775,10 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
                       wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
-    the dH^T ring's depth."""
+    the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take."""
+    if len(regs) != 3 or hb < 2:
+        raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
+                         "register counts (consumer, producer, dX warp group) and hb >= 2")
     consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward")
     return dict(consts, DX_REGS=regs[2], HB=hb)
 
