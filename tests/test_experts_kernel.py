@@ -511,7 +511,7 @@ def test_bwd_gluon_dispatch_rule(monkeypatch):
 def test_ws_bwd_shapes_checked():
     """The warp-specialised fused backward takes dh 128, de a multiple of 128 and packing blocks of >= 32 rows;
     anything else gets a clear error naming the shape from its launch arguments."""
-    from kernels.gluon_experts import bwd_ws_constexprs, bwd_ws_supported
+    from kernels.gluon_experts import bwd_ws_constexprs, bwd_ws_supported, bwd_xw_constexprs
 
     consts = bwd_ws_constexprs(8, 128, 128, 64)
     assert consts["BLOCK_M"] == 32 and consts["DE"] == 128 and consts["NST"] >= 2
@@ -519,6 +519,14 @@ def test_ws_bwd_shapes_checked():
         assert not bwd_ws_supported(dh, de, pack)
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
             bwd_ws_constexprs(8, dh, de, pack)
+        with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
+            bwd_xw_constexprs(8, dh, de, pack)
+    # the kernel with the dX warp group: three worker register counts, a dH^T ring of at least two slots
+    consts = bwd_xw_constexprs(8, 128, 256, 64)
+    assert (consts["HB"], consts["DX_REGS"], consts["BLOCK_M"]) == (2, 56, 32)
+    for bad in (dict(regs=(232, 40)), dict(hb=1)):
+        with pytest.raises(ValueError, match="three worker register counts .* hb >= 2"):
+            bwd_xw_constexprs(8, 128, 256, 64, **bad)
 
 
 def test_ws_dw_shapes_checked_and_chosen():
