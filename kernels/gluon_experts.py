@@ -620,6 +620,18 @@ def gluon_expert_dw_ws_kernel(
 
 
 @gluon.jit
+def _dh_ring(cdt: gl.constexpr, HB: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr, EMPTY: gl.constexpr):
+    """The backward's hand-over ring of HB slots: per slot both consumers' dH_c^T (64 de, BLOCK_M) and per-warp
+    gate-gradient partials (NW, BLOCK_M), and its (ready, empty) mbarriers (ready after both consumers, empty after
+    EMPTY arrivals)."""
+    dh_smem = gl.allocate_shared_memory(cdt, [2 * HB, 64, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], cdt))
+    dg_smem = gl.allocate_shared_memory(gl.float32, [2 * HB, NW, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    h_ready, h_empty = _ws_barriers(HB, 2, EMPTY)
+    return dh_smem, dg_smem, h_ready, h_empty
+
+
+@gluon.jit
 def gluon_expert_bwd_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
     w2_ptr,  # inputs
@@ -640,10 +652,7 @@ def gluon_expert_bwd_ws_kernel(
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
                                                                                                  DH, NW)
-    dh_smem = gl.allocate_shared_memory(cdt, [4, 64, BLOCK_M], gl.NVMMASharedLayout.get_default_for([64, BLOCK_M],
-                                                                                                  cdt))
-    dg_smem = gl.allocate_shared_memory(gl.float32, [4, NW, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    h_ready, h_empty = _ws_barriers(2, 2)  # both consumers arrive on both
+    dh_smem, dg_smem, h_ready, h_empty = _dh_ring(cdt, 2, BLOCK_M, NW, 2)  # both consumers arrive on both
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
             w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
     f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
@@ -722,10 +731,8 @@ def gluon_expert_bwd_xw_kernel(
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
                                                                                                  DH, NW, 3)
-    dh_smem = gl.allocate_shared_memory(cdt, [2 * HB, 64, BLOCK_M],
-                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], cdt))
-    dg_smem = gl.allocate_shared_memory(gl.float32, [2 * HB, NW, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    h_ready, h_empty = _ws_barriers(HB, 2, 1)  # both consumers arrive on ready, the dX warp group on empty
+    # both consumers arrive on ready, the dX warp group on empty
+    dh_smem, dg_smem, h_ready, h_empty = _dh_ring(cdt, HB, BLOCK_M, NW, 1)
     args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
             w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
     f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
@@ -783,6 +790,12 @@ def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
     return dict(consts, DX_REGS=regs[2], HB=hb)
 
 
+def bwd_kernel(xw: bool):
+    """(kernel, constexpr function) of the Gluon backward: with the dX warp group (`gluon_expert_bwd_xw_kernel`,
+    `bwd_xw_constexprs`) or without (`gluon_expert_bwd_ws_kernel`, `bwd_ws_constexprs`); torch and JAX launchers."""
+    return (gluon_expert_bwd_xw_kernel, bwd_xw_constexprs) if xw else (gluon_expert_bwd_ws_kernel, bwd_ws_constexprs)
+
+
 def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
                          dw_dtype=None, out=None, *, heads: int, deal: bool = True, xw: bool = False, **options):
     """Torch launcher (CUDA, Hopper) of the fused backward: as `gluon_experts_dw_ws`, plus dX rows (P, de / 128, dh)
@@ -792,14 +805,14 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
     import torch
 
     p, (_, dh), (_, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
-    consts = (bwd_xw_constexprs if xw else bwd_ws_constexprs)(k, dh, de, pack_block, **options)
+    kernel, constexprs = bwd_kernel(xw)
+    consts = constexprs(k, dh, de, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32
     out = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(w2.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(p, de // 128, dh, dtype=x.dtype, device=x.device),
                   torch.empty(p, de // 128, dtype=torch.float32, device=x.device))
-    _launch_tiled(gluon_expert_bwd_xw_kernel if xw else gluon_expert_bwd_ws_kernel, x, dy, gates, pk, w1, w2, out,
-                  consts, programs, heads, deal)
+    _launch_tiled(kernel, x, dy, gates, pk, w1, w2, out, consts, programs, heads, deal)
     return out
 
 

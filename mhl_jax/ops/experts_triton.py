@@ -218,15 +218,15 @@ def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
 def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
     """dX rows (P, de / 128, dh), dW1, dW2, gate gradients (P, de / 128) by the warp-specialised fused Gluon kernel
     (one partial per 128 de: the callers sum them); work items = (group, 128 de) tiles."""
-    from kernels import gluon_experts as ge
+    from kernels.gluon_experts import bwd_kernel
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
-    xw = st.cfg.bwd_xw  # the kernel with the dX warp group
+    kernel, constexprs = bwd_kernel(st.cfg.bwd_xw)  # with the dX warp group or without
     dw1, dw2, dx, dgate = _tiled_call(
-        ge.gluon_expert_bwd_xw_kernel if xw else ge.gluon_expert_bwd_ws_kernel, xs, dys, gates, meta, w1, w2, heads,
+        kernel, xs, dys, gates, meta, w1, w2, heads,
         [jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
          jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype), jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
-        (ge.bwd_xw_constexprs if xw else ge.bwd_ws_constexprs)(st.k, dh, de, st.cfg.pack_block))
+        constexprs(st.k, dh, de, st.cfg.pack_block))
     return dx.reshape(p, de // 128, dh), dw1, dw2, dgate
 
 
