@@ -52,6 +52,11 @@ DW_OPTIONS = [(32, 2, 6, (240, 32)), (32, 2, 4, (240, 32)), (32, 1, 4, (240, 32)
               (64, 1, 4, (240, 32))]
 
 
+def option_name(base: str, opts: dict) -> str:
+    """base + "_option[value]" per launch option (no value for a True flag)."""
+    return base + "".join(f"_{o}" + ("" if v is True else "_".join(map(str, np.ravel(v)))) for o, v in opts.items())
+
+
 def _diff(outs, refs) -> tuple[float, float]:
     """(relative norm, max abs) difference of outs to refs, the larger over the outputs."""
     rel = max(float((o.double() - r.double()).norm() / r.double().norm()) for o, r in zip(outs, refs))
@@ -160,9 +165,7 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
     fused = cfg.dw.block_e == de
     kernels = {"triton_fused" if fused else "split_default": (5, triton_fused if fused else triton_split)}
     for opts in BWD_OPTIONS:
-        name = "gluon_bwd_ws" + "".join(f"_{o}" + ("" if v is True else "_".join(map(str, np.ravel(v))))
-                                        for o, v in opts.items())
-        kernels[name] = (5, (
+        kernels[option_name("gluon_bwd_ws", opts)] = (5, (
             lambda s, o=opts: gluon_experts_bwd_ws(
                 s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, heads=nh, **o)))
     valid = sets[0][3].row_slot >= 0

@@ -26,7 +26,8 @@ sys.path.insert(0, ROOT)
 
 from bench.timing import emit  # noqa: E402
 
-NAMES = {"bwd_ws": "gluon_expert_bwd_ws_kernel", "dw_ws": "gluon_expert_dw_ws_kernel"}
+NAMES = {"bwd_ws": "gluon_expert_bwd_ws_kernel", "bwd_xw": "gluon_expert_bwd_xw_kernel",
+         "dw_ws": "gluon_expert_dw_ws_kernel", "fwd_ws": "gluon_expert_fwd_ws_kernel"}
 
 
 def child(kernel: str, tokens: int, ne: int, k: int, de: int) -> None:
@@ -34,16 +35,20 @@ def child(kernel: str, tokens: int, ne: int, k: int, de: int) -> None:
 
     from bench.kernel_tiles import expert_weights, input_set
     from kernels.experts import default_config
-    from kernels.gluon_experts import gluon_experts_bwd_ws, gluon_experts_dw_ws
+    from kernels.gluon_experts import gluon_experts_bwd_ws, gluon_experts_dw_ws, gluon_experts_fwd_ws
 
     nh, dh = 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
     s = input_set(tokens, ne, k, cfg.pack_block, g, nh, dh)
     w1, w2 = expert_weights(ne, de, g, nh, dh)
-    fn = gluon_experts_bwd_ws if kernel == "bwd_ws" else gluon_experts_dw_ws
     for _ in range(2):
-        fn(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
+        if kernel == "fwd_ws":
+            gluon_experts_fwd_ws(s[0], s[3], w1, w2, k, cfg.pack_block)
+        elif kernel == "dw_ws":
+            gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
+        else:
+            gluon_experts_bwd_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh, xw=kernel == "bwd_xw")
     torch.cuda.synchronize()
 
 

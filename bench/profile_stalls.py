@@ -39,7 +39,13 @@ def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
 
     from bench.kernel_tiles import expert_weights, input_set, launch
     from kernels.experts import default_config
-    from kernels.gluon_experts import bwd_ws_supported, gluon_experts_bwd_ws, gluon_experts_dw_ws
+    from kernels.gluon_experts import (
+        bwd_ws_supported,
+        gluon_experts_bwd_ws,
+        gluon_experts_dw_ws,
+        gluon_experts_fwd_ws,
+        ws_supported,
+    )
     from kernels.torch_router import router_fwd
 
     nh, dh = 8, 128
@@ -54,7 +60,9 @@ def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
         router_fwd(s[0].view(tokens, nh, dh), wr, bias, k)
         for kind in kinds:
             launch(kind, cfg, s, w1, w2, k)
-        if gluon:  # the warp-specialised weight gradients, and the fused backward where it takes the shape
+        if gluon:  # the warp-specialised forward and weight gradients, and the fused backward where it takes the shape
+            if ws_supported(dh, de, cfg.pack_block):
+                gluon_experts_fwd_ws(s[0], s[3], w1, w2, k, cfg.pack_block)
             gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
             if bwd_ws_supported(dh, de, cfg.pack_block):
                 gluon_experts_bwd_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
