@@ -8,7 +8,8 @@ schedule written by hand:
 - Persistent: program i of n takes the used row blocks [i U / n, (i + 1) U / n) (U from the packing's
   group_block_start / group_nblocks), in packed order, so consecutive blocks mostly share a group.
 - One producer warp group loads everything by cp.async (gathered X rows need no TMA descriptor): the next
-  block's X rows into the other of two X buffers, the W1 / W2 chunks (BLOCK_E wide) into a ring of NS
+  block's X rows into the other of two X buffers (padding rows zero-filled, so their output rows come out 0
+  without a mask), the W1 / W2 chunks (BLOCK_E wide) into a ring of NS
   slots. With NS == DE / BLOCK_E each slot always holds the same chunk, and a block of the same group as
   the one before reuses the slots without loading them again.
 - Two consumer warp groups (the default partition and one worker) compute the two 64-row halves of every
@@ -18,9 +19,9 @@ schedule written by hand:
   consumer). Registers: consumers WS_CONSUMER_REGS, producer WS_PRODUCER_REGS, launched with maxnreg
   WS_MAXNREG (three warp groups in one 64K-register SM).
 
-Measured on H100 (bench/gluon_kernels.py, kernel alone, 81920 tokens): 0.88 vs 1.05 ms (Ne 384, de 256), 1.16 vs
-1.52 (Ne 768, de 128, k 8), 1.39 vs 1.69 (Ne 1536), 1.00 vs 1.23 (Ne 768, de 256). Supported shapes:
-`ws_supported`. Parameters in jax-triton's binding order (inputs, the output, constexprs).
+Measured on H100 (bench/gluon_kernels.py --routing layer, kernel alone, 81920 tokens, 2026-11-25): 0.80 vs 1.04 ms
+(Ne 384, de 256), 1.15 vs 1.53 (Ne 768, de 128, k 8), 1.35 vs 1.65 (Ne 1536), 0.92 vs 1.17 (Ne 768, de 256).
+Supported shapes: `ws_supported`. Parameters in jax-triton's binding order (inputs, the output, constexprs).
 
 `gluon_expert_dw_ws_kernel`: the weight gradients of `expert_dwt_kernel` (without fused dX) in the same structure:
 persistent over (group, 128 de) tiles taken from a static schedule (`deal_schedule`: head by head, each head's
