@@ -21,6 +21,7 @@ import io
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -78,6 +79,19 @@ def parse(text: str) -> list[tuple[str, float]]:
             if row.get("Metric Name") == "gpu__time_duration.sum"]
 
 
+def run_group(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run cmd in a process group of its own; past `timeout` s kill the whole group (ncu and the profiled child) and
+    return what it printed with returncode -1."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return subprocess.CompletedProcess(cmd, -1, out, f"timed out after {timeout:.0f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 81920])
@@ -87,6 +101,9 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["default"], choices=VARIANTS,
                     help="expert configs (mhl_jax.ops.experts_triton.VARIANTS; default = the binding's default)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds per (tokens, config, variant) under ncu (compiling under ncu is slow: two "
+                         "81920-token configs ran past 400 s on 2026-11-25); past it, an error record")
     ap.add_argument("--child", nargs=3, default=None, metavar=("TOKENS", "CONFIG", "VARIANT"))
     args = ap.parse_args()
     if args.child:
@@ -100,7 +117,7 @@ def main() -> None:
                "--print-units", "base", "--clock-control", "none", "--cache-control", "none",
                sys.executable, os.path.abspath(__file__), "--child", str(tokens), config,
                variant]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        p = run_group(cmd, args.timeout)
         kernels = parse(p.stdout)
         groups: dict[str, list[float]] = {}
         for name, ms in kernels:

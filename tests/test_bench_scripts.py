@@ -87,6 +87,22 @@ def test_profile_layer_reads_ncu_csv():
     assert short("void cutlass::Kernel<T>(Params)") == "void cutlass::Kernel"
 
 
+def test_profile_layer_kills_a_slow_profile_and_its_children():
+    """bench/profile_layer.py's `run_group`: past the time limit the whole process group goes (ncu and the child it
+    profiles: here a shell whose background child still holds the output pipe), what was printed comes back,
+    returncode -1; a quick command returns as run."""
+    import time
+
+    from bench.profile_layer import run_group
+
+    t0 = time.monotonic()
+    p = run_group(["bash", "-c", "echo partial; sleep 60 & sleep 60"], 1.0)
+    assert p.returncode == -1 and p.stdout == "partial\n" and "timed out after 1 s" in p.stderr
+    assert time.monotonic() - t0 < 20
+    p = run_group(["bash", "-c", "echo done; exit 3"], 30.0)
+    assert p.returncode == 3 and p.stdout == "done\n"
+
+
 def test_profile_stalls_reads_ncu_csv():
     """bench/profile_stalls.py: per kernel, the metrics of its last launch (the first one compiles), durations
     in nanoseconds whatever the row's unit."""
