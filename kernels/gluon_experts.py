@@ -13,14 +13,15 @@ schedule written by hand:
   slots. With NS == DE / BLOCK_E each slot always holds the same chunk, and a block of the same group as
   the one before reuses the slots without loading them again.
 - Two consumer warp groups (the default partition and one worker) compute the two 64-row halves of every
-  block from the shared buffers: S_{j+1} = X W1_{j+1} (async wgmma) is issued before gelu of S_j, the
-  product A_j W2_j runs under the wait for S_{j+1}; output rows go out as whole 32-byte sectors.
+  block from the shared buffers in 128-de chunks: per chunk S_j = X W1_j (async m64n128 wgmma), gelu, then
+  A_j W2_j, which runs under the next chunk's S and the other consumer's gelu (S_j's wait retires it); output
+  rows go out as whole 32-byte sectors.
 - mbarriers hand each buffer over (ready: one cp.async arrival per producer thread; empty: one arrival per
   consumer). Registers: consumers WS_CONSUMER_REGS, producer WS_PRODUCER_REGS, launched with maxnreg
   WS_MAXNREG (three warp groups in one 64K-register SM).
 
-Measured on H100 (bench/gluon_kernels.py --routing layer, kernel alone, 81920 tokens, 2026-11-25): 0.80 vs 1.04 ms
-(Ne 384, de 256), 1.15 vs 1.53 (Ne 768, de 128, k 8), 1.35 vs 1.65 (Ne 1536), 0.92 vs 1.17 (Ne 768, de 256).
+Measured on H100 (bench/gluon_kernels.py --routing layer, kernel alone, 81920 tokens, 2026-11-25): 0.77 vs 1.05 ms
+(Ne 384, de 256), 1.14 vs 1.53 (Ne 768, de 128, k 8), 1.34 vs 1.65 (Ne 1536), 0.88 vs 1.18 (Ne 768, de 256).
 Supported shapes: `ws_supported`. Parameters in jax-triton's binding order (inputs, the output, constexprs).
 
 `gluon_expert_dw_ws_kernel`: the weight gradients of `expert_dwt_kernel` (without fused dX) in the same structure:
@@ -226,8 +227,10 @@ def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
 def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
                  NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr):
     """Consumer C (one warp group) computes rows [C * BLOCK_M / 2, (C + 1) * BLOCK_M / 2) of every block, from the
-    shared X buffer and weight ring: S_{j+1} = X W1_{j+1} is issued before gelu of S_j, and A_j W2_j runs
-    under the wait for S_{j+1} and the next gelu."""
+    shared X buffer and weight ring, chunk by chunk: S_j = X W1_j, gelu, A_j W2_j. A_j W2_j runs under the next
+    chunk's S_{j+1} and this consumer's wait for it (the wait retires both), so each consumer alternates its MMAs with
+    its gelu and the two consumers' interleave. (Issuing S_{j+1} before gelu of S_j with 64-de chunks, two S tiles
+    in registers, measured 1-4% slower: the m64n64 products read twice the X per product.)"""
     (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready, x_empty,
      w_ready, w_empty, start, end) = a
     N: gl.constexpr = DE // BLOCK_E
@@ -246,29 +249,20 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
         mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
         xs = x_smem.index(xb).slice(C * HALF, HALF, dim=0)
         q0 = t * N
-        mbarrier.wait(w_ready.index(q0 % NS), (q0 // NS) & 1)
-        fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-        s_tok = warpgroup_mma(xs, w1_smem.index(q0 % NS), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         acc = gl.zeros((HALF, DH), gl.float32, o_layout)
         a_prev = gl.zeros((HALF, BLOCK_E), cdt, a_layout)
         for j in gl.static_range(N):
             q = q0 + j
-            if j + 1 < N:
-                qn = q + 1
-                mbarrier.wait(w_ready.index(qn % NS), (qn // NS) & 1)
-                fence_async_shared()
-                s_next = warpgroup_mma(xs, w1_smem.index(qn % NS), s_zero, use_acc=False, is_async=True)
-            a_cur = gl.convert_layout(_gelu(s, FAST_TANH).to(cdt), a_layout)
-            acc = warpgroup_mma(a_cur, w2_smem.index(q % NS), acc, is_async=True)
-            if j + 1 < N:  # retires S_{j+1} and A_{j-1} W2_{j-1}; A_j W2_j keeps running
-                s, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, a_prev))
-                if j > 0:
-                    mbarrier.arrive(w_empty.index((q - 1) % NS))
-                a_prev = a_cur
+            mbarrier.wait(w_ready.index(q % NS), (q // NS) & 1)
+            fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+            s = warpgroup_mma(xs, w1_smem.index(q % NS), s_zero, use_acc=False, is_async=True)
+            # retires S_j and, before it, A_{j-1} W2_{j-1} (its chunk's slot is then free)
+            s, acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, a_prev))
+            if j > 0:
+                mbarrier.arrive(w_empty.index((q - 1) % NS))
+            a_prev = gl.convert_layout(_gelu(s, FAST_TANH).to(cdt), a_layout)
+            acc = warpgroup_mma(a_prev, w2_smem.index(q % NS), acc, is_async=True)
         acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
-        if N > 1:
-            mbarrier.arrive(w_empty.index((q0 + N - 2) % NS))
         mbarrier.arrive(w_empty.index((q0 + N - 1) % NS))
         mbarrier.arrive(x_empty.index(xb))
         _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW)
@@ -288,8 +282,8 @@ def gluon_expert_fwd_ws_kernel(
     the used row blocks [i U / n, (i + 1) U / n); blocks made only of padding get zero rows."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
-    gl.static_assert(NS >= 3 or NS == DE // BLOCK_E,
-                     "NS: a consumer holds two ring slots (chunks j, j + 1) while it waits to release chunk j - 1")
+    gl.static_assert(NS >= 2 or NS == DE // BLOCK_E,
+                     "NS: a consumer holds two ring slots (chunks j - 1, j) until S_j's wait retires chunk j - 1")
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     used, start, end = _ws_range(group_block_start_ptr, group_nblocks_ptr, G)
 
@@ -310,7 +304,7 @@ def gluon_expert_fwd_ws_kernel(
     _zero_blocks(out_ptr, used, NUM_BLOCKS, BLOCK_M, DH, NW)
 
 
-WS_BLOCK_E = 64  # de chunk; NS = DE / WS_BLOCK_E ring slots (2 or 4: every slot keeps its chunk)
+WS_BLOCK_E = 128  # de chunk; NS = DE / WS_BLOCK_E ring slots (1 or 2: every slot keeps its chunk)
 WS_CONSUMER_REGS, WS_PRODUCER_REGS, WS_MAXNREG = 208, 88, 168
 # jax-triton compiles with its own options: mhl_jax.ops.gluon_bridge adds these
 gluon_expert_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}

@@ -311,8 +311,8 @@ def test_ws_forward_shapes_checked_and_chosen():
     from kernels.experts import default_config
     from kernels.gluon_experts import ws_constexprs, ws_supported
 
-    assert ws_constexprs(4, 128, 256, 3072, 100, 128)["NS"] == 4
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["NS"] == 2
+    assert ws_constexprs(4, 128, 256, 3072, 100, 128)["NS"] == 2
+    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["NS"] == 1
     for dh, de, pack in ((128, 512, 128), (256, 256, 128), (128, 256, 64)):
         assert not ws_supported(dh, de, pack)
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
