@@ -458,6 +458,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     # uneven, the kernel-alone inputs were not): see BWD_WS_WIDE_MAX_DE
     gluon_bwd = bwd_ws and dw_form is None and bwd_ws_supported(dh, de, pack) and (
         fused_bwd or de <= BWD_WS_WIDE_MAX_DE)
+    gluon_xw = gluon_bwd and num_slots >= BWD_XW_MIN_SLOTS
     form = dw_form or ("t" if pack >= 64 or fused_bwd else "rows")
     # the Triton packing where measured (H100, 2026-11-23: layer 2.30 -> 2.22 ms at 8192 tokens, 10.26 ->
     # 10.10 at 81920; packing alone 0.135 / 0.23 ms vs 0.20 / 0.52 for the best JAX one); emulated
@@ -477,7 +478,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
         # de 256) ... 1.16 vs 1.52 (Ne 768, de 128, k 8); bench/gluon_kernels.py
         return ExpertsConfig(pack, Tile(128, 32, 4, 3), dx, dw, dw_form=form, pack_impl=pack_impl,
                              fwd_ws=measured and ws_supported(dh, de, pack), dw_ws=gluon_dw,
-                             bwd_ws=gluon_bwd, bwd_xw=gluon_bwd and num_slots >= BWD_XW_MIN_SLOTS).fit(de)
+                             bwd_ws=gluon_bwd, bwd_xw=gluon_xw).fit(de)
     bm = pack
     return ExpertsConfig(
         pack_block=pack,
@@ -488,7 +489,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
         pack_impl=pack_impl,
         dw_ws=gluon_dw,
         bwd_ws=gluon_bwd,
-        bwd_xw=gluon_bwd and num_slots >= BWD_XW_MIN_SLOTS,
+        bwd_xw=gluon_xw,
     ).fit(de)
 
 

@@ -567,10 +567,13 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
 
 
 @gluon.jit
-def _dw_buffers(cdt: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M: gl.constexpr, DH: gl.constexpr,
-                NW: gl.constexpr, W_USERS: gl.constexpr = 2):
-    """Shared memory of the dW / backward kernels: an NST-stage ring of gathered X / dy rows and their gates, WB
-    buffers of a tile's W1 columns / W2 rows (two 64-de halves each), and their (ready, empty) mbarriers."""
+def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
+                 w2_ptr, dw1_ptr, dw2_ptr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M: gl.constexpr,
+                 DH: gl.constexpr, NW: gl.constexpr, W_USERS: gl.constexpr = 2):
+    """The dW / backward kernels' shared operand tuple (`_dw_producer` / `_dw_consumer` / `_dx_worker` unpack it): the
+    pointers, and the shared memory: an NST-stage ring of gathered X / dy rows and their gates, WB buffers of a
+    tile's W1 columns / W2 rows (two 64-de halves each), and their (ready, empty) mbarriers."""
+    cdt: gl.constexpr = w1_ptr.dtype.element_ty
     x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
     dy_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
@@ -580,7 +583,8 @@ def _dw_buffers(cdt: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M:
     w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
     d_ready, d_empty = _ws_barriers(NST, NW * 32)
     w_ready, w_empty = _ws_barriers(WB, NW * 32, W_USERS)  # W_USERS partitions free a weight buffer
-    return x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty
+    return (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
+            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
 
 
 @gluon.jit
@@ -604,11 +608,8 @@ def gluon_expert_dw_ws_kernel(
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0, "DE: tiles of 128 de (two consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1, "NST: a consumer frees stage q - 1 only after it waited for stage q")
-    cdt: gl.constexpr = w1_ptr.dtype.element_ty
-    x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
-                                                                                                 DH, NW)
-    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
-            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
+    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
+                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW)
     f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False)),
@@ -617,15 +618,17 @@ def gluon_expert_dw_ws_kernel(
 
 
 @gluon.jit
-def _dh_ring(cdt: gl.constexpr, HB: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr, EMPTY: gl.constexpr):
-    """The backward's hand-over ring of HB slots: per slot both consumers' dH_c^T (64 de, BLOCK_M) and per-warp
-    gate-gradient partials (NW, BLOCK_M), and its (ready, empty) mbarriers (ready after both consumers, empty after
-    EMPTY arrivals)."""
+def _dh_ring(dx_ptr, dgate_ptr, HB: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr, EMPTY: gl.constexpr):
+    """The backward's dX operand tuple (`_dw_consumer`'s and `_dx_worker`'s `f`): the dX / gate-gradient outputs and
+    the hand-over ring of HB slots: per slot both consumers' dH_c^T (64 de, BLOCK_M) and per-warp gate-gradient
+    partials (NW, BLOCK_M), and its (ready, empty) mbarriers (ready after both consumers, empty after EMPTY
+    arrivals)."""
+    cdt: gl.constexpr = dx_ptr.dtype.element_ty
     dh_smem = gl.allocate_shared_memory(cdt, [2 * HB, 64, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], cdt))
     dg_smem = gl.allocate_shared_memory(gl.float32, [2 * HB, NW, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     h_ready, h_empty = _ws_barriers(HB, 2, EMPTY)
-    return dh_smem, dg_smem, h_ready, h_empty
+    return dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty
 
 
 @gluon.jit
@@ -646,13 +649,9 @@ def gluon_expert_bwd_ws_kernel(
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1, "NST >= 2, WB >= 1")
-    cdt: gl.constexpr = w1_ptr.dtype.element_ty
-    x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
-                                                                                                 DH, NW)
-    dh_smem, dg_smem, h_ready, h_empty = _dh_ring(cdt, 2, BLOCK_M, NW, 2)  # both consumers arrive on both
-    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
-            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
-    f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
+    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
+                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW)
+    f = _dh_ring(dx_ptr, dgate_ptr, 2, BLOCK_M, NW, 2)  # both consumers arrive on both
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
@@ -725,14 +724,9 @@ def gluon_expert_bwd_xw_kernel(
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1 and HB >= 2, "NST >= 2, WB >= 1, HB >= 2")
-    cdt: gl.constexpr = w1_ptr.dtype.element_ty
-    x_smem, dy_smem, g_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty = _dw_buffers(cdt, NST, WB, BLOCK_M,
-                                                                                                 DH, NW, 3)
-    # both consumers arrive on ready, the dX warp group on empty
-    dh_smem, dg_smem, h_ready, h_empty = _dh_ring(cdt, HB, BLOCK_M, NW, 1)
-    args = (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
-            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
-    f = (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty)
+    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
+                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW, 3)
+    f = _dh_ring(dx_ptr, dgate_ptr, HB, BLOCK_M, NW, 1)  # both consumers arrive on ready, the dX warp group on empty
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
                                         HB)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
