@@ -154,6 +154,9 @@ def _ptxas_report(fn, ptx_text: str, ttgir: str, shared: int) -> dict:
 
     return dict(registers=num(r"Used (\d+) registers"), spill_store_bytes=num(r"(\d+) bytes spill stores"),
                 spill_load_bytes=num(r"(\d+) bytes spill loads"), shared_bytes=shared,
+                # ptxas' C7512 / C7515 "Potential Performance Loss: wgmma.mma_async instructions are serialized due to
+                # ...": every wgmma of the kernel then waits for the one before (no MMA pipelining at all)
+                wgmma_serialized="wgmma.mma_async instructions are serialized" in info,
                 sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
                 sass_counts={op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in COUNTED})
 

@@ -46,9 +46,10 @@ writes a partial dX row / gate gradient (the caller sums them). The default back
 `gluon_expert_bwd_xw_kernel`: the same backward with a fourth warp group (`_dx_worker`) for the dX rows and gate
 gradients: the consumers run the dW kernel's loop and hand their dH^T halves and gate-gradient partials over through
 a shared-memory ring, so neither the dX products nor the other consumer sit on a consumer's per-block chain (16
-warps, launched at 128 registers, consumers at 216). The default from `kernels.experts.BWD_XW_MIN_SLOTS` routed slots
-on; after the per-warp gate gradient went into both kernels they measure level (3.00 vs 2.98 ms alone at 81920
-tokens 384/4/256; layer within 0.13 ms), and the fused one is faster at 8192 tokens (0.78 vs 0.73).
+warps, launched at 128 registers, consumers at 208). The default from `kernels.experts.BWD_XW_MIN_SLOTS` routed slots
+on. Until 2026-11-25 ptxas serialised all of its wgmma (C7512: the dX warp group at 56 registers, and dW2's product
+in flight across the block loop); since then, alone, 2.61 vs 2.98 ms for the fused kernel (81920 tokens, 384/4/256),
+2.65 vs 3.04 (768/8/128), level at 8192 tokens.
 """
 
 from __future__ import annotations
@@ -449,8 +450,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     block's products all retire before the next block (deferring the dX half by one block measured slower, 2026-11-24).
     The gates of each block come from shared memory (`g_smem`, gathered by the producer).
 
-    XW (`gluon_expert_bwd_xw_kernel`, not with FUSE): FUSE's order without the dX products: each block's products
-    retire at the next block's first wait, and the block's dH_c^T and this consumer's half of the gate gradient go
+    XW (`gluon_expert_bwd_xw_kernel`, not with FUSE): FUSE's order without the dX products: each block's dW2 product
+    retires at the block's end, its dW1 product at the next block's first wait, and the block's dH_c^T and this
+    consumer's half of the gate gradient go
     to an HB-deep ring in shared memory (`f`'s h_ready / h_empty) for the dX warp group (`_dx_worker`), which makes
     the dX rows and gate gradients off the consumers' chain. The gate gradient's half leaves as one partial per warp
     (its 16 de rows: no exchange between the warps; the dX warp group adds them)."""
@@ -496,7 +498,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 # FUSE: the block before retired at its end; XW: this also retires its products (they ran before
                 # these two on the tensor cores anyway), so its stage is free
                 ht, dat = warpgroup_mma_wait(num_outstanding=0, deps=(ht, dat))
-                if XW and i > 0:
+                if XW and i > 0:  # this also retired the block before's dW1 product: its stage is free
                     mbarrier.arrive(d_empty.index((q - 1) % NST))
                 act, dgelu = _gelu_and_grad(ht, FAST_TANH)
                 # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's), first:
@@ -551,6 +553,10 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                     # dH_c^T from shared memory: no A operand registers in flight (this consumer writes the slot again
                     # only after the next block's first wait retired this product; HB >= 2 is for overlap)
                     acc1 = warpgroup_mma(dh_smem.index(hb * 2 + C), xs, acc1, is_async=True)
+                    # dW2's product (A operand op2 in registers) retires here, dW1's at the next block's first
+                    # wait: with dW2's in flight across the loop too, ptxas serialises every wgmma of the kernel
+                    # (C7512 "insufficient register resources": each k-step waits for the one before)
+                    op2 = warpgroup_mma_wait(num_outstanding=1, deps=(op2,))
                 else:
                     op1 = gl.convert_layout(dht, a_layout)
                     acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
@@ -753,8 +759,11 @@ gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 
 # the fused backward with the dX warp group: 16 warps, so launched at maxnreg 128; worker registers (consumer,
-# producer, dX warp group), the default consumer gets 512 - their sum (216)
-BWD_XW_STAGES, BWD_XW_WBUF, BWD_XW_HB, BWD_XW_REGS = 3, 2, 2, (216, 24, 56)
+# producer, dX warp group), the default consumer gets 512 - their sum (208). At 56 registers for the dX warp group
+# ptxas serialises every wgmma of the kernel (C7512; `tests/test_bench_scripts.py` guards it). H100 2026-11-25, kernel
+# alone, 81920 tokens (results/gluon_kernels-h100-2026-11-25-s16-defer.jsonl): 2.61 / 2.65 / 3.03 / 3.11 ms at
+# (384/4/256, 768/8/128, 768/4/256, 1536/8/128) with HB 3 vs 2.68 / 2.73 / 3.18 / 3.17 at HB 2
+BWD_XW_STAGES, BWD_XW_WBUF, BWD_XW_HB, BWD_XW_REGS = 3, 2, 3, (208, 32, 64)
 gluon_expert_bwd_xw_kernel.mhl_compile_options = {"maxnreg": 128}
 
 
