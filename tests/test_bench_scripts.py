@@ -103,6 +103,28 @@ def test_profile_layer_kills_a_slow_profile_and_its_children():
     assert p.returncode == 3 and p.stdout == "done\n"
 
 
+def test_profile_partitions_splits_at_register_reconfigurations(tmp_path):
+    """bench/profile_partitions.py: a warp-specialised kernel's per-instruction samples are cut into partitions at
+    each USETMAXREG (named by the register count), with each partition's share of the kernel's samples, its stall
+    reasons and opcode classes as shares of its own samples."""
+    from bench.profile_partitions import partitions
+
+    head = '"Address","Source","Warp Stall Sampling (All Samples)","# Samples","stall_wait","stall_long_sb"'
+    rows = [("0x0", "LDC R1, c[0x0][0x28]", 2, 2, 0), ("0x10", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd0", 0, 0, 0),
+            ("0x20", "FFMA R2, R3, R4, R5", 30, 10, 0), ("0x30", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 10, 10, 0),
+            ("0x40", "USETMAXREG.DEALLOC.CTAPOOL 0x20", 0, 0, 0), ("0x50", "@!P2  BRA 0x90", 58, 0, 58)]
+    lines = [head] + [f'"{a}","      {s}","{n}","{n}","{w}","{lg}"' for a, s, n, w, lg in rows]
+    f = tmp_path / "k.csv"
+    f.write_text('==PROF== Connected\n"Kernel Name","k",\n' + "\n".join(lines) + "\n")
+    got = {p["partition"]: p for p in partitions(str(f))}
+    assert set(got) == {"setup", "try_alloc 208", "dealloc 32"}, got
+    c, prod = got["try_alloc 208"], got["dealloc 32"]
+    assert c["samples"] == 40 and c["share"] == 0.4 and prod["share"] == 0.58 and got["setup"]["share"] == 0.02
+    assert c["classes"] == {"fp32 math": 0.75, "wgmma wait": 0.25} and c["stalls"] == {"wait": 0.5}, c
+    assert prod["classes"] == {"mbarrier wait": 1.0} and prod["stalls"] == {"long_sb": 1.0}, prod
+    assert c["top"][0] == ("FFMA R2, R3, R4, R5", 0.75)
+
+
 def test_profile_stalls_reads_ncu_csv():
     """bench/profile_stalls.py: per kernel, the metrics of its last launch (the first one compiles), durations
     in nanoseconds whatever the row's unit."""
