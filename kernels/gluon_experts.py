@@ -437,7 +437,8 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
         dW2_c   += (gelu(H^T) diag(g)) dy                 (64, DH) fp32 accumulators in registers, A operands
         dW1_c^T += (dA'^T diag(g) gelu'(H^T)) X            from registers
-    The accumulating products of block i run under the wait for block i + 1 and its H^T / dA'^T.
+    The accumulating products of block i retire at the block's end (in flight across the block loop ptxas serialised
+    every wgmma: C7512); block i + 1's first wait (wait(1)) then retires only H^T.
 
     FUSE (`gluon_expert_bwd_ws_kernel`): also the block's dX rows and gate gradients (over the tile's 128 de: with
     DE > 128 each row gets DE / 128 partials, side by side: dX (P, DE / 128, DH), gate (P, DE / 128)). Each consumer
@@ -560,6 +561,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 else:
                     op1 = gl.convert_layout(dht, a_layout)
                     acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
+                    # the block's products retire here: in flight across the block loop (register A operands op1,
+                    # op2) ptxas serialised every wgmma of the kernel (C7512; measured 2026-11-25, session 16)
+                    op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(op1, op2))
             q += 1
         acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
         if not FUSE and nsub > 0:
