@@ -27,7 +27,10 @@ CLASSES = [("wgmma wait", r"^WARPGROUP\.DEPBAR"), ("wgmma issue", r"^(HGMMA|WARP
 
 
 def opclass(sass: str) -> str:
-    s = re.sub(r"^@!?U?P\w+\s+", lambda m: m.group(0) if "BRA" in sass else "", sass.strip())
+    """The class of one SASS instruction; a predicated branch is the retry loop of an mbarrier wait."""
+    s = sass.strip()
+    if not re.match(r"@!?U?P\w+\s+BRA", s):
+        s = re.sub(r"^@!?U?P\w+\s+", "", s)  # the opcode, without its predicate
     for name, pat in CLASSES:
         if re.match(pat, s):
             return name

@@ -437,8 +437,8 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
         dW2_c   += (gelu(H^T) diag(g)) dy                 (64, DH) fp32 accumulators in registers, A operands
         dW1_c^T += (dA'^T diag(g) gelu'(H^T)) X            from registers
-    The accumulating products of block i retire at the block's end (in flight across the block loop ptxas serialised
-    every wgmma: C7512); block i + 1's first wait (wait(1)) then retires only H^T.
+    The accumulating products of each block retire at its end, which frees its stage (in flight across the block loop
+    ptxas serialised every wgmma of the kernel: C7512).
 
     FUSE (`gluon_expert_bwd_ws_kernel`): also the block's dX rows and gate gradients (over the tile's 128 de: with
     DE > 128 each row gets DE / 128 partials, side by side: dX (P, DE / 128, DH), gate (P, DE / 128)). Each consumer
@@ -496,8 +496,6 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
             ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             if FUSE or XW:  # H^T and dA'^T together (the gate gradient takes both)
-                # FUSE: the block before retired at its end; XW: this also retires its products (they ran before
-                # these two on the tensor cores anyway), so its stage is free
                 ht, dat = warpgroup_mma_wait(num_outstanding=0, deps=(ht, dat))
                 if XW and i > 0:  # this also retired the block before's dW1 product: its stage is free
                     mbarrier.arrive(d_empty.index((q - 1) % NST))
@@ -509,10 +507,8 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 dg = gl.sum(gl.reshape(act.to(cdt).to(gl.float32) * dat, (NW, 64 // NW, BLOCK_M)), axis=1)
                 op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
                 acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
-            else:  # retires the previous block's accumulating products (its stage is then free) and H^T
-                ht, op1, op2 = warpgroup_mma_wait(num_outstanding=1, deps=(ht, op1, op2))
-                if i > 0:
-                    mbarrier.arrive(d_empty.index((q - 1) % NST))
+            else:  # H^T (the block before's products retired at its end)
+                ht = warpgroup_mma_wait(num_outstanding=1, deps=(ht,))
                 act, dgelu = _gelu_and_grad(ht, FAST_TANH)
                 op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
                 acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
@@ -561,12 +557,13 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 else:
                     op1 = gl.convert_layout(dht, a_layout)
                     acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
-                    # the block's products retire here: in flight across the block loop (register A operands op1,
-                    # op2) ptxas serialised every wgmma of the kernel (C7512; measured 2026-11-25, session 16)
+                    # the block's products retire here (its stage is then free): in flight across the block loop
+                    # (register A operands op1, op2) ptxas serialised every wgmma of the kernel (C7512)
                     op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(op1, op2))
+                    mbarrier.arrive(d_empty.index(s))
             q += 1
         acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
-        if not FUSE and nsub > 0:
+        if XW and nsub > 0:  # the last block's dW1 product retired just now
             mbarrier.arrive(d_empty.index((q - 1) % NST))
         mbarrier.arrive(w_empty.index(wb))
         e = e0 + C * 64 + er
