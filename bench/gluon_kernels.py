@@ -42,7 +42,7 @@ KINDS = ("fwd", "dw", "dw_options", "bwd", "router")
 # `gluon_experts_bwd_ws` launch options (`bwd_ws_constexprs`' / `bwd_xw_constexprs`' options; deal=False: tiles
 # strided in group order; xw: the dX warp group), named gluon_bwd_ws + "_option[value]" (results before 2026-11-25
 # named the first gluon_bwd_ws_wb2_st3_r232_40); the first is the fused kernel's default
-BWD_OPTIONS = [{}, dict(xw=True, regs=(200, 32, 80), dgw=2), dict(xw=True, regs=(192, 32, 96), dgw=2), dict(xw=True, regs=(200, 32, 80), dgw=2, stages=4)]
+BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, hb=2)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
@@ -136,7 +136,7 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
 
     from kernels.experts import default_config
     from kernels.gluon_experts import bwd_ws_supported, gluon_experts_bwd_ws, gluon_experts_dw_ws
-    from kernels.torch_experts import experts_dw, experts_dx, experts_fwd
+    from kernels.torch_experts import experts_dw, experts_dx
 
     g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
@@ -144,8 +144,6 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
         return []
     sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh, routing) for _ in range(3)]
     w1, w2 = expert_weights(ne, de, g, nh, dh)
-    # each set's forward output rows (the dX warp group's gate gradients read them)
-    sets = [(*s, experts_fwd(s[0], s[3].row_slot, s[3].block_group, w1, w2, k, cfg)) for s in sets]
     p = sets[0][3].row_slot.shape[0]
     dx = torch.zeros(p, dh, dtype=torch.bfloat16, device="cuda")
     out = (torch.empty(w1.shape, device="cuda"), torch.empty(w2.shape, device="cuda"),
@@ -169,8 +167,7 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
     for opts in BWD_OPTIONS:
         kernels[option_name("gluon_bwd_ws", opts)] = (5, (
             lambda s, o=opts: gluon_experts_bwd_ws(
-                s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, heads=nh,
-                y_rows=s[4] if o.get("xw") else None, **o)))
+                s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, heads=nh, **o)))
     valid = sets[0][3].row_slot >= 0
 
     def outputs(fn):  # dW1, dW2, and the dX rows and gate gradients of the routed rows (partials summed)

@@ -100,19 +100,6 @@ def _gelu_and_grad(h, FAST_TANH: gl.constexpr):
     return act, grad
 
 
-@gluon.jit
-def _gated_gelu_and_grad(h, g2, FAST_TANH: gl.constexpr):
-    """(g gelu(h), g gelu'(h)) of fp32 h with the gate folded in, g2 = g / 2: `_gelu_and_grad`'s arithmetic with
-    0.5 h replaced by h g2 (two multiplies fewer per value than gating both afterwards; other roundings)."""
-    h2 = h * h
-    t = _tanh(h * gl.fma(h2, 0.7978845608028654 * 0.044715, 0.7978845608028654), FAST_TANH)
-    hg = h * g2
-    act = gl.fma(hg, t, hg)
-    du = gl.fma(h2, 3.0 * 0.7978845608028654 * 0.044715, 0.7978845608028654)
-    grad = gl.fma(hg * gl.fma(-t, t, 1.0), du, gl.fma(t, g2, g2))
-    return act, grad
-
-
 @gluon.constexpr_function
 def _wgmma_layout(n, num_warps):
     """Accumulator layout of (rows, n) wgmma products of one warp group's warps (m16 x n x k16 instructions)."""
@@ -444,8 +431,7 @@ def _sum_partials(dg_smem, hb, BLOCK_M: gl.constexpr, NW: gl.constexpr):
 @gluon.jit
 def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-                 C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2,
-                 GFOLD: gl.constexpr = True):
+                 C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2):
     """Consumer C (one warp group): de rows [e0 + 64 C, + 64) of every tile, both gradients. Per row block,
     transposed as in `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
         H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
@@ -509,36 +495,25 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
             ds = dy_smem.index(s)
             ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if FUSE:  # H^T and dA'^T together (the gate gradient takes both)
+            if FUSE or XW:  # H^T and dA'^T together (the gate gradient takes both)
                 ht, dat = warpgroup_mma_wait(num_outstanding=0, deps=(ht, dat))
+                if XW and i > 0:  # this also retired the block before's dW1 product: its stage is free
+                    mbarrier.arrive(d_empty.index((q - 1) % NST))
                 act, dgelu = _gelu_and_grad(ht, FAST_TANH)
                 # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's), first:
                 # the activation's registers are free once its A operand is made
-                # per warp (16 de each, no exchange between the warps): consumer 0 adds the eight partials
+                # per warp (16 de each, no exchange between the warps): consumer 0 (FUSE) or the dX warp group (XW)
+                # adds the eight partials
                 dg = gl.sum(gl.reshape(act.to(cdt).to(gl.float32) * dat, (NW, 64 // NW, BLOCK_M)), axis=1)
                 op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
                 acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
-                dht = (dat * gate[None, :] * dgelu).to(cdt)
-            else:
-                if XW:  # H^T and dA'^T together
-                    ht, dat = warpgroup_mma_wait(num_outstanding=0, deps=(ht, dat))
-                    if i > 0:  # this also retired the block before's dW1 product: its stage is free
-                        mbarrier.arrive(d_empty.index((q - 1) % NST))
-                else:  # H^T (the block before's products retired at its end)
-                    ht = warpgroup_mma_wait(num_outstanding=1, deps=(ht,))
-                # the gate folded into gelu and gelu' (no gate gradient here: from the output rows in the dX warp
-                # group, XW, or none, the dW kernel)
-                if GFOLD:
-                    actg, dgg = _gated_gelu_and_grad(ht, gate[None, :] * 0.5, FAST_TANH)
-                else:
-                    act, dgelu = _gelu_and_grad(ht, FAST_TANH)
-                    actg = act * gate[None, :]
-                    dgg = dgelu * gate[None, :]
-                op2 = gl.convert_layout(actg.to(cdt), a_layout)
+            else:  # H^T (the block before's products retired at its end)
+                ht = warpgroup_mma_wait(num_outstanding=1, deps=(ht,))
+                act, dgelu = _gelu_and_grad(ht, FAST_TANH)
+                op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
                 acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
-                if not XW:
-                    dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
-                dht = (dat * dgg).to(cdt)
+                dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
+            dht = (dat * gate[None, :] * dgelu).to(cdt)
             if FUSE:
                 hb = q % 2
                 mbarrier.wait(h_empty.index(hb), ((q // 2) & 1) ^ 1)
@@ -569,6 +544,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                     hb = q % HB
                     mbarrier.wait(h_empty.index(hb), ((q // HB) & 1) ^ 1)
                     dh_smem.index(hb * 2 + C).store(dht)
+                    dg_smem.index(hb * 2 + C).store(dg)
                     fence_async_shared()  # the generic writes before the wgmma reads (the arrive syncs the warp group)
                     mbarrier.arrive(h_ready.index(hb))
                     # dH_c^T from shared memory: no A operand registers in flight (this consumer writes the slot again
@@ -600,11 +576,10 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
 @gluon.jit
 def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
                  w2_ptr, dw1_ptr, dw2_ptr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M: gl.constexpr,
-                 DH: gl.constexpr, NW: gl.constexpr, USERS: gl.constexpr = 2, D_USERS: gl.constexpr = 2):
+                 DH: gl.constexpr, NW: gl.constexpr, W_USERS: gl.constexpr = 2):
     """The dW / backward kernels' shared operand tuple (`_dw_producer` / `_dw_consumer` / `_dx_worker` unpack it): the
     pointers, and the shared memory: an NST-stage ring of gathered X / dy rows and their gates, WB buffers of a
-    tile's W1 columns / W2 rows (two 64-de halves each), and their (ready, empty) mbarriers (USERS partitions free
-    a stage or a weight buffer)."""
+    tile's W1 columns / W2 rows (two 64-de halves each), and their (ready, empty) mbarriers."""
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
@@ -613,8 +588,8 @@ def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, 
     g_smem = gl.allocate_shared_memory(gl.float32, [NST, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # gates
     w1_smem = gl.allocate_shared_memory(cdt, [WB * 2, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
     w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
-    d_ready, d_empty = _ws_barriers(NST, NW * 32, D_USERS)
-    w_ready, w_empty = _ws_barriers(WB, NW * 32, USERS)
+    d_ready, d_empty = _ws_barriers(NST, NW * 32)
+    w_ready, w_empty = _ws_barriers(WB, NW * 32, W_USERS)  # W_USERS partitions free a weight buffer
     return (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
             w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
 
@@ -626,7 +601,7 @@ def gluon_expert_dw_ws_kernel(
     dw1_ptr, dw2_ptr,  # outputs (G, DH, DE), (G, DE, DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, GFOLD: gl.constexpr = True,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de) as
     the schedule sched_ptr deals them (`deal_schedule`: offsets of each program's tiles, then the tiles; about the
@@ -643,10 +618,8 @@ def gluon_expert_dw_ws_kernel(
     args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW)
     f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
-    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, False,
-                                        2, GFOLD)),
-                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, False,
-                                        2, GFOLD)),
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -693,15 +666,13 @@ def gluon_expert_bwd_ws_kernel(
 
 
 @gluon.jit
-def _dx_worker(a, f, out_ptr, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-               NST: gl.constexpr, WB: gl.constexpr, HB: gl.constexpr, DGW: gl.constexpr = 1, K: gl.constexpr = 4):
+def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
+               WB: gl.constexpr, HB: gl.constexpr):
     """The dX warp group of `gluon_expert_bwd_xw_kernel`: per row block, once both consumers handed over their dH_c^T
     (h_ready), the block's dX rows over the tile's 128 de, dh half D: dX^T_D = W1[64 D:, :64] dH_0^T + W1[64 D:, 64:]
     dH_1^T (W1 from the tile's weight buffer), stored as (BLOCK_M, DH) rows of this tile's partial; and the gate
-    gradient <out row, dy row> of the block's rows: the forward's output rows (out_ptr, contiguous in packed order,
-    loaded before the hand-over wait) and the dy rows of the block's ring stage, which it frees then (d_empty counts
-    the two consumers and this warp group). The tile of the first 128 de writes it, the others' partial is 0. Frees
-    the hand-over slot (h_empty) once its products retired, the weight buffer (w_empty) after the tile's last block."""
+    gradient (the consumers' per-warp partials, 16 de each, added in a fixed order). Frees the ring slot (h_empty)
+    once its products retired, the weight buffer (w_empty) after the tile's last block."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
@@ -712,38 +683,16 @@ def _dx_worker(a, f, out_ptr, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl
     lxs: gl.constexpr = _copy_layout(64, NW)  # the dX half's store: 16-byte vectors of 8 dh
     xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
-    lo: gl.constexpr = _copy_layout(DH, NW)  # output / dy rows: 16-byte vectors of 8 dh, 16 lanes per row
-    orr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lo))
-    occ = gl.arange(0, DH, layout=gl.SliceLayout(0, lo))
     NP: gl.constexpr = DE // 128  # the tiles' partial dX / gate gradients of a row, side by side
+    gcol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _partials_layout(NW)))
     q = 0
     n = 0
     for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
         g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK,
                                      BLOCK_M)
         wb = _wait_weights(w_ready, n, WB)
-        o_next = gl.load(out_ptr + (row0 + orr).to(gl.int64)[:, None] * DH + occ[None, :],
-                         mask=(e0 == 0) & (nsub > 0) & (DGW == 2), other=0.0)
         for i in range(nsub):
             hb = q % HB
-            s = q % NST
-            rows = row0 + i * BLOCK_M
-            # the output rows (padding rows are 0: the forward writes them so); issued before the waits
-            if DGW == 2:  # this block's output rows were loaded one block ahead
-                o = o_next
-                o_next = gl.load(out_ptr + (rows + BLOCK_M + orr).to(gl.int64)[:, None] * DH + occ[None, :],
-                                 mask=(e0 == 0) & (i + 1 < nsub), other=0.0)
-                mbarrier.wait(d_ready.index(s), (q // NST) & 1)
-                dg = gl.sum(o.to(gl.float32) * dy_smem.index(s).load(lo).to(gl.float32), axis=1)
-                mbarrier.arrive(d_empty.index(s))
-            elif DGW == 1:
-                o = gl.load(out_ptr + (rows + orr).to(gl.int64)[:, None] * DH + occ[None, :], mask=e0 == 0,
-                            other=0.0)
-                mbarrier.wait(d_ready.index(s), (q // NST) & 1)
-                dg = gl.sum(o.to(gl.float32) * dy_smem.index(s).load(lo).to(gl.float32), axis=1)
-                mbarrier.arrive(d_empty.index(s))
-            else:
-                dg = gl.zeros((BLOCK_M,), gl.float32, gl.SliceLayout(1, lo))
             mbarrier.wait(h_ready.index(hb), (q // HB) & 1)
             h0 = dh_smem.index(hb * 2)
             h1 = dh_smem.index(hb * 2 + 1)
@@ -751,7 +700,9 @@ def _dx_worker(a, f, out_ptr, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl
             d0 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(0, 64, dim=0), h1, d0, is_async=True)
             d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
             d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
-            gl.store(dgate_ptr + (rows + orr) * NP + e0 // 128, dg)
+            rows = row0 + i * BLOCK_M
+            dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
+            gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg)
             d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
             mbarrier.arrive(h_empty.index(hb))
             base = dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + (e0 // 128) * DH + xc[None, :]
@@ -765,12 +716,11 @@ def _dx_worker(a, f, out_ptr, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl
 @gluon.jit
 def gluon_expert_bwd_xw_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
-    w2_ptr, out_ptr,  # inputs (out: the forward's output rows (P, DH))
+    w2_ptr,  # inputs
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
-    GFOLD: gl.constexpr = True, DGW: gl.constexpr = 1,
 ):
     """The whole expert backward as `gluon_expert_bwd_ws_kernel` computes it (same outputs, same sums in the same
     order), with a fourth warp group for the dX rows (`_dx_worker`): the consumers run the dW kernel's pipeline and
@@ -782,14 +732,14 @@ def gluon_expert_bwd_xw_kernel(
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1 and HB >= 2, "NST >= 2, WB >= 1, HB >= 2")
     args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
-                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW, 3, 3 if DGW > 0 else 2)
+                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW, 3)
     f = _dh_ring(dx_ptr, dgate_ptr, HB, BLOCK_M, NW, 1)  # both consumers arrive on ready, the dX warp group on empty
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
-                                        HB, GFOLD)),
+                                        HB)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
-                                        HB, GFOLD)),
+                                        HB)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0)),
-                        (_dx_worker, (args, f, out_ptr, DE, DH, PACK_BLOCK, BLOCK_M, NST, WB, HB, DGW, K))],
+                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB))],
                        [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
 
 
@@ -831,15 +781,14 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
 
 
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
-                      wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB,
-                      gfold: bool = True, dgw: int = 1) -> dict:
+                      wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
     the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take."""
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
     consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward")
-    return dict(consts, DX_REGS=regs[2], HB=hb, GFOLD=gfold, DGW=dgw)
+    return dict(consts, DX_REGS=regs[2], HB=hb)
 
 
 def bwd_kernel(xw: bool):
@@ -849,19 +798,14 @@ def bwd_kernel(xw: bool):
 
 
 def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
-                         dw_dtype=None, out=None, *, heads: int, deal: bool = True, xw: bool = False, y_rows=None,
-                         **options):
+                         dw_dtype=None, out=None, *, heads: int, deal: bool = True, xw: bool = False, **options):
     """Torch launcher (CUDA, Hopper) of the fused backward: as `gluon_experts_dw_ws`, plus dX rows (P, de / 128, dh)
     in x.dtype and each packed row's gate gradient (P, de / 128) fp32, one partial per 128 de (sum them; rows of
     blocks made only of padding unwritten): -> (dW1, dW2, dX, dgate), or written into `out` (the same four).
-    xw: `gluon_expert_bwd_xw_kernel` (the dX rows by a fourth warp group; options: `bwd_xw_constexprs`'), which
-    takes the forward's output rows y_rows (P, dh) (the gate gradients come from them)."""
+    xw: `gluon_expert_bwd_xw_kernel` (the dX rows by a fourth warp group; options: `bwd_xw_constexprs`')."""
     import torch
 
     p, (_, dh), (_, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
-    if xw and (y_rows is None or tuple(y_rows.shape) != (p, dh)):
-        raise ValueError(f"fused expert backward with the dX warp group: y_rows (the forward's output rows) of shape "
-                         f"{None if y_rows is None else tuple(y_rows.shape)}, expected {(p, dh)}")
     kernel, constexprs = bwd_kernel(xw)
     consts = constexprs(k, dh, de, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32
@@ -869,13 +813,12 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
                   torch.empty(w2.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(p, de // 128, dh, dtype=x.dtype, device=x.device),
                   torch.empty(p, de // 128, dtype=torch.float32, device=x.device))
-    _launch_tiled(kernel, x, dy, gates, pk, w1, w2, out, consts, programs, heads, deal,
-                  (y_rows.contiguous(),) if xw else ())
+    _launch_tiled(kernel, x, dy, gates, pk, w1, w2, out, consts, programs, heads, deal)
     return out
 
 
 def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs: int | None, heads: int,
-                  deal: bool, extra=()) -> None:
+                  deal: bool) -> None:
     """Launch a persistent dW / backward kernel from torch: one program per SM (or `programs`), at most one per
     (group, 128 de) tile, with `tile_schedule_torch`'s schedule for exactly that many programs."""
     import torch
@@ -885,7 +828,7 @@ def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs
                    w1.shape[0] * tiles_per_group)
     sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal)
     kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start,
-                        pk.group_nblocks, sched, w1.contiguous(), w2.contiguous(), *extra, *outs, num_warps=4,
+                        pk.group_nblocks, sched, w1.contiguous(), w2.contiguous(), *outs, num_warps=4,
                         maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
 
 
@@ -973,8 +916,7 @@ def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, progr
     import torch
 
     (_, dh), (_, _, de) = x.shape, w1.shape
-    gfold = options.pop("gfold", True)
-    consts = dict(dw_ws_constexprs(k, dh, de, pack_block, **options), GFOLD=gfold)
+    consts = dw_ws_constexprs(k, dh, de, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32
     dw1, dw2 = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                        torch.empty(w2.shape, dtype=dw_dtype, device=x.device))

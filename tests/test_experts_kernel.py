@@ -695,14 +695,12 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne, xw):
     out zero, padding rows of used blocks dX = 0 and gate gradient 0. Packing blocks 128, 64, 32; five programs take
     many tiles each (the dH^T buffers and barriers shared by the two consumers go round many times). xw: the kernel
     with the dX warp group, which computes the same products and sums in the same order: bitwise the other kernel's
-    with the dX warp group, which folds the gate into gelu / gelu' (other roundings) and takes the gate gradients from
-    the forward's output rows: within tolerance of the other kernel, and bitwise its own on a second run with another
-    ring depth, weight buffering and stage count."""
+    outputs, and bitwise its own on a second run with another ring depth, weight buffering and stage count."""
     from dataclasses import replace
 
     from kernels.experts import Tile, default_config
     from kernels.gluon_experts import gluon_experts_bwd_ws
-    from kernels.torch_experts import experts_dw, experts_dx, experts_fwd
+    from kernels.torch_experts import experts_dw, experts_dx
 
     n, h, k, dh = 2048, 4, 4, 128
     x, dy, idx, gates, w1, w2 = _bwd_inputs(5, n, h, k, ne, dh, de, skew)
@@ -714,22 +712,14 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne, xw):
     out = (torch.full(w1.shape, nan, device="cuda"), torch.full(w2.shape, nan, device="cuda"),
            torch.full((p, parts, dh), nan, device="cuda", dtype=torch.bfloat16),
            torch.full((p, parts), nan, device="cuda"))
-    y = experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg) if xw else None  # the forward's output rows
     dw1, dw2, dxp, dgp = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs,
-                                              out=out, heads=h, xw=xw, y_rows=y)
+                                              out=out, heads=h, xw=xw)
     if xw:
         base = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, heads=h)
         other = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, heads=h, xw=True,
-                                     y_rows=y, hb=2, wbuf=1, stages=4)
-        for name, a, b, c in zip(("dW1", "dW2", "dX", "dgate"), (dw1, dw2, dxp, dgp), base, other):
-            w = ~a.isnan()  # where `out` was written (unwritten rows stay NaN)
-            assert torch.equal(a[w], c[w]), name
-            if name == "dgate":  # the dX warp group writes a row's whole gate gradient into the first tile's partial
-                w = w.all(1)
-                a, b = a[w].sum(1), b[w].sum(1)
-            else:
-                a, b = a[w], b[w]
-            assert _rel(a.float(), b.float()) < 1e-2, name
+                                     hb=2, wbuf=1, stages=4)
+        for a, b, c in zip((dw1, dw2, dxp, dgp), base, other):  # where `out` was written (unwritten rows stay NaN)
+            assert torch.equal(a[~a.isnan()], b[~a.isnan()]) and torch.equal(a[~a.isnan()], c[~a.isnan()])
     ref1, ref2, rdx, rdg, g = _f64_bwd(x, dy, gates, pk, idx, w1, w2, k, h, ne)
     valid = pk.row_slot >= 0
     used = torch.arange(p, device="cuda") < int(pk.group_block_start[-1] + pk.group_nblocks[-1]) * cfg.pack_block

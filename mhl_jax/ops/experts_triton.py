@@ -195,14 +195,14 @@ def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: i
                        dw_ws_constexprs(st.k, dh, de, st.cfg.pack_block))
 
 
-def _tiled_call(kernel, xs, dys, gates, meta: Meta, w1, w2, heads: int, out_shape, constexprs: dict, extra=()):
+def _tiled_call(kernel, xs, dys, gates, meta: Meta, w1, w2, heads: int, out_shape, constexprs: dict):
     """A persistent dW / backward Gluon kernel over (group, 128 de) tiles: the launch grid (`_persistent_programs`)
-    and the schedule dealt for exactly that many programs (`tile_schedule`); `extra` inputs follow the weights."""
+    and the schedule dealt for exactly that many programs (`tile_schedule`)."""
     tiles_per_group = w1.shape[2] // 128
     programs = _persistent_programs(w1.shape[0] * tiles_per_group)
     return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
-                       tile_schedule(meta.group_nblocks, tiles_per_group, heads, programs), w1, w2, *extra,
-                       kernel=kernel, out_shape=out_shape, programs=programs, **constexprs)
+                       tile_schedule(meta.group_nblocks, tiles_per_group, heads, programs), w1, w2, kernel=kernel,
+                       out_shape=out_shape, programs=programs, **constexprs)
 
 
 def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
@@ -215,10 +215,9 @@ def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
             and bwd_ws_supported(dh, de, cfg.pack_block) and bool(_hopper_sms()))
 
 
-def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int, out_rows=None):
+def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
     """dX rows (P, de / 128, dh), dW1, dW2, gate gradients (P, de / 128) by the warp-specialised fused Gluon kernel
-    (one partial per 128 de: the callers sum them); work items = (group, 128 de) tiles. With the dX warp group
-    (cfg.bwd_xw) the kernel takes the forward's output rows `out_rows` (P, dh) for the gate gradients."""
+    (one partial per 128 de: the callers sum them); work items = (group, 128 de) tiles."""
     from kernels.gluon_experts import bwd_kernel
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
@@ -227,24 +226,16 @@ def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: 
         kernel, xs, dys, gates, meta, w1, w2, heads,
         [jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
          jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype), jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
-        constexprs(st.k, dh, de, st.cfg.pack_block), (out_rows,) if st.cfg.bwd_xw else ())
+        constexprs(st.k, dh, de, st.cfg.pack_block))
     return dx.reshape(p, de // 128, dh), dw1, dw2, dgate
 
 
-def keeps_out_rows(st: Static, dtype, dh: int, de: int) -> bool:
-    """Whether the forward's output rows are kept for the backward: where no kernel makes the gate gradients (XLA
-    then reduces <out row, dy>), and for the Gluon backward with the dX warp group, which reads them."""
-    return not dgates_in_kernels(st.cfg, de) or (st.backend == "triton" and st.cfg.bwd_xw
-                                                 and use_bwd_gluon(st.cfg, dtype, dh, de))
-
-
-def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int, out_rows=None):
+def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
     """dX rows, dW1, dW2 and (when `dgates_in_kernels`) each packed row's gate gradient (P,) fp32, made by the
-    dX kernel or, with dX fused, by the dW kernel (or by the Gluon backward: `_bwd_gluon`, which may read the
-    forward's output rows)."""
+    dX kernel or, with dX fused, by the dW kernel."""
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     if use_bwd_gluon(st.cfg, xs.dtype, dh, de):
-        return _bwd_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype, heads, out_rows)
+        return _bwd_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype, heads)
     jt = import_jax_triton()
 
     from kernels.experts import expert_dw_kernel, expert_dwt_kernel, expert_dx_kernel
@@ -301,7 +292,7 @@ def _fwd_emulate(st: Static, xs, meta: Meta, w1, w2):
     return _rows_fn(st, meta, xs, w1, w2)
 
 
-def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int, out_rows=None):
+def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
     rows, do = packed_bwd_rows(st, xs, dys, gates, meta)
     from mhl_jax.ops.experts import expert_rows_reference
 
@@ -382,7 +373,8 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta):
     fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
     out_rows = fwd(st, xs, meta, w1c, w2c)
     y = _combine(out_rows, meta.slot_row, gates.astype(jnp.float32)).astype(x.dtype)
-    keep = out_rows if keeps_out_rows(st, x.dtype, dh, de) else None
+    # the output rows are kept for the backward only where no kernel makes the gate gradients
+    keep = None if dgates_in_kernels(st.cfg, de) else out_rows
     return y, (xs, gates, keep, w1c, w2c, meta)
 
 
@@ -401,7 +393,7 @@ def _experts_bwd(st: Static, res, dy):
     bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
     dxr, dw1, dw2, dgate_rows = bwd(st, xs, dy.reshape(n * h, -1), gates.reshape(-1).astype(jnp.float32), meta,
-                                    w1c, w2c, jnp.dtype(st.w_dtype), h, out_rows)
+                                    w1c, w2c, jnp.dtype(st.w_dtype), h)
     if dgate_rows is None:  # packed dO rows, or dX fused into the row-form dW kernel: the gate gradient in XLA
         dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)[1]
     else:  # the per-row gate gradients of the kernels (partials of the Gluon backward summed), per slot (empty: 0)
