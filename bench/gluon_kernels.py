@@ -42,7 +42,7 @@ KINDS = ("fwd", "dw", "dw_options", "bwd", "router")
 # `gluon_experts_bwd_ws` launch options (`bwd_ws_constexprs`' / `bwd_xw_constexprs`' options; deal=False: tiles
 # strided in group order; xw: the dX warp group), named gluon_bwd_ws + "_option[value]" (results before 2026-11-25
 # named the first gluon_bwd_ws_wb2_st3_r232_40); the first is the fused kernel's default
-BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, dgr=False), dict(xw=True, dgr=False, dgp=4), dict(xw=True, dgr=False, dgp=8)]
+BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, hb=2)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is

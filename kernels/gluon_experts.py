@@ -415,24 +415,23 @@ def _wait_weights(w_ready, n, WB: gl.constexpr):
 
 
 @gluon.constexpr_function
-def _partials_layout(rows, num_warps):
-    """(rows, cols) partial sums, read so that one thread holds all of a column's partials."""
-    return gl.BlockedLayout([rows, 1], [1, 32], [1, num_warps], [0, 1])
+def _partials_layout(num_warps):
+    """(num_warps, cols) per-warp partial sums, read so that one thread holds all of a column's partials."""
+    return gl.BlockedLayout([num_warps, 1], [1, 32], [1, num_warps], [0, 1])
 
 
 @gluon.jit
-def _sum_partials(dg_smem, hb, BLOCK_M: gl.constexpr, NW: gl.constexpr, DGP: gl.constexpr = 1):
-    """The gate gradient of a block's BLOCK_M rows over the tile's 128 de: the two consumers' partials in slots 2 hb
-    and 2 hb + 1 of dg_smem (2 x NW x DGP of them, 16 / DGP de each), added in a fixed order within each thread."""
-    lg: gl.constexpr = _partials_layout(NW * DGP, NW)
+def _sum_partials(dg_smem, hb, BLOCK_M: gl.constexpr, NW: gl.constexpr):
+    """The gate gradient of a block's BLOCK_M rows over the tile's 128 de: the two consumers' per-warp partials in
+    slots 2 hb and 2 hb + 1 of dg_smem (2 x NW of them, 16 de each), added in a fixed order within each thread."""
+    lg: gl.constexpr = _partials_layout(NW)
     return gl.sum(dg_smem.index(hb * 2).load(lg), axis=0) + gl.sum(dg_smem.index(hb * 2 + 1).load(lg), axis=0)
 
 
 @gluon.jit
 def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-                 C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2,
-                 DGP: gl.constexpr = 1, DGR: gl.constexpr = True):
+                 C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2):
     """Consumer C (one warp group): de rows [e0 + 64 C, + 64) of every tile, both gradients. Per row block,
     transposed as in `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
         H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
@@ -505,15 +504,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 # the activation's registers are free once its A operand is made
                 # per warp (16 de each, no exchange between the warps): consumer 0 (FUSE) or the dX warp group (XW)
                 # adds the eight partials
-                if DGR:
-                    pg = act.to(cdt).to(gl.float32) * dat
-                else:
-                    pg = act * dat
-                if DGP == 1:
-                    dg = gl.sum(gl.reshape(pg, (NW, 64 // NW, BLOCK_M)), axis=1)
-                else:  # (warp, i + 8 h) rows -> DGP partials per warp (8 / DGP lane rows each: fewer shuffles)
-                    dg = gl.sum(gl.sum(gl.reshape(pg, (NW, 2, 8 // DGP, DGP, BLOCK_M)), axis=2), axis=1)
-                    dg = gl.reshape(dg, (NW * DGP, BLOCK_M))
+                dg = gl.sum(gl.reshape(act.to(cdt).to(gl.float32) * dat, (NW, 64 // NW, BLOCK_M)), axis=1)
                 op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
                 acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
             else:  # H^T (the block before's products retired at its end)
@@ -634,8 +625,7 @@ def gluon_expert_dw_ws_kernel(
 
 
 @gluon.jit
-def _dh_ring(dx_ptr, dgate_ptr, HB: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr, EMPTY: gl.constexpr,
-             DGP: gl.constexpr = 1):
+def _dh_ring(dx_ptr, dgate_ptr, HB: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr, EMPTY: gl.constexpr):
     """The backward's dX operand tuple (`_dw_consumer`'s and `_dx_worker`'s `f`): the dX / gate-gradient outputs and
     the hand-over ring of HB slots: per slot both consumers' dH_c^T (64 de, BLOCK_M) and per-warp gate-gradient
     partials (NW, BLOCK_M), and its (ready, empty) mbarriers (ready after both consumers, empty after EMPTY
@@ -643,12 +633,7 @@ def _dh_ring(dx_ptr, dgate_ptr, HB: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.
     cdt: gl.constexpr = dx_ptr.dtype.element_ty
     dh_smem = gl.allocate_shared_memory(cdt, [2 * HB, 64, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], cdt))
-    if DGP == 1:
-        dg_smem = gl.allocate_shared_memory(gl.float32, [2 * HB, NW, BLOCK_M],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    else:
-        dg_smem = gl.allocate_shared_memory(gl.float32, [2 * HB, NW * DGP, BLOCK_M],
-                                            gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
+    dg_smem = gl.allocate_shared_memory(gl.float32, [2 * HB, NW, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     h_ready, h_empty = _ws_barriers(HB, 2, EMPTY)
     return dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty
 
@@ -682,7 +667,7 @@ def gluon_expert_bwd_ws_kernel(
 
 @gluon.jit
 def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-               WB: gl.constexpr, HB: gl.constexpr, DGP: gl.constexpr = 1):
+               WB: gl.constexpr, HB: gl.constexpr):
     """The dX warp group of `gluon_expert_bwd_xw_kernel`: per row block, once both consumers handed over their dH_c^T
     (h_ready), the block's dX rows over the tile's 128 de, dh half D: dX^T_D = W1[64 D:, :64] dH_0^T + W1[64 D:, 64:]
     dH_1^T (W1 from the tile's weight buffer), stored as (BLOCK_M, DH) rows of this tile's partial; and the gate
@@ -699,7 +684,7 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
     xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     NP: gl.constexpr = DE // 128  # the tiles' partial dX / gate gradients of a row, side by side
-    gcol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _partials_layout(NW * DGP, NW)))
+    gcol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _partials_layout(NW)))
     q = 0
     n = 0
     for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
@@ -716,7 +701,7 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
             d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
             d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
             rows = row0 + i * BLOCK_M
-            dg = _sum_partials(dg_smem, hb, BLOCK_M, NW, DGP)
+            dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
             gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg)
             d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
             mbarrier.arrive(h_empty.index(hb))
@@ -736,7 +721,6 @@ def gluon_expert_bwd_xw_kernel(
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
-    DGP: gl.constexpr = 1, DGR: gl.constexpr = True,
 ):
     """The whole expert backward as `gluon_expert_bwd_ws_kernel` computes it (same outputs, same sums in the same
     order), with a fourth warp group for the dX rows (`_dx_worker`): the consumers run the dW kernel's pipeline and
@@ -749,13 +733,13 @@ def gluon_expert_bwd_xw_kernel(
     gl.static_assert(NST >= 2 and WB >= 1 and HB >= 2, "NST >= 2, WB >= 1, HB >= 2")
     args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW, 3)
-    f = _dh_ring(dx_ptr, dgate_ptr, HB, BLOCK_M, NW, 1, DGP)  # consumers arrive on ready, the dX warp group on empty
+    f = _dh_ring(dx_ptr, dgate_ptr, HB, BLOCK_M, NW, 1)  # both consumers arrive on ready, the dX warp group on empty
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
-                                        HB, DGP, DGR)),
+                                        HB)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
-                                        HB, DGP, DGR)),
+                                        HB)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0)),
-                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB, DGP))],
+                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB))],
                        [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
 
 
@@ -797,15 +781,14 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
 
 
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
-                      wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB,
-                      dgp: int = 1, dgr: bool = True) -> dict:
+                      wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
     the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take."""
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
     consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward")
-    return dict(consts, DX_REGS=regs[2], HB=hb, DGP=dgp, DGR=dgr)
+    return dict(consts, DX_REGS=regs[2], HB=hb)
 
 
 def bwd_kernel(xw: bool):
