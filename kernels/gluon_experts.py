@@ -667,7 +667,7 @@ def gluon_expert_bwd_ws_kernel(
 
 @gluon.jit
 def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-               WB: gl.constexpr, HB: gl.constexpr, XSTORE: gl.constexpr = 1):
+               WB: gl.constexpr, HB: gl.constexpr):
     """The dX warp group of `gluon_expert_bwd_xw_kernel`: per row block, once both consumers handed over their dH_c^T
     (h_ready), the block's dX rows over the tile's 128 de, dh half D: dX^T_D = W1[64 D:, :64] dH_0^T + W1[64 D:, 64:]
     dH_1^T (W1 from the tile's weight buffer), stored as (BLOCK_M, DH) rows of this tile's partial; and the gate
@@ -705,14 +705,9 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
             gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg)
             d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
             mbarrier.arrive(h_empty.index(hb))
-            if XSTORE == 1:
-                base = dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + (e0 // 128) * DH + xc[None, :]
-                gl.store(base, gl.convert_layout(gl.permute(d0.to(cdt), (1, 0)), lxs))
-                gl.store(base + 64, gl.convert_layout(gl.permute(d1.to(cdt), (1, 0)), lxs))
-            else:  # timing probe: one value per thread stored, no layout change (wrong outputs)
-                pr = gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-                pc = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-                gl.store(dx_ptr + pr[:, None] * BLOCK_M + pc[None, :], (d0 + d1).to(cdt), mask=rows < 0)
+            base = dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + (e0 // 128) * DH + xc[None, :]
+            gl.store(base, gl.convert_layout(gl.permute(d0.to(cdt), (1, 0)), lxs))
+            gl.store(base + 64, gl.convert_layout(gl.permute(d1.to(cdt), (1, 0)), lxs))
             q += 1
         mbarrier.arrive(w_empty.index(wb))
         n += 1
@@ -726,7 +721,6 @@ def gluon_expert_bwd_xw_kernel(
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
-    XSTORE: gl.constexpr = 1,
 ):
     """The whole expert backward as `gluon_expert_bwd_ws_kernel` computes it (same outputs, same sums in the same
     order), with a fourth warp group for the dX rows (`_dx_worker`): the consumers run the dW kernel's pipeline and
@@ -745,7 +739,7 @@ def gluon_expert_bwd_xw_kernel(
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
                                         HB)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0)),
-                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB, XSTORE))],
+                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB))],
                        [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
 
 
@@ -787,15 +781,14 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
 
 
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
-                      wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB,
-                      xstore: int = 1) -> dict:
+                      wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
     the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take."""
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
     consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward")
-    return dict(consts, DX_REGS=regs[2], HB=hb, XSTORE=xstore)
+    return dict(consts, DX_REGS=regs[2], HB=hb)
 
 
 def bwd_kernel(xw: bool):
