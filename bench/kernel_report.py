@@ -158,7 +158,26 @@ def _ptxas_report(fn, ptx_text: str, ttgir: str, shared: int) -> dict:
                 # ...": every wgmma of the kernel then waits for the one before (no MMA pipelining at all)
                 wgmma_serialized="wgmma.mma_async instructions are serialized" in info,
                 sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
-                sass_counts={op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in COUNTED})
+                sass_counts={op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in COUNTED},
+                sass_partitions=sass_partitions(sass))
+
+
+def sass_partitions(sass: str) -> list[dict]:
+    """The SASS cut at its register reconfigurations (USETMAXREG, named as `bench.profile_partitions` names them:
+    a warp-specialised kernel's partitions, "setup" before the first): instructions and spill loads / stores
+    (LDL / STL) in each, in address order."""
+    from bench.profile_partitions import partition_name
+
+    parts = [dict(name="setup", instructions=0, spill_instructions=0)]
+    for line in sass.splitlines():
+        if not re.match(r"^\s+/\*[0-9a-f]{4,}\*/", line):
+            continue
+        name = partition_name(line)
+        if name:
+            parts.append(dict(name=name, instructions=0, spill_instructions=0))
+        parts[-1]["instructions"] += 1
+        parts[-1]["spill_instructions"] += bool(re.search(r"\b(LDL|STL)\b", line))
+    return parts
 
 
 def main() -> None:

@@ -37,6 +37,16 @@ def opclass(sass: str) -> str:
     return "other"
 
 
+SETMAXNREG = re.compile(r"USETMAXREG\.(\w+)\.CTAPOOL(?: UP0,)? (0x[0-9a-f]+)")
+
+
+def partition_name(sass: str) -> str | None:
+    """The partition a register reconfiguration (USETMAXREG) starts, named by its kind and count ("try_alloc 208",
+    "dealloc 32"); None for any other instruction. The code before the first one is "setup"."""
+    m = SETMAXNREG.search(sass)
+    return f"{m.group(1).lower()} {int(m.group(2), 16)}" if m else None
+
+
 def partitions(path: str) -> list[dict]:
     with open(path) as f:
         rows = [r for r in csv.reader(f) if r]
@@ -47,10 +57,10 @@ def partitions(path: str) -> list[dict]:
     parts, cur = [], {"name": "setup", "rows": []}
     for r in body:
         sass = r[col["Source"]].strip()
-        m = re.match(r"USETMAXREG\.(\w+)\.CTAPOOL(?: UP0,)? (0x[0-9a-f]+)", sass)
-        if m:
+        name = partition_name(sass)
+        if name:
             parts.append(cur)
-            cur = {"name": f"{m.group(1).lower()} {int(m.group(2), 16)}", "rows": []}
+            cur = {"name": name, "rows": []}
         cur["rows"].append(r)
     parts.append(cur)
     total = sum(float(r[col["# Samples"]] or 0) for r in body)

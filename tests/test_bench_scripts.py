@@ -125,6 +125,23 @@ def test_profile_partitions_splits_at_register_reconfigurations(tmp_path):
     assert c["top"][0] == ("FFMA R2, R3, R4, R5", 0.75)
 
 
+def test_kernel_report_counts_instructions_and_spills_per_partition():
+    """bench/kernel_report.py cuts cuobjdump's SASS at the register reconfigurations (the partitions of a
+    warp-specialised kernel, named as bench/profile_partitions.py names them) and counts each one's instructions and
+    spill loads / stores; lines that are not instructions do not count."""
+    from bench.kernel_report import sass_partitions
+
+    pad = " " * 19
+    sass = "\n".join(["        code for sm_90a", f"        /*0000*/{pad}LDC R1, c[0x0][0x28] ;",
+                      f"        /*0010*/{pad}USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd0 ;",
+                      f"        /*0020*/{pad}STL [R1+0x4], R2 ;", f"        /*0030*/{pad}FFMA R2, R3, R4, R5 ;",
+                      f"        /*0040*/{pad}USETMAXREG.DEALLOC.CTAPOOL 0x40 ;",
+                      f"        /*0050*/{pad}LDL R2, [R1+0x4] ;", f"        {pad}{pad}/* 0x0 */"])
+    assert sass_partitions(sass) == [dict(name="setup", instructions=1, spill_instructions=0),
+                                     dict(name="try_alloc 208", instructions=3, spill_instructions=1),
+                                     dict(name="dealloc 64", instructions=2, spill_instructions=1)]
+
+
 def test_profile_stalls_reads_ncu_csv():
     """bench/profile_stalls.py: per kernel, the metrics of its last launch (the first one compiles), durations
     in nanoseconds whatever the row's unit."""
@@ -233,6 +250,12 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
         assert xw["warp_specialized"] and xw["launch_warps"] == 16 and xw["reqntid"] == [512], xw
         assert {208, 32, 64} <= set(xw["setmaxnreg"]) and xw["registers"] <= 128, xw
         assert xw["spill_store_bytes"] <= 192 and xw["shared_bytes"] <= 227 * 1024, xw
+        # per partition: the dX warp group's code at 64 registers spills a few address words in its loop (2026-11-25:
+        # 21 spill instructions of 380; with any more work 30-47, and the kernel 0.2-0.9 ms slower)
+        parts = {p["name"]: p for p in xw["sass_partitions"]}
+        assert sum(p["instructions"] for p in xw["sass_partitions"]) == xw["sass_instructions"], xw
+        assert {"try_alloc 208", "dealloc 64", "dealloc 32"} <= set(parts), parts
+        assert parts["dealloc 64"]["spill_instructions"] <= 24, parts
     else:  # the fused backward: the dW kernel's partitions (consumers 232 / 232, producer 40), plus dX and the gate
         # gradients (2026-11-24: 80 spill bytes; 300 with the gate-gradient half made after dW2's product was issued)
         bwd = recs["bwd_ws"]
