@@ -226,7 +226,7 @@ def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
 
 @gluon.jit
 def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, DIRECT: gl.constexpr = False):
+                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr):
     """Consumer C (one warp group) computes rows [C * BLOCK_M / 2, (C + 1) * BLOCK_M / 2) of every block, from the
     shared X buffer and weight ring, chunk by chunk: S_j = X W1_j, gelu, A_j W2_j. A_j W2_j runs under the next
     chunk's S_{j+1} and this consumer's wait for it (the wait retires both), so each consumer alternates its MMAs with
@@ -266,11 +266,7 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
         acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
         mbarrier.arrive(w_empty.index((q0 + N - 1) % NS))
         mbarrier.arrive(x_empty.index(xb))
-        if DIRECT:  # from the wgmma layout: 4-byte pairs, no shared-memory round trip, no warp-group barriers
-            oc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-            gl.store(out_ptr + rows[:, None] * DH + oc[None, :], acc.to(out_ptr.dtype.element_ty))
-        else:
-            _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW)
+        _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW)
 
 
 @gluon.jit
@@ -279,7 +275,7 @@ def gluon_expert_fwd_ws_kernel(
     out_ptr,  # output (P, DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, NUM_BLOCKS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr, NS: gl.constexpr, FAST_TANH: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DIRECT: gl.constexpr = False,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Warp-specialised persistent forward: one producer warp group loads (X rows gathered by cp.async, W1 / W2
     chunks into a ring of NS slots), two consumer warp groups (the default partition and one worker) each
@@ -302,8 +298,8 @@ def gluon_expert_fwd_ws_kernel(
     w_ready, w_empty = _ws_barriers(NS, NW * 32)
     args = (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready,
             x_empty, w_ready, w_empty, start, end)
-    gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0, DIRECT)),
-                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1, DIRECT)),
+    gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0)),
+                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1)),
                         (_ws_producer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     _zero_blocks(out_ptr, used, NUM_BLOCKS, BLOCK_M, DH, NW)
@@ -330,8 +326,7 @@ def ws_constexprs(k: int, dh: int, de: int, num_groups: int, num_blocks: int, pa
                 NS=de // WS_BLOCK_E, FAST_TANH=True, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
 
 
-def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None,
-                         direct: bool = False):
+def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None):
     """Torch launcher (CUDA, Hopper): x (S, dh), pk a `kernels.torch_experts.TorchPacking`, w1 (G, dh, de),
     w2 (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0); `out`, if given, is written in place."""
     import torch
@@ -343,7 +338,7 @@ def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int |
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     gluon_expert_fwd_ws_kernel[(min(programs, nb),)](
         x.contiguous(), pk.row_slot, pk.block_group, pk.group_block_start, pk.group_nblocks, w1.contiguous(),
-        w2.contiguous(), out, num_warps=4, maxnreg=WS_MAXNREG, DIRECT=direct, **consts)
+        w2.contiguous(), out, num_warps=4, maxnreg=WS_MAXNREG, **consts)
     return out
 
 
