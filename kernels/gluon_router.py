@@ -12,9 +12,10 @@ sorting networks instead of rounds of row maxima, with the schedule written by h
 - NC consumer warp groups of 64 rows: per W_r block the PARTS products (wgmma, smallest term first, as the Triton
   kernel chains its dots), then the selection. The scores go to a layout where each thread holds 16 consecutive
   experts of two rows, and each thread keeps the best KP (k rounded up to a power of 2) of its own experts: per
-  block, bitonic networks sort groups of KP of its 16 scores, merge the groups (the better of a_t and b_{KP-1-t},
-  then a bitonic merge) and merge the result into its running list. No data-dependent control flow, no
-  cross-thread work until the item's end, where two butterfly shuffles merge the four threads of a row.
+  block, sorting networks (Batcher's odd-even merge sort) sort groups of KP of its 16 scores, merge the groups (the
+  better of a_t and b_{KP-1-t}, then a bitonic merge) and merge the result into its running list. No data-dependent
+  control flow, no cross-thread work until the item's end, where two butterfly shuffles merge the four threads of a
+  row.
   "Better" = the larger biased score, the lower expert index among equal ones (the Triton kernel's order), a total
   order on non-NaN scores: ties go exactly as there.
 - Outputs as the Triton kernel: values = biased score - bias (the raw score, rounded as there), indices int32.
@@ -24,10 +25,12 @@ sorting networks instead of rounds of row maxima, with the schedule written by h
   index Ne with a NaN value there; a NaN score (a diverged model) is never selected there, and here breaks the
   order of its row (which experts that row gets is then unspecified, though the same in every run).
 
-Measured on H100 (kernel alone, 81920 tokens x 8 heads, bench/gluon_kernels.py --kinds router; Triton in brackets):
-Ne 384 k 4 0.685 ms (0.926), Ne 768 k 4 1.24 (1.69), Ne 768 k 8 1.72 (2.26), Ne 1536 k 8 3.13 (3.77), Ne 768 k 1 0.79
-(0.91), Ne 384 k 2 0.49 (0.66); 8192 tokens, Ne 384 k 4 0.084 (0.134), Ne 768 k 8 0.188 (0.287). Rounds of row maxima
-(the Triton kernel's selection) in this kernel: 0.81 / 2.40 / 3.83 ms at Ne 384 k 4 / Ne 768 k 8 / Ne 1536 k 8.
+Measured on H100 (kernel alone, 81920 tokens x 8 heads, bench/gluon_kernels.py --kinds router; Triton in brackets;
+2026-11-25, results/gluon_kernels-h100-2026-11-25-s17-router.jsonl): Ne 384 k 4 0.647 ms (0.923), Ne 768 k 4 1.16
+(1.69), Ne 768 k 8 1.58 (2.29), Ne 1536 k 8 2.84 (3.81); 8192 tokens, Ne 384 k 4 0.088 (0.134), Ne 768 k 8 0.183
+(0.286). With bitonic group sorts (until 2026-11-25, same process: results/gluon_router-h100-2026-11-25-s17-oddeven
+.jsonl) 0.68 / 1.25 / 1.73 / 3.12 ms at 81920 tokens. Rounds of row maxima (the Triton kernel's selection) in this
+kernel (2026-11-24): 0.81 / 2.40 / 3.83 ms at Ne 384 k 4 / Ne 768 k 8 / Ne 1536 k 8.
 Supported shapes: `ws_router_supported`.
 """
 
@@ -53,18 +56,15 @@ def _better(va, ia, vb, ib):
 
 
 @gluon.jit
-def _cas_pass(v, i, N: gl.constexpr, KK: gl.constexpr, JJ: gl.constexpr):
-    """One compare-exchange pass of a bitonic network over the N-tuples v / i (values, indices): pairs (t, t ^ JJ);
-    the pair's first element gets the better one where t & KK == 0 (KK = 0: everywhere), the worse one elsewhere."""
+def _cas_pass(v, i, N: gl.constexpr, JJ: gl.constexpr):
+    """One compare-exchange pass of a bitonic merge over the N-tuples v / i (values, indices): pairs (t, t ^ JJ), the
+    pair's first element gets the better one."""
     nv = ()
     ni = ()
     sw = ()
     for t in gl.static_range(N):
         if (t ^ JJ) > t:
-            if (t & KK) == 0:
-                s = _better(v[t ^ JJ], i[t ^ JJ], v[t], i[t])
-            else:
-                s = _better(v[t], i[t], v[t ^ JJ], i[t ^ JJ])
+            s = _better(v[t ^ JJ], i[t ^ JJ], v[t], i[t])
         else:
             s = sw[t ^ JJ]
         sw = sw + (s,)
@@ -79,11 +79,51 @@ def _log2(n):
 
 
 @gluon.jit
-def _bitonic_sort(v, i, N: gl.constexpr):
-    """Sort the N-tuples (N a power of 2) into the better-first order."""
-    for lk in gl.static_range(1, _log2(N) + 1):
-        for lj in gl.static_range(lk):
-            v, i = _cas_pass(v, i, N, 1 << lk, 1 << (lk - 1 - lj))
+def _cx(v, i, N: gl.constexpr, A: gl.constexpr, B: gl.constexpr):
+    """One compare-exchange of the N-tuples v / i: the better of elements A < B goes to A, the other to B."""
+    s = _better(v[B], i[B], v[A], i[A])
+    nv = ()
+    ni = ()
+    for t in gl.static_range(N):
+        if t == A:
+            nv = nv + (gl.where(s, v[B], v[A]),)
+            ni = ni + (gl.where(s, i[B], i[A]),)
+        elif t == B:
+            nv = nv + (gl.where(s, v[A], v[B]),)
+            ni = ni + (gl.where(s, i[A], i[B]),)
+        else:
+            nv = nv + (v[t],)
+            ni = ni + (i[t],)
+    return nv, ni
+
+
+@gluon.jit
+def _sort_net(v, i, N: gl.constexpr):
+    """Sort the N-tuples (N = 1, 2, 4 or 8) into the better-first order by Batcher's odd-even merge sort: 1, 5 and 19
+    compare-exchanges at N = 2, 4, 8 (a bitonic network takes 1, 6 and 24: measured 3-10% slower for the kernel, H100
+    2026-11-25). The order is total (`_better`), so every sorting network gives the same result."""
+    if N >= 2:
+        v, i = _cx(v, i, N, 0, 1)
+    if N >= 4:  # elements 0..3
+        v, i = _cx(v, i, N, 2, 3)
+        v, i = _cx(v, i, N, 0, 2)
+        v, i = _cx(v, i, N, 1, 3)
+        v, i = _cx(v, i, N, 1, 2)
+    if N == 8:  # elements 4..7 as 0..3, then the odd-even merge of the two sorted halves
+        v, i = _cx(v, i, N, 4, 5)
+        v, i = _cx(v, i, N, 6, 7)
+        v, i = _cx(v, i, N, 4, 6)
+        v, i = _cx(v, i, N, 5, 7)
+        v, i = _cx(v, i, N, 5, 6)
+        v, i = _cx(v, i, N, 0, 4)
+        v, i = _cx(v, i, N, 1, 5)
+        v, i = _cx(v, i, N, 2, 6)
+        v, i = _cx(v, i, N, 3, 7)
+        v, i = _cx(v, i, N, 2, 4)
+        v, i = _cx(v, i, N, 3, 5)
+        v, i = _cx(v, i, N, 1, 2)
+        v, i = _cx(v, i, N, 3, 4)
+        v, i = _cx(v, i, N, 5, 6)
     return v, i
 
 
@@ -98,7 +138,7 @@ def _merge_top(av, ai, bv, bi, KP: gl.constexpr):
         cv = cv + (gl.where(s, av[t], bv[KP - 1 - t]),)
         ci = ci + (gl.where(s, ai[t], bi[KP - 1 - t]),)
     for lj in gl.static_range(_log2(KP)):
-        cv, ci = _cas_pass(cv, ci, KP, 0, KP >> (lj + 1))
+        cv, ci = _cas_pass(cv, ci, KP, KP >> (lj + 1))
     return cv, ci
 
 
@@ -147,7 +187,7 @@ def _net_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr):
         for u in gl.static_range(KP):
             gv = gv + (lv[g * KP + u],)
             gi = gi + (li[g * KP + u],)
-        gv, gi = _bitonic_sort(gv, gi, KP)
+        gv, gi = _sort_net(gv, gi, KP)
         lists_v = lists_v + (gv,)
         lists_i = lists_i + (gi,)
     n: gl.constexpr = 16 // KP
