@@ -27,6 +27,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.profile_partitions import partition_name  # noqa: E402
 from bench.timing import emit  # noqa: E402
 
 DEFAULT_TILES = ["fwd,128,32,4,3", "dx,64,32,4,3", "dwt,64,64,4,3"]
@@ -166,8 +167,6 @@ def sass_partitions(sass: str) -> list[dict]:
     """The SASS cut at its register reconfigurations (USETMAXREG, named as `bench.profile_partitions` names them:
     a warp-specialised kernel's partitions, "setup" before the first): instructions and spill loads / stores
     (LDL / STL) in each, in address order."""
-    from bench.profile_partitions import partition_name
-
     parts = [dict(name="setup", instructions=0, spill_instructions=0)]
     for line in sass.splitlines():
         if not re.match(r"^\s+/\*[0-9a-f]{4,}\*/", line):

@@ -55,24 +55,6 @@ def _better(va, ia, vb, ib):
     return (va > vb) | ((va == vb) & (ia < ib))
 
 
-@gluon.jit
-def _cas_pass(v, i, N: gl.constexpr, JJ: gl.constexpr):
-    """One compare-exchange pass of a bitonic merge over the N-tuples v / i (values, indices): pairs (t, t ^ JJ), the
-    pair's first element gets the better one."""
-    nv = ()
-    ni = ()
-    sw = ()
-    for t in gl.static_range(N):
-        if (t ^ JJ) > t:
-            s = _better(v[t ^ JJ], i[t ^ JJ], v[t], i[t])
-        else:
-            s = sw[t ^ JJ]
-        sw = sw + (s,)
-        nv = nv + (gl.where(s, v[t ^ JJ], v[t]),)
-        ni = ni + (gl.where(s, i[t ^ JJ], i[t]),)
-    return nv, ni
-
-
 @gluon.constexpr_function
 def _log2(n):
     return int(n).bit_length() - 1
@@ -95,6 +77,16 @@ def _cx(v, i, N: gl.constexpr, A: gl.constexpr, B: gl.constexpr):
             nv = nv + (v[t],)
             ni = ni + (i[t],)
     return nv, ni
+
+
+@gluon.jit
+def _cas_pass(v, i, N: gl.constexpr, JJ: gl.constexpr):
+    """One compare-exchange pass of a bitonic merge over the N-tuples v / i (values, indices): pairs (t, t ^ JJ), the
+    pair's first element gets the better one."""
+    for t in gl.static_range(N):
+        if (t ^ JJ) > t:
+            v, i = _cx(v, i, N, t, t ^ JJ)
+    return v, i
 
 
 @gluon.jit
