@@ -35,9 +35,6 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
     return expert_ffn(x_expert, idx, gates, w1, w2, impl, cfg=cfg)
 
 
-GROUP = 1
-
-
 def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
                      w2: jax.Array, k: int, cfg=None, backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """`moe_heads` on the Triton router and experts with one packing: the router's forward also packs
@@ -48,20 +45,9 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
 
     kw = {} if backend is None else {"backend": backend}
     spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
-    wc = None
-    if GROUP and backend in (None, "triton") and w1.dtype != x_expert.dtype:
-        from jax.experimental.xla_metadata import set_xla_metadata
-
-        from mhl_jax.ops.experts_triton import side_stream_cast
-
-        with set_xla_metadata(_scheduling_group_id=GROUP):
-            wc = side_stream_cast(w1, w2, x_expert.dtype)
-            values, idx, packing = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, **kw)
-    else:
-        values, idx, packing = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, **kw)
+    values, idx, packing = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, **kw)
     gates = jax.nn.softmax(values, axis=-1)  # fp32
-    return expert_ffn(x_expert, idx, gates, w1, w2, "triton", cfg=cfg, packing=packing, backend=backend,
-                      weights_cast=wc)
+    return expert_ffn(x_expert, idx, gates, w1, w2, "triton", cfg=cfg, packing=packing, backend=backend)
 
 
 class MoEExecutor(Protocol):

@@ -63,7 +63,7 @@ def triton_packing_spec(x_shape: tuple[int, ...], k: int, w1_shape: tuple[int, .
 
 def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
                impl: str = "reference", cfg=None, packing: pk.Packing | None = None,
-               backend: str | None = None, weights_cast=None) -> tuple[jax.Array, jax.Array]:
+               backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """x: (N, H, dh) compute dtype; idx: (N, H, k) int32; gates: (N, H, k) fp32;
     w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32. impl "triton": the fused IO-aware kernels for
     dh <= MAX_TRITON_EXPERT_WIDTH (`cfg`: a `kernels.experts.ExpertsConfig`), the grouped-GEMM kernels
@@ -89,8 +89,7 @@ def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2
             return experts_grouped.expert_ffn_grouped(x, idx, gates, w1, w2, cfg=cfg, packing=packing, **kw)
         from mhl_jax.ops import experts_triton
 
-        return experts_triton.expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg, packing=packing,
-                                                weights_cast=weights_cast, **kw)
+        return experts_triton.expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg, packing=packing, **kw)
     if impl != "reference":
         raise ValueError(f"expert_ffn: impl={impl!r}, expected 'reference' or 'triton'")
     if packing is not None or backend is not None:

@@ -364,12 +364,11 @@ def _combine(out_rows, slot_row, gates):
     return jnp.sum(per_slot * gates[..., None], axis=2)
 
 
-def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
+def _forward(st: Static, x, gates, w1, w2, meta: Meta):
     n, h, dh = x.shape
     _, ne, _, de = w1.shape
-    w1c, w2c = (w1, w2) if wc is None else wc
-    w1c = w1c.reshape(h * ne, dh, de).astype(x.dtype)
-    w2c = w2c.reshape(h * ne, de, dh).astype(x.dtype)
+    w1c = w1.reshape(h * ne, dh, de).astype(x.dtype)
+    w2c = w2.reshape(h * ne, de, dh).astype(x.dtype)
     xs = x.reshape(n * h, dh)
     fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
     out_rows = fwd(st, xs, meta, w1c, w2c)
@@ -380,12 +379,12 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _experts(st: Static, x, gates, w1, w2, meta: Meta, wc):
-    return _forward(st, x, gates, w1, w2, meta, wc)[0]
+def _experts(st: Static, x, gates, w1, w2, meta: Meta):
+    return _forward(st, x, gates, w1, w2, meta)[0]
 
 
-def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta, wc):
-    return _forward(st, x, gates, w1, w2, meta, wc)
+def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta):
+    return _forward(st, x, gates, w1, w2, meta)
 
 
 def _experts_bwd(st: Static, res, dy):
@@ -400,7 +399,7 @@ def _experts_bwd(st: Static, res, dy):
     else:  # the per-row gate gradients of the kernels (partials of the Gluon backward summed), per slot (empty: 0)
         dg = dgate_rows.reshape(dgate_rows.shape[0], -1)
         dgates = take_slots(dg, meta.slot_row).sum(-1).reshape(n, h, k).astype(gates.dtype)
-    return bwd_cotangents(dxr, dgates, dw1, dw2, xs.dtype, meta) + (None,)  # no cotangent for the cast weights
+    return bwd_cotangents(dxr, dgates, dw1, dw2, xs.dtype, meta)
 
 
 def bwd_cotangents(dx_rows, dgates, dw1, dw2, x_dtype, meta: Meta):
@@ -418,25 +417,9 @@ def bwd_cotangents(dx_rows, dgates, dw1, dw2, x_dtype, meta: Meta):
 _experts.defvjp(_experts_fwd, _experts_bwd)
 
 
-SIDE_STREAM = 1  # XLA stream of the weights' cast (0: the cast runs in line on the main stream)
-
-
-def side_stream_cast(w1: jax.Array, w2: jax.Array, dtype):
-    """w1, w2 cast to dtype on XLA's stream SIDE_STREAM (`compute_on`, compute type "gpu_stream:N")."""
-    from jax.experimental import compute_on as co
-
-    def cast(a, b):
-        return a.astype(dtype), b.astype(dtype)
-
-    where = f"gpu_stream:{SIDE_STREAM}"
-    if hasattr(co, "compute_on2"):  # jax 0.10: compute_on2(f, compute_type=, out_memory_spaces=)
-        return co.compute_on2(cast, compute_type=where, out_memory_spaces=(jax.memory.Space.Device,) * 2)(w1, w2)
-    return co.compute_on(cast, compute_type=where, out_memory_spaces=(jax.memory.Space.Device,) * 2)(w1, w2)
-
-
 def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
                       cfg: ExpertsConfig | None = None, backend: str = "triton",
-                      packing: pk.Packing | None = None, weights_cast=None) -> tuple[jax.Array, jax.Array]:
+                      packing: pk.Packing | None = None) -> tuple[jax.Array, jax.Array]:
     """x: (N, H, dh) bf16 (fp32 allowed: exact but slow); idx: (N, H, k) int32; gates: (N, H, k) fp32;
     w1: (H, Ne, dh, de), w2: (H, Ne, de, dh) fp32 or x.dtype.
 
@@ -459,8 +442,5 @@ def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Ar
     packing, meta = packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, backend, packing, "expert_ffn_triton")
     if w1.dtype != w2.dtype:
         raise ValueError(f"expert_ffn_triton: w1 {w1.dtype} and w2 {w2.dtype} must share a dtype")
-    wc = weights_cast
-    if wc is None and backend == "triton" and SIDE_STREAM and w1.dtype != x.dtype:
-        wc = side_stream_cast(w1, w2, x.dtype)
-    y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta, wc)
+    y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta)
     return y, packing.group_sizes.reshape(h, ne)
