@@ -1,9 +1,15 @@
-"""Per-kernel GPU times of one MH-LatentMoE layer forward+backward (bench/layer.py's layer), read with
-Nsight Compute: where the layer's milliseconds go, kernel by kernel.
+"""Per-kernel GPU times of one MH-LatentMoE layer forward+backward (bench/layer.py's layer): where the layer's
+milliseconds go, kernel by kernel.
 
     python bench/profile_layer.py [--tokens 8192 81920] [--configs 384/4/256] [--variants default gluon_bwd]
-                                  [--out FILE]
+                                  [--tool jax|ncu] [--calls 5] [--out FILE]
 
+--tool jax (default): in-process, the JAX profiler (CUPTI activity records, no replay): the warmed step runs
+`--calls` times inside one trace, read back with `jax.profiler.ProfileData` from GPU 0's stream lines: the first
+call's kernels (and its "XLA Ops" line: which HLO op each is, to find in the `--hlo` dump), the busy time per call
+over all. Kernels run as launched (launch gaps are not in the sum). Cheap: seconds per shape after compiling.
+
+--tool ncu:
 The parent runs itself under `ncu --profile-from-start off` (metric gpu__time_duration.sum, real clocks,
 caches not flushed); the child compiles and warms the jitted fwd+bwd, then runs it once between
 cuProfilerStart / cuProfilerStop. ncu serialises kernels, so the sum of kernel times is the layer without
@@ -31,7 +37,8 @@ sys.path.insert(0, ROOT)
 from bench.timing import emit  # noqa: E402
 
 
-def child(tokens: int, config: str, variant: str) -> None:
+def build(tokens: int, config: str, variant: str):
+    """The jitted layer fwd+bwd of bench/layer.py at one shape, compiled and warmed, and its inputs."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import jax.numpy as jnp
@@ -46,10 +53,74 @@ def child(tokens: int, config: str, variant: str) -> None:
                             argnums=(0, 1)))
     for _ in range(3):
         jax.block_until_ready(grad(params, x))
+    return grad, params, x
+
+
+def child(tokens: int, config: str, variant: str) -> None:
+    import jax
+
+    grad, params, x = build(tokens, config, variant)
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuProfilerStart()
     jax.block_until_ready(grad(params, x))
     cuda.cuProfilerStop()
+
+
+DERIVED_LINES = ("XLA Ops", "XLA Modules", "Framework", "Steps", "Source", "TensorFlow", "Launch Stats")
+
+
+def jax_trace(tokens: int, config: str, variant: str, calls: int, hlo_out: str | None = None):
+    """`calls` traced calls of the warmed step, back to back -> ([(kernel name, ms)] of the first call in start
+    order, timing, the GPU plane's line names, [(XLA op, ms)] of the first call). timing: layer_ms =
+    bench.timing.time_jax of the step (untraced); per call busy_ms (the union of kernel intervals) and span_ms
+    (first start to last end over all calls); gaps_us (the first call's idle time between its kernels) and its
+    largest gaps. hlo_out: also write the compiled step's HLO there."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    from bench.profile_split import _union_ms
+    from bench.timing import time_jax
+
+    grad, params, x = build(tokens, config, variant)
+    layer_ms = time_jax(grad, [(params, x)])
+    tmp = tempfile.mkdtemp(prefix="mhl_layer_prof_")
+    try:
+        jax.profiler.start_trace(tmp)
+        for _ in range(calls):
+            out = grad(params, x)
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        events, ops, names = [], [], []
+        for plane in ProfileData.from_file(files[0]).planes if files else []:
+            if not plane.name.startswith("/device:GPU:0"):
+                continue
+            for line in plane.lines:
+                names.append(line.name)
+                if line.name == "XLA Ops":
+                    ops += [(int(ev.start_ns), int(ev.duration_ns), ev.name) for ev in line.events]
+                if line.name.startswith(DERIVED_LINES):
+                    continue
+                events += [(int(ev.start_ns), int(ev.duration_ns), ev.name) for ev in line.events]
+        events.sort()
+        ops.sort()
+        busy = _union_ms([(s0, s0 + d) for s0, d, _ in events]) / calls
+        span = (max(s0 + d for s0, d, _ in events) - events[0][0]) / 1e6 / calls if events else 0.0
+        first = len(events) // calls
+        gaps = sorted(((events[i + 1][0] - events[i][0] - events[i][1]) / 1e3, events[i][2], events[i + 1][2])
+                      for i in range(first - 1))[::-1]
+        if hlo_out:
+            with open(hlo_out, "w") as f:
+                f.write(grad.lower(params, x).compile().as_text())
+        timing = dict(layer_ms=layer_ms, busy_ms=busy, span_ms=span, gaps_us=sum(g for g, _, _ in gaps),
+                      largest_gaps=[(round(g, 2), short(a), short(b)) for g, a, b in gaps[:12]])
+        return ([(name, d / 1e6) for _, d, name in events[:first]], timing, names,
+                [(name, round(d / 1e6, 4)) for _, d, name in ops[:len(ops) // calls]])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def short(name: str) -> str:
@@ -104,6 +175,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds per (tokens, config, variant) under ncu (compiling under ncu is slow: two "
                          "81920-token configs ran past 400 s on 2026-11-25); past it, an error record")
+    ap.add_argument("--tool", choices=("jax", "ncu"), default="jax")
+    ap.add_argument("--calls", type=int, default=5, help="--tool jax: traced calls per shape (times are per call)")
+    ap.add_argument("--hlo", default=None, help="--tool jax: write each step's compiled HLO to HLO-<shape>.txt")
     ap.add_argument("--child", nargs=3, default=None, metavar=("TOKENS", "CONFIG", "VARIANT"))
     args = ap.parse_args()
     if args.child:
@@ -113,12 +187,21 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     outf = open(args.out, "a") if args.out else None
     for tokens, config, variant in ((t, c, v) for t in args.tokens for c in args.configs for v in args.variants):
-        cmd = [ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv",
-               "--print-units", "base", "--clock-control", "none", "--cache-control", "none",
-               sys.executable, os.path.abspath(__file__), "--child", str(tokens), config,
-               variant]
-        p = run_group(cmd, args.timeout)
-        kernels = parse(p.stdout)
+        extra = {}
+        if args.tool == "jax":
+            hlo = f"{args.hlo}-{tokens}-{config.replace('/', '-')}-{variant}.txt" if args.hlo else None
+            kernels, timing, lines, ops = jax_trace(tokens, config, variant, args.calls, hlo)
+            extra = dict(tool="jax", calls=args.calls, **timing, lines=lines, xla_ops=ops)
+        else:
+            cmd = [ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv",
+                   "--print-units", "base", "--clock-control", "none", "--cache-control", "none",
+                   sys.executable, os.path.abspath(__file__), "--child", str(tokens), config,
+                   variant]
+            p = run_group(cmd, args.timeout)
+            kernels = parse(p.stdout)
+            extra = dict(tool="ncu")
+            if not kernels:
+                extra["error"] = f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-600:]}"
         groups: dict[str, list[float]] = {}
         for name, ms in kernels:
             groups.setdefault(short(name), []).append(ms)
@@ -127,13 +210,14 @@ def main() -> None:
                    params=dict(tokens=tokens, config=config, variant=variant), launches=len(kernels),
                    total_ms=sum(ms for _, ms in kernels),
                    kernels=[dict(name=n, count=len(v), ms=sum(v)) for n, v in ranked],
-                   sequence=[(short(n), round(ms, 4)) for n, ms in kernels])
-        if not kernels:
-            rec["error"] = f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-600:]}"
+                   sequence=[(short(n), round(ms, 4)) for n, ms in kernels], **extra)
         emit(rec, outf)
         print(f"\n{tokens} tokens {config} {variant}: {len(kernels)} launches, {rec['total_ms']:.3f} ms of kernels")
         for n, v in ranked[:25]:
             print(f"  {sum(v):8.3f} ms  x{len(v):<3} {n[:90]}")
+        if "span_ms" in extra:
+            print(f"  timed {extra['layer_ms']:.3f} ms; busy {extra['busy_ms']:.3f} ms, span {extra['span_ms']:.3f} ms "
+                  f"per call; gaps in the first call {extra['gaps_us']:.0f} us, largest {extra['largest_gaps'][:4]}")
 
 
 if __name__ == "__main__":

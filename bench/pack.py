@@ -1,0 +1,94 @@
+"""The Triton packing (`mhl_jax.ops.packing_triton.pack_triton`) alone at the layer's shapes, chunk sizes side by
+side in one process: time per call and each launch's device time (JAX profiler trace).
+
+    python bench/pack.py [--tokens 81920] [--configs 384/4 768/8 1536/8] [--chunks 1024 2048 4096] [--out FILE]
+
+idx (N, 8, k): each row's k experts drawn without replacement (uniform scores, lax.top_k), the packing block of the
+layer's default expert config. One JSON line per (shape, chunk): `ms` (bench.timing.time_jax), `kernels_ms`
+(launch name -> ms per call, from a trace of 5 calls) and whether the outputs equal the default chunk's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import os
+import shutil
+import sys
+import tempfile
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.timing import emit, time_jax  # noqa: E402
+
+NH = 8
+
+
+def kernel_times(fn, args, calls: int = 5) -> dict:
+    """Launch name -> device ms per call over `calls` traced calls (JAX profiler, GPU 0's stream lines)."""
+    from jax.profiler import ProfileData
+
+    from bench.profile_layer import DERIVED_LINES, short
+
+    tmp = tempfile.mkdtemp(prefix="mhl_pack_prof_")
+    try:
+        jax.profiler.start_trace(tmp)
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        times: dict[str, float] = {}
+        for f in glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[:1]:
+            for plane in ProfileData.from_file(f).planes:
+                if plane.name.startswith("/device:GPU:0"):
+                    for line in plane.lines:
+                        if not line.name.startswith(DERIVED_LINES):
+                            for ev in line.events:
+                                name = short(ev.name)
+                                times[name] = times.get(name, 0.0) + ev.duration_ns / 1e6 / calls
+        return {k: round(v, 4) for k, v in sorted(times.items(), key=lambda kv: -kv[1])}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[81920])
+    ap.add_argument("--configs", nargs="+", default=["384/4", "768/8", "1536/8"], help="Ne/k")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--de", type=int, default=128, help="expert width for the default config's packing block")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from kernels.packing import PACK_CHUNK
+    from mhl_jax.ops.experts_triton import resolve_config
+    from mhl_jax.ops.packing_triton import pack_triton
+
+    outf = open(args.out, "a") if args.out else None
+    date, device = datetime.date.today().isoformat(), jax.devices()[0].device_kind
+    for tokens in args.tokens:
+        for config in args.configs:
+            ne, k = (int(v) for v in config.split("/"))
+            block = resolve_config(tokens * NH * k, NH * ne, 128, args.de, None).pack_block
+            scores = jax.random.uniform(jax.random.key(0), (tokens, NH, ne))
+            idx = jax.block_until_ready(jax.lax.top_k(scores, k)[1].astype(jnp.int32))
+            del scores
+            ref = None
+            for chunk in [PACK_CHUNK] + [c for c in args.chunks if c != PACK_CHUNK]:
+                fn = jax.jit(lambda i, c=chunk, e=ne, b=block: tuple(pack_triton(i, e, b, c)))
+                out = jax.block_until_ready(fn(idx))
+                ref = out if ref is None else ref
+                same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, ref))
+                rec = dict(bench="pack", impl="triton", device=device, date=date,
+                           params=dict(tokens=tokens, heads=NH, ne=ne, k=k, block=block, chunk=chunk),
+                           ms=time_jax(fn, [(idx,)]), kernels_ms=kernel_times(fn, (idx,)), same_as_default=same)
+                emit(rec, outf)
+
+
+if __name__ == "__main__":
+    main()
