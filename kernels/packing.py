@@ -4,19 +4,24 @@ packing, which cost 0.2-0.5 ms on an H100 whatever the size (bench/NOTES.md, Exp
 
 Slots: per head h, local slot l = n * K + j (n token, j choice) holds expert e = idx[n, h, j] (-1:
 empty); global slot s = (n * H + h) * K + j. The ML = N * K local slots of a head are cut into NC
-chunks of C. Integer-only and without atomics: every output element is written by one program.
+chunks of C. Integer-only. The one atomic is the histogram's integer add (a count does not depend on
+the order of its adds); every other output element is written by one program.
 
 1. `pack_hist_kernel`     grid (NC, H): histogram of each chunk over the NEP >= NE + 1 bins (bin NE =
-                          empty slots, out-of-range ids and chunk padding) -> hist (H, NC, NEP), and
-                          lower[h, c, e] = slots of experts < e in chunk c.
+                          empty slots, out-of-range ids and chunk padding) -> hist (H, NC, NEP).
+                          tl.histogram's ballot algorithm costs ~NEP / 32 instructions per slot (0.22
+                          ms at Ne 1536, k 8, 81920 tokens, H100); from HIST_ATOMIC_MIN_BINS bins on,
+                          integer atomic adds into a zeroed buffer instead (0.09 ms there, but 0.036
+                          against 0.020 ms at Ne 384, k 4: bench/NOTES.md, Packing).
 2. `pack_offsets_kernel`  grid (H, NEP / EB): per (head, expert column block), over chunks in order:
-                          base[h, c, e] = (slots of e in earlier chunks) - lower[h, c, e]; group sizes.
+                          base[h, c, e] = slots of e in earlier chunks; group sizes.
 3. `pack_groups_kernel`   grid (1,): padded group sizes (multiples of R), their exclusive prefix sum
                           pstart (G,), each group's end in row blocks bend (G,), blocks in use.
 4. `pack_scatter_kernel`  grid (NC, H): sort the chunk's keys (e << LOG_C | i) in registers (stable by
-                          expert); sorted position p of a slot of expert e gives its padded row
-                          pstart[h * NE + e] + base[h, c, e] + p; writes slot_row[s] (-1 if empty) and
-                          row_slot[row] = s (row_slot arrives filled with -1).
+                          expert); a slot's rank among its expert's slots in the chunk = its sorted
+                          position - its run's first position (a segmented scan over the sorted
+                          experts); its padded row is pstart[h * NE + e] + base[h, c, e] + rank; writes
+                          slot_row[s] (-1 if empty) and row_slot[row] = s (row_slot arrives filled with -1).
 5. `pack_block_group_kernel` grid (NB / BLOCK,): each row block's group by binary search in bend
                           (-1 past the blocks in use).
 Parameters follow jax-triton's binding order: inputs, then one pointer per output, then constexprs.
@@ -44,19 +49,20 @@ def _chunk_experts(idx_ptr, h, c, H: tl.constexpr, K: tl.constexpr, ML: tl.const
 
 
 @triton.jit
-def pack_hist_kernel(idx_ptr, hist_ptr, lower_ptr, H: tl.constexpr, K: tl.constexpr, ML: tl.constexpr,
-                     NE: tl.constexpr, NEP: tl.constexpr, NC: tl.constexpr, C: tl.constexpr):
+def pack_hist_kernel(idx_ptr, hist_in_ptr, hist_ptr, H: tl.constexpr, K: tl.constexpr, ML: tl.constexpr,
+                     NE: tl.constexpr, NEP: tl.constexpr, NC: tl.constexpr, C: tl.constexpr, ATOMIC: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     e, _, _, _ = _chunk_experts(idx_ptr, h, c, H, K, ML, NE, C)
-    hist = tl.histogram(e, NEP)
-    off = (h * NC + c) * NEP + tl.arange(0, NEP)
-    tl.store(hist_ptr + off, hist)
-    tl.store(lower_ptr + off, tl.cumsum(hist, 0) - hist)  # slots of experts < e in this chunk
+    row = hist_ptr + (h * NC + c) * NEP
+    if ATOMIC:  # into the zeroed buffer
+        tl.atomic_add(row + e, tl.full((C,), 1, tl.int32), sem="relaxed")
+    else:
+        tl.store(row + tl.arange(0, NEP), tl.histogram(e, NEP))
 
 
 @triton.jit
-def pack_offsets_kernel(hist_ptr, lower_ptr, base_ptr, sizes_ptr, NE: tl.constexpr, NEP: tl.constexpr,
+def pack_offsets_kernel(hist_ptr, base_ptr, sizes_ptr, NE: tl.constexpr, NEP: tl.constexpr,
                         NC: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr):
     h = tl.program_id(0)
     cols = tl.program_id(1) * EB + tl.arange(0, EB)
@@ -66,9 +72,8 @@ def pack_offsets_kernel(hist_ptr, lower_ptr, base_ptr, sizes_ptr, NE: tl.constex
         ok = rows < NC
         off = (h * NC + rows[:, None]) * NEP + cols[None, :]
         t = tl.load(hist_ptr + off, mask=ok[:, None], other=0)  # (CB, EB)
-        lower = tl.load(lower_ptr + off, mask=ok[:, None], other=0)
         before = running[None, :] + tl.cumsum(t, 0) - t  # slots of e in earlier chunks
-        tl.store(base_ptr + off, before - lower, mask=ok[:, None])
+        tl.store(base_ptr + off, before, mask=ok[:, None])
         running += tl.sum(t, 0)
     tl.store(sizes_ptr + h * NE + cols, running, mask=cols < NE)
 
@@ -90,6 +95,13 @@ def pack_groups_kernel(sizes_ptr, pstart_ptr, bend_ptr, nblocks_ptr, G: tl.const
 
 
 @triton.jit
+def _run_first(e_a, f_a, e_b, f_b):
+    """Segmented scan over sorted experts: (expert, first position of its run so far). Associative because
+    the experts are sorted: equal ends of two adjacent spans mean the right span is one run."""
+    return e_b, tl.where(e_a == e_b, f_a, f_b)
+
+
+@triton.jit
 def pack_scatter_kernel(idx_ptr, base_ptr, pstart_ptr, row_slot_in_ptr, slot_row_ptr, row_slot_ptr,
                         H: tl.constexpr, K: tl.constexpr, ML: tl.constexpr, NE: tl.constexpr, NEP: tl.constexpr,
                         NC: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr):
@@ -100,13 +112,14 @@ def pack_scatter_kernel(idx_ptr, base_ptr, pstart_ptr, row_slot_in_ptr, slot_row
     key = tl.sort((e << LOG_C) | i)  # unique keys: the stable order by expert
     se = key >> LOG_C
     si = key & (C - 1)
+    _, first = tl.associative_scan((se, i), 0, _run_first)  # first sorted position of each slot's expert
     loc = c * C + si
     inside = loc < ML
     valid = se < NE
     sec = tl.where(valid, se, 0)
     base = tl.load(base_ptr + (h * NC + c) * NEP + sec, mask=valid, other=0)
     start = tl.load(pstart_ptr + h * NE + sec, mask=valid, other=0)
-    row = start + base + i  # i: the sorted position in the chunk
+    row = start + base + i - first  # i - first: the slot's rank among its expert's slots in the chunk
     s = (loc // K * H + h) * K + loc % K
     tl.store(slot_row_ptr + s, tl.where(valid, row, -1), mask=inside)
     tl.store(row_slot_ptr + row, s, mask=valid)
@@ -134,6 +147,7 @@ def next_pow2(v: int) -> int:
 
 
 PACK_CHUNK = 1024  # local slots per chunk (sorted in registers by one program)
+HIST_ATOMIC_MIN_BINS = 1024  # histogram bins (NEP) from which pack_hist_kernel adds atomically
 
 
 def launch_shapes(n: int, h: int, k: int, ne: int, chunk: int = PACK_CHUNK) -> dict:
@@ -173,9 +187,11 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
     sh = launch_shapes(n, h, k, ne, chunk)
     nc, nep, g, nb = sh["NC"], sh["NEP"], sh["G"], p // block
     chunked = dict(H=h, K=k, ML=sh["ML"], NE=ne, NEP=nep, NC=nc, C=sh["C"])
+    atomic = nep >= HIST_ATOMIC_MIN_BINS
     return [
-        Launch(pack_hist_kernel, ("idx",), (("hist", (h, nc, nep)), ("lower", (h, nc, nep))), (nc, h), chunked),
-        Launch(pack_offsets_kernel, ("hist", "lower"), (("base", (h, nc, nep)), ("sizes", (g,))),
+        Launch(pack_hist_kernel, ("idx", "hist"), (("hist", (h, nc, nep)),), (nc, h), dict(chunked, ATOMIC=atomic),
+               fill=(("hist", 0),)),
+        Launch(pack_offsets_kernel, ("hist",), (("base", (h, nc, nep)), ("sizes", (g,))),
                (h, nep // sh["EB"]), dict(NE=ne, NEP=nep, NC=nc, CB=sh["CB"], EB=sh["EB"])),
         Launch(pack_groups_kernel, ("sizes",), (("pstart", (g,)), ("bend", (g,)), ("nblocks", (1,))), (1,),
                dict(G=g, R=block, GB=sh["GB"])),
@@ -188,4 +204,5 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
 
 
 __all__ = ["pack_hist_kernel", "pack_offsets_kernel", "pack_groups_kernel", "pack_scatter_kernel",
-           "pack_block_group_kernel", "pack_launches", "Launch", "PACK_RESULT", "PACK_CHUNK", "next_pow2"]
+           "pack_block_group_kernel", "pack_launches", "Launch", "PACK_RESULT", "PACK_CHUNK", "HIST_ATOMIC_MIN_BINS",
+           "next_pow2"]

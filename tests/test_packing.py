@@ -113,14 +113,18 @@ def test_count_pack_equals_argsort_pack(case):
                 assert np.array_equal(np.asarray(a), np.asarray(b)), (case, block, chunk, name)
 
 
+@pytest.mark.parametrize("atomic_min_bins", [1, 1 << 30], ids=["atomic_hist", "tl_histogram"])
 @pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny", "many_experts"])
-def test_triton_pack_kernels_equal_jax_pack(case):
+def test_triton_pack_kernels_equal_jax_pack(case, atomic_min_bins, monkeypatch):
     """kernels/packing.py (under the Triton interpreter without a GPU) returns exactly `pack`'s arrays:
-    chunks that do and do not divide N * k, one chunk for the whole head, empty slots, extreme skew."""
+    chunks that do and do not divide N * k, one chunk for the whole head, empty slots, extreme skew; the
+    chunk histograms by atomic adds and by tl.histogram."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
+    import kernels.packing as kp
     from kernels.torch_packing import pack_triton_torch
 
+    monkeypatch.setattr(kp, "HIST_ATOMIC_MIN_BINS", atomic_min_bins)
     idx, ne = _case_idx(case, 7)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for block, chunk in ((4, 16), (16, 32), (8, 1024)):  # many_experts at chunk 16: 25 chunks, 2 tiles of 16
