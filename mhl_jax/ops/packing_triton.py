@@ -1,6 +1,7 @@
 """The packing (`mhl_jax.ops.packing.pack`) as Triton kernels (`kernels/packing.py`) bound through
 jax-triton: `pack(..., method="triton")`. Five launches (the plan `kernels.packing.pack_launches`, which
-the torch launcher runs too), integer-only, no atomics, the same arrays as the JAX methods (checked
+the torch launcher runs too), integer-only (integer atomic adds for the chunk histograms at >= 1024 bins:
+order-free counts), the same arrays as the JAX methods (checked
 under the Triton interpreter against them in tests/test_packing.py; the binding itself needs a GPU)."""
 
 from __future__ import annotations
