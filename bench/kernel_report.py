@@ -9,6 +9,7 @@ cuobjdump.
     python bench/kernel_report.py --tiles dw_ws             # the warp-specialised Gluon weight gradients
     python bench/kernel_report.py --tiles bwd_ws --de 128   # the warp-specialised fused backward (de 128)
     python bench/kernel_report.py --tiles bwd_xw --de 128   # the same with the dX warp group (four warp groups)
+    python bench/kernel_report.py --tiles router_ws_cast --de 1536 --k 8   # the router forward with the caster
 
 Pointers are marked 16-byte divisible as the launchers' arguments are (without that mark the gathered
 row loads come out scalar and every tile spills). One JSON line per tile (`bench: kernel_report`).
@@ -109,17 +110,21 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
     elif kind == "bwd_xw":  # the fused backward with the dX warp group
         fn, consts = ge.gluon_expert_bwd_xw_kernel, ge.bwd_xw_constexprs(k, dh, de, pack_block)
         tile = [ge.DW_WS_BLOCK_M, 128, 16, ge.BWD_XW_STAGES]
-    elif kind == "router_ws":  # the router forward at 81920 tokens x 8 heads, Ne = de, bf16x3
-        import kernels.gluon_router as gr
+    elif kind in ("router_ws", "router_ws_cast"):  # the router forward at 81920 tokens x 8 heads, Ne = de, bf16x3
+        import kernels.gluon_router as gr  # _cast: with the caster warp group (two consumers; the layer's expert
+        # weights at de 128: 8 x Ne x 128 x 128 elements each)
 
-        consts = gr.ws_router_constexprs(81920, 8, dh, de, k, 3)
-        fn = gr.ws_router_kernel(consts["NC"])
-        tile = [64 * consts["NC"], 64, 4 * (consts["NC"] + 1), consts["NST"]]
-        pointer = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32"}
+        cast = kind == "router_ws_cast"
+        consts = gr.ws_router_constexprs(81920, 8, dh, de, k, 3, nc=2 if cast else None,
+                                         cast_n=8 * de * dh * 128 if cast else 0)
+        fn = gr.ws_router_kernel(consts["NC"], cast)
+        tile = [64 * consts["NC"], 64, 4 * (consts["NC"] + 1 + cast), consts["NST"]]
+        pointer = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32",
+                   "c1_ptr": "*fp32", "c2_ptr": "*fp32"}
     else:
         raise ValueError(f"kernel_report: warp-specialised kernel {kind!r}; expected fwd_ws, dw_ws, bwd_ws, "
-                         "bwd_xw or router_ws")
-    signature, attrs = _signature(fn, consts, pointer if kind == "router_ws" else POINTER_TYPES)
+                         "bwd_xw, router_ws or router_ws_cast")
+    signature, attrs = _signature(fn, consts, pointer if kind.startswith("router_ws") else POINTER_TYPES)
     c = compile_gluon(fn, signature, consts, attrs, num_warps=4)
     rec = _ptxas_report(fn, c["ptx"], c["ttgir"], int(c["shared"]))
     rec["setmaxnreg"] = [int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", c["ptx"])]
@@ -193,7 +198,7 @@ def main() -> None:
     rows = []
     for spec in args.tiles:
         kind, *nums = spec.split(",")
-        if kind in ("fwd_ws", "dw_ws", "bwd_ws", "bwd_xw", "router_ws"):
+        if kind in ("fwd_ws", "dw_ws", "bwd_ws", "bwd_xw", "router_ws", "router_ws_cast"):
             rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block)
         elif kind == "router":
             rec = report_router(*(int(v) for v in nums), dh=args.dh, ne=args.ne, k=args.k or 8)

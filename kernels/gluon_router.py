@@ -336,20 +336,43 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
 
 
 @gluon.jit
+def _router_caster(c, CAST_N: gl.constexpr):
+    """A side job beside the router (NC 2 only): cast two fp32 arrays of CAST_N elements to bf16, chunks of 8 values
+    per thread strided over the programs, one chunk of each array per step (two loads in flight). It shares nothing
+    with the other partitions; the router itself reads almost no HBM, so the cast's bytes ride free."""
+    (c1_ptr, c2_ptr, o1_ptr, o2_ptr) = c
+    PW: gl.constexpr = gl.num_warps()
+    CH: gl.constexpr = 8 * 32 * PW
+    offs = gl.arange(0, CH, layout=gl.BlockedLayout([8], [32], [PW], [0]))
+    for j in range(gl.program_id(0), (CAST_N + CH - 1) // CH, gl.num_programs(0)):
+        o = j.to(gl.int64) * CH + offs
+        m = o < CAST_N
+        v1 = gl.load(c1_ptr + o, mask=m)
+        v2 = gl.load(c2_ptr + o, mask=m)
+        gl.store(o1_ptr + o, v1.to(o1_ptr.dtype.element_ty), mask=m)
+        gl.store(o2_ptr + o, v2.to(o2_ptr.dtype.element_ty), mask=m)
+
+
+@gluon.jit
 def gluon_router_fwd_ws_kernel(
     x_ptr, w_ptr, b_ptr,  # inputs: x (N, H, DH) bf16, w (PARTS, H, DH, NE) bf16, bias (H, NE) fp32
+    c1_ptr, c2_ptr,  # inputs: two fp32 arrays of CAST_N elements to cast (unused at CAST_N 0)
     vals_ptr, idx_ptr,  # outputs: (N, H, K) fp32, (N, H, K) int32
+    o1_ptr, o2_ptr,  # outputs: the casts, bf16 (unused at CAST_N 0)
     N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr, PARTS: gl.constexpr,
     NST: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CAST_N: gl.constexpr = 0, CAST_REGS: gl.constexpr = 40,
 ):
     """Warp-specialised persistent router forward: items (NC * 64 rows, head) strided over the programs; one
     producer warp group (cp.async of x rows and 64-expert W_r blocks), NC consumer warp groups of 64 rows (NC - 1
     workers at CONSUMER_REGS, the producer at PRODUCER_REGS, the default-partition consumer at what Triton leaves it:
-    168 at NC 3, 256 at NC 2); mbarriers hand the buffers over."""
+    168 at NC 3, 256 at NC 2, 232 at NC 2 with the caster); mbarriers hand the buffers over. CAST_N > 0 (NC 2 only):
+    a fourth warp group (`_router_caster`, CAST_REGS) casts c1, c2 into o1, o2 meanwhile."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(NC == 2 or NC == 3, "NC: two or three consumer warp groups")
     gl.static_assert(NST >= 2, "NST: the producer fills one stage while the consumers read another")
+    gl.static_assert(CAST_N == 0 or NC == 2, "CAST_N: the caster warp group fits beside two consumers only")
     cdt: gl.constexpr = x_ptr.dtype.element_ty
     T = H * ((N + NC * 64 - 1) // (NC * 64))
     x_smem = gl.allocate_shared_memory(cdt, [2 * NC, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
@@ -357,7 +380,13 @@ def gluon_router_fwd_ws_kernel(
     x_ready, x_empty = _ws_barriers(2, NW * 32, NC)  # the producer warp group has NW warps too
     w_ready, w_empty = _ws_barriers(NST, NW * 32, NC)
     args = (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T)
-    if NC == 2:
+    if NC == 2 and CAST_N > 0:
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1)),
+                            (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
+                            (_router_caster, ((c1_ptr, c2_ptr, o1_ptr, o2_ptr), CAST_N))],
+                           [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, CAST_REGS])
+    elif NC == 2:
         gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
                             (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1)),
                             (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0))],
@@ -380,10 +409,15 @@ def gluon_router_fwd_ws_kernel(
 WS_ROUTER_NST = {2: 3, 3: 2}
 WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40)}
 WS_ROUTER_MAXNREG = {2: 168, 3: 128}
+WS_ROUTER_CAST_REGS = 40
 gluon_router_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[3]}
 # the same kernel compiled with the two-consumer launch limit (jax-triton takes the limit from the kernel object)
 gluon_router_fwd_ws_kernel_nc2 = gluon.jit(gluon_router_fwd_ws_kernel.fn)
 gluon_router_fwd_ws_kernel_nc2.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[2]}
+# two consumers and the caster: four warp groups in 64K registers (the default consumer gets 512 - 200 - 40 - 40)
+WS_ROUTER_CAST_MAXNREG = 128
+gluon_router_fwd_ws_kernel_nc2_cast = gluon.jit(gluon_router_fwd_ws_kernel.fn)
+gluon_router_fwd_ws_kernel_nc2_cast.mhl_compile_options = {"maxnreg": WS_ROUTER_CAST_MAXNREG}
 
 
 def ws_router_consumers(k: int) -> int:
@@ -391,9 +425,15 @@ def ws_router_consumers(k: int) -> int:
     return 3 if k <= 4 else 2
 
 
-def ws_router_kernel(nc: int):
-    """The kernel object compiled with nc consumers' launch limit."""
+def ws_router_kernel(nc: int, cast: bool = False):
+    """The kernel object compiled with nc consumers' launch limit (cast: with the caster warp group, nc 2)."""
+    if cast:
+        return gluon_router_fwd_ws_kernel_nc2_cast
     return gluon_router_fwd_ws_kernel if nc == 3 else gluon_router_fwd_ws_kernel_nc2
+
+
+def ws_router_maxnreg(nc: int, cast: bool = False) -> int:
+    return WS_ROUTER_CAST_MAXNREG if cast else WS_ROUTER_MAXNREG[nc]
 
 
 def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
@@ -403,36 +443,43 @@ def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
 
 
 def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int | None = None,
-                         stages: int | None = None) -> dict:
-    """The kernel's constexpr arguments (torch and JAX launchers alike; nc / stages default by k); raises on
-    unsupported shapes."""
+                         stages: int | None = None, cast_n: int = 0) -> dict:
+    """The kernel's constexpr arguments (torch and JAX launchers alike; nc / stages default by k; cast_n: elements
+    of each array the caster warp group casts, needs nc 2); raises on unsupported shapes."""
     nc = nc or ws_router_consumers(k)
     stages = stages or WS_ROUTER_NST.get(nc, 2)
     if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
         raise ValueError(f"warp-specialised router forward: dh={dh}, Ne={ne}, k={k}, parts={parts}, nc={nc}; "
                          "expected dh 128, Ne a multiple of 8, 1 <= k <= 8, 1-3 bf16 parts, 2 or 3 consumers")
+    if cast_n and nc != 2:
+        raise ValueError(f"warp-specialised router forward: a cast of {cast_n} elements needs 2 consumers, got nc={nc}")
     regs = WS_ROUTER_REGS[nc]
     return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, NST=stages, NC=nc, CONSUMER_REGS=regs[0],
-                PRODUCER_REGS=regs[1])
+                PRODUCER_REGS=regs[1], CAST_N=cast_n, CAST_REGS=WS_ROUTER_CAST_REGS)
 
 
 def ws_router_items(n: int, h: int, nc: int) -> int:
     return h * -(-n // (nc * 64))
 
 
-def gluon_router_fwd_ws(x, wp, bias, k: int, programs: int | None = None, **options):
+def gluon_router_fwd_ws(x, wp, bias, k: int, programs: int | None = None, cast=None, **options):
     """Torch launcher (CUDA, Hopper): x (N, H, dh) bf16, wp (parts, H, dh, Ne) bf16 (`torch_router.split_bf16`),
-    bias (H, Ne) fp32 -> values (N, H, k) fp32, indices (N, H, k) int32; options: `ws_router_constexprs`' nc /
-    stages (probes)."""
+    bias (H, Ne) fp32 -> values (N, H, k) fp32, indices (N, H, k) int32; cast: two fp32 tensors of one size (not
+    necessarily one shape), also returned cast to bf16 by the caster warp group (nc 2); options:
+    `ws_router_constexprs`' nc / stages (probes)."""
     import torch
 
     n, h, dh = x.shape
     parts, ne = wp.shape[0], wp.shape[3]
-    consts = ws_router_constexprs(n, h, dh, ne, k, parts, **options)
+    if cast and cast[0].numel() != cast[1].numel():
+        raise ValueError(f"gluon_router_fwd_ws: cast arrays of {cast[0].numel()} and {cast[1].numel()} elements")
+    consts = ws_router_constexprs(n, h, dh, ne, k, parts, cast_n=cast[0].numel() if cast else 0, **options)
     vals = torch.empty(n, h, k, dtype=torch.float32, device=x.device)
     idx = torch.empty(n, h, k, dtype=torch.int32, device=x.device)
+    ins = [c.contiguous() for c in cast] if cast else [torch.empty(1, dtype=torch.float32, device=x.device)] * 2
+    outs = [torch.empty(c.shape, dtype=torch.bfloat16, device=x.device) for c in ins]
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
-    ws_router_kernel(consts["NC"])[(min(programs, ws_router_items(n, h, consts["NC"])),)](
-        x.contiguous(), wp.contiguous(), bias.float().contiguous(), vals, idx, num_warps=4,
-        maxnreg=WS_ROUTER_MAXNREG[consts["NC"]], **consts)
-    return vals, idx
+    ws_router_kernel(consts["NC"], bool(cast))[(min(programs, ws_router_items(n, h, consts["NC"])),)](
+        x.contiguous(), wp.contiguous(), bias.float().contiguous(), *ins, vals, idx, *outs, num_warps=4,
+        maxnreg=ws_router_maxnreg(consts["NC"], bool(cast)), **consts)
+    return (vals, idx, *outs) if cast else (vals, idx)

@@ -188,6 +188,31 @@ def test_gluon_router_compiles_warp_specialised(tmp_path, ne, k, warps, regs, li
     assert r["sass_counts"]["HGMMA"] > 0 and r["shared_bytes"] <= 227 * 1024, r
 
 
+def test_gluon_router_with_caster_compiles(tmp_path):
+    """The router forward with the caster warp group (two consumers, a producer, the caster: four warp groups in
+    64K registers, launch limit 128) compiles for sm_90a: setmaxnreg gives the workers 200 / 40 / 40 and the default
+    consumer 232, the consumers keep their wgmma pipeline and spill nothing (2026-11-25: one spill instruction in the
+    producer, none in the consumers)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    out = tmp_path / "report.jsonl"
+    p = subprocess.run([sys.executable, os.path.join(train_scale.ROOT, "bench", "kernel_report.py"), "--tiles",
+                        "router_ws_cast", "--de", "1536", "--k", "8", "--out", str(out)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (r,) = map(json.loads, out.read_text().splitlines())
+    assert r["kernel"] == "router_ws_cast" and r["warp_specialized"], r
+    assert r["launch_warps"] == 16 and r["reqntid"] == [512] and r["registers"] == 128, r
+    assert {232, 200, 40} <= set(r["setmaxnreg"]) and not r["wgmma_serialized"], r
+    consumers = [q for q in r["sass_partitions"] if q["instructions"] > 1000]  # the two selection loops
+    assert len(consumers) == 2 and all(q["spill_instructions"] == 0 for q in consumers), r["sass_partitions"]
+
+
 @pytest.mark.parametrize("ne,k,de,dw_spill", [(384, 4, 256, 64), (768, 8, 128, 512)])
 def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k, de, dw_spill):
     """bench/kernel_report.py compiles the expert kernels at their 81920-token default tiles for sm_90a

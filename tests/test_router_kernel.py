@@ -339,8 +339,9 @@ def test_ws_router_launch_pairs_kernel_object_and_consumers(monkeypatch, k, nc):
     assert seen["kernel"] is gr.ws_router_kernel(nc)
     assert seen["kernel"].mhl_compile_options["maxnreg"] == gr.WS_ROUTER_MAXNREG[nc]
     assert seen["programs"] == min(132, 8 * -(-1000 // (64 * nc)))
-    xs, wp, bias = seen["args"]
-    assert xs is x and bias is b and wp.shape == (3, 8, 128, 768)
+    xs, wp, bias, c1, c2 = seen["args"]  # c1, c2: the caster's (unused) one-element inputs
+    assert xs is x and bias is b and wp.shape == (3, 8, 128, 768) and c1.shape == c2.shape == (1,)
+    assert c["CAST_N"] == 0
 
 
 # --------------------------------------------------- CPU: the JAX binding's plumbing (emulate backend)
@@ -442,6 +443,46 @@ def test_jax_route_with_packing_emulate(method):
         route_topk_triton(x, w, b, k, backend="emulate", pack=(24, "argsort"))
     with pytest.raises(ValueError, match="pack="):
         route_topk_triton(x, w, b, k, backend="emulate", pack=(32, "bogus"))
+
+
+def test_router_casts_weights_emulate():
+    """route_topk_triton(cast=(a, b)) also returns a, b in x's dtype, without gradient, and the MoE core with the
+    router casting the expert weights (moe_core.ROUTER_CASTS_WEIGHTS) gives the same loss and every gradient
+    bitwise (the emulated path: XLA casts; on Hopper at k > 4 the Gluon kernel's caster warp group does)."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.model.moe_core as mc
+    from mhl_jax.ops.router_triton import route_topk_triton
+
+    n, h, dh, ne, k, de = 48, 2, 32, 12, 6, 16
+    x, w, b = _jax_inputs(31, n, h, dh, ne)
+    rng = np.random.default_rng(7)
+    w1 = jnp.asarray(rng.standard_normal((h, ne, dh, de), dtype=np.float32) * 0.1)
+    w2 = jnp.asarray(rng.standard_normal((h, ne, de, dh), dtype=np.float32) * 0.1)
+    v, i, casts = route_topk_triton(x, w, b, k, backend="emulate", cast=(w1, w2))
+    v0, i0 = route_topk_triton(x, w, b, k, backend="emulate")
+    assert np.array_equal(v, v0) and np.array_equal(i, i0)
+    assert all(c.dtype == jnp.bfloat16 and np.array_equal(c, a.astype(jnp.bfloat16)) for c, a in zip(casts, (w1, w2)))
+    with pytest.raises(ValueError, match="cast wants two fp32 arrays of one size"):
+        route_topk_triton(x, w, b, k, backend="emulate", cast=(w1, w2.astype(jnp.bfloat16)))
+
+    def loss(x, w, w1, w2):
+        y, _ = mc.moe_heads_triton(x, x, w, b, w1, w2, k, backend="emulate")
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    got = []
+    saved = mc.ROUTER_CASTS_WEIGHTS
+    try:
+        for on in (False, True):
+            mc.ROUTER_CASTS_WEIGHTS = on
+            got.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w, w1, w2))
+    finally:
+        mc.ROUTER_CASTS_WEIGHTS = saved
+    assert float(got[0][0]) == float(got[1][0]) and float(got[0][0]) > 0
+    for a, c in zip(got[0][1], got[1][1]):
+        assert a.dtype == c.dtype and np.array_equal(a, c)
+    assert got[1][1][2].dtype == jnp.float32  # the fp32 weights still get fp32 gradients
 
 
 @interp
@@ -664,6 +705,44 @@ def test_gpu_ws_router_vs_triton_and_float64(case):
         assert frac == 0.0
     again = gluon_router_fwd_ws(xc, ktr.split_bf16(wc, 3), bc, k, programs=programs, **options)
     assert torch.equal(again[0], vals) and torch.equal(again[1], idx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ne,k", [(1536, 8), (300, 6)])
+def test_gpu_ws_router_caster(ne, k):
+    """The Gluon forward with the caster warp group (two consumers): the same top-k bitwise as without it, and the
+    two fp32 arrays (the expert weights' shape at de 128; one not a multiple of the 1024-value chunk) cast to bf16
+    exactly as torch casts them; through JAX (`route_topk_triton(cast=)`) the same."""
+    from kernels.gluon_router import gluon_router_fwd_ws
+
+    n, h = 3000, 2
+    x, w, b = _inputs(ne + k, n, h, 128, ne)
+    xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
+    wp = ktr.split_bf16(wc, 3)
+    g = torch.Generator(device="cuda").manual_seed(k)
+    c1 = torch.randn(h, ne, 128, 128, device="cuda", generator=g)
+    c2 = torch.randn(h * ne * 128 * 128 + 77, device="cuda", generator=g)[: c1.numel()].reshape(c1.shape) * 1e3
+    vals, idx = gluon_router_fwd_ws(xc, wp, bc, k, nc=2)
+    v2, i2, o1, o2 = gluon_router_fwd_ws(xc, wp, bc, k, nc=2, cast=(c1, c2))
+    assert torch.equal(v2, vals) and torch.equal(i2, idx)
+    assert torch.equal(o1, c1.to(torch.bfloat16)) and torch.equal(o2, c2.to(torch.bfloat16))
+    odd = torch.randn(1000 * 8 + 8, device="cuda", generator=g)  # a tail past the last whole chunk
+    _, _, p1, p2 = gluon_router_fwd_ws(xc, wp, bc, k, nc=2, cast=(odd, -odd))
+    assert torch.equal(p1, odd.to(torch.bfloat16)) and torch.equal(p2, (-odd).to(torch.bfloat16))
+
+    import jax
+    import jax.numpy as jnp
+
+    from mhl_jax.ops.router_triton import route_topk_triton
+
+    _gpu_setup()
+    xj, wj, bj = (jnp.asarray(t.float().numpy()) for t in (x, w, b))
+    xj = xj.astype(jnp.bfloat16)
+    a1, a2 = jnp.asarray(c1.cpu().numpy()), jnp.asarray(c2.cpu().numpy())
+    jv, ji, (j1, j2) = jax.jit(lambda x, w, a, c: route_topk_triton(x, w, bj, k, cast=(a, c)))(xj, wj, a1, a2)
+    pv, pi = jax.jit(lambda x, w: route_topk_triton(x, w, bj, k))(xj, wj)
+    assert np.array_equal(jv, pv) and np.array_equal(ji, pi)
+    assert np.array_equal(j1, a1.astype(jnp.bfloat16)) and np.array_equal(j2, a2.astype(jnp.bfloat16))
 
 
 @pytest.mark.gpu

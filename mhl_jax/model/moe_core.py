@@ -16,8 +16,10 @@ from __future__ import annotations
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 
 from mhl_jax.ops.experts import expert_ffn, triton_packing_spec
+from mhl_jax.ops.kernels_select import MAX_TRITON_EXPERT_WIDTH
 from mhl_jax.ops.router import MAX_TRITON_ROUTER_WIDTH, route_topk
 
 
@@ -35,6 +37,12 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
     return expert_ffn(x_expert, idx, gates, w1, w2, impl, cfg=cfg)
 
 
+# The router's Gluon kernel also casts the fp32 expert weights to bf16 (its caster warp group, at k > 4) instead of a
+# separate XLA cast before the expert op. Off until measured on a GPU (bench/NOTES.md, plan): the casts are 0.4 /
+# 0.8 ms of the 768/8/128 and 1536/8/128 layers at 81920 tokens (H100).
+ROUTER_CASTS_WEIGHTS = False
+
+
 def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
                      w2: jax.Array, k: int, cfg=None, backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """`moe_heads` on the Triton router and experts with one packing: the router's forward also packs
@@ -45,9 +53,13 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
 
     kw = {} if backend is None else {"backend": backend}
     spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
-    values, idx, packing = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, **kw)
+    cast = (ROUTER_CASTS_WEIGHTS and x_expert.dtype == jnp.bfloat16 and w1.dtype == w2.dtype == jnp.float32
+            and x_expert.shape[2] <= MAX_TRITON_EXPERT_WIDTH)
+    out = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, cast=(w1, w2) if cast else None, **kw)
+    values, idx, packing = out[:3]
     gates = jax.nn.softmax(values, axis=-1)  # fp32
-    return expert_ffn(x_expert, idx, gates, w1, w2, "triton", cfg=cfg, packing=packing, backend=backend)
+    return expert_ffn(x_expert, idx, gates, w1, w2, "triton", cfg=cfg, packing=packing, backend=backend,
+                      weights_cast=out[3] if cast else None)
 
 
 class MoEExecutor(Protocol):

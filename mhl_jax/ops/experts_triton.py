@@ -364,11 +364,12 @@ def _combine(out_rows, slot_row, gates):
     return jnp.sum(per_slot * gates[..., None], axis=2)
 
 
-def _forward(st: Static, x, gates, w1, w2, meta: Meta):
+def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
     n, h, dh = x.shape
     _, ne, _, de = w1.shape
-    w1c = w1.reshape(h * ne, dh, de).astype(x.dtype)
-    w2c = w2.reshape(h * ne, de, dh).astype(x.dtype)
+    w1c, w2c = (w1, w2) if wc is None else wc  # wc: the weights already cast (by the router's kernel)
+    w1c = w1c.reshape(h * ne, dh, de).astype(x.dtype)
+    w2c = w2c.reshape(h * ne, de, dh).astype(x.dtype)
     xs = x.reshape(n * h, dh)
     fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
     out_rows = fwd(st, xs, meta, w1c, w2c)
@@ -379,12 +380,12 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _experts(st: Static, x, gates, w1, w2, meta: Meta):
-    return _forward(st, x, gates, w1, w2, meta)[0]
+def _experts(st: Static, x, gates, w1, w2, meta: Meta, wc):
+    return _forward(st, x, gates, w1, w2, meta, wc)[0]
 
 
-def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta):
-    return _forward(st, x, gates, w1, w2, meta)
+def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta, wc):
+    return _forward(st, x, gates, w1, w2, meta, wc)
 
 
 def _experts_bwd(st: Static, res, dy):
@@ -399,7 +400,7 @@ def _experts_bwd(st: Static, res, dy):
     else:  # the per-row gate gradients of the kernels (partials of the Gluon backward summed), per slot (empty: 0)
         dg = dgate_rows.reshape(dgate_rows.shape[0], -1)
         dgates = take_slots(dg, meta.slot_row).sum(-1).reshape(n, h, k).astype(gates.dtype)
-    return bwd_cotangents(dxr, dgates, dw1, dw2, xs.dtype, meta)
+    return bwd_cotangents(dxr, dgates, dw1, dw2, xs.dtype, meta) + (None,)  # the weights' cast: none (w1, w2 have it)
 
 
 def bwd_cotangents(dx_rows, dgates, dw1, dw2, x_dtype, meta: Meta):
@@ -419,14 +420,16 @@ _experts.defvjp(_experts_fwd, _experts_bwd)
 
 def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
                       cfg: ExpertsConfig | None = None, backend: str = "triton",
-                      packing: pk.Packing | None = None) -> tuple[jax.Array, jax.Array]:
+                      packing: pk.Packing | None = None, weights_cast=None) -> tuple[jax.Array, jax.Array]:
     """x: (N, H, dh) bf16 (fp32 allowed: exact but slow); idx: (N, H, k) int32; gates: (N, H, k) fp32;
     w1: (H, Ne, dh, de), w2: (H, Ne, de, dh) fp32 or x.dtype.
 
     Returns y (N, H, dh) in x.dtype and the load (H, Ne) int32 (routed slots per (head, expert)).
     Same contract as `expert_ffn(..., impl="reference")`; `cfg` overrides the packing block and tiles;
     `packing`: the packing of idx already made (by the router, `route_topk_triton(..., pack=)`) with
-    this config's block (`mhl_jax.ops.experts.triton_packing_spec`), else it is made here.
+    this config's block (`mhl_jax.ops.experts.triton_packing_spec`), else it is made here; `weights_cast`:
+    (w1, w2) already cast to x's dtype (by the router's kernel, `route_topk_triton(..., cast=)`), read instead of
+    casting here (w1, w2 still get the gradients, in their own dtype).
     """
     n, h, dh = x.shape
     hw, ne, _, de = w1.shape
@@ -442,5 +445,10 @@ def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Ar
     packing, meta = packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, backend, packing, "expert_ffn_triton")
     if w1.dtype != w2.dtype:
         raise ValueError(f"expert_ffn_triton: w1 {w1.dtype} and w2 {w2.dtype} must share a dtype")
-    y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta)
+    if weights_cast is not None and any(c.shape != w.shape or c.dtype != x.dtype
+                                        for c, w in zip(weights_cast, (w1, w2))):
+        raise ValueError(f"expert_ffn_triton: weights_cast must be w1, w2 in {x.dtype}, got "
+                         f"{[(c.shape, c.dtype) for c in weights_cast]}")
+    y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta,
+                 weights_cast)
     return y, packing.group_sizes.reshape(h, ne)

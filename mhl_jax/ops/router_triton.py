@@ -46,6 +46,7 @@ class Static(NamedTuple):
     backend: str  # "triton" | "emulate"
     sort: str  # "flat" | "packed" (uint32 keys, when they fit) | "argsort" (stable argsort): dw_metadata
     pack: tuple[int, str] | None = None  # (row block, method): also return the experts' packing of idx
+    cast: str | None = None  # dtype name: also return the two `cast` arrays in it
 
 
 class DwMeta(NamedTuple):
@@ -177,16 +178,31 @@ def use_fwd_gluon(st: Static, dtype, dh: int, ne: int) -> bool:
                 and ws_router_supported(dh, ne, st.k, weight_parts(st.precision)) and gluon_bridge.hopper_sms())
 
 
-def _fwd_gluon(st: Static, x, wp, bias):
+def kernel_casts(st: Static, ne: int) -> bool:
+    """Whether the Gluon forward's caster warp group casts `cast` (two consumers: k > 4; bf16 out), given that the
+    forward runs on the Gluon kernel."""
+    from kernels.gluon_router import ws_router_consumers
+
+    return st.cast == "bfloat16" and ws_router_consumers(st.k) == 2
+
+
+def _fwd_gluon(st: Static, x, wp, bias, cast=None):
+    """(values, indices) and, with `cast` (two fp32 arrays of one size), their bf16 casts made by the caster warp
+    group beside the selection."""
     from kernels.gluon_router import ws_router_constexprs, ws_router_items, ws_router_kernel
 
     n, h, dh = x.shape
-    consts = ws_router_constexprs(n, h, dh, wp.shape[3], st.k, wp.shape[0])
-    vals, idx = gluon_bridge.gluon_call(
-        x, wp, bias, kernel=ws_router_kernel(consts["NC"]),
-        out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)],
+    size = cast[0].size if cast else 0
+    consts = ws_router_constexprs(n, h, dh, wp.shape[3], st.k, wp.shape[0], cast_n=size)
+    cin = [c.reshape(-1) for c in cast] if cast else [jnp.zeros((1,), jnp.float32)] * 2
+    out = gluon_bridge.gluon_call(
+        x, wp, bias, *cin, kernel=ws_router_kernel(consts["NC"], bool(cast)),
+        out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)]
+        + [jax.ShapeDtypeStruct(c.shape, jnp.bfloat16) for c in cin],
         programs=min(gluon_bridge.hopper_sms(), ws_router_items(n, h, consts["NC"])), **consts)
-    return vals, idx
+    if cast:
+        return out[0], out[1], tuple(o.reshape(c.shape) for o, c in zip(out[2:], cast))
+    return out[0], out[1]
 
 
 def _fwd_triton(st: Static, x, w, bias):
@@ -271,23 +287,32 @@ def _dw_emulate(st: Static, x, dvals, meta: DwMeta, ne: int):
 
 # ------------------------------------------------------------------------------------ the custom_vjp
 
-def _forward(st: Static, x, w, bias):
-    fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
-    vals, idx = fwd(st, x, w.astype(jnp.float32), bias.astype(jnp.float32))
-    if st.pack is None:
-        return vals, idx
-    block, method = st.pack
-    return vals, idx, pk.pack(idx, w.shape[2], block, method)
+def _forward(st: Static, x, w, bias, cast):
+    w32, b32 = w.astype(jnp.float32), bias.astype(jnp.float32)
+    casts = None
+    if st.backend == "triton" and st.cast and use_fwd_gluon(st, x.dtype, x.shape[2], w.shape[2]) and \
+            kernel_casts(st, w.shape[2]):
+        wp = split_bf16(w32, weight_parts(st.precision))
+        vals, idx, casts = _fwd_gluon(st, x, wp, b32, cast)
+    else:
+        vals, idx = (_fwd_triton if st.backend == "triton" else _fwd_emulate)(st, x, w32, b32)
+    out = (vals, idx)
+    if st.pack is not None:
+        block, method = st.pack
+        out += (pk.pack(idx, w.shape[2], block, method),)
+    if st.cast:
+        out += (casts if casts is not None else tuple(c.astype(st.cast) for c in cast),)
+    return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _route(st: Static, x, w, bias):
-    return _forward(st, x, w, bias)
+def _route(st: Static, x, w, bias, cast):
+    return _forward(st, x, w, bias, cast)
 
 
-def _route_fwd(st: Static, x, w, bias):
-    out = _forward(st, x, w, bias)
-    return out, (x, w, bias) + tuple(out[1:])
+def _route_fwd(st: Static, x, w, bias, cast):
+    out = _forward(st, x, w, bias, cast)
+    return out, (x, w, bias) + tuple(out[1:3 if st.pack is not None else 2])
 
 
 def _route_bwd(st: Static, res, cts):
@@ -302,7 +327,7 @@ def _route_bwd(st: Static, res, cts):
     else:  # the experts' packing of the same indices: no second sort
         meta = dw_metadata_from_packing(res[4], x.shape[1], st.k, st.pack[0], st.tiles.dw_block)
     dw = (_dw_triton if triton else _dw_emulate)(st, x, dvals, meta, ne)
-    return dx, dw.astype(w.dtype), jnp.zeros_like(bias)
+    return dx, dw.astype(w.dtype), jnp.zeros_like(bias), None  # the cast arrays: no cotangent from here
 
 
 _route.defvjp(_route_fwd, _route_bwd)
@@ -310,7 +335,8 @@ _route.defvjp(_route_fwd, _route_bwd)
 
 def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, precision: str | None = None,
                       tiles: RouterTiles | None = None, backend: str = "triton",
-                      sort: str = "flat", pack: tuple[int, str] | None = None) -> tuple[jax.Array, ...]:
+                      sort: str = "flat", pack: tuple[int, str] | None = None,
+                      cast: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, ...]:
     """x: (N, H, dh) bf16 (fp32 allowed: then precision defaults to "ieee"); w_r: (H, dh, Ne) fp32;
     bias: (H, Ne) fp32 (no gradient).
 
@@ -321,7 +347,12 @@ def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, 
 
     pack = (row block, method): also return the experts' packing of the indices (`packing.pack(indices,
     Ne, block, method)`, a third output without gradient). The backward then takes the dW layout from
-    it (`dw_metadata_from_packing`) instead of sorting the slots a second time."""
+    it (`dw_metadata_from_packing`) instead of sorting the slots a second time.
+
+    cast = (a, b), two fp32 arrays of one size (the expert weights): also return (a, b) in x's dtype as the last
+    output, without gradient. Where the forward runs on the Gluon kernel with two consumers (k > 4), its caster
+    warp group makes them beside the selection, whose HBM traffic is small (the cast alone is 0.2-0.4 ms of HBM
+    time per array in the layer); else XLA casts them."""
     check_router_shapes(x, w_r, bias, k)
     n, h, dh = x.shape
     ne = w_r.shape[2]
@@ -340,4 +371,10 @@ def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, 
             raise ValueError(f"route_topk_triton: pack={pack!r}, expected (row block: a power of 2 >= 16, "
                              f"method in {pk.PACK_METHODS})")
         pack = (int(block), "argsort" if method == "triton" and backend != "triton" else method)  # same arrays
-    return _route(Static(k, precision, tiles, backend, sort, pack), x, w_r, bias)
+    if cast is not None:
+        a, b = cast
+        if a.size != b.size or a.dtype != jnp.float32 or b.dtype != jnp.float32 or x.dtype != jnp.bfloat16:
+            raise ValueError(f"route_topk_triton: cast wants two fp32 arrays of one size and bf16 x, got "
+                             f"{a.shape} {a.dtype}, {b.shape} {b.dtype}, x {x.dtype}")
+    st = Static(k, precision, tiles, backend, sort, pack, None if cast is None else jnp.dtype(x.dtype).name)
+    return _route(st, x, w_r, bias, cast)
