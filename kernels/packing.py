@@ -189,8 +189,10 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
     chunked = dict(H=h, K=k, ML=sh["ML"], NE=ne, NEP=nep, NC=nc, C=sh["C"])
     atomic = nep >= HIST_ATOMIC_MIN_BINS
     return [
-        Launch(pack_hist_kernel, ("idx", "hist"), (("hist", (h, nc, nep)),), (nc, h), dict(chunked, ATOMIC=atomic),
-               fill=(("hist", 0),)),
+        # the atomic histogram adds into a zeroed buffer (input and output); tl.histogram's writes every bin (the
+        # input pointer then unused: idx again)
+        Launch(pack_hist_kernel, ("idx", "hist" if atomic else "idx"), (("hist", (h, nc, nep)),), (nc, h),
+               dict(chunked, ATOMIC=atomic), fill=(("hist", 0),) if atomic else ()),
         Launch(pack_offsets_kernel, ("hist",), (("base", (h, nc, nep)), ("sizes", (g,))),
                (h, nep // sh["EB"]), dict(NE=ne, NEP=nep, NC=nc, CB=sh["CB"], EB=sh["EB"])),
         Launch(pack_groups_kernel, ("sizes",), (("pstart", (g,)), ("bend", (g,)), ("nblocks", (1,))), (1,),

@@ -53,7 +53,8 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
 
     kw = {} if backend is None else {"backend": backend}
     spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
-    cast = (ROUTER_CASTS_WEIGHTS and x_expert.dtype == jnp.bfloat16 and w1.dtype == w2.dtype == jnp.float32
+    cast = (ROUTER_CASTS_WEIGHTS and x_expert.dtype == x_route.dtype == jnp.bfloat16
+            and w1.dtype == w2.dtype == jnp.float32
             and x_expert.shape[2] <= MAX_TRITON_EXPERT_WIDTH)
     out = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, cast=(w1, w2) if cast else None, **kw)
     values, idx, packing = out[:3]
