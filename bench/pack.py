@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
 import os
-import shutil
 import sys
-import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,30 +28,13 @@ NH = 8
 
 
 def kernel_times(fn, args, calls: int = 5) -> dict:
-    """Launch name -> device ms per call over `calls` traced calls (JAX profiler, GPU 0's stream lines)."""
-    from jax.profiler import ProfileData
+    """Launch name -> device ms per call over `calls` traced calls (bench.profile_layer.trace_events)."""
+    from bench.profile_layer import short, trace_events
 
-    from bench.profile_layer import DERIVED_LINES, short
-
-    tmp = tempfile.mkdtemp(prefix="mhl_pack_prof_")
-    try:
-        jax.profiler.start_trace(tmp)
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        jax.profiler.stop_trace()
-        times: dict[str, float] = {}
-        for f in glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[:1]:
-            for plane in ProfileData.from_file(f).planes:
-                if plane.name.startswith("/device:GPU:0"):
-                    for line in plane.lines:
-                        if not line.name.startswith(DERIVED_LINES):
-                            for ev in line.events:
-                                name = short(ev.name)
-                                times[name] = times.get(name, 0.0) + ev.duration_ns / 1e6 / calls
-        return {k: round(v, 4) for k, v in sorted(times.items(), key=lambda kv: -kv[1])}
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    times: dict[str, float] = {}
+    for _, d, name in trace_events(fn, args, calls)[0]:
+        times[short(name)] = times.get(short(name), 0.0) + d / 1e6 / calls
+    return {k: round(v, 4) for k, v in sorted(times.items(), key=lambda kv: -kv[1])}
 
 
 def main() -> None:

@@ -69,28 +69,20 @@ def child(tokens: int, config: str, variant: str) -> None:
 DERIVED_LINES = ("XLA Ops", "XLA Modules", "Framework", "Steps", "Source", "TensorFlow", "Launch Stats")
 
 
-def jax_trace(tokens: int, config: str, variant: str, calls: int, hlo_out: str | None = None):
-    """`calls` traced calls of the warmed step, back to back -> ([(kernel name, ms)] of the first call in start
-    order, timing, the GPU plane's line names, [(XLA op, ms)] of the first call). timing: layer_ms =
-    bench.timing.time_jax of the step (untraced); per call busy_ms (the union of kernel intervals) and span_ms
-    (first start to last end over all calls); gaps_us (the first call's idle time between its kernels) and its
-    largest gaps. hlo_out: also write the compiled step's HLO there."""
+def trace_events(fn, args, calls: int):
+    """`calls` back-to-back calls of the warmed fn(*args) inside one JAX profiler trace -> (kernel events, "XLA Ops"
+    events, the line names) of GPU 0; events (start ns, duration ns, name), sorted by start."""
     import glob
     import tempfile
 
     import jax
     from jax.profiler import ProfileData
 
-    from bench.profile_split import _union_ms
-    from bench.timing import time_jax
-
-    grad, params, x = build(tokens, config, variant)
-    layer_ms = time_jax(grad, [(params, x)])
-    tmp = tempfile.mkdtemp(prefix="mhl_layer_prof_")
+    tmp = tempfile.mkdtemp(prefix="mhl_prof_")
     try:
         jax.profiler.start_trace(tmp)
         for _ in range(calls):
-            out = grad(params, x)
+            out = fn(*args)
         jax.block_until_ready(out)
         jax.profiler.stop_trace()
         files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
@@ -100,27 +92,40 @@ def jax_trace(tokens: int, config: str, variant: str, calls: int, hlo_out: str |
                 continue
             for line in plane.lines:
                 names.append(line.name)
+                evs = [(int(ev.start_ns), int(ev.duration_ns), ev.name) for ev in line.events]
                 if line.name == "XLA Ops":
-                    ops += [(int(ev.start_ns), int(ev.duration_ns), ev.name) for ev in line.events]
-                if line.name.startswith(DERIVED_LINES):
-                    continue
-                events += [(int(ev.start_ns), int(ev.duration_ns), ev.name) for ev in line.events]
-        events.sort()
-        ops.sort()
-        busy = _union_ms([(s0, s0 + d) for s0, d, _ in events]) / calls
-        span = (max(s0 + d for s0, d, _ in events) - events[0][0]) / 1e6 / calls if events else 0.0
-        first = len(events) // calls
-        gaps = sorted(((events[i + 1][0] - events[i][0] - events[i][1]) / 1e3, events[i][2], events[i + 1][2])
-                      for i in range(first - 1))[::-1]
-        if hlo_out:
-            with open(hlo_out, "w") as f:
-                f.write(grad.lower(params, x).compile().as_text())
-        timing = dict(layer_ms=layer_ms, busy_ms=busy, span_ms=span, gaps_us=sum(g for g, _, _ in gaps),
-                      largest_gaps=[(round(g, 2), short(a), short(b)) for g, a, b in gaps[:12]])
-        return ([(name, d / 1e6) for _, d, name in events[:first]], timing, names,
-                [(name, round(d / 1e6, 4)) for _, d, name in ops[:len(ops) // calls]])
+                    ops += evs
+                if not line.name.startswith(DERIVED_LINES):
+                    events += evs
+        return sorted(events), sorted(ops), names
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def jax_trace(tokens: int, config: str, variant: str, calls: int, hlo_out: str | None = None):
+    """`calls` traced calls of the warmed step, back to back -> ([(kernel name, ms)] of the first call in start
+    order, timing, the GPU plane's line names, [(XLA op, ms)] of the first call). timing: layer_ms =
+    bench.timing.time_jax of the step (untraced); per call busy_ms (the union of kernel intervals) and span_ms
+    (first start to last end over all calls); gaps_us (the first call's idle time between its kernels) and its
+    largest gaps. hlo_out: also write the compiled step's HLO there."""
+    from bench.profile_split import _union_ms
+    from bench.timing import time_jax
+
+    grad, params, x = build(tokens, config, variant)
+    layer_ms = time_jax(grad, [(params, x)])
+    events, ops, names = trace_events(grad, (params, x), calls)
+    busy = _union_ms([(s0, s0 + d) for s0, d, _ in events]) / calls
+    span = (max(s0 + d for s0, d, _ in events) - events[0][0]) / 1e6 / calls if events else 0.0
+    first = len(events) // calls
+    gaps = sorted(((events[i + 1][0] - events[i][0] - events[i][1]) / 1e3, events[i][2], events[i + 1][2])
+                  for i in range(first - 1))[::-1]
+    if hlo_out:
+        with open(hlo_out, "w") as f:
+            f.write(grad.lower(params, x).compile().as_text())
+    timing = dict(layer_ms=layer_ms, busy_ms=busy, span_ms=span, gaps_us=sum(g for g, _, _ in gaps),
+                  largest_gaps=[(round(g, 2), short(a), short(b)) for g, a, b in gaps[:12]])
+    return ([(name, d / 1e6) for _, d, name in events[:first]], timing, names,
+            [(name, round(d / 1e6, 4)) for _, d, name in ops[:len(ops) // calls]])
 
 
 def short(name: str) -> str:

@@ -161,6 +161,22 @@ def test_profile_stalls_reads_ncu_csv():
     assert got["router_fwd_kernel"]["gpu__time_duration.sum"] == 978208.0
 
 
+def _kernel_report(tmp_path, *args) -> list[dict]:
+    """bench/kernel_report.py run in a subprocess (compiled, not interpreted; a Triton cache folder of its own:
+    importing jax-triton elsewhere in this process may have set it to "") -> its records."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    out = tmp_path / "report.jsonl"
+    p = subprocess.run([sys.executable, os.path.join(train_scale.ROOT, "bench", "kernel_report.py"), *args, "--out",
+                        str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
 @pytest.mark.parametrize("ne,k,warps,regs,limit", [(384, 4, 16, 152, 128), (768, 8, 12, 200, 168)])
 def test_gluon_router_compiles_warp_specialised(tmp_path, ne, k, warps, regs, limit):
     """bench/kernel_report.py compiles the warp-specialised Gluon router forward (kernels/gluon_router.py) for sm_90a
@@ -168,19 +184,8 @@ def test_gluon_router_compiles_warp_specialised(tmp_path, ne, k, warps, regs, li
     requiring all of their threads, compiled at the launch limit of that consumer count (the kernel object
     `ws_router_kernel` picks), the workers' registers set by setmaxnreg, wgmma, at most a few spilled words
     (2026-11-24: none at these shapes, 16 bytes at Ne 1000 k 3), within the 227 KB of shared memory."""
-    import json
-    import subprocess
-    import sys
-
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    out = tmp_path / "report.jsonl"
-    p = subprocess.run([sys.executable, os.path.join(train_scale.ROOT, "bench", "kernel_report.py"), "--tiles",
-                        "router_ws", "--de", str(ne), "--k", str(k), "--out", str(out)], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    (r,) = map(json.loads, out.read_text().splitlines())
+    (r,) = _kernel_report(tmp_path, "--tiles", "router_ws", "--de", str(ne), "--k", str(k))
     assert r["kernel"] == "router_ws" and r["warp_specialized"], r
     assert r["launch_warps"] == warps and r["reqntid"] == [32 * warps] and r["registers"] == limit, r
     assert {regs, 40} <= set(r["setmaxnreg"]) and r["spill_store_bytes"] <= 16, r
@@ -193,19 +198,8 @@ def test_gluon_router_with_caster_compiles(tmp_path):
     64K registers, launch limit 128) compiles for sm_90a: setmaxnreg gives the workers 200 / 40 / 40 and the default
     consumer 232, the consumers keep their wgmma pipeline and spill nothing (2026-11-25: one spill instruction in the
     producer, none in the consumers)."""
-    import json
-    import subprocess
-    import sys
-
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    out = tmp_path / "report.jsonl"
-    p = subprocess.run([sys.executable, os.path.join(train_scale.ROOT, "bench", "kernel_report.py"), "--tiles",
-                        "router_ws_cast", "--de", "1536", "--k", "8", "--out", str(out)], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    (r,) = map(json.loads, out.read_text().splitlines())
+    (r,) = _kernel_report(tmp_path, "--tiles", "router_ws_cast", "--de", "1536", "--k", "8")
     assert r["kernel"] == "router_ws_cast" and r["warp_specialized"], r
     assert r["launch_warps"] == 16 and r["reqntid"] == [512] and r["registers"] == 128, r
     assert {232, 200, 40} <= set(r["setmaxnreg"]) and not r["wgmma_serialized"], r
@@ -219,10 +213,6 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
     with the Triton wheel's ptxas (no GPU): wgmma (HGMMA) is used, and the registers hold the tiles (the
     fwd and dX kernels spill nothing, the dW kernel at most a few words; 2026-11-24: 0 / 0 / 24 bytes at de 256;
     at de 128 the dW kernel is the fused backward with the gate gradients: 296 bytes)."""
-    import json
-    import subprocess
-    import sys
-
     pytest.importorskip("triton")
     from kernels.experts import default_config
 
@@ -237,15 +227,7 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
         tiles += ["dw_ws", "bwd_xw"]
     else:  # and the fused Gluon backward (the 8192-token rows' at de 128)
         tiles.append("bwd_ws")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
-    # a cache folder of its own (importing jax-triton elsewhere in this process may have set it to "")
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    out = tmp_path / "report.jsonl"
-    p = subprocess.run([sys.executable, os.path.join(train_scale.ROOT, "bench", "kernel_report.py"), "--tiles",
-                        *tiles, "--de", str(de), "--out", str(out)], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    recs = {r["kernel"]: r for r in map(json.loads, out.read_text().splitlines())}
+    recs = {r["kernel"]: r for r in _kernel_report(tmp_path, "--tiles", *tiles, "--de", str(de))}
     assert set(recs) == {"fwd", "dx", "dwt", "fwd_ws"} | ({"dw_ws", "bwd_xw"} if de == 256 else {"bwd_ws"})
     for r in recs.values():
         assert r["sass_counts"]["HGMMA"] > 0 and r["registers"] <= 255, r

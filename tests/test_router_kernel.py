@@ -297,7 +297,7 @@ def test_ws_router_dispatch_rule(monkeypatch):
                             384)
     calls = []
 
-    def fake_gluon(static, x, wp, bias):  # records the launch; returns the reference top-k for the plumbing
+    def fake_gluon(static, x, wp, bias, cast=None):  # records the launch; returns the reference top-k for the plumbing
         calls.append(wp)
         return rt.route_topk_reference(x, w, bias, static.k)
 

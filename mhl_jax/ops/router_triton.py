@@ -46,7 +46,6 @@ class Static(NamedTuple):
     backend: str  # "triton" | "emulate"
     sort: str  # "flat" | "packed" (uint32 keys, when they fit) | "argsort" (stable argsort): dw_metadata
     pack: tuple[int, str] | None = None  # (row block, method): also return the experts' packing of idx
-    cast: str | None = None  # dtype name: also return the two `cast` arrays in it
 
 
 class DwMeta(NamedTuple):
@@ -178,14 +177,6 @@ def use_fwd_gluon(st: Static, dtype, dh: int, ne: int) -> bool:
                 and ws_router_supported(dh, ne, st.k, weight_parts(st.precision)) and gluon_bridge.hopper_sms())
 
 
-def kernel_casts(st: Static, ne: int) -> bool:
-    """Whether the Gluon forward's caster warp group casts `cast` (two consumers: k > 4; bf16 out), given that the
-    forward runs on the Gluon kernel."""
-    from kernels.gluon_router import ws_router_consumers
-
-    return st.cast == "bfloat16" and ws_router_consumers(st.k) == 2
-
-
 def _fwd_gluon(st: Static, x, wp, bias, cast=None):
     """(values, indices) and, with `cast` (two fp32 arrays of one size), their bf16 casts made by the caster warp
     group beside the selection."""
@@ -205,14 +196,17 @@ def _fwd_gluon(st: Static, x, wp, bias, cast=None):
     return out[0], out[1]
 
 
-def _fwd_triton(st: Static, x, w, bias):
+def _fwd_triton(st: Static, x, w, bias, cast=None):
+    """(values, indices), and a third output, the bf16 casts of `cast`, where the Gluon kernel's caster makes them
+    (two consumers: k > 4)."""
+    from kernels.gluon_router import ws_router_consumers
     from kernels.router import fwd_grid, router_fwd_kernel
 
     n, h, dh = x.shape
     ne, t = w.shape[2], st.tiles
     wp = split_bf16(w, weight_parts(st.precision)) if st.precision.startswith("bf16") else w[None]
     if use_fwd_gluon(st, x.dtype, dh, ne):
-        return _fwd_gluon(st, x, wp, bias)
+        return _fwd_gluon(st, x, wp, bias, cast if ws_router_consumers(st.k) == 2 else None)
     jt = import_jax_triton()
     vals, idx = jt.triton_call(
         x, wp, bias, kernel=router_fwd_kernel,
@@ -258,7 +252,7 @@ def _dw_triton(st: Static, x, dvals, meta: DwMeta, ne: int):
 
 # ------------------------------------------------------------------- kernel stand-ins (pure JAX, CPU)
 
-def _fwd_emulate(st: Static, x, w, bias):
+def _fwd_emulate(st: Static, x, w, bias, cast=None):
     return route_topk_reference(x, w, bias, st.k)
 
 
@@ -288,20 +282,14 @@ def _dw_emulate(st: Static, x, dvals, meta: DwMeta, ne: int):
 # ------------------------------------------------------------------------------------ the custom_vjp
 
 def _forward(st: Static, x, w, bias, cast):
-    w32, b32 = w.astype(jnp.float32), bias.astype(jnp.float32)
-    casts = None
-    if st.backend == "triton" and st.cast and use_fwd_gluon(st, x.dtype, x.shape[2], w.shape[2]) and \
-            kernel_casts(st, w.shape[2]):
-        wp = split_bf16(w32, weight_parts(st.precision))
-        vals, idx, casts = _fwd_gluon(st, x, wp, b32, cast)
-    else:
-        vals, idx = (_fwd_triton if st.backend == "triton" else _fwd_emulate)(st, x, w32, b32)
+    fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
+    vals, idx, *made = fwd(st, x, w.astype(jnp.float32), bias.astype(jnp.float32), cast)
     out = (vals, idx)
     if st.pack is not None:
         block, method = st.pack
         out += (pk.pack(idx, w.shape[2], block, method),)
-    if st.cast:
-        out += (casts if casts is not None else tuple(c.astype(st.cast) for c in cast),)
+    if cast is not None:  # made by the kernel, else by XLA
+        out += (made[0] if made else tuple(c.astype(x.dtype) for c in cast),)
     return out
 
 
@@ -376,5 +364,4 @@ def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, 
         if a.size != b.size or a.dtype != jnp.float32 or b.dtype != jnp.float32 or x.dtype != jnp.bfloat16:
             raise ValueError(f"route_topk_triton: cast wants two fp32 arrays of one size and bf16 x, got "
                              f"{a.shape} {a.dtype}, {b.shape} {b.dtype}, x {x.dtype}")
-    st = Static(k, precision, tiles, backend, sort, pack, None if cast is None else jnp.dtype(x.dtype).name)
-    return _route(st, x, w_r, bias, cast)
+    return _route(Static(k, precision, tiles, backend, sort, pack), x, w_r, bias, cast)
