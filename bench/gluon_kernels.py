@@ -15,7 +15,10 @@ backward default_config picks (the dX kernel and the Gluon or Triton dW kernel),
 (rel over dW1, dW2 and the dX rows and gate gradients of routed rows). router: the warp-specialised Gluon router
 forward (kernels/gluon_router.py) at each of ROUTER_OPTIONS vs `router_fwd_kernel` at its default tiles (bf16x3,
 8 heads; de is ignored; rel: the fraction of indices that differ from the Triton kernel's, max_abs: the values'
-largest difference).
+largest difference). router_cast: the Gluon router forward with two consumers, without the caster warp group and
+with it at each of CAST_OPTIONS (casting two fp32 arrays of 8 x Ne x 128 x de elements, the layer's w1 / w2, to bf16),
+and torch's two casts alone (rel: indices that differ from the no-cast launch's; cast_equal: the casts bitwise
+torch's).
 One JSON line per (shape, kernel): ms (median), TFLOP/s of the kernel's matmuls (fwd 2 units, dW 4, fused 5 of
 2 * rows * dh * de), and rel / max_abs: the difference of the outputs to the first (Triton) kernel's (0 when
 bitwise equal; for dW the larger of dW1's and dW2's).
@@ -38,13 +41,16 @@ from bench.kernel_tiles import ROUTINGS, expert_weights, input_set, rotating  # 
 from bench.timing import emit  # noqa: E402
 
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
-KINDS = ("fwd", "dw", "dw_options", "bwd", "router")
+KINDS = ("fwd", "dw", "dw_options", "bwd", "router", "router_cast")
 # `gluon_experts_bwd_ws` launch options (`bwd_ws_constexprs`' / `bwd_xw_constexprs`' options; deal=False: tiles
 # strided in group order; xw: the dX warp group), named gluon_bwd_ws + "_option[value]" (results before 2026-11-25
 # named the first gluon_bwd_ws_wb2_st3_r232_40); the first is the fused kernel's default
 BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, hb=2)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
+# the router's caster warp group: (registers, chunks of 8 values per thread and step, evict first); the first is the
+# default
+CAST_OPTIONS = [(40, 1, False), (40, 1, True), (72, 2, True)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
 # the kernel's default (H100 2026-11-24: results/gluon_dw_variants-h100-2026-11-24.jsonl, measured by the probe
 # this kind replaced)
@@ -80,6 +86,8 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
 
     if kind == "router":
         return run_router(tokens, ne, k, date, device, outf, nh, dh)
+    if kind == "router_cast":
+        return run_router_cast(tokens, ne, k, de, date, device, outf, nh, dh)
     if kind == "bwd":
         return run_bwd(tokens, ne, k, de, date, device, outf, nh, dh, routing)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -218,6 +226,48 @@ def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: i
     return recs
 
 
+def run_router_cast(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,
+                    dh: int = 128) -> list[dict]:
+    """The Gluon router forward (two consumers) alone, with the caster at each of CAST_OPTIONS, and torch's casts."""
+    import torch
+    from triton.testing import do_bench
+
+    from kernels.gluon_router import gluon_router_fwd_ws
+    from kernels.torch_router import split_bf16
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sets = []
+    for _ in range(3):
+        x = torch.randn(tokens, nh, dh, device="cuda", generator=g).to(torch.bfloat16)
+        w = torch.randn(nh, dh, ne, device="cuda", generator=g) * dh ** -0.5
+        b = 0.1 * torch.randn(nh, ne, device="cuda", generator=g)
+        c = tuple(torch.randn(nh * ne, dh, de, device="cuda", generator=g) for _ in range(2))
+        sets.append((x, split_bf16(w, 3).contiguous(), b, c))
+    kernels = {"gluon_ws_nc2": lambda s: gluon_router_fwd_ws(s[0], s[1], s[2], k, nc=2),
+               "torch_cast": lambda s: tuple(c.to(torch.bfloat16) for c in s[3])}
+    for regs, u, ev in CAST_OPTIONS:
+        kernels[f"gluon_ws_nc2_cast_r{regs}_u{u}" + "_evict" * ev] = (
+            lambda s, o=dict(cast_regs=regs, cast_u=u, cast_evict=ev): gluon_router_fwd_ws(s[0], s[1], s[2], k,
+                                                                                          cast=s[3], **o))
+    # a 64th of the bytes: what the caster warp group costs the router beside its HBM traffic
+    kernels["gluon_ws_nc2_cast_small"] = lambda s: gluon_router_fwd_ws(
+        s[0], s[1], s[2], k, cast=tuple(c[: c.shape[0] // 64] for c in s[3]))
+    ref, recs = kernels["gluon_ws_nc2"](sets[0]), []
+    casts = kernels["torch_cast"](sets[0])
+    for name, fn in kernels.items():
+        rec = dict(bench="gluon_kernels", kind="router_cast", kernel=name, device=device, date=date,
+                   params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de))
+        out = fn(sets[0])
+        if name != "torch_cast":
+            rec["rel"] = float((out[1] != ref[1]).double().mean())
+        if "cast" in name and "small" not in name:
+            rec["cast_equal"] = all(torch.equal(a, b) for a, b in zip(out[-2:], casts))
+        rec["ms"] = float(do_bench(rotating(fn, sets), warmup=25, rep=200, return_mode="median"))
+        emit(rec, outf)
+        recs.append(rec)
+    return recs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", nargs="+", default=["fwd", "dw"], choices=KINDS)
@@ -247,7 +297,8 @@ def main() -> None:
     for r in rows:
         p = r["params"]
         shape = f"{p['tokens']}/{p['ne']}/{p['k']}/{p.get('de', '-')}"
-        print(f"{shape:>17} {r['kernel']:>12} {r['ms']:7.3f} {r['tflops']:6.1f} {r['rel']:.1e}")
+        print(f"{shape:>17} {r['kernel']:>12} {r['ms']:7.3f} {r.get('tflops', float('nan')):6.1f} "
+              f"{r.get('rel', float('nan')):.1e}")
 
 
 if __name__ == "__main__":
