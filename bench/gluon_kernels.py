@@ -16,7 +16,7 @@ backward default_config picks (the dX kernel and the Gluon or Triton dW kernel),
 forward (kernels/gluon_router.py) at each of ROUTER_OPTIONS vs `router_fwd_kernel` at its default tiles (bf16x3,
 8 heads; de is ignored; rel: the fraction of indices that differ from the Triton kernel's, max_abs: the values'
 largest difference). router_cast: the Gluon router forward with two consumers, without the caster warp group and
-with it at each of CAST_OPTIONS (casting two fp32 arrays of 8 x Ne x 128 x de elements, the layer's w1 / w2, to bf16),
+with it (casting two fp32 arrays of 8 x Ne x 128 x de elements, the layer's w1 / w2, to bf16; and a 64th of them),
 and torch's two casts alone (rel: indices that differ from the no-cast launch's; cast_equal: the casts bitwise
 torch's).
 One JSON line per (shape, kernel): ms (median), TFLOP/s of the kernel's matmuls (fwd 2 units, dW 4, fused 5 of
@@ -48,9 +48,6 @@ KINDS = ("fwd", "dw", "dw_options", "bwd", "router", "router_cast")
 BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, hb=2)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
-# the router's caster warp group: (registers, chunks of 8 values per thread and step, evict first); the first is the
-# default
-CAST_OPTIONS = [(40, 1, False), (40, 1, True), (72, 2, True)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
 # the kernel's default (H100 2026-11-24: results/gluon_dw_variants-h100-2026-11-24.jsonl, measured by the probe
 # this kind replaced)
@@ -228,7 +225,7 @@ def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: i
 
 def run_router_cast(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,
                     dh: int = 128) -> list[dict]:
-    """The Gluon router forward (two consumers) alone, with the caster at each of CAST_OPTIONS, and torch's casts."""
+    """The Gluon router forward (two consumers) alone, with the caster and without, and torch's casts."""
     import torch
     from triton.testing import do_bench
 
@@ -245,10 +242,7 @@ def run_router_cast(tokens: int, ne: int, k: int, de: int, date: str, device: st
         sets.append((x, split_bf16(w, 3).contiguous(), b, c))
     kernels = {"gluon_ws_nc2": lambda s: gluon_router_fwd_ws(s[0], s[1], s[2], k, nc=2),
                "torch_cast": lambda s: tuple(c.to(torch.bfloat16) for c in s[3])}
-    for regs, u, ev in CAST_OPTIONS:
-        kernels[f"gluon_ws_nc2_cast_r{regs}_u{u}" + "_evict" * ev] = (
-            lambda s, o=dict(cast_regs=regs, cast_u=u, cast_evict=ev): gluon_router_fwd_ws(s[0], s[1], s[2], k,
-                                                                                          cast=s[3], **o))
+    kernels["gluon_ws_nc2_cast"] = lambda s: gluon_router_fwd_ws(s[0], s[1], s[2], k, cast=s[3])
     # a 64th of the bytes: what the caster warp group costs the router beside its HBM traffic
     kernels["gluon_ws_nc2_cast_small"] = lambda s: gluon_router_fwd_ws(
         s[0], s[1], s[2], k, cast=tuple(c[: c.shape[0] // 64] for c in s[3]))

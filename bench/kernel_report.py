@@ -10,7 +10,6 @@ cuobjdump.
     python bench/kernel_report.py --tiles bwd_ws --de 128   # the warp-specialised fused backward (de 128)
     python bench/kernel_report.py --tiles bwd_xw --de 128   # the same with the dX warp group (four warp groups)
     python bench/kernel_report.py --tiles router_ws_cast --de 1536 --k 8   # the router forward with the caster
-    python bench/kernel_report.py --tiles router_ws_cast,56,2 --de 1536 --k 8   # its registers, chunks per step
 
 Pointers are marked 16-byte divisible as the launchers' arguments are (without that mark the gathered
 row loads come out scalar and every tile spills). One JSON line per tile (`bench: kernel_report`).
@@ -91,12 +90,10 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
     return _ptxas_report(fn, compiled.asm["ptx"], compiled.asm["ttgir"], int(compiled.metadata.shared))
 
 
-def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128,
-              cast: tuple[int, ...] = ()) -> dict:
+def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128) -> dict:
     """Compile a warp-specialised Gluon kernel (kernels/gluon_experts.py: `fwd_ws` the forward, `dw_ws` the weight
     gradients, `bwd_ws` the fused backward, `bwd_xw` the same with the dX warp group; kernels/gluon_router.py:
-    `router_ws` the router forward, Ne = de; `router_ws_cast` with the caster, cast = (its registers, chunks per step)
-    or its defaults) as the JAX binding does
+    `router_ws` the router forward, Ne = de) as the JAX binding does
     (mhl_jax.ops.gluon_bridge) and read ptxas' report (registers: the kernel's launch limit, maxnreg)."""
     import kernels.gluon_experts as ge
     from mhl_jax.ops.gluon_bridge import compile_gluon
@@ -117,10 +114,9 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
         import kernels.gluon_router as gr  # _cast: with the caster warp group (two consumers; the layer's expert
         # weights at de 128: 8 x Ne x 128 x 128 elements each)
 
-        opts = dict(zip(("cast_regs", "cast_u", "cast_evict"), cast))
         cast = kind == "router_ws_cast"
         consts = gr.ws_router_constexprs(81920, 8, dh, de, k, 3, nc=2 if cast else None,
-                                         cast_n=8 * de * dh * 128 if cast else 0, **opts)
+                                         cast_n=8 * de * dh * 128 if cast else 0)
         fn = gr.ws_router_kernel(consts["NC"], cast)
         tile = [64 * consts["NC"], 64, 4 * (consts["NC"] + 1 + cast), consts["NST"]]
         pointer = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32",
@@ -203,8 +199,7 @@ def main() -> None:
     for spec in args.tiles:
         kind, *nums = spec.split(",")
         if kind in ("fwd_ws", "dw_ws", "bwd_ws", "bwd_xw", "router_ws", "router_ws_cast"):
-            rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block,
-                            cast=tuple(int(v) for v in nums))
+            rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block)
         elif kind == "router":
             rec = report_router(*(int(v) for v in nums), dh=args.dh, ne=args.ne, k=args.k or 8)
         else:

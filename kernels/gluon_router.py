@@ -336,28 +336,21 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
 
 
 @gluon.jit
-def _router_caster(c, CAST_N: gl.constexpr, CAST_U: gl.constexpr, CAST_EVICT: gl.constexpr):
-    """A side job beside the router (NC 2 only): cast two fp32 arrays of CAST_N elements to bf16. Each step takes
-    CAST_U chunks of 8 values per thread from each array (2 CAST_U x 32 bytes per thread in flight: the cast's
-    bandwidth is its bytes in flight over the HBM latency), steps strided over the programs. It shares nothing with
-    the other partitions; the router itself reads almost no HBM, so the cast's bytes ride free."""
+def _router_caster(c, CAST_N: gl.constexpr):
+    """A side job beside the router (NC 2 only): cast two fp32 arrays of CAST_N elements to bf16, chunks of 8 values
+    per thread strided over the programs, one chunk of each array per step (two loads in flight). It shares nothing
+    with the other partitions; the router itself reads almost no HBM, so the cast's bytes ride free."""
     (c1_ptr, c2_ptr, o1_ptr, o2_ptr) = c
     PW: gl.constexpr = gl.num_warps()
-    CH: gl.constexpr = 8 * 32 * PW * CAST_U
-    offs = gl.arange(0, CH, layout=gl.BlockedLayout([8], [32], [PW], [0]))  # CAST_U chunks of 8 per thread
+    CH: gl.constexpr = 8 * 32 * PW
+    offs = gl.arange(0, CH, layout=gl.BlockedLayout([8], [32], [PW], [0]))
     for j in range(gl.program_id(0), (CAST_N + CH - 1) // CH, gl.num_programs(0)):
         o = j.to(gl.int64) * CH + offs
         m = o < CAST_N
-        if CAST_EVICT:  # streaming: first out of L2 (the router's W_r blocks live there)
-            v1 = gl.load(c1_ptr + o, mask=m, eviction_policy="evict_first")
-            v2 = gl.load(c2_ptr + o, mask=m, eviction_policy="evict_first")
-            gl.store(o1_ptr + o, v1.to(o1_ptr.dtype.element_ty), mask=m, cache_modifier=".cs")
-            gl.store(o2_ptr + o, v2.to(o2_ptr.dtype.element_ty), mask=m, cache_modifier=".cs")
-        else:
-            v1 = gl.load(c1_ptr + o, mask=m)
-            v2 = gl.load(c2_ptr + o, mask=m)
-            gl.store(o1_ptr + o, v1.to(o1_ptr.dtype.element_ty), mask=m)
-            gl.store(o2_ptr + o, v2.to(o2_ptr.dtype.element_ty), mask=m)
+        v1 = gl.load(c1_ptr + o, mask=m)
+        v2 = gl.load(c2_ptr + o, mask=m)
+        gl.store(o1_ptr + o, v1.to(o1_ptr.dtype.element_ty), mask=m)
+        gl.store(o2_ptr + o, v2.to(o2_ptr.dtype.element_ty), mask=m)
 
 
 @gluon.jit
@@ -368,8 +361,7 @@ def gluon_router_fwd_ws_kernel(
     o1_ptr, o2_ptr,  # outputs: the casts, bf16 (unused at CAST_N 0)
     N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr, PARTS: gl.constexpr,
     NST: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CAST_N: gl.constexpr = 0, CAST_REGS: gl.constexpr = 40, CAST_U: gl.constexpr = 1,
-    CAST_EVICT: gl.constexpr = False,
+    CAST_N: gl.constexpr = 0, CAST_REGS: gl.constexpr = 40,
 ):
     """Warp-specialised persistent router forward: items (NC * 64 rows, head) strided over the programs; one
     producer warp group (cp.async of x rows and 64-expert W_r blocks), NC consumer warp groups of 64 rows (NC - 1
@@ -392,7 +384,7 @@ def gluon_router_fwd_ws_kernel(
         gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
                             (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1)),
                             (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
-                            (_router_caster, ((c1_ptr, c2_ptr, o1_ptr, o2_ptr), CAST_N, CAST_U, CAST_EVICT))],
+                            (_router_caster, ((c1_ptr, c2_ptr, o1_ptr, o2_ptr), CAST_N))],
                            [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, CAST_REGS])
     elif NC == 2:
         gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
@@ -417,7 +409,7 @@ def gluon_router_fwd_ws_kernel(
 WS_ROUTER_NST = {2: 3, 3: 2}
 WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40)}
 WS_ROUTER_MAXNREG = {2: 168, 3: 128}
-WS_ROUTER_CAST_REGS, WS_ROUTER_CAST_U = 40, 1
+WS_ROUTER_CAST_REGS = 40
 gluon_router_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[3]}
 # the same kernel compiled with the two-consumer launch limit (jax-triton takes the limit from the kernel object)
 gluon_router_fwd_ws_kernel_nc2 = gluon.jit(gluon_router_fwd_ws_kernel.fn)
@@ -451,11 +443,9 @@ def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
 
 
 def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int | None = None,
-                         stages: int | None = None, cast_n: int = 0, cast_regs: int | None = None,
-                         cast_u: int | None = None, cast_evict: bool = False) -> dict:
+                         stages: int | None = None, cast_n: int = 0) -> dict:
     """The kernel's constexpr arguments (torch and JAX launchers alike; nc / stages default by k; cast_n: elements
-    of each array the caster warp group casts, needs nc 2; cast_regs / cast_u: its registers and chunks per step,
-    probes); raises on unsupported shapes."""
+    of each array the caster warp group casts, needs nc 2); raises on unsupported shapes."""
     nc = nc or ws_router_consumers(k)
     stages = stages or WS_ROUTER_NST.get(nc, 2)
     if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
@@ -464,14 +454,8 @@ def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, n
     if cast_n and nc != 2:
         raise ValueError(f"warp-specialised router forward: a cast of {cast_n} elements needs 2 consumers, got nc={nc}")
     regs = WS_ROUTER_REGS[nc]
-    cast_regs, cast_u = cast_regs or WS_ROUTER_CAST_REGS, cast_u or WS_ROUTER_CAST_U
-    if cast_n and (cast_regs % 8 or not 24 <= cast_regs <= 512 - 200 - sum(regs) or cast_u not in (1, 2, 4)):
-        raise ValueError(f"warp-specialised router forward: caster registers {cast_regs}, chunks {cast_u}; expected a "
-                         f"multiple of 8 from 24 to {512 - 200 - sum(regs)} (the default consumer keeps >= 200) and "
-                         "1, 2 or 4 chunks")
     return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, NST=stages, NC=nc, CONSUMER_REGS=regs[0],
-                PRODUCER_REGS=regs[1], CAST_N=cast_n, CAST_REGS=cast_regs, CAST_U=cast_u,
-                CAST_EVICT=cast_evict)
+                PRODUCER_REGS=regs[1], CAST_N=cast_n, CAST_REGS=WS_ROUTER_CAST_REGS)
 
 
 def ws_router_items(n: int, h: int, nc: int) -> int:

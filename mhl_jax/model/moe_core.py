@@ -38,9 +38,10 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
 
 
 # The router's Gluon kernel also casts the fp32 expert weights to bf16 (its caster warp group, at k > 4) instead of a
-# separate XLA cast before the expert op. Off until measured on a GPU (bench/NOTES.md, plan): the casts are 0.4 /
-# 0.8 ms of the 768/8/128 and 1536/8/128 layers at 81920 tokens (H100).
-ROUTER_CASTS_WEIGHTS = False
+# separate XLA cast before the expert op; the gradients are bitwise the same either way. The casts are 0.40 / 0.80 ms
+# of the 768/8/128 and 1536/8/128 layers at 81920 tokens; the caster's HBM traffic slows the router by 0.1 / 0.28 ms,
+# so the layer gains 0.23 / 0.39 ms (H100 2026-11-25, bench/router_cast.py; bench/NOTES.md, Layer, session 19).
+ROUTER_CASTS_WEIGHTS = True
 
 
 def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
