@@ -453,6 +453,7 @@ def test_router_casts_weights_emulate():
     import jax.numpy as jnp
 
     import mhl_jax.model.moe_core as mc
+    from mhl_jax.ops import router_triton
     from mhl_jax.ops.router_triton import route_topk_triton
 
     n, h, dh, ne, k, de = 48, 2, 32, 12, 6, 16
@@ -471,18 +472,44 @@ def test_router_casts_weights_emulate():
         y, _ = mc.moe_heads_triton(x, x, w, b, w1, w2, k, backend="emulate")
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
-    got = []
-    saved = mc.ROUTER_CASTS_WEIGHTS
+    got, casts_asked = [], []
+    saved = mc.ROUTER_CASTS_WEIGHTS, mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT
+    real = router_triton.route_topk_triton
     try:
+        mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = 0  # the rule's token count (tested below) would leave it off here
+        router_triton.route_topk_triton = lambda *a, **kw: casts_asked.append(kw["cast"] is not None) or real(*a, **kw)
         for on in (False, True):
             mc.ROUTER_CASTS_WEIGHTS = on
             got.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w, w1, w2))
     finally:
-        mc.ROUTER_CASTS_WEIGHTS = saved
+        mc.ROUTER_CASTS_WEIGHTS, mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = saved
+        router_triton.route_topk_triton = real
+    assert casts_asked == [False, True]
     assert float(got[0][0]) == float(got[1][0]) and float(got[0][0]) > 0
     for a, c in zip(got[0][1], got[1][1]):
         assert a.dtype == c.dtype and np.array_equal(a, c)
     assert got[1][1][2].dtype == jnp.float32  # the fp32 weights still get fp32 gradients
+
+
+def test_router_casts_weights_rule():
+    """The caster runs from ROUTER_CAST_MIN_TOKENS_PER_WEIGHT x dh x de tokens on, with bf16 activations and fp32
+    weights only (shapes only: jax.ShapeDtypeStruct)."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.model.moe_core as mc
+
+    def args(n, de=128, xdt=jnp.bfloat16, wdt=jnp.float32):
+        x = jax.ShapeDtypeStruct((n, 8, 128), xdt)
+        return x, x, jax.ShapeDtypeStruct((8, 768, 128, de), wdt), jax.ShapeDtypeStruct((8, 768, de, 128), wdt)
+
+    assert mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT == 4
+    assert mc.router_casts_weights(*args(81920)) and mc.router_casts_weights(*args(65536))
+    assert not mc.router_casts_weights(*args(65535)) and not mc.router_casts_weights(*args(8192))
+    assert not mc.router_casts_weights(*args(81920, de=256))  # 131072 tokens at de 256
+    assert mc.router_casts_weights(*args(131072, de=256))
+    assert not mc.router_casts_weights(*args(81920, xdt=jnp.float32))
+    assert not mc.router_casts_weights(*args(81920, wdt=jnp.bfloat16))
 
 
 @interp

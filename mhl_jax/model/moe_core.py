@@ -42,6 +42,22 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
 # of the 768/8/128 and 1536/8/128 layers at 81920 tokens; the caster's HBM traffic slows the router by 0.1 / 0.28 ms,
 # so the layer gains 0.23 / 0.39 ms (H100 2026-11-25, bench/router_cast.py; bench/NOTES.md, Layer, session 19).
 ROUTER_CASTS_WEIGHTS = True
+# ... where the router runs long enough to hide the cast: its time grows as N x H x Ne (~3.3e11 scores per second
+# at k 8), the cast's as H x Ne x dh x de (12 bytes per element pair at the ~0.8 TB/s the caster gets beside the
+# router), so it hides from N ~ 5 dh de tokens on: the caster runs from N >= ROUTER_CAST_MIN_TOKENS_PER_WEIGHT x dh x
+# de (at 8192 tokens, dh = de = 128, it made the layer slower: 2.36 vs 2.29 ms at 768/8/128, 3.81 vs 3.64 at
+# 1536/8/128).
+ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = 4
+
+
+def router_casts_weights(x_route: jax.Array, x_expert: jax.Array, w1: jax.Array, w2: jax.Array) -> bool:
+    """Whether `moe_heads_triton` hands the expert weights' cast to the router (ROUTER_CASTS_WEIGHTS; bf16
+    activations, fp32 weights, an expert width the Triton kernels take, and enough tokens to hide it). The router's
+    binding decides the rest (the Gluon kernel at k > 4; else XLA casts)."""
+    n, _, dh = x_expert.shape
+    return (ROUTER_CASTS_WEIGHTS and x_expert.dtype == x_route.dtype == jnp.bfloat16
+            and w1.dtype == w2.dtype == jnp.float32 and dh <= MAX_TRITON_EXPERT_WIDTH
+            and n >= ROUTER_CAST_MIN_TOKENS_PER_WEIGHT * dh * w1.shape[-1])
 
 
 def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
@@ -54,9 +70,7 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
 
     kw = {} if backend is None else {"backend": backend}
     spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
-    cast = (ROUTER_CASTS_WEIGHTS and x_expert.dtype == x_route.dtype == jnp.bfloat16
-            and w1.dtype == w2.dtype == jnp.float32
-            and x_expert.shape[2] <= MAX_TRITON_EXPERT_WIDTH)
+    cast = router_casts_weights(x_route, x_expert, w1, w2)
     out = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, cast=(w1, w2) if cast else None, **kw)
     values, idx, packing = out[:3]
     gates = jax.nn.softmax(values, axis=-1)  # fp32
