@@ -445,15 +445,52 @@ def test_jax_route_with_packing_emulate(method):
         route_topk_triton(x, w, b, k, backend="emulate", pack=(32, "bogus"))
 
 
-def test_router_casts_weights_emulate():
-    """route_topk_triton(cast=(a, b)) also returns a, b in x's dtype, without gradient, and the MoE core with the
-    router casting the expert weights (moe_core.ROUTER_CASTS_WEIGHTS) gives the same loss and every gradient
-    bitwise (the emulated path: XLA casts; on Hopper at k > 4 the Gluon kernel's caster warp group does)."""
+def _check_router_casts(backend, n, h, dh, ne, k, de, gluon=False):
+    """moe_core.moe_heads_triton with the router casting the expert weights (ROUTER_CASTS_WEIGHTS, its token rule
+    off) and without: the cast asked for only when on (gluon: and handed to the Gluon kernel's caster), the same loss
+    and every gradient bitwise."""
     import jax
     import jax.numpy as jnp
 
     import mhl_jax.model.moe_core as mc
     from mhl_jax.ops import router_triton
+
+    x, w, b = _jax_inputs(31, n, h, dh, ne)
+    rng = np.random.default_rng(7)
+    w1 = jnp.asarray(rng.standard_normal((h, ne, dh, de), dtype=np.float32) * 0.1)
+    w2 = jnp.asarray(rng.standard_normal((h, ne, de, dh), dtype=np.float32) * 0.1)
+
+    def loss(x, w, w1, w2):
+        y, _ = mc.moe_heads_triton(x, x, w, b, w1, w2, k, backend=backend)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    got, casts_asked, kernel_casts = [], [], []
+    saved = mc.ROUTER_CASTS_WEIGHTS, mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT
+    real, real_gluon = router_triton.route_topk_triton, router_triton._fwd_gluon
+    try:
+        mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = 0  # the rule's token count (tested below) would leave it off here
+        router_triton.route_topk_triton = lambda *a, **kw: casts_asked.append(kw["cast"] is not None) or real(*a, **kw)
+        router_triton._fwd_gluon = lambda *a: kernel_casts.append(a[4] is not None) or real_gluon(*a)
+        for on in (False, True):
+            mc.ROUTER_CASTS_WEIGHTS = on
+            got.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w, w1, w2))
+    finally:
+        mc.ROUTER_CASTS_WEIGHTS, mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = saved
+        router_triton.route_topk_triton, router_triton._fwd_gluon = real, real_gluon
+    assert casts_asked == [False, True]
+    assert kernel_casts == ([False, True] if gluon else [])
+    assert float(got[0][0]) == float(got[1][0]) and float(got[0][0]) > 0
+    for a, c in zip(got[0][1], got[1][1]):
+        assert a.dtype == c.dtype and np.array_equal(a, c)
+    assert got[1][1][2].dtype == jnp.float32  # the fp32 weights still get fp32 gradients
+
+
+def test_router_casts_weights_emulate():
+    """route_topk_triton(cast=(a, b)) also returns a, b in x's dtype, without gradient, and the MoE core with the
+    router casting the expert weights gives the same loss and every gradient bitwise (the emulated path: XLA
+    casts)."""
+    import jax.numpy as jnp
+
     from mhl_jax.ops.router_triton import route_topk_triton
 
     n, h, dh, ne, k, de = 48, 2, 32, 12, 6, 16
@@ -467,28 +504,14 @@ def test_router_casts_weights_emulate():
     assert all(c.dtype == jnp.bfloat16 and np.array_equal(c, a.astype(jnp.bfloat16)) for c, a in zip(casts, (w1, w2)))
     with pytest.raises(ValueError, match="cast wants two fp32 arrays of one size"):
         route_topk_triton(x, w, b, k, backend="emulate", cast=(w1, w2.astype(jnp.bfloat16)))
+    _check_router_casts("emulate", n, h, dh, ne, k, de)
 
-    def loss(x, w, w1, w2):
-        y, _ = mc.moe_heads_triton(x, x, w, b, w1, w2, k, backend="emulate")
-        return jnp.sum(y.astype(jnp.float32) ** 2)
 
-    got, casts_asked = [], []
-    saved = mc.ROUTER_CASTS_WEIGHTS, mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT
-    real = router_triton.route_topk_triton
-    try:
-        mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = 0  # the rule's token count (tested below) would leave it off here
-        router_triton.route_topk_triton = lambda *a, **kw: casts_asked.append(kw["cast"] is not None) or real(*a, **kw)
-        for on in (False, True):
-            mc.ROUTER_CASTS_WEIGHTS = on
-            got.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w, w1, w2))
-    finally:
-        mc.ROUTER_CASTS_WEIGHTS, mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = saved
-        router_triton.route_topk_triton = real
-    assert casts_asked == [False, True]
-    assert float(got[0][0]) == float(got[1][0]) and float(got[0][0]) > 0
-    for a, c in zip(got[0][1], got[1][1]):
-        assert a.dtype == c.dtype and np.array_equal(a, c)
-    assert got[1][1][2].dtype == jnp.float32  # the fp32 weights still get fp32 gradients
+@pytest.mark.gpu
+def test_gpu_router_casts_weights():
+    """The same on the GPU's kernels: at k 6, Ne 64, dh 128 the router forward is the Gluon kernel with two consumers,
+    so its caster warp group makes the bf16 weights the expert kernels read."""
+    _check_router_casts(None, 512, 2, 128, 64, 6, 128, gluon=True)
 
 
 def test_router_casts_weights_rule():
