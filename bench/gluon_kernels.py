@@ -45,7 +45,8 @@ KINDS = ("fwd", "dw", "dw_options", "bwd", "router", "router_cast")
 # `gluon_experts_bwd_ws` launch options (`bwd_ws_constexprs`' / `bwd_xw_constexprs`' options; deal=False: tiles
 # strided in group order; xw: the dX warp group), named gluon_bwd_ws + "_option[value]" (results before 2026-11-25
 # named the first gluon_bwd_ws_wb2_st3_r232_40); the first is the fused kernel's default
-BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, sum_partials=False), dict(xw=True, hb=2)]
+BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, sum_partials=False), dict(xw=True, sum_partials=False,
+                                                                         whole_groups=True)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
@@ -153,7 +154,7 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
     dx = torch.zeros(p, dh, dtype=torch.bfloat16, device="cuda")
     def out_for(opts):  # output buffers, allocated once per dX layout (`dx_parts`: partials, or summed in place)
         consts = bwd_kernel(bool(opts.get("xw")))[1](k, dh, de, cfg.pack_block, **{
-            o: v for o, v in opts.items() if o != "xw"})
+            o: v for o, v in opts.items() if o not in ("xw", "whole_groups")})
         return outs.setdefault(dx_parts(consts), (
             torch.empty(w1.shape, device="cuda"), torch.empty(w2.shape, device="cuda"),
             torch.zeros(p, dx_parts(consts), dh, dtype=torch.bfloat16, device="cuda"),

@@ -825,7 +825,8 @@ def bwd_kernel(xw: bool):
 
 
 def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
-                         dw_dtype=None, out=None, *, heads: int, deal: bool = True, xw: bool = False, **options):
+                         dw_dtype=None, out=None, *, heads: int, deal: bool = True, xw: bool = False,
+                         whole_groups: bool | None = None, **options):
     """Torch launcher (CUDA, Hopper) of the fused backward: as `gluon_experts_dw_ws`, plus dX rows (P, de / 128, dh)
     (`dx_parts`: (P, 1, dh) where the dX warp group sums them)
     in x.dtype and each packed row's gate gradient (P, de / 128) fp32, one partial per 128 de (sum them; rows of
@@ -844,12 +845,15 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
     if out[2].shape != (p, dx_parts(consts), dh):
         raise ValueError(f"gluon_experts_bwd_ws: dX out of shape {tuple(out[2].shape)}; expected "
                          f"{(p, dx_parts(consts), dh)}")
-    _launch_tiled(kernel, x, dy, gates, pk, w1, w2, out, consts, programs, heads, deal)
+    whole = deals_whole_groups(consts) if whole_groups is None else whole_groups  # a probe may deal whole groups
+    if deals_whole_groups(consts) and not whole:
+        raise ValueError("gluon_experts_bwd_ws: SUMP needs each group's tiles on one program (whole_groups)")
+    _launch_tiled(kernel, x, dy, gates, pk, w1, w2, out, consts, programs, heads, deal, whole)
     return out
 
 
 def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs: int | None, heads: int,
-                  deal: bool) -> None:
+                  deal: bool, whole_groups: bool = False) -> None:
     """Launch a persistent dW / backward kernel from torch: one program per SM (or `programs`), at most one per
     (group, 128 de) tile, with `tile_schedule_torch`'s schedule for exactly that many programs."""
     import torch
@@ -857,7 +861,7 @@ def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs
     tiles_per_group = w1.shape[2] // 128
     programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count,
                    w1.shape[0] * tiles_per_group)
-    sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal, deals_whole_groups(consts))
+    sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal, whole_groups)
     kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start,
                         pk.group_nblocks, sched, w1.contiguous(), w2.contiguous(), *outs, num_warps=4,
                         maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
