@@ -45,8 +45,7 @@ KINDS = ("fwd", "dw", "dw_options", "bwd", "router", "router_cast")
 # `gluon_experts_bwd_ws` launch options (`bwd_ws_constexprs`' / `bwd_xw_constexprs`' options; deal=False: tiles
 # strided in group order; xw: the dX warp group), named gluon_bwd_ws + "_option[value]" (results before 2026-11-25
 # named the first gluon_bwd_ws_wb2_st3_r232_40); the first is the fused kernel's default
-BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, sum_partials=False), dict(xw=True, sum_partials=False,
-                                                                         whole_groups=True)]
+BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, hb=2)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
@@ -141,7 +140,7 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
     import torch
 
     from kernels.experts import default_config
-    from kernels.gluon_experts import bwd_kernel, bwd_ws_supported, dx_parts, gluon_experts_bwd_ws, gluon_experts_dw_ws
+    from kernels.gluon_experts import bwd_ws_supported, gluon_experts_bwd_ws, gluon_experts_dw_ws
     from kernels.torch_experts import experts_dw, experts_dx
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -152,15 +151,9 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
     w1, w2 = expert_weights(ne, de, g, nh, dh)
     p = sets[0][3].row_slot.shape[0]
     dx = torch.zeros(p, dh, dtype=torch.bfloat16, device="cuda")
-    def out_for(opts):  # output buffers, allocated once per dX layout (`dx_parts`: partials, or summed in place)
-        consts = bwd_kernel(bool(opts.get("xw")))[1](k, dh, de, cfg.pack_block, **{
-            o: v for o, v in opts.items() if o not in ("xw", "whole_groups")})
-        return outs.setdefault(dx_parts(consts), (
-            torch.empty(w1.shape, device="cuda"), torch.empty(w2.shape, device="cuda"),
-            torch.zeros(p, dx_parts(consts), dh, dtype=torch.bfloat16, device="cuda"),
-            torch.zeros(p, de // 128, device="cuda")))
-
-    outs = {}
+    out = (torch.empty(w1.shape, device="cuda"), torch.empty(w2.shape, device="cuda"),
+           torch.zeros(p, de // 128, dh, dtype=torch.bfloat16, device="cuda"),
+           torch.zeros(p, de // 128, device="cuda"))
 
     def triton_fused(s):
         dw1, dw2, dgate = experts_dw(s[0], s[1], s[2], s[3], w1, w2, k, cfg, torch.float32, dx)
@@ -177,9 +170,8 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
     fused = cfg.dw.block_e == de
     kernels = {"triton_fused" if fused else "split_default": (5, triton_fused if fused else triton_split)}
     for opts in BWD_OPTIONS:
-        buf = out_for(opts)
         kernels[option_name("gluon_bwd_ws", opts)] = (5, (
-            lambda s, o=opts, out=buf: gluon_experts_bwd_ws(
+            lambda s, o=opts: gluon_experts_bwd_ws(
                 s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, heads=nh, **o)))
     valid = sets[0][3].row_slot >= 0
 

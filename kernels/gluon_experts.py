@@ -667,15 +667,12 @@ def gluon_expert_bwd_ws_kernel(
 
 @gluon.jit
 def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-               WB: gl.constexpr, HB: gl.constexpr, SUMP: gl.constexpr):
+               WB: gl.constexpr, HB: gl.constexpr):
     """The dX warp group of `gluon_expert_bwd_xw_kernel`: per row block, once both consumers handed over their dH_c^T
     (h_ready), the block's dX rows over the tile's 128 de, dh half D: dX^T_D = W1[64 D:, :64] dH_0^T + W1[64 D:, 64:]
     dH_1^T (W1 from the tile's weight buffer), stored as (BLOCK_M, DH) rows of this tile's partial; and the gate
     gradient (the consumers' per-warp partials, 16 de each, added in a fixed order). Frees the ring slot (h_empty)
-    once its products retired, the weight buffer (w_empty) after the tile's last block. SUMP (DE > 128; the schedule
-    gives a group's tiles to one program, in order): one dX row per packed row, each tile after the first adds its
-    bf16 partial to the row stored before (by this same thread: the same layout and addresses) in fp32 and stores the
-    bf16 sum in place, so the combine reads one row per slot instead of DE / 128."""
+    once its products retired, the weight buffer (w_empty) after the tile's last block."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
@@ -687,7 +684,6 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
     xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     NP: gl.constexpr = DE // 128  # the tiles' partial dX / gate gradients of a row, side by side
-    NPX: gl.constexpr = 1 if SUMP else NP  # dX rows per packed row
     gcol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _partials_layout(NW)))
     q = 0
     n = 0
@@ -709,14 +705,9 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
             gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg)
             d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
             mbarrier.arrive(h_empty.index(hb))
-            part = 0 if SUMP else e0 // 128
-            base = dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NPX * DH) + part * DH + xc[None, :]
-            for u in gl.static_range(2):  # dh halves, one after the other (registers: 64 for this warp group)
-                v = gl.convert_layout(gl.permute((d0 if u == 0 else d1).to(cdt), (1, 0)), lxs)
-                if SUMP:
-                    if e0 > 0:  # the earlier tiles' sum, stored by this thread
-                        v = (v.to(gl.float32) + gl.load(base + 64 * u).to(gl.float32)).to(cdt)
-                gl.store(base + 64 * u, v)
+            base = dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + (e0 // 128) * DH + xc[None, :]
+            gl.store(base, gl.convert_layout(gl.permute(d0.to(cdt), (1, 0)), lxs))
+            gl.store(base + 64, gl.convert_layout(gl.permute(d1.to(cdt), (1, 0)), lxs))
             q += 1
         mbarrier.arrive(w_empty.index(wb))
         n += 1
@@ -726,12 +717,10 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
 def gluon_expert_bwd_xw_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
     w2_ptr,  # inputs
-    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH) (SUMP: (P, DH)),
-    # (P, DE / 128) fp32
+    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
-    SUMP: gl.constexpr = False,
 ):
     """The whole expert backward as `gluon_expert_bwd_ws_kernel` computes it (same outputs, same sums in the same
     order), with a fourth warp group for the dX rows (`_dx_worker`): the consumers run the dW kernel's pipeline and
@@ -750,7 +739,7 @@ def gluon_expert_bwd_xw_kernel(
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
                                         HB)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0)),
-                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB, SUMP))],
+                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB))],
                        [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
 
 
@@ -776,8 +765,6 @@ gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 # alone, 81920 tokens (results/gluon_kernels-h100-2026-11-25-s16-defer.jsonl): 2.61 / 2.65 / 3.03 / 3.11 ms at
 # (384/4/256, 768/8/128, 768/4/256, 1536/8/128) with HB 3 vs 2.68 / 2.73 / 3.18 / 3.17 at HB 2
 BWD_XW_STAGES, BWD_XW_WBUF, BWD_XW_HB, BWD_XW_REGS = 3, 2, 3, (208, 32, 64)
-# de > 128: the dX warp group sums the tiles' partial dX rows in place (see `_dx_worker`)
-BWD_XW_SUMP = True
 gluon_expert_bwd_xw_kernel.mhl_compile_options = {"maxnreg": 128}
 
 
@@ -794,28 +781,14 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
 
 
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
-                      wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB,
-                      sum_partials: bool = BWD_XW_SUMP) -> dict:
-    """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers, the
-    dH^T ring's depth and SUMP (sum_partials at de > 128: one dX row per packed row, the schedule dealing whole
-    groups: `dx_parts`, `deals_whole_groups`); raises on unsupported shapes and on `regs` / `hb` the kernel cannot
-    take."""
+                      wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB) -> dict:
+    """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
+    the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take."""
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
     consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward")
-    return dict(consts, DX_REGS=regs[2], HB=hb, SUMP=bool(sum_partials) and de > 128)
-
-
-def dx_parts(consts: dict) -> int:
-    """dX rows per packed row that a Gluon backward launch with these constexprs writes (its partials per 128 de, or
-    one where the dX warp group sums them: SUMP)."""
-    return 1 if consts.get("SUMP") else consts["DE"] // 128
-
-
-def deals_whole_groups(consts: dict) -> bool:
-    """Whether the launch's schedule must give each group's tiles to one program, in order (SUMP)."""
-    return bool(consts.get("SUMP"))
+    return dict(consts, DX_REGS=regs[2], HB=hb)
 
 
 def bwd_kernel(xw: bool):
@@ -825,10 +798,8 @@ def bwd_kernel(xw: bool):
 
 
 def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
-                         dw_dtype=None, out=None, *, heads: int, deal: bool = True, xw: bool = False,
-                         whole_groups: bool | None = None, **options):
+                         dw_dtype=None, out=None, *, heads: int, deal: bool = True, xw: bool = False, **options):
     """Torch launcher (CUDA, Hopper) of the fused backward: as `gluon_experts_dw_ws`, plus dX rows (P, de / 128, dh)
-    (`dx_parts`: (P, 1, dh) where the dX warp group sums them)
     in x.dtype and each packed row's gate gradient (P, de / 128) fp32, one partial per 128 de (sum them; rows of
     blocks made only of padding unwritten): -> (dW1, dW2, dX, dgate), or written into `out` (the same four).
     xw: `gluon_expert_bwd_xw_kernel` (the dX rows by a fourth warp group; options: `bwd_xw_constexprs`')."""
@@ -840,20 +811,14 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
     dw_dtype = dw_dtype or torch.float32
     out = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(w2.shape, dtype=dw_dtype, device=x.device),
-                  torch.empty(p, dx_parts(consts), dh, dtype=x.dtype, device=x.device),
+                  torch.empty(p, de // 128, dh, dtype=x.dtype, device=x.device),
                   torch.empty(p, de // 128, dtype=torch.float32, device=x.device))
-    if out[2].shape != (p, dx_parts(consts), dh):
-        raise ValueError(f"gluon_experts_bwd_ws: dX out of shape {tuple(out[2].shape)}; expected "
-                         f"{(p, dx_parts(consts), dh)}")
-    whole = deals_whole_groups(consts) if whole_groups is None else whole_groups  # a probe may deal whole groups
-    if deals_whole_groups(consts) and not whole:
-        raise ValueError("gluon_experts_bwd_ws: SUMP needs each group's tiles on one program (whole_groups)")
-    _launch_tiled(kernel, x, dy, gates, pk, w1, w2, out, consts, programs, heads, deal, whole)
+    _launch_tiled(kernel, x, dy, gates, pk, w1, w2, out, consts, programs, heads, deal)
     return out
 
 
 def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs: int | None, heads: int,
-                  deal: bool, whole_groups: bool = False) -> None:
+                  deal: bool) -> None:
     """Launch a persistent dW / backward kernel from torch: one program per SM (or `programs`), at most one per
     (group, 128 de) tile, with `tile_schedule_torch`'s schedule for exactly that many programs."""
     import torch
@@ -861,7 +826,7 @@ def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs
     tiles_per_group = w1.shape[2] // 128
     programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count,
                    w1.shape[0] * tiles_per_group)
-    sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal, whole_groups)
+    sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal)
     kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start,
                         pk.group_nblocks, sched, w1.contiguous(), w2.contiguous(), *outs, num_warps=4,
                         maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
@@ -876,8 +841,7 @@ def check_schedule_args(num_groups: int, tiles_per_group: int, heads: int, progr
                          f"{num_groups * tiles_per_group} (the tiles)")
 
 
-def deal_schedule(num_tiles: int, heads: int, programs: int, deal: bool = True,
-                  unit: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def deal_schedule(num_tiles: int, heads: int, programs: int, deal: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """The persistent dW / backward kernels' static schedule. The tiles come in head-major order, each head's sorted by
     size, largest first (`tile_schedule`); position j of that sequence goes to one program. Within a head the positions
     are dealt like cards in rounds of alternating direction (program p gets the head's positions p, 2 P - 1 - p,
@@ -888,13 +852,7 @@ def deal_schedule(num_tiles: int, heads: int, programs: int, deal: bool = True,
     to 2471 rows; strided in group order the busiest of 132 programs had 1544 row blocks against a mean of 1336,
     dealt like this 1356 (and 1360 dealt over all heads at once, which took the gathers out of L2: slower alone).
     -> (perm, starts): program p takes positions perm[starts[p]:starts[p + 1]], in order. deal=False: position j
-    to program j % programs (strided in the given order: comparisons). unit > 1: runs of `unit` positions (a group's
-    tiles) are dealt as one, in order, to one program (`gluon_expert_bwd_xw_kernel` at SUMP)."""
-    if unit > 1:
-        if num_tiles % unit:
-            raise ValueError(f"deal_schedule: {num_tiles} tiles in units of {unit}; expected whole units")
-        perm, starts = deal_schedule(num_tiles // unit, heads, programs, deal)
-        return (perm[:, None] * unit + np.arange(unit)).reshape(-1), starts * unit
+    to program j % programs (strided in the given order: comparisons)."""
     if heads < 1 or num_tiles % heads or programs < 1:
         raise ValueError(f"deal_schedule: {num_tiles} tiles, heads={heads}, programs={programs}; expected the tiles to "
                          "split into equal heads and at least one program")
@@ -907,21 +865,20 @@ def deal_schedule(num_tiles: int, heads: int, programs: int, deal: bool = True,
 
 
 @functools.lru_cache(maxsize=64)
-def _deal_schedule_torch(num_tiles: int, heads: int, programs: int, device: str, deal: bool, unit: int = 1):
+def _deal_schedule_torch(num_tiles: int, heads: int, programs: int, device: str, deal: bool):
     import torch
 
-    perm, starts = deal_schedule(num_tiles, heads, programs, deal, unit)
+    perm, starts = deal_schedule(num_tiles, heads, programs, deal)
     return (torch.as_tensor(perm, device=device),
             torch.as_tensor((starts + programs + 1).astype(np.int32), device=device))
 
 
-def tile_schedule_torch(group_nblocks, tiles_per_group: int, heads: int, programs: int, deal: bool = True,
-                        whole_groups: bool = False):
+def tile_schedule_torch(group_nblocks, tiles_per_group: int, heads: int, programs: int, deal: bool = True):
     """The schedule array the dW / backward kernels read (int32, torch): `deal_schedule`'s program offsets (counted
     from the array's start: program p's tiles are sched[sched[p]:sched[p + 1]]), then the (group, 128 de) tiles
     program by program. Groups are head-major (G = heads x experts); each head's sorted by row
     blocks, largest first (stable), a group's tiles side by side; deal=False: the tiles in group order, strided over the
-    programs (comparisons); whole_groups: a group's tiles go to one program, in order."""
+    programs (comparisons)."""
     import torch
 
     check_schedule_args(group_nblocks.shape[0], tiles_per_group, heads, programs)
@@ -929,8 +886,7 @@ def tile_schedule_torch(group_nblocks, tiles_per_group: int, heads: int, program
     go = torch.argsort(-nb, dim=1, stable=True) if deal else torch.arange(nb.shape[1], device=nb.device).expand_as(nb)
     go = go + torch.arange(heads, device=nb.device)[:, None] * nb.shape[1]
     tiles = (go.reshape(-1, 1) * tiles_per_group + torch.arange(tiles_per_group, device=nb.device)).reshape(-1)
-    perm, starts = _deal_schedule_torch(tiles.numel(), heads, programs, str(nb.device), deal,
-                                        tiles_per_group if whole_groups else 1)
+    perm, starts = _deal_schedule_torch(tiles.numel(), heads, programs, str(nb.device), deal)
     return torch.cat([starts, tiles[perm].to(torch.int32)])
 
 

@@ -417,14 +417,6 @@ def test_tile_schedule_deals_largest_groups_evenly_head_by_head():
         assert [perm[starts[q]:starts[q + 1]].tolist() for q in range(p)] == want, (t, h, p)
     perm, starts = deal_schedule(12, 2, 4, deal=False)  # the comparisons' strided order
     assert [perm[starts[q]:starts[q + 1]].tolist() for q in range(4)] == [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]
-    # whole groups (units of 2 tiles, in order): the deal of the 6 units, each unit's tiles side by side
-    perm, starts = deal_schedule(12, 1, 4, unit=2)
-    assert [perm[starts[q]:starts[q + 1]].tolist() for q in range(4)] == [[0, 1], [2, 3], [4, 5, 10, 11],
-                                                                           [6, 7, 8, 9]]
-    units, ustarts = deal_schedule(6, 1, 4)
-    assert np.array_equal(starts, 2 * ustarts) and np.array_equal(perm, (2 * units[:, None] + np.arange(2)).ravel())
-    with pytest.raises(ValueError, match="12 tiles in units of 5"):
-        deal_schedule(12, 1, 4, unit=5)
     with pytest.raises(ValueError, match="12 groups, heads=5, programs=4"):
         tile_schedule(jnp.zeros(12, jnp.int32), 1, 5, 4)
     with pytest.raises(ValueError, match="12 groups, heads=2, programs=25"):
@@ -451,16 +443,6 @@ def test_tile_schedule_deals_largest_groups_evenly_head_by_head():
             loads[q] = nblocks[group].sum()
         strided = np.bincount(np.arange(tiles.size) % programs, weights=np.repeat(nblocks, nt), minlength=programs)
         assert loads.max() - loads.mean() <= nblocks.max() and loads.max() < strided.max(), (nt, programs)
-    for programs in (132, 7):  # whole groups: each program's tiles in pairs (2 g, 2 g + 1), the groups largest first
-        sched = np.asarray(tile_schedule(jnp.asarray(nblocks), 2, heads, programs, whole_groups=True))
-        assert np.array_equal(sched, tile_schedule_torch(torch.from_numpy(nblocks), 2, heads, programs,
-                                                         whole_groups=True).numpy())
-        starts, tiles = sched[:programs + 1] - (programs + 1), sched[programs + 1:]
-        assert sorted(tiles.tolist()) == list(range(heads * ne * 2)) and (np.diff(starts) % 2 == 0).all()
-        for q in range(programs):
-            mine = tiles[starts[q]:starts[q + 1]].reshape(-1, 2)
-            assert (mine[:, 0] % 2 == 0).all() and (mine[:, 1] == mine[:, 0] + 1).all(), q
-            assert (np.diff(nblocks[mine[:, 0] // 2][mine[:, 0] // 2 // ne == mine[0, 0] // 2 // ne]) <= 0).all()
 
 
 def test_binding_schedule_matches_launch_grid(monkeypatch):
@@ -545,13 +527,6 @@ def test_ws_bwd_shapes_checked():
     for bad in (dict(regs=(232, 40)), dict(hb=1)):
         with pytest.raises(ValueError, match="three worker register counts .* hb >= 2"):
             bwd_xw_constexprs(8, 128, 256, 64, **bad)
-    from kernels.gluon_experts import deals_whole_groups, dx_parts
-
-    for de, sump, parts in [(256, True, 1), (256, False, 2), (128, True, 1), (512, True, 1), (512, False, 4)]:
-        c = bwd_xw_constexprs(8, 128, de, 64, sum_partials=sump)
-        assert c["SUMP"] == (sump and de > 128) and dx_parts(c) == parts and deals_whole_groups(c) == c["SUMP"]
-    c = bwd_ws_constexprs(8, 128, 256, 64)
-    assert "SUMP" not in c and dx_parts(c) == 2 and not deals_whole_groups(c)
 
 
 def test_ws_dw_shapes_checked_and_chosen():
@@ -720,9 +695,7 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne, xw):
     out zero, padding rows of used blocks dX = 0 and gate gradient 0. Packing blocks 128, 64, 32; five programs take
     many tiles each (the dH^T buffers and barriers shared by the two consumers go round many times). xw: the kernel
     with the dX warp group, which computes the same products and sums in the same order: bitwise the other kernel's
-    outputs (at de 256 its dX rows are the two partials summed in place: bitwise the other kernel's partials added
-    in fp32 and rounded to bf16; with sum_partials=False the partials themselves), and bitwise its own on a second
-    run with another ring depth, weight buffering and stage count."""
+    outputs, and bitwise its own on a second run with another ring depth, weight buffering and stage count."""
     from dataclasses import replace
 
     from kernels.experts import Tile, default_config
@@ -735,27 +708,18 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne, xw):
     assert cfg.pack_block == {16: 128, 128: 64, 512: 32}[ne] and (cfg.dw.block_e == de) == (de == 128)
     pk = pack_torch(idx, ne, cfg.pack_block)
     p, parts = pk.row_slot.shape[0], de // 128
-    xparts = 1 if xw else parts  # the dX warp group sums the partial dX rows in place (SUMP)
     nan = float("nan")
     out = (torch.full(w1.shape, nan, device="cuda"), torch.full(w2.shape, nan, device="cuda"),
-           torch.full((p, xparts, dh), nan, device="cuda", dtype=torch.bfloat16),
+           torch.full((p, parts, dh), nan, device="cuda", dtype=torch.bfloat16),
            torch.full((p, parts), nan, device="cuda"))
     dw1, dw2, dxp, dgp = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs,
                                               out=out, heads=h, xw=xw)
     if xw:
-        base = list(gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, heads=h))
-        # SUMP: tile 1's bf16 partial added to tile 0's in fp32, rounded once more
-        base[2] = (base[2][:, :1].float() + base[2][:, 1:].float()).to(base[2].dtype) if de > 128 else base[2]
+        base = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, heads=h)
         other = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, heads=h, xw=True,
                                      hb=2, wbuf=1, stages=4)
-        unsummed = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, heads=h,
-                                        xw=True, sum_partials=False)
-        assert unsummed[2].shape == (p, parts, dh)
         for a, b, c in zip((dw1, dw2, dxp, dgp), base, other):  # where `out` was written (unwritten rows stay NaN)
             assert torch.equal(a[~a.isnan()], b[~a.isnan()]) and torch.equal(a[~a.isnan()], c[~a.isnan()])
-        base_parts = gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, programs=programs, heads=h)[2]
-        written = ~dxp[:, 0, 0].isnan()
-        assert torch.equal(unsummed[2][written], base_parts[written])
     ref1, ref2, rdx, rdg, g = _f64_bwd(x, dy, gates, pk, idx, w1, w2, k, h, ne)
     valid = pk.row_slot >= 0
     used = torch.arange(p, device="cuda") < int(pk.group_block_start[-1] + pk.group_nblocks[-1]) * cfg.pack_block

@@ -127,13 +127,12 @@ def _gluon_call(*args, kernel, out_shape, programs: int, **constexprs):
     return gluon_bridge.gluon_call(*args, kernel=kernel, out_shape=out_shape, programs=programs, **constexprs)
 
 
-def tile_schedule(group_nblocks, tiles_per_group: int, heads: int, programs: int, whole_groups: bool = False):
+def tile_schedule(group_nblocks, tiles_per_group: int, heads: int, programs: int):
     """The schedule array the persistent dW / backward kernels read: (programs + 1 + G * tiles_per_group,) int32,
     each program's offsets (counted from the array's start: program p's tiles are sched[sched[p]:sched[p + 1]]), then
     the (group, 128 de) tiles program by program (`kernels.gluon_experts.deal_schedule`: head-major, each head's groups
     largest first, dealt so that the programs' rows even out). `programs` must be the launch grid (1 to G *
-    tiles_per_group); whole_groups: a group's tiles go to one program, in order). `tile_schedule_torch` is the same for
-    the torch launchers."""
+    tiles_per_group). `tile_schedule_torch` is the same for the torch launchers."""
     from kernels.gluon_experts import check_schedule_args, deal_schedule
 
     check_schedule_args(group_nblocks.shape[0], tiles_per_group, heads, programs)
@@ -141,7 +140,7 @@ def tile_schedule(group_nblocks, tiles_per_group: int, heads: int, programs: int
     go = jnp.argsort(-nb, axis=1, stable=True).astype(jnp.int32) + \
         (jnp.arange(heads, dtype=jnp.int32) * nb.shape[1])[:, None]
     tiles = (go.reshape(-1, 1) * tiles_per_group + jnp.arange(tiles_per_group, dtype=jnp.int32)).reshape(-1)
-    perm, starts = deal_schedule(tiles.shape[0], heads, programs, unit=tiles_per_group if whole_groups else 1)
+    perm, starts = deal_schedule(tiles.shape[0], heads, programs)
     return jnp.concatenate([jnp.asarray(starts + programs + 1, jnp.int32), tiles[perm]])
 
 
@@ -196,15 +195,13 @@ def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: i
                        dw_ws_constexprs(st.k, dh, de, st.cfg.pack_block))
 
 
-def _tiled_call(kernel, xs, dys, gates, meta: Meta, w1, w2, heads: int, out_shape, constexprs: dict,
-                whole_groups: bool = False):
+def _tiled_call(kernel, xs, dys, gates, meta: Meta, w1, w2, heads: int, out_shape, constexprs: dict):
     """A persistent dW / backward Gluon kernel over (group, 128 de) tiles: the launch grid (`_persistent_programs`)
-    and the schedule dealt for exactly that many programs (`tile_schedule`; whole_groups: as the kernel needs)."""
+    and the schedule dealt for exactly that many programs (`tile_schedule`)."""
     tiles_per_group = w1.shape[2] // 128
     programs = _persistent_programs(w1.shape[0] * tiles_per_group)
     return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
-                       tile_schedule(meta.group_nblocks, tiles_per_group, heads, programs, whole_groups), w1, w2,
-                       kernel=kernel,
+                       tile_schedule(meta.group_nblocks, tiles_per_group, heads, programs), w1, w2, kernel=kernel,
                        out_shape=out_shape, programs=programs, **constexprs)
 
 
@@ -219,21 +216,18 @@ def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
 
 
 def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
-    """dX rows (P, parts, dh), dW1, dW2, gate gradients (P, de / 128) by the warp-specialised fused Gluon kernel
-    (one partial per 128 de, or one row where its dX warp group sums them (`dx_parts`): the callers sum them); work
-    items = (group, 128 de) tiles."""
-    from kernels.gluon_experts import bwd_kernel, deals_whole_groups, dx_parts
+    """dX rows (P, de / 128, dh), dW1, dW2, gate gradients (P, de / 128) by the warp-specialised fused Gluon kernel
+    (one partial per 128 de: the callers sum them); work items = (group, 128 de) tiles."""
+    from kernels.gluon_experts import bwd_kernel
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     kernel, constexprs = bwd_kernel(st.cfg.bwd_xw)  # with the dX warp group or without
-    consts = constexprs(st.k, dh, de, st.cfg.pack_block)
-    parts = dx_parts(consts)
     dw1, dw2, dx, dgate = _tiled_call(
         kernel, xs, dys, gates, meta, w1, w2, heads,
         [jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
-         jax.ShapeDtypeStruct((p, parts * dh), xs.dtype), jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
-        consts, whole_groups=deals_whole_groups(consts))
-    return dx.reshape(p, parts, dh), dw1, dw2, dgate
+         jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype), jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
+        constexprs(st.k, dh, de, st.cfg.pack_block))
+    return dx.reshape(p, de // 128, dh), dw1, dw2, dgate
 
 
 def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
