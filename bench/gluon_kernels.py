@@ -187,13 +187,12 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
     return _time_kernels("bwd", kernels, sets, params, 2 * tokens * nh * k * dh * de, date, device, outf, outputs)
 
 
-def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: int = 8, dh: int = 128) -> list[dict]:
-    """The router forward: Triton kernel (default tiles) and the Gluon one at ROUTER_OPTIONS, same inputs."""
+def _router_sets(tokens: int, ne: int, nh: int, dh: int, cast_de: int | None = None) -> list[tuple]:
+    """Three router input sets (x bf16, W_r fp32, its three bf16 terms, bias; cast_de: and two fp32 arrays of
+    nh x ne x dh x cast_de elements to cast)."""
     import torch
-    from triton.testing import do_bench
 
-    from kernels.gluon_router import gluon_router_fwd_ws, ws_router_supported
-    from kernels.torch_router import router_fwd, split_bf16
+    from kernels.torch_router import split_bf16
 
     g = torch.Generator(device="cuda").manual_seed(0)
     sets = []
@@ -201,7 +200,19 @@ def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: i
         x = torch.randn(tokens, nh, dh, device="cuda", generator=g).to(torch.bfloat16)
         w = torch.randn(nh, dh, ne, device="cuda", generator=g) * dh ** -0.5
         b = 0.1 * torch.randn(nh, ne, device="cuda", generator=g)
-        sets.append((x, w, split_bf16(w, 3).contiguous(), b))
+        c = cast_de and tuple(torch.randn(nh * ne, dh, cast_de, device="cuda", generator=g) for _ in range(2))
+        sets.append((x, w, split_bf16(w, 3).contiguous(), b, c))
+    return sets
+
+
+def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: int = 8, dh: int = 128) -> list[dict]:
+    """The router forward: Triton kernel (default tiles) and the Gluon one at ROUTER_OPTIONS, same inputs."""
+    from triton.testing import do_bench
+
+    from kernels.gluon_router import gluon_router_fwd_ws, ws_router_supported
+    from kernels.torch_router import router_fwd
+
+    sets = _router_sets(tokens, ne, nh, dh)
     kernels = {"triton": lambda s: router_fwd(s[0], s[1], s[3], k)}
     if ws_router_supported(dh, ne, k, 3):
         for nc, st in ROUTER_OPTIONS:
@@ -230,22 +241,14 @@ def run_router_cast(tokens: int, ne: int, k: int, de: int, date: str, device: st
     from triton.testing import do_bench
 
     from kernels.gluon_router import gluon_router_fwd_ws
-    from kernels.torch_router import split_bf16
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    sets = []
-    for _ in range(3):
-        x = torch.randn(tokens, nh, dh, device="cuda", generator=g).to(torch.bfloat16)
-        w = torch.randn(nh, dh, ne, device="cuda", generator=g) * dh ** -0.5
-        b = 0.1 * torch.randn(nh, ne, device="cuda", generator=g)
-        c = tuple(torch.randn(nh * ne, dh, de, device="cuda", generator=g) for _ in range(2))
-        sets.append((x, split_bf16(w, 3).contiguous(), b, c))
-    kernels = {"gluon_ws_nc2": lambda s: gluon_router_fwd_ws(s[0], s[1], s[2], k, nc=2),
-               "torch_cast": lambda s: tuple(c.to(torch.bfloat16) for c in s[3])}
-    kernels["gluon_ws_nc2_cast"] = lambda s: gluon_router_fwd_ws(s[0], s[1], s[2], k, cast=s[3])
+    sets = _router_sets(tokens, ne, nh, dh, cast_de=de)
+    kernels = {"gluon_ws_nc2": lambda s: gluon_router_fwd_ws(s[0], s[2], s[3], k, nc=2),
+               "torch_cast": lambda s: tuple(c.to(torch.bfloat16) for c in s[4])}
+    kernels["gluon_ws_nc2_cast"] = lambda s: gluon_router_fwd_ws(s[0], s[2], s[3], k, cast=s[4])
     # a 64th of the bytes: what the caster warp group costs the router beside its HBM traffic
     kernels["gluon_ws_nc2_cast_small"] = lambda s: gluon_router_fwd_ws(
-        s[0], s[1], s[2], k, cast=tuple(c[: c.shape[0] // 64] for c in s[3]))
+        s[0], s[2], s[3], k, cast=tuple(c[: c.shape[0] // 64] for c in s[4]))
     ref, recs = kernels["gluon_ws_nc2"](sets[0]), []
     casts = kernels["torch_cast"](sets[0])
     for name, fn in kernels.items():
