@@ -339,7 +339,9 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
 def _router_caster(c, CAST_N: gl.constexpr):
     """A side job beside the router (NC 2 only): cast two fp32 arrays of CAST_N elements to bf16, chunks of 8 values
     per thread strided over the programs, one chunk of each array per step (two loads in flight). It shares nothing
-    with the other partitions; the router itself reads almost no HBM, so the cast's bytes ride free."""
+    with the other partitions, but its HBM traffic slows the router's producer: 2.86 -> 3.14 ms at Ne 1536 k 8
+    casting 2.4 GB (H100; more loads in flight or evict-first loads did not help: bench/NOTES.md, Layer, session
+    19), against 0.80 ms for the cast alone."""
     (c1_ptr, c2_ptr, o1_ptr, o2_ptr) = c
     PW: gl.constexpr = gl.num_warps()
     CH: gl.constexpr = 8 * 32 * PW
@@ -432,10 +434,6 @@ def ws_router_kernel(nc: int, cast: bool = False):
     return gluon_router_fwd_ws_kernel if nc == 3 else gluon_router_fwd_ws_kernel_nc2
 
 
-def ws_router_maxnreg(nc: int, cast: bool = False) -> int:
-    return WS_ROUTER_CAST_MAXNREG if cast else WS_ROUTER_MAXNREG[nc]
-
-
 def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
     """Shapes of the warp-specialised router forward: dh 128, NE a multiple of 8 (16-byte W_r rows for cp.async),
     1 <= k <= 8, bf16 W_r terms (1-3 parts)."""
@@ -479,7 +477,8 @@ def gluon_router_fwd_ws(x, wp, bias, k: int, programs: int | None = None, cast=N
     ins = [c.contiguous() for c in cast] if cast else [torch.empty(1, dtype=torch.float32, device=x.device)] * 2
     outs = [torch.empty(c.shape, dtype=torch.bfloat16, device=x.device) for c in ins]
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
-    ws_router_kernel(consts["NC"], bool(cast))[(min(programs, ws_router_items(n, h, consts["NC"])),)](
+    kernel = ws_router_kernel(consts["NC"], bool(cast))
+    kernel[(min(programs, ws_router_items(n, h, consts["NC"])),)](
         x.contiguous(), wp.contiguous(), bias.float().contiguous(), *ins, vals, idx, *outs, num_warps=4,
-        maxnreg=ws_router_maxnreg(consts["NC"], bool(cast)), **consts)
+        maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
     return (vals, idx, *outs) if cast else (vals, idx)
