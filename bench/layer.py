@@ -20,7 +20,8 @@ W_in, W_out, router scores and experts; our backward's recomputation is not coun
 (arguments + outputs + temporaries = the step's peak), beside the authors' torch peak.
 
 --variants: expert configs of the triton path (`mhl_jax.ops.experts_triton.VARIANTS`, "v2" = the
-measured default), one record each; a variant that fails is recorded and the next one runs.
+measured default) or LAYER_VARIANTS (a switch of the MoE core flipped, e.g. "apart_dx"), one record each; a
+variant that fails is recorded and the next one runs.
 --breakdown: also time the layer's parts alone under jit at each shape (one `layer_breakdown` record
 per variant): the router alone fwd+bwd (its own slot sort), packing (sort, counting sort, Triton
 kernels), the expert op alone fwd and fwd+bwd (its own packing), router + experts as the layer runs them
@@ -71,26 +72,35 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
     return variant_config(variant, tokens * NH * k, NH * ne, DH, de, dwt_tile)
 
 
-ROUTER_VARIANTS = ("triton_router_fwd",)  # the default experts with the Triton router forward at every k
+# Layer-level variants: the default experts with a switch of the MoE core flipped while the layer is traced.
+# "triton_router_fwd": the Triton router forward where the default runs the warp-specialised Gluon one
+# (kernels.router.WS_MAX_K = 0); "apart_dx": the router's and the experts' ops apart, their dx added by XLA, instead
+# of one custom_vjp whose dx comes out of one combine kernel (moe_core.FUSE_ROUTER_DX = False: the default until the
+# 2026-11-25 session 20).
+LAYER_VARIANTS = ("triton_router_fwd", "apart_dx")
 
 
 @contextlib.contextmanager
-def router_ws(enabled: bool):
-    """enabled False: the Triton router forward where the default runs the warp-specialised Gluon one
-    (kernels.router.WS_MAX_K = 0 while functions are traced inside)."""
+def layer_switches(variant: str | None):
+    """The switches of a LAYER_VARIANTS name flipped inside the context (None or an expert variant: none)."""
     import kernels.router as kr
+    import mhl_jax.model.moe_core as mc
 
-    saved = kr.WS_MAX_K
-    kr.WS_MAX_K = saved if enabled else 0
+    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX
+    if variant == "triton_router_fwd":
+        kr.WS_MAX_K = 0
+    if variant == "apart_dx":
+        mc.FUSE_ROUTER_DX = False
     try:
         yield
     finally:
-        kr.WS_MAX_K = saved
+        kr.WS_MAX_K, mc.FUSE_ROUTER_DX = saved
 
 
-def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, ws: bool = True):
-    """x: (N, d) bf16 -> (N, d) bf16. cfg: the expert op's ExpertsConfig (triton only). ws: see `router_ws`."""
-    with router_ws(ws):
+def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):
+    """x: (N, d) bf16 -> (N, d) bf16. cfg: the expert op's ExpertsConfig (triton only). switch: a LAYER_VARIANTS
+    name (`layer_switches`)."""
+    with layer_switches(switch):
         return _layer(params, x, k, expert_impl, router_impl, cfg)
 
 
@@ -214,7 +224,7 @@ def main() -> None:
     ap.add_argument("--router", default="auto")
     ap.add_argument("--out", default=None)
     ap.add_argument("--variants", nargs="+", default=[None],
-                    help="expert configs (experts_triton.VARIANTS) or ROUTER_VARIANTS")
+                    help="expert configs (experts_triton.VARIANTS) or LAYER_VARIANTS")
     ap.add_argument("--dwt-tile", default=None, help="block_m,block_e,warps,stages of the transposed dW kernel")
     ap.add_argument("--breakdown", action="store_true", help="also time the layer's parts (see above)")
     ap.add_argument("--fallback", default="v2", help="variant run when a --variants run fails at a shape")
@@ -244,12 +254,12 @@ def main() -> None:
             for impl, variant in runs:
                 if variant == "fallback":
                     variant = args.fallback
-                rws = variant not in ROUTER_VARIANTS
-                cfg = None if impl != "triton" else expert_cfg(variant if rws else "default", tokens, ne, k, de,
-                                                               dwt_tile)
-                fwd = jax.jit(lambda p, x, impl=impl, k=k, cfg=cfg, rws=rws: layer(p, x, k, impl, router, cfg, rws))
-                grad = jax.jit(jax.grad(lambda p, x, impl=impl, k=k, cfg=cfg, rws=rws: jnp.sum(
-                    layer(p, x, k, impl, router, cfg, rws).astype(jnp.float32) ** 2), argnums=(0, 1)))
+                sw = variant if variant in LAYER_VARIANTS else None
+                cfg = None if impl != "triton" else expert_cfg(variant if sw is None else "default", tokens, ne, k,
+                                                               de, dwt_tile)
+                fwd = jax.jit(lambda p, x, impl=impl, k=k, cfg=cfg, sw=sw: layer(p, x, k, impl, router, cfg, sw))
+                grad = jax.jit(jax.grad(lambda p, x, impl=impl, k=k, cfg=cfg, sw=sw: jnp.sum(
+                    layer(p, x, k, impl, router, cfg, sw).astype(jnp.float32) ** 2), argnums=(0, 1)))
                 rec = dict(bench="layer", impl=impl, router=router, device=device, date=date,
                            params=dict(tokens=tokens, d=D, nh=NH, dh=DH, ne=ne, k=k, de=de,
                                        expert_weights=args.expert_weights))
@@ -275,7 +285,7 @@ def main() -> None:
                 if args.breakdown and impl == "triton" and "ms" in rec:
                     b = dict(rec, bench="layer_breakdown")
                     try:
-                        with router_ws(rws):  # the parts are traced and timed with the row's router forward
+                        with layer_switches(sw):  # the parts are traced and timed with the row's switches
                             b["parts_ms"] = breakdown(params, xs, k, router, cfg or expert_cfg(
                                 "default", tokens, ne, k, de), rec["ms"])
                     except Exception as e:

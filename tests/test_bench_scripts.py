@@ -42,12 +42,14 @@ def test_layer_bench_breakdown_runs_with_emulated_kernels(monkeypatch):
     import numpy as np
 
     import mhl_jax.ops.experts_triton as et
+    import mhl_jax.ops.moe_triton as mt
     import mhl_jax.ops.router_triton as rt
     from bench import layer as bl
     from bench.timing import time_jax
 
     monkeypatch.setattr(rt, "route_topk_triton", functools.partial(rt.route_topk_triton, backend="emulate"))
     monkeypatch.setattr(et, "expert_ffn_triton", functools.partial(et.expert_ffn_triton, backend="emulate"))
+    monkeypatch.setattr(mt, "moe_heads_fused", functools.partial(mt.moe_heads_fused, backend="emulate"))
     monkeypatch.setattr(bl, "time_jax", functools.partial(time_jax, reps=1, inner=1))
     tokens, ne, k, de = 48, 6, 2, 32
     params = bl.init_params(jax.random.key(0), ne, de)

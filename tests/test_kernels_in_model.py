@@ -16,6 +16,7 @@ from flax import nnx
 
 import mhl_jax.ops.experts_grouped as experts_grouped
 import mhl_jax.ops.experts_triton as experts_triton
+import mhl_jax.ops.moe_triton as moe_triton
 import mhl_jax.ops.router_triton as router_triton
 from mhl_jax.config import load_config
 from mhl_jax.model.balancing import RouterBias
@@ -32,6 +33,7 @@ def emulated(monkeypatch):
                         functools.partial(router_triton.route_topk_triton, backend="emulate"))
     monkeypatch.setattr(experts_triton, "expert_ffn_triton",
                         functools.partial(experts_triton.expert_ffn_triton, backend="emulate"))
+    monkeypatch.setattr(moe_triton, "moe_heads_fused", functools.partial(moe_triton.moe_heads_fused, backend="emulate"))
     monkeypatch.setattr(experts_grouped, "expert_ffn_grouped",
                         functools.partial(experts_grouped.expert_ffn_grouped, backend="emulate"))
 
@@ -107,6 +109,7 @@ def test_wide_moe_triton_path_runs_grouped_experts(emulated, monkeypatch, device
         calls.append(a[0].shape)
         return emulate(*a, **kw)
 
+    monkeypatch.setattr(moe_triton, "moe_heads_fused", functools.partial(moe_triton.moe_heads_fused, backend="emulate"))
     monkeypatch.setattr(experts_grouped, "expert_ffn_grouped", counting)
     executor = LocalMoE("triton") if devices == 1 else make_executor(cfg, make_mesh(cfg))
     executor.impl = "triton"  # what ffn.kernels=triton resolves to on a GPU

@@ -466,17 +466,18 @@ def _check_router_casts(backend, n, h, dh, ne, k, de, gluon=False):
 
     got, casts_asked, kernel_casts = [], [], []
     saved = mc.ROUTER_CASTS_WEIGHTS, mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT
-    real, real_gluon = router_triton.route_topk_triton, router_triton._fwd_gluon
+    real, real_gluon = router_triton.router_static, router_triton._fwd_gluon
     try:
         mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = 0  # the rule's token count (tested below) would leave it off here
-        router_triton.route_topk_triton = lambda *a, **kw: casts_asked.append(kw["cast"] is not None) or real(*a, **kw)
+        # both the fused core (moe_triton) and route_topk_triton take the router's arguments through router_static
+        router_triton.router_static = lambda *a, **kw: casts_asked.append(kw["cast"] is not None) or real(*a, **kw)
         router_triton._fwd_gluon = lambda *a: kernel_casts.append(a[4] is not None) or real_gluon(*a)
         for on in (False, True):
             mc.ROUTER_CASTS_WEIGHTS = on
             got.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w, w1, w2))
     finally:
         mc.ROUTER_CASTS_WEIGHTS, mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = saved
-        router_triton.route_topk_triton, router_triton._fwd_gluon = real, real_gluon
+        router_triton.router_static, router_triton._fwd_gluon = real, real_gluon
     assert casts_asked == [False, True]
     assert kernel_casts == ([False, True] if gluon else [])
     assert float(got[0][0]) == float(got[1][0]) and float(got[0][0]) > 0
@@ -862,8 +863,15 @@ def test_gpu_moe_heads_one_packing_vs_separate_ops(skew):
         f = lambda x, w, w1, w2: jnp.vdot(fn(x, w, w1, w2)[0].astype(jnp.float32), wy)
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
 
-    shared = grads(lambda x, w, w1, w2: moe_heads(x, x, w, b, w1, w2, k, "triton"))
-    v1, g1 = shared(x, w, w1, w2)
+    import mhl_jax.model.moe_core as mc
+
+    saved = mc.FUSE_ROUTER_DX
+    try:  # the two ops with one packing; the fused core (dx from one combine kernel): tests/test_combine.py
+        mc.FUSE_ROUTER_DX = False
+        shared = grads(lambda x, w, w1, w2: moe_heads(x, x, w, b, w1, w2, k, "triton"))
+        v1, g1 = shared(x, w, w1, w2)
+    finally:
+        mc.FUSE_ROUTER_DX = saved
     v2, g2 = grads(separate)(x, w, w1, w2)
     assert float(v1) == float(v2)
     for name, a, c in zip(("x", "w_r", "w1", "w2"), g1, g2):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from mhl_jax.ops.experts import expert_ffn, triton_packing_spec
-from mhl_jax.ops.kernels_select import MAX_TRITON_EXPERT_WIDTH
+from mhl_jax.ops.kernels_select import MAX_TRITON_EXPERT_WIDTH, triton_expert_path
 from mhl_jax.ops.router import MAX_TRITON_ROUTER_WIDTH, route_topk
 
 
@@ -50,6 +50,12 @@ ROUTER_CASTS_WEIGHTS = True
 ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = 4
 
 
+# Sub-tokens routed on themselves (x_route is x_expert: MH-LatentMoE) on the fused expert path run router, gates and
+# experts under one custom_vjp (`mhl_jax.ops.moe_triton`) whose backward sums each sub-token's expert dX rows and the
+# router's dX in one kernel; False: the router's and the experts' ops apart (XLA adds their dx).
+FUSE_ROUTER_DX = True
+
+
 def router_casts_weights(x_route: jax.Array, x_expert: jax.Array, w1: jax.Array, w2: jax.Array) -> bool:
     """Whether `moe_heads_triton` hands the expert weights' cast to the router (ROUTER_CASTS_WEIGHTS; bf16
     activations, fp32 weights, an expert width the Triton kernels take, and enough tokens to hide it). The router's
@@ -64,13 +70,18 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
                      w2: jax.Array, k: int, cfg=None, backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """`moe_heads` on the Triton router and experts with one packing: the router's forward also packs
     its indices the way the expert op wants them, and its backward takes the dW_r layout from that
-    packing instead of sorting the slots again. backend "emulate": pure-JAX kernel stand-ins (CPU);
-    None: the bindings' own default (so a test may swap the bindings for emulating ones)."""
+    packing instead of sorting the slots again. With x_route is x_expert on the fused expert path (FUSE_ROUTER_DX) all
+    of it runs under one custom_vjp whose dx comes out of one kernel (`mhl_jax.ops.moe_triton`). backend "emulate":
+    pure-JAX kernel stand-ins (CPU); None: the bindings' own default ("triton"; a test may swap the bindings)."""
     from mhl_jax.ops import router_triton
 
-    kw = {} if backend is None else {"backend": backend}
-    spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
     cast = router_casts_weights(x_route, x_expert, w1, w2)
+    kw = {} if backend is None else {"backend": backend}
+    if FUSE_ROUTER_DX and x_route is x_expert and triton_expert_path(x_expert.shape[2]) == "fused":
+        from mhl_jax.ops import moe_triton
+
+        return moe_triton.moe_heads_fused(x_expert, w_r, bias, w1, w2, k, cfg, cast=cast, **kw)
+    spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
     out = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, cast=(w1, w2) if cast else None, **kw)
     values, idx, packing = out[:3]
     gates = jax.nn.softmax(values, axis=-1)  # fp32

@@ -388,7 +388,9 @@ def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta, wc):
     return _forward(st, x, gates, w1, w2, meta, wc)
 
 
-def _experts_bwd(st: Static, res, dy):
+def experts_bwd_rows(st: Static, res, dy):
+    """The backward's kernels: packed dX rows (P, dh) or partial rows (P, parts, dh), dgates (N, H, k) in gates'
+    dtype, dW1 (G, dh, de), dW2 (G, de, dh) in the weights' dtype; dx itself is left to the combine."""
     xs, gates, out_rows, w1c, w2c, meta = res
     n, h, k = gates.shape
     bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
@@ -400,7 +402,12 @@ def _experts_bwd(st: Static, res, dy):
     else:  # the per-row gate gradients of the kernels (partials of the Gluon backward summed), per slot (empty: 0)
         dg = dgate_rows.reshape(dgate_rows.shape[0], -1)
         dgates = take_slots(dg, meta.slot_row).sum(-1).reshape(n, h, k).astype(gates.dtype)
-    return bwd_cotangents(dxr, dgates, dw1, dw2, xs.dtype, meta) + (None,)  # the weights' cast: none (w1, w2 have it)
+    return dxr, dgates, dw1, dw2
+
+
+def _experts_bwd(st: Static, res, dy):
+    dxr, dgates, dw1, dw2 = experts_bwd_rows(st, res, dy)
+    return bwd_cotangents(dxr, dgates, dw1, dw2, res[0].dtype, res[5]) + (None,)  # the weights' cast: none
 
 
 def bwd_cotangents(dx_rows, dgates, dw1, dw2, x_dtype, meta: Meta):
@@ -431,24 +438,32 @@ def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Ar
     (w1, w2) already cast to x's dtype (by the router's kernel, `route_topk_triton(..., cast=)`), read instead of
     casting here (w1, w2 still get the gradients, in their own dtype).
     """
-    n, h, dh = x.shape
-    hw, ne, _, de = w1.shape
-    k = idx.shape[2]
-    if backend not in ("triton", "emulate"):
-        raise ValueError(f"expert_ffn_triton: backend={backend!r}, expected 'triton' or 'emulate'")
-    if w1.shape != (h, ne, dh, de) or w2.shape != (h, ne, de, dh) or idx.shape != gates.shape or \
-            idx.shape[:2] != (n, h):
+    n, h, _ = x.shape
+    ne = w1.shape[1]
+    if idx.shape != gates.shape or idx.shape[:2] != (n, h):
         raise ValueError(f"expert_ffn_triton: shapes disagree: x {x.shape}, idx {idx.shape}, gates "
                          f"{gates.shape}, w1 {w1.shape}, w2 {w2.shape}")
+    st = experts_static(x, idx.shape[2], w1, w2, cfg, backend, weights_cast)
+    packing, meta = packed_meta(idx, ne, st.cfg.pack_block, st.cfg.pack_impl, backend, packing, "expert_ffn_triton")
+    y = _experts(st, x, gates.astype(jnp.float32), w1, w2, meta, weights_cast)
+    return y, packing.group_sizes.reshape(h, ne)
+
+
+def experts_static(x: jax.Array, k: int, w1: jax.Array, w2: jax.Array, cfg: ExpertsConfig | None = None,
+                   backend: str = "triton", weights_cast=None) -> Static:
+    """`expert_ffn_triton`'s arguments checked, as the Static its custom_vjp (or `moe_triton`'s) runs with."""
+    n, h, dh = x.shape
+    ne, de = w1.shape[1], w1.shape[3]
+    if backend not in ("triton", "emulate"):
+        raise ValueError(f"expert_ffn_triton: backend={backend!r}, expected 'triton' or 'emulate'")
+    if w1.shape != (h, ne, dh, de) or w2.shape != (h, ne, de, dh):
+        raise ValueError(f"expert_ffn_triton: shapes disagree: x {x.shape}, w1 {w1.shape}, w2 {w2.shape}")
     cfg = resolve_config(n * h * k, h * ne, dh, de, cfg)
     cfg.check(dh, de)
-    packing, meta = packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, backend, packing, "expert_ffn_triton")
     if w1.dtype != w2.dtype:
         raise ValueError(f"expert_ffn_triton: w1 {w1.dtype} and w2 {w2.dtype} must share a dtype")
     if weights_cast is not None and any(c.shape != w.shape or c.dtype != x.dtype
                                         for c, w in zip(weights_cast, (w1, w2))):
         raise ValueError(f"expert_ffn_triton: weights_cast must be w1, w2 in {x.dtype}, got "
                          f"{[(c.shape, c.dtype) for c in weights_cast]}")
-    y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta,
-                 weights_cast)
-    return y, packing.group_sizes.reshape(h, ne)
+    return Static(cfg, k, backend, jnp.dtype(w1.dtype).name)

@@ -303,19 +303,29 @@ def _route_fwd(st: Static, x, w, bias, cast):
     return out, (x, w, bias) + tuple(out[1:3 if st.pack is not None else 2])
 
 
-def _route_bwd(st: Static, res, cts):
-    x, w, bias, idx = res[:4]
-    dvals = cts[0].astype(jnp.float32)  # the other cotangents (indices, packing) are float0
+def transposed_weights(w: jax.Array) -> jax.Array:
+    """W_r (H, dh, Ne) -> (H, Ne, dh) fp32: the rows the dX kernels gather are contiguous."""
+    return jnp.swapaxes(w.astype(jnp.float32), 1, 2)
+
+
+def router_dw(st: Static, x, w, idx, packing, dvals):
+    """dW_r (H, dh, Ne) in w's dtype from the cotangent of the selected scores dvals (N, H, k) fp32; `packing`: the
+    experts' packing of idx when st.pack is set (its dW layout, no second sort), else None."""
     ne = w.shape[2]
-    wt = jnp.swapaxes(w.astype(jnp.float32), 1, 2)  # (H, Ne, dh): the gathered rows are contiguous
-    triton = st.backend == "triton"
-    dx = (_dx_triton if triton else _dx_emulate)(st, idx, dvals, wt, x.dtype)
     if st.pack is None:
         meta = dw_metadata(idx, ne, st.tiles.dw_block, st.sort)
     else:  # the experts' packing of the same indices: no second sort
-        meta = dw_metadata_from_packing(res[4], x.shape[1], st.k, st.pack[0], st.tiles.dw_block)
-    dw = (_dw_triton if triton else _dw_emulate)(st, x, dvals, meta, ne)
-    return dx, dw.astype(w.dtype), jnp.zeros_like(bias), None  # the cast arrays: no cotangent from here
+        meta = dw_metadata_from_packing(packing, x.shape[1], st.k, st.pack[0], st.tiles.dw_block)
+    dw = (_dw_triton if st.backend == "triton" else _dw_emulate)(st, x, dvals, meta, ne)
+    return dw.astype(w.dtype)
+
+
+def _route_bwd(st: Static, res, cts):
+    x, w, bias, idx = res[:4]
+    dvals = cts[0].astype(jnp.float32)  # the other cotangents (indices, packing) are float0
+    dx = (_dx_triton if st.backend == "triton" else _dx_emulate)(st, idx, dvals, transposed_weights(w), x.dtype)
+    dw = router_dw(st, x, w, idx, res[4] if st.pack is not None else None, dvals)
+    return dx, dw, jnp.zeros_like(bias), None  # the cast arrays: no cotangent from here
 
 
 _route.defvjp(_route_fwd, _route_bwd)
@@ -341,6 +351,14 @@ def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, 
     output, without gradient. Where the forward runs on the Gluon kernel with two consumers (k > 4), its caster
     warp group makes them beside the selection (the router reads little HBM; the cast's traffic still slows it by
     about a third of the cast's own time); else XLA casts them."""
+    st = router_static(x, w_r, bias, k, precision, tiles, backend, sort, pack, cast=cast)
+    return _route(st, x, w_r, bias, cast)
+
+
+def router_static(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, precision: str | None = None,
+                  tiles: RouterTiles | None = None, backend: str = "triton", sort: str = "flat",
+                  pack: tuple[int, str] | None = None, cast: tuple[jax.Array, jax.Array] | None = None) -> Static:
+    """`route_topk_triton`'s arguments checked, as the Static its custom_vjp (or `moe_triton`'s) runs with."""
     check_router_shapes(x, w_r, bias, k)
     n, h, dh = x.shape
     ne = w_r.shape[2]
@@ -364,4 +382,4 @@ def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, 
         if a.size != b.size or a.dtype != jnp.float32 or b.dtype != jnp.float32 or x.dtype != jnp.bfloat16:
             raise ValueError(f"route_topk_triton: cast wants two fp32 arrays of one size and bf16 x, got "
                              f"{a.shape} {a.dtype}, {b.shape} {b.dtype}, x {x.dtype}")
-    return _route(Static(k, precision, tiles, backend, sort, pack), x, w_r, bias, cast)
+    return Static(k, precision, tiles, backend, sort, pack)

@@ -1,0 +1,103 @@
+"""The backward's dX combine of the MoE core with the router's dX folded in (one Triton kernel).
+
+For every sub-token row r = n * H + h (N * H rows of width DH):
+
+    dx[r] = sum_j ( sum_q rows[slot_row[r * K + j], q]  +  dv[r * K + j] * W_r^T[h, idx[r * K + j]] )
+
+rows (P, PARTS * DH): the expert backward's packed dX rows (PARTS partials per row where its kernel
+splits de in 128-wide tiles); slot_row (N * H * K,): each slot's packed row (-1: none, contributes 0);
+idx, dv (N * H * K,): the router's choices and the cotangent of its selected scores; wt (H, NE, DH)
+fp32: W_r transposed, so a gathered row is contiguous. Accumulates in fp32 in a fixed order (j, then the
+partials, then the router term), rounds once to dx's dtype. No atomics: each output row is one program's.
+
+Apart, the expert op's combine (XLA: gather k rows, sum) and the router's dX kernel (k rows of W_r^T
+from L2 per row) each write an (N * H, DH) array, and XLA adds the two: at 81920 tokens, Nh 8, k 8
+that is 0.61 ms + 0.24-0.32 ms on an H100 (bench/NOTES.md, Layer, session 19). Here the HBM gather
+of the dX rows (k x 256 B per row at DH 128) bounds the time and the W_r^T rows come from L2 beside it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+
+class CombineTiles(NamedTuple):
+    block_r: int = 32  # rows per program
+    num_warps: int = 4
+
+
+def check_combine_args(r: int, h: int, dh: int, ne: int, k: int, parts: int, tiles: CombineTiles) -> None:
+    if r % h:
+        raise ValueError(f"dx combine: {r} rows are not a multiple of H={h} heads")
+    if min(r, h, dh, ne, k, parts) < 1:
+        raise ValueError(f"dx combine: rows={r}, H={h}, dh={dh}, Ne={ne}, k={k}, parts={parts}: all must be >= 1")
+    if tiles.block_r < 1 or tiles.block_r & (tiles.block_r - 1):
+        raise ValueError(f"dx combine: block_r={tiles.block_r}, expected a power of 2")
+
+
+@triton.jit
+def dx_combine_kernel(
+    rows_ptr, slot_row_ptr, idx_ptr, dv_ptr, wt_ptr,  # inputs (module docstring)
+    dx_ptr,  # output: (R, DH) in dx's dtype
+    R: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
+    PARTS: tl.constexpr, ROUTER: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < R
+    r64 = r.to(tl.int64)
+    h = r % H
+    offs_d = tl.arange(0, DHP)
+    dmask = offs_d < DH
+    acc = tl.zeros((BLOCK_R, DHP), tl.float32)
+    for j in tl.static_range(K):  # fixed order: deterministic
+        s = tl.load(slot_row_ptr + r64 * K + j, mask=rmask, other=-1)
+        ok = (s >= 0)[:, None] & dmask[None, :]
+        base = s.to(tl.int64) * (PARTS * DH)
+        for q in tl.static_range(PARTS):
+            acc += tl.load(rows_ptr + base[:, None] + q * DH + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+        if ROUTER:
+            e = tl.load(idx_ptr + r64 * K + j, mask=rmask, other=0)
+            g = tl.load(dv_ptr + r64 * K + j, mask=rmask, other=0.0)
+            wrow = (h * NE + e).to(tl.int64)
+            w = tl.load(wt_ptr + wrow[:, None] * DH + offs_d[None, :], mask=rmask[:, None] & dmask[None, :],
+                        other=0.0)
+            acc += g[:, None] * w
+    tl.store(dx_ptr + r64[:, None] * DH + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])
+
+
+def combine_constexprs(r: int, h: int, dh: int, ne: int, k: int, parts: int, router: bool,
+                       tiles: CombineTiles) -> dict:
+    check_combine_args(r, h, dh, ne, k, parts, tiles)
+    return dict(R=r, H=h, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), NE=ne, K=k, PARTS=parts,
+                ROUTER=router, BLOCK_R=tiles.block_r)
+
+
+def combine_grid(r: int, tiles: CombineTiles) -> tuple[int]:
+    return (triton.cdiv(r, tiles.block_r),)
+
+
+def dx_combine_torch(rows, slot_row, idx, dv, wt, heads: int, k: int, out_dtype=None,
+                     tiles: CombineTiles | None = None):
+    """The kernel on torch tensors (CPU interpreter tests, GPU kernel benchmark). rows (P, PARTS, DH) or (P, DH);
+    slot_row, idx (N * H * K,) int32; dv (N * H * K,) fp32; wt (H, NE, DH) fp32, or idx = dv = wt = None (no router
+    term) -> dx (N * H, DH) in out_dtype (default rows.dtype)."""
+    import torch
+
+    tiles = tiles or CombineTiles()
+    p, dh = rows.shape[0], rows.shape[-1]
+    parts = rows.shape[1] if rows.dim() == 3 else 1
+    r = slot_row.shape[0] // k
+    router = wt is not None
+    dx = torch.empty((r, dh), dtype=out_dtype or rows.dtype, device=rows.device)
+    none = torch.zeros((1,), dtype=torch.int32, device=rows.device)
+    dx_combine_kernel[combine_grid(r, tiles)](
+        rows.reshape(p, parts * dh).contiguous(), slot_row.contiguous(),
+        idx.reshape(-1).contiguous() if router else none, dv.reshape(-1).contiguous() if router else none.float(),
+        wt.contiguous() if router else none.float(), dx, num_warps=tiles.num_warps,
+        **combine_constexprs(r, heads, dh, wt.shape[1] if router else 1, k, parts, router, tiles))
+    return dx

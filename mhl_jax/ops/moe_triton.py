@@ -1,0 +1,105 @@
+"""The MoE core on Triton as one `jax.custom_vjp`, for sub-tokens routed on themselves (x_route is x_expert, as
+MH-LatentMoE routes): router + softmax gates + experts forward, and a backward whose last step sums, per sub-token,
+its k expert dX rows and the router's dX in one kernel (`kernels/combine.py`).
+
+    x (N, H, dh) bf16, w_r (H, dh, Ne) fp32, bias (H, Ne) fp32, w1 (H, Ne, dh, de), w2 (H, Ne, de, dh)
+    -> y (N, H, dh) in x's dtype, load (H, Ne) int32
+
+The router's and the experts' custom_vjps (`router_triton`, `experts_triton`) each return their own dx: the
+experts' is a gather and sum of the packed dX rows (XLA), the router's a kernel gathering k rows of W_r^T, and XLA
+adds the two. Under one custom_vjp both come out of one kernel that gathers the dX rows and the W_r^T rows side by
+side and writes dx once. Every other step is the same code as the two ops apart (same kernels, same packing, the
+softmax's own VJP): y, dW_r, dW1, dW2 and bias's zero are bitwise those of the ops apart; dx differs only in its
+rounding (one rounding of the fp32 sum instead of three: two bf16 terms rounded, then their sum).
+
+`backend="emulate"` runs pure-JAX stand-ins of every kernel (CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kernels.combine import CombineTiles, combine_constexprs, combine_grid
+from mhl_jax.ops import experts_triton as ext
+from mhl_jax.ops import router_triton as rtr
+from mhl_jax.ops.kernels_select import import_jax_triton
+
+
+class Static(NamedTuple):
+    router: rtr.Static
+    experts: ext.Static
+    cast: bool  # the router's kernel casts the expert weights (`moe_core.router_casts_weights`)
+    combine: CombineTiles
+
+
+def dx_combine(dx_rows, slot_row, idx, dvals, wt, x_dtype, tiles: CombineTiles, backend: str):
+    """dx (N, H, dh) in x_dtype: each sub-token's k packed dX rows (P, dh) or partial rows (P, parts, dh), and the
+    router's sum_j dvals_j W_r^T[h, idx_j] (wt (H, Ne, dh) fp32), summed in fp32 and rounded once."""
+    n, h, k = idx.shape
+    p, dh = dx_rows.shape[0], dx_rows.shape[-1]
+    parts = dx_rows.size // (p * dh)
+    if backend == "triton":
+        jt = import_jax_triton()
+
+        from kernels.combine import dx_combine_kernel
+
+        consts = combine_constexprs(n * h, h, dh, wt.shape[1], k, parts, True, tiles)
+        dx = jt.triton_call(dx_rows.reshape(p, parts * dh), slot_row, idx.reshape(-1), dvals.reshape(-1), wt,
+                            kernel=dx_combine_kernel, out_shape=jax.ShapeDtypeStruct((n * h, dh), x_dtype),
+                            grid=combine_grid(n * h, tiles), num_warps=tiles.num_warps, **consts)
+        return dx.reshape(n, h, dh)
+    experts = ext.take_slots(dx_rows.reshape(p, -1), slot_row).reshape(n, h, k, parts, dh).sum(3)
+    router = dvals[..., None] * jnp.take_along_axis(wt[None], idx[..., None], axis=2)  # (N, H, k, dh)
+    return (experts + router).sum(2).astype(x_dtype)
+
+
+def _forward(st: Static, x, w_r, bias, w1, w2):
+    vals, idx, packing, *made = rtr._forward(st.router, x, w_r, bias, (w1, w2) if st.cast else None)
+    gates = jax.nn.softmax(vals, axis=-1)  # fp32
+    _, meta = ext.packed_meta(idx, w1.shape[1], st.experts.cfg.pack_block, st.experts.cfg.pack_impl,
+                              st.experts.backend, packing, "moe_heads_fused")
+    y, res = ext._forward(st.experts, x, gates, w1, w2, meta, made[0] if made else None)
+    return (y, packing.group_sizes.reshape(w1.shape[:2])), (x, w_r, bias, vals, idx, packing, res)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _moe(st: Static, x, w_r, bias, w1, w2):
+    return _forward(st, x, w_r, bias, w1, w2)[0]
+
+
+def _moe_fwd(st: Static, x, w_r, bias, w1, w2):
+    return _forward(st, x, w_r, bias, w1, w2)
+
+
+def _moe_bwd(st: Static, res, cts):
+    x, w_r, bias, vals, idx, packing, res_e = res
+    dy = cts[0]  # the load's cotangent is float0
+    dxr, dgates, dw1, dw2 = ext.experts_bwd_rows(st.experts, res_e, dy)
+    dvals = jax.vjp(lambda v: jax.nn.softmax(v, axis=-1), vals)[1](dgates)[0]  # as autodiff of the ops apart
+    dw_r = rtr.router_dw(st.router, x, w_r, idx, packing, dvals)
+    dx = dx_combine(dxr, res_e[5].slot_row, idx, dvals, rtr.transposed_weights(w_r), x.dtype, st.combine,
+                    st.experts.backend)
+    h, ne = w_r.shape[0], w_r.shape[2]
+    return (dx, dw_r, jnp.zeros_like(bias), dw1.reshape(h, ne, *dw1.shape[1:]), dw2.reshape(h, ne, *dw2.shape[1:]))
+
+
+_moe.defvjp(_moe_fwd, _moe_bwd)
+
+
+def moe_heads_fused(x: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array, w2: jax.Array, k: int,
+                    cfg=None, backend: str = "triton", cast: bool = False,
+                    combine: CombineTiles | None = None) -> tuple[jax.Array, jax.Array]:
+    """`moe_core.moe_heads_triton` for x_route = x_expert = x (N, H, dh) on the fused Triton expert path (dh <=
+    MAX_TRITON_EXPERT_WIDTH): y (N, H, dh) in x's dtype, load (H, Ne) int32. cfg: the experts' ExpertsConfig (None:
+    the measured default); cast: the router's kernel casts the expert weights (`moe_core.router_casts_weights`);
+    combine: the dx combine's tiles."""
+    from mhl_jax.ops.experts import triton_packing_spec
+
+    est = ext.experts_static(x, k, w1, w2, cfg, backend)
+    spec = triton_packing_spec(x.shape, k, w1.shape, est.cfg, backend)
+    rst = rtr.router_static(x, w_r, bias, k, backend=backend, pack=spec, cast=(w1, w2) if cast else None)
+    return _moe(Static(rst, est, bool(cast), combine or CombineTiles()), x, w_r, bias, w1, w2)

@@ -1,0 +1,178 @@
+"""The backward's dX combine with the router's dX folded in (kernels/combine.py) and the MoE core under one
+custom_vjp that uses it (mhl_jax/ops/moe_triton.py).
+
+CPU: the kernel under the Triton interpreter against float64 numpy (partial rows, empty slots, rows not a multiple
+of the block, dh not a power of 2, with and without the router term); the JAX stand-in against the same reference;
+the fused MoE core (emulated kernels) against the router and expert ops apart: loss, dW_r, dW1, dW2 and the load
+bitwise, dx within its rounding, and against the float64-checked reference path.
+GPU (marker gpu): the same on the GPU's kernels, and the jax-triton launch bitwise equal to the torch launch.
+"""
+
+import importlib
+import os
+
+if os.environ.get("MHL_TEST_GPU") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import kernels.combine as kc  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET and type(kc.dx_combine_kernel).__name__ != "InterpretedFunction":
+    kc = importlib.reload(kc)  # another module of this process imported the kernel compiled
+
+interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (CPU)")
+
+
+def _case(seed, n, h, dh, ne, k, parts, empty=0.1):
+    """Packed rows (P, parts, dh) bf16 with some slots empty (-1) and the packed order a permutation; router idx,
+    dv (N * H, k), W_r^T (H, Ne, dh) fp32."""
+    rng = np.random.default_rng(seed)
+    m = n * h * k
+    p = m + 13  # padding rows: never read
+    rows = rng.standard_normal((p, parts, dh), dtype=np.float32)
+    slot_row = rng.permutation(p)[:m].astype(np.int32)
+    slot_row[rng.random(m) < empty] = -1
+    idx = np.stack([rng.choice(ne, k, replace=False) for _ in range(n * h)]).astype(np.int32)
+    dv = rng.standard_normal((n * h, k), dtype=np.float32)
+    wt = rng.standard_normal((h, ne, dh), dtype=np.float32)
+    return rows, slot_row, idx, dv, wt
+
+
+def _ref64(rows, slot_row, idx, dv, wt, h, k, router=True):
+    r = slot_row.shape[0] // k
+    got = np.where((slot_row >= 0)[:, None], rows.astype(np.float64).sum(1)[np.maximum(slot_row, 0)], 0.0)
+    dx = got.reshape(r, k, -1).sum(1)
+    if router:
+        heads = np.arange(r) % h
+        dx += np.einsum("rk,rkd->rd", dv.astype(np.float64), wt.astype(np.float64)[heads[:, None], idx])
+    return dx
+
+
+def _bf16(a):
+    return torch.from_numpy(a).to(torch.bfloat16)
+
+
+@interp
+@pytest.mark.parametrize("n,h,dh,ne,k,parts,block_r", [
+    (37, 2, 32, 12, 3, 1, 16),  # rows not a multiple of the block
+    (20, 3, 24, 9, 2, 2, 8),  # dh not a power of 2, two partials per row
+    (16, 2, 16, 40, 8, 1, 32),  # k 8, one program
+])
+@pytest.mark.parametrize("router", [True, False], ids=["router", "experts-only"])
+def test_kernel_vs_float64(n, h, dh, ne, k, parts, block_r, router):
+    rows, slot_row, idx, dv, wt = _case(n + dh, n, h, dh, ne, k, parts)
+    rows = _bf16(rows).float().numpy()  # the values the kernel sees
+    tiles = kc.CombineTiles(block_r, 4)
+    args = (torch.from_numpy(idx), torch.from_numpy(dv), torch.from_numpy(wt)) if router else (None, None, None)
+    got = kc.dx_combine_torch(_bf16(rows), torch.from_numpy(slot_row), *args, heads=h, k=k,
+                              out_dtype=torch.float32, tiles=tiles).numpy()
+    ref = _ref64(rows, slot_row, idx, dv, wt, h, k, router)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    again = kc.dx_combine_torch(_bf16(rows), torch.from_numpy(slot_row), *args, heads=h, k=k,
+                                out_dtype=torch.float32, tiles=kc.CombineTiles(2 * block_r, 4)).numpy()
+    assert np.array_equal(got, again)  # fixed summation order per row, whatever the block
+    bf = kc.dx_combine_torch(_bf16(rows), torch.from_numpy(slot_row), *args, heads=h, k=k, tiles=tiles)
+    # rounded once to bf16 (the interpreter truncates, the GPU rounds to nearest: within one bf16 ulp)
+    assert bf.dtype == torch.bfloat16
+    np.testing.assert_allclose(bf.float().numpy(), got, rtol=2 ** -7, atol=0)
+
+
+def test_combine_args_checked():
+    with pytest.raises(ValueError, match="not a multiple of H=3"):
+        kc.check_combine_args(10, 3, 16, 4, 2, 1, kc.CombineTiles())
+    with pytest.raises(ValueError, match="block_r=24"):
+        kc.check_combine_args(12, 3, 16, 4, 2, 1, kc.CombineTiles(24, 4))
+
+
+def test_jax_emulate_vs_float64():
+    import jax.numpy as jnp
+
+    from mhl_jax.ops.moe_triton import dx_combine
+
+    n, h, dh, ne, k, parts = 21, 2, 16, 10, 3, 2
+    rows, slot_row, idx, dv, wt = _case(5, n, h, dh, ne, k, parts)
+    got = dx_combine(jnp.asarray(rows), jnp.asarray(slot_row), jnp.asarray(idx.reshape(n, h, k)),
+                     jnp.asarray(dv.reshape(n, h, k)), jnp.asarray(wt), jnp.float32, kc.CombineTiles(), "emulate")
+    ref = _ref64(rows, slot_row, idx, dv, wt, h, k)
+    np.testing.assert_allclose(np.asarray(got).reshape(n * h, dh), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def _fused_vs_apart(backend, n, h, dh, ne, k, de, seed=3):
+    """Loss and gradients of moe_core.moe_heads_triton with FUSE_ROUTER_DX on and off: all bitwise but dx, which
+    agrees within the rounding of x's dtype (and the fused one was traced: the flag reached the dispatch)."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.model.moe_core as mc
+    from mhl_jax.ops import moe_triton
+
+    ks = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(ks[0], (n, h, dh), jnp.float32).astype(jnp.bfloat16)
+    w_r = jax.random.normal(ks[1], (h, dh, ne), jnp.float32) * dh ** -0.5
+    b = 0.1 * jax.random.normal(ks[2], (h, ne), jnp.float32)
+    w1 = jax.random.normal(ks[3], (h, ne, dh, de), jnp.float32) * dh ** -0.5
+    w2 = jax.random.normal(ks[4], (h, ne, de, dh), jnp.float32) * de ** -0.5
+    wy = jax.random.normal(ks[5], (n, h, dh), jnp.float32)
+
+    def loss(x, w_r, w1, w2):
+        y, load = mc.moe_heads_triton(x, x, w_r, b, w1, w2, k, backend=backend)
+        return jnp.vdot(y.astype(jnp.float32), wy), load
+
+    out, traced, saved, real = [], [], mc.FUSE_ROUTER_DX, moe_triton._moe
+    try:
+        moe_triton._moe = lambda *a: traced.append(1) or real(*a)
+        for fuse in (True, False):
+            mc.FUSE_ROUTER_DX = fuse
+            out.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w_r, w1, w2))
+    finally:
+        mc.FUSE_ROUTER_DX, moe_triton._moe = saved, real
+    assert traced == [1]
+    (l1, load1), g1 = out[0]
+    (l0, load0), g0 = out[1]
+    assert float(l1) == float(l0) and np.array_equal(load1, load0) and int(load1.sum()) == n * h * k
+    for name, a, c in zip(("w_r", "w1", "w2"), g1[1:], g0[1:]):
+        assert a.dtype == c.dtype and np.array_equal(np.asarray(a), np.asarray(c)), name
+    dx1, dx0 = np.asarray(g1[0], np.float32), np.asarray(g0[0], np.float32)
+    assert g1[0].dtype == jnp.bfloat16
+    # one rounding against three (two bf16 terms, then their sum): within a few bf16 ulps of the row's scale
+    np.testing.assert_allclose(dx1, dx0, rtol=0, atol=2 ** -6 * np.abs(dx0).max())
+    assert np.mean(dx1 == dx0) > 0.5
+    return g1
+
+
+def test_fused_core_emulate_vs_apart():
+    _fused_vs_apart("emulate", 64, 2, 32, 12, 4, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ne,k,de", [(64, 8, 128), (48, 4, 256)], ids=["k8-de128", "k4-de256-partials"])
+def test_gpu_fused_core_vs_apart(ne, k, de):
+    """On the GPU's kernels (Gluon expert backward; at de 256 its two dX partials per row go to the combine)."""
+    _fused_vs_apart(None, 2048, 4, 128, ne, k, de)
+
+
+@pytest.mark.gpu
+def test_gpu_jax_launch_equals_torch_launch():
+    import jax.numpy as jnp
+
+    from mhl_jax.ops.moe_triton import dx_combine
+
+    n, h, dh, ne, k, parts = 4099, 4, 128, 96, 8, 2
+    rows, slot_row, idx, dv, wt = _case(9, n, h, dh, ne, k, parts)
+    rows_bf = _bf16(rows)
+    tiles = kc.CombineTiles()
+    got = dx_combine(jnp.asarray(rows_bf.float().numpy()).astype(jnp.bfloat16), jnp.asarray(slot_row),
+                     jnp.asarray(idx.reshape(n, h, k)), jnp.asarray(dv.reshape(n, h, k)), jnp.asarray(wt),
+                     jnp.bfloat16, tiles, "triton")
+    dev = "cuda"
+    ref = kc.dx_combine_torch(rows_bf.to(dev), torch.from_numpy(slot_row).to(dev), torch.from_numpy(idx).to(dev),
+                              torch.from_numpy(dv).to(dev), torch.from_numpy(wt).to(dev), heads=h, k=k, tiles=tiles)
+    assert np.array_equal(np.asarray(got.astype(jnp.float32)).reshape(n * h, dh), ref.float().cpu().numpy())
+    r64 = _ref64(rows_bf.float().numpy(), slot_row, idx, dv, wt, h, k)
+    np.testing.assert_allclose(ref.float().cpu().numpy(), r64, rtol=1e-2, atol=1e-2 * np.abs(r64).max())
