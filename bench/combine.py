@@ -1,13 +1,13 @@
-"""The backward's dX combine with the router's dX folded in (`kernels/combine.py`), the kernel alone, at each of
-TILES, beside its two halves apart in one process: the same kernel without the router term (the experts' combine)
-and the router's dX kernel (`router_bwd_dx_kernel`, its default tile). do_bench medians, 3 rotating input sets;
-packed rows in a random order (every gather row random), some slots empty as the layer's are not.
+"""The backward's dX combine with the softmax's backward and the router's dX folded in (`kernels/combine.py`), the
+kernel alone, at each of TILES, beside its parts apart in one process: the same kernel without the router term (the
+experts' combine) and the router's dX kernel (`router_bwd_dx_kernel`, its default tile). do_bench medians, 3
+rotating input sets; packed rows in a random order (every gather row random), no slot empty (as in the layer).
 
     python bench/combine.py [--shapes 81920/768/8/1 81920/384/4/2 ...] [--out FILE]
 
 A shape is tokens/Ne/k/parts (8 heads, dh 128; parts = de / 128 partial rows per packed row at de > 128).
-One JSON line per (shape, kernel): ms, bytes (HBM: dX rows gathered, dx written, slot_row / idx / dv read; the
-W_r^T rows come from L2 and are not counted), GB/s.
+One JSON line per (shape, kernel): ms, bytes (HBM: dX rows gathered, dx written, slot_row / idx / gates / gate
+gradients read and dv written; the W_r^T rows come from L2 and are not counted), GB/s.
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ def bench_shape(n: int, ne: int, k: int, parts: int, base: dict, outf) -> None:
     for s in range(3):
         g = torch.Generator(device=dev).manual_seed(s)
         rows = torch.randn((p, parts, DH), generator=g, device=dev).to(torch.bfloat16)
+        dgr = torch.randn((p, parts), generator=g, device=dev)
         slot_row = torch.randperm(p, generator=g, device=dev)[:m].to(torch.int32)
+        gates = torch.softmax(torch.randn((r, k), generator=g, device=dev), -1)
         idx = torch.randint(0, ne, (r, k), generator=g, device=dev, dtype=torch.int32)
-        dv = torch.randn((r, k), generator=g, device=dev)
         wt = torch.randn((H, ne, DH), generator=g, device=dev)
-        sets.append((rows, slot_row, idx, dv, wt))
+        sets.append((rows, slot_row, dgr, gates, idx, wt))
     it = [0]
 
     def timed(fn):
@@ -52,22 +53,25 @@ def bench_shape(n: int, ne: int, k: int, parts: int, base: dict, outf) -> None:
             return fn(*sets[it[0]])
         return do_bench(call, warmup=25, rep=200, return_mode="median")
 
-    idx_bytes = m * 4 * 3  # slot_row, idx, dv
+    idx_bytes = m * 4 * 5  # slot_row, idx, gates, dv (written), a gate gradient per slot (gathered)
     rows_bytes = m * parts * DH * 2 + r * DH * 2
     ref = dx_combine_torch(*sets[0], heads=H, k=k)
     for br, nw in TILES:
         t = CombineTiles(br, nw)
-        ms = timed(lambda a, b, c, d, e, t=t: dx_combine_torch(a, b, c, d, e, heads=H, k=k, tiles=t))
-        same = bool(torch.equal(dx_combine_torch(*sets[0], heads=H, k=k, tiles=t), ref))
+        ms = timed(lambda *a, t=t: dx_combine_torch(*a, heads=H, k=k, tiles=t))
+        got = dx_combine_torch(*sets[0], heads=H, k=k, tiles=t)
+        same = all(bool(torch.equal(a, b)) for a, b in zip(got, ref))
         emit(dict(base, kernel="combine_router", tile=[br, nw], ms=ms, bytes=rows_bytes + idx_bytes,
                   gbps=(rows_bytes + idx_bytes) / ms / 1e6, equal_to_default_tile=same), outf)
-        ms = timed(lambda a, b, c, d, e, t=t: dx_combine_torch(a, b, None, None, None, heads=H, k=k, tiles=t))
+        ms = timed(lambda a, b, *_, t=t: dx_combine_torch(a, b, None, None, None, None, heads=H, k=k, tiles=t))
         emit(dict(base, kernel="combine_experts_only", tile=[br, nw], ms=ms, bytes=rows_bytes + m * 4,
                   gbps=(rows_bytes + m * 4) / ms / 1e6), outf)
     rt = router_tiles(ne, k)
     out = torch.empty((n, H, DH), dtype=torch.bfloat16, device=dev)
 
-    def router_dx(rows, slot_row, idx, dv, wt):
+    dv = torch.randn((r, k), device=dev)
+
+    def router_dx(rows, slot_row, dgr, gates, idx, wt):
         router_bwd_dx_kernel[(-(-n // rt.dx_block_n), H)](
             idx, dv, wt, out, N=n, H=H, DH=DH, DHP=DH, NE=ne, K=k, BLOCK_N=rt.dx_block_n, num_warps=rt.dx_warps)
 

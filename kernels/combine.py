@@ -1,13 +1,16 @@
 """The backward's dX combine of the MoE core with the router's dX folded in (one Triton kernel).
 
-For every sub-token row r = n * H + h (N * H rows of width DH):
+For every sub-token row r = n * H + h (N * H rows of width DH), slots s_j = r * K + j:
 
-    dx[r] = sum_j ( sum_q rows[slot_row[r * K + j], q]  +  dv[r * K + j] * W_r^T[h, idx[r * K + j]] )
+    dg_j  = sum_q dgate_rows[slot_row[s_j], q]                    (the gate gradients of the expert backward)
+    dv_j  = g_j dg_j - g_j sum_i g_i dg_i                         (softmax's backward: the router's dvalues)
+    dx[r] = sum_j ( sum_q rows[slot_row[s_j], q]  +  dv_j W_r^T[h, idx[s_j]] )
 
 rows (P, PARTS * DH): the expert backward's packed dX rows (PARTS partials per row where its kernel
-splits de in 128-wide tiles); slot_row (N * H * K,): each slot's packed row (-1: none, contributes 0);
-idx, dv (N * H * K,): the router's choices and the cotangent of its selected scores; wt (H, NE, DH)
-fp32: W_r transposed, so a gathered row is contiguous. Accumulates in fp32 in a fixed order (j, then the
+splits de in 128-wide tiles); dgate_rows (P, PARTS) fp32: its gate gradients per packed row (or, DG_BY_SLOT,
+already per slot); slot_row (N * H * K,): each slot's packed row (-1: none, contributes 0); gates, idx
+(N * H * K,): the router's softmax gates and choices; wt (H, NE, DH) fp32: W_r transposed, so a gathered row
+is contiguous. Writes dx and dv (for the router's dW_r). Accumulates in fp32 in a fixed order (j, then the
 partials, then the router term), rounds once to dx's dtype. No atomics: each output row is one program's.
 
 Apart, the expert op's combine (XLA: gather k rows, sum) and the router's dX kernel (k rows of W_r^T
@@ -40,10 +43,10 @@ def check_combine_args(r: int, h: int, dh: int, ne: int, k: int, parts: int, til
 
 @triton.jit
 def dx_combine_kernel(
-    rows_ptr, slot_row_ptr, idx_ptr, dv_ptr, wt_ptr,  # inputs (module docstring)
-    dx_ptr,  # output: (R, DH) in dx's dtype
+    rows_ptr, slot_row_ptr, dgr_ptr, gates_ptr, idx_ptr, wt_ptr,  # inputs (module docstring)
+    dx_ptr, dv_ptr,  # outputs: dx (R, DH) in dx's dtype; dv (R * K,) fp32 (ROUTER only)
     R: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
-    PARTS: tl.constexpr, ROUTER: tl.constexpr, BLOCK_R: tl.constexpr,
+    KP: tl.constexpr, PARTS: tl.constexpr, ROUTER: tl.constexpr, DG_BY_SLOT: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -53,6 +56,22 @@ def dx_combine_kernel(
     offs_d = tl.arange(0, DHP)
     dmask = offs_d < DH
     acc = tl.zeros((BLOCK_R, DHP), tl.float32)
+    kk = tl.arange(0, KP)
+    dv = tl.zeros((BLOCK_R, KP), tl.float32)
+    if ROUTER:  # the softmax's backward: dv = g * dg - g * sum_j g_j dg_j (the form of jax.nn.softmax's VJP)
+        m2 = rmask[:, None] & (kk < K)[None, :]
+        slot2 = r64[:, None] * K + kk[None, :]
+        if DG_BY_SLOT:  # dgates already per slot
+            dg = tl.load(dgr_ptr + slot2, mask=m2, other=0.0)
+        else:  # per packed row (PARTS partials each), gathered through slot_row
+            s2 = tl.load(slot_row_ptr + slot2, mask=m2, other=-1)
+            dg = tl.zeros((BLOCK_R, KP), tl.float32)
+            for q in tl.static_range(PARTS):
+                dg += tl.load(dgr_ptr + s2.to(tl.int64) * PARTS + q, mask=s2 >= 0, other=0.0)
+        g = tl.load(gates_ptr + slot2, mask=m2, other=0.0)
+        gdg = g * dg
+        dv = gdg - g * tl.sum(gdg, axis=1)[:, None]
+        tl.store(dv_ptr + slot2, dv, mask=m2)
     for j in tl.static_range(K):  # fixed order: deterministic
         s = tl.load(slot_row_ptr + r64 * K + j, mask=rmask, other=-1)
         ok = (s >= 0)[:, None] & dmask[None, :]
@@ -61,43 +80,48 @@ def dx_combine_kernel(
             acc += tl.load(rows_ptr + base[:, None] + q * DH + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
         if ROUTER:
             e = tl.load(idx_ptr + r64 * K + j, mask=rmask, other=0)
-            g = tl.load(dv_ptr + r64 * K + j, mask=rmask, other=0.0)
+            dvj = tl.sum(tl.where(kk[None, :] == j, dv, 0.0), axis=1)
             wrow = (h * NE + e).to(tl.int64)
             w = tl.load(wt_ptr + wrow[:, None] * DH + offs_d[None, :], mask=rmask[:, None] & dmask[None, :],
                         other=0.0)
-            acc += g[:, None] * w
+            acc += dvj[:, None] * w
     tl.store(dx_ptr + r64[:, None] * DH + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
 
 
 def combine_constexprs(r: int, h: int, dh: int, ne: int, k: int, parts: int, router: bool,
-                       tiles: CombineTiles) -> dict:
+                       tiles: CombineTiles, dg_by_slot: bool = False) -> dict:
     check_combine_args(r, h, dh, ne, k, parts, tiles)
-    return dict(R=r, H=h, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), NE=ne, K=k, PARTS=parts,
-                ROUTER=router, BLOCK_R=tiles.block_r)
+    return dict(R=r, H=h, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), NE=ne, K=k,
+                KP=max(2, triton.next_power_of_2(k)), PARTS=parts, ROUTER=router, DG_BY_SLOT=dg_by_slot,
+                BLOCK_R=tiles.block_r)
 
 
 def combine_grid(r: int, tiles: CombineTiles) -> tuple[int]:
     return (triton.cdiv(r, tiles.block_r),)
 
 
-def dx_combine_torch(rows, slot_row, idx, dv, wt, heads: int, k: int, out_dtype=None,
-                     tiles: CombineTiles | None = None):
+def dx_combine_torch(rows, slot_row, dgate_rows, gates, idx, wt, heads: int, k: int, out_dtype=None,
+                     tiles: CombineTiles | None = None, dg_by_slot: bool = False):
     """The kernel on torch tensors (CPU interpreter tests, GPU kernel benchmark). rows (P, PARTS, DH) or (P, DH);
-    slot_row, idx (N * H * K,) int32; dv (N * H * K,) fp32; wt (H, NE, DH) fp32, or idx = dv = wt = None (no router
-    term) -> dx (N * H, DH) in out_dtype (default rows.dtype)."""
+    slot_row, idx (N * H * K,) int32; dgate_rows (P, PARTS) fp32 (dg_by_slot: (N * H * K,) per slot); gates
+    (N * H * K,) fp32; wt (H, NE, DH) fp32; or dgate_rows = gates = idx = wt = None (no router term)
+    -> dx (N * H, DH) in out_dtype (default rows.dtype), dv (N * H * K,) fp32 (None without the router term)."""
     import torch
 
     tiles = tiles or CombineTiles()
     p, dh = rows.shape[0], rows.shape[-1]
     parts = rows.shape[1] if rows.dim() == 3 else 1
-    r = slot_row.shape[0] // k
+    m = slot_row.shape[0]
+    r = m // k
     router = wt is not None
     dx = torch.empty((r, dh), dtype=out_dtype or rows.dtype, device=rows.device)
-    none = torch.zeros((1,), dtype=torch.int32, device=rows.device)
+    dv = torch.empty((m if router else 1,), dtype=torch.float32, device=rows.device)
+    none_i, none_f = (torch.zeros((1,), dtype=t, device=rows.device) for t in (torch.int32, torch.float32))
     dx_combine_kernel[combine_grid(r, tiles)](
         rows.reshape(p, parts * dh).contiguous(), slot_row.contiguous(),
-        idx.reshape(-1).contiguous() if router else none, dv.reshape(-1).contiguous() if router else none.float(),
-        wt.contiguous() if router else none.float(), dx, num_warps=tiles.num_warps,
-        **combine_constexprs(r, heads, dh, wt.shape[1] if router else 1, k, parts, router, tiles))
-    return dx
+        dgate_rows.reshape(-1).contiguous() if router else none_f, gates.reshape(-1).contiguous() if router else none_f,
+        idx.reshape(-1).contiguous() if router else none_i, wt.contiguous() if router else none_f, dx, dv,
+        num_warps=tiles.num_warps,
+        **combine_constexprs(r, heads, dh, wt.shape[1] if router else 1, k, parts, router, tiles, dg_by_slot))
+    return dx, (dv if router else None)

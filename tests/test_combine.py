@@ -30,57 +30,82 @@ interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (CPU)")
 
 
 def _case(seed, n, h, dh, ne, k, parts, empty=0.1):
-    """Packed rows (P, parts, dh) bf16 with some slots empty (-1) and the packed order a permutation; router idx,
-    dv (N * H, k), W_r^T (H, Ne, dh) fp32."""
+    """Packed dX rows (P, parts, dh) bf16 and gate gradient rows (P, parts) fp32, with some slots empty (-1) and the
+    packed order a permutation; router gates (softmax of random scores), idx (N * H, k), W_r^T (H, Ne, dh) fp32."""
     rng = np.random.default_rng(seed)
     m = n * h * k
     p = m + 13  # padding rows: never read
     rows = rng.standard_normal((p, parts, dh), dtype=np.float32)
+    dgr = rng.standard_normal((p, parts), dtype=np.float32)
     slot_row = rng.permutation(p)[:m].astype(np.int32)
     slot_row[rng.random(m) < empty] = -1
+    z = rng.standard_normal((n * h, k))
+    gates = (np.exp(z) / np.exp(z).sum(-1, keepdims=True)).astype(np.float32)
     idx = np.stack([rng.choice(ne, k, replace=False) for _ in range(n * h)]).astype(np.int32)
-    dv = rng.standard_normal((n * h, k), dtype=np.float32)
     wt = rng.standard_normal((h, ne, dh), dtype=np.float32)
-    return rows, slot_row, idx, dv, wt
+    return rows, dgr, slot_row, gates, idx, wt
 
 
-def _ref64(rows, slot_row, idx, dv, wt, h, k, router=True):
+def _ref64(rows, dgr, slot_row, gates, idx, wt, h, k, router=True):
+    """dx (N * H, dh) and dv (N * H, k) in float64."""
     r = slot_row.shape[0] // k
-    got = np.where((slot_row >= 0)[:, None], rows.astype(np.float64).sum(1)[np.maximum(slot_row, 0)], 0.0)
+    valid = (slot_row >= 0)[:, None]
+    got = np.where(valid, rows.astype(np.float64).sum(1)[np.maximum(slot_row, 0)], 0.0)
     dx = got.reshape(r, k, -1).sum(1)
-    if router:
-        heads = np.arange(r) % h
-        dx += np.einsum("rk,rkd->rd", dv.astype(np.float64), wt.astype(np.float64)[heads[:, None], idx])
-    return dx
+    if not router:
+        return dx, None
+    dg = np.where(valid, dgr.astype(np.float64).sum(1, keepdims=True)[np.maximum(slot_row, 0)], 0.0).reshape(r, k)
+    g = gates.astype(np.float64)
+    dv = g * (dg - (g * dg).sum(-1, keepdims=True))
+    heads = np.arange(r) % h
+    dx += np.einsum("rk,rkd->rd", dv, wt.astype(np.float64)[heads[:, None], idx])
+    return dx, dv
 
 
 def _bf16(a):
     return torch.from_numpy(a).to(torch.bfloat16)
 
 
+def _launch(case, h, k, router, **kw):
+    rows, dgr, slot_row, gates, idx, wt = case
+    t = torch.from_numpy
+    args = (t(dgr), t(gates), t(idx), t(wt)) if router else (None,) * 4
+    return kc.dx_combine_torch(_bf16(rows), t(slot_row), *args, heads=h, k=k, **kw)
+
+
 @interp
 @pytest.mark.parametrize("n,h,dh,ne,k,parts,block_r", [
-    (37, 2, 32, 12, 3, 1, 16),  # rows not a multiple of the block
+    (37, 2, 32, 12, 3, 1, 16),  # rows not a multiple of the block, k not a power of 2
     (20, 3, 24, 9, 2, 2, 8),  # dh not a power of 2, two partials per row
     (16, 2, 16, 40, 8, 1, 32),  # k 8, one program
 ])
 @pytest.mark.parametrize("router", [True, False], ids=["router", "experts-only"])
 def test_kernel_vs_float64(n, h, dh, ne, k, parts, block_r, router):
-    rows, slot_row, idx, dv, wt = _case(n + dh, n, h, dh, ne, k, parts)
-    rows = _bf16(rows).float().numpy()  # the values the kernel sees
+    case = _case(n + dh, n, h, dh, ne, k, parts)
+    case = (_bf16(case[0]).float().numpy(),) + case[1:]  # the values the kernel sees
     tiles = kc.CombineTiles(block_r, 4)
-    args = (torch.from_numpy(idx), torch.from_numpy(dv), torch.from_numpy(wt)) if router else (None, None, None)
-    got = kc.dx_combine_torch(_bf16(rows), torch.from_numpy(slot_row), *args, heads=h, k=k,
-                              out_dtype=torch.float32, tiles=tiles).numpy()
-    ref = _ref64(rows, slot_row, idx, dv, wt, h, k, router)
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    again = kc.dx_combine_torch(_bf16(rows), torch.from_numpy(slot_row), *args, heads=h, k=k,
-                                out_dtype=torch.float32, tiles=kc.CombineTiles(2 * block_r, 4)).numpy()
-    assert np.array_equal(got, again)  # fixed summation order per row, whatever the block
-    bf = kc.dx_combine_torch(_bf16(rows), torch.from_numpy(slot_row), *args, heads=h, k=k, tiles=tiles)
+    dx, dv = _launch(case, h, k, router, out_dtype=torch.float32, tiles=tiles)
+    ref_dx, ref_dv = _ref64(*case, h, k, router)
+    np.testing.assert_allclose(dx.numpy(), ref_dx, rtol=1e-5, atol=1e-5 * np.abs(ref_dx).max())
+    if router:
+        np.testing.assert_allclose(dv.numpy().reshape(-1, k), ref_dv, rtol=1e-5, atol=1e-6 * np.abs(ref_dv).max())
+    else:
+        assert dv is None
+    dx2, dv2 = _launch(case, h, k, router, out_dtype=torch.float32, tiles=kc.CombineTiles(2 * block_r, 4))
+    assert np.array_equal(dx.numpy(), dx2.numpy())  # fixed summation order per row, whatever the block
+    assert not router or np.array_equal(dv.numpy(), dv2.numpy())
+    bf, _ = _launch(case, h, k, router, tiles=tiles)
     # rounded once to bf16 (the interpreter truncates, the GPU rounds to nearest: within one bf16 ulp)
     assert bf.dtype == torch.bfloat16
-    np.testing.assert_allclose(bf.float().numpy(), got, rtol=2 ** -7, atol=0)
+    np.testing.assert_allclose(bf.float().numpy(), dx.numpy(), rtol=2 ** -7, atol=0)
+    if router:  # the gate gradients given per slot instead of per packed row: the same dv and dx
+        rows, dgr, slot_row, gates, idx, wt = case
+        per_slot = np.where(slot_row >= 0, dgr.sum(1)[np.maximum(slot_row, 0)], 0.0).astype(np.float32)
+        dx3, dv3 = _launch((rows, per_slot, slot_row, gates, idx, wt), h, k, True, out_dtype=torch.float32,
+                           tiles=tiles, dg_by_slot=True)
+        if parts == 1:
+            assert np.array_equal(dx3.numpy(), dx.numpy()) and np.array_equal(dv3.numpy(), dv.numpy())
+        np.testing.assert_allclose(dv3.numpy().reshape(-1, k), ref_dv, rtol=1e-5, atol=1e-6 * np.abs(ref_dv).max())
 
 
 def test_combine_args_checked():
@@ -90,22 +115,28 @@ def test_combine_args_checked():
         kc.check_combine_args(12, 3, 16, 4, 2, 1, kc.CombineTiles(24, 4))
 
 
-def test_jax_emulate_vs_float64():
+@pytest.mark.parametrize("by_slot", [False, True], ids=["per-row", "per-slot"])
+def test_jax_emulate_vs_float64(by_slot):
     import jax.numpy as jnp
 
     from mhl_jax.ops.moe_triton import dx_combine
 
     n, h, dh, ne, k, parts = 21, 2, 16, 10, 3, 2
-    rows, slot_row, idx, dv, wt = _case(5, n, h, dh, ne, k, parts)
-    got = dx_combine(jnp.asarray(rows), jnp.asarray(slot_row), jnp.asarray(idx.reshape(n, h, k)),
-                     jnp.asarray(dv.reshape(n, h, k)), jnp.asarray(wt), jnp.float32, kc.CombineTiles(), "emulate")
-    ref = _ref64(rows, slot_row, idx, dv, wt, h, k)
-    np.testing.assert_allclose(np.asarray(got).reshape(n * h, dh), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    rows, dgr, slot_row, gates, idx, wt = _case(5, n, h, dh, ne, k, parts)
+    ref_dx, ref_dv = _ref64(rows, dgr, slot_row, gates, idx, wt, h, k)
+    if by_slot:
+        dgr = np.where(slot_row >= 0, dgr.sum(1)[np.maximum(slot_row, 0)], 0.0).astype(np.float32).reshape(n, h, k)
+    dx, dv = dx_combine(jnp.asarray(rows), jnp.asarray(slot_row), jnp.asarray(dgr), jnp.asarray(gates.reshape(n, h, k)),
+                        jnp.asarray(idx.reshape(n, h, k)), jnp.asarray(wt), jnp.float32, kc.CombineTiles(), "emulate",
+                        by_slot)
+    np.testing.assert_allclose(np.asarray(dx).reshape(n * h, dh), ref_dx, rtol=1e-5, atol=1e-5 * np.abs(ref_dx).max())
+    np.testing.assert_allclose(np.asarray(dv).reshape(n * h, k), ref_dv, rtol=1e-5, atol=1e-6 * np.abs(ref_dv).max())
 
 
 def _fused_vs_apart(backend, n, h, dh, ne, k, de, seed=3):
-    """Loss and gradients of moe_core.moe_heads_triton with FUSE_ROUTER_DX on and off: all bitwise but dx, which
-    agrees within the rounding of x's dtype (and the fused one was traced: the flag reached the dispatch)."""
+    """Loss and gradients of moe_core.moe_heads_triton with FUSE_ROUTER_DX on and off: loss, load, dW1, dW2 bitwise,
+    dW_r within fp32 rounding, dx within the rounding of x's dtype (and the fused one was traced: the flag reached
+    the dispatch)."""
     import jax
     import jax.numpy as jnp
 
@@ -136,8 +167,12 @@ def _fused_vs_apart(backend, n, h, dh, ne, k, de, seed=3):
     (l1, load1), g1 = out[0]
     (l0, load0), g0 = out[1]
     assert float(l1) == float(l0) and np.array_equal(load1, load0) and int(load1.sum()) == n * h * k
-    for name, a, c in zip(("w_r", "w1", "w2"), g1[1:], g0[1:]):
+    for name, a, c in zip(("w1", "w2"), g1[2:], g0[2:]):
         assert a.dtype == c.dtype and np.array_equal(np.asarray(a), np.asarray(c)), name
+    # dW_r: the same kernels fed dvalues from the combine kernel's softmax backward instead of XLA's (fp32 rounding)
+    dw1, dw0 = np.asarray(g1[1]), np.asarray(g0[1])
+    assert g1[1].dtype == g0[1].dtype == jnp.float32
+    np.testing.assert_allclose(dw1, dw0, rtol=1e-5, atol=1e-5 * np.abs(dw0).max())
     dx1, dx0 = np.asarray(g1[0], np.float32), np.asarray(g0[0], np.float32)
     assert g1[0].dtype == jnp.bfloat16
     # one rounding against three (two bf16 terms, then their sum): within a few bf16 ulps of the row's scale
@@ -164,15 +199,18 @@ def test_gpu_jax_launch_equals_torch_launch():
     from mhl_jax.ops.moe_triton import dx_combine
 
     n, h, dh, ne, k, parts = 4099, 4, 128, 96, 8, 2
-    rows, slot_row, idx, dv, wt = _case(9, n, h, dh, ne, k, parts)
+    case = _case(9, n, h, dh, ne, k, parts)
+    rows, dgr, slot_row, gates, idx, wt = case
     rows_bf = _bf16(rows)
     tiles = kc.CombineTiles()
-    got = dx_combine(jnp.asarray(rows_bf.float().numpy()).astype(jnp.bfloat16), jnp.asarray(slot_row),
-                     jnp.asarray(idx.reshape(n, h, k)), jnp.asarray(dv.reshape(n, h, k)), jnp.asarray(wt),
-                     jnp.bfloat16, tiles, "triton")
-    dev = "cuda"
-    ref = kc.dx_combine_torch(rows_bf.to(dev), torch.from_numpy(slot_row).to(dev), torch.from_numpy(idx).to(dev),
-                              torch.from_numpy(dv).to(dev), torch.from_numpy(wt).to(dev), heads=h, k=k, tiles=tiles)
-    assert np.array_equal(np.asarray(got.astype(jnp.float32)).reshape(n * h, dh), ref.float().cpu().numpy())
-    r64 = _ref64(rows_bf.float().numpy(), slot_row, idx, dv, wt, h, k)
-    np.testing.assert_allclose(ref.float().cpu().numpy(), r64, rtol=1e-2, atol=1e-2 * np.abs(r64).max())
+    dx, dv = dx_combine(jnp.asarray(rows_bf.float().numpy()).astype(jnp.bfloat16), jnp.asarray(slot_row),
+                        jnp.asarray(dgr), jnp.asarray(gates.reshape(n, h, k)), jnp.asarray(idx.reshape(n, h, k)),
+                        jnp.asarray(wt), jnp.bfloat16, tiles, "triton")
+    t = lambda a: torch.from_numpy(a).to("cuda")  # noqa: E731
+    tdx, tdv = kc.dx_combine_torch(rows_bf.to("cuda"), t(slot_row), t(dgr), t(gates), t(idx), t(wt), heads=h, k=k,
+                                   tiles=tiles)
+    assert np.array_equal(np.asarray(dx.astype(jnp.float32)).reshape(n * h, dh), tdx.float().cpu().numpy())
+    assert np.array_equal(np.asarray(dv).reshape(-1), tdv.cpu().numpy())
+    r_dx, r_dv = _ref64(rows_bf.float().numpy(), dgr, slot_row, gates, idx, wt, h, k)
+    np.testing.assert_allclose(tdx.float().cpu().numpy(), r_dx, rtol=1e-2, atol=1e-2 * np.abs(r_dx).max())
+    np.testing.assert_allclose(tdv.cpu().numpy().reshape(-1, k), r_dv, rtol=1e-5, atol=1e-6 * np.abs(r_dv).max())

@@ -388,25 +388,33 @@ def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta, wc):
     return _forward(st, x, gates, w1, w2, meta, wc)
 
 
-def experts_bwd_rows(st: Static, res, dy):
-    """The backward's kernels: packed dX rows (P, dh) or partial rows (P, parts, dh), dgates (N, H, k) in gates'
-    dtype, dW1 (G, dh, de), dW2 (G, de, dh) in the weights' dtype; dx itself is left to the combine."""
-    xs, gates, out_rows, w1c, w2c, meta = res
-    n, h, k = gates.shape
+def experts_bwd_kernels(st: Static, res, dy):
+    """The backward's kernels: packed dX rows (P, dh) or partial rows (P, parts, dh), dW1 (G, dh, de), dW2 (G, de,
+    dh) in the weights' dtype, and the gate gradients per packed row (P, parts) fp32 where the kernels make them
+    (`dgates_in_kernels`), else None (`slot_dgates` makes them in XLA); dx itself is left to the combine."""
+    xs, gates, _, w1c, w2c, meta = res
+    n, h, _ = gates.shape
     bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
     dxr, dw1, dw2, dgate_rows = bwd(st, xs, dy.reshape(n * h, -1), gates.reshape(-1).astype(jnp.float32), meta,
                                     w1c, w2c, jnp.dtype(st.w_dtype), h)
-    if dgate_rows is None:  # packed dO rows, or dX fused into the row-form dW kernel: the gate gradient in XLA
-        dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)[1]
-    else:  # the per-row gate gradients of the kernels (partials of the Gluon backward summed), per slot (empty: 0)
-        dg = dgate_rows.reshape(dgate_rows.shape[0], -1)
-        dgates = take_slots(dg, meta.slot_row).sum(-1).reshape(n, h, k).astype(gates.dtype)
-    return dxr, dgates, dw1, dw2
+    if dgate_rows is not None:
+        dgate_rows = dgate_rows.reshape(dgate_rows.shape[0], -1)
+    return dxr, dw1, dw2, dgate_rows
+
+
+def slot_dgates(res, dy, dgate_rows):
+    """dgates (N, H, k) in gates' dtype: the kernels' per-row gate gradients (partials summed) per slot (empty: 0),
+    or, where they make none (packed dO rows, or dX fused into the row-form dW kernel), <output row, dy> in XLA."""
+    _, gates, out_rows, _, _, meta = res
+    if dgate_rows is None:
+        return dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)[1]
+    return take_slots(dgate_rows, meta.slot_row).sum(-1).reshape(gates.shape).astype(gates.dtype)
 
 
 def _experts_bwd(st: Static, res, dy):
-    dxr, dgates, dw1, dw2 = experts_bwd_rows(st, res, dy)
+    dxr, dw1, dw2, dgate_rows = experts_bwd_kernels(st, res, dy)
+    dgates = slot_dgates(res, dy, dgate_rows)
     return bwd_cotangents(dxr, dgates, dw1, dw2, res[0].dtype, res[5]) + (None,)  # the weights' cast: none
 
 

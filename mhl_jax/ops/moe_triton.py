@@ -1,16 +1,18 @@
 """The MoE core on Triton as one `jax.custom_vjp`, for sub-tokens routed on themselves (x_route is x_expert, as
-MH-LatentMoE routes): router + softmax gates + experts forward, and a backward whose last step sums, per sub-token,
-its k expert dX rows and the router's dX in one kernel (`kernels/combine.py`).
+MH-LatentMoE routes): router + softmax gates + experts forward, and a backward whose last step, one kernel
+(`kernels/combine.py`), makes per sub-token the softmax's backward (the router's dvalues from the expert kernels' gate
+gradients) and dx: its k expert dX rows and the router's dX summed.
 
     x (N, H, dh) bf16, w_r (H, dh, Ne) fp32, bias (H, Ne) fp32, w1 (H, Ne, dh, de), w2 (H, Ne, de, dh)
     -> y (N, H, dh) in x's dtype, load (H, Ne) int32
 
-The router's and the experts' custom_vjps (`router_triton`, `experts_triton`) each return their own dx: the
+The router's and the experts' custom_vjps (`router_triton`, `experts_triton`) apart each return their own dx: the
 experts' is a gather and sum of the packed dX rows (XLA), the router's a kernel gathering k rows of W_r^T, and XLA
-adds the two. Under one custom_vjp both come out of one kernel that gathers the dX rows and the W_r^T rows side by
-side and writes dx once. Every other step is the same code as the two ops apart (same kernels, same packing, the
-softmax's own VJP): y, dW_r, dW1, dW2 and bias's zero are bitwise those of the ops apart; dx differs only in its
-rounding (one rounding of the fp32 sum instead of three: two bf16 terms rounded, then their sum).
+adds the two; between them XLA gathers the gate gradients per slot and runs the softmax's backward. Here one kernel
+gathers the dX rows, the gate gradients and the W_r^T rows side by side and writes dx and dvalues once. Every other
+step is the same code as the two ops apart (same kernels, same packing): y, dW1, dW2, the load and bias's zero are
+bitwise those of the ops apart; dvalues (so dW_r) differ from XLA's softmax backward in fp32 rounding only, and dx
+in its rounding (one rounding of the fp32 sum instead of three: two bf16 terms rounded, then their sum).
 
 `backend="emulate"` runs pure-JAX stand-ins of every kernel (CPU).
 """
@@ -36,9 +38,12 @@ class Static(NamedTuple):
     combine: CombineTiles
 
 
-def dx_combine(dx_rows, slot_row, idx, dvals, wt, x_dtype, tiles: CombineTiles, backend: str):
-    """dx (N, H, dh) in x_dtype: each sub-token's k packed dX rows (P, dh) or partial rows (P, parts, dh), and the
-    router's sum_j dvals_j W_r^T[h, idx_j] (wt (H, Ne, dh) fp32), summed in fp32 and rounded once."""
+def dx_combine(dx_rows, slot_row, dgate_rows, gates, idx, wt, x_dtype, tiles: CombineTiles, backend: str,
+               dg_by_slot: bool = False):
+    """dx (N, H, dh) in x_dtype and the router's dvalues (N, H, k) fp32. dx: each sub-token's k packed dX rows (P, dh)
+    or partial rows (P, parts, dh) and the router's sum_j dv_j W_r^T[h, idx_j] (wt (H, Ne, dh) fp32), summed in fp32
+    and rounded once; dv = the softmax's backward of the gate gradients: dgate_rows (P, parts) fp32 per packed row
+    (partials summed), or with dg_by_slot the gate gradients (N, H, k) per slot; gates (N, H, k) fp32."""
     n, h, k = idx.shape
     p, dh = dx_rows.shape[0], dx_rows.shape[-1]
     parts = dx_rows.size // (p * dh)
@@ -47,14 +52,22 @@ def dx_combine(dx_rows, slot_row, idx, dvals, wt, x_dtype, tiles: CombineTiles, 
 
         from kernels.combine import dx_combine_kernel
 
-        consts = combine_constexprs(n * h, h, dh, wt.shape[1], k, parts, True, tiles)
-        dx = jt.triton_call(dx_rows.reshape(p, parts * dh), slot_row, idx.reshape(-1), dvals.reshape(-1), wt,
-                            kernel=dx_combine_kernel, out_shape=jax.ShapeDtypeStruct((n * h, dh), x_dtype),
-                            grid=combine_grid(n * h, tiles), num_warps=tiles.num_warps, **consts)
-        return dx.reshape(n, h, dh)
+        consts = combine_constexprs(n * h, h, dh, wt.shape[1], k, parts, True, tiles, dg_by_slot)
+        dx, dv = jt.triton_call(
+            dx_rows.reshape(p, parts * dh), slot_row, dgate_rows.reshape(-1), gates.reshape(-1), idx.reshape(-1), wt,
+            kernel=dx_combine_kernel, out_shape=[jax.ShapeDtypeStruct((n * h, dh), x_dtype),
+                                                 jax.ShapeDtypeStruct((n * h * k,), jnp.float32)],
+            grid=combine_grid(n * h, tiles), num_warps=tiles.num_warps, **consts)
+        return dx.reshape(n, h, dh), dv.reshape(n, h, k)
+    if dg_by_slot:
+        dg = dgate_rows.reshape(n, h, k).astype(jnp.float32)
+    else:
+        dg = ext.take_slots(dgate_rows.reshape(p, -1), slot_row).sum(-1).reshape(n, h, k)
+    gdg = gates * dg
+    dv = gdg - gates * gdg.sum(-1, keepdims=True)
     experts = ext.take_slots(dx_rows.reshape(p, -1), slot_row).reshape(n, h, k, parts, dh).sum(3)
-    router = dvals[..., None] * jnp.take_along_axis(wt[None], idx[..., None], axis=2)  # (N, H, k, dh)
-    return (experts + router).sum(2).astype(x_dtype)
+    router = dv[..., None] * jnp.take_along_axis(wt[None], idx[..., None], axis=2)  # (N, H, k, dh)
+    return (experts + router).sum(2).astype(x_dtype), dv
 
 
 def _forward(st: Static, x, w_r, bias, w1, w2):
@@ -63,7 +76,7 @@ def _forward(st: Static, x, w_r, bias, w1, w2):
     _, meta = ext.packed_meta(idx, w1.shape[1], st.experts.cfg.pack_block, st.experts.cfg.pack_impl,
                               st.experts.backend, packing, "moe_heads_fused")
     y, res = ext._forward(st.experts, x, gates, w1, w2, meta, made[0] if made else None)
-    return (y, packing.group_sizes.reshape(w1.shape[:2])), (x, w_r, bias, vals, idx, packing, res)
+    return (y, packing.group_sizes.reshape(w1.shape[:2])), (x, w_r, bias, idx, packing, res)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -76,13 +89,14 @@ def _moe_fwd(st: Static, x, w_r, bias, w1, w2):
 
 
 def _moe_bwd(st: Static, res, cts):
-    x, w_r, bias, vals, idx, packing, res_e = res
+    x, w_r, bias, idx, packing, res_e = res
     dy = cts[0]  # the load's cotangent is float0
-    dxr, dgates, dw1, dw2 = ext.experts_bwd_rows(st.experts, res_e, dy)
-    dvals = jax.vjp(lambda v: jax.nn.softmax(v, axis=-1), vals)[1](dgates)[0]  # as autodiff of the ops apart
+    dxr, dw1, dw2, dgate_rows = ext.experts_bwd_kernels(st.experts, res_e, dy)
+    by_slot = dgate_rows is None  # no gate gradients from the kernels (a non-default config): XLA's, per slot
+    dg = ext.slot_dgates(res_e, dy, None) if by_slot else dgate_rows
+    dx, dvals = dx_combine(dxr, res_e[5].slot_row, dg, res_e[1], idx, rtr.transposed_weights(w_r), x.dtype,
+                           st.combine, st.experts.backend, by_slot)
     dw_r = rtr.router_dw(st.router, x, w_r, idx, packing, dvals)
-    dx = dx_combine(dxr, res_e[5].slot_row, idx, dvals, rtr.transposed_weights(w_r), x.dtype, st.combine,
-                    st.experts.backend)
     h, ne = w_r.shape[0], w_r.shape[2]
     return (dx, dw_r, jnp.zeros_like(bias), dw1.reshape(h, ne, *dw1.shape[1:]), dw2.reshape(h, ne, *dw2.shape[1:]))
 
