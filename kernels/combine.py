@@ -42,11 +42,27 @@ def check_combine_args(r: int, h: int, dh: int, ne: int, k: int, parts: int, til
 
 
 @triton.jit
+def _gate_and_dgate(slot_row_ptr, dgr_ptr, gates_ptr, r64, rmask, j, K: tl.constexpr, PARTS: tl.constexpr,
+                    DG_BY_SLOT: tl.constexpr):
+    """(BLOCK_R,) gate and gate gradient of slot j of rows r (the gradient's partials summed; 0 for an empty slot)."""
+    slot = r64 * K + j
+    g = tl.load(gates_ptr + slot, mask=rmask, other=0.0)
+    if DG_BY_SLOT:  # dgates already per slot
+        dg = tl.load(dgr_ptr + slot, mask=rmask, other=0.0)
+    else:  # per packed row, gathered through slot_row
+        s = tl.load(slot_row_ptr + slot, mask=rmask, other=-1)
+        dg = tl.zeros_like(g)
+        for q in tl.static_range(PARTS):
+            dg += tl.load(dgr_ptr + s.to(tl.int64) * PARTS + q, mask=s >= 0, other=0.0)
+    return g, dg
+
+
+@triton.jit
 def dx_combine_kernel(
     rows_ptr, slot_row_ptr, dgr_ptr, gates_ptr, idx_ptr, wt_ptr,  # inputs (module docstring)
     dx_ptr, dv_ptr,  # outputs: dx (R, DH) in dx's dtype; dv (R * K,) fp32 (ROUTER only)
     R: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
-    KP: tl.constexpr, PARTS: tl.constexpr, ROUTER: tl.constexpr, DG_BY_SLOT: tl.constexpr, BLOCK_R: tl.constexpr,
+    PARTS: tl.constexpr, ROUTER: tl.constexpr, DG_BY_SLOT: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -56,35 +72,26 @@ def dx_combine_kernel(
     offs_d = tl.arange(0, DHP)
     dmask = offs_d < DH
     acc = tl.zeros((BLOCK_R, DHP), tl.float32)
-    kk = tl.arange(0, KP)
-    dv = tl.zeros((BLOCK_R, KP), tl.float32)
-    if ROUTER:  # the softmax's backward: dv = g * dg - g * sum_j g_j dg_j (the form of jax.nn.softmax's VJP)
-        m2 = rmask[:, None] & (kk < K)[None, :]
-        slot2 = r64[:, None] * K + kk[None, :]
-        if DG_BY_SLOT:  # dgates already per slot
-            dg = tl.load(dgr_ptr + slot2, mask=m2, other=0.0)
-        else:  # per packed row (PARTS partials each), gathered through slot_row
-            s2 = tl.load(slot_row_ptr + slot2, mask=m2, other=-1)
-            dg = tl.zeros((BLOCK_R, KP), tl.float32)
-            for q in tl.static_range(PARTS):
-                dg += tl.load(dgr_ptr + s2.to(tl.int64) * PARTS + q, mask=s2 >= 0, other=0.0)
-        g = tl.load(gates_ptr + slot2, mask=m2, other=0.0)
-        gdg = g * dg
-        dv = gdg - g * tl.sum(gdg, axis=1)[:, None]
-        tl.store(dv_ptr + slot2, dv, mask=m2)
+    ssum = tl.zeros((BLOCK_R,), tl.float32)
+    if ROUTER:  # the softmax's backward, pass 1: sum_j g_j dg_j (j in order)
+        for j in tl.static_range(K):
+            g, dg = _gate_and_dgate(slot_row_ptr, dgr_ptr, gates_ptr, r64, rmask, j, K, PARTS, DG_BY_SLOT)
+            ssum += g * dg
     for j in tl.static_range(K):  # fixed order: deterministic
         s = tl.load(slot_row_ptr + r64 * K + j, mask=rmask, other=-1)
         ok = (s >= 0)[:, None] & dmask[None, :]
         base = s.to(tl.int64) * (PARTS * DH)
         for q in tl.static_range(PARTS):
             acc += tl.load(rows_ptr + base[:, None] + q * DH + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
-        if ROUTER:
+        if ROUTER:  # pass 2: dv_j = g_j dg_j - g_j sum (the form of jax.nn.softmax's VJP), then the router's row
+            g, dg = _gate_and_dgate(slot_row_ptr, dgr_ptr, gates_ptr, r64, rmask, j, K, PARTS, DG_BY_SLOT)
+            dv = g * dg - g * ssum
+            tl.store(dv_ptr + r64 * K + j, dv, mask=rmask)
             e = tl.load(idx_ptr + r64 * K + j, mask=rmask, other=0)
-            dvj = tl.sum(tl.where(kk[None, :] == j, dv, 0.0), axis=1)
             wrow = (h * NE + e).to(tl.int64)
             w = tl.load(wt_ptr + wrow[:, None] * DH + offs_d[None, :], mask=rmask[:, None] & dmask[None, :],
                         other=0.0)
-            acc += dvj[:, None] * w
+            acc += dv[:, None] * w
     tl.store(dx_ptr + r64[:, None] * DH + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
 
@@ -92,8 +99,8 @@ def dx_combine_kernel(
 def combine_constexprs(r: int, h: int, dh: int, ne: int, k: int, parts: int, router: bool,
                        tiles: CombineTiles, dg_by_slot: bool = False) -> dict:
     check_combine_args(r, h, dh, ne, k, parts, tiles)
-    return dict(R=r, H=h, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), NE=ne, K=k,
-                KP=max(2, triton.next_power_of_2(k)), PARTS=parts, ROUTER=router, DG_BY_SLOT=dg_by_slot,
+    return dict(R=r, H=h, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), NE=ne, K=k, PARTS=parts,
+                ROUTER=router, DG_BY_SLOT=dg_by_slot,
                 BLOCK_R=tiles.block_r)
 
 
