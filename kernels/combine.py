@@ -30,6 +30,16 @@ import triton.language as tl
 class CombineTiles(NamedTuple):
     block_r: int = 32  # rows per program
     num_warps: int = 4
+    # "seq": one (block_r, dh) accumulator, the k slots added one after another (the k gathers issued in turn);
+    # "wide": one (block_r, kp, dh) tile of all k slots' rows (kp = k rounded up to a power of 2), every gather of a
+    # program issued at once, then summed over the slot axis (tl.sum: a fixed tree per compiled tile)
+    form: str = "seq"
+
+
+def default_combine_tiles(k: int) -> CombineTiles:
+    """The measured default: the wide form at block_r x kp = 64 slots per program (bench/combine.py; bench/NOTES.md,
+    Layer, session 20)."""
+    return CombineTiles(max(1, 64 // triton.next_power_of_2(k)), 4, "wide")
 
 
 def check_combine_args(r: int, h: int, dh: int, ne: int, k: int, parts: int, tiles: CombineTiles) -> None:
@@ -39,6 +49,8 @@ def check_combine_args(r: int, h: int, dh: int, ne: int, k: int, parts: int, til
         raise ValueError(f"dx combine: rows={r}, H={h}, dh={dh}, Ne={ne}, k={k}, parts={parts}: all must be >= 1")
     if tiles.block_r < 1 or tiles.block_r & (tiles.block_r - 1):
         raise ValueError(f"dx combine: block_r={tiles.block_r}, expected a power of 2")
+    if tiles.form not in ("seq", "wide"):
+        raise ValueError(f"dx combine: form={tiles.form!r}, expected 'seq' or 'wide'")
 
 
 @triton.jit
@@ -96,12 +108,65 @@ def dx_combine_kernel(
              mask=rmask[:, None] & dmask[None, :])
 
 
+@triton.jit
+def dx_combine_wide_kernel(
+    rows_ptr, slot_row_ptr, dgr_ptr, gates_ptr, idx_ptr, wt_ptr, dx_ptr, dv_ptr,  # as dx_combine_kernel
+    R: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
+    KP: tl.constexpr, PARTS: tl.constexpr, ROUTER: tl.constexpr, DG_BY_SLOT: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """dx_combine_kernel's function on (BLOCK_R, KP, DHP) tiles: the slot indices, gates and gate gradients of a
+    program's rows load as (BLOCK_R, KP) tiles, every dX row and W_r^T row it needs is gathered in one 3-D load each
+    (all in flight together), each slot's terms are added in place (partials in order, then the router's), and the
+    slot axis is summed last. Deterministic: no atomics, the reduction tree is fixed by the compiled tile."""
+    pid = tl.program_id(0)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.arange(0, KP)
+    rmask = r < R
+    smask = rmask[:, None] & (j < K)[None, :]  # (BLOCK_R, KP)
+    slot = r.to(tl.int64)[:, None] * K + j[None, :]
+    offs_d = tl.arange(0, DHP)
+    dmask = (offs_d < DH)[None, None, :]
+    s = tl.load(slot_row_ptr + slot, mask=smask, other=-1)
+    ok = (s >= 0)[:, :, None] & dmask
+    base = s.to(tl.int64) * (PARTS * DH)
+    acc = tl.load(rows_ptr + base[:, :, None] + offs_d[None, None, :], mask=ok, other=0.0).to(tl.float32)
+    for q in tl.static_range(1, PARTS):
+        acc += tl.load(rows_ptr + base[:, :, None] + q * DH + offs_d[None, None, :], mask=ok, other=0.0).to(
+            tl.float32)
+    if ROUTER:  # the softmax's backward on the (BLOCK_R, KP) tile, then each slot's W_r^T row
+        g = tl.load(gates_ptr + slot, mask=smask, other=0.0)
+        if DG_BY_SLOT:
+            dg = tl.load(dgr_ptr + slot, mask=smask, other=0.0)
+        else:
+            dg = tl.load(dgr_ptr + s.to(tl.int64) * PARTS, mask=s >= 0, other=0.0)
+            for q in tl.static_range(1, PARTS):
+                dg += tl.load(dgr_ptr + s.to(tl.int64) * PARTS + q, mask=s >= 0, other=0.0)
+        gdg = g * dg
+        dv = gdg - g * tl.sum(gdg, axis=1)[:, None]
+        tl.store(dv_ptr + slot, dv, mask=smask)
+        e = tl.load(idx_ptr + slot, mask=smask, other=0)
+        wrow = ((r % H)[:, None] * NE + e).to(tl.int64)
+        w = tl.load(wt_ptr + wrow[:, :, None] * DH + offs_d[None, None, :], mask=smask[:, :, None] & dmask,
+                    other=0.0)
+        acc += dv[:, :, None] * w
+    dx = tl.sum(acc, axis=1)
+    tl.store(dx_ptr + r.to(tl.int64)[:, None] * DH + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (offs_d < DH)[None, :])
+
+
+def combine_kernel(tiles: CombineTiles):
+    """The kernel of a tile's form."""
+    return dx_combine_wide_kernel if tiles.form == "wide" else dx_combine_kernel
+
+
 def combine_constexprs(r: int, h: int, dh: int, ne: int, k: int, parts: int, router: bool,
                        tiles: CombineTiles, dg_by_slot: bool = False) -> dict:
     check_combine_args(r, h, dh, ne, k, parts, tiles)
-    return dict(R=r, H=h, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), NE=ne, K=k, PARTS=parts,
-                ROUTER=router, DG_BY_SLOT=dg_by_slot,
-                BLOCK_R=tiles.block_r)
+    consts = dict(R=r, H=h, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), NE=ne, K=k, PARTS=parts,
+                  ROUTER=router, DG_BY_SLOT=dg_by_slot, BLOCK_R=tiles.block_r)
+    if tiles.form == "wide":
+        consts["KP"] = triton.next_power_of_2(k)
+    return consts
 
 
 def combine_grid(r: int, tiles: CombineTiles) -> tuple[int]:
@@ -116,16 +181,16 @@ def dx_combine_torch(rows, slot_row, dgate_rows, gates, idx, wt, heads: int, k: 
     -> dx (N * H, DH) in out_dtype (default rows.dtype), dv (N * H * K,) fp32 (None without the router term)."""
     import torch
 
-    tiles = tiles or CombineTiles()
+    m = slot_row.shape[0]
+    tiles = tiles or default_combine_tiles(k)
     p, dh = rows.shape[0], rows.shape[-1]
     parts = rows.shape[1] if rows.dim() == 3 else 1
-    m = slot_row.shape[0]
     r = m // k
     router = wt is not None
     dx = torch.empty((r, dh), dtype=out_dtype or rows.dtype, device=rows.device)
     dv = torch.empty((m if router else 1,), dtype=torch.float32, device=rows.device)
     none_i, none_f = (torch.zeros((1,), dtype=t, device=rows.device) for t in (torch.int32, torch.float32))
-    dx_combine_kernel[combine_grid(r, tiles)](
+    combine_kernel(tiles)[combine_grid(r, tiles)](
         rows.reshape(p, parts * dh).contiguous(), slot_row.contiguous(),
         dgate_rows.reshape(-1).contiguous() if router else none_f, gates.reshape(-1).contiguous() if router else none_f,
         idx.reshape(-1).contiguous() if router else none_i, wt.contiguous() if router else none_f, dx, dv,
