@@ -77,9 +77,8 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # (kernels.router.WS_MAX_K = 0); "apart_dx": the router's and the experts' ops apart, their dx added by XLA, instead
 # of one custom_vjp whose dx comes out of one combine kernel (moe_core.FUSE_ROUTER_DX = False: the default until the
 # 2026-11-25 session 20).
-# "seq_combine": the fused core's dx combine in its sequential form (kernels.combine.CombineTiles(): one slot's
-# gathers after another, 32 rows per program; the default until session 20's wide form).
-LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "seq_combine")
+# "head_major_combine": the fused core's dx combine with programs over one head's rows (CombineTiles.head_major).
+LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "head_major_combine")
 
 
 @contextlib.contextmanager
@@ -95,8 +94,8 @@ def layer_switches(variant: str | None):
         kr.WS_MAX_K = 0
     if variant == "apart_dx":
         mc.FUSE_ROUTER_DX = False
-    if variant == "seq_combine":
-        mt.COMBINE_TILES = CombineTiles()
+    if variant == "head_major_combine":
+        mt.COMBINE_TILES = CombineTiles(head_major=True)
     try:
         yield
     finally:

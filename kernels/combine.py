@@ -30,16 +30,12 @@ import triton.language as tl
 class CombineTiles(NamedTuple):
     block_r: int = 32  # rows per program
     num_warps: int = 4
-    # "seq": one (block_r, dh) accumulator, the k slots added one after another (the k gathers issued in turn);
-    # "wide": one (block_r, kp, dh) tile of all k slots' rows (kp = k rounded up to a power of 2), every gather of a
-    # program issued at once, then summed over the slot axis (tl.sum: a fixed tree per compiled tile)
-    form: str = "seq"
-
-
-def default_combine_tiles(k: int) -> CombineTiles:
-    """The measured default: the wide form at block_r x kp = 64 slots per program (bench/combine.py; bench/NOTES.md,
-    Layer, session 20)."""
-    return CombineTiles(max(1, 64 // triton.next_power_of_2(k)), 4, "wide")
+    # Programs take the rows of one head (token blocks of head 0 first, then head 1, ...) instead of consecutive
+    # (token, head) rows, so the programs in flight together gather their W_r^T rows from one head's table (393 KB at
+    # Ne 768, dh 128: L1 / L2 hits, as `router_bwd_dx_kernel`'s grid has it) and not from all H tables; the dX rows
+    # stream with evict-first. Per row the same sums in the same order: dx and dv bitwise those of the row-major
+    # order. Written 2026-11-25 (session 20) after the device time was spent: unmeasured, off.
+    head_major: bool = False
 
 
 def check_combine_args(r: int, h: int, dh: int, ne: int, k: int, parts: int, tiles: CombineTiles) -> None:
@@ -49,8 +45,6 @@ def check_combine_args(r: int, h: int, dh: int, ne: int, k: int, parts: int, til
         raise ValueError(f"dx combine: rows={r}, H={h}, dh={dh}, Ne={ne}, k={k}, parts={parts}: all must be >= 1")
     if tiles.block_r < 1 or tiles.block_r & (tiles.block_r - 1):
         raise ValueError(f"dx combine: block_r={tiles.block_r}, expected a power of 2")
-    if tiles.form not in ("seq", "wide"):
-        raise ValueError(f"dx combine: form={tiles.form!r}, expected 'seq' or 'wide'")
 
 
 @triton.jit
@@ -75,12 +69,20 @@ def dx_combine_kernel(
     dx_ptr, dv_ptr,  # outputs: dx (R, DH) in dx's dtype; dv (R * K,) fp32 (ROUTER only)
     R: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
     PARTS: tl.constexpr, ROUTER: tl.constexpr, DG_BY_SLOT: tl.constexpr, BLOCK_R: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < R
+    if HEAD_MAJOR:  # CombineTiles.head_major: program pid takes token block pid % NB of head pid // NB
+        nb = tl.cdiv(R // H, BLOCK_R)
+        h = pid // nb
+        n = (pid % nb) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = n < R // H
+        r = n * H + h
+    else:
+        r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = r < R
+        h = r % H
     r64 = r.to(tl.int64)
-    h = r % H
     offs_d = tl.arange(0, DHP)
     dmask = offs_d < DH
     acc = tl.zeros((BLOCK_R, DHP), tl.float32)
@@ -94,7 +96,8 @@ def dx_combine_kernel(
         ok = (s >= 0)[:, None] & dmask[None, :]
         base = s.to(tl.int64) * (PARTS * DH)
         for q in tl.static_range(PARTS):
-            acc += tl.load(rows_ptr + base[:, None] + q * DH + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+            acc += tl.load(rows_ptr + base[:, None] + q * DH + offs_d[None, :], mask=ok, other=0.0,
+                           eviction_policy="evict_first" if HEAD_MAJOR else "").to(tl.float32)
         if ROUTER:  # pass 2: dv_j = g_j dg_j - g_j sum (the form of jax.nn.softmax's VJP), then the router's row
             g, dg = _gate_and_dgate(slot_row_ptr, dgr_ptr, gates_ptr, r64, rmask, j, K, PARTS, DG_BY_SLOT)
             dv = g * dg - g * ssum
@@ -102,74 +105,22 @@ def dx_combine_kernel(
             e = tl.load(idx_ptr + r64 * K + j, mask=rmask, other=0)
             wrow = (h * NE + e).to(tl.int64)
             w = tl.load(wt_ptr + wrow[:, None] * DH + offs_d[None, :], mask=rmask[:, None] & dmask[None, :],
-                        other=0.0)
+                        other=0.0, eviction_policy="evict_last" if HEAD_MAJOR else "")
             acc += dv[:, None] * w
     tl.store(dx_ptr + r64[:, None] * DH + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
 
 
-@triton.jit
-def dx_combine_wide_kernel(
-    rows_ptr, slot_row_ptr, dgr_ptr, gates_ptr, idx_ptr, wt_ptr, dx_ptr, dv_ptr,  # as dx_combine_kernel
-    R: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
-    KP: tl.constexpr, PARTS: tl.constexpr, ROUTER: tl.constexpr, DG_BY_SLOT: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """dx_combine_kernel's function on (BLOCK_R, KP, DHP) tiles: the slot indices, gates and gate gradients of a
-    program's rows load as (BLOCK_R, KP) tiles, every dX row and W_r^T row it needs is gathered in one 3-D load each
-    (all in flight together), each slot's terms are added in place (partials in order, then the router's), and the
-    slot axis is summed last. Deterministic: no atomics, the reduction tree is fixed by the compiled tile."""
-    pid = tl.program_id(0)
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    j = tl.arange(0, KP)
-    rmask = r < R
-    smask = rmask[:, None] & (j < K)[None, :]  # (BLOCK_R, KP)
-    slot = r.to(tl.int64)[:, None] * K + j[None, :]
-    offs_d = tl.arange(0, DHP)
-    dmask = (offs_d < DH)[None, None, :]
-    s = tl.load(slot_row_ptr + slot, mask=smask, other=-1)
-    ok = (s >= 0)[:, :, None] & dmask
-    base = s.to(tl.int64) * (PARTS * DH)
-    acc = tl.load(rows_ptr + base[:, :, None] + offs_d[None, None, :], mask=ok, other=0.0).to(tl.float32)
-    for q in tl.static_range(1, PARTS):
-        acc += tl.load(rows_ptr + base[:, :, None] + q * DH + offs_d[None, None, :], mask=ok, other=0.0).to(
-            tl.float32)
-    if ROUTER:  # the softmax's backward on the (BLOCK_R, KP) tile, then each slot's W_r^T row
-        g = tl.load(gates_ptr + slot, mask=smask, other=0.0)
-        if DG_BY_SLOT:
-            dg = tl.load(dgr_ptr + slot, mask=smask, other=0.0)
-        else:
-            dg = tl.load(dgr_ptr + s.to(tl.int64) * PARTS, mask=s >= 0, other=0.0)
-            for q in tl.static_range(1, PARTS):
-                dg += tl.load(dgr_ptr + s.to(tl.int64) * PARTS + q, mask=s >= 0, other=0.0)
-        gdg = g * dg
-        dv = gdg - g * tl.sum(gdg, axis=1)[:, None]
-        tl.store(dv_ptr + slot, dv, mask=smask)
-        e = tl.load(idx_ptr + slot, mask=smask, other=0)
-        wrow = ((r % H)[:, None] * NE + e).to(tl.int64)
-        w = tl.load(wt_ptr + wrow[:, :, None] * DH + offs_d[None, None, :], mask=smask[:, :, None] & dmask,
-                    other=0.0)
-        acc += dv[:, :, None] * w
-    dx = tl.sum(acc, axis=1)
-    tl.store(dx_ptr + r.to(tl.int64)[:, None] * DH + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty),
-             mask=rmask[:, None] & (offs_d < DH)[None, :])
-
-
-def combine_kernel(tiles: CombineTiles):
-    """The kernel of a tile's form."""
-    return dx_combine_wide_kernel if tiles.form == "wide" else dx_combine_kernel
-
-
 def combine_constexprs(r: int, h: int, dh: int, ne: int, k: int, parts: int, router: bool,
                        tiles: CombineTiles, dg_by_slot: bool = False) -> dict:
     check_combine_args(r, h, dh, ne, k, parts, tiles)
-    consts = dict(R=r, H=h, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), NE=ne, K=k, PARTS=parts,
-                  ROUTER=router, DG_BY_SLOT=dg_by_slot, BLOCK_R=tiles.block_r)
-    if tiles.form == "wide":
-        consts["KP"] = triton.next_power_of_2(k)
-    return consts
+    return dict(R=r, H=h, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), NE=ne, K=k, PARTS=parts,
+                ROUTER=router, DG_BY_SLOT=dg_by_slot, BLOCK_R=tiles.block_r, HEAD_MAJOR=tiles.head_major)
 
 
-def combine_grid(r: int, tiles: CombineTiles) -> tuple[int]:
+def combine_grid(r: int, h: int, tiles: CombineTiles) -> tuple[int]:
+    if tiles.head_major:
+        return (triton.cdiv(r // h, tiles.block_r) * h,)
     return (triton.cdiv(r, tiles.block_r),)
 
 
@@ -182,7 +133,7 @@ def dx_combine_torch(rows, slot_row, dgate_rows, gates, idx, wt, heads: int, k: 
     import torch
 
     m = slot_row.shape[0]
-    tiles = tiles or default_combine_tiles(k)
+    tiles = tiles or CombineTiles()
     p, dh = rows.shape[0], rows.shape[-1]
     parts = rows.shape[1] if rows.dim() == 3 else 1
     r = m // k
@@ -190,7 +141,7 @@ def dx_combine_torch(rows, slot_row, dgate_rows, gates, idx, wt, heads: int, k: 
     dx = torch.empty((r, dh), dtype=out_dtype or rows.dtype, device=rows.device)
     dv = torch.empty((m if router else 1,), dtype=torch.float32, device=rows.device)
     none_i, none_f = (torch.zeros((1,), dtype=t, device=rows.device) for t in (torch.int32, torch.float32))
-    combine_kernel(tiles)[combine_grid(r, tiles)](
+    dx_combine_kernel[combine_grid(r, heads, tiles)](
         rows.reshape(p, parts * dh).contiguous(), slot_row.contiguous(),
         dgate_rows.reshape(-1).contiguous() if router else none_f, gates.reshape(-1).contiguous() if router else none_f,
         idx.reshape(-1).contiguous() if router else none_i, wt.contiguous() if router else none_f, dx, dv,

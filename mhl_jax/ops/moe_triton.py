@@ -25,13 +25,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels.combine import CombineTiles, combine_constexprs, combine_grid, combine_kernel, default_combine_tiles
+from kernels.combine import CombineTiles, combine_constexprs, combine_grid, dx_combine_kernel
 from mhl_jax.ops import experts_triton as ext
 from mhl_jax.ops import router_triton as rtr
 from mhl_jax.ops.kernels_select import import_jax_triton
 
-# The dx combine's tiles when moe_heads_fused is not given any (None: `kernels.combine.default_combine_tiles`, the
-# measured default; bench/layer.py's variant "seq_combine" sets the sequential form of before).
+# The dx combine's tiles when moe_heads_fused is not given any (None: CombineTiles(), the measured default;
+# bench/layer.py's variant "head_major_combine" sets CombineTiles(head_major=True)).
 COMBINE_TILES: CombineTiles | None = None
 
 
@@ -57,9 +57,9 @@ def dx_combine(dx_rows, slot_row, dgate_rows, gates, idx, wt, x_dtype, tiles: Co
         consts = combine_constexprs(n * h, h, dh, wt.shape[1], k, parts, True, tiles, dg_by_slot)
         dx, dv = jt.triton_call(
             dx_rows.reshape(p, parts * dh), slot_row, dgate_rows.reshape(-1), gates.reshape(-1), idx.reshape(-1), wt,
-            kernel=combine_kernel(tiles), out_shape=[jax.ShapeDtypeStruct((n * h, dh), x_dtype),
+            kernel=dx_combine_kernel, out_shape=[jax.ShapeDtypeStruct((n * h, dh), x_dtype),
                                                  jax.ShapeDtypeStruct((n * h * k,), jnp.float32)],
-            grid=combine_grid(n * h, tiles), num_warps=tiles.num_warps, **consts)
+            grid=combine_grid(n * h, h, tiles), num_warps=tiles.num_warps, **consts)
         return dx.reshape(n, h, dh), dv.reshape(n, h, k)
     if dg_by_slot:
         dg = dgate_rows.reshape(n, h, k).astype(jnp.float32)
@@ -118,5 +118,5 @@ def moe_heads_fused(x: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array
     est = ext.experts_static(x, k, w1, w2, cfg, backend)
     spec = triton_packing_spec(x.shape, k, w1.shape, est.cfg, backend)
     rst = rtr.router_static(x, w_r, bias, k, backend=backend, pack=spec, cast=(w1, w2) if cast else None)
-    combine = combine or COMBINE_TILES or default_combine_tiles(k)
+    combine = combine or COMBINE_TILES or CombineTiles()
     return _moe(Static(rst, est, bool(cast), combine), x, w_r, bias, w1, w2)
