@@ -4,7 +4,7 @@
 # two GPUs used side by side so the whole check fits one call:
 #   GPU 0: the GPU tests of the fused core and the combine kernel (test_combine.py), the shared-packing test with the
 #          switch off, the Triton train-step test (bitwise repeatable); then bench/combine.py (the kernel alone, both
-#          forms); then the layer at 8192 tokens, VARIANTS (default: "default apart_dx") in one process
+#          orders); then the layer at 8192 tokens, VARIANTS (default: "default head_major_combine apart_dx") in one process
 #   GPU 1: the layer at 81920 tokens (CONFIGS80K), VARIANTS in one process
 # Falls back to one GPU (everything in turn) when only one is visible. From the repo root on the device machine:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -15,7 +15,7 @@ OUT=${OUT:-/tmp/fused_out}
 source "$(dirname "$0")/gpu_stage.sh"
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$LOG"
 NGPU=$(nvidia-smi -L | wc -l)
-VARIANTS=${VARIANTS:-default apart_dx}  # bench/layer.py variants, each row in one process
+VARIANTS=${VARIANTS:-default head_major_combine apart_dx}  # bench/layer.py variants, each row in one process
 CONFIGS80K=${CONFIGS80K:-384/4/256 768/8/128 768/4/256 1536/8/128}
 
 gpu0() {
@@ -25,7 +25,7 @@ gpu0() {
         'tests/test_gpu_train.py::test_train_steps_bitwise_repeatable_on_one_gpu[triton-cudnn-bfloat16]' \
         > $OUT/tests.log 2>&1; rc=\$?; grep -E '^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error' $OUT/tests.log \
         | tail -n 40; exit \$rc"
-    stage combine "${T_COMBINE:-70}" python3 bench/combine.py --out "$OUT/combine.jsonl"
+    stage combine "${T_COMBINE:-120}" python3 bench/combine.py --out "$OUT/combine.jsonl"
     stage layer8k "${T_LAYER8K:-200}" python3 bench/layer.py --tokens 8192 --variants $VARIANTS \
         --out "$OUT/layer8k.jsonl"
 }
