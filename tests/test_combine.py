@@ -137,7 +137,7 @@ def test_jax_emulate_vs_float64(by_slot):
     np.testing.assert_allclose(np.asarray(dv).reshape(n * h, k), ref_dv, rtol=1e-5, atol=1e-6 * np.abs(ref_dv).max())
 
 
-def _fused_vs_apart(backend, n, h, dh, ne, k, de, seed=3):
+def _fused_vs_apart(backend, n, h, dh, ne, k, de, seed=3, cfg=None):
     """Loss and gradients of moe_core.moe_heads_triton with FUSE_ROUTER_DX on and off: loss, load, dW1, dW2 bitwise,
     dW_r within fp32 rounding, dx within the rounding of x's dtype (and the fused one was traced: the flag reached
     the dispatch)."""
@@ -156,7 +156,7 @@ def _fused_vs_apart(backend, n, h, dh, ne, k, de, seed=3):
     wy = jax.random.normal(ks[5], (n, h, dh), jnp.float32)
 
     def loss(x, w_r, w1, w2):
-        y, load = mc.moe_heads_triton(x, x, w_r, b, w1, w2, k, backend=backend)
+        y, load = mc.moe_heads_triton(x, x, w_r, b, w1, w2, k, cfg=cfg, backend=backend)
         return jnp.vdot(y.astype(jnp.float32), wy), load
 
     out, traced, saved, real = [], [], mc.FUSE_ROUTER_DX, moe_triton._moe
@@ -186,7 +186,18 @@ def _fused_vs_apart(backend, n, h, dh, ne, k, de, seed=3):
 
 
 def test_fused_core_emulate_vs_apart():
-    _fused_vs_apart("emulate", 64, 2, 32, 12, 4, 16)
+    _fused_vs_apart("emulate", 64, 2, 32, 12, 4, 16)  # small: the gate gradients per slot, from XLA
+
+
+def test_fused_core_emulate_vs_apart_kernel_dgates():
+    """The per-packed-row branch of the fused backward (the kernels make the gate gradients, as at the GPU's shapes):
+    the transposed dW form forced at a CPU-sized shape."""
+    from kernels.experts import default_config, dgates_in_kernels
+
+    n, h, dh, ne, k, de = 64, 2, 32, 12, 4, 16
+    cfg = default_config(n * h * k, h * ne, dh, de, dw_form="t")
+    assert dgates_in_kernels(cfg, de)
+    _fused_vs_apart("emulate", n, h, dh, ne, k, de, cfg=cfg)
 
 
 @pytest.mark.gpu

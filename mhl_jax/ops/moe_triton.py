@@ -51,6 +51,9 @@ def dx_combine(dx_rows, slot_row, dgate_rows, gates, idx, wt, x_dtype, tiles: Co
     n, h, k = idx.shape
     p, dh = dx_rows.shape[0], dx_rows.shape[-1]
     parts = dx_rows.size // (p * dh)
+    if not dg_by_slot and dgate_rows.size != p * parts:  # the kernel reads dgate_rows[s * parts + q]
+        raise ValueError(f"dx combine: gate gradients {dgate_rows.shape} do not match {parts} partial dX rows of "
+                         f"{p} packed rows")
     if backend == "triton":
         jt = import_jax_triton()
 
@@ -94,7 +97,7 @@ def _moe_bwd(st: Static, res, cts):
     x, w_r, bias, idx, packing, res_e = res
     dy = cts[0]  # the load's cotangent is float0
     dxr, dw1, dw2, dgate_rows = ext.experts_bwd_kernels(st.experts, res_e, dy)
-    by_slot = dgate_rows is None  # no gate gradients from the kernels (a non-default config): XLA's, per slot
+    by_slot = dgate_rows is None  # no gate gradients from the kernels (`dgates_in_kernels` False): XLA's, per slot
     dg = ext.slot_dgates(res_e, dy, None) if by_slot else dgate_rows
     dx, dvals = dx_combine(dxr, res_e[5].slot_row, dg, res_e[1], idx, rtr.transposed_weights(w_r), x.dtype,
                            st.combine, st.experts.backend, by_slot)
