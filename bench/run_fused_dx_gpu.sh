@@ -6,7 +6,8 @@
 #          switch off, the Triton train-step test (bitwise repeatable); then bench/combine.py (the kernel alone, both
 #          orders); then the layer at 8192 tokens, VARIANTS (default: "default head_major_combine apart_dx") in one process
 #   GPU 1: the layer at 81920 tokens (CONFIGS80K), VARIANTS in one process
-# Falls back to one GPU (everything in turn) when only one is visible. From the repo root on the device machine:
+# Falls back to one GPU (everything in turn) when only one is visible: then ~11 min with the defaults, over one call's
+# 10-minute limit, so pass e.g. CONFIGS80K="768/8/128 1536/8/128" there. From the repo root on the device machine:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/run_fused_dx_gpu.sh
 # Files in $OUT: run.log, gpu0.log, gpu1.log, tests.log, combine.jsonl, layer8k.jsonl, layer80k.jsonl.
