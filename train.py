@@ -29,9 +29,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from mhl_jax.data import DataError
+    from mhl_jax.train.checkpoint import CheckpointError
     from mhl_jax.train.loop import train
 
-    train(cfg, resume=args.resume, stop_after=args.stop_after)
+    try:
+        train(cfg, resume=args.resume, stop_after=args.stop_after)
+    except (ConfigError, DataError, CheckpointError) as e:  # bad input found once the run is set up: no traceback
+        kind = next(n for c, n in ((ConfigError, "config"), (DataError, "data"), (CheckpointError, "checkpoint"))
+                    if isinstance(e, c))
+        print(f"{kind} error: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:  # a diverged loss: the last checkpoint is kept
+        print(f"training stopped: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -209,7 +209,12 @@ def parse_override(text: str) -> dict:
     key, raw = text.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: bad key {key!r}")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        reason = str(e).splitlines()[0]
+        raise ConfigError(f"override {text!r}: the value {raw!r} is not valid YAML ({reason}); quote it or fix the "
+                          "brackets") from e
     if isinstance(value, str) and _looks_numeric(raw):
         value = float(raw)  # YAML 1.1 reads '5e-4' as a string
     out: dict = {}
@@ -242,6 +247,9 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
     cfg = Config()
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {str(p)!r} is a directory; expected a YAML file such as "
+                              "configs/tiny_mh_latent_moe.yaml")
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
@@ -324,3 +332,5 @@ def validate(cfg: Config) -> None:
     _require(cfg.data.val_sequences >= 0, f"data.val_sequences={cfg.data.val_sequences}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every}: must be >= 1")
+    _require(cfg.logging.peak_tflops is None or cfg.logging.peak_tflops > 0,
+             f"logging.peak_tflops={cfg.logging.peak_tflops}: must be positive (or null: the GPU's datasheet figure)")

@@ -54,6 +54,8 @@ def test_overrides_are_typed():
     ("train.micro_batch=5", "train.global_batch=16 is not a multiple of train.micro_batch=5"),
     ("schedule.warmup_steps=290", "exceeds schedule.total_steps=300"),
     ("noequals", "expected the form key.sub=value"),
+    ("model.d_model=[1", "override 'model.d_model=[1': the value '[1' is not valid YAML"),
+    ("logging.peak_tflops=-1", "logging.peak_tflops=-1.0: must be positive"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -66,6 +68,8 @@ def test_ep_divisibility_and_missing_file(tmp_path):
         load_config("configs/tiny_moe.yaml", ["parallel.ep=3"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match="is a directory; expected a YAML file"):
+        load_config(str(tmp_path))
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):

@@ -101,6 +101,8 @@ def test_prepare_jsonl_text_column_and_refusals(tmp_path):
                       "--no-progress"])
     with pytest.raises(DataError, match="no such file"):
         prepare_main(["--input", str(tmp_path / "missing.txt"), "--tokenizer", "byte", "--out", str(tmp_path / "o4")])
+    # failed runs leave no empty output directory behind (o2 / o3 / o4 did not exist before)
+    assert not any((tmp_path / o).exists() for o in ("o2", "o3", "o4"))
 
 
 # ----------------------------------------------------------------------------- shard errors

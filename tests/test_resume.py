@@ -119,3 +119,34 @@ def test_killed_run_on_bin_shards_resumes_exactly(tmp_path):
     assert "resumed from step" in r.stdout
     assert losses(killed) == losses(straight)
     assert_same_state(straight, killed)
+
+
+def test_refused_or_damaged_checkpoint_and_nothing_to_train(tmp_path):
+    """What a resuming user gets wrong, answered without a traceback and without touching the run directory: a
+    checkpoint past the run's last step, a model config that differs from the checkpoint's (config.yaml of the run
+    kept), and a damaged latest checkpoint (named, with the steps still there)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    go = lambda args: subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,  # noqa: E731
+                                     text=True, env=env)
+    d = tmp_path / "run"
+    short = ["--set", "schedule.total_steps=4"]
+    run(common(d, *short))
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["2", "4"]
+    before = (d / "config.yaml").read_text()
+
+    r = go(common(d, *short))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "nothing to train: the checkpoint is at step 4" in r.stdout and "schedule.total_steps=4" in r.stdout
+
+    r = go(common(d, "--set", "ffn.top_k=3"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.startswith("checkpoint error:") and "ffn.top_k: checkpoint 2, this run 3" in r.stderr
+    assert (d / "config.yaml").read_text() == before
+
+    for f in (d / "checkpoints" / "4" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\0" * 7)
+    r = go(common(d))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "checkpoint error:" in r.stderr and "/checkpoints/4: its state" in r.stderr and "[2]" in r.stderr
+    assert (d / "config.yaml").read_text() == before

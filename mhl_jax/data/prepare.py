@@ -117,8 +117,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--text-column", default="text", help="column holding the text (json/csv/parquet, datasets)")
     p.add_argument("--tokenizer", choices=["byte", "gpt2"], required=True)
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per train shard")
-    p.add_argument("--val-tokens", type=int, default=100_000_000, help="tokens in the validation shard (written first)")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000,
+                   help="tokens per train shard (default: %(default)s)")
+    p.add_argument("--val-tokens", type=int, default=100_000_000,
+                   help="tokens in the validation shard, written first (default: %(default)s; the input needs more "
+                   "tokens than this)")
     p.add_argument("--overwrite", action="store_true", help="replace train_*/val_* shards already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -136,14 +139,21 @@ def prepare(args: argparse.Namespace) -> list[Path]:
         raise DataError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids; .bin shards store uint16 ids "
                         f"(< {MAX_VOCAB})")
     out = Path(args.out)
+    created = not out.exists()
     _prepare_out(out, args.overwrite)
-    writer = ShardWriter(out, args.shard_tokens, args.val_tokens)
-    with tqdm(desc=f"prepare {out}", unit="tok", unit_scale=True, disable=args.no_progress, file=sys.stderr) as bar:
-        for ids in iter_encoded(tok, _documents(args)):
-            writer.add(ids)
-            bar.update(len(ids))
-            bar.set_postfix(shards=len(writer.written), refresh=False)
-    writer.close()
+    try:
+        writer = ShardWriter(out, args.shard_tokens, args.val_tokens)
+        with tqdm(desc=f"prepare {out}", unit="tok", unit_scale=True, disable=args.no_progress,
+                  file=sys.stderr) as bar:
+            for ids in iter_encoded(tok, _documents(args)):
+                writer.add(ids)
+                bar.update(len(ids))
+                bar.set_postfix(shards=len(writer.written), refresh=False)
+        writer.close()
+    except BaseException:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # a failed first run leaves no empty output directory behind
+        raise
     return writer.written
 
 

@@ -227,6 +227,21 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint {where}: leaf {'/'.join(names)} is {saved[names][1]}"
                                       f"{tuple(saved[names][0])}, this run expects {dtype}{tuple(shape)}")
 
+    def _read(self, step: int, directory: Path, args: Any, where: str, what: str) -> Any:
+        """Orbax's restore of `args`; a damaged or incomplete step directory raises CheckpointError naming it and the
+        other steps there (Orbax's own error, often buried under its threads' tracebacks, is chained)."""
+        try:
+            return self._manager.restore(step, directory=directory, args=args)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            others = sorted(int(c.name) for c in directory.iterdir() if c.name.isdigit() and int(c.name) != step)
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise CheckpointError(
+                f"checkpoint {where}: its {what} cannot be read ({type(e).__name__}: {first}); the step directory is "
+                f"damaged or incomplete. Other steps there: {others or 'none'}; delete {where} to resume from the "
+                "latest of them, or pass --resume with one") from e
+
     def restore(self, state_template: PyTree, data_iter: Any = None, step: int | None = None,
                 path: str | Path | None = None) -> tuple[int, PyTree]:
         """Restore (step, state) with the structure, dtypes and shardings of `state_template`.
@@ -240,7 +255,7 @@ class Checkpointer:
         where = str(directory / str(step))
         named, treedef = _named_leaves(state_template)
         meta_args = ocp.args.Composite(**{META: ocp.args.JsonRestore()})
-        meta = self._manager.restore(step, directory=directory, args=meta_args)
+        meta = self._read(step, directory, meta_args, where, META)
         self._check_meta(meta[META], named, where)
         items = {STATE: ocp.args.StandardRestore(_nest([(n, _abstract(leaf)) for n, leaf in named]))}
         if data_iter is not None:
@@ -248,7 +263,7 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint {where} holds no data-iterator state; it cannot resume the input "
                                       "pipeline (pass data_iter=None to restore the arrays only)")
             items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
-        restored = self._manager.restore(step, directory=directory, args=ocp.args.Composite(**items))[STATE]
+        restored = self._read(step, directory, ocp.args.Composite(**items), where, "/".join(items))[STATE]
         leaves = []
         for names, leaf in named:
             value = _lookup(restored, names)

@@ -61,14 +61,19 @@ def evaluate(eval_fn, state: dict, val: np.ndarray, batch: int, sharding) -> flo
     return total / count
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: readers see the old or the new file whole."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def truncate_metrics(path: Path, step: int) -> None:
     """Drop records past `step` (written by a run killed after its last checkpoint), atomically."""
     if not path.exists():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
+    write_atomic(path, "".join(line + "\n" for line in keep))
 
 
 def train(cfg: Config, resume: str | None = None, stop_after: int | None = None, log=print) -> list[dict]:
@@ -76,7 +81,6 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     checkpoint) once that many optimizer steps are done in total, as a preempted job would."""
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     counts = count_params(cfg)
     log(f"model {cfg.ffn.kind}: {counts.active / 1e6:.1f}M active / {counts.total / 1e6:.1f}M total parameters")
 
@@ -100,11 +104,25 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                                process_count=jax.process_count())
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg))
     resume = resume or cfg.checkpoint.resume or None
-    if resume or ckpt.latest_step() is not None:
-        start, state = ckpt.restore(state, loader, path=resume)
-        state = jax.device_put(state, shardings)
-        log(f"resumed from step {start} ({resume or ckpt.directory})")
+    try:
+        if resume or ckpt.latest_step() is not None:
+            start, state = ckpt.restore(state, loader, path=resume)
+            state = jax.device_put(state, shardings)
+            log(f"resumed from step {start} ({resume or ckpt.directory})")
+    except BaseException:  # refused or unreadable: release Orbax's threads, leave the run directory as it was
+        ckpt.close()
+        raise
     start = int(state["step"])
+    total = cfg.schedule.total_steps
+    end = total if stop_after is None else min(total, stop_after)
+    if start >= end:
+        ckpt.close()
+        why = (f"schedule.total_steps={total} (raise it to train on)" if end == total
+               else f"--stop-after {stop_after}")
+        log(f"nothing to train: the checkpoint is at step {start}, and this run stops at {why}")
+        return []
+    # the run's config, once it is known to fit the checkpoint it resumes (a refused run leaves the old one)
+    write_atomic(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     truncate_metrics(run_dir / "metrics.jsonl", start)
 
     schedule = make_schedule(cfg.optimizer, cfg.schedule)
@@ -114,8 +132,6 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     eval_fn = jax.jit(make_eval_step(graphdef))
     val = load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences else None
 
-    total = cfg.schedule.total_steps
-    end = total if stop_after is None else min(total, stop_after)
     flops_tok = train_flops_per_token(cfg)
     peak = device_peak_flops(cfg.logging.peak_tflops)
     tokens_per_step = cfg.train.global_batch * t
