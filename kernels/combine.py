@@ -132,10 +132,10 @@ def dx_combine_torch(rows, slot_row, dgate_rows, gates, idx, wt, heads: int, k: 
     -> dx (N * H, DH) in out_dtype (default rows.dtype), dv (N * H * K,) fp32 (None without the router term)."""
     import torch
 
-    m = slot_row.shape[0]
     tiles = tiles or CombineTiles()
     p, dh = rows.shape[0], rows.shape[-1]
     parts = rows.shape[1] if rows.dim() == 3 else 1
+    m = slot_row.shape[0]
     r = m // k
     router = wt is not None
     dx = torch.empty((r, dh), dtype=out_dtype or rows.dtype, device=rows.device)

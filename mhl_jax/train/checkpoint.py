@@ -173,6 +173,13 @@ class Checkpointer:
         """Wait for writes and release Orbax's resources."""
         self._manager.close()
 
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wait()  # background writes committed, also when the run fails
+        self.close()  # Orbax's threads released: no tracebacks from them at exit
+
     def _locate(self, step: int | None, path: str | Path | None) -> tuple[Path, int]:
         """(directory of step directories, step) to restore."""
         if path is None:

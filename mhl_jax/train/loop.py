@@ -102,76 +102,74 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                                seed=cfg.train.seed,
                                vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                                process_count=jax.process_count())
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg))
-    resume = resume or cfg.checkpoint.resume or None
-    try:
-        if resume or ckpt.latest_step() is not None:
+    # closed on every way out (a refused restore too): Orbax's threads released, no tracebacks from them at exit
+    with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
+        resume = resume or cfg.checkpoint.resume or None
+        if resume or ckpt.latest_step() is not None:  # refused or unreadable: the run directory is left as it was
             start, state = ckpt.restore(state, loader, path=resume)
             state = jax.device_put(state, shardings)
             log(f"resumed from step {start} ({resume or ckpt.directory})")
-    except BaseException:  # refused or unreadable: release Orbax's threads, leave the run directory as it was
-        ckpt.close()
-        raise
-    start = int(state["step"])
-    total = cfg.schedule.total_steps
-    end = total if stop_after is None else min(total, stop_after)
-    if start >= end:
-        ckpt.close()
-        why = (f"schedule.total_steps={total} (raise it to train on)" if end == total
-               else f"--stop-after {stop_after}")
-        log(f"nothing to train: the checkpoint is at step {start}, and this run stops at {why}")
-        return []
-    # the run's config, once it is known to fit the checkpoint it resumes (a refused run leaves the old one)
-    write_atomic(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    truncate_metrics(run_dir / "metrics.jsonl", start)
+        start = int(state["step"])
+        total = cfg.schedule.total_steps
+        end = total if stop_after is None else min(total, stop_after)
+        if start >= end:
+            why = (f"schedule.total_steps={total} (raise it to train on)" if end == total
+                   else f"--stop-after {stop_after}")
+            log(f"nothing to train: the checkpoint is at step {start}, and this run stops at {why}")
+            return []
+        # the run's config, once it is known to fit the checkpoint it resumes (a refused run leaves the old one)
+        write_atomic(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        truncate_metrics(run_dir / "metrics.jsonl", start)
 
-    schedule = make_schedule(cfg.optimizer, cfg.schedule)
-    step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
-                             deterministic=cfg.train.xla_deterministic_ops,
-                             cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn")
-    eval_fn = jax.jit(make_eval_step(graphdef))
-    val = load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences else None
+        schedule = make_schedule(cfg.optimizer, cfg.schedule)
+        step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
+                                 deterministic=cfg.train.xla_deterministic_ops,
+                                 cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn")
+        eval_fn = jax.jit(make_eval_step(graphdef))
+        val = (load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences
+               else None)
 
-    flops_tok = train_flops_per_token(cfg)
-    peak = device_peak_flops(cfg.logging.peak_tflops)
-    tokens_per_step = cfg.train.global_batch * t
-    comm = comm_bytes_per_layer(cfg, mesh, cfg.train.micro_batch * t)  # all-to-all bytes per device per MoE layer
-    if comm:
-        log("all-to-all per device per MoE layer, each way: "
-            + ", ".join(f"{k.split('/')[1]} {v / 2**20:.2f} MiB" for k, v in comm.items()))
-    history: list[dict] = []
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
-    bar = tqdm(total=total, initial=start, disable=not cfg.logging.progress_bar, file=sys.stderr, dynamic_ncols=True)
-    last = time.perf_counter()
-    try:
-        for step in range(start, end):
-            batch = np.asarray(next(loader)).reshape(accum, -1, t + 1)
-            state, m = step_fn(state, jax.device_put(batch, batch_sharding))
-            m = {k: float(v) for k, v in jax.device_get(m).items()}
-            now = time.perf_counter()
-            m["step"] = step + 1
-            m.update(comm)
-            m["tokens_per_s"] = tokens_per_step / (now - last)
-            m["mfu"] = mfu(flops_tok, m["tokens_per_s"], mesh.size, peak)
-            last = now
-            if val is not None and cfg.data.eval_every and ((step + 1) % cfg.data.eval_every == 0 or step + 1 == total):
-                m["val_loss"] = evaluate(eval_fn, state, val, cfg.train.micro_batch * mesh.size, eval_sharding)
-                m["val_ppl"] = math.exp(min(m["val_loss"], 50.0))
-                last = time.perf_counter()  # evaluation time is not training throughput
-            if not math.isfinite(m["loss"]):
-                raise FloatingPointError(f"loss is {m['loss']} at step {step + 1}; stopping (last checkpoint kept)")
-            history.append(m)
-            metrics_file.write(json.dumps(m) + "\n")
-            metrics_file.flush()
-            bar.update(1)
-            if (step + 1) % cfg.logging.log_every == 0 or step == start or step + 1 == end or "val_loss" in m:
-                bar.write(format_line(step + 1, total, m), file=sys.stdout)
-            every = cfg.checkpoint.every
-            if every and ((step + 1) % every == 0 or step + 1 == end):
-                ckpt.save(step + 1, state, loader)
-    finally:
-        bar.close()
-        metrics_file.close()
-        ckpt.wait()
-        ckpt.close()
-    return history
+        flops_tok = train_flops_per_token(cfg)
+        peak = device_peak_flops(cfg.logging.peak_tflops)
+        tokens_per_step = cfg.train.global_batch * t
+        comm = comm_bytes_per_layer(cfg, mesh, cfg.train.micro_batch * t)  # all-to-all bytes per device per MoE layer
+        if comm:
+            log("all-to-all per device per MoE layer, each way: "
+                + ", ".join(f"{k.split('/')[1]} {v / 2**20:.2f} MiB" for k, v in comm.items()))
+        history: list[dict] = []
+        metrics_file = open(run_dir / "metrics.jsonl", "a")
+        bar = tqdm(total=total, initial=start, disable=not cfg.logging.progress_bar, file=sys.stderr,
+                   dynamic_ncols=True)
+        last = time.perf_counter()
+        try:
+            for step in range(start, end):
+                batch = np.asarray(next(loader)).reshape(accum, -1, t + 1)
+                state, m = step_fn(state, jax.device_put(batch, batch_sharding))
+                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                now = time.perf_counter()
+                m["step"] = step + 1
+                m.update(comm)
+                m["tokens_per_s"] = tokens_per_step / (now - last)
+                m["mfu"] = mfu(flops_tok, m["tokens_per_s"], mesh.size, peak)
+                last = now
+                if val is not None and cfg.data.eval_every and ((step + 1) % cfg.data.eval_every == 0
+                                                                or step + 1 == total):
+                    m["val_loss"] = evaluate(eval_fn, state, val, cfg.train.micro_batch * mesh.size, eval_sharding)
+                    m["val_ppl"] = math.exp(min(m["val_loss"], 50.0))
+                    last = time.perf_counter()  # evaluation time is not training throughput
+                if not math.isfinite(m["loss"]):
+                    raise FloatingPointError(f"loss is {m['loss']} at step {step + 1}; stopping (last checkpoint "
+                                             "kept)")
+                history.append(m)
+                metrics_file.write(json.dumps(m) + "\n")
+                metrics_file.flush()
+                bar.update(1)
+                if (step + 1) % cfg.logging.log_every == 0 or step == start or step + 1 == end or "val_loss" in m:
+                    bar.write(format_line(step + 1, total, m), file=sys.stdout)
+                every = cfg.checkpoint.every
+                if every and ((step + 1) % every == 0 or step + 1 == end):
+                    ckpt.save(step + 1, state, loader)
+        finally:
+            bar.close()
+            metrics_file.close()
+        return history
