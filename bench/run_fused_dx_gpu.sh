@@ -4,7 +4,7 @@
 # two GPUs used side by side so the whole check fits one call:
 #   GPU 0: the GPU tests of the fused core and the combine kernel (test_combine.py), the shared-packing test with the
 #          switch off, the Triton train-step test (bitwise repeatable); then bench/combine.py (the kernel alone, both
-#          orders); then the layer at 8192 tokens, VARIANTS (default: "default head_major_combine apart_dx") in one process
+#          orders); then the layer at 8192 tokens, VARIANTS (default: "default apart_dx") in one process
 #   GPU 1: the layer at 81920 tokens (CONFIGS80K), VARIANTS in one process
 # Falls back to one GPU (everything in turn) when only one is visible: then ~11 min with the defaults, over one call's
 # 10-minute limit, so pass e.g. CONFIGS80K="768/8/128 1536/8/128" there. From the repo root on the device machine:
@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/fused_out}
 source "$(dirname "$0")/gpu_stage.sh"
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$LOG"
 NGPU=$(nvidia-smi -L | wc -l)
-VARIANTS=${VARIANTS:-default head_major_combine apart_dx}  # bench/layer.py variants, each row in one process
+VARIANTS=${VARIANTS:-default apart_dx}  # bench/layer.py variants, each row in one process
 CONFIGS80K=${CONFIGS80K:-384/4/256 768/8/128 768/4/256 1536/8/128}
 
 gpu0() {

@@ -30,12 +30,6 @@ import triton.language as tl
 class CombineTiles(NamedTuple):
     block_r: int = 32  # rows per program
     num_warps: int = 4
-    # Programs take the rows of one head (token blocks of head 0 first, then head 1, ...) instead of consecutive
-    # (token, head) rows, so the programs in flight together gather their W_r^T rows from one head's table (393 KB at
-    # Ne 768, dh 128: L1 / L2 hits, as `router_bwd_dx_kernel`'s grid has it) and not from all H tables; the dX rows
-    # stream with evict-first. Per row the same sums in the same order: dx and dv bitwise those of the row-major
-    # order. Written 2026-11-25 (session 20) after the device time was spent: unmeasured, off.
-    head_major: bool = False
 
 
 def check_combine_args(r: int, h: int, dh: int, ne: int, k: int, parts: int, tiles: CombineTiles) -> None:
@@ -69,19 +63,10 @@ def dx_combine_kernel(
     dx_ptr, dv_ptr,  # outputs: dx (R, DH) in dx's dtype; dv (R * K,) fp32 (ROUTER only)
     R: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
     PARTS: tl.constexpr, ROUTER: tl.constexpr, DG_BY_SLOT: tl.constexpr, BLOCK_R: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if HEAD_MAJOR:  # CombineTiles.head_major: program pid takes token block pid % NB of head pid // NB
-        nb = tl.cdiv(R // H, BLOCK_R)
-        h = pid // nb
-        n = (pid % nb) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = n < R // H
-        r = n * H + h
-    else:
-        r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = r < R
-        h = r % H
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < R
+    h = r % H
     r64 = r.to(tl.int64)
     offs_d = tl.arange(0, DHP)
     dmask = offs_d < DH
@@ -96,8 +81,7 @@ def dx_combine_kernel(
         ok = (s >= 0)[:, None] & dmask[None, :]
         base = s.to(tl.int64) * (PARTS * DH)
         for q in tl.static_range(PARTS):
-            acc += tl.load(rows_ptr + base[:, None] + q * DH + offs_d[None, :], mask=ok, other=0.0,
-                           eviction_policy="evict_first" if HEAD_MAJOR else "").to(tl.float32)
+            acc += tl.load(rows_ptr + base[:, None] + q * DH + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
         if ROUTER:  # pass 2: dv_j = g_j dg_j - g_j sum (the form of jax.nn.softmax's VJP), then the router's row
             g, dg = _gate_and_dgate(slot_row_ptr, dgr_ptr, gates_ptr, r64, rmask, j, K, PARTS, DG_BY_SLOT)
             dv = g * dg - g * ssum
@@ -105,7 +89,7 @@ def dx_combine_kernel(
             e = tl.load(idx_ptr + r64 * K + j, mask=rmask, other=0)
             wrow = (h * NE + e).to(tl.int64)
             w = tl.load(wt_ptr + wrow[:, None] * DH + offs_d[None, :], mask=rmask[:, None] & dmask[None, :],
-                        other=0.0, eviction_policy="evict_last" if HEAD_MAJOR else "")
+                        other=0.0)
             acc += dv[:, None] * w
     tl.store(dx_ptr + r64[:, None] * DH + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
@@ -115,12 +99,10 @@ def combine_constexprs(r: int, h: int, dh: int, ne: int, k: int, parts: int, rou
                        tiles: CombineTiles, dg_by_slot: bool = False) -> dict:
     check_combine_args(r, h, dh, ne, k, parts, tiles)
     return dict(R=r, H=h, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), NE=ne, K=k, PARTS=parts,
-                ROUTER=router, DG_BY_SLOT=dg_by_slot, BLOCK_R=tiles.block_r, HEAD_MAJOR=tiles.head_major)
+                ROUTER=router, DG_BY_SLOT=dg_by_slot, BLOCK_R=tiles.block_r)
 
 
-def combine_grid(r: int, h: int, tiles: CombineTiles) -> tuple[int]:
-    if tiles.head_major:
-        return (triton.cdiv(r // h, tiles.block_r) * h,)
+def combine_grid(r: int, tiles: CombineTiles) -> tuple[int]:
     return (triton.cdiv(r, tiles.block_r),)
 
 
@@ -141,7 +123,7 @@ def dx_combine_torch(rows, slot_row, dgate_rows, gates, idx, wt, heads: int, k: 
     dx = torch.empty((r, dh), dtype=out_dtype or rows.dtype, device=rows.device)
     dv = torch.empty((m if router else 1,), dtype=torch.float32, device=rows.device)
     none_i, none_f = (torch.zeros((1,), dtype=t, device=rows.device) for t in (torch.int32, torch.float32))
-    dx_combine_kernel[combine_grid(r, heads, tiles)](
+    dx_combine_kernel[combine_grid(r, tiles)](
         rows.reshape(p, parts * dh).contiguous(), slot_row.contiguous(),
         dgate_rows.reshape(-1).contiguous() if router else none_f, gates.reshape(-1).contiguous() if router else none_f,
         idx.reshape(-1).contiguous() if router else none_i, wt.contiguous() if router else none_f, dx, dv,

@@ -30,8 +30,7 @@ from mhl_jax.ops import experts_triton as ext
 from mhl_jax.ops import router_triton as rtr
 from mhl_jax.ops.kernels_select import import_jax_triton
 
-# The dx combine's tiles when moe_heads_fused is not given any (None: CombineTiles(), the measured default;
-# bench/layer.py's variant "head_major_combine" sets CombineTiles(head_major=True)).
+# The dx combine's tiles when moe_heads_fused is not given any (None: CombineTiles(), the measured default).
 COMBINE_TILES: CombineTiles | None = None
 
 
@@ -62,7 +61,7 @@ def dx_combine(dx_rows, slot_row, dgate_rows, gates, idx, wt, x_dtype, tiles: Co
             dx_rows.reshape(p, parts * dh), slot_row, dgate_rows.reshape(-1), gates.reshape(-1), idx.reshape(-1), wt,
             kernel=dx_combine_kernel, out_shape=[jax.ShapeDtypeStruct((n * h, dh), x_dtype),
                                                  jax.ShapeDtypeStruct((n * h * k,), jnp.float32)],
-            grid=combine_grid(n * h, h, tiles), num_warps=tiles.num_warps, **consts)
+            grid=combine_grid(n * h, tiles), num_warps=tiles.num_warps, **consts)
         return dx.reshape(n, h, dh), dv.reshape(n, h, k)
     if dg_by_slot:
         dg = dgate_rows.reshape(n, h, k).astype(jnp.float32)
