@@ -7,7 +7,8 @@ One trace of `calls` calls (after the caller has compiled and warmed `fn`), read
 `jax.profiler.ProfileData`. On each GPU plane, the kernels of the "XLA Ops" line are classed as
 communication when their name is a collective's (all-to-all, ragged-all-to-all, all-reduce,
 all-gather, reduce-scatter, collective-permute, send / recv, nccl) and as compute otherwise; the sums are
-divided by `calls`. Collectives run on their own streams and may overlap compute, so comm + compute can
+divided by `calls`; `top_ops_ms`: the first GPU's `top_ops` XLA ops with the most time (name, ms per
+call). Collectives run on their own streams and may overlap compute, so comm + compute can
 exceed the busy time (`busy_ms` = the union of both, per device); a collective's time also includes
 waiting for the slowest peer. The figures are medians over devices. Without GPU planes (CPU) the
 result says so and holds no split.
@@ -45,7 +46,7 @@ def _union_ms(intervals: list[tuple[int, int]]) -> float:
     return total / 1e6
 
 
-def device_time_split(fn, *args, calls: int = 2) -> dict:
+def device_time_split(fn, *args, calls: int = 2, top_ops: int = 40) -> dict:
     from jax.profiler import ProfileData
 
     tmp = tempfile.mkdtemp(prefix="mhl_prof_")
@@ -61,7 +62,7 @@ def device_time_split(fn, *args, calls: int = 2) -> dict:
         files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
         if not files:
             return {"wall_ms": wall, "split": "no profile written"}
-        per_device = []
+        per_device, by_op = [], {}
         for plane in ProfileData.from_file(files[0]).planes:
             if not plane.name.startswith("/device:GPU"):
                 continue
@@ -72,6 +73,8 @@ def device_time_split(fn, *args, calls: int = 2) -> dict:
                 for ev in line.events:
                     start, dur = int(ev.start_ns), int(ev.duration_ns)
                     spans.append((start, start + dur))
+                    if not per_device:  # the first GPU's ops by name
+                        by_op[ev.name] = by_op.get(ev.name, 0) + dur
                     if is_comm(ev.name):
                         comm += dur
                     else:
@@ -82,7 +85,9 @@ def device_time_split(fn, *args, calls: int = 2) -> dict:
         if not per_device:
             return {"wall_ms": wall, "split": "no GPU planes in the profile"}
         med = lambda key: float(np.median([d[key] for d in per_device]))  # noqa: E731
+        top = sorted(by_op.items(), key=lambda kv: -kv[1])[:top_ops]
         return {"devices": len(per_device), "wall_ms": wall, "comm_ms": med("comm_ms"),
-                "compute_ms": med("compute_ms"), "busy_ms": med("busy_ms"), "per_device": per_device}
+                "compute_ms": med("compute_ms"), "busy_ms": med("busy_ms"), "per_device": per_device,
+                "top_ops_ms": [(name, round(d / 1e6 / calls, 3)) for name, d in top]}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

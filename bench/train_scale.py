@@ -255,7 +255,7 @@ def run(configs: list[str], device_counts: list[int], steps: int = 4, warmup: in
                    "steps": steps, "warmup": warmup, "seed": seed, "overrides": overrides}
             try:
                 rec.update(measure(cfg, avail[:n], params, biases, batches, warmup, base.train.seed,
-                                   profile=profile and n > 1))
+                                   profile=profile))
                 log(f"# {cfg.name} x{n}: mesh {rec['mesh']}, compile {rec['compile_s']:.1f} s, "
                     f"step {rec['step_s']:.3f} s, {rec['tokens_per_s']:.0f} tok/s, losses {rec['losses']}")
             except Exception as e:  # keep going: the other device counts are still worth measuring
@@ -306,8 +306,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="numpy seed of the synthetic tokens")
     ap.add_argument("--out", default="", help="JSON lines file to append to (default bench/results/...)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
-    ap.add_argument("--profile", action="store_true", help="trace one extra step on >1 device: communication vs "
-                    "compute kernel time (bench/profile_split.py)")
+    ap.add_argument("--profile", action="store_true", help="trace one extra step: communication vs compute "
+                    "kernel time and the ops with the most time (bench/profile_split.py)")
     args = ap.parse_args()
 
     devs = jax.devices()
