@@ -31,6 +31,35 @@ def test_train_scale_refuses_more_devices_than_visible():
         train_scale.run([CFG + "tiny_moe.yaml"], [len(jax.devices()) + 1], steps=2)
 
 
+def test_step_memory_finds_the_reference_experts_weight_copies_and_the_gpu_path_without_them():
+    """bench/step_memory.py compiles the train step from shapes alone. MoE with experts wider than the fused
+    kernels (d_model 288) under Expert Parallel: on the reference ops its largest buffer is the pure-JAX experts'
+    weight copy per 16-row block of the worst-case receive buffer (what made the 2.2B EP step ask for 87 GiB,
+    2026-11-22); with the GPU path's stand-ins (grouped-expert launches and ragged_all_to_all as opaque calls)
+    that copy is gone, the ragged exchange and the expert launches are there, and the stand-ins are undone."""
+    from bench import step_memory as sm
+    from mhl_jax.ops import experts_grouped
+    from mhl_jax.ops.packing import padded_rows
+
+    sets = [*train_scale.DEFAULT_SETS, "model.compute_dtype=bfloat16", "model.n_layers=2", "ffn.stem_layers=1",
+            "model.context=32", "model.d_model=288", "ffn.expert_hidden=64"]
+    cfg = train_scale.run_config(CFG + "tiny_moe.yaml", sets, 2)
+    ref = sm.step_memory(cfg, jax.devices()[:2], "reference", top=3)
+    std = sm.step_memory(cfg, jax.devices()[:2], "standin", top=400)
+    # per device: 4 x 32 tokens x k 2 slots, at most all of them to either peer: 2 x 256 rows, 8 local experts
+    blocks = padded_rows(2 * 256, 8, 16) // 16
+    assert ref["largest"][0]["shape"] in (f"f32[{blocks},288,64]", f"f32[{blocks},64,288]"), ref["largest"]
+    assert "ragged" in std["executor"] and "triton" in std["executor"]
+    shapes = {b["shape"] for b in std["largest"]}
+    assert not any(s.startswith(f"f32[{blocks},") for s in shapes), shapes
+    assert "bf16[512,288]" in shapes  # the static receive buffer, 2 peers x 256 rows
+    assert {"custom-call"} <= {b["op"] for b in std["largest"]}
+    assert 0 < std["mem_compiled_gib"] < ref["mem_compiled_gib"]
+    assert experts_grouped._rows_triton is not sm._rows_standin and jax.lax.ragged_all_to_all is not sm._ragged_standin
+    with pytest.raises(SystemExit, match="stand-ins exist only"):
+        sm.check_standin(train_scale.run_config(CFG + "tiny_mh_latent_moe.yaml", sets[:3], 2))
+
+
 def test_layer_bench_breakdown_runs_with_emulated_kernels(monkeypatch):
     """bench/layer.py's layer and --breakdown on the Triton path with the bindings swapped for their
     emulating stand-ins (CPU): every part is timed (the Triton packing, which needs a GPU, is reported as
