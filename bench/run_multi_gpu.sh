@@ -11,6 +11,11 @@
 # scale: bench/train_scale.py, the 2.2B configs on 1, 2 and 4 GPUs (loss check, tokens/s, memory, comm split).
 #        MoE / LatentMoE with the grouped-GEMM experts: ... scale --config configs/moe_ep_2.2b.yaml \
 #        --set ffn.kernels=triton --set parallel.ep=4 --devices 1 4
+# scale4: all 4 GPUs (~6 of the call's 10 min): bench/train_scale.py on 4 and 1 GPU(s), one process per config
+#        (exact memory peaks), each under its own limit: MH-LatentMoE 2.2B hp=4 (T_HP, default 220 s), then
+#        MoE 2.2B ep=4 (the rest of BUDGET, default 540 s from the start). Balancing gamma 0 (the loss check
+#        compares the sharding only), no XLA deterministic-ops flag (it aborted jax-triton multi-GPU runs).
+#        Expected ~150 s + ~180 s. CPU check of the EP step's memory first: bench/step_memory.py.
 # Writes JSON lines and logs under $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/multi_out}
@@ -64,6 +69,23 @@ scale)
         2>&1 | tee "$OUT/train_scale.log"
     echo "train_scale exit $? after $(( $(date +%s) - t0 )) s"
     ;;
+scale4)
+    export XLA_FLAGS=
+    S=(--date "$DATE" --steps "${STEPS:-4}" --warmup 1 --devices 4 1 --set ffn.balance_gamma=0
+       --out "$OUT/train-scale4.jsonl")
+    timeout -k 10 "${T_HP:-220}" python3 bench/train_scale.py --config configs/mh_latent_moe_hp_2.2b.yaml "${S[@]}" \
+        > "$OUT/scale4_hp.log" 2>&1
+    echo "mh_latent_moe_hp_2.2b: exit $? after $(( $(date +%s) - t0 )) s"
+    left=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
+    [ "$left" -lt 120 ] && left=120
+    timeout -k 10 "$left" python3 bench/train_scale.py --config configs/moe_ep_2.2b.yaml "${S[@]}" \
+        > "$OUT/scale4_ep.log" 2>&1
+    echo "moe_ep_2.2b (limit $left s): exit $? after $(( $(date +%s) - t0 )) s"
+    for f in "$OUT/scale4_hp.log" "$OUT/scale4_ep.log"; do
+        echo "== $f"
+        grep -a -E '^# |^\||Error|error:' "$f" | grep -av '^  File' | tail -14 | cut -c1-700
+    done
+    ;;
 *)
-    echo "usage: bash bench/run_multi_gpu.sh p2|p2check|p2train|p4|scale [train_scale args]"; exit 2 ;;
+    echo "usage: bash bench/run_multi_gpu.sh p2|p2check|p2train|p4|scale|scale4 [train_scale args]"; exit 2 ;;
 esac

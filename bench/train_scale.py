@@ -257,7 +257,9 @@ def run(configs: list[str], device_counts: list[int], steps: int = 4, warmup: in
                 rec.update(measure(cfg, avail[:n], params, biases, batches, warmup, base.train.seed,
                                    profile=profile))
                 log(f"# {cfg.name} x{n}: mesh {rec['mesh']}, compile {rec['compile_s']:.1f} s, "
-                    f"step {rec['step_s']:.3f} s, {rec['tokens_per_s']:.0f} tok/s, losses {rec['losses']}")
+                    f"step {rec['step_s']:.3f} s, {rec['tokens_per_s']:.0f} tok/s, memory "
+                    f"{fmt(rec['mem_compiled_gib'], '.1f')} GiB compiled / {fmt(rec['mem_peak_gib'], '.1f')} "
+                    f"peak, losses {rec['losses']}, step times {[round(t, 4) for t in rec['step_times_s']]}")
             except Exception as e:  # keep going: the other device counts are still worth measuring
                 traceback.print_exc()
                 rec["error"] = f"{type(e).__name__}: {e}"[:2000]
