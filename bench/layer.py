@@ -77,9 +77,7 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # (kernels.router.WS_MAX_K = 0); "apart_dx": the router's and the experts' ops apart, their dx added by XLA, instead
 # of one custom_vjp whose dx comes out of one combine kernel (moe_core.FUSE_ROUTER_DX = False: the default until the
 # 2026-11-25 session 20).
-# "no_padding_skip": the Gluon backward walks every row of a group's packing blocks, its 32-row blocks made only of
-# padding too (experts_triton.SKIP_PADDING_BLOCKS = False: the default until the 2026-11-26 session 21).
-LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "no_padding_skip")
+LAYER_VARIANTS = ("triton_router_fwd", "apart_dx")
 
 
 @contextlib.contextmanager
@@ -87,19 +85,16 @@ def layer_switches(variant: str | None):
     """The switches of a LAYER_VARIANTS name flipped inside the context (None or an expert variant: none)."""
     import kernels.router as kr
     import mhl_jax.model.moe_core as mc
-    import mhl_jax.ops.experts_triton as et
 
-    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.SKIP_PADDING_BLOCKS
+    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX
     if variant == "triton_router_fwd":
         kr.WS_MAX_K = 0
     if variant == "apart_dx":
         mc.FUSE_ROUTER_DX = False
-    if variant == "no_padding_skip":
-        et.SKIP_PADDING_BLOCKS = False
     try:
         yield
     finally:
-        kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.SKIP_PADDING_BLOCKS = saved
+        kr.WS_MAX_K, mc.FUSE_ROUTER_DX = saved
 
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):

@@ -348,17 +348,13 @@ def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int |
 
 
 @gluon.jit
-def _dw_tile(t, group_block_start_ptr, group_rows_ptr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+def _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
              BLOCK_M: gl.constexpr):
-    """Tile t = (group, 128 de): (group as int64, first de, first packed row, row blocks of BLOCK_M). The row blocks
-    cover the group's routed rows only (cdiv(rows, BLOCK_M)): the blocks of BLOCK_M made only of the segment's
-    padding (on average 1.5 of the 4 in a 128-row packing block's last) are skipped. Their rows hold zeros in X and
-    dy (adding nothing to dW but the sign of an all -0.0 sum) and their dX rows / gate gradients are unwritten, like
-    the rows of packing blocks made only of padding."""
+    """Tile t = (group, 128 de): (group as int64, first de, first packed row, row blocks of BLOCK_M)."""
     gi = t // (DE // 128)
     start = gl.load(group_block_start_ptr + gi)
-    rows = gl.load(group_rows_ptr + gi)
-    return gi.to(gl.int64), (t % (DE // 128)) * 128, start.to(gl.int64) * PACK_BLOCK, (rows + BLOCK_M - 1) // BLOCK_M
+    nblk = gl.load(group_nblocks_ptr + gi)
+    return gi.to(gl.int64), (t % (DE // 128)) * 128, start.to(gl.int64) * PACK_BLOCK, nblk * (PACK_BLOCK // BLOCK_M)
 
 
 @gluon.jit
@@ -367,7 +363,7 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
                  C: gl.constexpr):
     """Per tile: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
     once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_rows_ptr, sched_ptr, w1_ptr, w2_ptr,
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     PW: gl.constexpr = gl.num_warps()
     lx: gl.constexpr = _copy_layout(DH, PW)
@@ -378,7 +374,7 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
     n = 0
     # this program's tiles: sched[sched[pid]:sched[pid + 1]] (`tile_schedule`: the offsets count from sched_ptr)
     for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
-        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_rows_ptr, DE, PACK_BLOCK,
+        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK,
                                      BLOCK_M)
         wb = n % WB
         mbarrier.wait(w_empty.index(wb), ((n // WB) & 1) ^ 1)
@@ -461,7 +457,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     to an HB-deep ring in shared memory (`f`'s h_ready / h_empty) for the dX warp group (`_dx_worker`), which makes
     the dX rows and gate gradients off the consumers' chain. The gate gradient's half leaves as one partial per warp
     (its 16 de rows: no exchange between the warps; the dX warp group adds them)."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_rows_ptr, sched_ptr, w1_ptr, w2_ptr,
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
     NW: gl.constexpr = gl.num_warps()
@@ -480,7 +476,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     n = 0
     # this program's tiles: sched[sched[pid]:sched[pid + 1]] (`tile_schedule`: the offsets count from sched_ptr)
     for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
-        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_rows_ptr, DE, PACK_BLOCK,
+        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK,
                                      BLOCK_M)
         wb = _wait_weights(w_ready, n, WB)
         w1t = w1_smem.index(wb * 2 + C).permute((1, 0))  # (64, DH): W1[:, e:e + 64]^T
@@ -578,7 +574,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
 
 
 @gluon.jit
-def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_rows_ptr, sched_ptr, w1_ptr,
+def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
                  w2_ptr, dw1_ptr, dw2_ptr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M: gl.constexpr,
                  DH: gl.constexpr, NW: gl.constexpr, W_USERS: gl.constexpr = 2):
     """The dW / backward kernels' shared operand tuple (`_dw_producer` / `_dw_consumer` / `_dx_worker` unpack it): the
@@ -594,13 +590,13 @@ def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, 
     w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
     d_ready, d_empty = _ws_barriers(NST, NW * 32)
     w_ready, w_empty = _ws_barriers(WB, NW * 32, W_USERS)  # W_USERS partitions free a weight buffer
-    return (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_rows_ptr, sched_ptr, w1_ptr,
+    return (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
             w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
 
 
 @gluon.jit
 def gluon_expert_dw_ws_kernel(
-    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_rows_ptr, sched_ptr, w1_ptr,
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
     w2_ptr,  # inputs
     dw1_ptr, dw2_ptr,  # outputs (G, DH, DE), (G, DE, DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
@@ -619,7 +615,7 @@ def gluon_expert_dw_ws_kernel(
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0, "DE: tiles of 128 de (two consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1, "NST: a consumer frees stage q - 1 only after it waited for stage q")
-    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_rows_ptr, sched_ptr,
+    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW)
     f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False)),
@@ -644,7 +640,7 @@ def _dh_ring(dx_ptr, dgate_ptr, HB: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.
 
 @gluon.jit
 def gluon_expert_bwd_ws_kernel(
-    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_rows_ptr, sched_ptr, w1_ptr,
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
     w2_ptr,  # inputs
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
@@ -660,7 +656,7 @@ def gluon_expert_bwd_ws_kernel(
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1, "NST >= 2, WB >= 1")
-    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_rows_ptr, sched_ptr,
+    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW)
     f = _dh_ring(dx_ptr, dgate_ptr, 2, BLOCK_M, NW, 2)  # both consumers arrive on both
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True)),
@@ -677,7 +673,7 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
     dH_1^T (W1 from the tile's weight buffer), stored as (BLOCK_M, DH) rows of this tile's partial; and the gate
     gradient (the consumers' per-warp partials, 16 de each, added in a fixed order). Frees the ring slot (h_empty)
     once its products retired, the weight buffer (w_empty) after the tile's last block."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_rows_ptr, sched_ptr, w1_ptr, w2_ptr,
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
     NW: gl.constexpr = gl.num_warps()
@@ -692,7 +688,7 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
     q = 0
     n = 0
     for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
-        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_rows_ptr, DE, PACK_BLOCK,
+        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK,
                                      BLOCK_M)
         wb = _wait_weights(w_ready, n, WB)
         for i in range(nsub):
@@ -719,7 +715,7 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
 
 @gluon.jit
 def gluon_expert_bwd_xw_kernel(
-    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_rows_ptr, sched_ptr, w1_ptr,
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
     w2_ptr,  # inputs
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
@@ -735,7 +731,7 @@ def gluon_expert_bwd_xw_kernel(
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1 and HB >= 2, "NST >= 2, WB >= 1, HB >= 2")
-    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_rows_ptr, sched_ptr,
+    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW, 3)
     f = _dh_ring(dx_ptr, dgate_ptr, HB, BLOCK_M, NW, 1)  # both consumers arrive on ready, the dX warp group on empty
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
@@ -832,7 +828,7 @@ def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs
                    w1.shape[0] * tiles_per_group)
     sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal)
     kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start,
-                        pk.group_sizes, sched, w1.contiguous(), w2.contiguous(), *outs, num_warps=4,
+                        pk.group_nblocks, sched, w1.contiguous(), w2.contiguous(), *outs, num_warps=4,
                         maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
 
 

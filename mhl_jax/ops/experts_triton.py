@@ -43,7 +43,6 @@ class Meta(NamedTuple):
     block_group: jax.Array  # (P // pack_block,) int32
     group_block_start: jax.Array  # (G,) int32
     group_nblocks: jax.Array  # (G,) int32
-    group_rows: jax.Array  # (G,) int32: each group's routed rows (the packing's group sizes)
 
 
 class Static(NamedTuple):
@@ -115,9 +114,6 @@ def _opts(dtype) -> dict:
 
 
 _hopper_sms = gluon_bridge.hopper_sms  # a module name the tests can patch
-# The warp-specialised dW / backward kernels skip a group's 32-row blocks made only of padding (`_tiled_call`;
-# bench/layer.py's variant "no_padding_skip" turns it off)
-SKIP_PADDING_BLOCKS = True
 
 
 def _persistent_programs(work_items: int) -> int:
@@ -204,10 +200,7 @@ def _tiled_call(kernel, xs, dys, gates, meta: Meta, w1, w2, heads: int, out_shap
     and the schedule dealt for exactly that many programs (`tile_schedule`)."""
     tiles_per_group = w1.shape[2] // 128
     programs = _persistent_programs(w1.shape[0] * tiles_per_group)
-    # the kernels walk cdiv(rows, 32) row blocks of a group: its routed rows (skipping the 32-row blocks made only of
-    # padding), or with SKIP_PADDING_BLOCKS off every row of its packing blocks (the kernels until 2026-11-26)
-    rows = meta.group_rows if SKIP_PADDING_BLOCKS else meta.group_nblocks * constexprs["PACK_BLOCK"]
-    return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, rows,
+    return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
                        tile_schedule(meta.group_nblocks, tiles_per_group, heads, programs), w1, w2, kernel=kernel,
                        out_shape=out_shape, programs=programs, **constexprs)
 
@@ -342,7 +335,7 @@ def packed_meta(idx: jax.Array, num_experts: int, block: int, pack_impl: str, ba
             raise ValueError(f"{who}: the given packing has (rows, slots, groups) = {got}, expected {want} "
                              f"(row block {block}: make it with mhl_jax.ops.experts.triton_packing_spec)")
     start, count = pk.group_blocks(packing.group_sizes, block)
-    return packing, Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count, packing.group_sizes)
+    return packing, Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count)
 
 
 def take_slots(rows, slot_row):
