@@ -63,7 +63,8 @@ def device_time_split(fn, *args, calls: int = 2, top_ops: int = 40) -> dict:
         if not files:
             return {"wall_ms": wall, "split": "no profile written"}
         per_device, by_op = [], {}
-        for plane in ProfileData.from_file(files[0]).planes:
+        planes = list(ProfileData.from_file(files[0]).planes)
+        for plane in planes:
             if not plane.name.startswith("/device:GPU"):
                 continue
             comm, comp, spans = 0, 0, []
@@ -83,7 +84,8 @@ def device_time_split(fn, *args, calls: int = 2, top_ops: int = 40) -> dict:
                 per_device.append({"device": plane.name, "comm_ms": comm / 1e6 / calls,
                                    "compute_ms": comp / 1e6 / calls, "busy_ms": _union_ms(spans) / calls})
         if not per_device:
-            return {"wall_ms": wall, "split": "no GPU planes in the profile"}
+            return {"wall_ms": wall, "split": "no GPU planes in the profile", "files": len(files),
+                    "planes": [(p.name, [line.name for line in p.lines][:8]) for p in planes][:12]}
         med = lambda key: float(np.median([d[key] for d in per_device]))  # noqa: E731
         top = sorted(by_op.items(), key=lambda kv: -kv[1])[:top_ops]
         return {"devices": len(per_device), "wall_ms": wall, "comm_ms": med("comm_ms"),
