@@ -66,7 +66,6 @@ def child(tokens: int, config: str, variant: str) -> None:
     cuda.cuProfilerStop()
 
 
-DERIVED_LINES = ("XLA Ops", "XLA Modules", "Framework", "Steps", "Source", "TensorFlow", "Launch Stats")
 
 
 def trace_events(fn, args, calls: int):
@@ -77,6 +76,8 @@ def trace_events(fn, args, calls: int):
 
     import jax
     from jax.profiler import ProfileData
+
+    from bench.profile_split import DERIVED_LINES
 
     tmp = tempfile.mkdtemp(prefix="mhl_prof_")
     try:

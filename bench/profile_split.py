@@ -4,8 +4,8 @@
     # {"devices": 4, "wall_ms": ..., "comm_ms": ..., "compute_ms": ..., "busy_ms": ..., "per_device": [...]}
 
 One trace of `calls` calls (after the caller has compiled and warmed `fn`), read back with
-`jax.profiler.ProfileData`. On each GPU plane, the kernels of the "XLA Ops" line are classed as
-communication when their name is a collective's (all-to-all, ragged-all-to-all, all-reduce,
+`jax.profiler.ProfileData`. On each GPU plane, the kernels of the "XLA Ops" line (else of the stream
+lines) are classed as communication when their name is a collective's (all-to-all, ragged-all-to-all, all-reduce,
 all-gather, reduce-scatter, collective-permute, send / recv, nccl) and as compute otherwise; the sums are
 divided by `calls`; `top_ops_ms`: the first GPU's `top_ops` XLA ops with the most time (name, ms per
 call). Collectives run on their own streams and may overlap compute, so comm + compute can
@@ -25,6 +25,7 @@ import time
 import jax
 import numpy as np
 
+DERIVED_LINES = ("XLA Ops", "XLA Modules", "Framework", "Steps", "Source", "TensorFlow", "Launch Stats")
 COMM_MARKERS = ("all-to-all", "all_to_all", "alltoall", "all-reduce", "allreduce", "all-gather", "allgather",
                 "reduce-scatter", "reducescatter", "collective-permute", "send", "recv", "nccl")
 
@@ -68,9 +69,12 @@ def device_time_split(fn, *args, calls: int = 2, top_ops: int = 40) -> dict:
             if not plane.name.startswith("/device:GPU"):
                 continue
             comm, comp, spans = 0, 0, []
-            for line in plane.lines:
-                if line.name != "XLA Ops":
-                    continue
+            lines = list(plane.lines)
+            # XLA's per-op line where the trace has one, else the streams' kernel lines (a long step's trace may come
+            # without the derived lines: seen on a 2.2B train step on H100, 2026-11-26)
+            ops = [line for line in lines if line.name == "XLA Ops"] or [
+                line for line in lines if not line.name.startswith(DERIVED_LINES)]
+            for line in ops:
                 for ev in line.events:
                     start, dur = int(ev.start_ns), int(ev.duration_ns)
                     spans.append((start, start + dur))

@@ -78,3 +78,20 @@ def test_ep_divisibility_and_missing_file(tmp_path):
     wrong.write_text("model: 3\n")
     with pytest.raises(ConfigError, match="model: expected a mapping"):
         load_config(str(wrong))
+
+
+def test_micro_batch_that_does_not_divide_names_one_that_does():
+    """The 2.2B configs' micro-batch 8 on 16 devices: 320 / (8 x 16) is not whole; the error names micro-batch 5
+    (the largest <= 8 that divides 320 / 16), and 1, 2, 4 and 8 devices divide as they are."""
+    from mhl_jax.train.loop import accumulation_steps
+
+    cfg = load_config("configs/mh_latent_moe_hp_2.2b.yaml")
+    assert cfg.train.micro_batch == 8
+    assert [accumulation_steps(cfg, n) for n in (1, 2, 4, 8)] == [40, 20, 10, 5]
+    with pytest.raises(ConfigError, match=r"micro_batch=8 x 16 devices = 128; e.g. --set train.micro_batch=5"):
+        accumulation_steps(cfg, 16)
+    tiny = load_config("configs/tiny_moe.yaml", ["train.global_batch=36", "train.micro_batch=4"])
+    with pytest.raises(ConfigError, match=r"micro_batch=4 x 6 devices = 24; e.g. --set train.micro_batch=3$"):
+        accumulation_steps(tiny, 6)
+    with pytest.raises(ConfigError, match=r"micro_batch=4 x 5 devices = 20$"):  # no micro-batch fits 36 / 5
+        accumulation_steps(tiny, 5)

@@ -44,8 +44,10 @@ def model_fingerprint(cfg: Config) -> dict:
 def accumulation_steps(cfg: Config, num_devices: int) -> int:
     micro_global = cfg.train.micro_batch * num_devices
     if cfg.train.global_batch % micro_global:
+        fits = [m for m in range(cfg.train.micro_batch, 0, -1) if cfg.train.global_batch % (m * num_devices) == 0]
+        hint = f"; e.g. --set train.micro_batch={fits[0]}" if fits else ""
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="
-                          f"{cfg.train.micro_batch} x {num_devices} devices = {micro_global}")
+                          f"{cfg.train.micro_batch} x {num_devices} devices = {micro_global}{hint}")
     return cfg.train.global_batch // micro_global
 
 
