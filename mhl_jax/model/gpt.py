@@ -75,9 +75,33 @@ class GPT(nnx.Module):
             if load is not None:
                 loads[i] = load
         x = self.norm_f(h).astype(self.dtype)
-        logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(self.dtype),
-                            preferred_element_type=jnp.float32)
+        logits = head_logits(x, self.head[...].astype(self.dtype))
         return logits, loads
+
+
+@jax.custom_vjp
+def head_logits(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x (B, T, d) @ w (d, V), both in the compute dtype, accumulated and returned in fp32 (the loss's logits). The
+    backward casts the logits' cotangent to the compute dtype for its two matmuls. Autodiff of the plain einsum would
+    multiply the fp32 cotangent with the bf16 operands, which XLA runs as fp32 (TF32) GEMMs: 39.5 of a 346 ms step of
+    the 2.2B MH-LatentMoE on one H100 (2026-11-26, bench/NOTES.md). The weight gradient comes back in w's dtype, as
+    through the cast before the einsum (then to fp32 by the cast's own VJP)."""
+    return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
+
+
+def _head_fwd(x, w):
+    return head_logits(x, w), (x, w)
+
+
+def _head_bwd(res, g):
+    x, w = res
+    g = g.astype(x.dtype)
+    dx = jnp.einsum("btv,dv->btd", g, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = jnp.einsum("btd,btv->dv", x, g, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dx, dw
+
+
+head_logits.defvjp(_head_fwd, _head_bwd)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
