@@ -57,29 +57,16 @@ def apply_balancing(biases: nnx.State, loads: dict[int, jax.Array], gamma: float
     return jax.tree_util.tree_map_with_path(upd, biases)
 
 
-# False: the summed gradients divided by the accumulation after the loop (the step until 2026-11-26; bench A/B)
-SCALE_IN_GRAD = True
-
-
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gamma: float,
                     schedule: Callable) -> Callable:
-    def scaled_loss(p, b, t, scale):
-        loss, loads = loss_fn(graphdef, p, b, t)
-        return loss * scale, loads
-
-    # the micro-batch loss is scaled by 1 / accumulation inside the gradient, so the summed gradients are the mean
-    # without a pass of their own over every parameter (bitwise the same when the accumulation is a power of 2)
-    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, b, t: loss_fn(graphdef, p, b, t), has_aux=True)
 
     def train_step(state: dict[str, Any], batch: jax.Array):
         params, biases = state["params"], state["biases"]
-        accum = batch.shape[0]
-
-        scale = 1.0 / accum if SCALE_IN_GRAD else 1.0
 
         def micro(carry, tokens):
             gsum, lsum, loadsum = carry
-            (loss, loads), grads = grad_fn(params, biases, tokens, jnp.float32(scale))
+            (loss, loads), grads = grad_fn(params, biases, tokens)
             gsum = jax.tree.map(jnp.add, gsum, grads)
             loadsum = {i: loadsum[i] + loads[i] for i in loadsum}
             return (gsum, lsum + loss, loadsum), None
@@ -87,9 +74,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
         zeros = jax.tree.map(jnp.zeros_like, params)
         _, load_shapes = jax.eval_shape(lambda: loss_fn(graphdef, params, biases, batch[0]))
         load0 = {i: jnp.zeros(s.shape, s.dtype) for i, s in load_shapes.items()}
-        (grads, loss, loads), _ = jax.lax.scan(micro, (zeros, jnp.float32(0.0), load0), batch)
-        if not SCALE_IN_GRAD:
-            grads, loss = jax.tree.map(lambda g: g / accum, grads), loss / accum
+        (gsum, lsum, loads), _ = jax.lax.scan(micro, (zeros, jnp.float32(0.0), load0), batch)
+        accum = batch.shape[0]
+        grads = jax.tree.map(lambda g: g / accum, gsum)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {
             **state,  # carried unchanged: the rng key data
@@ -98,7 +85,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
             "biases": apply_balancing(biases, loads, gamma),
             "step": state["step"] + 1,
         }
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+        metrics = {"loss": lsum / accum, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
         for i, counts in loads.items():
             metrics[f"load_max/{i}"], metrics[f"load_min/{i}"] = load_stats(counts)
         return new_state, metrics
