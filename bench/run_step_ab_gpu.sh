@@ -1,13 +1,13 @@
 #!/bin/bash
 # One single-GPU call (~2-3 min on an H100): the 1-GPU 2.2B MH-LatentMoE train step at micro-batch 8 with the code as
-# it is, then with one module switch flipped for the baseline (A_B, default "mhl_jax.train.step.SCALE_IN_GRAD=False"),
-# each in its own process on the same machine (bench/train_scale.py).
+# it is, then with one module attribute set for the baseline (A_B="module.attribute=python value", required; session 21
+# used it for a switch since removed), each in its own process on the same machine (bench/train_scale.py).
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/run_step_ab_gpu.sh
 set -o pipefail
 OUT=${OUT:-/tmp/step_ab_out}
 source "$(dirname "$0")/gpu_stage.sh"
-A_B=${A_B:-mhl_jax.train.step.SCALE_IN_GRAD=False}
+A_B=${A_B:?set A_B=module.attribute=value (the baseline)}
 ARGS="--config ${CONFIG:-configs/mh_latent_moe_hp_2.2b.yaml} --devices 1 --steps 4 --set train.micro_batch=8"
 stage new 150 python3 bench/train_scale.py $ARGS --out "$OUT/train_new.jsonl"
 stage baseline 150 python3 -c "
