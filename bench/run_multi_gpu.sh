@@ -72,7 +72,7 @@ scale)
 scale4)
     export XLA_FLAGS=
     S=(--date "$DATE" --steps "${STEPS:-4}" --warmup 1 --devices 4 1 --set ffn.balance_gamma=0
-       --out "$OUT/train-scale4.jsonl")
+       --out "$OUT/train-scale4.jsonl" ${SCALE_SETS:-})  # e.g. SCALE_SETS="--set train.micro_batch=8"
     timeout -k 10 "${T_HP:-220}" python3 bench/train_scale.py --config configs/mh_latent_moe_hp_2.2b.yaml "${S[@]}" \
         > "$OUT/scale4_hp.log" 2>&1
     echo "mh_latent_moe_hp_2.2b: exit $? after $(( $(date +%s) - t0 )) s"
