@@ -7,12 +7,12 @@
 set -o pipefail
 OUT=${OUT:-/tmp/step_ab_out}
 source "$(dirname "$0")/gpu_stage.sh"
-A_B=${A_B:?set A_B=module.attribute=value (the baseline)}
+export A_B=${A_B:?set A_B=module.attribute=value (the baseline)}  # read by the baseline from the environment
 ARGS="--config ${CONFIG:-configs/mh_latent_moe_hp_2.2b.yaml} --devices 1 --steps 4 --set train.micro_batch=8"
 stage new 150 python3 bench/train_scale.py $ARGS --out "$OUT/train_new.jsonl"
 stage baseline 150 python3 -c "
-import importlib, runpy, sys
-key, value = '$A_B'.split('=', 1)
+import importlib, os, runpy, sys
+key, value = os.environ['A_B'].split('=', 1)
 mod, name = key.rsplit('.', 1)
 setattr(importlib.import_module(mod), name, eval(value))
 sys.argv = ['bench/train_scale.py'] + sys.argv[1:]
