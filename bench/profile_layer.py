@@ -66,8 +66,6 @@ def child(tokens: int, config: str, variant: str) -> None:
     cuda.cuProfilerStop()
 
 
-
-
 def trace_events(fn, args, calls: int):
     """`calls` back-to-back calls of the warmed fn(*args) inside one JAX profiler trace -> (kernel events, "XLA Ops"
     events, the line names) of GPU 0; events (start ns, duration ns, name), sorted by start."""

@@ -3,8 +3,8 @@
 # gates and experts under one custom_vjp whose dx and the router's dvalues come out of one combine kernel), with the
 # two GPUs used side by side so the whole check fits one call:
 #   GPU 0: the GPU tests of the fused core and the combine kernel (test_combine.py), the shared-packing test with the
-#          switch off, the Triton train-step test (bitwise repeatable); then bench/combine.py (the kernel alone, both
-#          orders); then the layer at 8192 tokens, VARIANTS (default: "default apart_dx") in one process
+#          switch off, the Triton train-step test (bitwise repeatable); then bench/combine.py (the kernel alone, at
+#          its TILES); then the layer at 8192 tokens, VARIANTS (default: "default apart_dx") in one process
 #   GPU 1: the layer at 81920 tokens (CONFIGS80K), VARIANTS in one process
 # Falls back to one GPU (everything in turn) when only one is visible: then ~11 min with the defaults, over one call's
 # 10-minute limit, so pass e.g. CONFIGS80K="768/8/128 1536/8/128" there. From the repo root on the device machine:

@@ -2,7 +2,7 @@
 # Multi-GPU device calls (issues 4 and 7), one phase per call, on nvidia-h200-x4 (or -x2 for p2).
 # From the repo root on the device machine, after installing the carried wheels:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/run_multi_gpu.sh p2|p4|scale
+#       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/run_multi_gpu.sh p2|p4|scale|scale4
 # p2|p2check: GPUs 0,1: bench/a2a.py at P=2 (+ EP layer check, 1-vs-2-GPU training losses, in-layer HP cost);
 #        meanwhile GPUs 2,3: the tiny MH-LatentMoE trained with Triton kernels under Head Parallel (hp=2).
 # p2train: GPUs 0,1 (nvidia-h200-x2 is enough, ~4 min): bench/train_2gpu.py with each set of XLA options
