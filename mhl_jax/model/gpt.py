@@ -85,7 +85,9 @@ def head_logits(x: jax.Array, w: jax.Array) -> jax.Array:
     backward casts the logits' cotangent to the compute dtype for its two matmuls. Autodiff of the plain einsum would
     multiply the fp32 cotangent with the bf16 operands, which XLA runs as fp32 (TF32) GEMMs: 39.5 of a 346 ms step of
     the 2.2B MH-LatentMoE on one H100 (2026-11-26, bench/NOTES.md). The weight gradient comes back in w's dtype, as
-    through the cast before the einsum (then to fp32 by the cast's own VJP)."""
+    through the cast before the einsum (then to fp32 by the cast's own VJP). Under jit with sharded inputs as the
+    model runs it; not for use inside a shard_map with a replicated w (dw would come back varying over the manual
+    axes, which the custom VJP does not reduce; nothing calls the head there)."""
     return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
 
 
