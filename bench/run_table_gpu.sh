@@ -13,6 +13,7 @@ nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv,noheade
 stage layer "${T_LAYER:-240}" python3 bench/layer.py --tokens 8192 81920 --out "$OUT/layer.jsonl"
 for c in ${TRAIN_CONFIGS:-mh_latent_moe_hp_2.2b moe_ep_2.2b}; do
     stage "train_$c" "${T_TRAIN:-170}" python3 bench/train_scale.py --config "configs/$c.yaml" --devices 1 --steps 4 \
-        --profile --out "$OUT/train_scale.jsonl"
+        --profile --out "$OUT/train_scale.jsonl" ${TRAIN_SETS:-}  # train_scale's micro-batch 4 unless e.g.
+    # TRAIN_SETS="--set train.micro_batch=8" (the 2.2B configs' own default)
 done
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
