@@ -34,9 +34,9 @@ def test_exact_count_formula_for_moe():
 
 
 def test_head_logits_backward_runs_in_the_compute_dtype():
-    """The LM head's custom VJP: in fp32 exactly plain autodiff's gradients; in bf16 both backward matmuls take bf16
-    operands (plain autodiff multiplies the fp32 cotangent with bf16 operands: fp32 GEMMs on the GPU), the gradients
-    within bf16 rounding of the fp32 ones, and the logits exactly the plain einsum's."""
+    """The LM head's custom VJP: in fp32 exactly plain autodiff's gradients (the same dot_generals); in bf16 the
+    backward matmuls take bf16 operands (plain autodiff multiplies the fp32 cotangent with bf16 operands: fp32 GEMMs
+    on the GPU), the gradients within bf16 rounding of the fp32 ones, and the logits exactly the plain einsum's."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -54,9 +54,10 @@ def test_head_logits_backward_runs_in_the_compute_dtype():
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     assert np.array_equal(np.asarray(head_logits(xb, wb)), np.asarray(plain(xb, wb)))
     jaxpr = jax.make_jaxpr(jax.grad(loss(head_logits), (0, 1)))(xb, wb)
-    # the backward's two matmuls (the forward's sits inside the custom_vjp call)
+    # the backward's matmuls (the forward's sits inside the custom_vjp call; the backward's jax.vjp also traces an
+    # unused forward, which XLA drops)
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
-    assert len(dots) == 2 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    assert len(dots) >= 2 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
     got = jax.grad(loss(head_logits), (0, 1))(xb, wb)
     for a, b in zip(got, ref):
         assert a.dtype == jnp.bfloat16

@@ -85,9 +85,7 @@ def head_logits(x: jax.Array, w: jax.Array) -> jax.Array:
     backward casts the logits' cotangent to the compute dtype for its two matmuls. Autodiff of the plain einsum would
     multiply the fp32 cotangent with the bf16 operands, which XLA runs as fp32 (TF32) GEMMs: 39.5 of a 346 ms step of
     the 2.2B MH-LatentMoE on one H100 (2026-11-26, bench/NOTES.md). The weight gradient comes back in w's dtype, as
-    through the cast before the einsum (then to fp32 by the cast's own VJP). Under jit with sharded inputs as the
-    model runs it; not for use inside a shard_map with a replicated w (dw would come back varying over the manual
-    axes, which the custom VJP does not reduce; nothing calls the head there)."""
+    through the cast before the einsum (then to fp32 by the cast's own VJP)."""
     return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
 
 
@@ -96,11 +94,11 @@ def _head_fwd(x, w):
 
 
 def _head_bwd(res, g):
+    # the transpose of the same einsum with the output in the compute dtype, so that it takes the cast cotangent: in
+    # fp32 exactly plain autodiff's backward (the same dot_generals), and under shard_map its usual reductions
     x, w = res
-    g = g.astype(x.dtype)
-    dx = jnp.einsum("btv,dv->btd", g, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = jnp.einsum("btd,btv->dv", x, g, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dx, dw
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum("btd,dv->btv", a, b, preferred_element_type=x.dtype), x, w)
+    return vjp(g.astype(x.dtype))
 
 
 head_logits.defvjp(_head_fwd, _head_bwd)
