@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from bench.train_scale import DEFAULT_SETS, run_config  # noqa: E402
+from bench.train_scale import DEFAULT_SETS, GIB, compiled_gib, run_config, state_init  # noqa: E402
 from mhl_jax.config import Config  # noqa: E402
 from mhl_jax.model.balancing import RouterBias  # noqa: E402
 from mhl_jax.model.gpt import build_model  # noqa: E402
@@ -51,11 +51,11 @@ from mhl_jax.ops.kernels_select import triton_expert_path  # noqa: E402
 from mhl_jax.ops.router import MAX_TRITON_ROUTER_WIDTH  # noqa: E402
 from mhl_jax.parallel.executors import make_executor  # noqa: E402
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings  # noqa: E402
+from mhl_jax.train.loop import accumulation_steps  # noqa: E402
 from mhl_jax.train.optimizer import make_optimizer  # noqa: E402
 from mhl_jax.train.schedule import make_schedule  # noqa: E402
 from mhl_jax.train.step import jit_train_step  # noqa: E402
 
-GIB = 2 ** 30
 KERNELS = ("standin", "reference")
 _ALIASES = ("bitcast", "get-tuple-element", "parameter", "tuple")  # no buffer of their own
 _MULTI = ("custom-call", "fusion")  # ops whose tuple outputs are buffers (a while's tuple is its carry)
@@ -155,17 +155,13 @@ def step_memory(cfg: Config, devices: list, kernels: str = "standin", top: int =
     graphdef, p_abs, b_abs = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=0, executor=executor)),
                                        nnx.Param, RouterBias)
     tx = make_optimizer(cfg)
-
-    def init_state(p, b):
-        return {"params": p, "opt_state": tx.init(p), "biases": b, "step": jnp.zeros((), jnp.int32)}
-
-    state = jax.eval_shape(init_state, p_abs, b_abs)
+    state = jax.eval_shape(state_init(tx), p_abs, b_abs)
     sh = state_shardings(cfg, mesh, state)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, sh)
     bsh = NamedSharding(mesh, batch_spec(mesh))
-    micro_global = cfg.train.micro_batch * mesh.size
-    accum = cfg.train.global_batch // micro_global
-    batch = jax.ShapeDtypeStruct((accum, micro_global, cfg.model.context + 1), jnp.int32, sharding=bsh)
+    accum = accumulation_steps(cfg, mesh.size)
+    batch = jax.ShapeDtypeStruct((accum, cfg.train.micro_batch * mesh.size, cfg.model.context + 1), jnp.int32,
+                                 sharding=bsh)
     step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh, bsh,
                           donate=True)
     t0 = time.perf_counter()
@@ -178,7 +174,7 @@ def step_memory(cfg: Config, devices: list, kernels: str = "standin", top: int =
             "executor": repr(executor), "kernels": kernels, "accum": accum, "micro_batch": cfg.train.micro_batch,
             "n_layers": cfg.model.n_layers, "compile_s": compile_s,
             **{f"{k}_gib": v for k, v in parts.items()},
-            "mem_compiled_gib": parts["argument"] + parts["output"] + parts["temp"] - parts["alias"],
+            "mem_compiled_gib": compiled_gib(ma),
             "largest": largest_buffers(compiled.as_text(), top)}
 
 

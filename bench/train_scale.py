@@ -85,6 +85,7 @@ from mhl_jax.model.gpt import build_model  # noqa: E402
 from mhl_jax.model.params import train_flops_per_token  # noqa: E402
 from mhl_jax.parallel.executors import make_executor  # noqa: E402
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, mesh_shape, model_axis, state_shardings  # noqa: E402
+from mhl_jax.train.loop import accumulation_steps  # noqa: E402
 from mhl_jax.train.metrics import device_peak_flops, mfu  # noqa: E402
 from mhl_jax.train.optimizer import make_optimizer  # noqa: E402
 from mhl_jax.train.schedule import make_schedule  # noqa: E402
@@ -102,10 +103,22 @@ def run_config(path: str, overrides: list[str], devices: int) -> Config:
     cfg = load_config(path, [*overrides, f"parallel.{axis}={devices}", "parallel.data=-1",
                              f"parallel.devices={devices}"])
     mesh_shape(cfg, devices)
-    if cfg.train.global_batch % (cfg.train.micro_batch * devices):
-        raise ConfigError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="
-                          f"{cfg.train.micro_batch} x {devices} devices")
+    accumulation_steps(cfg, devices)  # ConfigError when the batch does not split
     return cfg
+
+
+def state_init(tx):
+    """(params, biases) -> the train state `train.py` builds: AdamW moments, step 0."""
+    return lambda p, b: {"params": p, "opt_state": tx.init(p), "biases": b, "step": jnp.zeros((), jnp.int32)}
+
+
+def compiled_gib(ma) -> float | None:
+    """XLA's memory analysis of a compiled step -> GiB per device: arguments + outputs + temporaries - donated
+    aliases (None when the backend gives none)."""
+    if ma is None:
+        return None
+    return (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+            - ma.alias_size_in_bytes) / GIB
 
 
 def synthetic_tokens(seed: int, vocab: int, shape: tuple[int, ...], zipf: float = 1.0) -> np.ndarray:
@@ -139,17 +152,14 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     mesh = make_mesh(cfg, devices)
     n = mesh.size
     micro_global = cfg.train.micro_batch * n
-    accum = cfg.train.global_batch // micro_global
+    accum = accumulation_steps(cfg, n)
     executor = make_executor(cfg, mesh)
     graphdef, p_abs, b_abs = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=seed, executor=executor)),
                                        nnx.Param, RouterBias)
     if jax.tree.structure((p_abs, b_abs)) != jax.tree.structure((params, biases)):
         raise ValueError(f"{executor!r}: the model's parameter tree differs from the host-built one")
     tx = make_optimizer(cfg)
-
-    def init_state(p, b):
-        return {"params": p, "opt_state": tx.init(p), "biases": b, "step": jnp.zeros((), jnp.int32)}
-
+    init_state = state_init(tx)
     sh = state_shardings(cfg, mesh, jax.eval_shape(init_state, params, biases))
     bsh = NamedSharding(mesh, batch_spec(mesh))
     before = device_peaks(mesh.devices.flat)
@@ -162,9 +172,7 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     t0 = time.perf_counter()
     compiled = step.lower(state, jax.device_put(shaped[0], bsh)).compile()
     compile_s = time.perf_counter() - t0
-    ma = compiled.memory_analysis()
-    mem_compiled = None if ma is None else (ma.argument_size_in_bytes + ma.output_size_in_bytes
-                                            + ma.temp_size_in_bytes - ma.alias_size_in_bytes) / GIB
+    mem_compiled = compiled_gib(compiled.memory_analysis())
     losses, gnorms, times = [], [], []
     for b in shaped:
         b = jax.block_until_ready(jax.device_put(b, bsh))
