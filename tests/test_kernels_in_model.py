@@ -138,3 +138,81 @@ def test_kernel_choice_and_expert_path(monkeypatch):
         ks.resolve_kernels("triton")
     with pytest.raises(ValueError, match="kernels='fast'"):
         ks.resolve_kernels("fast")
+
+
+def _weight_casts_in(jaxpr, shapes) -> int:
+    """fp32 -> bf16 converts of an input of jaxpr (or of a reshape of one) shaped like an expert weight, in jaxpr and
+    every sub-jaxpr: the weights' casts (the emulated backward also rounds fp32 arrays of a weight's shape that it
+    computed: not counted)."""
+    n = 0
+    inputs = set(v for v in jaxpr.invars) | set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reshape" and eqn.invars[0] in inputs:
+            inputs.add(eqn.outvars[0])
+        if eqn.primitive.name == "convert_element_type" and eqn.invars[0] in inputs:
+            a = eqn.invars[0].aval
+            n += a.shape in shapes and a.dtype == jnp.float32 and eqn.outvars[0].aval.dtype == jnp.bfloat16
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _weight_casts_in(sub, shapes)
+    return n
+
+
+def _scan_bodies(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn.params["jaxpr"].jaxpr
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _scan_bodies(sub)
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_train_step_casts_expert_weights_once(emulated, monkeypatch, devices):
+    """bf16 compute, fp32 masters, the fused Triton experts (emulated): the train step casts the expert weights before
+    its micro-batch loop and hands the copies to every micro-batch (`train.step.CAST_EXPERT_WEIGHTS_ONCE`), on one
+    device and under Head Parallel (hp 2 x data 2). The loop body then holds no cast of an expert weight (it holds
+    them with the switch off), and the step's new state and metrics are bitwise those of the step that casts per
+    micro-batch."""
+    from jax.sharding import NamedSharding
+
+    import mhl_jax.train.step as step_mod
+    from mhl_jax.parallel.mesh import batch_spec, state_shardings
+    from mhl_jax.train.optimizer import make_optimizer
+    from mhl_jax.train.schedule import make_schedule
+
+    cfg = small("mh_latent_moe", "ffn.latent_dim=64", "ffn.head_dim=16", "model.compute_dtype=bfloat16",
+                "ffn.num_experts=12", "ffn.expert_hidden=32", "parallel.hp=2",
+                f"parallel.devices={devices}", "ffn.kernels=reference")  # expert weight shapes no activation has
+    mesh = make_mesh(cfg) if devices > 1 else None
+    executor = LocalMoE("triton") if mesh is None else make_executor(cfg, mesh)
+    executor.impl = "triton"  # what ffn.kernels=auto resolves to on a GPU
+    graphdef, params, biases = nnx.split(build_model(cfg, executor=executor), nnx.Param, RouterBias)
+    tx = make_optimizer(cfg)
+    state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0)}
+    batch = jnp.stack([tokens(cfg, 4), tokens(cfg, 4)[::-1]])  # 2 micro-batches
+    weights = [w for path, w in jax.tree_util.tree_leaves_with_path(params)
+               if {"experts", "w1"} <= {getattr(q, "key", None) for q in path}
+               or {"experts", "w2"} <= {getattr(q, "key", None) for q in path}]
+    assert len(weights) == 2
+    # whole or one hp shard's heads, and (H * Ne, ...) as the ops reshape them
+    shapes = {s for w in weights for h in (w.shape[0], w.shape[0] // 2) for s in ((h, *w.shape[1:]),
+                                                                                (h * w.shape[1], *w.shape[2:]))}
+    outs, body_casts = [], []
+    for once in (True, False):
+        monkeypatch.setattr(step_mod, "CAST_EXPERT_WEIGHTS_ONCE", once)
+        sched = make_schedule(cfg.optimizer, cfg.schedule)
+        if mesh is None:
+            fn, args = jax.jit(step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, sched)), (state, batch)
+        else:
+            sh, bsh = state_shardings(cfg, mesh, state), NamedSharding(mesh, batch_spec(mesh))
+            fn = step_mod.jit_train_step(graphdef, tx, cfg.balance_gamma, sched, sh, bsh)
+            args = (jax.device_put(state, sh), jax.device_put(batch, bsh))
+        jaxpr = jax.make_jaxpr(step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, sched))(state, batch).jaxpr
+        bodies = list(_scan_bodies(jaxpr))
+        assert len(bodies) == 1
+        body_casts.append(_weight_casts_in(bodies[0], shapes))
+        if once:
+            assert _weight_casts_in(jaxpr, shapes) >= 2  # w1 and w2 of the MoE layer, outside the loop
+        outs.append(jax.device_get(fn(*args)))
+    assert body_casts[0] == 0 and body_casts[1] >= 2
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_array_equal(a, b)

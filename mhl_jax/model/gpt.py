@@ -15,7 +15,7 @@ from mhl_jax.config import Config
 from mhl_jax.model.attention import Attention
 from mhl_jax.model.init import normal_param, residual_std
 from mhl_jax.model.mlp import MLP
-from mhl_jax.model.moe import LatentMoE, MHLatentMoE, MoE
+from mhl_jax.model.moe import ExpertBank, LatentMoE, MHLatentMoE, MoE
 from mhl_jax.model.moe_core import LocalMoE, MoEExecutor
 from mhl_jax.model.norms import RMSNorm
 from mhl_jax.ops.embed import embed_lookup
@@ -49,10 +49,12 @@ class Block(nnx.Module):
         self.ffn = make_ffn(cfg, layer, rngs, executor)
         self.dtype = jnp.dtype(m.compute_dtype)
 
-    def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """h: (B, T, d) fp32 residual stream -> updated h, expert load (H, Ne) or None."""
+    def __call__(self, h: jax.Array, weights_cast=None) -> tuple[jax.Array, jax.Array | None]:
+        """h: (B, T, d) fp32 residual stream -> updated h, expert load (H, Ne) or None. weights_cast: this layer's
+        entry of `GPT.expert_weight_casts` (MoE layers only)."""
         h = h + self.attn(self.norm1(h).astype(self.dtype)).astype(jnp.float32)
-        y, load = self.ffn(self.norm2(h).astype(self.dtype))
+        x = self.norm2(h).astype(self.dtype)
+        y, load = self.ffn(x) if weights_cast is None else self.ffn(x, weights_cast)
         return h + y.astype(jnp.float32), load
 
 
@@ -66,12 +68,27 @@ class GPT(nnx.Module):
         self.head = normal_param(rngs, (m.d_model, m.vocab_size), m.init_std)
         self.dtype = jnp.dtype(m.compute_dtype)
 
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict[int, jax.Array]]:
-        """tokens: (B, T) int32 -> logits (B, T, V) fp32, loads {layer index: (H, Ne) int32} per MoE layer."""
+    def expert_weight_casts(self) -> dict[int, tuple[jax.Array, jax.Array]]:
+        """{layer: (w1, w2) in the compute dtype} for the MoE layers whose executor reads the expert weights cast
+        (`ExpertBank.weight_casts`; the fused Triton experts with fp32 masters and bf16 compute), for `__call__`. The
+        train step makes them once per step instead of once per micro-batch: XLA left the casts inside the micro-batch
+        loop (7.9 ms per matrix and micro-batch in the 2.2B MH-LatentMoE step on one H100, bench/NOTES.md)."""
+        casts = {}
+        for i, block in enumerate(self.blocks):
+            bank = getattr(block.ffn, "experts", None)
+            made = bank.weight_casts(block.ffn.executor, self.dtype) if isinstance(bank, ExpertBank) else None
+            if made is not None:
+                casts[i] = made
+        return casts
+
+    def __call__(self, tokens: jax.Array, weights_cast: dict | None = None) -> tuple[jax.Array, dict[int, jax.Array]]:
+        """tokens: (B, T) int32 -> logits (B, T, V) fp32, loads {layer index: (H, Ne) int32} per MoE layer.
+        weights_cast: `expert_weight_casts()`, made by the caller (None: each MoE layer casts its own)."""
         h = embed_lookup(self.embed[...], tokens)  # deterministic gradient (mhl_jax/ops/embed.py)
         loads = {}
+        weights_cast = weights_cast or {}
         for i, block in enumerate(self.blocks):
-            h, load = block(h)
+            h, load = block(h, weights_cast.get(i))
             if load is not None:
                 loads[i] = load
         x = self.norm_f(h).astype(self.dtype)

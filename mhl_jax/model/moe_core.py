@@ -24,17 +24,30 @@ from mhl_jax.ops.router import MAX_TRITON_ROUTER_WIDTH, route_topk
 
 
 def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
-              w2: jax.Array, k: int, impl: str, cfg=None) -> tuple[jax.Array, jax.Array]:
+              w2: jax.Array, k: int, impl: str, cfg=None, weights_cast=None) -> tuple[jax.Array, jax.Array]:
     """x_route: (N, H, dr); x_expert: (N, H, dh) compute dtype; w_r: (H, dr, Ne) fp32; bias: (H, Ne) fp32;
     w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32. cfg: the triton experts' config (None: default).
+    weights_cast: (w1, w2) already in x_expert's dtype, made by the caller (the train step casts them once per step
+    instead of once per micro-batch), read by the expert kernels instead of casting here; only where
+    `reads_weights_cast` says so. w1 and w2 still get the gradients, in their own dtype.
 
     Returns y (N, H, dh) in x_expert.dtype and load (H, Ne) int32 (routed slots per expert).
     """
+    if weights_cast is not None and not reads_weights_cast(impl, x_expert.dtype, w1.dtype, x_expert.shape[2]):
+        raise ValueError(f"moe_heads: weights_cast= is read only by the fused Triton experts with weights of another "
+                         f"dtype than the activations (impl {impl!r}, x {x_expert.dtype}, w1 {w1.dtype}, dh "
+                         f"{x_expert.shape[2]})")
     if impl == "triton" and x_route.shape[2] <= MAX_TRITON_ROUTER_WIDTH:
-        return moe_heads_triton(x_route, x_expert, w_r, bias, w1, w2, k, cfg)
+        return moe_heads_triton(x_route, x_expert, w_r, bias, w1, w2, k, cfg, weights_cast=weights_cast)
     values, idx = route_topk(x_route, w_r, bias, k, impl)
     gates = jax.nn.softmax(values, axis=-1)  # fp32
-    return expert_ffn(x_expert, idx, gates, w1, w2, impl, cfg=cfg)
+    return expert_ffn(x_expert, idx, gates, w1, w2, impl, cfg=cfg, weights_cast=weights_cast)
+
+
+def reads_weights_cast(impl: str, x_dtype, w_dtype, dh: int) -> bool:
+    """Whether `moe_heads` can take the expert weights already cast (`weights_cast=`): the fused Triton experts
+    (impl "triton", dh <= MAX_TRITON_EXPERT_WIDTH) with weights held in another dtype than the activations."""
+    return impl == "triton" and triton_expert_path(dh) == "fused" and jnp.dtype(x_dtype) != jnp.dtype(w_dtype)
 
 
 # The router's Gluon kernel also casts the fp32 expert weights to bf16 (its caster warp group, at k > 4) instead of a
@@ -67,29 +80,36 @@ def router_casts_weights(x_route: jax.Array, x_expert: jax.Array, w1: jax.Array,
 
 
 def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
-                     w2: jax.Array, k: int, cfg=None, backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+                     w2: jax.Array, k: int, cfg=None, backend: str | None = None,
+                     weights_cast=None) -> tuple[jax.Array, jax.Array]:
     """`moe_heads` on the Triton router and experts with one packing: the router's forward also packs
     its indices the way the expert op wants them, and its backward takes the dW_r layout from that
     packing instead of sorting the slots again. With x_route is x_expert on the fused expert path (FUSE_ROUTER_DX) all
     of it runs under one custom_vjp whose dx comes out of one kernel (`mhl_jax.ops.moe_triton`). backend "emulate":
-    pure-JAX kernel stand-ins (CPU); None: the bindings' own default ("triton"; a test may swap the bindings)."""
+    pure-JAX kernel stand-ins (CPU); None: the bindings' own default ("triton"; a test may swap the bindings).
+    weights_cast: (w1, w2) already cast by the caller (`moe_heads`); then the router's kernel casts nothing."""
     from mhl_jax.ops import router_triton
 
-    cast = router_casts_weights(x_route, x_expert, w1, w2)
+    cast = weights_cast is None and router_casts_weights(x_route, x_expert, w1, w2)
     kw = {} if backend is None else {"backend": backend}
     if FUSE_ROUTER_DX and x_route is x_expert and triton_expert_path(x_expert.shape[2]) == "fused":
         from mhl_jax.ops import moe_triton
 
-        return moe_triton.moe_heads_fused(x_expert, w_r, bias, w1, w2, k, cfg, cast=cast, **kw)
+        return moe_triton.moe_heads_fused(x_expert, w_r, bias, w1, w2, k, cfg, cast=cast, weights_cast=weights_cast,
+                                          **kw)
     spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
     out = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, cast=(w1, w2) if cast else None, **kw)
     values, idx, packing = out[:3]
     gates = jax.nn.softmax(values, axis=-1)  # fp32
     return expert_ffn(x_expert, idx, gates, w1, w2, "triton", cfg=cfg, packing=packing, backend=backend,
-                      weights_cast=out[3] if cast else None)
+                      weights_cast=out[3] if cast else weights_cast)
 
 
 class MoEExecutor(Protocol):
+    """Runs `moe_heads` on global arrays. An executor that can take the expert weights already cast (`weights_cast=`
+    in its call) also has `reads_weights_cast(x_dtype, w_dtype, dh) -> bool` (`LocalMoE`, `HeadParallelMoE`); the
+    model asks it before handing them over (`mhl_jax.model.gpt.GPT.expert_weight_casts`)."""
+
     def __call__(self, x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array,
                  w1: jax.Array, w2: jax.Array, k: int) -> tuple[jax.Array, jax.Array]: ...
 
@@ -100,8 +120,11 @@ class LocalMoE:
     def __init__(self, impl: str = "reference"):
         self.impl = impl
 
-    def __call__(self, x_route, x_expert, w_r, bias, w1, w2, k):
-        return moe_heads(x_route, x_expert, w_r, bias, w1, w2, k, self.impl)
+    def __call__(self, x_route, x_expert, w_r, bias, w1, w2, k, weights_cast=None):
+        return moe_heads(x_route, x_expert, w_r, bias, w1, w2, k, self.impl, weights_cast=weights_cast)
+
+    def reads_weights_cast(self, x_dtype, w_dtype, dh: int) -> bool:
+        return reads_weights_cast(self.impl, x_dtype, w_dtype, dh)
 
     def __repr__(self) -> str:
         return f"LocalMoE(impl={self.impl!r})"

@@ -74,22 +74,22 @@ def dx_combine(dx_rows, slot_row, dgate_rows, gates, idx, wt, x_dtype, tiles: Co
     return (experts + router).sum(2).astype(x_dtype), dv
 
 
-def _forward(st: Static, x, w_r, bias, w1, w2):
+def _forward(st: Static, x, w_r, bias, w1, w2, wc):
     vals, idx, packing, *made = rtr._forward(st.router, x, w_r, bias, (w1, w2) if st.cast else None)
     gates = jax.nn.softmax(vals, axis=-1)  # fp32
     _, meta = ext.packed_meta(idx, w1.shape[1], st.experts.cfg.pack_block, st.experts.cfg.pack_impl,
                               st.experts.backend, packing, "moe_heads_fused")
-    y, res = ext._forward(st.experts, x, gates, w1, w2, meta, made[0] if made else None)
+    y, res = ext._forward(st.experts, x, gates, w1, w2, meta, made[0] if made else wc)
     return (y, packing.group_sizes.reshape(w1.shape[:2])), (x, w_r, bias, idx, packing, res)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _moe(st: Static, x, w_r, bias, w1, w2):
-    return _forward(st, x, w_r, bias, w1, w2)[0]
+def _moe(st: Static, x, w_r, bias, w1, w2, wc):
+    return _forward(st, x, w_r, bias, w1, w2, wc)[0]
 
 
-def _moe_fwd(st: Static, x, w_r, bias, w1, w2):
-    return _forward(st, x, w_r, bias, w1, w2)
+def _moe_fwd(st: Static, x, w_r, bias, w1, w2, wc):
+    return _forward(st, x, w_r, bias, w1, w2, wc)
 
 
 def _moe_bwd(st: Static, res, cts):
@@ -102,7 +102,8 @@ def _moe_bwd(st: Static, res, cts):
                            st.combine, st.experts.backend, by_slot)
     dw_r = rtr.router_dw(st.router, x, w_r, idx, packing, dvals)
     h, ne = w_r.shape[0], w_r.shape[2]
-    return (dx, dw_r, jnp.zeros_like(bias), dw1.reshape(h, ne, *dw1.shape[1:]), dw2.reshape(h, ne, *dw2.shape[1:]))
+    return (dx, dw_r, jnp.zeros_like(bias), dw1.reshape(h, ne, *dw1.shape[1:]), dw2.reshape(h, ne, *dw2.shape[1:]),
+            None)  # the weights' cast (wc): no cotangent, w1 and w2 get theirs
 
 
 _moe.defvjp(_moe_fwd, _moe_bwd)
@@ -110,15 +111,20 @@ _moe.defvjp(_moe_fwd, _moe_bwd)
 
 def moe_heads_fused(x: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array, w2: jax.Array, k: int,
                     cfg=None, backend: str = "triton", cast: bool = False,
-                    combine: CombineTiles | None = None) -> tuple[jax.Array, jax.Array]:
+                    combine: CombineTiles | None = None, weights_cast=None) -> tuple[jax.Array, jax.Array]:
     """`moe_core.moe_heads_triton` for x_route = x_expert = x (N, H, dh) on the fused Triton expert path (dh <=
     MAX_TRITON_EXPERT_WIDTH): y (N, H, dh) in x's dtype, load (H, Ne) int32. cfg: the experts' ExpertsConfig (None:
     the measured default); cast: the router's kernel casts the expert weights (`moe_core.router_casts_weights`);
-    combine: the dx combine's tiles (None: COMBINE_TILES, else the measured default)."""
+    combine: the dx combine's tiles (None: COMBINE_TILES, else the measured default); weights_cast: (w1, w2) already
+    in x's dtype (made by the caller, e.g. once per train step), read instead of casting here (not with cast)."""
+    if cast and weights_cast is not None:
+        raise ValueError("moe_heads_fused: cast=True (the router's kernel casts the weights) and weights_cast= (cast "
+                         "by the caller) exclude each other")
     from mhl_jax.ops.experts import triton_packing_spec
 
-    est = ext.experts_static(x, k, w1, w2, cfg, backend)
+    est = ext.experts_static(x, k, w1, w2, cfg, backend, weights_cast)
     spec = triton_packing_spec(x.shape, k, w1.shape, est.cfg, backend)
     rst = rtr.router_static(x, w_r, bias, k, backend=backend, pack=spec, cast=(w1, w2) if cast else None)
     combine = combine or COMBINE_TILES or CombineTiles()
-    return _moe(Static(rst, est, bool(cast), combine), x, w_r, bias, w1, w2)
+    return _moe(Static(rst, est, bool(cast), combine), x, w_r, bias, w1, w2,
+                None if weights_cast is None else tuple(weights_cast))

@@ -32,7 +32,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mhl_jax.model.moe_core import moe_heads
+from mhl_jax.model.moe_core import moe_heads, reads_weights_cast
 
 
 def to_local_heads(x: jax.Array, axis: str = "hp") -> jax.Array:
@@ -87,10 +87,14 @@ class HeadParallelMoE:
         """The model emits its sub-tokens as (hp, N, Nh / hp, dh) for this executor (see the module doc)."""
         return self.hp
 
+    def reads_weights_cast(self, x_dtype, w_dtype, dh: int) -> bool:
+        return reads_weights_cast(self.impl, x_dtype, w_dtype, dh)
+
     def __call__(self, x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array,
-                 w1: jax.Array, w2: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+                 w1: jax.Array, w2: jax.Array, k: int, weights_cast=None) -> tuple[jax.Array, jax.Array]:
         """Token-major x (N, Nh, c) -> y (N, Nh, dh), or head-group-major x (hp, N, Nh / hp, c) -> y
-        (hp, N, Nh / hp, dh); both with the global load (Nh, Ne)."""
+        (hp, N, Nh / hp, dh); both with the global load (Nh, Ne). weights_cast: (w1, w2) already in the
+        activations' dtype (`moe_core.moe_heads`), split over `hp` like w1 and w2."""
         grouped = x_expert.ndim == 4
         if grouped:
             groups, n, hl = x_expert.shape[:3]
@@ -112,15 +116,16 @@ class HeadParallelMoE:
         send, back = (grouped_to_local_heads, grouped_to_local_tokens) if grouped else (to_local_heads,
                                                                                        to_local_tokens)
 
-        def local(xr, xe, w_r, bias, w1, w2):
+        def local(xr, xe, w_r, bias, w1, w2, *wc):
             xe_h = send(xe)
             xr_h = xe_h if shared else send(xr)
-            y, load = moe_heads(xr_h, xe_h, w_r, bias, w1, w2, k, impl)
+            y, load = moe_heads(xr_h, xe_h, w_r, bias, w1, w2, k, impl, weights_cast=wc or None)
             return back(y), lax.psum(load, "data")
 
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok, head, head, head, head),
+        wc = () if weights_cast is None else tuple(weights_cast)
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok) + (head,) * (4 + len(wc)),
                            out_specs=(tok, head), check_vma=self.check_vma)
-        return fn(x_route, x_expert, w_r, bias, w1, w2)
+        return fn(x_route, x_expert, w_r, bias, w1, w2, *wc)
 
     def __repr__(self) -> str:
         return f"HeadParallelMoE(mesh={dict(self.mesh.shape)}, impl={self.impl!r})"

@@ -41,10 +41,18 @@ def train_step_compiler_options(deterministic: bool = False, cudnn_attention: bo
     return {**TRAIN_STEP_COMPILER_OPTIONS, **extra}
 
 
-def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, biases: nnx.State, tokens: jax.Array):
-    """tokens: (B, T + 1) int32 -> (mean NLL fp32, {layer: (H, Ne) int32 loads})."""
+# The train step casts the expert weights to the compute dtype once per step, before its micro-batch loop, where the
+# MoE executor reads them cast (`GPT.expert_weight_casts`); False: every micro-batch's MoE op casts them again (XLA
+# did not hoist those casts out of the loop). The gradients are bitwise the same either way.
+CAST_EXPERT_WEIGHTS_ONCE = True
+
+
+def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, biases: nnx.State, tokens: jax.Array,
+            weights_cast: dict | None = None):
+    """tokens: (B, T + 1) int32 -> (mean NLL fp32, {layer: (H, Ne) int32 loads}). weights_cast: the model's
+    `expert_weight_casts()` made outside (not differentiated: the fp32 weights in params get the gradients)."""
     model = nnx.merge(graphdef, params, biases)
-    logits, loads = model(tokens[:, :-1])
+    logits, loads = model(tokens[:, :-1], weights_cast)
     return cross_entropy(logits, tokens[:, 1:]), loads
 
 
@@ -59,14 +67,15 @@ def apply_balancing(biases: nnx.State, loads: dict[int, jax.Array], gamma: float
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gamma: float,
                     schedule: Callable) -> Callable:
-    grad_fn = jax.value_and_grad(lambda p, b, t: loss_fn(graphdef, p, b, t), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, b, t, c: loss_fn(graphdef, p, b, t, c), has_aux=True)
 
     def train_step(state: dict[str, Any], batch: jax.Array):
         params, biases = state["params"], state["biases"]
+        casts = nnx.merge(graphdef, params, biases).expert_weight_casts() if CAST_EXPERT_WEIGHTS_ONCE else None
 
         def micro(carry, tokens):
             gsum, lsum, loadsum = carry
-            (loss, loads), grads = grad_fn(params, biases, tokens)
+            (loss, loads), grads = grad_fn(params, biases, tokens, casts)
             gsum = jax.tree.map(jnp.add, gsum, grads)
             loadsum = {i: loadsum[i] + loads[i] for i in loadsum}
             return (gsum, lsum + loss, loadsum), None
