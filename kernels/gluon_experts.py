@@ -431,7 +431,8 @@ def _sum_partials(dg_smem, hb, BLOCK_M: gl.constexpr, NW: gl.constexpr):
 @gluon.jit
 def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-                 C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2):
+                 C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2,
+                 ACCUM: gl.constexpr = False):
     """Consumer C (one warp group): de rows [e0 + 64 C, + 64) of every tile, both gradients. Per row block,
     transposed as in `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
         H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
@@ -456,7 +457,10 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     consumer's half of the gate gradient go
     to an HB-deep ring in shared memory (`f`'s h_ready / h_empty) for the dX warp group (`_dx_worker`), which makes
     the dX rows and gate gradients off the consumers' chain. The gate gradient's half leaves as one partial per warp
-    (its 16 de rows: no exchange between the warps; the dX warp group adds them)."""
+    (its 16 de rows: no exchange between the warps; the dX warp group adds them).
+
+    ACCUM: dW1 / dW2 hold a gradient summed so far (the JAX binding aliases the accumulator to them): each tile adds
+    its own to it in fp32 (acc + dW, what XLA's add of the two gives, bitwise) instead of overwriting it."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
@@ -568,8 +572,14 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         mbarrier.arrive(w_empty.index(wb))
         e = e0 + C * 64 + er
         # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
-        gl.store(dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None], acc1.to(dw1_ptr.dtype.element_ty))
-        gl.store(dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :], acc2.to(dw2_ptr.dtype.element_ty))
+        p1 = dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None]
+        if ACCUM:
+            acc1 = gl.load(p1) + acc1
+        gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty))
+        p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
+        if ACCUM:
+            acc2 = gl.load(p2) + acc2
+        gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty))
         n += 1
 
 
@@ -597,11 +607,11 @@ def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, 
 @gluon.jit
 def gluon_expert_dw_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
-    w2_ptr,  # inputs
+    w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: see ACCUM)
     dw1_ptr, dw2_ptr,  # outputs (G, DH, DE), (G, DE, DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACCUM: gl.constexpr,
 ):
     """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de) as
     the schedule sched_ptr deals them (`deal_schedule`: offsets of each program's tiles, then the tiles; about the
@@ -610,7 +620,9 @@ def gluon_expert_dw_ws_kernel(
     registers (128 accumulator registers: the worker consumer runs at CONSUMER_REGS after setmaxnreg, the producer at
     PRODUCER_REGS, the default partition at what is left of 512 per lane); one producer warp group (cp.async:
     the tile's weights into one of WB buffers, gathered X / dy rows of BLOCK_M into an NST-stage ring). Sums over
-    a group's rows in packed order, no atomics."""
+    a group's rows in packed order, no atomics. ACCUM: acc1 / acc2 are the accumulated gradients, the same buffers
+    as dW1 / dW2 (the JAX binding's input_output_aliases; the torch launcher passes dW1 / dW2 for both), and every
+    tile adds its gradient to them (`_dw_consumer`); acc1 / acc2 are never read through their own pointers."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0, "DE: tiles of 128 de (two consumers of 64)")
@@ -618,8 +630,10 @@ def gluon_expert_dw_ws_kernel(
     args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW)
     f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
-    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False)),
-                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False)),
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, False,
+                                        2, ACCUM)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, False,
+                                        2, ACCUM)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -641,11 +655,11 @@ def _dh_ring(dx_ptr, dgate_ptr, HB: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.
 @gluon.jit
 def gluon_expert_bwd_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
-    w2_ptr,  # inputs
+    w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: as `gluon_expert_dw_ws_kernel`'s, ACCUM)
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACCUM: gl.constexpr,
 ):
     """The whole expert backward (`expert_dwt_kernel` with FUSE_DX and DGATES at DE == 128), warp-specialised:
     `gluon_expert_dw_ws_kernel`'s structure (tiles of (group, 128 de)), whose two consumers also exchange their
@@ -659,8 +673,10 @@ def gluon_expert_bwd_ws_kernel(
     args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW)
     f = _dh_ring(dx_ptr, dgate_ptr, 2, BLOCK_M, NW, 2)  # both consumers arrive on both
-    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True)),
-                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True)),
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True, False,
+                                        2, ACCUM)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True, False,
+                                        2, ACCUM)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -716,11 +732,12 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
 @gluon.jit
 def gluon_expert_bwd_xw_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
-    w2_ptr,  # inputs
+    w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: as `gluon_expert_dw_ws_kernel`'s, ACCUM)
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
+    ACCUM: gl.constexpr,
 ):
     """The whole expert backward as `gluon_expert_bwd_ws_kernel` computes it (same outputs, same sums in the same
     order), with a fourth warp group for the dX rows (`_dx_worker`): the consumers run the dW kernel's pipeline and
@@ -735,9 +752,9 @@ def gluon_expert_bwd_xw_kernel(
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW, 3)
     f = _dh_ring(dx_ptr, dgate_ptr, HB, BLOCK_M, NW, 1)  # both consumers arrive on ready, the dX warp group on empty
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
-                                        HB)),
+                                        HB, ACCUM)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
-                                        HB)),
+                                        HB, ACCUM)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0)),
                         (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB))],
                        [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
@@ -774,20 +791,22 @@ def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
 
 
 def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_WS_STAGES,
-                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = BWD_WS_REGS) -> dict:
+                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = BWD_WS_REGS, accum: bool = False) -> dict:
     """The fused backward's constexpr arguments (torch and JAX launchers alike): the dW kernel's (`dw_ws_constexprs`,
     32-row blocks) at the backward's defaults; raises on unsupported shapes."""
-    return dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs, kernel="fused expert backward")
+    return dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs, kernel="fused expert backward", accum=accum)
 
 
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
-                      wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB) -> dict:
+                      wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB,
+                      accum: bool = False) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
     the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take."""
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
-    consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward")
+    consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward",
+                              accum=accum)
     return dict(consts, DX_REGS=regs[2], HB=hb)
 
 
@@ -828,7 +847,8 @@ def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs
                    w1.shape[0] * tiles_per_group)
     sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal)
     kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start,
-                        pk.group_nblocks, sched, w1.contiguous(), w2.contiguous(), *outs, num_warps=4,
+                        pk.group_nblocks, sched, w1.contiguous(), w2.contiguous(), outs[0], outs[1],  # acc1, acc2
+                        *outs, num_warps=4,
                         maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
 
 
@@ -897,15 +917,15 @@ def dw_ws_supported(dh: int, de: int, pack_block: int) -> bool:
 
 def dw_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = DW_WS_STAGES,
                      wbuf: int = DW_WS_WBUF, regs: tuple[int, int] = DW_WS_REGS, block_m: int = DW_WS_BLOCK_M,
-                     kernel: str = "expert dW") -> dict:
+                     kernel: str = "expert dW", accum: bool = False) -> dict:
     """The dW kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes, naming
-    `kernel`."""
+    `kernel`. accum: the kernel adds its weight gradients to what dW1 / dW2 hold (ACCUM)."""
     if not dw_ws_supported(dh, de, pack_block) or pack_block % block_m:
         raise ValueError(f"warp-specialised {kernel}: dh={dh}, de={de}, pack_block={pack_block}, block_m={block_m}; "
                          f"expected dh 128, de a multiple of 128 and packing blocks of at least {DW_WS_BLOCK_M} rows, "
                          "a multiple of block_m")
     return dict(K=k, DH=dh, DE=de, PACK_BLOCK=pack_block, BLOCK_M=block_m, NST=stages, WB=wbuf,
-                FAST_TANH=True, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+                FAST_TANH=True, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], ACCUM=bool(accum))
 
 
 def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,

@@ -165,13 +165,21 @@ def _scan_bodies(jaxpr):
             yield from _scan_bodies(sub)
 
 
-@pytest.mark.parametrize("devices", [1, 4])
-def test_train_step_casts_expert_weights_once(emulated, monkeypatch, devices):
-    """bf16 compute, fp32 masters, the fused Triton experts (emulated): the train step casts the expert weights before
-    its micro-batch loop and hands the copies to every micro-batch (`train.step.CAST_EXPERT_WEIGHTS_ONCE`), on one
-    device and under Head Parallel (hp 2 x data 2). The loop body then holds no cast of an expert weight (it holds
-    them with the switch off), and the step's new state and metrics are bitwise those of the step that casts per
-    micro-batch."""
+def _weight_adds_in(body, shapes) -> int:
+    """fp32 adds shaped like a whole expert weight directly in the loop body: the loop's own gradient accumulation."""
+    return sum(e.primitive.name == "add" and e.outvars[0].aval.shape in shapes
+               and e.outvars[0].aval.dtype == jnp.float32 for e in body.eqns)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch, devices):
+    """bf16 compute, fp32 masters, the fused Triton core (emulated), on one device, under Head Parallel (hp 2, data 1)
+    and hp 2 x data 2. `train.step.CAST_EXPERT_WEIGHTS_ONCE`: the step casts the expert weights before its micro-batch
+    loop (the loop body then holds no cast of an expert weight; with the switch off it does).
+    `ACCUMULATE_EXPERT_GRADS_IN_PLACE`: the loop hands the expert weights' running gradient sums to the MoE op, whose
+    backward returns sum + gradient (the loop body then holds no add of an expert weight's shape; off, or with data
+    parallelism, where shard_map would sum the accumulators over `data`, it does). Every combination gives bitwise
+    the new state and metrics of the step with both off."""
     from jax.sharding import NamedSharding
 
     import mhl_jax.train.step as step_mod
@@ -189,16 +197,17 @@ def test_train_step_casts_expert_weights_once(emulated, monkeypatch, devices):
     tx = make_optimizer(cfg)
     state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0)}
     batch = jnp.stack([tokens(cfg, 4), tokens(cfg, 4)[::-1]])  # 2 micro-batches
-    weights = [w for path, w in jax.tree_util.tree_leaves_with_path(params)
-               if {"experts", "w1"} <= {getattr(q, "key", None) for q in path}
-               or {"experts", "w2"} <= {getattr(q, "key", None) for q in path}]
+    weights = [w for path, w in jax.tree_util.tree_leaves_with_path(params) if step_mod.expert_weight_leaf(path)]
     assert len(weights) == 2
     # whole or one hp shard's heads, and (H * Ne, ...) as the ops reshape them
     shapes = {s for w in weights for h in (w.shape[0], w.shape[0] // 2) for s in ((h, *w.shape[1:]),
                                                                                 (h * w.shape[1], *w.shape[2:]))}
-    outs, body_casts = [], []
-    for once in (True, False):
+    in_place_possible = devices < 4
+    variants = [(False, False), (True, True)] + ([(True, False), (False, True)] if devices == 1 else [])
+    outs = []
+    for once, in_place in variants:
         monkeypatch.setattr(step_mod, "CAST_EXPERT_WEIGHTS_ONCE", once)
+        monkeypatch.setattr(step_mod, "ACCUMULATE_EXPERT_GRADS_IN_PLACE", in_place)
         sched = make_schedule(cfg.optimizer, cfg.schedule)
         if mesh is None:
             fn, args = jax.jit(step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, sched)), (state, batch)
@@ -209,10 +218,79 @@ def test_train_step_casts_expert_weights_once(emulated, monkeypatch, devices):
         jaxpr = jax.make_jaxpr(step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, sched))(state, batch).jaxpr
         bodies = list(_scan_bodies(jaxpr))
         assert len(bodies) == 1
-        body_casts.append(_weight_casts_in(bodies[0], shapes))
+        casts_in_loop = _weight_casts_in(bodies[0], shapes)
+        assert (casts_in_loop == 0) if once else (casts_in_loop >= 2), (once, casts_in_loop)
         if once:
             assert _weight_casts_in(jaxpr, shapes) >= 2  # w1 and w2 of the MoE layer, outside the loop
+        adds = _weight_adds_in(bodies[0], {w.shape for w in weights})
+        assert adds == (0 if in_place and in_place_possible else 2), (in_place, adds)
         outs.append(jax.device_get(fn(*args)))
-    assert body_casts[0] == 0 and body_casts[1] >= 2
-    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+    for out in outs[1:]:
+        for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(out)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("path", ["reference", "fused", "apart"])
+def test_moe_heads_grad_acc_returns_sum_plus_gradient(emulated, path):
+    """`moe_heads(..., grad_acc=(a1, a2))`: the gradients of w1 / w2 come back as a + dW, bitwise the add of the plain
+    gradients, on the reference path, the fused Triton core (added in its backward) and the Triton ops apart (x_route
+    not x_expert: `accumulate_grad`); the other gradients unchanged."""
+    from mhl_jax.model.moe_core import moe_heads
+
+    n, h, dh, ne, de, k = 32, 2, 16, 8, 32, 2
+    ks = jax.random.split(jax.random.key(3), 6)
+    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
+    w_r = jax.random.normal(ks[1], (h, dh, ne))
+    w1 = 0.2 * jax.random.normal(ks[2], (h, ne, dh, de))
+    w2 = 0.2 * jax.random.normal(ks[3], (h, ne, de, dh))
+    acc = (jax.random.normal(ks[4], w1.shape), jax.random.normal(ks[5], w2.shape))
+    impl = "reference" if path == "reference" else "triton"
+
+    def loss(x, w_r, w1, w2, grad_acc):
+        xr = x if path != "apart" else x + jnp.bfloat16(0)  # another array: routed apart from the experts' input
+        y, _ = moe_heads(xr, x, w_r, jnp.zeros((h, ne)), w1, w2, k, impl, grad_acc=grad_acc)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    plain = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w_r, w1, w2, None)
+    summed = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w_r, w1, w2, acc)
+    for a, b in zip(plain[:2], summed[:2]):
         np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(summed[2], acc[0] + plain[2])
+    np.testing.assert_array_equal(summed[3], acc[1] + plain[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("de, kernel", [(256, "bwd_ws"), (256, "bwd_xw"), (256, "dw_ws"), (128, "bwd_ws"),
+                                        (128, "bwd_xw")])
+def test_gpu_expert_backward_adds_into_the_accumulators(de, kernel):
+    """On the GPU's kernels (the Gluon backward with and without its dX warp group, the Gluon dW kernel beside the
+    Triton dX kernel): the fused core's w1 / w2 gradients with grad_acc (added in the kernel, the accumulators aliased
+    to its outputs) are bitwise acc + the gradients without; x's and W_r's unchanged."""
+    from dataclasses import replace
+
+    from mhl_jax.ops import experts_triton as ext
+    from mhl_jax.ops import moe_triton
+
+    n, h, dh, ne, k = 8192, 2, 128, 16, 4
+    cfg = ext.resolve_config(n * h * k, h * ne, dh, de, None)
+    cfg = replace(cfg, bwd_ws=kernel != "dw_ws", bwd_xw=kernel == "bwd_xw", dw_ws=True)
+    use = ext.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) if kernel != "dw_ws" else ext.use_dw_gluon(cfg, jnp.bfloat16,
+                                                                                                   dh, de)
+    assert use, (kernel, cfg)
+    ks = jax.random.split(jax.random.key(4), 6)
+    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
+    w_r = jax.random.normal(ks[1], (h, dh, ne))
+    w1 = 0.1 * jax.random.normal(ks[2], (h, ne, dh, de))
+    w2 = 0.1 * jax.random.normal(ks[3], (h, ne, de, dh))
+    acc = (jax.random.normal(ks[4], w1.shape), jax.random.normal(ks[5], w2.shape))
+
+    def loss(x, w_r, w1, w2, grad_acc):
+        y, _ = moe_triton.moe_heads_fused(x, w_r, jnp.zeros((h, ne)), w1, w2, k, cfg, grad_acc=grad_acc)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    plain = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w_r, w1, w2, None)
+    summed = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w_r, w1, w2, acc)
+    for a, b in zip(plain[:2], summed[:2]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(summed[2], acc[0] + plain[2])
+    np.testing.assert_array_equal(summed[3], acc[1] + plain[3])

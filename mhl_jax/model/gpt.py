@@ -49,12 +49,12 @@ class Block(nnx.Module):
         self.ffn = make_ffn(cfg, layer, rngs, executor)
         self.dtype = jnp.dtype(m.compute_dtype)
 
-    def __call__(self, h: jax.Array, weights_cast=None) -> tuple[jax.Array, jax.Array | None]:
-        """h: (B, T, d) fp32 residual stream -> updated h, expert load (H, Ne) or None. weights_cast: this layer's
-        entry of `GPT.expert_weight_casts` (MoE layers only)."""
+    def __call__(self, h: jax.Array, weights_cast=None, grad_acc=None) -> tuple[jax.Array, jax.Array | None]:
+        """h: (B, T, d) fp32 residual stream -> updated h, expert load (H, Ne) or None. weights_cast, grad_acc: this
+        layer's entries of `GPT.__call__`'s (MoE layers only)."""
         h = h + self.attn(self.norm1(h).astype(self.dtype)).astype(jnp.float32)
         x = self.norm2(h).astype(self.dtype)
-        y, load = self.ffn(x) if weights_cast is None else self.ffn(x, weights_cast)
+        y, load = self.ffn(x) if weights_cast is None and grad_acc is None else self.ffn(x, weights_cast, grad_acc)
         return h + y.astype(jnp.float32), load
 
 
@@ -81,14 +81,26 @@ class GPT(nnx.Module):
                 casts[i] = made
         return casts
 
-    def __call__(self, tokens: jax.Array, weights_cast: dict | None = None) -> tuple[jax.Array, dict[int, jax.Array]]:
+    def expert_grad_accumulation(self) -> tuple[int, ...]:
+        """The MoE layers whose expert backward can add w1's / w2's gradients to the caller's accumulators in place
+        (`ExpertBank.accumulates_in_place`): the train step passes its running sums for them (`__call__`'s grad_acc)
+        and takes the returned "gradients" as the new sums instead of adding (the expert weights' gradient adds were
+        31.5 ms of a 326 ms 2.2B MH-LatentMoE step at 4 micro-batches on one H100, bench/NOTES.md)."""
+        return tuple(i for i, block in enumerate(self.blocks)
+                     if isinstance(getattr(block.ffn, "experts", None), ExpertBank)
+                     and block.ffn.experts.accumulates_in_place(block.ffn.executor, self.dtype))
+
+    def __call__(self, tokens: jax.Array, weights_cast: dict | None = None,
+                 grad_acc: dict | None = None) -> tuple[jax.Array, dict[int, jax.Array]]:
         """tokens: (B, T) int32 -> logits (B, T, V) fp32, loads {layer index: (H, Ne) int32} per MoE layer.
-        weights_cast: `expert_weight_casts()`, made by the caller (None: each MoE layer casts its own)."""
+        weights_cast: `expert_weight_casts()`, made by the caller (None: each MoE layer casts its own). grad_acc:
+        {layer: (acc1, acc2)} for layers of `expert_grad_accumulation()`: the gradients of those layers' w1 / w2 come
+        back as acc + dW (not differentiated themselves)."""
         h = embed_lookup(self.embed[...], tokens)  # deterministic gradient (mhl_jax/ops/embed.py)
         loads = {}
-        weights_cast = weights_cast or {}
+        weights_cast, grad_acc = weights_cast or {}, grad_acc or {}
         for i, block in enumerate(self.blocks):
-            h, load = block(h, weights_cast.get(i))
+            h, load = block(h, weights_cast.get(i), grad_acc.get(i))
             if load is not None:
                 loads[i] = load
         x = self.norm_f(h).astype(self.dtype)

@@ -29,10 +29,20 @@ class ExpertBank(nnx.Module):
         self.w2 = normal_param(rngs, (heads, num_experts, hidden, d_expert), out_std)
         self.k = k
 
-    def __call__(self, executor: MoEExecutor, x_route: jax.Array, x_expert: jax.Array, weights_cast=None):
-        """weights_cast: (w1, w2) in x_expert's dtype from `weight_casts` (None: the executor casts them)."""
+    def __call__(self, executor: MoEExecutor, x_route: jax.Array, x_expert: jax.Array, weights_cast=None,
+                 grad_acc=None):
+        """weights_cast: (w1, w2) in x_expert's dtype from `weight_casts` (None: the executor casts them); grad_acc:
+        (acc1, acc2) gradients of w1 / w2 summed so far, where `accumulates_in_place` (`moe_core.moe_heads`)."""
         args = (x_route, x_expert, self.w_router[...], self.bias[...], self.w1[...], self.w2[...], self.k)
-        return executor(*args) if weights_cast is None else executor(*args, weights_cast=weights_cast)
+        kw = {k: v for k, v in (("weights_cast", weights_cast), ("grad_acc", grad_acc)) if v is not None}
+        return executor(*args, **kw)
+
+    def accumulates_in_place(self, executor: MoEExecutor, dtype) -> bool:
+        """Whether the executor's expert backward adds w1's / w2's gradients to the caller's accumulators in place at
+        this compute dtype (`MoEExecutor`); the train step then hands them over instead of adding the gradients."""
+        w1 = self.w1[...]
+        fn = getattr(executor, "accumulates_in_place", None)
+        return fn is not None and fn(dtype, w1.dtype, w1.shape[2])
 
     def weight_casts(self, executor: MoEExecutor, dtype) -> tuple[jax.Array, jax.Array] | None:
         """(w1, w2) cast to the compute dtype where the executor reads them cast (`MoEExecutor`), else None. The train
@@ -50,11 +60,11 @@ class MoE(nnx.Module):
         self.experts = ExpertBank(1, d, d, num_experts, hidden, k, std, out_std, rngs)
         self.executor = executor or LocalMoE()
 
-    def __call__(self, x: jax.Array, weights_cast=None) -> tuple[jax.Array, jax.Array]:
-        """x: (B, T, d) compute dtype -> (B, T, d), load (1, Ne). weights_cast: `ExpertBank.weight_casts`."""
+    def __call__(self, x: jax.Array, weights_cast=None, grad_acc=None) -> tuple[jax.Array, jax.Array]:
+        """x: (B, T, d) compute dtype -> (B, T, d), load (1, Ne). weights_cast, grad_acc: `ExpertBank`'s."""
         b, t, d = x.shape
         xs = x.reshape(b * t, 1, d)
-        y, load = self.experts(self.executor, xs, xs, weights_cast)
+        y, load = self.experts(self.executor, xs, xs, weights_cast, grad_acc)
         return y.reshape(b, t, d), load
 
 
@@ -66,11 +76,11 @@ class LatentMoE(nnx.Module):
         self.experts = ExpertBank(1, d, latent, num_experts, hidden, k, std, std, rngs)
         self.executor = executor or LocalMoE()
 
-    def __call__(self, x: jax.Array, weights_cast=None) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, weights_cast=None, grad_acc=None) -> tuple[jax.Array, jax.Array]:
         b, t, d = x.shape
         xs = x.reshape(b * t, 1, d)
         latent = xs @ self.w_down[...].astype(x.dtype)
-        y, load = self.experts(self.executor, xs, latent, weights_cast)
+        y, load = self.experts(self.executor, xs, latent, weights_cast, grad_acc)
         return (y @ self.w_up[...].astype(x.dtype)).reshape(b, t, d), load
 
 
@@ -82,18 +92,18 @@ class MHLatentMoE(nnx.Module):
         self.experts = ExpertBank(heads, head_dim, head_dim, num_experts, hidden, k, std, std, rngs)
         self.executor = executor or LocalMoE()
 
-    def __call__(self, x: jax.Array, weights_cast=None) -> tuple[jax.Array, jax.Array]:
-        """x: (B, T, d) -> (B, T, d), load (Nh, Ne). weights_cast: `ExpertBank.weight_casts`."""
+    def __call__(self, x: jax.Array, weights_cast=None, grad_acc=None) -> tuple[jax.Array, jax.Array]:
+        """x: (B, T, d) -> (B, T, d), load (Nh, Ne). weights_cast, grad_acc: `ExpertBank`'s."""
         b, t, d = x.shape
         w_in, w_out = self.w_in[...].astype(x.dtype), self.w_out[...].astype(x.dtype)
         groups = getattr(self.executor, "head_groups", 1)
         if groups == 1:
             sub = jnp.einsum("nd,dhc->nhc", x.reshape(b * t, d), w_in)
-            y, load = self.experts(self.executor, sub, sub, weights_cast)
+            y, load = self.experts(self.executor, sub, sub, weights_cast, grad_acc)
             out = jnp.einsum("nhc,hcd->nd", y, w_out)
         else:
             sub = grouped_project_in(x.reshape(b * t, d), w_in, groups)
-            y, load = self.experts(self.executor, sub, sub, weights_cast)
+            y, load = self.experts(self.executor, sub, sub, weights_cast, grad_acc)
             out = grouped_project_out(y, w_out)
         return out.reshape(b, t, d), load
 

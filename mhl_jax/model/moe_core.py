@@ -24,12 +24,17 @@ from mhl_jax.ops.router import MAX_TRITON_ROUTER_WIDTH, route_topk
 
 
 def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
-              w2: jax.Array, k: int, impl: str, cfg=None, weights_cast=None) -> tuple[jax.Array, jax.Array]:
+              w2: jax.Array, k: int, impl: str, cfg=None, weights_cast=None,
+              grad_acc=None) -> tuple[jax.Array, jax.Array]:
     """x_route: (N, H, dr); x_expert: (N, H, dh) compute dtype; w_r: (H, dr, Ne) fp32; bias: (H, Ne) fp32;
     w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32. cfg: the triton experts' config (None: default).
     weights_cast: (w1, w2) already in x_expert's dtype, made by the caller (the train step casts them once per step
     instead of once per micro-batch), read by the expert kernels instead of casting here; only where
     `reads_weights_cast` says so. w1 and w2 still get the gradients, in their own dtype.
+    grad_acc: (acc1, acc2) shaped and typed as w1 / w2, the gradients summed so far by the caller (the train step's
+    micro-batch loop): the gradients of w1 / w2 then come back as acc + dW, bitwise the caller's own add, which the
+    caller then skips. The fused Triton core adds in its backward kernel, in place (`accumulates_in_place`); other paths
+    add in XLA (`accumulate_grad`).
 
     Returns y (N, H, dh) in x_expert.dtype and load (H, Ne) int32 (routed slots per expert).
     """
@@ -37,11 +42,48 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
         raise ValueError(f"moe_heads: weights_cast= is read only by the fused Triton experts with weights of another "
                          f"dtype than the activations (impl {impl!r}, x {x_expert.dtype}, w1 {w1.dtype}, dh "
                          f"{x_expert.shape[2]})")
+    if grad_acc is not None and not fused_core(impl, x_route, x_expert):
+        w1, w2 = accumulate_grad(w1, grad_acc[0]), accumulate_grad(w2, grad_acc[1])
+        grad_acc = None
     if impl == "triton" and x_route.shape[2] <= MAX_TRITON_ROUTER_WIDTH:
-        return moe_heads_triton(x_route, x_expert, w_r, bias, w1, w2, k, cfg, weights_cast=weights_cast)
+        return moe_heads_triton(x_route, x_expert, w_r, bias, w1, w2, k, cfg, weights_cast=weights_cast,
+                                grad_acc=grad_acc)
     values, idx = route_topk(x_route, w_r, bias, k, impl)
     gates = jax.nn.softmax(values, axis=-1)  # fp32
     return expert_ffn(x_expert, idx, gates, w1, w2, impl, cfg=cfg, weights_cast=weights_cast)
+
+
+@jax.custom_vjp
+def accumulate_grad(w: jax.Array, acc: jax.Array) -> jax.Array:
+    """w, whose gradient comes back as acc + dW (acc: a gradient summed so far, w's shape and dtype; not
+    differentiated): `moe_heads`' grad_acc on the paths without an in-place kernel."""
+    return w
+
+
+def _accumulate_fwd(w, acc):
+    return w, acc
+
+
+def _accumulate_bwd(acc, g):
+    return acc + g, None
+
+
+accumulate_grad.defvjp(_accumulate_fwd, _accumulate_bwd)
+
+
+def fused_core(impl: str, x_route: jax.Array, x_expert: jax.Array) -> bool:
+    """Whether `moe_heads` runs the fused Triton core (`mhl_jax.ops.moe_triton`): sub-tokens routed on themselves, on
+    the Triton router and the fused expert kernels (FUSE_ROUTER_DX)."""
+    return (impl == "triton" and FUSE_ROUTER_DX and x_route is x_expert
+            and x_route.shape[2] <= MAX_TRITON_ROUTER_WIDTH and triton_expert_path(x_expert.shape[2]) == "fused")
+
+
+def accumulates_in_place(impl: str, x_dtype, w_dtype, dh: int) -> bool:
+    """Whether the expert backward adds its weight gradients to the caller's accumulators in place (`moe_heads`'
+    grad_acc) for MH-LatentMoE's sub-tokens (routed on themselves): the fused Triton core with fp32 weights and
+    activations of another dtype (the kernel's fp32 add is then bitwise XLA's)."""
+    return (impl == "triton" and FUSE_ROUTER_DX and dh <= MAX_TRITON_ROUTER_WIDTH and triton_expert_path(dh) == "fused"
+            and jnp.dtype(w_dtype) == jnp.float32 and jnp.dtype(x_dtype) != jnp.dtype(w_dtype))
 
 
 def reads_weights_cast(impl: str, x_dtype, w_dtype, dh: int) -> bool:
@@ -81,13 +123,14 @@ def router_casts_weights(x_route: jax.Array, x_expert: jax.Array, w1: jax.Array,
 
 def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
                      w2: jax.Array, k: int, cfg=None, backend: str | None = None,
-                     weights_cast=None) -> tuple[jax.Array, jax.Array]:
+                     weights_cast=None, grad_acc=None) -> tuple[jax.Array, jax.Array]:
     """`moe_heads` on the Triton router and experts with one packing: the router's forward also packs
     its indices the way the expert op wants them, and its backward takes the dW_r layout from that
     packing instead of sorting the slots again. With x_route is x_expert on the fused expert path (FUSE_ROUTER_DX) all
     of it runs under one custom_vjp whose dx comes out of one kernel (`mhl_jax.ops.moe_triton`). backend "emulate":
     pure-JAX kernel stand-ins (CPU); None: the bindings' own default ("triton"; a test may swap the bindings).
-    weights_cast: (w1, w2) already cast by the caller (`moe_heads`); then the router's kernel casts nothing."""
+    weights_cast: (w1, w2) already cast by the caller (`moe_heads`); then the router's kernel casts nothing. grad_acc:
+    `moe_heads`' (the fused core only)."""
     from mhl_jax.ops import router_triton
 
     cast = weights_cast is None and router_casts_weights(x_route, x_expert, w1, w2)
@@ -96,7 +139,9 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
         from mhl_jax.ops import moe_triton
 
         return moe_triton.moe_heads_fused(x_expert, w_r, bias, w1, w2, k, cfg, cast=cast, weights_cast=weights_cast,
-                                          **kw)
+                                          grad_acc=grad_acc, **kw)
+    if grad_acc is not None:
+        raise ValueError("moe_heads_triton: grad_acc= is taken by the fused core only (`moe_core.fused_core`)")
     spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
     out = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, cast=(w1, w2) if cast else None, **kw)
     values, idx, packing = out[:3]
@@ -108,7 +153,9 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
 class MoEExecutor(Protocol):
     """Runs `moe_heads` on global arrays. An executor that can take the expert weights already cast (`weights_cast=`
     in its call) also has `reads_weights_cast(x_dtype, w_dtype, dh) -> bool` (`LocalMoE`, `HeadParallelMoE`); the
-    model asks it before handing them over (`mhl_jax.model.gpt.GPT.expert_weight_casts`)."""
+    model asks it before handing them over (`mhl_jax.model.gpt.GPT.expert_weight_casts`). Likewise `grad_acc=` and
+    `accumulates_in_place(x_dtype, w_dtype, dh) -> bool` for the gradient accumulators (`moe_heads`;
+    `GPT.expert_grad_accumulation`)."""
 
     def __call__(self, x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array,
                  w1: jax.Array, w2: jax.Array, k: int) -> tuple[jax.Array, jax.Array]: ...
@@ -120,11 +167,15 @@ class LocalMoE:
     def __init__(self, impl: str = "reference"):
         self.impl = impl
 
-    def __call__(self, x_route, x_expert, w_r, bias, w1, w2, k, weights_cast=None):
-        return moe_heads(x_route, x_expert, w_r, bias, w1, w2, k, self.impl, weights_cast=weights_cast)
+    def __call__(self, x_route, x_expert, w_r, bias, w1, w2, k, weights_cast=None, grad_acc=None):
+        return moe_heads(x_route, x_expert, w_r, bias, w1, w2, k, self.impl, weights_cast=weights_cast,
+                         grad_acc=grad_acc)
 
     def reads_weights_cast(self, x_dtype, w_dtype, dh: int) -> bool:
         return reads_weights_cast(self.impl, x_dtype, w_dtype, dh)
+
+    def accumulates_in_place(self, x_dtype, w_dtype, dh: int) -> bool:
+        return accumulates_in_place(self.impl, x_dtype, w_dtype, dh)
 
     def __repr__(self) -> str:
         return f"LocalMoE(impl={self.impl!r})"

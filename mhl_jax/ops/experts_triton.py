@@ -185,24 +185,33 @@ def use_dw_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
             and not use_bwd_gluon(cfg, dtype, dh, de))
 
 
-def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
-    """dW1, dW2 by the warp-specialised Gluon kernel: work items = (group, 128 de) tiles."""
+def _dw_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int, acc=None):
+    """dW1, dW2 by the warp-specialised Gluon kernel: work items = (group, 128 de) tiles. acc: see `_tiled_call`."""
     from kernels.gluon_experts import dw_ws_constexprs, gluon_expert_dw_ws_kernel
 
     (_, dh), (g, _, de) = xs.shape, w1.shape
     return _tiled_call(gluon_expert_dw_ws_kernel, xs, dys, gates, meta, w1, w2, heads,
                        [jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype)],
-                       dw_ws_constexprs(st.k, dh, de, st.cfg.pack_block))
+                       dw_ws_constexprs(st.k, dh, de, st.cfg.pack_block, accum=acc is not None), acc)
 
 
-def _tiled_call(kernel, xs, dys, gates, meta: Meta, w1, w2, heads: int, out_shape, constexprs: dict):
+def _tiled_call(kernel, xs, dys, gates, meta: Meta, w1, w2, heads: int, out_shape, constexprs: dict, acc=None):
     """A persistent dW / backward Gluon kernel over (group, 128 de) tiles: the launch grid (`_persistent_programs`)
-    and the schedule dealt for exactly that many programs (`tile_schedule`)."""
+    and the schedule dealt for exactly that many programs (`tile_schedule`). acc: (acc1, acc2) shaped and typed as
+    the first two outputs (dW1, dW2), aliased to them, which come back as acc + dW (constexprs' ACCUM); None: the
+    kernel's acc inputs are w1 / w2, unread."""
     tiles_per_group = w1.shape[2] // 128
     programs = _persistent_programs(w1.shape[0] * tiles_per_group)
+    alias = {}
+    if acc is not None:
+        if [(a.shape, a.dtype) for a in acc] != [(o.shape, o.dtype) for o in out_shape[:2]]:
+            raise ValueError(f"expert backward: accumulators {[(a.shape, str(a.dtype)) for a in acc]} must be shaped "
+                             f"and typed as dW1 / dW2 {[(o.shape, str(o.dtype)) for o in out_shape[:2]]}")
+        alias = {"input_output_aliases": {9: 0, 10: 1}}  # acc1, acc2 (after the 9 inputs) -> dW1, dW2
     return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
-                       tile_schedule(meta.group_nblocks, tiles_per_group, heads, programs), w1, w2, kernel=kernel,
-                       out_shape=out_shape, programs=programs, **constexprs)
+                       tile_schedule(meta.group_nblocks, tiles_per_group, heads, programs), w1, w2,
+                       *((w1, w2) if acc is None else acc), kernel=kernel, out_shape=out_shape, programs=programs,
+                       **alias, **constexprs)
 
 
 def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
@@ -215,9 +224,9 @@ def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
             and bwd_ws_supported(dh, de, cfg.pack_block) and bool(_hopper_sms()))
 
 
-def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
+def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int, acc=None):
     """dX rows (P, de / 128, dh), dW1, dW2, gate gradients (P, de / 128) by the warp-specialised fused Gluon kernel
-    (one partial per 128 de: the callers sum them); work items = (group, 128 de) tiles."""
+    (one partial per 128 de: the callers sum them); work items = (group, 128 de) tiles. acc: `_tiled_call`'s."""
     from kernels.gluon_experts import bwd_kernel
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
@@ -226,16 +235,17 @@ def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: 
         kernel, xs, dys, gates, meta, w1, w2, heads,
         [jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
          jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype), jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
-        constexprs(st.k, dh, de, st.cfg.pack_block))
+        dict(constexprs(st.k, dh, de, st.cfg.pack_block), ACCUM=acc is not None), acc)
     return dx.reshape(p, de // 128, dh), dw1, dw2, dgate
 
 
-def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
+def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int, acc=None):
     """dX rows, dW1, dW2 and (when `dgates_in_kernels`) each packed row's gate gradient (P,) fp32, made by the
-    dX kernel or, with dX fused, by the dW kernel."""
+    dX kernel or, with dX fused, by the dW kernel. acc: (acc1, acc2) as dW1 / dW2, returned as acc + dW (the Gluon
+    kernels add in place; after the Triton kernels XLA adds)."""
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     if use_bwd_gluon(st.cfg, xs.dtype, dh, de):
-        return _bwd_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype, heads)
+        return _bwd_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype, heads, acc)
     jt = import_jax_triton()
 
     from kernels.experts import expert_dw_kernel, expert_dwt_kernel, expert_dx_kernel
@@ -248,7 +258,8 @@ def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads:
     t = st.cfg.dw
     fused_dgates = fuse and dgates  # the fused dW kernel makes the gate gradients (transposed form only)
     if use_dw_gluon(st.cfg, xs.dtype, dh, de):
-        dw1, dw2 = _dw_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype, heads)
+        dw1, dw2 = _dw_gluon(st, xs, dys, gates, meta, w1, w2, dw_dtype, heads, acc)
+        acc = None  # added in the kernel
     else:
         dw1, dw2, dx_fused, dgate_fused = jt.triton_call(
             xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, w1, w2,
@@ -258,6 +269,8 @@ def _bwd_triton(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads:
                        jax.ShapeDtypeStruct((p if fused_dgates else 1,), jnp.float32)],
             grid=(de // t.block_e, g), num_warps=t.num_warps, num_stages=t.num_stages,
             BLOCK_M=t.block_m, BLOCK_E=t.block_e, FUSE_DX=fuse, DGATES=fused_dgates, **common)
+    if acc is not None:
+        dw1, dw2 = acc[0] + dw1, acc[1] + dw2
     if fuse:
         return dx_fused, dw1, dw2, dgate_fused if fused_dgates else None
     t = st.cfg.dx
@@ -292,7 +305,7 @@ def _fwd_emulate(st: Static, xs, meta: Meta, w1, w2):
     return _rows_fn(st, meta, xs, w1, w2)
 
 
-def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int):
+def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: int, acc=None):
     rows, do = packed_bwd_rows(st, xs, dys, gates, meta)
     from mhl_jax.ops.experts import expert_rows_reference
 
@@ -304,7 +317,10 @@ def _bwd_emulate(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads
         out_rows = _fwd_emulate(st, xs, meta, w1, w2)  # the kernel's A W2, recomputed (none kept for it)
         dy_rows = jnp.take(dys, jnp.maximum(meta.row_slot, 0) // st.k, axis=0).astype(jnp.float32)
         dgate_rows = jnp.where(meta.row_slot >= 0, jnp.sum(out_rows.astype(jnp.float32) * dy_rows, axis=1), 0.0)
-    return drows, dw1.astype(dw_dtype), dw2.astype(dw_dtype), dgate_rows
+    dw1, dw2 = dw1.astype(dw_dtype), dw2.astype(dw_dtype)
+    if acc is not None:
+        dw1, dw2 = acc[0] + dw1, acc[1] + dw2
+    return drows, dw1, dw2, dgate_rows
 
 
 # ------------------------------------------------------------------------------------ the custom_vjp
@@ -388,16 +404,20 @@ def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta, wc):
     return _forward(st, x, gates, w1, w2, meta, wc)
 
 
-def experts_bwd_kernels(st: Static, res, dy):
+def experts_bwd_kernels(st: Static, res, dy, acc=None):
     """The backward's kernels: packed dX rows (P, dh) or partial rows (P, parts, dh), dW1 (G, dh, de), dW2 (G, de,
     dh) in the weights' dtype, and the gate gradients per packed row (P, parts) fp32 where the kernels make them
-    (`dgates_in_kernels`), else None (`slot_dgates` makes them in XLA); dx itself is left to the combine."""
+    (`dgates_in_kernels`), else None (`slot_dgates` makes them in XLA); dx itself is left to the combine. acc:
+    (acc1, acc2) gradients summed so far, shaped as w1 / w2 (H, Ne, ...) in the weights' dtype: dW1 / dW2 come back
+    as acc + dW (in place in the Gluon kernels)."""
     xs, gates, _, w1c, w2c, meta = res
     n, h, _ = gates.shape
     bwd = _bwd_triton if st.backend == "triton" else _bwd_emulate
+    if acc is not None:
+        acc = (acc[0].reshape(w1c.shape), acc[1].reshape(w2c.shape))
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
     dxr, dw1, dw2, dgate_rows = bwd(st, xs, dy.reshape(n * h, -1), gates.reshape(-1).astype(jnp.float32), meta,
-                                    w1c, w2c, jnp.dtype(st.w_dtype), h)
+                                    w1c, w2c, jnp.dtype(st.w_dtype), h, acc)
     if dgate_rows is not None:
         dgate_rows = dgate_rows.reshape(dgate_rows.shape[0], -1)
     return dxr, dw1, dw2, dgate_rows

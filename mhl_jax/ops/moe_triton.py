@@ -84,26 +84,28 @@ def _forward(st: Static, x, w_r, bias, w1, w2, wc):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _moe(st: Static, x, w_r, bias, w1, w2, wc):
+def _moe(st: Static, x, w_r, bias, w1, w2, wc, acc):
     return _forward(st, x, w_r, bias, w1, w2, wc)[0]
 
 
-def _moe_fwd(st: Static, x, w_r, bias, w1, w2, wc):
-    return _forward(st, x, w_r, bias, w1, w2, wc)
+def _moe_fwd(st: Static, x, w_r, bias, w1, w2, wc, acc):
+    out, res = _forward(st, x, w_r, bias, w1, w2, wc)
+    return out, res + (acc,)
 
 
 def _moe_bwd(st: Static, res, cts):
-    x, w_r, bias, idx, packing, res_e = res
+    x, w_r, bias, idx, packing, res_e, acc = res
     dy = cts[0]  # the load's cotangent is float0
-    dxr, dw1, dw2, dgate_rows = ext.experts_bwd_kernels(st.experts, res_e, dy)
+    dxr, dw1, dw2, dgate_rows = ext.experts_bwd_kernels(st.experts, res_e, dy, acc)
     by_slot = dgate_rows is None  # no gate gradients from the kernels (`dgates_in_kernels` False): XLA's, per slot
     dg = ext.slot_dgates(res_e, dy, None) if by_slot else dgate_rows
     dx, dvals = dx_combine(dxr, res_e[5].slot_row, dg, res_e[1], idx, rtr.transposed_weights(w_r), x.dtype,
                            st.combine, st.experts.backend, by_slot)
     dw_r = rtr.router_dw(st.router, x, w_r, idx, packing, dvals)
     h, ne = w_r.shape[0], w_r.shape[2]
+    # the weights' cast (wc) and the accumulators (acc): no cotangents; w1 and w2 get theirs (acc + dW with acc)
     return (dx, dw_r, jnp.zeros_like(bias), dw1.reshape(h, ne, *dw1.shape[1:]), dw2.reshape(h, ne, *dw2.shape[1:]),
-            None)  # the weights' cast (wc): no cotangent, w1 and w2 get theirs
+            None, None)
 
 
 _moe.defvjp(_moe_fwd, _moe_bwd)
@@ -111,12 +113,21 @@ _moe.defvjp(_moe_fwd, _moe_bwd)
 
 def moe_heads_fused(x: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array, w2: jax.Array, k: int,
                     cfg=None, backend: str = "triton", cast: bool = False,
-                    combine: CombineTiles | None = None, weights_cast=None) -> tuple[jax.Array, jax.Array]:
+                    combine: CombineTiles | None = None, weights_cast=None,
+                    grad_acc=None) -> tuple[jax.Array, jax.Array]:
     """`moe_core.moe_heads_triton` for x_route = x_expert = x (N, H, dh) on the fused Triton expert path (dh <=
     MAX_TRITON_EXPERT_WIDTH): y (N, H, dh) in x's dtype, load (H, Ne) int32. cfg: the experts' ExpertsConfig (None:
     the measured default); cast: the router's kernel casts the expert weights (`moe_core.router_casts_weights`);
     combine: the dx combine's tiles (None: COMBINE_TILES, else the measured default); weights_cast: (w1, w2) already
-    in x's dtype (made by the caller, e.g. once per train step), read instead of casting here (not with cast)."""
+    in x's dtype (made by the caller, e.g. once per train step), read instead of casting here (not with cast);
+    grad_acc: (acc1, acc2) shaped and typed as w1 / w2, gradients summed so far (the train step's accumulation over
+    micro-batches): the "gradients" of w1 / w2 then come back as acc + dW, added in place by the expert backward
+    (`moe_core.moe_heads`' grad_acc)."""
+    if grad_acc is not None:
+        grad_acc = tuple(grad_acc)
+        if [(a.shape, a.dtype) for a in grad_acc] != [(w.shape, w.dtype) for w in (w1, w2)]:
+            raise ValueError(f"moe_heads_fused: grad_acc {[(a.shape, str(a.dtype)) for a in grad_acc]} must be shaped "
+                             f"and typed as w1 {w1.shape} / w2 {w2.shape} ({w1.dtype})")
     if cast and weights_cast is not None:
         raise ValueError("moe_heads_fused: cast=True (the router's kernel casts the weights) and weights_cast= (cast "
                          "by the caller) exclude each other")
@@ -127,4 +138,4 @@ def moe_heads_fused(x: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array
     rst = rtr.router_static(x, w_r, bias, k, backend=backend, pack=spec, cast=(w1, w2) if cast else None)
     combine = combine or COMBINE_TILES or CombineTiles()
     return _moe(Static(rst, est, bool(cast), combine), x, w_r, bias, w1, w2,
-                None if weights_cast is None else tuple(weights_cast))
+                None if weights_cast is None else tuple(weights_cast), grad_acc)

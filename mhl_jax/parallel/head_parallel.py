@@ -32,7 +32,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mhl_jax.model.moe_core import moe_heads, reads_weights_cast
+from mhl_jax.model.moe_core import accumulates_in_place, moe_heads, reads_weights_cast
 
 
 def to_local_heads(x: jax.Array, axis: str = "hp") -> jax.Array:
@@ -90,11 +90,21 @@ class HeadParallelMoE:
     def reads_weights_cast(self, x_dtype, w_dtype, dh: int) -> bool:
         return reads_weights_cast(self.impl, x_dtype, w_dtype, dh)
 
+    def accumulates_in_place(self, x_dtype, w_dtype, dh: int) -> bool:
+        """Only without data parallelism: shard_map sums the weights' cotangents over `data` (replicated there), which
+        would add the accumulators data-size times."""
+        return self.mesh.shape["data"] == 1 and accumulates_in_place(self.impl, x_dtype, w_dtype, dh)
+
     def __call__(self, x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array,
-                 w1: jax.Array, w2: jax.Array, k: int, weights_cast=None) -> tuple[jax.Array, jax.Array]:
+                 w1: jax.Array, w2: jax.Array, k: int, weights_cast=None,
+                 grad_acc=None) -> tuple[jax.Array, jax.Array]:
         """Token-major x (N, Nh, c) -> y (N, Nh, dh), or head-group-major x (hp, N, Nh / hp, c) -> y
         (hp, N, Nh / hp, dh); both with the global load (Nh, Ne). weights_cast: (w1, w2) already in the
-        activations' dtype (`moe_core.moe_heads`), split over `hp` like w1 and w2."""
+        activations' dtype (`moe_core.moe_heads`), split over `hp` like w1 and w2; grad_acc: `moe_heads`' gradient
+        accumulators, likewise (only on a mesh without data parallelism: `accumulates_in_place`)."""
+        if grad_acc is not None and self.mesh.shape["data"] != 1:
+            raise ValueError(f"HeadParallelMoE: grad_acc= needs a mesh without data parallelism, got "
+                             f"{dict(self.mesh.shape)}")
         grouped = x_expert.ndim == 4
         if grouped:
             groups, n, hl = x_expert.shape[:3]
@@ -116,16 +126,19 @@ class HeadParallelMoE:
         send, back = (grouped_to_local_heads, grouped_to_local_tokens) if grouped else (to_local_heads,
                                                                                        to_local_tokens)
 
-        def local(xr, xe, w_r, bias, w1, w2, *wc):
+        wc = () if weights_cast is None else tuple(weights_cast)
+        acc = () if grad_acc is None else tuple(grad_acc)
+
+        def local(xr, xe, w_r, bias, w1, w2, *extra):
             xe_h = send(xe)
             xr_h = xe_h if shared else send(xr)
-            y, load = moe_heads(xr_h, xe_h, w_r, bias, w1, w2, k, impl, weights_cast=wc or None)
+            y, load = moe_heads(xr_h, xe_h, w_r, bias, w1, w2, k, impl, weights_cast=extra[:len(wc)] or None,
+                                grad_acc=extra[len(wc):] or None)
             return back(y), lax.psum(load, "data")
 
-        wc = () if weights_cast is None else tuple(weights_cast)
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok) + (head,) * (4 + len(wc)),
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok) + (head,) * (4 + len(wc) + len(acc)),
                            out_specs=(tok, head), check_vma=self.check_vma)
-        return fn(x_route, x_expert, w_r, bias, w1, w2, *wc)
+        return fn(x_route, x_expert, w_r, bias, w1, w2, *wc, *acc)
 
     def __repr__(self) -> str:
         return f"HeadParallelMoE(mesh={dict(self.mesh.shape)}, impl={self.impl!r})"

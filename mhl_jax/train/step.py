@@ -45,14 +45,29 @@ def train_step_compiler_options(deterministic: bool = False, cudnn_attention: bo
 # MoE executor reads them cast (`GPT.expert_weight_casts`); False: every micro-batch's MoE op casts them again (XLA
 # did not hoist those casts out of the loop). The gradients are bitwise the same either way.
 CAST_EXPERT_WEIGHTS_ONCE = True
+# Where the expert backward adds into the gradient sums in place (`GPT.expert_grad_accumulation`: the fused Triton core,
+# fp32 weights, no data parallelism in the MoE executor), the micro-batch loop hands it the running sums of those expert
+# weights and takes what comes back as the new sums, instead of an XLA add of a new gradient (fp32 acc + dW either way:
+# bitwise the same sums). False: every gradient is added by the loop.
+ACCUMULATE_EXPERT_GRADS_IN_PLACE = True
+
+
+def expert_weight_leaf(path) -> tuple[int, str] | None:
+    """(layer, "w1" | "w2") for the params path of an MoE layer's expert weight (blocks/<layer>/ffn/experts/w1), else
+    None."""
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    if len(keys) >= 5 and keys[0] == "blocks" and keys[2:4] == ["ffn", "experts"] and keys[4] in ("w1", "w2"):
+        return keys[1], keys[4]
+    return None
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, biases: nnx.State, tokens: jax.Array,
-            weights_cast: dict | None = None):
+            weights_cast: dict | None = None, grad_acc: dict | None = None):
     """tokens: (B, T + 1) int32 -> (mean NLL fp32, {layer: (H, Ne) int32 loads}). weights_cast: the model's
-    `expert_weight_casts()` made outside (not differentiated: the fp32 weights in params get the gradients)."""
+    `expert_weight_casts()` made outside (not differentiated: the fp32 weights in params get the gradients); grad_acc:
+    {layer: (acc1, acc2)} running gradient sums of those layers' expert weights (`GPT.__call__`; not differentiated)."""
     model = nnx.merge(graphdef, params, biases)
-    logits, loads = model(tokens[:, :-1], weights_cast)
+    logits, loads = model(tokens[:, :-1], weights_cast, grad_acc)
     return cross_entropy(logits, tokens[:, 1:]), loads
 
 
@@ -67,16 +82,27 @@ def apply_balancing(biases: nnx.State, loads: dict[int, jax.Array], gamma: float
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gamma: float,
                     schedule: Callable) -> Callable:
-    grad_fn = jax.value_and_grad(lambda p, b, t, c: loss_fn(graphdef, p, b, t, c), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, b, t, c, a: loss_fn(graphdef, p, b, t, c, a), has_aux=True)
 
     def train_step(state: dict[str, Any], batch: jax.Array):
         params, biases = state["params"], state["biases"]
-        casts = nnx.merge(graphdef, params, biases).expert_weight_casts() if CAST_EXPERT_WEIGHTS_ONCE else None
+        model = nnx.merge(graphdef, params, biases)
+        casts = model.expert_weight_casts() if CAST_EXPERT_WEIGHTS_ONCE else None
+        acc_layers = set(model.expert_grad_accumulation() if ACCUMULATE_EXPERT_GRADS_IN_PLACE else ())
+
+        def in_place(path) -> bool:
+            leaf = expert_weight_leaf(path)
+            return leaf is not None and leaf[0] in acc_layers
 
         def micro(carry, tokens):
             gsum, lsum, loadsum = carry
-            (loss, loads), grads = grad_fn(params, biases, tokens, casts)
-            gsum = jax.tree.map(jnp.add, gsum, grads)
+            acc = None
+            if acc_layers:  # the running sums of the in-place layers' expert weights
+                sums = {expert_weight_leaf(p): g for p, g in jax.tree_util.tree_leaves_with_path(gsum) if in_place(p)}
+                acc = {i: (sums[(i, "w1")], sums[(i, "w2")]) for i in acc_layers}
+            (loss, loads), grads = grad_fn(params, biases, tokens, casts, acc)
+            # the in-place layers' expert weights came back as sum + gradient already
+            gsum = jax.tree_util.tree_map_with_path(lambda p, a, g: g if in_place(p) else a + g, gsum, grads)
             loadsum = {i: loadsum[i] + loads[i] for i in loadsum}
             return (gsum, lsum + loss, loadsum), None
 
