@@ -566,6 +566,11 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                     op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(op1, op2))
                     mbarrier.arrive(d_empty.index(s))
             q += 1
+        # dW1's sum so far loads while the last products retire (dW2's after dW1's store: registers); with XW (at 208
+        # registers) after the wait: loaded before it, the consumer spilled 504 bytes (sm_90a compile, 2026-11-26)
+        EARLY: gl.constexpr = ACCUM and not XW
+        if EARLY:
+            old1 = gl.load(dw1_ptr + g * (DH * DE) + dc[None, :] * DE + (e0 + C * 64 + er)[:, None])
         acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
         if XW and nsub > 0:  # the last block's dW1 product retired just now
             mbarrier.arrive(d_empty.index((q - 1) % NST))
@@ -573,7 +578,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         e = e0 + C * 64 + er
         # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
         p1 = dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None]
-        if ACCUM:
+        if EARLY:
+            acc1 = old1 + acc1
+        elif ACCUM:
             acc1 = gl.load(p1) + acc1
         gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty))
         p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]

@@ -88,7 +88,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
         params, biases = state["params"], state["biases"]
         model = nnx.merge(graphdef, params, biases)
         casts = model.expert_weight_casts() if CAST_EXPERT_WEIGHTS_ONCE else None
-        acc_layers = set(model.expert_grad_accumulation() if ACCUMULATE_EXPERT_GRADS_IN_PLACE else ())
+        # one micro-batch: nothing to add to (the kernels would read the zeros)
+        in_place_on = ACCUMULATE_EXPERT_GRADS_IN_PLACE and batch.shape[0] > 1
+        acc_layers = set(model.expert_grad_accumulation() if in_place_on else ())
 
         def in_place(path) -> bool:
             leaf = expert_weight_leaf(path)
