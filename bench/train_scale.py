@@ -147,8 +147,10 @@ def device_peaks(devices) -> list[int] | None:
 
 
 def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, warmup: int, seed: int,
-            profile: bool = False) -> dict:
-    """Compile and run len(batches) train steps of `cfg` on `devices`; batches (steps, global_batch, T + 1)."""
+            profile: bool = False, repeat: bool = False) -> dict:
+    """Compile and run len(batches) train steps of `cfg` on `devices`; batches (steps, global_batch, T + 1).
+    repeat: then the same steps again from the same initial state with the same executable (run-to-run determinism
+    in one process: `repeat_losses`, `repeat_bitwise`)."""
     mesh = make_mesh(cfg, devices)
     n = mesh.size
     micro_global = cfg.train.micro_batch * n
@@ -196,7 +198,17 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
         split.pop("per_device", None)
         state = held.pop("state")
     after = device_peaks(mesh.devices.flat)
-    del state, compiled, step
+    del state
+    again = None
+    if repeat:
+        state = jax.jit(init_state, out_shardings=sh, donate_argnums=(0, 1))(
+            *jax.device_put((params, biases), (sh["params"], sh["biases"])))
+        again = []
+        for b in shaped:
+            state, m = compiled(state, jax.device_put(b, bsh))
+            again.append(float(m["loss"]))
+        del state
+    del compiled, step
     mem_peak, exact = None, None
     if after is not None:
         risen = [a for a, b0 in zip(after, before) if a > b0]
@@ -212,7 +224,8 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
             "tokens_per_s_per_device": tokens / step_s / n, "flops_per_token": flops_tok,
             "peak_tflops": None if peak is None else peak / 1e12, "mfu": mfu(flops_tok, tokens / step_s, n, peak),
             "compile_s": compile_s, "mem_compiled_gib": mem_compiled, "mem_peak_gib": mem_peak,
-            "mem_peak_exact": exact, "profile_split": split}
+            "mem_peak_exact": exact, "profile_split": split,
+            **({} if again is None else {"repeat_losses": again, "repeat_bitwise": again == losses})}
 
 
 def loss_check(records: list[dict], tol: float) -> None:
@@ -234,7 +247,8 @@ def loss_check(records: list[dict], tol: float) -> None:
 
 
 def run(configs: list[str], device_counts: list[int], steps: int = 4, warmup: int = 1, overrides=(),
-        tol: float = 1e-2, seed: int = 0, date: str = "", emit=print, log=print, profile: bool = False) -> list[dict]:
+        tol: float = 1e-2, seed: int = 0, date: str = "", emit=print, log=print, profile: bool = False,
+        repeat: bool = False) -> list[dict]:
     """Every (config, device count); returns the records (each with `ok`). Device counts run largest first."""
     avail = jax.devices()
     if max(device_counts) > len(avail):
@@ -263,11 +277,12 @@ def run(configs: list[str], device_counts: list[int], steps: int = 4, warmup: in
                    "steps": steps, "warmup": warmup, "seed": seed, "overrides": overrides}
             try:
                 rec.update(measure(cfg, avail[:n], params, biases, batches, warmup, base.train.seed,
-                                   profile=profile))
+                                   profile=profile, repeat=repeat))
                 log(f"# {cfg.name} x{n}: mesh {rec['mesh']}, compile {rec['compile_s']:.1f} s, "
                     f"step {rec['step_s']:.3f} s, {rec['tokens_per_s']:.0f} tok/s, memory "
                     f"{fmt(rec['mem_compiled_gib'], '.1f')} GiB compiled / {fmt(rec['mem_peak_gib'], '.1f')} "
-                    f"peak, losses {rec['losses']}, step times {[round(t, 4) for t in rec['step_times_s']]}")
+                    f"peak, losses {rec['losses']}, step times {[round(t, 4) for t in rec['step_times_s']]}"
+                    + (f", again {rec['repeat_losses']} (bitwise: {rec['repeat_bitwise']})" if repeat else ""))
             except Exception as e:  # keep going: the other device counts are still worth measuring
                 traceback.print_exc()
                 rec["error"] = f"{type(e).__name__}: {e}"[:2000]
@@ -318,6 +333,8 @@ def main() -> None:
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--profile", action="store_true", help="trace one extra step: communication vs compute "
                     "kernel time and the ops with the most time (bench/profile_split.py)")
+    ap.add_argument("--repeat", action="store_true", help="run the steps again from the same initial state with the "
+                    "same executable and report whether the losses are bitwise equal")
     args = ap.parse_args()
 
     devs = jax.devices()
@@ -336,7 +353,7 @@ def main() -> None:
         try:
             recs = run(args.config or DEFAULT_CONFIGS, args.devices, args.steps, args.warmup, args.overrides,
                        args.tol, args.seed, args.date, emit, log=lambda s: print(s, flush=True),
-                       profile=args.profile)
+                       profile=args.profile, repeat=args.repeat)
         except ConfigError as e:
             print(f"# FAILED: {e}", flush=True)
             sys.exit(1)
