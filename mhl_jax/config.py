@@ -32,7 +32,9 @@ class ModelConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon
     init_std: float = 0.02  # N(0, init_std) for every weight; residual-writing ones also / sqrt(2L)
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # matmul dtype (weights stay fp32)
-    attention_impl: Literal["auto", "cudnn", "xla"] = "auto"  # auto: cudnn on GPU, xla elsewhere
+    # auto: cudnn on GPU, xla elsewhere; pallas: Pallas flash attention on GPU, bitwise repeatable (cudnn's backward is
+    # not at 2048 tokens)
+    attention_impl: Literal["auto", "cudnn", "xla", "pallas"] = "auto"
 
 
 @dataclass

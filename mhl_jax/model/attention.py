@@ -25,6 +25,22 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
 
 
+# Tiles of the Pallas (Triton) flash attention, `attention_impl: pallas` (forward q / kv blocks, backward q / kv blocks
+# of its dK-dV and dQ passes). Its backward makes dK / dV per kv block and dQ per q block in separate passes, so no
+# float atomics: bitwise repeatable, where cuDNN's flash attention backward is not at 2048 tokens (bench/NOTES.md).
+PALLAS_BLOCKS = dict(block_q=128, block_k=128, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+
+
+def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool = False) -> jax.Array:
+    """Causal flash attention of (B, T, nh, hd) q, k, v by `jax.experimental.pallas.ops.gpu.attention.mha` with
+    PALLAS_BLOCKS (interpret: the Pallas interpreter, CPU tests)."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_mha
+
+    blocks = pallas_mha.BlockSizes(**{n: min(b, q.shape[1]) for n, b in PALLAS_BLOCKS.items()})
+    return pallas_mha.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=blocks,
+                          interpret=interpret)
+
+
 def attention_impl(choice: str) -> str:
     """'auto' -> cudnn on GPU, xla elsewhere."""
     if choice == "auto":
@@ -41,7 +57,10 @@ def causal_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, n_heads: in
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     cos, sin = rope_tables(t, head_dim, rope_base)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    if impl == "pallas":
+        o = pallas_attention(q, k, v)
+    else:
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     return jnp.einsum("btnh,nhd->btd", o, w_o.astype(dt))
 
 
