@@ -36,7 +36,7 @@ from mhl_jax.train.step import jit_train_step, loss_fn  # noqa: E402
 def run(kind: str, n: int, batch: np.ndarray):
     cfg = small_config(kind, n)
     mesh = make_mesh(cfg, jax.devices()[:n])
-    graphdef, params, biases = nnx.split(build_model(cfg, seed=0, executor=make_executor(cfg, mesh)),
+    graphdef, params, biases = nnx.split(build_model(cfg, seed=0, executor=make_executor(cfg, mesh), mesh=mesh),
                                          nnx.Param, RouterBias)
     tx = make_optimizer(cfg)
     state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0)}

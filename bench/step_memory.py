@@ -152,7 +152,7 @@ def step_memory(cfg: Config, devices: list, kernels: str = "standin", top: int =
         if hasattr(executor, "ep_impl"):
             executor.ep_impl = "ragged"
         ctx = standin_ops()
-    graphdef, p_abs, b_abs = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=0, executor=executor)),
+    graphdef, p_abs, b_abs = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=0, executor=executor, mesh=mesh)),
                                        nnx.Param, RouterBias)
     tx = make_optimizer(cfg)
     state = jax.eval_shape(state_init(tx), p_abs, b_abs)

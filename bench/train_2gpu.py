@@ -73,7 +73,8 @@ def train_losses(cfg: Config, devices: list, batches: np.ndarray,
     grad_norms: a list that gets each step's gradient norm."""
     mesh = make_mesh(cfg, devices)
     executor = make_executor(cfg, mesh)
-    graphdef, params, biases = nnx.split(build_model(cfg, seed=0, executor=executor), nnx.Param, RouterBias)
+    graphdef, params, biases = nnx.split(build_model(cfg, seed=0, executor=executor, mesh=mesh), nnx.Param,
+                                         RouterBias)
     tx = make_optimizer(cfg)
     state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0)}
     sh = state_shardings(cfg, mesh, state)

@@ -156,7 +156,8 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     micro_global = cfg.train.micro_batch * n
     accum = accumulation_steps(cfg, n)
     executor = make_executor(cfg, mesh)
-    graphdef, p_abs, b_abs = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=seed, executor=executor)),
+    graphdef, p_abs, b_abs = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=seed, executor=executor,
+                                                                           mesh=mesh)),
                                        nnx.Param, RouterBias)
     if jax.tree.structure((p_abs, b_abs)) != jax.tree.structure((params, biases)):
         raise ValueError(f"{executor!r}: the model's parameter tree differs from the host-built one")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from mhl_jax.model.init import normal_param
 
@@ -31,26 +33,43 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 PALLAS_BLOCKS = dict(block_q=128, block_k=128, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
 
 
-def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool = False) -> jax.Array:
+def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool | None = None) -> jax.Array:
     """Causal flash attention of (B, T, nh, hd) q, k, v by `jax.experimental.pallas.ops.gpu.attention.mha` with
-    PALLAS_BLOCKS (interpret: the Pallas interpreter, CPU tests)."""
+    PALLAS_BLOCKS (interpret: the Pallas interpreter; None: where there is no GPU, i.e. in the CPU tests)."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
     blocks = pallas_mha.BlockSizes(**{n: min(b, q.shape[1]) for n, b in PALLAS_BLOCKS.items()})
     return pallas_mha.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=blocks,
                           interpret=interpret)
 
 
+def sharded_pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """`pallas_attention` with the batch split over every axis of `mesh` (the train and eval batches' layout,
+    `mhl_jax.parallel.mesh.batch_spec`): the Pallas call is opaque to XLA's partitioner, which would gather q, k, v to
+    every device; under shard_map each device attends over its own sequences."""
+    if mesh is None or mesh.size == 1:
+        return pallas_attention(q, k, v)
+    if q.shape[0] % mesh.size:
+        raise ValueError(f"attention: a batch of {q.shape[0]} sequences does not split over the {mesh.size} devices of "
+                         f"the mesh {dict(mesh.shape)}")
+    spec = P(tuple(mesh.axis_names))
+    return jax.shard_map(pallas_attention, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                         check_vma=False)(q, k, v)
+
+
 def attention_impl(choice: str) -> str:
-    """'auto' -> cudnn on GPU, xla elsewhere."""
+    """'auto' -> pallas on GPU (bitwise repeatable; cudnn's backward is not), xla elsewhere."""
     if choice == "auto":
-        return "cudnn" if jax.default_backend() == "gpu" else "xla"
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
     return choice
 
 
 def causal_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, n_heads: int, head_dim: int,
-                     rope_base: float, impl: str) -> jax.Array:
-    """x: (B, T, d) compute dtype; w_qkv: (d, 3, nh, hd); w_o: (nh, hd, d) -> (B, T, d) compute dtype."""
+                     rope_base: float, impl: str, mesh: Mesh | None = None) -> jax.Array:
+    """x: (B, T, d) compute dtype; w_qkv: (d, 3, nh, hd); w_o: (nh, hd, d) -> (B, T, d) compute dtype. mesh: the
+    device mesh the batch is split over (pallas only)."""
     b, t, _ = x.shape
     dt = x.dtype
     qkv = jnp.einsum("btd,dsnh->btsnh", x, w_qkv.astype(dt))
@@ -58,7 +77,7 @@ def causal_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, n_heads: in
     cos, sin = rope_tables(t, head_dim, rope_base)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if impl == "pallas":
-        o = pallas_attention(q, k, v)
+        o = sharded_pallas_attention(q, k, v, mesh)
     else:
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     return jnp.einsum("btnh,nhd->btd", o, w_o.astype(dt))
@@ -66,11 +85,13 @@ def causal_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, n_heads: in
 
 class Attention(nnx.Module):
     def __init__(self, d: int, n_heads: int, head_dim: int, rope_base: float, impl: str,
-                 std: float, out_std: float, rngs: nnx.Rngs):
+                 std: float, out_std: float, rngs: nnx.Rngs, mesh: Mesh | None = None):
+        """mesh: the devices the batch is split over (`sharded_pallas_attention`; None: one device)."""
         self.w_qkv = normal_param(rngs, (d, 3, n_heads, head_dim), std)
         self.w_o = normal_param(rngs, (n_heads, head_dim, d), out_std)
         self.n_heads, self.head_dim, self.rope_base, self.impl = n_heads, head_dim, rope_base, impl
+        self.mesh = mesh
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return causal_attention(x, self.w_qkv[...], self.w_o[...], self.n_heads, self.head_dim,
-                                self.rope_base, attention_impl(self.impl))
+                                self.rope_base, attention_impl(self.impl), self.mesh)

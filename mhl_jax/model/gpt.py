@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from mhl_jax.config import Config
 from mhl_jax.model.attention import Attention
@@ -40,11 +41,11 @@ def make_ffn(cfg: Config, layer: int, rngs: nnx.Rngs, executor: MoEExecutor) -> 
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: Config, layer: int, rngs: nnx.Rngs, executor: MoEExecutor):
+    def __init__(self, cfg: Config, layer: int, rngs: nnx.Rngs, executor: MoEExecutor, mesh: Mesh | None = None):
         m = cfg.model
         self.norm1 = RMSNorm(m.d_model, m.norm_eps)
         self.attn = Attention(m.d_model, m.n_heads, m.head_dim, m.rope_base, m.attention_impl, m.init_std,
-                              residual_std(m.init_std, m.n_layers), rngs)
+                              residual_std(m.init_std, m.n_layers), rngs, mesh)
         self.norm2 = RMSNorm(m.d_model, m.norm_eps)
         self.ffn = make_ffn(cfg, layer, rngs, executor)
         self.dtype = jnp.dtype(m.compute_dtype)
@@ -59,11 +60,13 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: Config, rngs: nnx.Rngs, executor: MoEExecutor | None = None):
+    def __init__(self, cfg: Config, rngs: nnx.Rngs, executor: MoEExecutor | None = None, mesh: Mesh | None = None):
+        """mesh: the devices the batch is split over (None: the executor's, if it has one; else one device)."""
         m = cfg.model
         executor = executor or LocalMoE(resolve_kernels(cfg.ffn.kernels))
+        mesh = mesh if mesh is not None else getattr(executor, "mesh", None)
         self.embed = normal_param(rngs, (m.vocab_size, m.d_model), m.init_std)
-        self.blocks = nnx.List([Block(cfg, i, rngs, executor) for i in range(m.n_layers)])
+        self.blocks = nnx.List([Block(cfg, i, rngs, executor, mesh) for i in range(m.n_layers)])
         self.norm_f = RMSNorm(m.d_model, m.norm_eps)
         self.head = normal_param(rngs, (m.d_model, m.vocab_size), m.init_std)
         self.dtype = jnp.dtype(m.compute_dtype)
@@ -141,6 +144,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(lse - picked)
 
 
-def build_model(cfg: Config, seed: int | None = None, executor: MoEExecutor | None = None) -> GPT:
+def build_model(cfg: Config, seed: int | None = None, executor: MoEExecutor | None = None,
+                mesh: Mesh | None = None) -> GPT:
     seed = cfg.train.seed if seed is None else seed
-    return GPT(cfg, nnx.Rngs(params=seed), executor)
+    return GPT(cfg, nnx.Rngs(params=seed), executor, mesh)

@@ -89,7 +89,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     mesh = make_mesh(cfg)
     accum = accumulation_steps(cfg, mesh.size)
     t = cfg.model.context
-    model = build_model(cfg, executor=make_executor(cfg, mesh))
+    model = build_model(cfg, executor=make_executor(cfg, mesh), mesh=mesh)
     graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
     del model
     tx = make_optimizer(cfg)
