@@ -143,16 +143,19 @@ def grouped_rows_kernel(
 
 @triton.jit
 def grouped_wgrad_kernel(
-    a_ptr, d_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr,  # inputs
+    a_ptr, d_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, acc_ptr,  # inputs
     dw_ptr,  # output (G, I, J)
     K: tl.constexpr, I: tl.constexpr, J: tl.constexpr, PACK_BLOCK: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
-    A_MODE: tl.constexpr, D_MODE: tl.constexpr, PRECISION: tl.constexpr,
+    A_MODE: tl.constexpr, D_MODE: tl.constexpr, PRECISION: tl.constexpr, ACCUM: tl.constexpr,
 ):
     """dW[g] (I, J) = sum over group g's packed rows of A[row, :]^T D[row, :] (module docstring).
 
     a: row operand of width I (A_MODE), d: row operand of width J (D_MODE); a gate (either operand
-    GATHER_GATED) scales A's rows in fp32. Both are cast to a's dtype (the compute dtype) for the dots."""
+    GATHER_GATED) scales A's rows in fp32. Both are cast to a's dtype (the compute dtype) for the dots.
+    ACCUM: dw holds a gradient summed so far (acc, the same buffer: the JAX binding aliases them; the torch launcher
+    passes dw for both) and each tile adds its own to it in fp32 (acc + dW, bitwise XLA's add); acc_ptr itself is
+    never read."""
     pid_i = tl.program_id(0)
     pid_j = tl.program_id(1)
     gi = tl.program_id(2)
@@ -174,6 +177,8 @@ def grouped_wgrad_kernel(
         d = _load_rows(d_ptr, src_d, valid_d, offs_j, J, D_MODE).to(cdt)
         acc = tl.dot(tl.trans(a), d, acc, input_precision=PRECISION)  # (BLOCK_I, BLOCK_J)
     out = dw_ptr + gi.to(tl.int64) * (I * J) + offs_i[:, None] * J + offs_j[None, :]
+    if ACCUM:
+        acc = tl.load(out).to(tl.float32) + acc
     tl.store(out, acc.to(dw_ptr.dtype.element_ty))
 
 

@@ -68,18 +68,20 @@ def rows_matmul(a: torch.Tensor, gates: torch.Tensor, pk: TorchPacking, w: torch
 
 def wgrad(a: torch.Tensor, d: torch.Tensor, gates: torch.Tensor, pk: TorchPacking, k: int, cfg: GroupedConfig,
           *, a_mode: int, d_mode: int, dw_dtype: torch.dtype | None = None,
-          out: torch.Tensor | None = None) -> torch.Tensor:
+          out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """dW (G, I, J) = per group, sum over its rows of A^T D (`grouped_wgrad_kernel`); a: width I, d:
-    width J, each packed rows (ROWS) or source rows (GATHER / GATHER_GATED)."""
+    width J, each packed rows (ROWS) or source rows (GATHER / GATHER_GATED). accumulate: added to what `out` holds."""
+    if accumulate and out is None:
+        raise ValueError("wgrad: accumulate=True needs the running sums in out=")
     g = pk.group_nblocks.shape[0]
     i, j = a.shape[1], d.shape[1]
     t = cfg.wgrad
     out = torch.empty(g, i, j, dtype=dw_dtype or a.dtype, device=a.device) if out is None else out
     grouped_wgrad_kernel[(i // t.block_m, j // t.block_n, g)](
-        a.contiguous(), d.contiguous(), gates, pk.row_slot, pk.group_block_start, pk.group_nblocks, out,
+        a.contiguous(), d.contiguous(), gates, pk.row_slot, pk.group_block_start, pk.group_nblocks, out, out,
         K=k, I=i, J=j, PACK_BLOCK=cfg.pack_block, BLOCK_I=t.block_m, BLOCK_J=t.block_n, BLOCK_R=t.block_k,
         A_MODE=a_mode, D_MODE=d_mode, num_warps=t.num_warps, num_stages=t.num_stages,
-        PRECISION=_opts(a)["PRECISION"])
+        PRECISION=_opts(a)["PRECISION"], ACCUM=accumulate)
     return out
 
 

@@ -95,6 +95,33 @@ def test_poisoned_outputs_every_element_written_padding_zero():
 
 
 @interpreter_only
+def test_wgrad_accumulates_into_the_running_sums():
+    """ACCUM: the wgrad kernel adds each group's gradient to what dW holds (the train step's running sums, aliased in
+    place by the JAX binding): bitwise acc + the plain kernel's dW, for both weight gradients' operand modes (an
+    expert with no rows keeps its sum)."""
+    from kernels.torch_grouped import wgrad
+
+    x, idx, gates, w1, w2 = expert_inputs(3, 10, 2, 2, 4, 32, 16)
+    idx = idx % 3  # expert 3 gets no rows
+    idx[..., 1] = torch.where(idx[..., 1] == idx[..., 0], (idx[..., 0] + 1) % 3, idx[..., 1])
+    cfg = GroupedConfig(16, GemmTile(16, 16, 16, 4, 1), GemmTile(16, 16, 16, 4, 1))
+    pk = pack_torch(idx, 4, 16)
+    xs, w1g, w2g = x.reshape(20, 32), w1.reshape(8, 32, 16), w2.reshape(8, 16, 32)
+    hpre, act, _ = grouped_fwd(xs, pk, w1g, w2g, 2, cfg)
+    dy, g32 = torch.randn(20, 32), gates.reshape(-1).float()
+    dh, _, _, _ = grouped_bwd(xs, dy, g32, hpre, act, pk, w1g, w2g, 2, cfg)
+    for a, d, modes, shape in ((xs, dh, (GATHER, ROWS), (8, 32, 16)), (act, dy, (ROWS, GATHER_GATED), (8, 16, 32))):
+        plain = wgrad(a, d, g32, pk, 2, cfg, a_mode=modes[0], d_mode=modes[1], dw_dtype=torch.float32)
+        acc = torch.randn(shape)
+        summed = wgrad(a, d, g32, pk, 2, cfg, a_mode=modes[0], d_mode=modes[1], dw_dtype=torch.float32,
+                       out=acc.clone(), accumulate=True)
+        assert torch.equal(summed, acc + plain)
+        assert (plain[pk.group_nblocks == 0] == 0).all()
+    with pytest.raises(ValueError, match="accumulate=True needs the running sums"):
+        wgrad(xs, dh, g32, pk, 2, cfg, a_mode=GATHER, d_mode=ROWS, accumulate=True)
+
+
+@interpreter_only
 def test_weight_gradients_bitwise_deterministic():
     x, idx, gates, w1, w2 = expert_inputs(2, 40, 1, 2, 2, 32, 16)
     cfg = GroupedConfig(16, GemmTile(16, 16, 16, 4, 1), GemmTile(16, 16, 16, 4, 1))

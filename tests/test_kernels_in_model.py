@@ -171,11 +171,13 @@ def _weight_adds_in(body, shapes) -> int:
                and e.outvars[0].aval.dtype == jnp.float32 for e in body.eqns)
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4])
-def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch, devices):
+@pytest.mark.parametrize("kind, devices", [("mh_latent_moe", 1), ("mh_latent_moe", 2), ("mh_latent_moe", 4),
+                                           ("moe", 1)])
+def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch, kind, devices):
     """bf16 compute, fp32 masters, the fused Triton core (emulated), on one device, under Head Parallel (hp 2, data 1)
-    and hp 2 x data 2. `train.step.CAST_EXPERT_WEIGHTS_ONCE`: the step casts the expert weights before its micro-batch
-    loop (the loop body then holds no cast of an expert weight; with the switch off it does).
+    and hp 2 x data 2; and MoE with experts wider than the fused kernels take (the grouped kernels) on one device.
+    `train.step.CAST_EXPERT_WEIGHTS_ONCE`: the step casts the expert weights before its micro-batch loop (the loop body
+    then holds no cast of an expert weight; with the switch off it does).
     `ACCUMULATE_EXPERT_GRADS_IN_PLACE`: the loop hands the expert weights' running gradient sums to the MoE op, whose
     backward returns sum + gradient (the loop body then holds no add of an expert weight's shape; off, or with data
     parallelism, where shard_map would sum the accumulators over `data`, it does). Every combination gives bitwise
@@ -187,8 +189,9 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
     from mhl_jax.train.optimizer import make_optimizer
     from mhl_jax.train.schedule import make_schedule
 
-    cfg = small("mh_latent_moe", "ffn.latent_dim=64", "ffn.head_dim=16", "model.compute_dtype=bfloat16",
-                "ffn.num_experts=12", "ffn.expert_hidden=32", "parallel.hp=2",
+    extra = (("ffn.latent_dim=64", "ffn.head_dim=16", "parallel.hp=2") if kind == "mh_latent_moe" else
+             ("model.d_model=288",))
+    cfg = small(kind, *extra, "model.compute_dtype=bfloat16", "ffn.num_experts=12", "ffn.expert_hidden=32",
                 f"parallel.devices={devices}", "ffn.kernels=reference")  # expert weight shapes no activation has
     mesh = make_mesh(cfg) if devices > 1 else None
     executor = LocalMoE("triton") if mesh is None else make_executor(cfg, mesh)
@@ -230,14 +233,15 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("path", ["reference", "fused", "apart"])
+@pytest.mark.parametrize("path", ["reference", "fused", "apart", "grouped"])
 def test_moe_heads_grad_acc_returns_sum_plus_gradient(emulated, path):
     """`moe_heads(..., grad_acc=(a1, a2))`: the gradients of w1 / w2 come back as a + dW, bitwise the add of the plain
-    gradients, on the reference path, the fused Triton core (added in its backward) and the Triton ops apart (x_route
-    not x_expert: `accumulate_grad`); the other gradients unchanged."""
+    gradients, on the reference path, the fused Triton core (added in its backward), the Triton ops apart (x_route
+    not x_expert: `accumulate_grad`) and the grouped experts (dh > 256: added by the wgrad kernel); the other
+    gradients unchanged."""
     from mhl_jax.model.moe_core import moe_heads
 
-    n, h, dh, ne, de, k = 32, 2, 16, 8, 32, 2
+    n, h, dh, ne, de, k = 32, 2, 16 if path != "grouped" else 272, 8, 32, 2
     ks = jax.random.split(jax.random.key(3), 6)
     x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
     w_r = jax.random.normal(ks[1], (h, dh, ne))

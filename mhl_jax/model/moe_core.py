@@ -42,7 +42,8 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
         raise ValueError(f"moe_heads: weights_cast= is read only by the fused Triton experts with weights of another "
                          f"dtype than the activations (impl {impl!r}, x {x_expert.dtype}, w1 {w1.dtype}, dh "
                          f"{x_expert.shape[2]})")
-    if grad_acc is not None and not fused_core(impl, x_route, x_expert):
+    grouped = impl == "triton" and triton_expert_path(x_expert.shape[2]) == "grouped"
+    if grad_acc is not None and not (fused_core(impl, x_route, x_expert) or grouped):
         w1, w2 = accumulate_grad(w1, grad_acc[0]), accumulate_grad(w2, grad_acc[1])
         grad_acc = None
     if impl == "triton" and x_route.shape[2] <= MAX_TRITON_ROUTER_WIDTH:
@@ -50,7 +51,7 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
                                 grad_acc=grad_acc)
     values, idx = route_topk(x_route, w_r, bias, k, impl)
     gates = jax.nn.softmax(values, axis=-1)  # fp32
-    return expert_ffn(x_expert, idx, gates, w1, w2, impl, cfg=cfg, weights_cast=weights_cast)
+    return expert_ffn(x_expert, idx, gates, w1, w2, impl, cfg=cfg, weights_cast=weights_cast, grad_acc=grad_acc)
 
 
 @jax.custom_vjp
@@ -80,16 +81,17 @@ def fused_core(impl: str, x_route: jax.Array, x_expert: jax.Array) -> bool:
 
 def accumulates_in_place(impl: str, x_dtype, w_dtype, dh: int) -> bool:
     """Whether the expert backward adds its weight gradients to the caller's accumulators in place (`moe_heads`'
-    grad_acc) for MH-LatentMoE's sub-tokens (routed on themselves): the fused Triton core with fp32 weights and
-    activations of another dtype (the kernel's fp32 add is then bitwise XLA's)."""
-    return (impl == "triton" and FUSE_ROUTER_DX and dh <= MAX_TRITON_ROUTER_WIDTH and triton_expert_path(dh) == "fused"
-            and jnp.dtype(w_dtype) == jnp.float32 and jnp.dtype(x_dtype) != jnp.dtype(w_dtype))
+    grad_acc): the Triton experts (the fused core's Gluon / Triton backward for sub-tokens routed on themselves, the
+    grouped wgrad kernel) with fp32 weights and activations of another dtype (the kernels' fp32 add is then bitwise
+    XLA's). The fused expert kernels on sub-tokens routed apart (x_route not x_expert) take the sums too, through
+    `accumulate_grad` (an XLA add, as the caller's)."""
+    return impl == "triton" and jnp.dtype(w_dtype) == jnp.float32 and jnp.dtype(x_dtype) != jnp.dtype(w_dtype)
 
 
 def reads_weights_cast(impl: str, x_dtype, w_dtype, dh: int) -> bool:
-    """Whether `moe_heads` can take the expert weights already cast (`weights_cast=`): the fused Triton experts
-    (impl "triton", dh <= MAX_TRITON_EXPERT_WIDTH) with weights held in another dtype than the activations."""
-    return impl == "triton" and triton_expert_path(dh) == "fused" and jnp.dtype(x_dtype) != jnp.dtype(w_dtype)
+    """Whether `moe_heads` can take the expert weights already cast (`weights_cast=`): the Triton experts (fused or
+    grouped) with weights held in another dtype than the activations."""
+    return impl == "triton" and jnp.dtype(x_dtype) != jnp.dtype(w_dtype)
 
 
 # The router's Gluon kernel also casts the fp32 expert weights to bf16 (its caster warp group, at k > 4) instead of a
@@ -130,7 +132,7 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
     of it runs under one custom_vjp whose dx comes out of one kernel (`mhl_jax.ops.moe_triton`). backend "emulate":
     pure-JAX kernel stand-ins (CPU); None: the bindings' own default ("triton"; a test may swap the bindings).
     weights_cast: (w1, w2) already cast by the caller (`moe_heads`); then the router's kernel casts nothing. grad_acc:
-    `moe_heads`' (the fused core only)."""
+    `moe_heads`' (the fused core, or the grouped experts: `expert_ffn`)."""
     from mhl_jax.ops import router_triton
 
     cast = weights_cast is None and router_casts_weights(x_route, x_expert, w1, w2)
@@ -140,14 +142,12 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
 
         return moe_triton.moe_heads_fused(x_expert, w_r, bias, w1, w2, k, cfg, cast=cast, weights_cast=weights_cast,
                                           grad_acc=grad_acc, **kw)
-    if grad_acc is not None:
-        raise ValueError("moe_heads_triton: grad_acc= is taken by the fused core only (`moe_core.fused_core`)")
     spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
     out = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, cast=(w1, w2) if cast else None, **kw)
     values, idx, packing = out[:3]
     gates = jax.nn.softmax(values, axis=-1)  # fp32
     return expert_ffn(x_expert, idx, gates, w1, w2, "triton", cfg=cfg, packing=packing, backend=backend,
-                      weights_cast=out[3] if cast else weights_cast)
+                      weights_cast=out[3] if cast else weights_cast, grad_acc=grad_acc)
 
 
 class MoEExecutor(Protocol):

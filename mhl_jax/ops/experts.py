@@ -63,7 +63,7 @@ def triton_packing_spec(x_shape: tuple[int, ...], k: int, w1_shape: tuple[int, .
 
 def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
                impl: str = "reference", cfg=None, packing: pk.Packing | None = None,
-               backend: str | None = None, weights_cast=None) -> tuple[jax.Array, jax.Array]:
+               backend: str | None = None, weights_cast=None, grad_acc=None) -> tuple[jax.Array, jax.Array]:
     """x: (N, H, dh) compute dtype; idx: (N, H, k) int32; gates: (N, H, k) fp32;
     w1: (H, Ne, dh, de) fp32; w2: (H, Ne, de, dh) fp32. impl "triton": the fused IO-aware kernels for
     dh <= MAX_TRITON_EXPERT_WIDTH (`cfg`: a `kernels.experts.ExpertsConfig`), the grouped-GEMM kernels
@@ -71,7 +71,8 @@ def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2
 
     `packing` (triton only): the packing of idx made by the router with `triton_packing_spec`;
     `backend` (triton only): "emulate" runs pure-JAX stand-ins of the kernels (CPU tests); None: the
-    bindings' default ("triton"). `weights_cast` (fused triton path only): (w1, w2) already in x's dtype.
+    bindings' default ("triton"). `weights_cast` (triton only): (w1, w2) already in x's dtype. `grad_acc` (the grouped
+    triton path only): running gradient sums of w1 / w2, returned as their gradients plus dW (`moe_core.moe_heads`).
 
     Returns y (N, H, dh) in x.dtype and the per-(head, expert) load counts (H, Ne) int32.
     """
@@ -86,18 +87,20 @@ def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2
         if triton_expert_path(dh) == "grouped":
             from mhl_jax.ops import experts_grouped
 
-            if weights_cast is not None:
-                raise ValueError(f"expert_ffn: weights_cast= belongs to the fused Triton expert path, not the "
-                                 f"grouped one (dh={dh})")
-            return experts_grouped.expert_ffn_grouped(x, idx, gates, w1, w2, cfg=cfg, packing=packing, **kw)
+            return experts_grouped.expert_ffn_grouped(x, idx, gates, w1, w2, cfg=cfg, packing=packing,
+                                                      weights_cast=weights_cast, grad_acc=grad_acc, **kw)
+        if grad_acc is not None:
+            raise ValueError(f"expert_ffn: grad_acc= belongs to the grouped Triton expert path (dh={dh} takes the "
+                             "fused one)")
         from mhl_jax.ops import experts_triton
 
         return experts_triton.expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg, packing=packing,
                                                 weights_cast=weights_cast, **kw)
     if impl != "reference":
         raise ValueError(f"expert_ffn: impl={impl!r}, expected 'reference' or 'triton'")
-    if packing is not None or backend is not None or weights_cast is not None:
-        raise ValueError("expert_ffn: packing=, backend= and weights_cast= belong to impl='triton'; the reference "
+    if packing is not None or backend is not None or weights_cast is not None or grad_acc is not None:
+        raise ValueError("expert_ffn: packing=, backend=, weights_cast= and grad_acc= belong to impl='triton'; the "
+                         "reference "
                          f"packs with its own block {REFERENCE_BLOCK}")
     packing = pk.pack(idx, ne, REFERENCE_BLOCK)
     rows = pk.gather_rows(x, packing, k)

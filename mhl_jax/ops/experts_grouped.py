@@ -67,19 +67,24 @@ def _rows_triton(st: Static, a, gates, meta: Meta, w, *, a_mode, transpose_w, ep
     return (c, act) if epi_gelu else c
 
 
-def _wgrad_triton(st: Static, a, d, gates, meta: Meta, *, a_mode, d_mode, num_groups, dw_dtype):
+def _wgrad_triton(st: Static, a, d, gates, meta: Meta, *, a_mode, d_mode, num_groups, dw_dtype, acc=None):
+    """acc: (G, I, J) in dw_dtype, aliased to the output, which comes back as acc + dW (the kernel's ACCUM)."""
     jt = import_jax_triton()
 
     from kernels.grouped import grouped_wgrad_kernel
 
     i, j = a.shape[1], d.shape[1]
     t = st.cfg.wgrad
+    out_shape = jax.ShapeDtypeStruct((num_groups, i, j), dw_dtype)
+    if acc is not None and (acc.shape, acc.dtype) != (out_shape.shape, out_shape.dtype):
+        raise ValueError(f"grouped wgrad: accumulator {acc.shape} {acc.dtype}, expected {out_shape.shape} "
+                         f"{out_shape.dtype}")
     return jt.triton_call(
-        a, d, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, kernel=grouped_wgrad_kernel,
-        out_shape=jax.ShapeDtypeStruct((num_groups, i, j), dw_dtype),
+        a, d, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, gates if acc is None else acc,
+        kernel=grouped_wgrad_kernel, out_shape=out_shape, input_output_aliases={} if acc is None else {6: 0},
         grid=(i // t.block_m, j // t.block_n, num_groups), num_warps=t.num_warps, num_stages=t.num_stages,
         K=st.k, I=i, J=j, PACK_BLOCK=st.cfg.pack_block, BLOCK_I=t.block_m, BLOCK_J=t.block_n,
-        BLOCK_R=t.block_k, A_MODE=a_mode, D_MODE=d_mode, PRECISION=_precision(a.dtype))
+        BLOCK_R=t.block_k, A_MODE=a_mode, D_MODE=d_mode, PRECISION=_precision(a.dtype), ACCUM=acc is not None)
 
 
 # ------------------------------------------------------------------- kernel stand-ins (pure JAX, CPU)
@@ -125,7 +130,7 @@ def _rows_emulate(st: Static, a, gates, meta: Meta, w, *, a_mode, transpose_w, e
     return c.astype(out_dtype)
 
 
-def _wgrad_emulate(st: Static, a, d, gates, meta: Meta, *, a_mode, d_mode, num_groups, dw_dtype):
+def _wgrad_emulate(st: Static, a, d, gates, meta: Meta, *, a_mode, d_mode, num_groups, dw_dtype, acc=None):
     p, pb = meta.row_slot.shape[0], st.cfg.pack_block
     ar = _operand(st, a, meta, a_mode)
     gated = [m for m in (a_mode, d_mode) if m == GATHER_GATED]
@@ -136,8 +141,8 @@ def _wgrad_emulate(st: Static, a, d, gates, meta: Meta, *, a_mode, d_mode, num_g
     per_block = jnp.einsum("bri,brj->bij", ar, dr, preferred_element_type=jnp.float32,
                            precision=_dot_precision(a.dtype))
     seg = jnp.where(meta.block_group >= 0, meta.block_group, num_groups)  # padding blocks: dropped segment
-    dw = jax.ops.segment_sum(per_block, seg, num_segments=num_groups + 1)[:num_groups]
-    return dw.astype(dw_dtype)
+    dw = jax.ops.segment_sum(per_block, seg, num_segments=num_groups + 1)[:num_groups].astype(dw_dtype)
+    return dw if acc is None else acc + dw
 
 
 def _rows(st: Static, *args, **kw):
@@ -150,11 +155,12 @@ def _wgrad(st: Static, *args, **kw):
 
 # ------------------------------------------------------------------------------------ the custom_vjp
 
-def _forward(st: Static, x, gates, w1, w2, meta: Meta):
+def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
     n, h, dh = x.shape
     _, ne, _, de = w1.shape
-    w1c = w1.reshape(h * ne, dh, de).astype(x.dtype)
-    w2c = w2.reshape(h * ne, de, dh).astype(x.dtype)
+    w1c, w2c = (w1, w2) if wc is None else wc  # wc: the weights already cast (by the caller, once per train step)
+    w1c = w1c.reshape(h * ne, dh, de).astype(x.dtype)
+    w2c = w2c.reshape(h * ne, de, dh).astype(x.dtype)
     xs = x.reshape(n * h, dh)
     g32 = gates.reshape(-1).astype(jnp.float32)
     hpre, act = _rows(st, xs, g32, meta, w1c, a_mode=GATHER, transpose_w=False, epi_gelu=True, hpre=None,
@@ -166,16 +172,17 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _experts(st: Static, x, gates, w1, w2, meta: Meta):
-    return _forward(st, x, gates, w1, w2, meta)[0]
+def _experts(st: Static, x, gates, w1, w2, meta: Meta, wc, acc):
+    return _forward(st, x, gates, w1, w2, meta, wc)[0]
 
 
-def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta):
-    return _forward(st, x, gates, w1, w2, meta)
+def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta, wc, acc):
+    y, res = _forward(st, x, gates, w1, w2, meta, wc)
+    return y, res + (acc,)
 
 
 def _experts_bwd(st: Static, res, dy):
-    xs, gates, hpre, act, out_rows, w1c, w2c, meta = res
+    xs, gates, hpre, act, out_rows, w1c, w2c, meta, acc = res
     g = w1c.shape[0]
     dys, dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)
     g32 = gates.reshape(-1).astype(jnp.float32)
@@ -185,11 +192,13 @@ def _experts_bwd(st: Static, res, dy):
     dx_rows = _rows(st, dh_rows, g32, meta, w1c, a_mode=ROWS, transpose_w=True, epi_gelu=False, hpre=None,
                     out_dtype=xs.dtype)  # (P, dh) = dH W1^T
     # the wgrad kernel accumulates in fp32 and writes straight in the weights' dtype
+    # with acc (the caller's running sums, `expert_ffn_grouped`'s grad_acc) the kernel adds into them in place
+    acc1, acc2 = (None, None) if acc is None else (acc[0].reshape(w1c.shape), acc[1].reshape(w2c.shape))
     dw1 = _wgrad(st, xs, dh_rows, g32, meta, a_mode=GATHER, d_mode=ROWS, num_groups=g,
-                 dw_dtype=dw_dtype)  # (G, dh, de) = X^T dH
+                 dw_dtype=dw_dtype, acc=acc1)  # (G, dh, de) = X^T dH
     dw2 = _wgrad(st, act, dys, g32, meta, a_mode=ROWS, d_mode=GATHER_GATED, num_groups=g,
-                 dw_dtype=dw_dtype)  # (G, de, dh) = gelu(H)^T dO
-    return bwd_cotangents(dx_rows, dgates, dw1, dw2, xs.dtype, meta)
+                 dw_dtype=dw_dtype, acc=acc2)  # (G, de, dh) = gelu(H)^T dO
+    return bwd_cotangents(dx_rows, dgates, dw1, dw2, xs.dtype, meta) + (None, None)  # wc, acc: none
 
 
 _experts.defvjp(_experts_fwd, _experts_bwd)
@@ -203,14 +212,17 @@ def resolve_grouped_config(num_slots: int, num_groups: int, dh: int, de: int,
 
 def expert_ffn_grouped(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
                        cfg: GroupedConfig | None = None, backend: str = "triton",
-                       packing: pk.Packing | None = None) -> tuple[jax.Array, jax.Array]:
+                       packing: pk.Packing | None = None, weights_cast=None,
+                       grad_acc=None) -> tuple[jax.Array, jax.Array]:
     """x: (N, H, dh) bf16 (fp32 allowed: exact but slow); idx: (N, H, k) int32 in [0, Ne);
     gates: (N, H, k) fp32; w1: (H, Ne, dh, de), w2: (H, Ne, de, dh), both fp32 or both x.dtype.
 
     Returns y (N, H, dh) in x.dtype and the load (H, Ne) int32 (routed slots per (head, expert)).
     Same contract as `expert_ffn(..., impl="reference")` and `expert_ffn_triton`; any dh, de that are
     multiples of 16 (tiles shrink to fit, `GroupedConfig.fit`). `cfg` overrides packing and tiles;
-    `packing` as in `expert_ffn_triton`.
+    `packing` as in `expert_ffn_triton`; `weights_cast`: (w1, w2) already in x's dtype, read instead of casting here;
+    `grad_acc`: (acc1, acc2) fp32 running gradient sums shaped as w1 / w2 (fp32 weights only): the gradients of w1 / w2
+    come back as acc + dW, added by the wgrad kernel in place (`moe_core.moe_heads`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"expert_ffn_grouped: backend={backend!r}, expected one of {BACKENDS}")
@@ -230,5 +242,14 @@ def expert_ffn_grouped(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.A
     cfg = resolve_grouped_config(n * h * k, h * ne, dh, de, cfg)
     cfg.check(dh, de)
     packing, meta = packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, backend, packing, "expert_ffn_grouped")
-    y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta)
+    if weights_cast is not None and [(c.shape, c.dtype) for c in weights_cast] != [(w.shape, x.dtype)
+                                                                                    for w in (w1, w2)]:
+        raise ValueError(f"expert_ffn_grouped: weights_cast must be w1, w2 in {x.dtype}, got "
+                         f"{[(c.shape, str(c.dtype)) for c in weights_cast]}")
+    if grad_acc is not None and (w1.dtype != jnp.float32 or
+                                 [(a.shape, a.dtype) for a in grad_acc] != [(w.shape, w.dtype) for w in (w1, w2)]):
+        raise ValueError(f"expert_ffn_grouped: grad_acc must be shaped and typed as fp32 w1 {w1.shape} / w2 "
+                         f"{w2.shape} ({w1.dtype}), got {[(a.shape, str(a.dtype)) for a in grad_acc]}")
+    y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta,
+                 None if weights_cast is None else tuple(weights_cast), None if grad_acc is None else tuple(grad_acc))
     return y, packing.group_sizes.reshape(h, ne)
