@@ -233,6 +233,29 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
             np.testing.assert_array_equal(a, b)
 
 
+def _moe_args(seed: int, n: int, h: int, dh: int, ne: int, de: int, scale: float):
+    """(x bf16, W_r, w1, w2) of an MoE core and random running sums (acc1, acc2) shaped as w1 / w2."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    w1 = scale * jax.random.normal(ks[2], (h, ne, dh, de))
+    w2 = scale * jax.random.normal(ks[3], (h, ne, de, dh))
+    args = (jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16), jax.random.normal(ks[1], (h, dh, ne)), w1, w2)
+    return args, (jax.random.normal(ks[4], w1.shape), jax.random.normal(ks[5], w2.shape))
+
+
+def _assert_sum_plus_gradient(run, args, acc):
+    """run(x, w_r, w1, w2, grad_acc) -> y: with grad_acc the gradients of w1 / w2 are bitwise acc + those without, x's
+    and W_r's the same."""
+    def grads(grad_acc):
+        loss = lambda *a: jnp.sum(run(*a, grad_acc).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+
+    plain, summed = grads(None), grads(acc)
+    for a, b in zip(plain[:2], summed[:2]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(summed[2], acc[0] + plain[2])
+    np.testing.assert_array_equal(summed[3], acc[1] + plain[3])
+
+
 @pytest.mark.parametrize("path", ["reference", "fused", "apart", "grouped"])
 def test_moe_heads_grad_acc_returns_sum_plus_gradient(emulated, path):
     """`moe_heads(..., grad_acc=(a1, a2))`: the gradients of w1 / w2 come back as a + dW, bitwise the add of the plain
@@ -241,26 +264,15 @@ def test_moe_heads_grad_acc_returns_sum_plus_gradient(emulated, path):
     gradients unchanged."""
     from mhl_jax.model.moe_core import moe_heads
 
-    n, h, dh, ne, de, k = 32, 2, 16 if path != "grouped" else 272, 8, 32, 2
-    ks = jax.random.split(jax.random.key(3), 6)
-    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
-    w_r = jax.random.normal(ks[1], (h, dh, ne))
-    w1 = 0.2 * jax.random.normal(ks[2], (h, ne, dh, de))
-    w2 = 0.2 * jax.random.normal(ks[3], (h, ne, de, dh))
-    acc = (jax.random.normal(ks[4], w1.shape), jax.random.normal(ks[5], w2.shape))
+    h, ne, k = 2, 8, 2
+    args, acc = _moe_args(3, 32, h, 16 if path != "grouped" else 272, ne, 32, 0.2)
     impl = "reference" if path == "reference" else "triton"
 
-    def loss(x, w_r, w1, w2, grad_acc):
+    def run(x, w_r, w1, w2, grad_acc):
         xr = x if path != "apart" else x + jnp.bfloat16(0)  # another array: routed apart from the experts' input
-        y, _ = moe_heads(xr, x, w_r, jnp.zeros((h, ne)), w1, w2, k, impl, grad_acc=grad_acc)
-        return jnp.sum(y.astype(jnp.float32) ** 2)
+        return moe_heads(xr, x, w_r, jnp.zeros((h, ne)), w1, w2, k, impl, grad_acc=grad_acc)[0]
 
-    plain = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w_r, w1, w2, None)
-    summed = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w_r, w1, w2, acc)
-    for a, b in zip(plain[:2], summed[:2]):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(summed[2], acc[0] + plain[2])
-    np.testing.assert_array_equal(summed[3], acc[1] + plain[3])
+    _assert_sum_plus_gradient(run, args, acc)
 
 
 @pytest.mark.gpu
@@ -281,20 +293,9 @@ def test_gpu_expert_backward_adds_into_the_accumulators(de, kernel):
     use = ext.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) if kernel != "dw_ws" else ext.use_dw_gluon(cfg, jnp.bfloat16,
                                                                                                    dh, de)
     assert use, (kernel, cfg)
-    ks = jax.random.split(jax.random.key(4), 6)
-    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
-    w_r = jax.random.normal(ks[1], (h, dh, ne))
-    w1 = 0.1 * jax.random.normal(ks[2], (h, ne, dh, de))
-    w2 = 0.1 * jax.random.normal(ks[3], (h, ne, de, dh))
-    acc = (jax.random.normal(ks[4], w1.shape), jax.random.normal(ks[5], w2.shape))
+    args, acc = _moe_args(4, n, h, dh, ne, de, 0.1)
 
-    def loss(x, w_r, w1, w2, grad_acc):
-        y, _ = moe_triton.moe_heads_fused(x, w_r, jnp.zeros((h, ne)), w1, w2, k, cfg, grad_acc=grad_acc)
-        return jnp.sum(y.astype(jnp.float32) ** 2)
+    def run(x, w_r, w1, w2, grad_acc):
+        return moe_triton.moe_heads_fused(x, w_r, jnp.zeros((h, ne)), w1, w2, k, cfg, grad_acc=grad_acc)[0]
 
-    plain = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w_r, w1, w2, None)
-    summed = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w_r, w1, w2, acc)
-    for a, b in zip(plain[:2], summed[:2]):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(summed[2], acc[0] + plain[2])
-    np.testing.assert_array_equal(summed[3], acc[1] + plain[3])
+    _assert_sum_plus_gradient(run, args, acc)
