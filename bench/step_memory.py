@@ -78,10 +78,12 @@ def _rows_standin(st, a, gates, meta, w, *, a_mode, transpose_w, epi_gelu, hpre,
     return tuple(out) if epi_gelu else out[0]
 
 
-def _wgrad_standin(st, a, d, gates, meta, *, a_mode, d_mode, num_groups, dw_dtype):
-    """`experts_grouped._wgrad_triton`'s output: (G, I, J)."""
+def _wgrad_standin(st, a, d, gates, meta, *, a_mode, d_mode, num_groups, dw_dtype, acc=None):
+    """`experts_grouped._wgrad_triton`'s output: (G, I, J) (with acc, the running sums it adds into: read too; the
+    kernel's aliasing of acc to the output is not modelled)."""
     shape = jax.ShapeDtypeStruct((num_groups, a.shape[1], d.shape[1]), dw_dtype)
-    return _opaque([shape], a, d, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks)[0]
+    return _opaque([shape], a, d, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
+                   *([] if acc is None else [acc]))[0]
 
 
 def _ragged_standin(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
