@@ -299,3 +299,27 @@ def test_gpu_expert_backward_adds_into_the_accumulators(de, kernel):
         return moe_triton.moe_heads_fused(x, w_r, jnp.zeros((h, ne)), w1, w2, k, cfg, grad_acc=grad_acc)[0]
 
     _assert_sum_plus_gradient(run, args, acc)
+
+
+def test_weights_cast_and_grad_acc_errors(emulated):
+    """Clear errors where the expert weights' copies or the running sums cannot be taken."""
+    from mhl_jax.model.moe_core import moe_heads
+    from mhl_jax.parallel.head_parallel import HeadParallelMoE
+
+    (x, w_r, w1, w2), acc = _moe_args(5, 16, 2, 16, 8, 32, 0.2)
+    bias = jnp.zeros((2, 8))
+    casts = (w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="weights_cast= is read only by the Triton experts.*impl 'reference'"):
+        moe_heads(x, x, w_r, bias, w1, w2, 2, "reference", weights_cast=casts)
+    with pytest.raises(ValueError, match="cast=True .* and weights_cast= .* exclude each other"):
+        moe_triton.moe_heads_fused(x, w_r, bias, w1, w2, 2, cast=True, weights_cast=casts)
+    with pytest.raises(ValueError, match="grad_acc .* must be shaped and typed as w1"):
+        moe_triton.moe_heads_fused(x, w_r, bias, w1, w2, 2, grad_acc=casts)
+    with pytest.raises(ValueError, match="grad_acc must be shaped and typed as fp32 w1"):
+        experts_grouped.expert_ffn_grouped(x, jnp.zeros((16, 2, 2), jnp.int32), jnp.ones((16, 2, 2)), w1, w2,
+                                           grad_acc=casts)
+    mesh = make_mesh(small("mh_latent_moe", "ffn.latent_dim=64", "ffn.head_dim=16", "parallel.hp=2",
+                           "parallel.devices=4"))
+    with pytest.raises(ValueError, match="grad_acc= needs a mesh without data parallelism"):
+        HeadParallelMoE(mesh, "triton")(x, x, w_r, bias, w1, w2, 2, grad_acc=acc)
+    assert not HeadParallelMoE(mesh, "triton").accumulates_in_place(jnp.bfloat16, jnp.float32, 16)

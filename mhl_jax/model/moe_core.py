@@ -33,15 +33,14 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
     `reads_weights_cast` says so. w1 and w2 still get the gradients, in their own dtype.
     grad_acc: (acc1, acc2) shaped and typed as w1 / w2, the gradients summed so far by the caller (the train step's
     micro-batch loop): the gradients of w1 / w2 then come back as acc + dW, bitwise the caller's own add, which the
-    caller then skips. The fused Triton core adds in its backward kernel, in place (`accumulates_in_place`); other paths
-    add in XLA (`accumulate_grad`).
+    caller then skips. The fused Triton core and the grouped Triton experts add in their backward kernels, in place
+    (`accumulates_in_place`); other paths add in XLA (`accumulate_grad`).
 
     Returns y (N, H, dh) in x_expert.dtype and load (H, Ne) int32 (routed slots per expert).
     """
     if weights_cast is not None and not reads_weights_cast(impl, x_expert.dtype, w1.dtype, x_expert.shape[2]):
-        raise ValueError(f"moe_heads: weights_cast= is read only by the fused Triton experts with weights of another "
-                         f"dtype than the activations (impl {impl!r}, x {x_expert.dtype}, w1 {w1.dtype}, dh "
-                         f"{x_expert.shape[2]})")
+        raise ValueError(f"moe_heads: weights_cast= is read only by the Triton experts with weights of another dtype "
+                         f"than the activations (impl {impl!r}, x {x_expert.dtype}, w1 {w1.dtype})")
     grouped = impl == "triton" and triton_expert_path(x_expert.shape[2]) == "grouped"
     if grad_acc is not None and not (fused_core(impl, x_route, x_expert) or grouped):
         w1, w2 = accumulate_grad(w1, grad_acc[0]), accumulate_grad(w2, grad_acc[1])
