@@ -567,7 +567,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                     mbarrier.arrive(d_empty.index(s))
             q += 1
         # dW1's sum so far loads while the last products retire (dW2's after dW1's store: registers); with XW (at 208
-        # registers) after the wait: loaded before it, the consumer spilled 504 bytes (sm_90a compile, 2026-11-26)
+        # registers) after the wait: loaded before it, the consumer spilled 504 bytes (sm_90a compile, 2026-11-26). The
+        # address is spelled out here rather than p1 moved above the wait: that move changed the kernels' code without
+        # ACCUM (the XW consumer's spills 104 -> 100 B), which the layer measurements were not re-run for
         EARLY: gl.constexpr = ACCUM and not XW
         if EARLY:
             old1 = gl.load(dw1_ptr + g * (DH * DE) + dc[None, :] * DE + (e0 + C * 64 + er)[:, None])

@@ -76,22 +76,22 @@ class GPT(nnx.Module):
         (`ExpertBank.weight_casts`; the fused Triton experts with fp32 masters and bf16 compute), for `__call__`. The
         train step makes them once per step instead of once per micro-batch: XLA left the casts inside the micro-batch
         loop (7.9 ms per matrix and micro-batch in the 2.2B MH-LatentMoE step on one H100, bench/NOTES.md)."""
-        casts = {}
-        for i, block in enumerate(self.blocks):
-            bank = getattr(block.ffn, "experts", None)
-            made = bank.weight_casts(block.ffn.executor, self.dtype) if isinstance(bank, ExpertBank) else None
-            if made is not None:
-                casts[i] = made
-        return casts
+        casts = {i: bank.weight_casts(executor, self.dtype) for i, bank, executor in self._expert_banks()}
+        return {i: c for i, c in casts.items() if c is not None}
 
     def expert_grad_accumulation(self) -> tuple[int, ...]:
         """The MoE layers whose expert backward can add w1's / w2's gradients to the caller's accumulators in place
         (`ExpertBank.accumulates_in_place`): the train step passes its running sums for them (`__call__`'s grad_acc)
         and takes the returned "gradients" as the new sums instead of adding (the expert weights' gradient adds were
         31.5 ms of a 326 ms 2.2B MH-LatentMoE step at 4 micro-batches on one H100, bench/NOTES.md)."""
-        return tuple(i for i, block in enumerate(self.blocks)
-                     if isinstance(getattr(block.ffn, "experts", None), ExpertBank)
-                     and block.ffn.experts.accumulates_in_place(block.ffn.executor, self.dtype))
+        return tuple(i for i, bank, executor in self._expert_banks() if bank.accumulates_in_place(executor, self.dtype))
+
+    def _expert_banks(self):
+        """(layer, ExpertBank, its MoE executor) of every MoE layer."""
+        for i, block in enumerate(self.blocks):
+            bank = getattr(block.ffn, "experts", None)
+            if isinstance(bank, ExpertBank):
+                yield i, bank, block.ffn.executor
 
     def __call__(self, tokens: jax.Array, weights_cast: dict | None = None,
                  grad_acc: dict | None = None) -> tuple[jax.Array, dict[int, jax.Array]]:

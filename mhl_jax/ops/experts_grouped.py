@@ -68,7 +68,8 @@ def _rows_triton(st: Static, a, gates, meta: Meta, w, *, a_mode, transpose_w, ep
 
 
 def _wgrad_triton(st: Static, a, d, gates, meta: Meta, *, a_mode, d_mode, num_groups, dw_dtype, acc=None):
-    """acc: (G, I, J) in dw_dtype, aliased to the output, which comes back as acc + dW (the kernel's ACCUM)."""
+    """acc: (G, I, J) in dw_dtype, aliased to the output, which comes back as acc + dW (the kernel's ACCUM; its shape
+    checked by `expert_ffn_grouped`)."""
     jt = import_jax_triton()
 
     from kernels.grouped import grouped_wgrad_kernel
@@ -76,9 +77,6 @@ def _wgrad_triton(st: Static, a, d, gates, meta: Meta, *, a_mode, d_mode, num_gr
     i, j = a.shape[1], d.shape[1]
     t = st.cfg.wgrad
     out_shape = jax.ShapeDtypeStruct((num_groups, i, j), dw_dtype)
-    if acc is not None and (acc.shape, acc.dtype) != (out_shape.shape, out_shape.dtype):
-        raise ValueError(f"grouped wgrad: accumulator {acc.shape} {acc.dtype}, expected {out_shape.shape} "
-                         f"{out_shape.dtype}")
     return jt.triton_call(
         a, d, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, gates if acc is None else acc,
         kernel=grouped_wgrad_kernel, out_shape=out_shape, input_output_aliases={} if acc is None else {6: 0},
