@@ -27,22 +27,29 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
 
 
-# Tiles of the Pallas (Triton) flash attention, `attention_impl: pallas` (forward q / kv blocks, backward q / kv blocks
-# of its dK-dV and dQ passes). Its backward makes dK / dV per kv block and dQ per q block in separate passes, so no
-# float atomics: bitwise repeatable, where cuDNN's flash attention backward is not at 2048 tokens (bench/NOTES.md).
-PALLAS_BLOCKS = dict(block_q=128, block_k=128, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+# The Pallas (Triton) flash attention's kernel settings, `attention_impl: pallas`: forward q / kv tiles, backward q / kv
+# tiles of its dK-dV and dQ passes, warps (both passes) and the forward's pipeline stages. Chosen by the sweep in
+# bench/attention.py (H100, 8 x 2048 tokens x 8 heads x 128; bench/NOTES.md, Determinism, Session 23): fwd+bwd 0.96 ms
+# against 1.05 at the earlier (128, 128) forward tiles with 8 warps. Its backward makes dK / dV per kv block and dQ per
+# q block in separate passes, so no float atomics: bitwise repeatable, where cuDNN's flash attention backward is not at
+# 2048 tokens.
+PALLAS_CONFIG = dict(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=32,
+                     num_warps=4, num_stages=3)
 
 
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool | None = None) -> jax.Array:
     """Causal flash attention of (B, T, nh, hd) q, k, v by `jax.experimental.pallas.ops.gpu.attention.mha` with
-    PALLAS_BLOCKS (interpret: the Pallas interpreter; None: where there is no GPU, i.e. in the CPU tests)."""
+    PALLAS_CONFIG, tiles capped at T (interpret: the Pallas interpreter; None: where there is no GPU, i.e. in the CPU
+    tests)."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    blocks = pallas_mha.BlockSizes(**{n: min(b, q.shape[1]) for n, b in PALLAS_BLOCKS.items()})
+    cfg = dict(PALLAS_CONFIG)
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    blocks = pallas_mha.BlockSizes(**{n: min(b, q.shape[1]) for n, b in cfg.items()})
     return pallas_mha.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=blocks,
-                          interpret=interpret)
+                          num_warps=warps, num_stages=stages, interpret=interpret)
 
 
 def sharded_pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh | None) -> jax.Array:
