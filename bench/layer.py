@@ -76,9 +76,8 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # "triton_router_fwd": the Triton router forward where the default runs the warp-specialised Gluon one
 # (kernels.router.WS_MAX_K = 0); "apart_dx": the router's and the experts' ops apart, their dx added by XLA, instead
 # of one custom_vjp whose dx comes out of one combine kernel (moe_core.FUSE_ROUTER_DX = False: the default until the
-# 2026-11-25 session 20); "xla_cast": the expert weights cast by XLA before the Triton forward instead of by the
-# forward kernel (experts_triton.CAST_IN_FORWARD = False: the default until the 2026-11-26 session 23).
-LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_cast")
+# 2026-11-25 session 20).
+LAYER_VARIANTS = ("triton_router_fwd", "apart_dx")
 
 
 @contextlib.contextmanager
@@ -86,19 +85,16 @@ def layer_switches(variant: str | None):
     """The switches of a LAYER_VARIANTS name flipped inside the context (None or an expert variant: none)."""
     import kernels.router as kr
     import mhl_jax.model.moe_core as mc
-    import mhl_jax.ops.experts_triton as et
 
-    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.CAST_IN_FORWARD
+    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX
     if variant == "triton_router_fwd":
         kr.WS_MAX_K = 0
     if variant == "apart_dx":
         mc.FUSE_ROUTER_DX = False
-    if variant == "xla_cast":
-        et.CAST_IN_FORWARD = False
     try:
         yield
     finally:
-        kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.CAST_IN_FORWARD = saved
+        kr.WS_MAX_K, mc.FUSE_ROUTER_DX = saved
 
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):

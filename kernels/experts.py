@@ -18,7 +18,6 @@ Kernels:
 BLOCK_M (rows per program step) divides PACK_BLOCK (the packing's row block), so the tiles can be tuned
 apart from the packing.
 - `expert_fwd_kernel`  grid (P / BLOCK_M,):           out rows (P, DH); padding rows written as zeros.
-- `expert_fwd_cast_kernel`: the same reading fp32 weights, also writing their copies in the compute dtype.
 - `expert_dx_kernel`   grid (P / BLOCK_M,):         dX rows (P, DH) = dH W1^T, dO = gate * dy gathered;
   with DGATES also each row's gate gradient <out row, dy row> (P,), fp32, from A and dy W2^T.
 - `expert_dw_kernel`   grid (DE/BLOCK_E, G): dW1[g][:, tile], dW2[g][tile, :] summed over the group's
@@ -127,13 +126,13 @@ def _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K: tl.const
 
 
 @triton.jit
-def _fwd_block(pid, x_ptr, row_slot_ptr, block_group_ptr, group_block_start_ptr, w1_ptr, w2_ptr, out_ptr, w1c_ptr,
-               w2c_ptr, K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
-               CAST: tl.constexpr):
-    """Row block pid of the forward. CAST: w1 / w2 hold the weights in another dtype (fp32 masters), each chunk is
-    rounded to w1c's dtype (the compute dtype) as it is loaded, and the program of the group's first row block
-    also stores the rounded chunks to w1c / w2c (one writer per group)."""
+def expert_fwd_kernel(
+    x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr,  # inputs
+    out_ptr,  # output (P, DH)
+    K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
     g = tl.load(block_group_ptr + pid // (PACK_BLOCK // BLOCK_M))
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DH)
@@ -141,76 +140,20 @@ def _fwd_block(pid, x_ptr, row_slot_ptr, block_group_ptr, group_block_start_ptr,
     if g < 0:  # block made only of padding: nothing to compute
         tl.store(out_ptrs, tl.zeros((BLOCK_M, DH), out_ptr.dtype.element_ty))
     else:
-        cdt = w1c_ptr.dtype.element_ty if CAST else w1_ptr.dtype.element_ty
+        cdt = w1_ptr.dtype.element_ty
         x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
         x = x.to(cdt)
         offs_e = tl.arange(0, BLOCK_E)
-        w1_base = g.to(tl.int64) * (DH * DE)  # offsets, for w1 and (CAST) its copy w1c
-        w2_base = g.to(tl.int64) * (DE * DH)
-        first = False
-        if CAST:
-            first = pid == tl.load(group_block_start_ptr + g) * (PACK_BLOCK // BLOCK_M)
+        w1_base = w1_ptr + g.to(tl.int64) * (DH * DE)
+        w2_base = w2_ptr + g.to(tl.int64) * (DE * DH)
         acc = tl.zeros((BLOCK_M, DH), tl.float32)
         for e0 in range(0, DE, BLOCK_E):
-            w1_off = w1_base + offs_d[:, None] * DE + (e0 + offs_e)[None, :]  # (DH, BLOCK_E)
-            w1 = tl.load(w1_ptr + w1_off).to(cdt)
-            if CAST:
-                if first:
-                    tl.store(w1c_ptr + w1_off, w1)
+            w1 = tl.load(w1_base + offs_d[:, None] * DE + (e0 + offs_e)[None, :])  # (DH, BLOCK_E)
             h = tl.dot(x, w1, input_precision=PRECISION)  # (BLOCK_M, BLOCK_E) fp32
             a = _gelu(h, FAST_TANH).to(cdt)
-            w2_off = w2_base + (e0 + offs_e)[:, None] * DH + offs_d[None, :]  # (BLOCK_E, DH)
-            w2 = tl.load(w2_ptr + w2_off).to(cdt)
-            if CAST:
-                if first:
-                    tl.store(w2c_ptr + w2_off, w2)
+            w2 = tl.load(w2_base + (e0 + offs_e)[:, None] * DH + offs_d[None, :])  # (BLOCK_E, DH)
             acc = tl.dot(a, w2, acc, input_precision=PRECISION)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def expert_fwd_kernel(
-    x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr,  # inputs
-    out_ptr,  # output (P, DH)
-    K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
-):
-    _fwd_block(tl.program_id(0), x_ptr, row_slot_ptr, block_group_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr,
-               w1_ptr, w2_ptr, K, DH, DE, PACK_BLOCK, BLOCK_M, BLOCK_E, FAST_TANH, PRECISION, False)
-
-
-@triton.jit
-def expert_fwd_cast_kernel(
-    x_ptr, row_slot_ptr, block_group_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,  # inputs
-    out_ptr, w1c_ptr, w2c_ptr,  # outputs: (P, DH) rows; w1 / w2 rounded to the compute dtype (w1c's)
-    K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, G: tl.constexpr,
-    ROW_PROGRAMS: tl.constexpr, CAST_GROUPS: tl.constexpr,
-):
-    """`expert_fwd_kernel` reading the weights in another dtype (the fp32 masters) and writing their copies in the
-    compute dtype for the backward: the cast fused into the forward's loads, so the weights cross HBM once in fp32
-    and once in the compute dtype instead of being read back by the forward after a separate cast. Grid
-    (ROW_PROGRAMS + cdiv(G, CAST_GROUPS),): programs below ROW_PROGRAMS = P / BLOCK_M are the forward's row blocks
-    (each group's first block writes its copies), each one after that rounds the weights of the groups without rows
-    among CAST_GROUPS groups, so every copy is written once."""
-    pid = tl.program_id(0)
-    if pid < ROW_PROGRAMS:
-        _fwd_block(pid, x_ptr, row_slot_ptr, block_group_ptr, group_block_start_ptr, w1_ptr, w2_ptr, out_ptr,
-                   w1c_ptr, w2c_ptr, K, DH, DE, PACK_BLOCK, BLOCK_M, BLOCK_E, FAST_TANH, PRECISION, True)
-    else:
-        cdt = w1c_ptr.dtype.element_ty
-        offs_d = tl.arange(0, DH)
-        offs_e = tl.arange(0, BLOCK_E)
-        for gi in range((pid - ROW_PROGRAMS) * CAST_GROUPS, tl.minimum((pid - ROW_PROGRAMS + 1) * CAST_GROUPS, G)):
-            if tl.load(group_nblocks_ptr + gi) == 0:
-                w1_off = tl.cast(gi, tl.int64) * (DH * DE) + offs_d[:, None] * DE + offs_e[None, :]
-                w2_off = tl.cast(gi, tl.int64) * (DE * DH) + offs_e[:, None] * DH + offs_d[None, :]
-                for e0 in range(0, DE, BLOCK_E):
-                    tl.store(w1c_ptr + w1_off + e0, tl.load(w1_ptr + w1_off + e0).to(cdt))
-                    tl.store(w2c_ptr + w2_off + e0 * DH, tl.load(w2_ptr + w2_off + e0 * DH).to(cdt))
-
-
-CAST_GROUPS = 64  # groups per trailing program of `expert_fwd_cast_kernel` (casts only those without rows)
 
 
 @triton.jit
@@ -566,7 +509,6 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
                          dw=Tile(bm, 32, 8, 2), dw_form=form, pack_impl="count" if count else "argsort").fit(de)
 
 
-__all__ = ["expert_fwd_kernel", "expert_fwd_cast_kernel", "CAST_GROUPS",
-           "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
+__all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
            "dgates_in_kernels", "DW_WS_MAX_PACK", "BWD_WS_WIDE_MAX_DE",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]

@@ -16,14 +16,12 @@ from typing import NamedTuple
 import torch
 
 from kernels.experts import (
-    CAST_GROUPS,
     ExpertsConfig,
     default_config,
     dgates_in_kernels,
     expert_dw_kernel,
     expert_dwt_kernel,
     expert_dx_kernel,
-    expert_fwd_cast_kernel,
     expert_fwd_kernel,
 )
 from kernels.interpreter_patch import fix_interpreter_scalar_index
@@ -88,27 +86,6 @@ def experts_fwd(x: torch.Tensor, row_slot: torch.Tensor, block_group: torch.Tens
         K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
         num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
     return out
-
-
-def experts_fwd_cast(x: torch.Tensor, pk: TorchPacking, w1: torch.Tensor, w2: torch.Tensor, k: int,
-                     cfg: ExpertsConfig, out: torch.Tensor | None = None,
-                     copies: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """`experts_fwd` from weights in another dtype (fp32 masters): -> (out rows (P, dh), w1 and w2 rounded to x's
-    dtype), by `expert_fwd_cast_kernel`. `out` / `copies`, if given, are written in place (tests poison them)."""
-    p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
-    cfg.check(dh, de)
-    t = cfg.fwd
-    out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
-    w1c, w2c = copies or (torch.empty(w1.shape, dtype=x.dtype, device=x.device),
-                          torch.empty(w2.shape, dtype=x.dtype, device=x.device))
-    rows = p // t.block_m
-    expert_fwd_cast_kernel[(rows + -(-g_count // CAST_GROUPS),)](
-        x.contiguous(), pk.row_slot, pk.block_group, pk.group_block_start, pk.group_nblocks, w1.contiguous(),
-        w2.contiguous(), out, w1c, w2c,
-        K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, G=g_count,
-        ROW_PROGRAMS=rows, CAST_GROUPS=CAST_GROUPS, num_warps=t.num_warps, num_stages=t.num_stages,
-        **_launch_opts(x))
-    return out, w1c, w2c
 
 
 def experts_bwd(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: TorchPacking, w1: torch.Tensor,

@@ -116,36 +116,6 @@ def test_fwd_writes_every_row_and_zero_padding():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
-@pytest.mark.parametrize("cast_groups", [64, 5])
-@pytest.mark.parametrize("cfg", [ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16)),
-                                 ExpertsConfig(32, Tile(16, 16), Tile(16, 16), Tile(16, 16))],
-                         ids=["blocks", "subblocks"])
-def test_fwd_cast_kernel_rounds_every_weight_once_and_matches_the_plain_forward(cfg, cast_groups, monkeypatch):
-    """`expert_fwd_cast_kernel` from fp32 weights (fp16 copies: the interpreter's bf16 arithmetic is broken): the
-    copies equal torch's rounding for every group, those without rows included (the trailing programs, several of
-    them at cast_groups 5), every poisoned value written; the output rows bitwise the plain kernel's on the rounded
-    weights. A copy written by the wrong block, or a group left out, fails it."""
-    import kernels.torch_experts as te
-
-    monkeypatch.setattr(te, "CAST_GROUPS", cast_groups)
-    x, idx, _, w1, w2 = _inputs(3, 48, 2, 2, 7, 16, 32)
-    idx = idx % 4  # experts 4-6 of both heads get no rows
-    n, h, k = idx.shape
-    pk = pack_torch(idx, 7, cfg.pack_block)
-    # groups of several row blocks (packing block 16) or of two 16-row sub-blocks each (32)
-    assert (pk.group_nblocks == 0).sum() == 6 and (pk.group_nblocks > 1).any() == (cfg.pack_block == 16)
-    xs = x.reshape(n * h, 16).to(torch.float16)
-    w1g, w2g = w1.reshape(14, 16, 32), w2.reshape(14, 32, 16)
-    out = torch.full((pk.row_slot.shape[0], 16), float("nan"), dtype=torch.float16)
-    copies = (torch.full(w1g.shape, float("nan"), dtype=torch.float16),
-              torch.full(w2g.shape, float("nan"), dtype=torch.float16))
-    out, w1c, w2c = te.experts_fwd_cast(xs, pk, w1g, w2g, k, cfg, out=out, copies=copies)
-    assert torch.equal(w1c, w1g.to(torch.float16)) and torch.equal(w2c, w2g.to(torch.float16))
-    want = experts_fwd(xs, pk.row_slot, pk.block_group, w1g.to(torch.float16), w2g.to(torch.float16), k, cfg)
-    assert torch.isfinite(out).all() and torch.equal(out, want)
-
-
-@pytest.mark.skipif(not INTERPRET, reason="interpreter test")
 @pytest.mark.parametrize("form", ["rows", "t"])
 def test_weight_gradients_bitwise_deterministic(form):
     x, idx, gates, w1, w2 = _inputs(2, 40, 1, 2, 2, 16, 32)
@@ -256,46 +226,6 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de, ne, monkeypatch):
         assert rel(og, truth[i]) < 2e-2, ("oracle", i, rel(og, truth[i]))
         assert rel(res["triton"][2][i], og) < 3e-2, ("triton-vs-oracle", i)
     assert abs(float(res["triton"][0]) - float(res["fp32"][0])) <= 2e-2 * abs(float(res["fp32"][0])) + 1e-3
-
-
-@pytest.mark.gpu
-# packing blocks 64 (Ne 128) and 32 (Ne 512): the Triton forward (the Gluon one takes 128-row blocks)
-@pytest.mark.parametrize("de,ne", [(256, 128), (128, 512)])
-def test_gpu_forward_cast_kernel_bitwise_in_the_layer(de, ne, monkeypatch):
-    """The MH-LatentMoE core (router, packing, experts under one custom_vjp, fp32 master weights, bf16 sub-tokens)
-    with the expert forward casting the weights (`experts_triton.CAST_IN_FORWARD`) against XLA's cast: the loss and
-    every gradient bitwise equal, the cast kernel run once and XLA's path none."""
-    import jax
-    import jax.numpy as jnp
-
-    import mhl_jax.ops.experts_triton as et
-    from mhl_jax.model.moe_core import moe_heads
-
-    n, nh, dh, k = 2048, 4, 128, 4
-    ks = jax.random.split(jax.random.key(1), 6)
-    params = (jax.random.normal(ks[0], (nh, dh, ne)) * 0.1, jax.random.normal(ks[1], (nh, ne)) * 0.01,
-              jax.random.normal(ks[2], (nh, ne, dh, de)) * 0.08, jax.random.normal(ks[3], (nh, ne, de, dh)) * 0.06)
-    x = jax.random.normal(ks[4], (n, nh, dh)).astype(jnp.bfloat16)
-    wy = jax.random.normal(ks[5], (n, nh, dh), jnp.float32)
-
-    def loss(params, x):
-        w_r, bias, w1, w2 = params
-        y, _ = moe_heads(x, x, w_r, bias, w1, w2, k, "triton")
-        return jnp.sum(y.astype(jnp.float32) * wy)
-
-    calls = []
-    real_cast = et._fwd_triton_cast
-    monkeypatch.setattr(et, "_fwd_triton_cast", lambda *a: calls.append("cast") or real_cast(*a))
-    real_fwd = et._fwd_triton
-    monkeypatch.setattr(et, "_fwd_triton", lambda *a: calls.append("xla") or real_fwd(*a))
-    out = {}
-    for on in (True, False):
-        monkeypatch.setattr(et, "CAST_IN_FORWARD", on)
-        val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
-        out[on] = [np.asarray(a) for a in jax.tree.leaves((val, grads))]
-    assert calls == ["cast", "xla"], calls
-    for a, b in zip(out[True], out[False]):
-        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 @pytest.mark.gpu

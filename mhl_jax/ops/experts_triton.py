@@ -174,39 +174,6 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
         **_opts(xs.dtype))
 
 
-# The Triton forward casts fp32 master weights itself (`kernels.experts.expert_fwd_cast_kernel`): it reads them once in
-# fp32 and writes their compute-dtype copies for the backward, instead of XLA's cast (read fp32, write the copies) and
-# the forward reading the copies back. Bitwise the same copies (round to nearest even), so the same outputs and
-# gradients. Where the Triton forward runs (packing blocks below 128: the Gluon forward takes 128) and no cast copies
-# were handed in (the router's caster, or once per train step). bench/NOTES.md (Layer, Session 23).
-CAST_IN_FORWARD = True
-
-
-def forward_casts_weights(st: Static, x_dtype, w_dtype) -> bool:
-    """Whether `_forward` runs `expert_fwd_cast_kernel` (see CAST_IN_FORWARD) for weights of w_dtype."""
-    return (CAST_IN_FORWARD and st.backend == "triton" and jnp.dtype(w_dtype) != jnp.dtype(x_dtype)
-            and jnp.dtype(x_dtype) == jnp.bfloat16 and not (st.cfg.fwd_ws and _hopper_sms()))
-
-
-def _fwd_triton_cast(st: Static, xs, meta: Meta, w1, w2):
-    """Output rows (P, dh) and w1 (G, dh, de), w2 (G, de, dh) rounded to xs's dtype, by the Triton forward."""
-    p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
-    jt = import_jax_triton()
-
-    from kernels.experts import CAST_GROUPS, expert_fwd_cast_kernel
-
-    t = st.cfg.fwd
-    rows = p // t.block_m
-    return jt.triton_call(
-        xs, meta.row_slot, meta.block_group, meta.group_block_start, meta.group_nblocks, w1, w2,
-        kernel=expert_fwd_cast_kernel,
-        out_shape=[jax.ShapeDtypeStruct((p, dh), xs.dtype), jax.ShapeDtypeStruct(w1.shape, xs.dtype),
-                   jax.ShapeDtypeStruct(w2.shape, xs.dtype)],
-        grid=(rows + -(-g // CAST_GROUPS),), num_warps=t.num_warps, num_stages=t.num_stages,
-        K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, G=g,
-        ROW_PROGRAMS=rows, CAST_GROUPS=CAST_GROUPS, **_opts(xs.dtype))
-
-
 def use_dw_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
     """Whether the backward's weight gradients run on the warp-specialised Gluon kernel: cfg.dw_ws on a split
     backward (no fused dX, unpacked rows, not the whole backward on Gluon: `use_bwd_gluon`), bf16, a Hopper GPU, a
@@ -412,15 +379,12 @@ def _combine(out_rows, slot_row, gates):
 def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
     n, h, dh = x.shape
     _, ne, _, de = w1.shape
+    w1c, w2c = (w1, w2) if wc is None else wc  # wc: the weights already cast (by the router's kernel)
+    w1c = w1c.reshape(h * ne, dh, de).astype(x.dtype)
+    w2c = w2c.reshape(h * ne, de, dh).astype(x.dtype)
     xs = x.reshape(n * h, dh)
-    if wc is None and forward_casts_weights(st, x.dtype, w1.dtype):  # the forward kernel makes the copies
-        out_rows, w1c, w2c = _fwd_triton_cast(st, xs, meta, w1.reshape(h * ne, dh, de), w2.reshape(h * ne, de, dh))
-    else:
-        w1c, w2c = (w1, w2) if wc is None else wc  # wc: the weights already cast (by the router's kernel)
-        w1c = w1c.reshape(h * ne, dh, de).astype(x.dtype)
-        w2c = w2c.reshape(h * ne, de, dh).astype(x.dtype)
-        fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
-        out_rows = fwd(st, xs, meta, w1c, w2c)
+    fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
+    out_rows = fwd(st, xs, meta, w1c, w2c)
     y = _combine(out_rows, meta.slot_row, gates.astype(jnp.float32)).astype(x.dtype)
     # the output rows are kept for the backward only where no kernel makes the gate gradients
     keep = None if dgates_in_kernels(st.cfg, de) else out_rows
