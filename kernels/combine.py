@@ -1,4 +1,5 @@
-"""The backward's dX combine of the MoE core with the router's dX folded in (one Triton kernel).
+"""The backward's dX combine of the MoE core with the router's dX folded in (one Triton kernel), and the forward's
+combine of the expert output rows (`out_combine_kernel`, at the end).
 
 For every sub-token row r = n * H + h (N * H rows of width DH), slots s_j = r * K + j:
 
@@ -93,6 +94,49 @@ def dx_combine_kernel(
             acc += dv[:, None] * w
     tl.store(dx_ptr + r64[:, None] * DH + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def out_combine_kernel(
+    rows_ptr, slot_row_ptr, gates_ptr,  # inputs: expert output rows (P, DH); slot_row, gates (R * K,)
+    out_ptr,  # output (R, DH) in out's dtype
+    R: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """The forward's combine: out[r] = sum_j gates[r K + j] rows[slot_row[r K + j]] (an empty slot, -1, adds 0), in
+    fp32 in the order j = 0 .. K - 1, rounded once. Each output row is one program's: deterministic."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < R
+    r64 = r.to(tl.int64)
+    offs_d = tl.arange(0, DHP)
+    dmask = offs_d < DH
+    acc = tl.zeros((BLOCK_R, DHP), tl.float32)
+    for j in tl.static_range(K):
+        s = tl.load(slot_row_ptr + r64 * K + j, mask=rmask, other=-1)
+        g = tl.load(gates_ptr + r64 * K + j, mask=rmask, other=0.0)
+        ok = (s >= 0)[:, None] & dmask[None, :]
+        row = tl.load(rows_ptr + s.to(tl.int64)[:, None] * DH + offs_d[None, :], mask=ok, other=0.0)
+        acc += row.to(tl.float32) * g[:, None]
+    tl.store(out_ptr + r64[:, None] * DH + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])
+
+
+def out_combine_constexprs(r: int, dh: int, k: int, tiles: CombineTiles) -> dict:
+    check_combine_args(r, 1, dh, 1, k, 1, tiles)
+    return dict(R=r, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), K=k, BLOCK_R=tiles.block_r)
+
+
+def out_combine_torch(rows, slot_row, gates, k: int, out_dtype=None, tiles: CombineTiles | None = None):
+    """`out_combine_kernel` on torch tensors: rows (P, DH), slot_row (R * K,) int32, gates (R * K,) fp32 -> (R, DH)
+    in out_dtype (default rows.dtype)."""
+    import torch
+
+    tiles = tiles or CombineTiles()
+    r, dh = slot_row.shape[0] // k, rows.shape[-1]
+    out = torch.empty((r, dh), dtype=out_dtype or rows.dtype, device=rows.device)
+    out_combine_kernel[combine_grid(r, tiles)](rows.contiguous(), slot_row.contiguous(), gates.reshape(-1).contiguous(),
+                                               out, num_warps=tiles.num_warps,
+                                               **out_combine_constexprs(r, dh, k, tiles))
+    return out
 
 
 def combine_constexprs(r: int, h: int, dh: int, ne: int, k: int, parts: int, router: bool,

@@ -110,6 +110,34 @@ def test_kernel_vs_float64(n, h, dh, ne, k, parts, block_r, router):
         np.testing.assert_allclose(dv3.numpy().reshape(-1, k), ref_dv, rtol=1e-5, atol=1e-6 * np.abs(ref_dv).max())
 
 
+def _out_ref64(rows, slot_row, gates, k):
+    """The forward combine in float64: (R, dh) = sum_j gates[r, j] rows[slot_row[r K + j]] (empty slots add 0)."""
+    got = np.where((slot_row >= 0)[:, None], rows.astype(np.float64)[np.maximum(slot_row, 0)], 0.0)
+    return (got.reshape(-1, k, rows.shape[1]) * gates.astype(np.float64).reshape(-1, k, 1)).sum(1)
+
+
+@interp
+@pytest.mark.parametrize("r,dh,k,block_r", [(37 * 2, 32, 3, 16), (60, 24, 2, 8), (32, 16, 8, 32), (6, 1024, 4, 4)])
+def test_out_combine_kernel_vs_float64(r, dh, k, block_r):
+    """The forward's combine (`out_combine_kernel`): rows not a multiple of the block, dh not a power of 2, k 8, the
+    grouped experts' width; empty slots; the same fp32 sums whatever the block; rounded once to bf16."""
+    rows, _, slot_row, gates, *_ = _case(r + dh, r, 1, dh, 16, k, 1)
+    rows = _bf16(rows[:, 0]).float().numpy()  # the values the kernel sees
+    t = torch.from_numpy
+    out = kc.out_combine_torch(t(rows).to(torch.bfloat16), t(slot_row), t(gates), k, out_dtype=torch.float32,
+                               tiles=kc.CombineTiles(block_r, 4))
+    ref = _out_ref64(rows, slot_row, gates, k)
+    assert (slot_row < 0).any()
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    for other in (kc.CombineTiles(2 * block_r, 4), kc.CombineTiles(2, 4)):
+        out2 = kc.out_combine_torch(t(rows).to(torch.bfloat16), t(slot_row), t(gates), k, out_dtype=torch.float32,
+                                    tiles=other)
+        assert np.array_equal(out.numpy(), out2.numpy()), other
+    bf = kc.out_combine_torch(t(rows).to(torch.bfloat16), t(slot_row), t(gates), k, tiles=kc.CombineTiles(block_r, 4))
+    assert bf.dtype == torch.bfloat16
+    np.testing.assert_allclose(bf.float().numpy(), out.numpy(), rtol=2 ** -7, atol=0)
+
+
 def test_combine_args_checked():
     with pytest.raises(ValueError, match="not a multiple of H=3"):
         kc.check_combine_args(10, 3, 16, 4, 2, 1, kc.CombineTiles())
@@ -229,3 +257,30 @@ def test_gpu_jax_launch_equals_torch_launch():
     r_dx, r_dv = _ref64(rows_bf.float().numpy(), dgr, slot_row, gates, idx, wt, h, k)
     np.testing.assert_allclose(tdx.float().cpu().numpy(), r_dx, rtol=1e-2, atol=1e-2 * np.abs(r_dx).max())
     np.testing.assert_allclose(tdv.cpu().numpy().reshape(-1, k), r_dv, rtol=1e-5, atol=1e-6 * np.abs(r_dv).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dh,k", [(128, 8), (1024, 4)], ids=["heads", "grouped-width"])
+def test_gpu_out_combine_binding_vs_torch_launch_and_xla(dh, k):
+    """The forward combine through jax-triton (`experts_triton.combine_rows`, its tiles picked from dh) bitwise the
+    torch launch with the same tiles; within one bf16 rounding of XLA's combine and of float64."""
+    import jax.numpy as jnp
+
+    import mhl_jax.ops.experts_triton as et
+
+    n, h = 4099, 2
+    rows, _, slot_row, gates, *_ = _case(11, n * h, 1, dh, 16, k, 1)
+    rows_bf = _bf16(rows[:, 0])
+    args = (jnp.asarray(rows_bf.float().numpy()).astype(jnp.bfloat16), jnp.asarray(slot_row),
+            jnp.asarray(gates.reshape(n, h, k)))
+    y = et.combine_rows(*args, jnp.bfloat16, "triton")
+    y_xla = et.combine_rows(*args, jnp.bfloat16, "emulate")
+    assert y.shape == y_xla.shape == (n, h, dh) and y.dtype == jnp.bfloat16
+    block_r = max(1, min(32, 4096 // dh))
+    ty = kc.out_combine_torch(rows_bf.to("cuda"), torch.from_numpy(slot_row).to("cuda"),
+                              torch.from_numpy(gates).to("cuda"), k, tiles=kc.CombineTiles(block_r, 4))
+    assert np.array_equal(np.asarray(y.astype(jnp.float32)).reshape(n * h, dh), ty.float().cpu().numpy())
+    ref = _out_ref64(rows_bf.float().numpy(), slot_row, gates, k)
+    got, xla = (np.asarray(a.astype(jnp.float32)).reshape(n * h, dh) for a in (y, y_xla))
+    for a in (got, xla):
+        np.testing.assert_allclose(a, ref, rtol=2 ** -7, atol=2 ** -7 * np.abs(ref).max())

@@ -367,6 +367,32 @@ def dgates_and_dy_rows(out_rows, slot_row, dy, gates):
     return dy.reshape(n * h, dh), dgates.astype(gates.dtype)
 
 
+# The forward's combine (gather each sub-token's k output rows, weight by the gates, sum) as a Triton kernel
+# (`kernels.combine.out_combine_kernel`) where the expert kernels run on Triton; XLA's gather-reduce fusion read the
+# rows at ~2.3 TB/s on an H100 (bench/NOTES.md, Layer, Session 23). False: XLA's (`_combine`) everywhere.
+OUT_COMBINE_KERNEL = True
+
+
+def combine_rows(out_rows, slot_row, gates, x_dtype, backend: str):
+    """out_rows (P, dh), slot_row (M,), gates (N, H, k) fp32 -> (N, H, dh) in x_dtype: each sub-token's k output rows
+    weighted by its gates and summed in fp32 (an empty slot adds 0), rounded once. Backend "triton" (and
+    OUT_COMBINE_KERNEL): `out_combine_kernel`; else XLA (`_combine`)."""
+    n, h, k = gates.shape
+    if backend == "triton" and OUT_COMBINE_KERNEL:
+        from kernels.combine import CombineTiles, combine_grid, out_combine_constexprs, out_combine_kernel
+
+        jt = import_jax_triton()
+        dh = out_rows.shape[1]
+        # 32 rows x dh 128 per 4-warp program (32 fp32 accumulators per thread); wider rows (the grouped experts'
+        # d_model) in fewer rows, the same registers
+        tiles = CombineTiles(block_r=max(1, min(32, 4096 // max(16, 1 << (dh - 1).bit_length()))))
+        y = jt.triton_call(out_rows, slot_row, gates.reshape(-1), kernel=out_combine_kernel,
+                           out_shape=jax.ShapeDtypeStruct((n * h, dh), x_dtype), grid=combine_grid(n * h, tiles),
+                           num_warps=tiles.num_warps, **out_combine_constexprs(n * h, dh, k, tiles))
+        return y.reshape(n, h, dh)
+    return _combine(out_rows, slot_row, gates).astype(x_dtype)
+
+
 def _combine(out_rows, slot_row, gates):
     """out_rows (P, dh), slot_row (M,), gates (N, H, k) fp32 -> (N, H, dh) fp32, fixed-order sum over k."""
     n, h, k = gates.shape
@@ -385,7 +411,7 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
     xs = x.reshape(n * h, dh)
     fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
     out_rows = fwd(st, xs, meta, w1c, w2c)
-    y = _combine(out_rows, meta.slot_row, gates.astype(jnp.float32)).astype(x.dtype)
+    y = combine_rows(out_rows, meta.slot_row, gates.astype(jnp.float32), x.dtype, st.backend)
     # the output rows are kept for the backward only where no kernel makes the gate gradients
     keep = None if dgates_in_kernels(st.cfg, de) else out_rows
     return y, (xs, gates, keep, w1c, w2c, meta)
