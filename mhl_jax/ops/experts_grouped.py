@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from kernels.experts import GELU_A, GELU_C
 from kernels.grouped import GATHER, GATHER_GATED, ROWS, GroupedConfig, b_strides, default_grouped_config
 from mhl_jax.ops import packing as pk
-from mhl_jax.ops.experts_triton import Meta, bwd_cotangents, combine_rows, dgates_and_dy_rows, packed_meta
+from mhl_jax.ops.experts_triton import Meta, _combine, bwd_cotangents, dgates_and_dy_rows, packed_meta
 from mhl_jax.ops.kernels_select import import_jax_triton
 
 BACKENDS = ("triton", "emulate")
@@ -165,7 +165,9 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
                       out_dtype=x.dtype)  # (P, de) each: H = X W1, gelu(H)
     out_rows = _rows(st, act, g32, meta, w2c, a_mode=ROWS, transpose_w=False, epi_gelu=False, hpre=None,
                      out_dtype=x.dtype)  # (P, dh)
-    y = combine_rows(out_rows, meta.slot_row, gates.astype(jnp.float32), x.dtype, st.backend)
+    # XLA's combine: the Triton one (`experts_triton.combine_rows`) made the MoE 2.2B step 0.327 vs 0.325 s at
+    # d_model-wide rows (H100, 2026-11-26; bench/NOTES.md, Layer, Session 23)
+    y = _combine(out_rows, meta.slot_row, gates.astype(jnp.float32)).astype(x.dtype)
     return y, (xs, gates, hpre, act, out_rows, w1c, w2c, meta)
 
 
