@@ -64,3 +64,19 @@ def test_pallas_attention_in_the_model_under_a_mesh():
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
     with pytest.raises(ValueError, match="a batch of 6 sequences does not split over the 4 devices"):
         _model_loss_and_grads(cfg, make_executor(cfg, mesh), mesh, tokens[:6])
+
+
+def test_bench_split_pallas_attention_matches_xla():
+    """bench/attention.py --sweep times the forward and the backward with their own settings through the Pallas
+    module's `_mha_backward` (a private function): interpreted, its outputs and gradients equal XLA's attention."""
+    from bench.attention import pallas_split
+
+    ks = jax.random.split(jax.random.key(1), 4)
+    q, k, v, g = (jax.random.normal(x, (1, 128, 2, 32)) for x in ks)
+    fn = pallas_split({"blocks": (64, 32), "warps": 4, "stages": 3}, {"blocks": (32, 64, 32), "warps": 4},
+                      interpret=True)
+    np.testing.assert_allclose(fn(q, k, v), _xla(q, k, v), rtol=1e-5, atol=2e-6)
+    got = jax.grad(lambda *a: jnp.sum(fn(*a) * g), (0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: jnp.sum(_xla(*a) * g), (0, 1, 2))(q, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
