@@ -38,17 +38,9 @@ from bench.timing import emit, time_jax  # noqa: E402
 def attention_fn(impl: str):
     if impl.startswith("pallas"):
         b = int(impl.split("_b")[1]) if "_b" in impl else None
-        blocks = (att.PALLAS_CONFIG if b is None else
+        config = (att.PALLAS_CONFIG if b is None else
                   dict(att.PALLAS_CONFIG, block_q_dkv=b, block_kv_dkv=b, block_q_dq=b, block_kv_dq=b))
-
-        def fn(q, k, v):
-            old = att.PALLAS_CONFIG
-            att.PALLAS_CONFIG = blocks
-            try:
-                return att.pallas_attention(q, k, v)
-            finally:
-                att.PALLAS_CONFIG = old
-        return fn
+        return lambda q, k, v: att.pallas_attention(q, k, v, config=config)
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
 
@@ -96,42 +88,35 @@ def sweep(args, dev, outf, qb, kb, vb, gb) -> tuple[dict, dict]:
     scale = qb.shape[-1] ** -0.5
     base = {"bench": "attention_sweep", "shape": list(qb.shape), "device": dev.device_kind, "date": args.date,
             "jax": jax.__version__}
-    best_f, best_b = None, None
-    for bq in (128, 64):
-        for bk in (128, 64):
-            for w in (4, 8):
-                for st in (2, 3, 4):
-                    cfg = {"blocks": (bq, bk), "warps": w, "stages": st}
-                    rec = dict(base, **{"pass": "fwd"}, **cfg)
-                    try:
-                        fn = jax.jit(lambda q, k, v, cfg=cfg: pallas_mha.mha(
-                            q, k, v, None, sm_scale=scale, causal=True, block_sizes=_blocks(fwd=cfg["blocks"]),
-                            num_warps=cfg["warps"], num_stages=cfg["stages"]))
-                        rec["ms"] = time_jax(fn, [(qb, kb, vb)])
-                        if best_f is None or rec["ms"] < best_f[0]:
-                            best_f = (rec["ms"], cfg)
-                    except Exception as e:
-                        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    emit(rec, outf)
+
+    def best_of(pass_name, cfgs, make, inputs):
+        """Time jit(make(cfg)) on inputs for every cfg (one JSON line each; a config that fails is reported and
+        skipped) -> the fastest cfg."""
+        best = None
+        for cfg in cfgs:
+            rec = dict(base, **{"pass": pass_name}, **cfg)
+            try:
+                rec["ms"] = time_jax(jax.jit(make(cfg)), [inputs])
+                if best is None or rec["ms"] < best[0]:
+                    best = (rec["ms"], cfg)
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            emit(rec, outf)
+        return best[1]
+
+    best_f = best_of("fwd", [{"blocks": (bq, bk), "warps": w, "stages": st} for bq in (128, 64) for bk in (128, 64)
+                             for w in (4, 8) for st in (2, 3, 4)],
+                     lambda cfg: lambda q, k, v: pallas_mha.mha(
+                         q, k, v, None, sm_scale=scale, causal=True, block_sizes=_blocks(fwd=cfg["blocks"]),
+                         num_warps=cfg["warps"], num_stages=cfg["stages"]), (qb, kb, vb))
     o, lse = jax.jit(lambda q, k, v: pallas_mha.mha(q, k, v, None, sm_scale=scale, causal=True,
                                                     block_sizes=_blocks(), return_residuals=True))(qb, kb, vb)
-    for a in (32, 64, 128):
-        for b in (64, 128):
-            for c in (32, 64, 128):
-                for w in (4, 8):
-                    cfg = {"blocks": (a, b, c), "warps": w}
-                    rec = dict(base, **{"pass": "bwd"}, **cfg)
-                    try:
-                        fn = jax.jit(lambda q, k, v, o, lse, do, cfg=cfg: pallas_mha._mha_backward(
-                            scale, True, _blocks(cfg["blocks"]), "triton", cfg["warps"], 2, None, False, False, False,
-                            (q, k, v, None, o, lse), do)[:3])
-                        rec["ms"] = time_jax(fn, [(qb, kb, vb, o, lse, gb)])
-                        if best_b is None or rec["ms"] < best_b[0]:
-                            best_b = (rec["ms"], cfg)
-                    except Exception as e:
-                        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    emit(rec, outf)
-    return best_f[1], best_b[1]
+    best_b = best_of("bwd", [{"blocks": (a, b, c), "warps": w} for a in (32, 64, 128) for b in (64, 128)
+                             for c in (32, 64, 128) for w in (4, 8)],
+                     lambda cfg: lambda q, k, v, o, lse, do: pallas_mha._mha_backward(
+                         scale, True, _blocks(cfg["blocks"]), "triton", cfg["warps"], 2, None, False, False, False,
+                         (q, k, v, None, o, lse), do)[:3], (qb, kb, vb, o, lse, gb))
+    return best_f, best_b
 
 
 def main() -> None:

@@ -120,6 +120,12 @@ def out_combine_kernel(
              mask=rmask[:, None] & dmask[None, :])
 
 
+def out_combine_tiles(dh: int) -> CombineTiles:
+    """`out_combine_kernel`'s tiles: 32 rows x dh 128 per 4-warp program (32 fp32 accumulators per thread); wider rows
+    in fewer rows per program, the same registers."""
+    return CombineTiles(block_r=max(1, min(32, 4096 // max(16, triton.next_power_of_2(dh)))))
+
+
 def out_combine_constexprs(r: int, dh: int, k: int, tiles: CombineTiles) -> dict:
     check_combine_args(r, 1, dh, 1, k, 1, tiles)
     return dict(R=r, DH=dh, DHP=max(16, triton.next_power_of_2(dh)), K=k, BLOCK_R=tiles.block_r)
@@ -127,11 +133,11 @@ def out_combine_constexprs(r: int, dh: int, k: int, tiles: CombineTiles) -> dict
 
 def out_combine_torch(rows, slot_row, gates, k: int, out_dtype=None, tiles: CombineTiles | None = None):
     """`out_combine_kernel` on torch tensors: rows (P, DH), slot_row (R * K,) int32, gates (R * K,) fp32 -> (R, DH)
-    in out_dtype (default rows.dtype)."""
+    in out_dtype (default rows.dtype). tiles: None = `out_combine_tiles` (as the JAX binding)."""
     import torch
 
-    tiles = tiles or CombineTiles()
     r, dh = slot_row.shape[0] // k, rows.shape[-1]
+    tiles = tiles or out_combine_tiles(dh)
     out = torch.empty((r, dh), dtype=out_dtype or rows.dtype, device=rows.device)
     out_combine_kernel[combine_grid(r, tiles)](rows.contiguous(), slot_row.contiguous(), gates.reshape(-1).contiguous(),
                                                out, num_warps=tiles.num_warps,

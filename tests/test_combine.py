@@ -276,9 +276,8 @@ def test_gpu_out_combine_binding_vs_torch_launch_and_xla(dh, k):
     y = et.combine_rows(*args, jnp.bfloat16, "triton")
     y_xla = et.combine_rows(*args, jnp.bfloat16, "emulate")
     assert y.shape == y_xla.shape == (n, h, dh) and y.dtype == jnp.bfloat16
-    block_r = max(1, min(32, 4096 // dh))
     ty = kc.out_combine_torch(rows_bf.to("cuda"), torch.from_numpy(slot_row).to("cuda"),
-                              torch.from_numpy(gates).to("cuda"), k, tiles=kc.CombineTiles(block_r, 4))
+                              torch.from_numpy(gates).to("cuda"), k, tiles=kc.out_combine_tiles(dh))
     assert np.array_equal(np.asarray(y.astype(jnp.float32)).reshape(n * h, dh), ty.float().cpu().numpy())
     ref = _out_ref64(rows_bf.float().numpy(), slot_row, gates, k)
     got, xla = (np.asarray(a.astype(jnp.float32)).reshape(n * h, dh) for a in (y, y_xla))

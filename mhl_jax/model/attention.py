@@ -37,15 +37,16 @@ PALLAS_CONFIG = dict(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64, bl
                      num_warps=4, num_stages=3)
 
 
-def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool | None = None) -> jax.Array:
+def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool | None = None,
+                     config: dict | None = None) -> jax.Array:
     """Causal flash attention of (B, T, nh, hd) q, k, v by `jax.experimental.pallas.ops.gpu.attention.mha` with
-    PALLAS_CONFIG, tiles capped at T (interpret: the Pallas interpreter; None: where there is no GPU, i.e. in the CPU
-    tests)."""
+    `config` (None: PALLAS_CONFIG), tiles capped at T (interpret: the Pallas interpreter; None: where there is no GPU,
+    i.e. in the CPU tests)."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    cfg = dict(PALLAS_CONFIG)
+    cfg = dict(PALLAS_CONFIG if config is None else config)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     blocks = pallas_mha.BlockSizes(**{n: min(b, q.shape[1]) for n, b in cfg.items()})
     return pallas_mha.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=blocks,

@@ -380,13 +380,11 @@ def combine_rows(out_rows, slot_row, gates, x_dtype, backend: str):
     OUT_COMBINE_KERNEL): `out_combine_kernel`; else XLA (`_combine`)."""
     n, h, k = gates.shape
     if backend == "triton" and OUT_COMBINE_KERNEL:
-        from kernels.combine import CombineTiles, combine_grid, out_combine_constexprs, out_combine_kernel
+        from kernels.combine import combine_grid, out_combine_constexprs, out_combine_kernel, out_combine_tiles
 
         jt = import_jax_triton()
         dh = out_rows.shape[1]
-        # 32 rows x dh 128 per 4-warp program (32 fp32 accumulators per thread); wider rows (the grouped experts'
-        # d_model) in fewer rows, the same registers
-        tiles = CombineTiles(block_r=max(1, min(32, 4096 // max(16, 1 << (dh - 1).bit_length()))))
+        tiles = out_combine_tiles(dh)
         y = jt.triton_call(out_rows, slot_row, gates.reshape(-1), kernel=out_combine_kernel,
                            out_shape=jax.ShapeDtypeStruct((n * h, dh), x_dtype), grid=combine_grid(n * h, tiles),
                            num_warps=tiles.num_warps, **out_combine_constexprs(n * h, dh, k, tiles))
