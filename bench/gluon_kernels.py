@@ -41,11 +41,16 @@ from bench.kernel_tiles import ROUTINGS, expert_weights, input_set, rotating  # 
 from bench.timing import emit  # noqa: E402
 
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
-KINDS = ("fwd", "dw", "dw_options", "bwd", "router", "router_cast")
+KINDS = ("fwd", "dw", "dw_options", "bwd", "bwd_probe", "router", "router_cast")
 # `gluon_experts_bwd_ws` launch options (`bwd_ws_constexprs`' / `bwd_xw_constexprs`' options; deal=False: tiles
 # strided in group order; xw: the dX warp group), named gluon_bwd_ws + "_option[value]" (results before 2026-11-25
 # named the first gluon_bwd_ws_wb2_st3_r232_40); the first is the fused kernel's default
 BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, hb=2)]
+# bwd_probe: the default backward (dX warp group) with its traffic masked off part by part (`bwd_xw_constexprs`'
+# probe bits: 1 dW loads / stores, 2 dX / gate-gradient stores, 4 the gathered rows; outputs wrong, rel meaningless),
+# and with ACCUM (the training step's in-place sum of the weight gradients): where its time goes
+BWD_PROBE_OPTIONS = [dict(xw=True), *(dict(xw=True, probe=b) for b in (1, 2, 4, 3, 7)), dict(xw=True, accum=True),
+                     dict(xw=True, accum=True, probe=1)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
@@ -85,8 +90,8 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
         return run_router(tokens, ne, k, date, device, outf, nh, dh)
     if kind == "router_cast":
         return run_router_cast(tokens, ne, k, de, date, device, outf, nh, dh)
-    if kind == "bwd":
-        return run_bwd(tokens, ne, k, de, date, device, outf, nh, dh, routing)
+    if kind in ("bwd", "bwd_probe"):
+        return run_bwd(tokens, ne, k, de, date, device, outf, nh, dh, routing, probe=kind == "bwd_probe")
     g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
     sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh, routing) for _ in range(3)]
@@ -134,9 +139,10 @@ def _time_kernels(kind: str, kernels: dict, sets, params: dict, unit: float, dat
 
 
 def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,
-            dh: int = 128, routing: str = "uniform") -> list[dict]:
+            dh: int = 128, routing: str = "uniform", probe: bool = False) -> list[dict]:
     """The whole backward: the fused Triton kernel at default_config's tile (de 128) or the split backward
-    default_config picks (larger de), and the Gluon one at BWD_OPTIONS."""
+    default_config picks (larger de), and the Gluon one at BWD_OPTIONS (probe: the Gluon one at BWD_PROBE_OPTIONS
+    alone)."""
     import torch
 
     from kernels.experts import default_config
@@ -168,8 +174,9 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
         return dw1, dw2, dxs, dgate
 
     fused = cfg.dw.block_e == de
-    kernels = {"triton_fused" if fused else "split_default": (5, triton_fused if fused else triton_split)}
-    for opts in BWD_OPTIONS:
+    kernels = {} if probe else {"triton_fused" if fused else "split_default": (5, triton_fused if fused else
+                                                                                 triton_split)}
+    for opts in BWD_PROBE_OPTIONS if probe else BWD_OPTIONS:
         kernels[option_name("gluon_bwd_ws", opts)] = (5, (
             lambda s, o=opts: gluon_experts_bwd_ws(
                 s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, heads=nh, **o)))
@@ -184,7 +191,7 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
 
     params = dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block, routing=routing)
     # TFLOP/s of the fused form's 5 units
-    return _time_kernels("bwd", kernels, sets, params, 2 * tokens * nh * k * dh * de, date, device, outf, outputs)
+    return _time_kernels("bwd_probe" if probe else "bwd", kernels, sets, params, 2 * tokens * nh * k * dh * de, date, device, outf, outputs)
 
 
 def _router_sets(tokens: int, ne: int, nh: int, dh: int, cast_de: int | None = None) -> list[tuple]:

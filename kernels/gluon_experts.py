@@ -360,9 +360,11 @@ def _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE: gl.constexpr, PACK
 @gluon.jit
 def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-                 C: gl.constexpr):
+                 C: gl.constexpr, PROBE: gl.constexpr = 0):
     """Per tile: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
-    once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring."""
+    once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring.
+    PROBE & 4 (a measurement, `bwd_xw_constexprs`' probe): the rows' gathers masked off by a condition false at run
+    time (the ring's stages zero-filled, no global loads of X / dy / gates)."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     PW: gl.constexpr = gl.num_warps()
@@ -393,13 +395,17 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
             slot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rr, mask=i + 1 < nsub, other=-1)
             gslot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rg, mask=i + 1 < nsub, other=-1)
             valid = (slot >= 0)[:, None]
+            gvalid = gslot >= 0
+            if PROBE & 4:  # false at run time (the compiler cannot tell)
+                valid = valid & (g < 0)
+                gvalid = gvalid & (g < 0)
             src = gl.where(slot >= 0, slot // K, 0).to(gl.int64)[:, None] * DH + cc[None, :]
             mbarrier.wait(d_empty.index(s), ((q // NST) & 1) ^ 1)
             fence_async_shared()
             async_copy.async_copy_global_to_shared(x_smem.index(s), x_ptr + src, mask=valid)
             async_copy.async_copy_global_to_shared(dy_smem.index(s), dy_ptr + src, mask=valid)
             async_copy.async_copy_global_to_shared(g_smem.index(s), gates_ptr + gl.where(gslot >= 0, gslot, 0),
-                                                   mask=gslot >= 0)  # the rows' gates (padding: 0)
+                                                   mask=gvalid)  # the rows' gates (padding: 0)
             async_copy.mbarrier_arrive(d_ready.index(s), increment_count=False)
             q += 1
         n += 1
@@ -432,7 +438,7 @@ def _sum_partials(dg_smem, hb, BLOCK_M: gl.constexpr, NW: gl.constexpr):
 def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
                  C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2,
-                 ACCUM: gl.constexpr = False):
+                 ACCUM: gl.constexpr = False, PROBE: gl.constexpr = 0):
     """Consumer C (one warp group): de rows [e0 + 64 C, + 64) of every tile, both gradients. Per row block,
     transposed as in `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
         H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
@@ -460,7 +466,10 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     (its 16 de rows: no exchange between the warps; the dX warp group adds them).
 
     ACCUM: dW1 / dW2 hold a gradient summed so far (the JAX binding aliases the accumulator to them): each tile adds
-    its own to it in fp32 (acc + dW, what XLA's add of the two gives, bitwise) instead of overwriting it."""
+    its own to it in fp32 (acc + dW, what XLA's add of the two gives, bitwise) instead of overwriting it.
+
+    PROBE & 1 (a measurement, `bwd_xw_constexprs`' probe): dW's loads and stores masked off by a condition false at
+    run time (the products still made; no dW traffic)."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
@@ -571,6 +580,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         # address is spelled out here rather than p1 moved above the wait: that move changed the kernels' code without
         # ACCUM (the XW consumer's spills 104 -> 100 B), which the layer measurements were not re-run for
         EARLY: gl.constexpr = ACCUM and not XW
+        live = None
+        if PROBE & 1:  # false at run time (the compiler cannot tell)
+            live = g < 0
         if EARLY:
             old1 = gl.load(dw1_ptr + g * (DH * DE) + dc[None, :] * DE + (e0 + C * 64 + er)[:, None])
         acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
@@ -583,12 +595,12 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         if EARLY:
             acc1 = old1 + acc1
         elif ACCUM:
-            acc1 = gl.load(p1) + acc1
-        gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty))
+            acc1 = gl.load(p1, mask=live) + acc1
+        gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty), mask=live)
         p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
         if ACCUM:
-            acc2 = gl.load(p2) + acc2
-        gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty))
+            acc2 = gl.load(p2, mask=live) + acc2
+        gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty), mask=live)
         n += 1
 
 
@@ -692,12 +704,13 @@ def gluon_expert_bwd_ws_kernel(
 
 @gluon.jit
 def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-               WB: gl.constexpr, HB: gl.constexpr):
+               WB: gl.constexpr, HB: gl.constexpr, PROBE: gl.constexpr = 0):
     """The dX warp group of `gluon_expert_bwd_xw_kernel`: per row block, once both consumers handed over their dH_c^T
     (h_ready), the block's dX rows over the tile's 128 de, dh half D: dX^T_D = W1[64 D:, :64] dH_0^T + W1[64 D:, 64:]
     dH_1^T (W1 from the tile's weight buffer), stored as (BLOCK_M, DH) rows of this tile's partial; and the gate
     gradient (the consumers' per-warp partials, 16 de each, added in a fixed order). Frees the ring slot (h_empty)
-    once its products retired, the weight buffer (w_empty) after the tile's last block."""
+    once its products retired, the weight buffer (w_empty) after the tile's last block. PROBE & 2 (a measurement):
+    the dX rows' and gate gradients' stores masked off by a condition false at run time."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
@@ -716,6 +729,9 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
         g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK,
                                      BLOCK_M)
         wb = _wait_weights(w_ready, n, WB)
+        live = None
+        if PROBE & 2:  # false at run time (the compiler cannot tell)
+            live = g < 0
         for i in range(nsub):
             hb = q % HB
             mbarrier.wait(h_ready.index(hb), (q // HB) & 1)
@@ -727,12 +743,12 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
             d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
             rows = row0 + i * BLOCK_M
             dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
-            gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg)
+            gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg, mask=live)
             d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
             mbarrier.arrive(h_empty.index(hb))
             base = dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + (e0 // 128) * DH + xc[None, :]
-            gl.store(base, gl.convert_layout(gl.permute(d0.to(cdt), (1, 0)), lxs))
-            gl.store(base + 64, gl.convert_layout(gl.permute(d1.to(cdt), (1, 0)), lxs))
+            gl.store(base, gl.convert_layout(gl.permute(d0.to(cdt), (1, 0)), lxs), mask=live)
+            gl.store(base + 64, gl.convert_layout(gl.permute(d1.to(cdt), (1, 0)), lxs), mask=live)
             q += 1
         mbarrier.arrive(w_empty.index(wb))
         n += 1
@@ -746,13 +762,14 @@ def gluon_expert_bwd_xw_kernel(
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
-    ACCUM: gl.constexpr,
+    ACCUM: gl.constexpr, PROBE: gl.constexpr,
 ):
     """The whole expert backward as `gluon_expert_bwd_ws_kernel` computes it (same outputs, same sums in the same
     order), with a fourth warp group for the dX rows (`_dx_worker`): the consumers run the dW kernel's pipeline and
     hand each block's dH^T halves and gate-gradient halves over through an HB-deep ring (`_dw_consumer`, XW), so
     neither the dX products nor the other consumer sit on a consumer's per-block chain. 16 warps: launched with
-    maxnreg 128; worker registers (CONSUMER_REGS, PRODUCER_REGS, DX_REGS), the default consumer the rest."""
+    maxnreg 128; worker registers (CONSUMER_REGS, PRODUCER_REGS, DX_REGS), the default consumer the rest. PROBE:
+    0, or a measurement's traffic masked off (bits: 1 dW, 2 dX / gate gradients, 4 the gathered rows)."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
@@ -761,11 +778,11 @@ def gluon_expert_bwd_xw_kernel(
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW, 3)
     f = _dh_ring(dx_ptr, dgate_ptr, HB, BLOCK_M, NW, 1)  # both consumers arrive on ready, the dX warp group on empty
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
-                                        HB, ACCUM)),
+                                        HB, ACCUM, PROBE)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
-                                        HB, ACCUM)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0)),
-                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB))],
+                                        HB, ACCUM, PROBE)),
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, PROBE)),
+                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB, PROBE))],
                        [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
 
 
@@ -808,15 +825,18 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
 
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
                       wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB,
-                      accum: bool = False) -> dict:
+                      accum: bool = False, probe: int = 0) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
-    the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take."""
+    the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take. probe: 0 (the
+    kernel), or a measurement that masks traffic off (bits 1 dW, 2 dX, 4 gathers: wrong outputs, bench only)."""
+    if not 0 <= probe < 8:
+        raise ValueError(f"fused expert backward: probe={probe}, expected 0..7 (bits: 1 dW, 2 dX, 4 gathers)")
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
     consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward",
                               accum=accum)
-    return dict(consts, DX_REGS=regs[2], HB=hb)
+    return dict(consts, DX_REGS=regs[2], HB=hb, PROBE=probe)
 
 
 def bwd_kernel(xw: bool):
