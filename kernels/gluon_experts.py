@@ -613,15 +613,27 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         e = e0 + C * 64 + er
         # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
         p1 = dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None]
-        if EARLY:
+        if PROBE & 8:  # a measurement: dW's values stored as if coalesced (each warp instruction's 8 rows x 8 columns
+            # to 256 contiguous bytes: wrong places)
+            rr = e - e0 - C * 64  # 0..63
+            lin = (dc[None, :] // 8) * 512 + rr[:, None] * 8 + dc[None, :] % 8  # 8 rows x 8 cols: 256 B in a row
+            base = g * (DH * DE) + (e0 + C * 64) * DH
+            if ACCUM:
+                acc1 = gl.load(dw1_ptr + base + lin) + acc1
+            gl.store(dw1_ptr + base + lin, acc1.to(dw1_ptr.dtype.element_ty))
+            if ACCUM:
+                acc2 = gl.load(dw2_ptr + base + lin) + acc2
+            gl.store(dw2_ptr + base + lin, acc2.to(dw2_ptr.dtype.element_ty))
+        elif EARLY:
             acc1 = old1 + acc1
         elif ACCUM:
             acc1 = gl.load(p1, mask=live) + acc1
-        gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty), mask=live)
-        p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
-        if ACCUM:
-            acc2 = gl.load(p2, mask=live) + acc2
-        gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty), mask=live)
+        if not PROBE & 8:
+            gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty), mask=live)
+            p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
+            if ACCUM:
+                acc2 = gl.load(p2, mask=live) + acc2
+            gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty), mask=live)
         n += 1
 
 
@@ -847,13 +859,14 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
 
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
                       wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB,
-                      accum: bool = False, probe: int = 0, prefetch: bool = True) -> dict:
+                      accum: bool = False, probe: int = 0, prefetch: bool = False) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
     the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take. probe: 0 (the
     kernel), or a measurement that masks traffic off (bits 1 dW, 2 dX, 4 gathers: wrong outputs, bench only).
     prefetch: with accum, the producer prefetches each tile's dW sums so far into L2 (`_prefetch_dw`)."""
-    if not 0 <= probe < 8:
-        raise ValueError(f"fused expert backward: probe={probe}, expected 0..7 (bits: 1 dW, 2 dX, 4 gathers)")
+    if not 0 <= probe < 16:
+        raise ValueError(f"fused expert backward: probe={probe}, expected 0..15 (bits: 1 dW, 2 dX, 4 gathers, 8 "
+                         "coalesced dW)")
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
