@@ -47,11 +47,11 @@ KINDS = ("fwd", "dw", "dw_options", "bwd", "bwd_probe", "router", "router_cast")
 # named the first gluon_bwd_ws_wb2_st3_r232_40); the first is the fused kernel's default
 BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, hb=2)]
 # bwd_probe: the default backward (dX warp group) with its traffic masked off part by part (`bwd_xw_constexprs`'
-# probe bits: 1 dW loads / stores, 2 dX / gate-gradient stores, 4 the gathered rows; 8 dW's loads / stores each warp
-# instruction's 256 bytes contiguous; outputs wrong, rel meaningless), and with ACCUM (the training step's in-place sum
-# of the weight gradients): where its time goes
-BWD_PROBE_OPTIONS = [dict(xw=True), *(dict(xw=True, probe=b) for b in (1, 2, 4, 3, 7, 8)), dict(xw=True, accum=True),
-                     dict(xw=True, accum=True, probe=1), dict(xw=True, accum=True, probe=8)]
+# probe bits: 1 dW loads / stores, 2 dX / gate-gradient stores, 4 the gathered rows; outputs wrong, rel meaningless),
+# and with ACCUM (the training step's in-place sum of the weight gradients): where its time goes (bench/NOTES.md,
+# Layer, Session 24)
+BWD_PROBE_OPTIONS = [dict(xw=True), *(dict(xw=True, probe=b) for b in (1, 2, 4, 3, 7)), dict(xw=True, accum=True),
+                     dict(xw=True, accum=True, probe=1)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is

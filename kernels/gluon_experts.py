@@ -358,32 +358,13 @@ def _dw_tile(t, group_block_start_ptr, group_nblocks_ptr, DE: gl.constexpr, PACK
 
 
 @gluon.jit
-def _prefetch_dw(dw1_ptr, dw2_ptr, g, e0, DH: gl.constexpr, DE: gl.constexpr, PW: gl.constexpr):
-    """L2 prefetch of tile (g, e0)'s dW1[g, :, e0:e0 + 128] (DH rows of 512 bytes) and dW2[g, e0:e0 + 128, :] (128
-    rows of 512 bytes at DH 128): one `cp.async.bulk.prefetch.L2` per row, a row per thread (DH == 128)."""
-    r = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [PW], [0])).to(gl.int64)
-    _prefetch_l2(dw1_ptr + g * (DH * DE) + r * DE + e0)
-    _prefetch_l2(dw2_ptr + g * (DE * DH) + (e0 + r) * DH)
-
-
-@gluon.jit
-def _prefetch_l2(p):
-    """`cp.async.bulk.prefetch.L2` of the 512 bytes at each pointer of p (16-byte aligned)."""
-    gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 512;\n mov.u32 $0, 0;", "=r,l", [p],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-                 C: gl.constexpr, PROBE: gl.constexpr = 0, PREFETCH: gl.constexpr = False):
+                 C: gl.constexpr, PROBE: gl.constexpr = 0):
     """Per tile: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
     once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring.
     PROBE & 4 (a measurement, `bwd_xw_constexprs`' probe): the rows' gathers masked off by a condition false at run
-    time (the ring's stages zero-filled, no global loads of X / dy / gates).
-    PREFETCH (with ACCUM): at each tile's start, the tile's dW1 / dW2 sums so far (2 x 64 KB) are prefetched into L2
-    (one 512-byte bulk prefetch per thread and matrix), so that the consumers' read-modify-write at the tile's end
-    reads L2, not HBM."""
+    time (the ring's stages zero-filled, no global loads of X / dy / gates)."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     PW: gl.constexpr = gl.num_warps()
@@ -405,8 +386,6 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
             _ws_copy_rows(w1_smem.index(wb * 2 + c), w1_ptr + g * (DH * DE) + e, DH, 64, DE, 32, PW)
             _ws_copy_rows(w2_smem.index(wb * 2 + c), w2_ptr + g * (DE * DH) + e * DH, 64, DH, DH, 32, PW)
         async_copy.mbarrier_arrive(w_ready.index(wb), increment_count=False)
-        if PREFETCH:
-            _prefetch_dw(dw1_ptr, dw2_ptr, g, e0, DH, DE, PW)
         slot_next = gl.load(row_slot_ptr + row0 + rr, mask=nsub > 0, other=-1)
         gslot_next = gl.load(row_slot_ptr + row0 + rg, mask=nsub > 0, other=-1)
         for i in range(nsub):
@@ -613,27 +592,15 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         e = e0 + C * 64 + er
         # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
         p1 = dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None]
-        if PROBE & 8:  # a measurement: dW's values stored as if coalesced (each warp instruction's 8 rows x 8 columns
-            # to 256 contiguous bytes: wrong places)
-            rr = e - e0 - C * 64  # 0..63
-            lin = (dc[None, :] // 8) * 512 + rr[:, None] * 8 + dc[None, :] % 8  # 8 rows x 8 cols: 256 B in a row
-            base = g * (DH * DE) + (e0 + C * 64) * DH
-            if ACCUM:
-                acc1 = gl.load(dw1_ptr + base + lin) + acc1
-            gl.store(dw1_ptr + base + lin, acc1.to(dw1_ptr.dtype.element_ty))
-            if ACCUM:
-                acc2 = gl.load(dw2_ptr + base + lin) + acc2
-            gl.store(dw2_ptr + base + lin, acc2.to(dw2_ptr.dtype.element_ty))
-        elif EARLY:
+        if EARLY:
             acc1 = old1 + acc1
         elif ACCUM:
             acc1 = gl.load(p1, mask=live) + acc1
-        if not PROBE & 8:
-            gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty), mask=live)
-            p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
-            if ACCUM:
-                acc2 = gl.load(p2, mask=live) + acc2
-            gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty), mask=live)
+        gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty), mask=live)
+        p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
+        if ACCUM:
+            acc2 = gl.load(p2, mask=live) + acc2
+        gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty), mask=live)
         n += 1
 
 
@@ -795,7 +762,7 @@ def gluon_expert_bwd_xw_kernel(
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
-    ACCUM: gl.constexpr, PROBE: gl.constexpr, PREFETCH: gl.constexpr,
+    ACCUM: gl.constexpr, PROBE: gl.constexpr,
 ):
     """The whole expert backward as `gluon_expert_bwd_ws_kernel` computes it (same outputs, same sums in the same
     order), with a fourth warp group for the dX rows (`_dx_worker`): the consumers run the dW kernel's pipeline and
@@ -814,8 +781,7 @@ def gluon_expert_bwd_xw_kernel(
                                         HB, ACCUM, PROBE)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
                                         HB, ACCUM, PROBE)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, PROBE,
-                                        PREFETCH and ACCUM)),
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, PROBE)),
                         (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB, PROBE))],
                        [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
 
@@ -859,20 +825,18 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
 
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
                       wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB,
-                      accum: bool = False, probe: int = 0, prefetch: bool = False) -> dict:
+                      accum: bool = False, probe: int = 0) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
     the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take. probe: 0 (the
-    kernel), or a measurement that masks traffic off (bits 1 dW, 2 dX, 4 gathers: wrong outputs, bench only).
-    prefetch: with accum, the producer prefetches each tile's dW sums so far into L2 (`_prefetch_dw`)."""
-    if not 0 <= probe < 16:
-        raise ValueError(f"fused expert backward: probe={probe}, expected 0..15 (bits: 1 dW, 2 dX, 4 gathers, 8 "
-                         "coalesced dW)")
+    kernel), or a measurement that masks traffic off (bits 1 dW, 2 dX, 4 gathers: wrong outputs, bench only)."""
+    if not 0 <= probe < 8:
+        raise ValueError(f"fused expert backward: probe={probe}, expected 0..7 (bits: 1 dW, 2 dX, 4 gathers)")
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
     consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward",
                               accum=accum)
-    return dict(consts, DX_REGS=regs[2], HB=hb, PROBE=probe, PREFETCH=bool(prefetch))
+    return dict(consts, DX_REGS=regs[2], HB=hb, PROBE=probe)
 
 
 def bwd_kernel(xw: bool):
