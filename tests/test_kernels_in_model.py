@@ -180,9 +180,8 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
     then holds no cast of an expert weight; with the switch off it does).
     `ACCUMULATE_EXPERT_GRADS_IN_PLACE`: the loop hands the expert weights' running gradient sums to the MoE op, whose
     backward returns sum + gradient (the loop body then holds no add of an expert weight's shape; off, or with data
-    parallelism, where shard_map would sum the accumulators over `data`, it does). `PEEL_FIRST_MICRO_BATCH`: the first
-    micro-batch's gradients start the sums (its expert backward called without accumulators), the loop runs over the
-    rest. Every combination gives bitwise the new state and metrics of the step with all three off."""
+    parallelism, where shard_map would sum the accumulators over `data`, it does). Every combination gives bitwise
+    the new state and metrics of the step with both off."""
     from jax.sharding import NamedSharding
 
     import mhl_jax.train.step as step_mod
@@ -207,13 +206,11 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
     shapes = {s for w in weights for h in (w.shape[0], w.shape[0] // 2) for s in ((h, *w.shape[1:]),
                                                                                 (h * w.shape[1], *w.shape[2:]))}
     in_place_possible = devices < 4
-    variants = [(False, False, False), (True, True, True)] + (
-        [(True, False, True), (False, True, True), (True, True, False)] if devices == 1 else [])
+    variants = [(False, False), (True, True)] + ([(True, False), (False, True)] if devices == 1 else [])
     outs = []
-    for once, in_place, peel in variants:
+    for once, in_place in variants:
         monkeypatch.setattr(step_mod, "CAST_EXPERT_WEIGHTS_ONCE", once)
         monkeypatch.setattr(step_mod, "ACCUMULATE_EXPERT_GRADS_IN_PLACE", in_place)
-        monkeypatch.setattr(step_mod, "PEEL_FIRST_MICRO_BATCH", peel)
         sched = make_schedule(cfg.optimizer, cfg.schedule)
         if mesh is None:
             fn, args = jax.jit(step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, sched)), (state, batch)

@@ -50,11 +50,6 @@ CAST_EXPERT_WEIGHTS_ONCE = True
 # weights and takes what comes back as the new sums, instead of an XLA add of a new gradient (fp32 acc + dW either way:
 # bitwise the same sums). False: every gradient is added by the loop.
 ACCUMULATE_EXPERT_GRADS_IN_PLACE = True
-# With gradient accumulation, the first micro-batch's gradients start the sums (its fwd + bwd traced before the loop,
-# which runs over the rest): no zero-filled sums (one fp32 copy of the parameters written), no additions of zeros, and
-# the in-place expert backward's first call writes its gradients instead of adding them to zeros. False: the loop runs
-# over every micro-batch from zero sums. The sums are the same numbers (0 + g is g; the sign of an exact zero aside).
-PEEL_FIRST_MICRO_BATCH = True
 
 
 def expert_weight_leaf(path) -> tuple[int, str] | None:
@@ -113,15 +108,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
             loadsum = {i: loadsum[i] + loads[i] for i in loadsum}
             return (gsum, lsum + loss, loadsum), None
 
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        _, load_shapes = jax.eval_shape(lambda: loss_fn(graphdef, params, biases, batch[0]))
+        load0 = {i: jnp.zeros(s.shape, s.dtype) for i, s in load_shapes.items()}
+        (gsum, lsum, loads), _ = jax.lax.scan(micro, (zeros, jnp.float32(0.0), load0), batch)
         accum = batch.shape[0]
-        if PEEL_FIRST_MICRO_BATCH and accum > 1:  # the first micro-batch starts the sums
-            (loss0, loads0), grads0 = grad_fn(params, biases, batch[0], casts, None)
-            (gsum, lsum, loads), _ = jax.lax.scan(micro, (grads0, loss0, loads0), batch[1:])
-        else:
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            _, load_shapes = jax.eval_shape(lambda: loss_fn(graphdef, params, biases, batch[0]))
-            load0 = {i: jnp.zeros(s.shape, s.dtype) for i, s in load_shapes.items()}
-            (gsum, lsum, loads), _ = jax.lax.scan(micro, (zeros, jnp.float32(0.0), load0), batch)
         grads = jax.tree.map(lambda g: g / accum, gsum)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {
