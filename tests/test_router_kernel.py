@@ -342,6 +342,12 @@ def test_ws_router_launch_pairs_kernel_object_and_consumers(monkeypatch, k, nc):
     xs, wp, bias, c1, c2 = seen["args"]  # c1, c2: the caster's (unused) one-element inputs
     assert xs is x and bias is b and wp.shape == (3, 8, 128, 768) and c1.shape == c2.shape == (1,)
     assert c["CAST_N"] == 0
+    # with a cast: two consumers beside the caster warp group at every k, the kernel object of that launch
+    a = jnp.zeros((8, 768, 128, 256), jnp.float32)
+    vals, idx, casts = rt._fwd_triton(st, x, w, b, cast=(a, a))
+    c = seen["consts"]
+    assert (c["NC"], c["CAST_N"]) == (2, a.size) and seen["kernel"] is gr.ws_router_kernel(2, True)
+    assert all(o.shape == a.shape and o.dtype == jnp.bfloat16 for o in casts)
 
 
 # --------------------------------------------------- CPU: the JAX binding's plumbing (emulate backend)
@@ -509,10 +515,11 @@ def test_router_casts_weights_emulate():
 
 
 @pytest.mark.gpu
-def test_gpu_router_casts_weights():
-    """The same on the GPU's kernels: at k 6, Ne 64, dh 128 the router forward is the Gluon kernel with two consumers,
-    so its caster warp group makes the bf16 weights the expert kernels read."""
-    _check_router_casts(None, 512, 2, 128, 64, 6, 128, gluon=True)
+@pytest.mark.parametrize("k,de", [(6, 128), (4, 256)])
+def test_gpu_router_casts_weights(k, de):
+    """The same on the GPU's kernels: at Ne 64, dh 128 the router forward is the Gluon kernel (two consumers with the
+    caster; at k 4 three without it), so its caster warp group makes the bf16 weights the expert kernels read."""
+    _check_router_casts(None, 512, 2, 128, 64, k, de, gluon=True)
 
 
 def test_router_casts_weights_rule():
@@ -759,7 +766,7 @@ def test_gpu_ws_router_vs_triton_and_float64(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ne,k", [(1536, 8), (296, 6)])
+@pytest.mark.parametrize("ne,k", [(1536, 8), (296, 6), (384, 4)])
 def test_gpu_ws_router_caster(ne, k):
     """The Gluon forward with the caster warp group (two consumers): the same top-k bitwise as without it, and the
     two fp32 arrays (the expert weights' shape at de 128; then 8008 values, not a multiple of the 1024-value chunk)

@@ -179,12 +179,13 @@ def use_fwd_gluon(st: Static, dtype, dh: int, ne: int) -> bool:
 
 def _fwd_gluon(st: Static, x, wp, bias, cast=None):
     """(values, indices) and, with `cast` (two fp32 arrays of one size), their bf16 casts made by the caster warp
-    group beside the selection."""
+    group beside the selection (two consumers then: the caster fits beside two; at k <= 4 the launch without it
+    takes three)."""
     from kernels.gluon_router import ws_router_constexprs, ws_router_items, ws_router_kernel
 
     n, h, dh = x.shape
     size = cast[0].size if cast else 0
-    consts = ws_router_constexprs(n, h, dh, wp.shape[3], st.k, wp.shape[0], cast_n=size)
+    consts = ws_router_constexprs(n, h, dh, wp.shape[3], st.k, wp.shape[0], nc=2 if cast else None, cast_n=size)
     cin = [c.reshape(-1) for c in cast] if cast else [jnp.zeros((1,), jnp.float32)] * 2
     out = gluon_bridge.gluon_call(
         x, wp, bias, *cin, kernel=ws_router_kernel(consts["NC"], bool(cast)),
@@ -197,16 +198,14 @@ def _fwd_gluon(st: Static, x, wp, bias, cast=None):
 
 
 def _fwd_triton(st: Static, x, w, bias, cast=None):
-    """(values, indices), and a third output, the bf16 casts of `cast`, where the Gluon kernel's caster makes them
-    (two consumers: k > 4)."""
-    from kernels.gluon_router import ws_router_consumers
+    """(values, indices), and a third output, the bf16 casts of `cast`, where the Gluon kernel's caster makes them."""
     from kernels.router import fwd_grid, router_fwd_kernel
 
     n, h, dh = x.shape
     ne, t = w.shape[2], st.tiles
     wp = split_bf16(w, weight_parts(st.precision)) if st.precision.startswith("bf16") else w[None]
     if use_fwd_gluon(st, x.dtype, dh, ne):
-        return _fwd_gluon(st, x, wp, bias, cast if ws_router_consumers(st.k) == 2 else None)
+        return _fwd_gluon(st, x, wp, bias, cast)
     jt = import_jax_triton()
     vals, idx = jt.triton_call(
         x, wp, bias, kernel=router_fwd_kernel,
@@ -348,7 +347,7 @@ def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, 
     it (`dw_metadata_from_packing`) instead of sorting the slots a second time.
 
     cast = (a, b), two fp32 arrays of one size (the expert weights): also return (a, b) in x's dtype as the last
-    output, without gradient. Where the forward runs on the Gluon kernel with two consumers (k > 4), its caster
+    output, without gradient. Where the forward runs on the Gluon kernel (with two consumers then), its caster
     warp group makes them beside the selection (the router reads little HBM; the cast's traffic still slows it by
     about a third of the cast's own time); else XLA casts them."""
     st = router_static(x, w_r, bias, k, precision, tiles, backend, sort, pack, cast=cast)
