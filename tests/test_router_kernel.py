@@ -534,10 +534,11 @@ def test_router_casts_weights_rule():
         x = jax.ShapeDtypeStruct((n, 8, 128), xdt)
         return x, x, jax.ShapeDtypeStruct((8, 768, 128, de), wdt), jax.ShapeDtypeStruct((8, 768, de, 128), wdt)
 
-    assert mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT == 4
-    assert mc.router_casts_weights(*args(81920)) and mc.router_casts_weights(*args(65536))
-    assert not mc.router_casts_weights(*args(65535)) and not mc.router_casts_weights(*args(8192))
-    assert not mc.router_casts_weights(*args(81920, de=256))  # 131072 tokens at de 256
+    assert mc.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT == 2
+    assert mc.router_casts_weights(*args(81920)) and mc.router_casts_weights(*args(32768))
+    assert not mc.router_casts_weights(*args(32767)) and not mc.router_casts_weights(*args(8192))
+    assert mc.router_casts_weights(*args(81920, de=256))  # from 65536 tokens on at de 256
+    assert not mc.router_casts_weights(*args(65535, de=256)) and not mc.router_casts_weights(*args(16384, de=256))
     assert mc.router_casts_weights(*args(131072, de=256))
     assert not mc.router_casts_weights(*args(81920, xdt=jnp.float32))
     assert not mc.router_casts_weights(*args(81920, wdt=jnp.bfloat16))

@@ -93,17 +93,18 @@ def reads_weights_cast(impl: str, x_dtype, w_dtype, dh: int) -> bool:
     return impl == "triton" and jnp.dtype(x_dtype) != jnp.dtype(w_dtype)
 
 
-# The router's Gluon kernel also casts the fp32 expert weights to bf16 (its caster warp group, at k > 4) instead of a
-# separate XLA cast before the expert op; the gradients are bitwise the same either way. The casts are 0.40 / 0.80 ms
-# of the 768/8/128 and 1536/8/128 layers at 81920 tokens; the caster's HBM traffic slows the router by 0.1 / 0.28 ms,
-# so the layer gains 0.23 / 0.39 ms (H100 2026-11-25, bench/router_cast.py; bench/NOTES.md, Layer, session 19).
+# The router's Gluon kernel also casts the fp32 expert weights to bf16 (its caster warp group, beside two consumers)
+# instead of a separate XLA cast before the expert op; the gradients are bitwise the same either way. The casts are
+# 0.40 / 0.80 ms of the 768/8/128 and 1536/8/128 layers at 81920 tokens; the caster's HBM traffic slows the router by
+# 0.1 / 0.28 ms, so the layer gains 0.23 / 0.39 ms (H100 2026-11-25, bench/router_cast.py; bench/NOTES.md, Layer,
+# session 19). At k <= 4 (three consumers without the caster) too: 7.27 vs 7.43 ms (384/4/256), 8.70 vs 8.93
+# (768/4/256) at 81920 tokens (H100 2026-11-26, session 24).
 ROUTER_CASTS_WEIGHTS = True
-# ... where the router runs long enough to hide the cast: its time grows as N x H x Ne (~3.3e11 scores per second
-# at k 8), the cast's as H x Ne x dh x de (12 bytes per element pair at the ~0.8 TB/s the caster gets beside the
-# router), so it hides from N ~ 5 dh de tokens on: the caster runs from N >= ROUTER_CAST_MIN_TOKENS_PER_WEIGHT x dh x
-# de (at 8192 tokens, dh = de = 128, it made the layer slower: 2.36 vs 2.29 ms at 768/8/128, 3.81 vs 3.64 at
-# 1536/8/128).
-ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = 4
+# ... where the router runs long enough to hide the cast: its time grows as N x H x Ne, the cast's as H x Ne x dh x de,
+# so the caster runs from N >= ROUTER_CAST_MIN_TOKENS_PER_WEIGHT x dh x de tokens on. Measured gains at N = 2.5 dh de
+# (81920 tokens, de 256, k 4: above) and 5 dh de (de 128, k 8); losses at 0.5 dh de (8192 tokens, de 128, k 8: 2.36 vs
+# 2.29 ms at 768/8/128, 3.81 vs 3.64 at 1536/8/128); between them not measured.
+ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = 2
 
 
 # Sub-tokens routed on themselves (x_route is x_expert: MH-LatentMoE) on the fused expert path run router, gates and
@@ -115,7 +116,7 @@ FUSE_ROUTER_DX = True
 def router_casts_weights(x_route: jax.Array, x_expert: jax.Array, w1: jax.Array, w2: jax.Array) -> bool:
     """Whether `moe_heads_triton` hands the expert weights' cast to the router (ROUTER_CASTS_WEIGHTS; bf16
     activations, fp32 weights, an expert width the Triton kernels take, and enough tokens to hide it). The router's
-    binding decides the rest (the Gluon kernel at k > 4; else XLA casts)."""
+    binding decides the rest (the Gluon kernel; else XLA casts)."""
     n, _, dh = x_expert.shape
     return (ROUTER_CASTS_WEIGHTS and x_expert.dtype == x_route.dtype == jnp.bfloat16
             and w1.dtype == w2.dtype == jnp.float32 and dh <= MAX_TRITON_EXPERT_WIDTH
