@@ -49,9 +49,9 @@ BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, hb=2)]
 # bwd_probe: the default backward (dX warp group) with its traffic masked off part by part (`bwd_xw_constexprs`'
 # probe bits: 1 dW loads / stores, 2 dX / gate-gradient stores, 4 the gathered rows; outputs wrong, rel meaningless),
 # and with ACCUM (the training step's in-place sum of the weight gradients): where its time goes (bench/NOTES.md,
-# Layer, Session 24)
+# Layer, Session 24); and with a 2-stage X / dy ring (the shared memory an epilogue staging ring would need)
 BWD_PROBE_OPTIONS = [dict(xw=True), *(dict(xw=True, probe=b) for b in (1, 2, 4, 3, 7)), dict(xw=True, accum=True),
-                     dict(xw=True, accum=True, probe=1)]
+                     dict(xw=True, accum=True, probe=1), dict(xw=True, stages=2), dict(xw=True, stages=2, accum=True)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
 ROUTER_OPTIONS = [(3, 2), (2, 3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
