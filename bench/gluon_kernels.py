@@ -192,7 +192,8 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
 
     params = dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block, routing=routing)
     # TFLOP/s of the fused form's 5 units
-    return _time_kernels("bwd_probe" if probe else "bwd", kernels, sets, params, 2 * tokens * nh * k * dh * de, date, device, outf, outputs)
+    return _time_kernels("bwd_probe" if probe else "bwd", kernels, sets, params, 2 * tokens * nh * k * dh * de, date,
+                         device, outf, outputs)
 
 
 def _router_sets(tokens: int, ne: int, nh: int, dh: int, cast_de: int | None = None) -> list[tuple]:
