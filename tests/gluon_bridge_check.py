@@ -3,11 +3,17 @@ interpreted). `gluon_bridge.install` on a stand-in for jax-triton's `triton_lib`
 (only jaxlib's kernel object is recorded instead of built): a Triton kernel goes through jax-triton's own
 compile step untouched; the warp-specialised Gluon forward gets its IR from the Gluon builder, its
 TTIR -> TTGIR stages replaced by `gluon_to_ttgir`, maxnreg 168, and is launched with all 12 warps of its
-three partitions (jax-triton alone would launch the 4 it is called with: CUDA_ERROR_INVALID_VALUE on H100)."""
+three partitions (jax-triton alone would launch the 4 it is called with: CUDA_ERROR_INVALID_VALUE on H100).
+A Gluon kernel that makes a TMA descriptor on the device needs global scratch: without `mhl_global_scratch` it does
+not compile; with it, its PTX reads the scratch pointer from its last own parameter (not the hidden one jaxlib passes
+as null) and ptxas assembles it."""
 
 import inspect
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,10 +52,11 @@ def main() -> None:
     pointer_types = {"row_slot_ptr": "*i32", "block_group_ptr": "*i32", "group_block_start_ptr": "*i32",
                      "group_nblocks_ptr": "*i32"}
 
-    def build(fn, consts):  # what jax-triton's get_or_create_triton_kernel does, for one kernel
+    def build(fn, consts, types_=None):  # what jax-triton's get_or_create_triton_kernel does, for one kernel
         params = list(inspect.signature(fn.fn).parameters)
-        signature = {p: "constexpr" if p in consts else pointer_types.get(p, "*bf16") for p in params}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
+        ptypes = types_ or pointer_types
+        signature = {p: "constexpr" if p in consts else ptypes.get(p, "*bf16") for p in params}
+        attrs = {} if types_ else {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
         options = backend.parse_options({"num_warps": 4, "num_stages": 3})
         context = ir.context()
         ir.load_dialects(context)
@@ -67,12 +74,74 @@ def main() -> None:
     assert kernel == ("gluon_expert_fwd_ws_kernel", 12) and calls[-1] == ("_GluonStages", 168)
     assert ".reqntid 384" in ptx and ".maxnreg 168" in ptx
 
+    check_global_scratch(build)
+
     try:
         gluon_bridge.install(types.SimpleNamespace(triton_lib=types.SimpleNamespace(), __version__="old"))
         raise AssertionError("install accepted a jax-triton without the internals it replaces")
     except RuntimeError as e:
         assert "jax-triton old has no triton_lib.code_gen" in str(e), e
     print("ok")
+
+
+def tma_store_kernel():
+    """A kernel storing a (32, 32) fp32 tile through a device-made TMA descriptor; scratch_ptr: its global scratch."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+
+    @gluon.jit
+    def tma_store_probe_kernel(x_ptr, out_ptr, scratch_ptr, N: gl.constexpr):
+        lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 32], gl.float32)
+        desc = tma.make_tensor_descriptor(out_ptr, [N, 32], [32, 1], [32, 32], lay)
+        smem = gl.allocate_shared_memory(gl.float32, [32, 32], lay)
+        bl: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
+        r = gl.arange(0, 32, layout=gl.SliceLayout(1, bl))
+        c = gl.arange(0, 32, layout=gl.SliceLayout(0, bl))
+        smem.store(gl.load(x_ptr + r[:, None] * 32 + c[None, :]))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [gl.program_id(0) * 32, 0], smem)
+        tma.store_wait(0)
+
+    return tma_store_probe_kernel
+
+
+def check_global_scratch(build) -> None:
+    from triton import knobs
+
+    from mhl_jax.ops import gluon_bridge
+
+    fn = tma_store_kernel()
+    consts = dict(N=1024)
+    try:
+        build(fn, consts, {"x_ptr": "*fp32", "out_ptr": "*fp32", "scratch_ptr": "*i8"})
+        raise AssertionError("a kernel needing global scratch compiled without mhl_global_scratch")
+    except ValueError as e:
+        assert "tma_store_probe_kernel needs 128 bytes of global scratch per program" in str(e), e
+    fn.mhl_global_scratch = 64
+    try:
+        build(fn, consts, {"x_ptr": "*fp32", "out_ptr": "*fp32", "scratch_ptr": "*i8"})
+        raise AssertionError("a kernel declaring too little global scratch compiled")
+    except ValueError as e:
+        assert "declares 64" in str(e), e
+    fn.mhl_global_scratch = 128
+    _, ptx = build(fn, consts, {"x_ptr": "*fp32", "out_ptr": "*fp32", "scratch_ptr": "*i8"})
+    name = "tma_store_probe_kernel"
+    # its own parameters 0..2 (x, out, scratch), the hidden global / profile scratch 3 and 4
+    assert re.findall(rf"{name}_param_(\d+)", ptx.split(")")[0]) == ["0", "1", "2", "3", "4"], ptx[:800]
+    assert not re.search(rf"ld\.param\.\w+\s+%\w+,\s*\[{name}_param_3\]", ptx)
+    assert re.search(rf"ld\.param\.\w+\s+%\w+,\s*\[{name}_param_2\]", ptx)
+    assert "tensormap.cp_fenceproxy" in ptx
+    ptxas = os.path.join(os.path.dirname(knobs.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "k.ptx"), "w") as f:
+            f.write(ptx)
+        subprocess.run([ptxas, "--gpu-name", "sm_90a", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
+                       check=True, capture_output=True)
+    # what the jax-triton path compiles, compile_gluon compiles the same way
+    sig = {"x_ptr": "*fp32", "out_ptr": "*fp32", "scratch_ptr": "*i8", "N": "constexpr"}
+    again = gluon_bridge.compile_gluon(fn, sig, consts, {}, num_warps=4)
+    assert again["ptx"] == ptx
 
 
 if __name__ == "__main__":

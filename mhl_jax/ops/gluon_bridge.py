@@ -10,12 +10,20 @@ the two paths are the same. `install` routes jax-triton's two compile steps acco
 launched with the warps of all its partitions (jax-triton would launch `num_warps`, those of the default
 partition only: CUDA_ERROR_INVALID_VALUE). `compile_gluon` is the same compilation by itself (no GPU needed;
 the CPU tests use it).
+
+Global scratch (`redirect_global_scratch`): Triton appends two hidden pointer parameters to every kernel, global and
+profile scratch, and a kernel that makes TMA descriptors on the device (`tma.make_tensor_descriptor`) writes them into
+its program's slice of the global scratch. jaxlib's launcher passes null pointers for both (jaxlib/gpu/
+triton_kernels.cc, `KernelCall::Launch`), so such a kernel must say `fn.mhl_global_scratch = bytes per program` and
+take a buffer of programs x that many bytes as its last parameter (the custom call's last output): its PTX then
+reads the scratch pointer from that parameter. A kernel that needs scratch without saying so does not compile here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from types import ModuleType
 
 
@@ -43,9 +51,14 @@ class _GluonStages:
     Keeps the warp count the LLVM stage reports: a warp-specialised kernel runs its worker partitions in warps
     beyond `num_warps`, and must be launched with all of them."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, scratch_per_program: int = 0):
         self._backend = backend
+        self._scratch = scratch_per_program
         self.num_warps = None
+
+    def make_ptx(self, src, metadata, options, capability):
+        ptx = self._backend.make_ptx(src, metadata, options, capability)
+        return redirect_global_scratch(ptx, metadata["name"], metadata.get("global_scratch_size", 0), self._scratch)
 
     def make_llir(self, mod, metadata, options, capability):
         llir = self._backend.make_llir(mod, metadata, options, capability)
@@ -60,6 +73,31 @@ class _GluonStages:
 
     def make_ttgir(self, mod, metadata, options, capability):
         return self._backend.gluon_to_ttgir(mod, metadata, options, capability)
+
+
+def redirect_global_scratch(ptx: str, name: str, needed: int, per_program: int) -> str:
+    """The PTX of kernel `name` reading its global-scratch pointer from its last own parameter instead of the hidden
+    one jaxlib passes as null (module docstring). needed: the compiled kernel's scratch bytes per program (Triton's
+    metadata); per_program: what the kernel's `mhl_global_scratch` says its buffer holds per program (0: none). No
+    scratch needed: the PTX unchanged. Raises ValueError naming the kernel where the buffer is missing or small."""
+    if needed == 0:
+        return ptx
+    if needed > per_program:
+        raise ValueError(f"Gluon kernel {name} needs {needed} bytes of global scratch per program (device-made TMA "
+                         f"descriptors) and declares {per_program} (mhl_global_scratch); jaxlib launches Triton "
+                         "kernels with a null global scratch, so the kernel must take a buffer of programs x that "
+                         "many bytes as its last parameter and set mhl_global_scratch to its bytes per program")
+    entry = re.search(rf"\.entry\s+{re.escape(name)}\s*\(([^)]*)\)", ptx)
+    params = sorted({int(i) for i in re.findall(rf"\b{re.escape(name)}_param_(\d+)\b", entry.group(1))}) if entry \
+        else []
+    if len(params) < 3 or params != list(range(len(params))):
+        raise ValueError(f"Gluon kernel {name}: expected its own parameters and the two hidden scratch pointers in "
+                         f"the PTX entry, found parameters {params}")
+    hidden, own = f"[{name}_param_{len(params) - 2}]", f"[{name}_param_{len(params) - 3}]"
+    loads = re.findall(rf"ld\.param\.\w+\s+%\w+,\s*{re.escape(hidden)}", ptx)
+    if not loads:
+        raise ValueError(f"Gluon kernel {name} needs global scratch but its PTX never loads {hidden}")
+    return re.sub(rf"(ld\.param\.\w+\s+%\w+,\s*){re.escape(hidden)}", lambda m: m.group(1) + own, ptx)
 
 
 HOOKS = ("code_gen", "compile_ttir_inplace", "triton_kernel_call_lib")  # jax_triton.triton_lib names it replaces
@@ -95,14 +133,15 @@ def install(jt: ModuleType) -> None:
             options = with_kernel_options(options, fn)
             target = GPUTarget("cuda", lib.triton_kernel_call_lib.get_compute_capability(0), 32)
             module = gluon_ir(fn, src, target, options, codegen_fns, module_map, context)
-            gluon_modules[id(module)] = options
+            gluon_modules[id(module)] = options, getattr(fn, "mhl_global_scratch", 0)
             return module
 
     def compile_ttir_inplace(ttir, backend, options, compute_capability, platform):
-        gluon_options = gluon_modules.pop(id(ttir), None)
-        if gluon_options is None:
+        gluon = gluon_modules.pop(id(ttir), None)
+        if gluon is None:
             return compile_ttir(ttir, backend, options, compute_capability, platform)
-        stages = _GluonStages(backend)
+        gluon_options, scratch = gluon
+        stages = _GluonStages(backend, scratch)
         result = compile_ttir(ttir, stages, gluon_options, compute_capability, platform)
         if stages.num_warps:
             launch_warps[result.name] = stages.num_warps
@@ -140,12 +179,12 @@ def compile_gluon(fn, signature: dict, constexprs: dict, attrs: dict, num_warps:
     src = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
     module = gluon_ir(fn, src, target, options, backend.get_codegen_implementation(options),
                       backend.get_module_map(), context)
-    stages = _GluonStages(backend)
+    stages = _GluonStages(backend, getattr(fn, "mhl_global_scratch", 0))
     metadata: dict = {}
     ttgir = stages.make_ttgir(stages.make_ttir(module, metadata, options, capability), metadata, options, capability)
     ttgir_text = str(ttgir)
     llir = stages.make_llir(ttgir, metadata, options, capability)
-    ptx = backend.make_ptx(llir, metadata, options, capability)
+    ptx = stages.make_ptx(llir, metadata, options, capability)
     return dict(ptx=ptx, ttgir=ttgir_text, shared=metadata.get("shared"), name=metadata.get("name"),
                 launch_warps=stages.num_warps)
 
