@@ -750,6 +750,25 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne, xw):
     assert _rel(dx[valid], tdx[valid]) < 1e-2 and _rel(dgate[valid], tdg[valid]) < 1e-2
 
 
+def test_redirect_global_scratch_rewrites_the_one_load():
+    """`gluon_bridge.redirect_global_scratch` on a hand-written PTX entry (own parameters 0..2, hidden 3 and 4): the
+    hidden global-scratch load reads parameter 2 instead; no scratch needed: unchanged; a kernel declaring too little,
+    or whose PTX never loads the hidden pointer, gets an error naming it."""
+    from mhl_jax.ops.gluon_bridge import redirect_global_scratch
+
+    params = ",\n".join(f"\t.param .u64 .ptr .global .align 1 k_param_{i}" for i in range(5))
+    body = "ld.param.b64 \t%rd1, [k_param_0];\n\tld.param.b64 \t%rd9, [k_param_3];\n\tld.param.b64 %rd7, [k_param_3];"
+    ptx = f".visible .entry k(\n{params}\n)\n{{\n\t{body}\n}}"
+    assert redirect_global_scratch(ptx, "k", 0, 0) == ptx
+    out = redirect_global_scratch(ptx, "k", 128, 256)
+    assert "[k_param_3]" not in out and out.count("[k_param_2]") == 2 and "[k_param_0]" in out
+    assert out.replace("[k_param_2]", "[k_param_3]") == ptx  # nothing else touched
+    with pytest.raises(ValueError, match="k needs 128 bytes of global scratch per program .* declares 64"):
+        redirect_global_scratch(ptx, "k", 128, 64)
+    with pytest.raises(ValueError, match="never loads"):
+        redirect_global_scratch(ptx.replace("[k_param_3]", "[k_param_1]"), "k", 128, 128)
+
+
 def test_gluon_bridge_routes_jax_triton_compile_and_launch():
     """`gluon_bridge.install` on a stand-in for jax-triton's internals with the real Triton compiler behind it
     (tests/gluon_bridge_check.py, in a process of its own: kernels compiled, not interpreted)."""
