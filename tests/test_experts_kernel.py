@@ -769,6 +769,30 @@ def test_redirect_global_scratch_rewrites_the_one_load():
         redirect_global_scratch(ptx.replace("[k_param_3]", "[k_param_1]"), "k", 128, 128)
 
 
+@pytest.mark.gpu
+def test_gpu_gluon_kernel_with_global_scratch():
+    """A Gluon kernel that makes its TMA descriptor on the device, through jax-triton with the bridge (its global
+    scratch from its last parameter, an int8 output of programs x 128 bytes): each program stores the input tile at
+    its rows by TMA; the output is the tile repeated, bitwise."""
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU JAX backend")
+    from mhl_jax.ops.gluon_bridge import gluon_call
+    from tests.gluon_bridge_check import tma_store_kernel
+
+    fn = tma_store_kernel()
+    fn.mhl_global_scratch = 128
+    programs = 4
+    x = jnp.arange(32 * 32, dtype=jnp.float32).reshape(32, 32) / 7
+    out, _ = jax.jit(lambda x: gluon_call(
+        x, kernel=fn, out_shape=[jax.ShapeDtypeStruct((programs * 32, 32), jnp.float32),
+                                 jax.ShapeDtypeStruct((programs * 128,), jnp.int8)],
+        programs=programs, N=programs * 32))(x)
+    np.testing.assert_array_equal(np.asarray(out), np.tile(np.asarray(x), (programs, 1)))
+
+
 def test_gluon_bridge_routes_jax_triton_compile_and_launch():
     """`gluon_bridge.install` on a stand-in for jax-triton's internals with the real Triton compiler behind it
     (tests/gluon_bridge_check.py, in a process of its own: kernels compiled, not interpreted)."""
