@@ -254,10 +254,10 @@ def run_router_cast(tokens: int, ne: int, k: int, de: int, date: str, device: st
     sets = _router_sets(tokens, ne, nh, dh, cast_de=de)
     kernels = {"gluon_ws_nc2": lambda s: gluon_router_fwd_ws(s[0], s[2], s[3], k, nc=2),
                "torch_cast": lambda s: tuple(c.to(torch.bfloat16) for c in s[4])}
-    kernels["gluon_ws_nc2_cast"] = lambda s: gluon_router_fwd_ws(s[0], s[2], s[3], k, cast=s[4], nc=2)
+    kernels["gluon_ws_nc2_cast"] = lambda s: gluon_router_fwd_ws(s[0], s[2], s[3], k, cast=s[4])
     # a 64th of the bytes: what the caster warp group costs the router beside its HBM traffic
     kernels["gluon_ws_nc2_cast_small"] = lambda s: gluon_router_fwd_ws(
-        s[0], s[2], s[3], k, cast=tuple(c[: c.shape[0] // 64] for c in s[4]), nc=2)
+        s[0], s[2], s[3], k, cast=tuple(c[: c.shape[0] // 64] for c in s[4]))
     ref, recs = kernels["gluon_ws_nc2"](sets[0]), []
     casts = kernels["torch_cast"](sets[0])
     for name, fn in kernels.items():

@@ -442,9 +442,10 @@ def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
 
 def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int | None = None,
                          stages: int | None = None, cast_n: int = 0) -> dict:
-    """The kernel's constexpr arguments (torch and JAX launchers alike; nc / stages default by k; cast_n: elements
-    of each array the caster warp group casts, needs nc 2); raises on unsupported shapes."""
-    nc = nc or ws_router_consumers(k)
+    """The kernel's constexpr arguments (torch and JAX launchers alike; nc / stages default by k, nc 2 with a cast;
+    cast_n: elements of each array the caster warp group casts, which fits beside two consumers only); raises on
+    unsupported shapes."""
+    nc = nc or (2 if cast_n else ws_router_consumers(k))
     stages = stages or WS_ROUTER_NST.get(nc, 2)
     if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
         raise ValueError(f"warp-specialised router forward: dh={dh}, Ne={ne}, k={k}, parts={parts}, nc={nc}; "

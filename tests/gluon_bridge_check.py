@@ -11,9 +11,7 @@ as null) and ptxas assembles it."""
 import inspect
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,40 +105,32 @@ def tma_store_kernel():
 
 
 def check_global_scratch(build) -> None:
-    from triton import knobs
-
+    from bench.kernel_report import _ptxas_report
     from mhl_jax.ops import gluon_bridge
 
     fn = tma_store_kernel()
     consts = dict(N=1024)
-    try:
-        build(fn, consts, {"x_ptr": "*fp32", "out_ptr": "*fp32", "scratch_ptr": "*i8"})
-        raise AssertionError("a kernel needing global scratch compiled without mhl_global_scratch")
-    except ValueError as e:
-        assert "tma_store_probe_kernel needs 128 bytes of global scratch per program" in str(e), e
-    fn.mhl_global_scratch = 64
-    try:
-        build(fn, consts, {"x_ptr": "*fp32", "out_ptr": "*fp32", "scratch_ptr": "*i8"})
-        raise AssertionError("a kernel declaring too little global scratch compiled")
-    except ValueError as e:
-        assert "declares 64" in str(e), e
+    types_ = {"x_ptr": "*fp32", "out_ptr": "*fp32", "scratch_ptr": "*i8"}
+    for declared, message in ((None, "tma_store_probe_kernel needs 128 bytes of global scratch per program"),
+                              (64, "declares 64")):  # none declared, too little declared: no compile
+        if declared:
+            fn.mhl_global_scratch = declared
+        try:
+            build(fn, consts, types_)
+            raise AssertionError(f"a kernel needing global scratch compiled with mhl_global_scratch={declared}")
+        except ValueError as e:
+            assert message in str(e), e
     fn.mhl_global_scratch = 128
-    _, ptx = build(fn, consts, {"x_ptr": "*fp32", "out_ptr": "*fp32", "scratch_ptr": "*i8"})
+    _, ptx = build(fn, consts, types_)
     name = "tma_store_probe_kernel"
     # its own parameters 0..2 (x, out, scratch), the hidden global / profile scratch 3 and 4
     assert re.findall(rf"{name}_param_(\d+)", ptx.split(")")[0]) == ["0", "1", "2", "3", "4"], ptx[:800]
     assert not re.search(rf"ld\.param\.\w+\s+%\w+,\s*\[{name}_param_3\]", ptx)
     assert re.search(rf"ld\.param\.\w+\s+%\w+,\s*\[{name}_param_2\]", ptx)
     assert "tensormap.cp_fenceproxy" in ptx
-    ptxas = os.path.join(os.path.dirname(knobs.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, "k.ptx"), "w") as f:
-            f.write(ptx)
-        subprocess.run([ptxas, "--gpu-name", "sm_90a", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
-                       check=True, capture_output=True)
+    assert _ptxas_report(fn, ptx, "", 0)["registers"] > 0  # ptxas assembles it for sm_90a (raises if not)
     # what the jax-triton path compiles, compile_gluon compiles the same way
-    sig = {"x_ptr": "*fp32", "out_ptr": "*fp32", "scratch_ptr": "*i8", "N": "constexpr"}
-    again = gluon_bridge.compile_gluon(fn, sig, consts, {}, num_warps=4)
+    again = gluon_bridge.compile_gluon(fn, dict(types_, N="constexpr"), consts, {}, num_warps=4)
     assert again["ptx"] == ptx
 
 

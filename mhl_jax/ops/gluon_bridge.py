@@ -94,10 +94,10 @@ def redirect_global_scratch(ptx: str, name: str, needed: int, per_program: int) 
         raise ValueError(f"Gluon kernel {name}: expected its own parameters and the two hidden scratch pointers in "
                          f"the PTX entry, found parameters {params}")
     hidden, own = f"[{name}_param_{len(params) - 2}]", f"[{name}_param_{len(params) - 3}]"
-    loads = re.findall(rf"ld\.param\.\w+\s+%\w+,\s*{re.escape(hidden)}", ptx)
+    ptx, loads = re.subn(rf"(ld\.param\.\w+\s+%\w+,\s*){re.escape(hidden)}", lambda m: m.group(1) + own, ptx)
     if not loads:
         raise ValueError(f"Gluon kernel {name} needs global scratch but its PTX never loads {hidden}")
-    return re.sub(rf"(ld\.param\.\w+\s+%\w+,\s*){re.escape(hidden)}", lambda m: m.group(1) + own, ptx)
+    return ptx
 
 
 HOOKS = ("code_gen", "compile_ttir_inplace", "triton_kernel_call_lib")  # jax_triton.triton_lib names it replaces

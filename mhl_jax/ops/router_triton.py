@@ -179,13 +179,12 @@ def use_fwd_gluon(st: Static, dtype, dh: int, ne: int) -> bool:
 
 def _fwd_gluon(st: Static, x, wp, bias, cast=None):
     """(values, indices) and, with `cast` (two fp32 arrays of one size), their bf16 casts made by the caster warp
-    group beside the selection (two consumers then: the caster fits beside two; at k <= 4 the launch without it
-    takes three)."""
+    group beside the selection (two consumers then: `ws_router_constexprs`)."""
     from kernels.gluon_router import ws_router_constexprs, ws_router_items, ws_router_kernel
 
     n, h, dh = x.shape
     size = cast[0].size if cast else 0
-    consts = ws_router_constexprs(n, h, dh, wp.shape[3], st.k, wp.shape[0], nc=2 if cast else None, cast_n=size)
+    consts = ws_router_constexprs(n, h, dh, wp.shape[3], st.k, wp.shape[0], cast_n=size)
     cin = [c.reshape(-1) for c in cast] if cast else [jnp.zeros((1,), jnp.float32)] * 2
     out = gluon_bridge.gluon_call(
         x, wp, bias, *cin, kernel=ws_router_kernel(consts["NC"], bool(cast)),
