@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 from dataclasses import replace
@@ -280,8 +281,19 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="tokens/Ne/k/de (Nh 8, dh 128)")
     ap.add_argument("--routing", default="uniform", choices=ROUTINGS,
                     help="uniform (nearly equal groups) or layer (groups as uneven as bench/layer.py's)")
+    ap.add_argument("--probe-options", default=None,
+                    help="bwd_probe: a JSON list of `gluon_experts_bwd_ws` option dicts instead of BWD_PROBE_OPTIONS, "
+                         'e.g. \'[{"xw": false, "accum": 1}, {"xw": false, "accum": 2}]\'')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.probe_options is not None:
+        try:
+            opts = json.loads(args.probe_options)
+        except json.JSONDecodeError as e:
+            ap.error(f"--probe-options {args.probe_options!r}: not JSON ({e})")
+        if not isinstance(opts, list) or not all(isinstance(o, dict) for o in opts):
+            ap.error(f"--probe-options {args.probe_options!r}: expected a JSON list of option dicts")
+        BWD_PROBE_OPTIONS[:] = opts
     shapes = []
     for spec in args.shapes:
         try:
