@@ -638,16 +638,12 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
             stage = w2_smem.index(wb * 2 + C)._reinterpret(gl.float32, [64, 64], _stage_layout())
             el = e0 + C * 64
             g32 = g.to(gl.int32)  # TMA coordinates are 32-bit (NG x DE rows: `_tma_epi_constexprs`)
+            a0, a1 = _halves(acc2)  # dW2[e:e + 64, :64], [e:e + 64, 64:]
+            _tma_round(stage, t[1], g32 * DE + el, 0, a0, True)
+            _tma_round(stage, t[1], g32 * DE + el, 64, a1, False)
             b0, b1 = _halves(acc1)  # dW1[:64, e:e + 64]^T, dW1[64:, e:e + 64]^T
-            _tma_round(stage, t[0], g32 * DH, el, gl.permute(b0, (1, 0)), True)
+            _tma_round(stage, t[0], g32 * DH, el, gl.permute(b0, (1, 0)), False)
             _tma_round(stage, t[0], g32 * DH + 64, el, gl.permute(b1, (1, 0)), False)
-            if TMA_EPI == 2:  # dW2 (rows as the accumulators hold them) from registers, while the TMA drains
-                e = e0 + C * 64 + er
-                gl.store(dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :], acc2)
-            else:
-                a0, a1 = _halves(acc2)  # dW2[e:e + 64, :64], [e:e + 64, 64:]
-                _tma_round(stage, t[1], g32 * DE + el, 0, a0, False)
-                _tma_round(stage, t[1], g32 * DE + el, 64, a1, False)
         else:
             mbarrier.arrive(w_empty.index(wb))
             e = e0 + C * 64 + er
@@ -871,7 +867,7 @@ gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
 # the backward kernels' dW epilogue: TMA stores (TMA_EPI) where the call does not accumulate (ACCUM), else stores from
 # registers; the two device-made descriptors take 128 bytes of global scratch each per program
-BWD_TMA_EPI, BWD_SCRATCH = 2, 256
+BWD_TMA_EPI, BWD_SCRATCH = True, 256
 gluon_expert_bwd_ws_kernel.mhl_global_scratch = BWD_SCRATCH
 
 
@@ -893,11 +889,11 @@ def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
 def _tma_epi_constexprs(groups: int, accum: bool, tma_epi: bool | None, probe: int = 0) -> dict:
     """TMA_EPI (the dW epilogue by TMA stores: `BWD_TMA_EPI` unless `tma_epi` says, never with accum or a probe) and
     NG (the groups, which its descriptors span; 0 without it)."""
-    on = 0 if accum or probe else int(BWD_TMA_EPI if tma_epi is None else tma_epi)
+    on = (BWD_TMA_EPI if tma_epi is None else tma_epi) and not accum and not probe
     if on and groups < 1:
         raise ValueError(f"fused expert backward with the TMA epilogue: groups={groups}; expected the number of "
                          "(head, expert) groups of w1 / w2 (their first dimension)")
-    return dict(TMA_EPI=int(on), NG=int(groups) if on else 0)
+    return dict(TMA_EPI=bool(on), NG=int(groups) if on else 0)
 
 
 def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_WS_STAGES,
