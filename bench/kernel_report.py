@@ -36,7 +36,7 @@ COUNTED = ("HGMMA", "FFMA", "FMUL", "FADD", "MUFU.TANH", "LDL", "STL", "BAR.SYNC
 POINTER_TYPES = {"gates_ptr": "*fp32", "dgate_ptr": "*fp32", "dw1_ptr": "*fp32", "dw2_ptr": "*fp32",
                  "acc1_ptr": "*fp32", "acc2_ptr": "*fp32",
                  "row_slot_ptr": "*i32", "block_group_ptr": "*i32", "group_block_start_ptr": "*i32",
-                 "group_nblocks_ptr": "*i32", "sched_ptr": "*i32", "scratch_ptr": "*i8"}  # every other pointer: bf16
+                 "group_nblocks_ptr": "*i32", "sched_ptr": "*i32"}  # every other pointer: bf16
 
 
 def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: int, dh: int = 128, de: int = 256,
@@ -106,10 +106,10 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
         fn, consts = ge.gluon_expert_dw_ws_kernel, ge.dw_ws_constexprs(k, dh, de, pack_block)
         tile = [ge.DW_WS_BLOCK_M, 128, 12, ge.DW_WS_STAGES]
     elif kind == "bwd_ws":  # the fused backward (de 128)
-        fn, consts = ge.gluon_expert_bwd_ws_kernel, ge.bwd_ws_constexprs(k, dh, de, pack_block, groups=8 * 384)
+        fn, consts = ge.gluon_expert_bwd_ws_kernel, ge.bwd_ws_constexprs(k, dh, de, pack_block)
         tile = [ge.DW_WS_BLOCK_M, 128, 12, ge.BWD_WS_STAGES]
     elif kind == "bwd_xw":  # the fused backward with the dX warp group
-        fn, consts = ge.gluon_expert_bwd_xw_kernel, ge.bwd_xw_constexprs(k, dh, de, pack_block, groups=8 * 384)
+        fn, consts = ge.gluon_expert_bwd_xw_kernel, ge.bwd_xw_constexprs(k, dh, de, pack_block)
         tile = [ge.DW_WS_BLOCK_M, 128, 16, ge.BWD_XW_STAGES]
     elif kind in ("router_ws", "router_ws_cast"):  # the router forward at 81920 tokens x 8 heads, Ne = de, bf16x3
         import kernels.gluon_router as gr  # _cast: with the caster warp group (two consumers; the layer's expert

@@ -77,33 +77,28 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # (kernels.router.WS_MAX_K = 0); "apart_dx": the router's and the experts' ops apart, their dx added by XLA, instead
 # of one custom_vjp whose dx comes out of one combine kernel (moe_core.FUSE_ROUTER_DX = False: the default until the
 # 2026-11-25 session 20); "xla_combine": the forward's combine of the expert output rows by XLA instead of the Triton
-# kernel (experts_triton.OUT_COMBINE_KERNEL = False: the default until the 2026-11-26 session 23); "register_dw_epilogue":
-# the Gluon backward's dW stored from registers instead of by TMA stores (gluon_experts.BWD_TMA_EPI = False: the default
-# until the 2026-11-26 session 25).
-LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "register_dw_epilogue")
+# kernel (experts_triton.OUT_COMBINE_KERNEL = False: the default until the 2026-11-26 session 23).
+LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine")
 
 
 @contextlib.contextmanager
 def layer_switches(variant: str | None):
     """The switches of a LAYER_VARIANTS name flipped inside the context (None or an expert variant: none)."""
-    import kernels.gluon_experts as ge
     import kernels.router as kr
     import mhl_jax.model.moe_core as mc
     import mhl_jax.ops.experts_triton as et
 
-    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, ge.BWD_TMA_EPI
+    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL
     if variant == "triton_router_fwd":
         kr.WS_MAX_K = 0
     if variant == "apart_dx":
         mc.FUSE_ROUTER_DX = False
     if variant == "xla_combine":
         et.OUT_COMBINE_KERNEL = False
-    if variant == "register_dw_epilogue":
-        ge.BWD_TMA_EPI = False
     try:
         yield
     finally:
-        kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, ge.BWD_TMA_EPI = saved
+        kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL = saved
 
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):

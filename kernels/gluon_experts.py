@@ -63,7 +63,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -435,46 +434,11 @@ def _sum_partials(dg_smem, hb, BLOCK_M: gl.constexpr, NW: gl.constexpr):
     return gl.sum(dg_smem.index(hb * 2).load(lg), axis=0) + gl.sum(dg_smem.index(hb * 2 + 1).load(lg), axis=0)
 
 
-@gluon.constexpr_function
-def _stage_layout():
-    """The TMA epilogue's staging tile: (64, 64) fp32, 128-byte swizzle (the copies go out as two 32-column boxes)."""
-    return gl.NVMMASharedLayout.get_default_for([64, 64], gl.float32)
-
-
-@gluon.jit
-def _dw_descriptors(dw1_ptr, dw2_ptr, NG: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, TMA_EPI: gl.constexpr):
-    """TMA_EPI: device-made descriptors of dW1 as (NG DH, DE) and dW2 as (NG DE, DH) rows, (64, 64) boxes (global
-    scratch: the kernel's last parameter, `gluon_bridge.redirect_global_scratch`); else placeholders."""
-    t = (0, 0)
-    if TMA_EPI:
-        lay: gl.constexpr = _stage_layout()
-        t = (tma.make_tensor_descriptor(dw1_ptr, [NG * DH, DE], [DE, 1], [64, 64], lay),
-             tma.make_tensor_descriptor(dw2_ptr, [NG * DE, DH], [DH, 1], [64, 64], lay))
-    return t
-
-
-@gluon.jit
-def _halves(acc):
-    """A (64, 128) register tensor's column halves, (64, 64) each (a change of layout only: no data moves)."""
-    return gl.split(gl.permute(gl.reshape(acc, (64, 2, 64)), (0, 2, 1)))
-
-
-@gluon.jit
-def _tma_round(stage, desc, r0, c0, vals, FIRST: gl.constexpr):
-    """One round of the TMA epilogue: vals into the staging tile once the round before has been read out of it
-    (FIRST: nothing before), then one TMA store of it at (r0, c0)."""
-    if not FIRST:
-        tma.store_wait(0)
-    stage.store(vals)
-    fence_async_shared()  # the generic writes before the async proxy's read
-    tma.async_copy_shared_to_global(desc, [r0, c0], stage)
-
-
 @gluon.jit
 def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
                  C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2,
-                 ACCUM: gl.constexpr = False, PROBE: gl.constexpr = 0, t=(0, 0), TMA_EPI: gl.constexpr = False):
+                 ACCUM: gl.constexpr = False, PROBE: gl.constexpr = 0):
     """Consumer C (one warp group): de rows [e0 + 64 C, + 64) of every tile, both gradients. Per row block,
     transposed as in `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
         H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
@@ -505,12 +469,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     its own to it in fp32 (acc + dW, what XLA's add of the two gives, bitwise) instead of overwriting it.
 
     PROBE & 1 (a measurement, `bwd_xw_constexprs`' probe): dW's loads and stores masked off by a condition false at
-    run time (the products still made; no dW traffic).
-
-    TMA_EPI (not with ACCUM or PROBE): the tile's dW leaves by TMA stores (descriptors t = (dW1's, dW2's)) staged
-    through this consumer's W2 half of the tile's weight buffer (free once the tile's last product retired; only this
-    consumer reads it), 64 x 64 fp32 per round, four rounds; the weight buffer is handed back (w_empty) once the last
-    round has been read out, at the next tile's start."""
+    run time (the products still made; no dW traffic)."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
@@ -532,10 +491,6 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
         g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_nblocks_ptr, DE, PACK_BLOCK,
                                      BLOCK_M)
-        if TMA_EPI and n > 0:  # the tile before's last TMA round read out of its weight buffer: hand the buffer back
-            tma.store_wait(0)
-            gl.thread_barrier()  # every issuing thread waited before the one arrival
-            mbarrier.arrive(w_empty.index((n - 1) % WB))
         wb = _wait_weights(w_ready, n, WB)
         w1t = w1_smem.index(wb * 2 + C).permute((1, 0))  # (64, DH): W1[:, e:e + 64]^T
         w2c = w2_smem.index(wb * 2 + C)  # (64, DH): W2[e:e + 64, :]
@@ -633,34 +588,20 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
         acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
         if XW and nsub > 0:  # the last block's dW1 product retired just now
             mbarrier.arrive(d_empty.index((q - 1) % NST))
-        if TMA_EPI:
-            gl.static_assert(not ACCUM and PROBE == 0, "TMA_EPI: without ACCUM or PROBE")
-            stage = w2_smem.index(wb * 2 + C)._reinterpret(gl.float32, [64, 64], _stage_layout())
-            el = e0 + C * 64
-            g32 = g.to(gl.int32)  # TMA coordinates are 32-bit (NG x DE rows: `_tma_epi_constexprs`)
-            a0, a1 = _halves(acc2)  # dW2[e:e + 64, :64], [e:e + 64, 64:]
-            _tma_round(stage, t[1], g32 * DE + el, 0, a0, True)
-            _tma_round(stage, t[1], g32 * DE + el, 64, a1, False)
-            b0, b1 = _halves(acc1)  # dW1[:64, e:e + 64]^T, dW1[64:, e:e + 64]^T
-            _tma_round(stage, t[0], g32 * DH, el, gl.permute(b0, (1, 0)), False)
-            _tma_round(stage, t[0], g32 * DH + 64, el, gl.permute(b1, (1, 0)), False)
-        else:
-            mbarrier.arrive(w_empty.index(wb))
-            e = e0 + C * 64 + er
-            # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
-            p1 = dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None]
-            if EARLY:
-                acc1 = old1 + acc1
-            elif ACCUM:
-                acc1 = gl.load(p1, mask=live) + acc1
-            gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty), mask=live)
-            p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
-            if ACCUM:
-                acc2 = gl.load(p2, mask=live) + acc2
-            gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty), mask=live)
+        mbarrier.arrive(w_empty.index(wb))
+        e = e0 + C * 64 + er
+        # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
+        p1 = dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None]
+        if EARLY:
+            acc1 = old1 + acc1
+        elif ACCUM:
+            acc1 = gl.load(p1, mask=live) + acc1
+        gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty), mask=live)
+        p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
+        if ACCUM:
+            acc2 = gl.load(p2, mask=live) + acc2
+        gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty), mask=live)
         n += 1
-    if TMA_EPI:  # the last tile's stores leave shared memory before the program ends
-        tma.store_wait(0)
 
 
 @gluon.jit
@@ -737,11 +678,9 @@ def gluon_expert_bwd_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: as `gluon_expert_dw_ws_kernel`'s, ACCUM)
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
-    scratch_ptr,  # output: the global scratch of TMA_EPI's descriptors (programs x BWD_SCRATCH bytes)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACCUM: gl.constexpr, TMA_EPI: gl.constexpr,
-    NG: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACCUM: gl.constexpr,
 ):
     """The whole expert backward (`expert_dwt_kernel` with FUSE_DX and DGATES at DE == 128), warp-specialised:
     `gluon_expert_dw_ws_kernel`'s structure (tiles of (group, 128 de)), whose two consumers also exchange their
@@ -755,11 +694,10 @@ def gluon_expert_bwd_ws_kernel(
     args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW)
     f = _dh_ring(dx_ptr, dgate_ptr, 2, BLOCK_M, NW, 2)  # both consumers arrive on both
-    t = _dw_descriptors(dw1_ptr, dw2_ptr, NG, DH, DE, TMA_EPI)
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True, False,
-                                        2, ACCUM, 0, t, TMA_EPI)),
+                                        2, ACCUM)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True, False,
-                                        2, ACCUM, 0, t, TMA_EPI)),
+                                        2, ACCUM)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -821,11 +759,10 @@ def gluon_expert_bwd_xw_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr, w1_ptr,
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: as `gluon_expert_dw_ws_kernel`'s, ACCUM)
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
-    scratch_ptr,  # output: the global scratch of TMA_EPI's descriptors (programs x BWD_SCRATCH bytes)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
-    ACCUM: gl.constexpr, PROBE: gl.constexpr, TMA_EPI: gl.constexpr, NG: gl.constexpr,
+    ACCUM: gl.constexpr, PROBE: gl.constexpr,
 ):
     """The whole expert backward as `gluon_expert_bwd_ws_kernel` computes it (same outputs, same sums in the same
     order), with a fourth warp group for the dX rows (`_dx_worker`): the consumers run the dW kernel's pipeline and
@@ -840,11 +777,10 @@ def gluon_expert_bwd_xw_kernel(
     args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_nblocks_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW, 3)
     f = _dh_ring(dx_ptr, dgate_ptr, HB, BLOCK_M, NW, 1)  # both consumers arrive on ready, the dX warp group on empty
-    t = _dw_descriptors(dw1_ptr, dw2_ptr, NG, DH, DE, TMA_EPI)
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
-                                        HB, ACCUM, PROBE, t, TMA_EPI)),
+                                        HB, ACCUM, PROBE)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
-                                        HB, ACCUM, PROBE, t, TMA_EPI)),
+                                        HB, ACCUM, PROBE)),
                         (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, PROBE)),
                         (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB, PROBE))],
                        [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
@@ -865,11 +801,6 @@ gluon_expert_dw_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 BWD_WS_STAGES, BWD_WS_WBUF, BWD_WS_REGS = 3, 2, (232, 40)
 gluon_expert_bwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
 
-# the backward kernels' dW epilogue: TMA stores (TMA_EPI) where the call does not accumulate (ACCUM), else stores from
-# registers; the two device-made descriptors take 128 bytes of global scratch each per program
-BWD_TMA_EPI, BWD_SCRATCH = True, 256
-gluon_expert_bwd_ws_kernel.mhl_global_scratch = BWD_SCRATCH
-
 
 # the fused backward with the dX warp group: 16 warps, so launched at maxnreg 128; worker registers (consumer,
 # producer, dX warp group), the default consumer gets 512 - their sum (208). At 56 registers for the dX warp group
@@ -878,7 +809,6 @@ gluon_expert_bwd_ws_kernel.mhl_global_scratch = BWD_SCRATCH
 # (384/4/256, 768/8/128, 768/4/256, 1536/8/128) with HB 3 vs 2.68 / 2.73 / 3.18 / 3.17 at HB 2
 BWD_XW_STAGES, BWD_XW_WBUF, BWD_XW_HB, BWD_XW_REGS = 3, 2, 3, (208, 32, 64)
 gluon_expert_bwd_xw_kernel.mhl_compile_options = {"maxnreg": 128}
-gluon_expert_bwd_xw_kernel.mhl_global_scratch = BWD_SCRATCH
 
 
 def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
@@ -886,29 +816,16 @@ def bwd_ws_supported(dh: int, de: int, pack_block: int) -> bool:
     return dw_ws_supported(dh, de, pack_block)
 
 
-def _tma_epi_constexprs(groups: int, accum: bool, tma_epi: bool | None, probe: int = 0) -> dict:
-    """TMA_EPI (the dW epilogue by TMA stores: `BWD_TMA_EPI` unless `tma_epi` says, never with accum or a probe) and
-    NG (the groups, which its descriptors span; 0 without it)."""
-    on = (BWD_TMA_EPI if tma_epi is None else tma_epi) and not accum and not probe
-    if on and groups < 1:
-        raise ValueError(f"fused expert backward with the TMA epilogue: groups={groups}; expected the number of "
-                         "(head, expert) groups of w1 / w2 (their first dimension)")
-    return dict(TMA_EPI=bool(on), NG=int(groups) if on else 0)
-
-
 def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_WS_STAGES,
-                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = BWD_WS_REGS, accum: bool = False,
-                      groups: int = 0, tma_epi: bool | None = None) -> dict:
+                      wbuf: int = BWD_WS_WBUF, regs: tuple[int, int] = BWD_WS_REGS, accum: bool = False) -> dict:
     """The fused backward's constexpr arguments (torch and JAX launchers alike): the dW kernel's (`dw_ws_constexprs`,
-    32-row blocks) at the backward's defaults, and the TMA epilogue's (`_tma_epi_constexprs`: groups = w1.shape[0]);
-    raises on unsupported shapes."""
-    consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs, kernel="fused expert backward", accum=accum)
-    return dict(consts, **_tma_epi_constexprs(groups, accum, tma_epi))
+    32-row blocks) at the backward's defaults; raises on unsupported shapes."""
+    return dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs, kernel="fused expert backward", accum=accum)
 
 
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
                       wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB,
-                      accum: bool = False, probe: int = 0, groups: int = 0, tma_epi: bool | None = None) -> dict:
+                      accum: bool = False, probe: int = 0) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
     the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take. probe: 0 (the
     kernel), or a measurement that masks traffic off (bits 1 dW, 2 dX, 4 gathers: wrong outputs, bench only)."""
@@ -919,7 +836,7 @@ def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
     consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward",
                               accum=accum)
-    return dict(consts, DX_REGS=regs[2], HB=hb, PROBE=probe, **_tma_epi_constexprs(groups, accum, tma_epi, probe))
+    return dict(consts, DX_REGS=regs[2], HB=hb, PROBE=probe)
 
 
 def bwd_kernel(xw: bool):
@@ -938,7 +855,7 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
 
     p, (_, dh), (_, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
     kernel, constexprs = bwd_kernel(xw)
-    consts = constexprs(k, dh, de, pack_block, groups=w1.shape[0], **options)
+    consts = constexprs(k, dh, de, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32
     out = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(w2.shape, dtype=dw_dtype, device=x.device),
@@ -958,25 +875,10 @@ def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs
     programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count,
                    w1.shape[0] * tiles_per_group)
     sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal)
-    scratch = getattr(kernel, "mhl_global_scratch", 0)
-    if scratch:  # the kernel's last parameter (the JAX binding's global scratch, unread here: Triton's own launcher
-        # passes its global scratch from the allocator set here)
-        outs = (*outs, torch.empty(programs * scratch, dtype=torch.int8, device=x.device))
-        _torch_scratch_allocator()
     kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start,
                         pk.group_nblocks, sched, w1.contiguous(), w2.contiguous(), outs[0], outs[1],  # acc1, acc2
                         *outs, num_warps=4,
                         maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
-
-
-@functools.lru_cache(maxsize=1)
-def _torch_scratch_allocator() -> None:
-    """Triton's launcher takes a kernel's global scratch (device-made TMA descriptors) from `triton.set_allocator`'s
-    function: torch's caching allocator here."""
-    import torch
-    import triton
-
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def check_schedule_args(num_groups: int, tiles_per_group: int, heads: int, programs: int) -> None:

@@ -204,13 +204,10 @@ def _tiled_call(kernel, xs, dys, gates, meta: Meta, w1, w2, heads: int, out_shap
     programs = _persistent_programs(w1.shape[0] * tiles_per_group)
     # acc1, acc2 (after the 9 inputs) -> dW1, dW2 (their shapes checked by the public ops: `moe_heads_fused`)
     alias = {} if acc is None else {"input_output_aliases": {9: 0, 10: 1}}
-    scratch = getattr(kernel, "mhl_global_scratch", 0)  # the last output (`gluon_bridge.redirect_global_scratch`)
-    extra = [jax.ShapeDtypeStruct((programs * scratch,), jnp.int8)] if scratch else []
-    outs = _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
+    return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
                        tile_schedule(meta.group_nblocks, tiles_per_group, heads, programs), w1, w2,
-                       *((w1, w2) if acc is None else acc), kernel=kernel, out_shape=out_shape + extra,
-                       programs=programs, **alias, **constexprs)
-    return outs[:len(out_shape)]
+                       *((w1, w2) if acc is None else acc), kernel=kernel, out_shape=out_shape, programs=programs,
+                       **alias, **constexprs)
 
 
 def use_bwd_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
@@ -234,7 +231,7 @@ def _bwd_gluon(st: Static, xs, dys, gates, meta: Meta, w1, w2, dw_dtype, heads: 
         kernel, xs, dys, gates, meta, w1, w2, heads,
         [jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
          jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype), jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
-        constexprs(st.k, dh, de, st.cfg.pack_block, accum=acc is not None, groups=g), acc)
+        dict(constexprs(st.k, dh, de, st.cfg.pack_block), ACCUM=acc is not None), acc)
     return dx.reshape(p, de // 128, dh), dw1, dw2, dgate
 
 
