@@ -48,7 +48,8 @@ KINDS = ("fwd", "dw", "dw_options", "bwd", "bwd_probe", "router", "router_cast")
 # named the first gluon_bwd_ws_wb2_st3_r232_40); the first is the fused kernel's default
 BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, hb=2)]
 # bwd_probe: the default backward (dX warp group) with its traffic masked off part by part (`bwd_xw_constexprs`'
-# probe bits: 1 dW loads / stores, 2 dX / gate-gradient stores, 4 the gathered rows; outputs wrong, rel meaningless),
+# probe bits: 1 dW loads / stores, 2 dX / gate-gradient stores, 4 the gathered rows; 8 / 16 leave the consumers' gate
+# gradient / gelu math out (session 25); outputs wrong, rel meaningless; --probe-options picks other sets),
 # and with ACCUM (the training step's in-place sum of the weight gradients): where its time goes (bench/NOTES.md,
 # Layer, Session 24); and with a 2-stage X / dy ring (the shared memory an epilogue staging ring would need)
 BWD_PROBE_OPTIONS = [dict(xw=True), *(dict(xw=True, probe=b) for b in (1, 2, 4, 3, 7)), dict(xw=True, accum=True),

@@ -512,12 +512,16 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                 ht, dat = warpgroup_mma_wait(num_outstanding=0, deps=(ht, dat))
                 if XW and i > 0:  # this also retired the block before's dW1 product: its stage is free
                     mbarrier.arrive(d_empty.index((q - 1) % NST))
-                act, dgelu = _gelu_and_grad(ht, FAST_TANH)
+                if PROBE & 16:  # a measurement (XW only): no gelu math (act = H, gelu' = dA')
+                    act, dgelu = ht, dat
+                else:
+                    act, dgelu = _gelu_and_grad(ht, FAST_TANH)
                 # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's), first:
                 # the activation's registers are free once its A operand is made
                 # per warp (16 de each, no exchange between the warps): consumer 0 (FUSE) or the dX warp group (XW)
                 # adds the eight partials
-                dg = gl.sum(gl.reshape(act.to(cdt).to(gl.float32) * dat, (NW, 64 // NW, BLOCK_M)), axis=1)
+                if not PROBE & 8:  # PROBE & 8 (a measurement, XW only): no gate gradient (none handed over)
+                    dg = gl.sum(gl.reshape(act.to(cdt).to(gl.float32) * dat, (NW, 64 // NW, BLOCK_M)), axis=1)
                 op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
                 acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
             else:  # H^T (the block before's products retired at its end)
@@ -557,7 +561,8 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
                     hb = q % HB
                     mbarrier.wait(h_empty.index(hb), ((q // HB) & 1) ^ 1)
                     dh_smem.index(hb * 2 + C).store(dht)
-                    dg_smem.index(hb * 2 + C).store(dg)
+                    if not PROBE & 8:
+                        dg_smem.index(hb * 2 + C).store(dg)
                     fence_async_shared()  # the generic writes before the wgmma reads (the arrive syncs the warp group)
                     mbarrier.arrive(h_ready.index(hb))
                     # dH_c^T from shared memory: no A operand registers in flight (this consumer writes the slot again
@@ -828,9 +833,11 @@ def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
                       accum: bool = False, probe: int = 0) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
     the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take. probe: 0 (the
-    kernel), or a measurement that masks traffic off (bits 1 dW, 2 dX, 4 gathers: wrong outputs, bench only)."""
-    if not 0 <= probe < 8:
-        raise ValueError(f"fused expert backward: probe={probe}, expected 0..7 (bits: 1 dW, 2 dX, 4 gathers)")
+    kernel), or a measurement that masks traffic off (bits 1 dW, 2 dX, 4 gathers) or leaves consumer math out (8 the
+    gate gradient, 16 the gelu and its derivative): wrong outputs, bench only."""
+    if not 0 <= probe < 32:
+        raise ValueError(f"fused expert backward: probe={probe}, expected 0..31 (bits: 1 dW, 2 dX, 4 gathers, 8 no gate "
+                         "gradient, 16 no gelu math)")
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")

@@ -527,10 +527,10 @@ def test_ws_bwd_shapes_checked():
     for bad in (dict(regs=(232, 40)), dict(hb=1)):
         with pytest.raises(ValueError, match="three worker register counts .* hb >= 2"):
             bwd_xw_constexprs(8, 128, 256, 64, **bad)
-    # the measurement probes (bench/gluon_kernels.py --kinds bwd_probe): bits 1, 2, 4; the kernel itself at 0
+    # the measurement probes (bench/gluon_kernels.py --kinds bwd_probe): bits 1, 2, 4, 8, 16; the kernel itself at 0
     assert consts["PROBE"] == 0 and bwd_xw_constexprs(8, 128, 256, 64, probe=7)["PROBE"] == 7
-    for bad in (-1, 8):
-        with pytest.raises(ValueError, match=f"probe={bad}, expected 0..7"):
+    for bad in (-1, 32):
+        with pytest.raises(ValueError, match=f"probe={bad}, expected 0..31"):
             bwd_xw_constexprs(8, 128, 256, 64, probe=bad)
 
 
