@@ -836,8 +836,8 @@ def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
     kernel), or a measurement that masks traffic off (bits 1 dW, 2 dX, 4 gathers) or leaves consumer math out (8 the
     gate gradient, 16 the gelu and its derivative): wrong outputs, bench only."""
     if not 0 <= probe < 32:
-        raise ValueError(f"fused expert backward: probe={probe}, expected 0..31 (bits: 1 dW, 2 dX, 4 gathers, 8 no gate "
-                         "gradient, 16 no gelu math)")
+        raise ValueError(f"fused expert backward: probe={probe}, expected 0..31 (bits: 1 dW, 2 dX, 4 gathers, "
+                         "8 no gate gradient, 16 no gelu math)")
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
