@@ -75,8 +75,9 @@ def _diff(outs, refs) -> tuple[float, float]:
 
 
 def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,
-              dh: int = 128, routing: str = "uniform") -> list[dict]:
-    """The `kind` kernels at one shape (the Gluon one where supported): one record per kernel."""
+              dh: int = 128, routing: str = "uniform", probe_options: list[dict] | None = None) -> list[dict]:
+    """The `kind` kernels at one shape (the Gluon one where supported): one record per kernel. probe_options:
+    bwd_probe's option dicts (default BWD_PROBE_OPTIONS)."""
     import torch
 
     from bench.kernel_tiles import launch
@@ -94,7 +95,8 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
     if kind == "router_cast":
         return run_router_cast(tokens, ne, k, de, date, device, outf, nh, dh)
     if kind in ("bwd", "bwd_probe"):
-        return run_bwd(tokens, ne, k, de, date, device, outf, nh, dh, routing, probe=kind == "bwd_probe")
+        probe = (probe_options or BWD_PROBE_OPTIONS) if kind == "bwd_probe" else None
+        return run_bwd(tokens, ne, k, de, date, device, outf, nh, dh, routing, probe=probe)
     g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
     sets = [input_set(tokens, ne, k, cfg.pack_block, g, nh, dh, routing) for _ in range(3)]
@@ -142,9 +144,9 @@ def _time_kernels(kind: str, kernels: dict, sets, params: dict, unit: float, dat
 
 
 def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,
-            dh: int = 128, routing: str = "uniform", probe: bool = False) -> list[dict]:
+            dh: int = 128, routing: str = "uniform", probe: list[dict] | None = None) -> list[dict]:
     """The whole backward: the fused Triton kernel at default_config's tile (de 128) or the split backward
-    default_config picks (larger de), and the Gluon one at BWD_OPTIONS (probe: the Gluon one at BWD_PROBE_OPTIONS
+    default_config picks (larger de), and the Gluon one at BWD_OPTIONS (probe: the Gluon one at these options
     alone)."""
     import torch
 
@@ -177,9 +179,9 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
         return dw1, dw2, dxs, dgate
 
     fused = cfg.dw.block_e == de
-    kernels = {} if probe else {"triton_fused" if fused else "split_default": (5, triton_fused if fused else
-                                                                                 triton_split)}
-    for opts in BWD_PROBE_OPTIONS if probe else BWD_OPTIONS:
+    kernels = {} if probe is not None else {"triton_fused" if fused else "split_default":
+                                            (5, triton_fused if fused else triton_split)}
+    for opts in probe or BWD_OPTIONS:
         kernels[option_name("gluon_bwd_ws", opts)] = (5, (
             lambda s, o=opts: gluon_experts_bwd_ws(
                 s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, out=out, heads=nh, **o)))
@@ -194,8 +196,8 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
 
     params = dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block, routing=routing)
     # TFLOP/s of the fused form's 5 units
-    return _time_kernels("bwd_probe" if probe else "bwd", kernels, sets, params, 2 * tokens * nh * k * dh * de, date,
-                         device, outf, outputs)
+    return _time_kernels("bwd_probe" if probe is not None else "bwd", kernels, sets, params,
+                         2 * tokens * nh * k * dh * de, date, device, outf, outputs)
 
 
 def _router_sets(tokens: int, ne: int, nh: int, dh: int, cast_de: int | None = None) -> list[tuple]:
@@ -287,14 +289,15 @@ def main() -> None:
                          'e.g. \'[{"xw": false, "accum": 1}, {"xw": false, "accum": 2}]\'')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    probe_options = None
     if args.probe_options is not None:
         try:
-            opts = json.loads(args.probe_options)
+            probe_options = json.loads(args.probe_options)
         except json.JSONDecodeError as e:
             ap.error(f"--probe-options {args.probe_options!r}: not JSON ({e})")
-        if not isinstance(opts, list) or not all(isinstance(o, dict) for o in opts):
-            ap.error(f"--probe-options {args.probe_options!r}: expected a JSON list of option dicts")
-        BWD_PROBE_OPTIONS[:] = opts
+        if not probe_options or not isinstance(probe_options, list) or not all(
+                isinstance(o, dict) for o in probe_options):
+            ap.error(f"--probe-options {args.probe_options!r}: expected a non-empty JSON list of option dicts")
     shapes = []
     for spec in args.shapes:
         try:
@@ -311,7 +314,8 @@ def main() -> None:
     rows = []
     for kind in args.kinds:
         for shape in shapes:
-            rows += run_shape(kind, *shape, date=date, device=device, outf=outf, routing=args.routing)
+            rows += run_shape(kind, *shape, date=date, device=device, outf=outf, routing=args.routing,
+                              probe_options=probe_options)
     print(f"\n{'shape':>17} {'kernel':>12} {'ms':>7} {'TF/s':>6} rel")
     for r in rows:
         p = r["params"]

@@ -774,7 +774,7 @@ def gluon_expert_bwd_xw_kernel(
     hand each block's dH^T halves and gate-gradient halves over through an HB-deep ring (`_dw_consumer`, XW), so
     neither the dX products nor the other consumer sit on a consumer's per-block chain. 16 warps: launched with
     maxnreg 128; worker registers (CONSUMER_REGS, PRODUCER_REGS, DX_REGS), the default consumer the rest. PROBE:
-    0, or a measurement's traffic masked off (bits: 1 dW, 2 dX / gate gradients, 4 the gathered rows)."""
+    0, or a measurement (`bwd_xw_constexprs`' probe bits)."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
