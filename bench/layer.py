@@ -231,6 +231,10 @@ def main() -> None:
                     help="expert configs (experts_triton.VARIANTS) or LAYER_VARIANTS")
     ap.add_argument("--dwt-tile", default=None, help="block_m,block_e,warps,stages of the transposed dW kernel")
     ap.add_argument("--breakdown", action="store_true", help="also time the layer's parts (see above)")
+    ap.add_argument("--inner", type=int, nargs="+", default=[3],
+                    help="back-to-back calls per timed batch (time_jax's inner; the first value gives ms_fwd / ms, "
+                         "each further one an extra fwd+bwd timing in ms_by_inner: the host's dispatch of a batch's "
+                         "first call is idle device time that more calls per batch amortise)")
     ap.add_argument("--fallback", default="v2", help="variant run when a --variants run fails at a shape")
     ap.add_argument("--expert-weights", default="float32", choices=["float32", "bfloat16"],
                     help="dtype of W1 / W2 as passed to the layer (float32: master weights, cast to bf16 in every "
@@ -270,8 +274,12 @@ def main() -> None:
                 if variant:
                     rec["variant"] = variant
                 try:
-                    rec["ms_fwd"] = time_jax(fwd, [(params, x) for x in xs])
-                    rec["ms"] = time_jax(grad, [(params, x) for x in xs])
+                    rec["ms_fwd"] = time_jax(fwd, [(params, x) for x in xs], inner=args.inner[0])
+                    rec["ms"] = time_jax(grad, [(params, x) for x in xs], inner=args.inner[0])
+                    if len(args.inner) > 1 or args.inner[0] != 3:
+                        rec["inner"] = args.inner[0]
+                        rec["ms_by_inner"] = {str(n): time_jax(grad, [(params, x) for x in xs], inner=n)
+                                              for n in args.inner[1:]}
                     rec["ms_bwd"] = rec["ms"] - rec["ms_fwd"]
                     rec["peak_gib"] = peak_gib(grad, params, xs[0])
                     rec["tflops"] = model_flops(tokens, ne, k, de) / rec["ms"] / 1e9

@@ -28,13 +28,14 @@ from bench.timing import emit  # noqa: E402
 STALL = "smsp__average_warps_issue_stalled_"
 METRICS = [f"regex:{STALL}.*_per_issue_active\\.ratio", "smsp__issue_active.avg.pct_of_peak_sustained_active",
            "gpu__time_duration.sum", "regex:sm__pipe_tensor_op_.*cycles_active\\.avg\\.pct_of_peak_sustained_active"]
-KERNELS = "regex:expert_fwd_kernel|expert_dx_kernel|expert_dwt_kernel|router_fwd_kernel|gluon_expert_"
+KERNELS = "regex:expert_fwd_kernel|expert_dx_kernel|expert_dwt_kernel|router_fwd_kernel|gluon_expert_|gluon_router_"
 
 
 def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
     """Launch the router forward (default tiles, bf16x3) and the expert kernels with `default_config`'s tiles
     (the forward, then the dX and dW kernels, or at de = 128 the one fused backward kernel) on uniform random
-    routing (`kernel_tiles.input_set`) at the layer's shapes, twice each."""
+    routing (`kernel_tiles.input_set`) at the layer's shapes, twice each; gluon: also the Gluon kernels (the
+    expert forward, dW and fused backward where they take the shape, and the Gluon router forward)."""
     import torch
 
     from bench.kernel_tiles import expert_weights, input_set, launch
@@ -46,7 +47,8 @@ def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
         gluon_experts_fwd_ws,
         ws_supported,
     )
-    from kernels.torch_router import router_fwd
+    from kernels.gluon_router import gluon_router_fwd_ws, ws_router_supported
+    from kernels.torch_router import router_fwd, split_bf16
 
     nh, dh = 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -66,6 +68,8 @@ def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
             gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
             if bwd_ws_supported(dh, de, cfg.pack_block):
                 gluon_experts_bwd_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
+            if ws_router_supported(dh, ne, k, 3):
+                gluon_router_fwd_ws(s[0].view(tokens, nh, dh), split_bf16(wr, 3), bias, k)
     torch.cuda.synchronize()
 
 
@@ -91,7 +95,8 @@ def main() -> None:
     ap.add_argument("--de", type=int, default=256)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--gluon", action="store_true", help="also the Gluon dW and fused backward kernels")
+    ap.add_argument("--gluon", action="store_true",
+                    help="also the Gluon kernels (expert forward, dW, fused backward, router forward)")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:

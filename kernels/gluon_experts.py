@@ -482,6 +482,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     er = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
     dc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
     s_zero = gl.zeros((64, BLOCK_M), gl.float32, s_layout)
+    s_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)).to(gl.float32) * 0.001  # PROBE & 64 only
     lxs: gl.constexpr = _copy_layout(64, NW)  # the dX half's store: 16-byte vectors of 8 dh
     xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
@@ -506,8 +507,13 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
             gate = g_smem.index(s).load(cols.type.layout)  # the block's gates (gathered by the producer)
             xs = x_smem.index(s)
             ds = dy_smem.index(s)
-            ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if PROBE & 64:  # a measurement (XW only): no H^T / dA'^T products (a value per element, unknown to the
+                # compiler: the math stays per element)
+                ht = gate[None, :] + s_zero + s_rows[:, None]
+                dat = gate[None, :] - s_zero - s_rows[:, None]
+            else:
+                ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             if FUSE or XW:  # H^T and dA'^T together (the gate gradient takes both)
                 ht, dat = warpgroup_mma_wait(num_outstanding=0, deps=(ht, dat))
                 if XW and i > 0:  # this also retired the block before's dW1 product: its stage is free
@@ -742,10 +748,17 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
             mbarrier.wait(h_ready.index(hb), (q // HB) & 1)
             h0 = dh_smem.index(hb * 2)
             h1 = dh_smem.index(hb * 2 + 1)
-            d0 = warpgroup_mma(w1_smem.index(wb * 2).slice(0, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
-            d0 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(0, 64, dim=0), h1, d0, is_async=True)
-            d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
-            d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
+            rows0 = row0 + i * BLOCK_M
+            if PROBE & 32:  # a measurement: no dX products (the rows stored are a value the compiler cannot fold)
+                d0 = s_zero + rows0.to(gl.float32)
+                d1 = s_zero - rows0.to(gl.float32)
+            else:
+                d0 = warpgroup_mma(w1_smem.index(wb * 2).slice(0, 64, dim=0), h0, s_zero, use_acc=False,
+                                   is_async=True)
+                d0 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(0, 64, dim=0), h1, d0, is_async=True)
+                d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False,
+                                   is_async=True)
+                d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
             rows = row0 + i * BLOCK_M
             dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
             gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg, mask=live)
@@ -830,18 +843,19 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = B
 
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = BWD_XW_STAGES,
                       wbuf: int = BWD_XW_WBUF, regs: tuple[int, int, int] = BWD_XW_REGS, hb: int = BWD_XW_HB,
-                      accum: bool = False, probe: int = 0) -> dict:
+                      accum: bool = False, probe: int = 0, block_m: int = DW_WS_BLOCK_M) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
     the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take. probe: 0 (the
-    kernel), or a measurement that masks traffic off (bits 1 dW, 2 dX, 4 gathers) or leaves consumer math out (8 the
-    gate gradient, 16 the gelu and its derivative): wrong outputs, bench only."""
-    if not 0 <= probe < 32:
-        raise ValueError(f"fused expert backward: probe={probe}, expected 0..31 (bits: 1 dW, 2 dX, 4 gathers, "
-                         "8 no gate gradient, 16 no gelu math)")
+    kernel), or a measurement that masks traffic off (bits 1 dW, 2 dX, 4 gathers), leaves consumer math out (8 the
+    gate gradient, 16 the gelu and its derivative) or leaves products out (32 the dX warp group's, 64 the consumers'
+    H^T / dA'^T): wrong outputs, bench only."""
+    if not 0 <= probe < 128:
+        raise ValueError(f"fused expert backward: probe={probe}, expected 0..127 (bits: 1 dW, 2 dX, 4 gathers, "
+                         "8 no gate gradient, 16 no gelu math, 32 no dX products, 64 no H^T / dA'^T products)")
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
-    consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], kernel="fused expert backward",
+    consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], block_m, kernel="fused expert backward",
                               accum=accum)
     return dict(consts, DX_REGS=regs[2], HB=hb, PROBE=probe)
 

@@ -300,3 +300,26 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
         assert bwd["warp_specialized"] and bwd["launch_warps"] == 12 and bwd["reqntid"] == [384], bwd
         assert {232, 40} <= set(bwd["setmaxnreg"]) and bwd["spill_store_bytes"] <= 128, bwd
         assert bwd["shared_bytes"] <= 227 * 1024, bwd
+
+
+def test_wgmma_rates_kernel_compiles_both_operand_forms():
+    """bench/wgmma_rates.py's kernel compiles for sm_90a (no GPU) to the m64n32k16 wgmma with A from shared memory
+    (SS) and, with A_REG, from registers (RS: one register operand more), without spills; the rates themselves are a
+    GPU measurement (bench/NOTES.md, Layer, Session 26)."""
+    pytest.importorskip("triton")
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    code = ("import json; from bench.wgmma_rates import compile_case; "
+            "print(json.dumps([compile_case(32, 64, 1, a) for a in (0, 1)]))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=train_scale.ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ss, rs = json.loads(p.stdout.splitlines()[-1])
+    for r in (ss, rs):
+        assert r["hgmma_count"] > 0 and all(f.startswith("HGMMA.64x32x16.F32.BF16") for f in r["hgmma"]), r
+        assert not r["spills"], r
+    ops = [max(f.count("_") for f in r["hgmma"]) for r in (ss, rs)]
+    assert ops[1] == ops[0] + 1, (ss["hgmma"], rs["hgmma"])
