@@ -229,10 +229,9 @@ def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: i
     kernels = {"triton": lambda s: router_fwd(s[0], s[1], s[3], k)}
     if ws_router_supported(dh, ne, k, 3):
         for nc, st in ROUTER_OPTIONS:
-            for in_place in (False, True):  # the selection in the l16 layout or in the accumulator's
-                o = dict(nc=nc, stages=st, in_place=in_place)
-                kernels[f"gluon_ws_nc{nc}_st{st}" + ("_in_place" if in_place else "_l16")] = (
-                    lambda s, o=o: gluon_router_fwd_ws(s[0], s[2], s[3], k, **o))
+            o = dict(nc=nc, stages=st)
+            kernels[f"gluon_ws_nc{nc}_st{st}"] = (
+                lambda s, o=o: gluon_router_fwd_ws(s[0], s[2], s[3], k, **o))
     refs, recs = None, []
     for name, fn in kernels.items():
         rec = dict(bench="gluon_kernels", kind="router", kernel=name, device=device, date=date,

@@ -156,73 +156,20 @@ def _split_cols(t):
 
 
 @gluon.jit
-def _split_cols_mma(t):
-    """(64, 64) in the m64n64 wgmma accumulator layout, where thread q of a quad holds columns 8 j + 2 q + u (j < 8,
-    u < 2) of its two rows -> the 16 (64, 4) slices of (row, q) at each (j, u): the columns each thread holds, with
-    no data movement (`_split_cols`' role for the accumulator as the products leave it)."""
-    a = t.reshape([64, 8, 4, 2])  # (row, j, q, u)
-    e, o = gl.split(a)  # u = 0, 1
-    out = ()
-    for u in gl.static_range(2):
-        x = gl.permute(e if u == 0 else o, (0, 2, 1))  # (row, q, j)
-        e1, o1 = gl.split(x.reshape([64, 4, 4, 2]))  # j = 2 m + v
-        for v in gl.static_range(2):
-            e2, o2 = gl.split((e1 if v == 0 else o1).reshape([64, 4, 2, 2]))  # m = 2 m' + w
-            for w in gl.static_range(2):
-                e3, o3 = gl.split(e2 if w == 0 else o2)  # m' = 0, 1
-                out = out + (e3, o3)
-    # leaf 8 u + 4 v + 2 w + m' holds column 8 (4 m' + 2 w + v) + 2 q + u: leaf 0 is column 2 q
-    return out
-
-
-@gluon.constexpr_function
-def _net_layout(in_place, num_warps):
-    """The layout the selection runs in: the products' accumulator layout (in_place) or l16 (16 consecutive
-    columns per thread, reached through shared memory by a layout conversion)."""
-    if in_place:
-        return _wgmma_layout(64, num_warps)
-    return gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-
-
-@gluon.jit
-def _net_split(t, IN_PLACE: gl.constexpr):
-    """The per-thread (64, 4) slices of a (64, 64) tile in `_net_layout(IN_PLACE)`."""
-    if IN_PLACE:
-        out = _split_cols_mma(t)
-    else:
-        out = _split_cols(t.reshape([64, 4, 16]))
-    return out
-
-
-@gluon.jit
-def _net_bias(b_ptr, h, e0, NE: gl.constexpr, IN_PLACE: gl.constexpr):
-    """The bias of experts e0..e0+63 of head h (0 past NE) in the selection layout's columns."""
-    lay: gl.constexpr = _net_layout(IN_PLACE, gl.num_warps())
-    cols = e0 + gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-    return gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
-
-
-@gluon.jit
-def _net_block(sc, e0, bias, rv, ri, NE: gl.constexpr, KP: gl.constexpr, IN_PLACE: gl.constexpr = False):
+def _net_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr):
     """One 64-expert block by sorting networks, each thread on its own 16 columns of its rows: sc (64, 64) scores
-    of experts e0..e0+63 in the wgmma layout, bias theirs (`_net_bias`); rv / ri the thread's running best KP
-    (KP-tuples of (64, 4)). IN_PLACE:
-    the selection runs on the columns each thread's accumulator holds (8 pairs; any 16 columns of a row per thread
-    of its quad do: the order is total, so the lists come out the same); else on 16 consecutive columns per thread
-    (l16), the accumulator converted through shared memory."""
-    lay: gl.constexpr = _net_layout(IN_PLACE, gl.num_warps())
-    cols = e0 + gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-    if IN_PLACE:
-        sb = sc + bias[None, :]
-    else:
-        sb = gl.convert_layout(sc, lay) + bias[None, :]
+    of experts e0..e0+63 in the wgmma layout; rv / ri the thread's running best KP (KP-tuples of (64, 4))."""
+    l16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    cols = e0 + gl.arange(0, 64, layout=gl.SliceLayout(0, l16))
+    bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
+    sb = gl.convert_layout(sc, l16) + bias[None, :]
     # columns past NE are -inf. NaN scores are left as they are (see the module docstring): mapping them to -inf
     # measured 5-11% slower (a select on sb == sb: 0.725 vs 0.685 ms at Ne 384 k 4; max.f32 with -inf: 1.85 vs 1.72
     # at Ne 768 k 8, H100, results/gluon_router-h100-2026-11-24-nan{mask,max}.jsonl)
     sb = gl.where((cols < NE)[None, :], sb, float("-inf"))
-    cb = gl.full([64, 64], 0, gl.int32, lay) + cols[None, :]
-    lv = _net_split(sb, IN_PLACE)
-    li = _net_split(cb, IN_PLACE)
+    cb = gl.full([64, 64], 0, gl.int32, l16) + cols[None, :]
+    lv = _split_cols(sb.reshape([64, 4, 16]))
+    li = _split_cols(cb.reshape([64, 4, 16]))
     # the best KP of each group of KP leaves, then a tree of merges, then into the running list
     lists_v = ()
     lists_i = ()
@@ -249,20 +196,19 @@ def _net_block(sc, e0, bias, rv, ri, NE: gl.constexpr, KP: gl.constexpr, IN_PLAC
 
 
 @gluon.jit
-def _net_grid(IN_PLACE: gl.constexpr = False):
-    """(row, column) indices of the selection layout's (64, 64) tile, as the per-thread (64, 4) slices `_net_split`
-    gives."""
-    lay: gl.constexpr = _net_layout(IN_PLACE, gl.num_warps())
-    z = gl.full([64, 64], 0, gl.int32, lay)
-    r = z + gl.arange(0, 64, layout=gl.SliceLayout(1, lay))[:, None]
-    c = z + gl.arange(0, 64, layout=gl.SliceLayout(0, lay))[None, :]
-    return _net_split(r, IN_PLACE), _net_split(c, IN_PLACE)
+def _net_grid():
+    """(row, column) indices of the l16 layout's (64, 64) tile, as the per-thread (64, 4) slices `_split_cols` gives."""
+    l16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    z = gl.full([64, 64], 0, gl.int32, l16)
+    r = z + gl.arange(0, 64, layout=gl.SliceLayout(1, l16))[:, None]
+    c = z + gl.arange(0, 64, layout=gl.SliceLayout(0, l16))[None, :]
+    return _split_cols(r.reshape([64, 4, 16])), _split_cols(c.reshape([64, 4, 16]))
 
 
 @gluon.jit
-def _net_init(NE: gl.constexpr, KP: gl.constexpr, IN_PLACE: gl.constexpr = False):
+def _net_init(NE: gl.constexpr, KP: gl.constexpr):
     """Empty running lists: KP x (-inf, NE + column) per thread and row (distinct indices: a total order)."""
-    _, c = _net_grid(IN_PLACE)
+    _, c = _net_grid()
     rv = ()
     ri = ()
     for u in gl.static_range(KP):
@@ -273,12 +219,11 @@ def _net_init(NE: gl.constexpr, KP: gl.constexpr, IN_PLACE: gl.constexpr = False
 
 @gluon.jit
 def _net_store(rv, ri, row0, h, b_ptr, vals_ptr, idx_ptr, N: gl.constexpr, H: gl.constexpr, NE: gl.constexpr,
-               K: gl.constexpr, IN_PLACE: gl.constexpr = False):
+               K: gl.constexpr):
     """Rows row0 + (0..63): the best K (the same in the row's four threads: the first of them stores)."""
-    r, c = _net_grid(IN_PLACE)
+    r, c = _net_grid()
     rows = row0 + r[0]
-    # c[0] = 16 q (l16) or 2 q (in place): the row's first thread
-    mask = (rows < N) & (c[0] < (2 if IN_PLACE else 16))
+    mask = (rows < N) & (c[0] < 16)  # c[0] = 16 q: the row's first thread
     out = (rows.to(gl.int64) * H + h) * K
     for j in gl.static_range(K):
         b_sel = gl.load(b_ptr + h * NE + ri[j], mask=mask & (ri[j] < NE), other=0.0)
@@ -300,8 +245,7 @@ def _shfl_bfly(x, LANES: gl.constexpr):
 
 @gluon.jit
 def _net_finish(rv, ri, KP: gl.constexpr):
-    """The row's best KP from its four threads' lists (lanes 4r .. 4r + 3: a quad, in the l16 layout as in the wgmma
-    accumulator's): two butterfly merges."""
+    """The row's best KP from its four threads' lists (lanes 4r .. 4r + 3 of the l16 layout): two butterfly merges."""
     for d in gl.static_range(2):
         pv = ()
         pi = ()
@@ -361,8 +305,7 @@ def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
 
 @gluon.jit
 def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
-                     PARTS: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, C: gl.constexpr,
-                     IN_PLACE: gl.constexpr = False):
+                     PARTS: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, C: gl.constexpr):
     """Consumer C: rows [C * 64, C * 64 + 64) of every item, block by block (the other consumers' selections run
     under this one's products; issuing block b + 1's before block b's selection measured slower: the second
     accumulator's registers)."""
@@ -375,25 +318,21 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
     for item in range(gl.program_id(0), T, gl.num_programs(0)):
         h = item % H
         xb = t % 2
-        rv, ri = _net_init(NE, KP, IN_PLACE)
+        rv, ri = _net_init(NE, KP)
         mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
         xs = x_smem.index(xb * NC + C)
         for e0 in range(0, NE, 64):
             s = q % NST
             mbarrier.wait(w_ready.index(s), (q // NST) & 1)
             fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-            if IN_PLACE:  # its latency under the products (no layout conversion after them to hide it)
-                bias = _net_bias(b_ptr, h, e0, NE, IN_PLACE)
             sc = _block_scores(xs, w_smem, s, zero, PARTS)
             mbarrier.arrive(w_empty.index(s))
-            if not IN_PLACE:
-                bias = _net_bias(b_ptr, h, e0, NE, IN_PLACE)
-            rv, ri = _net_block(sc, e0, bias, rv, ri, NE, KP, IN_PLACE)
+            rv, ri = _net_block(sc, e0, h, b_ptr, rv, ri, NE, KP)
             q += 1
         mbarrier.arrive(x_empty.index(xb))
         t += 1
         rv, ri = _net_finish(rv, ri, KP)
-        _net_store(rv, ri, (item // H) * (NC * 64) + C * 64, h, b_ptr, vals_ptr, idx_ptr, N, H, NE, K, IN_PLACE)
+        _net_store(rv, ri, (item // H) * (NC * 64) + C * 64, h, b_ptr, vals_ptr, idx_ptr, N, H, NE, K)
 
 
 @gluon.jit
@@ -424,7 +363,7 @@ def gluon_router_fwd_ws_kernel(
     o1_ptr, o2_ptr,  # outputs: the casts, bf16 (unused at CAST_N 0)
     N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr, PARTS: gl.constexpr,
     NST: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CAST_N: gl.constexpr = 0, CAST_REGS: gl.constexpr = 40, IN_PLACE: gl.constexpr = False,
+    CAST_N: gl.constexpr = 0, CAST_REGS: gl.constexpr = 40,
 ):
     """Warp-specialised persistent router forward: items (NC * 64 rows, head) strided over the programs; one
     producer warp group (cp.async of x rows and 64-expert W_r blocks), NC consumer warp groups of 64 rows (NC - 1
@@ -444,20 +383,20 @@ def gluon_router_fwd_ws_kernel(
     w_ready, w_empty = _ws_barriers(NST, NW * 32, NC)
     args = (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T)
     if NC == 2 and CAST_N > 0:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0, IN_PLACE)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1, IN_PLACE)),
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1)),
                             (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
                             (_router_caster, ((c1_ptr, c2_ptr, o1_ptr, o2_ptr), CAST_N))],
                            [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, CAST_REGS])
     elif NC == 2:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0, IN_PLACE)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1, IN_PLACE)),
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1)),
                             (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0))],
                            [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0, IN_PLACE)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1, IN_PLACE)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 2, IN_PLACE)),
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 2)),
                             (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0))],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
@@ -473,8 +412,6 @@ WS_ROUTER_NST = {2: 3, 3: 2}
 WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40)}
 WS_ROUTER_MAXNREG = {2: 168, 3: 128}
 WS_ROUTER_CAST_REGS = 40
-# the selection on the columns the products' accumulator holds (False: converted to l16 through shared memory first)
-WS_ROUTER_IN_PLACE = False
 gluon_router_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[3]}
 # the same kernel compiled with the two-consumer launch limit (jax-triton takes the limit from the kernel object)
 gluon_router_fwd_ws_kernel_nc2 = gluon.jit(gluon_router_fwd_ws_kernel.fn)
@@ -504,10 +441,10 @@ def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
 
 
 def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int | None = None,
-                         stages: int | None = None, cast_n: int = 0, in_place: bool | None = None) -> dict:
+                         stages: int | None = None, cast_n: int = 0) -> dict:
     """The kernel's constexpr arguments (torch and JAX launchers alike; nc / stages default by k, nc 2 with a cast;
-    cast_n: elements of each array the caster warp group casts, which fits beside two consumers only; in_place: the
-    selection in the products' accumulator layout (None: WS_ROUTER_IN_PLACE)); raises on unsupported shapes."""
+    cast_n: elements of each array the caster warp group casts, which fits beside two consumers only); raises on
+    unsupported shapes."""
     nc = nc or (2 if cast_n else ws_router_consumers(k))
     stages = stages or WS_ROUTER_NST.get(nc, 2)
     if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
@@ -517,8 +454,7 @@ def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, n
         raise ValueError(f"warp-specialised router forward: a cast of {cast_n} elements needs 2 consumers, got nc={nc}")
     regs = WS_ROUTER_REGS[nc]
     return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, NST=stages, NC=nc, CONSUMER_REGS=regs[0],
-                PRODUCER_REGS=regs[1], CAST_N=cast_n, CAST_REGS=WS_ROUTER_CAST_REGS,
-                IN_PLACE=bool(WS_ROUTER_IN_PLACE if in_place is None else in_place))
+                PRODUCER_REGS=regs[1], CAST_N=cast_n, CAST_REGS=WS_ROUTER_CAST_REGS)
 
 
 def ws_router_items(n: int, h: int, nc: int) -> int:
