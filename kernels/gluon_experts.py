@@ -748,10 +748,10 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
             mbarrier.wait(h_ready.index(hb), (q // HB) & 1)
             h0 = dh_smem.index(hb * 2)
             h1 = dh_smem.index(hb * 2 + 1)
-            rows0 = row0 + i * BLOCK_M
+            rows = row0 + i * BLOCK_M
             if PROBE & 32:  # a measurement: no dX products (the rows stored are a value the compiler cannot fold)
-                d0 = s_zero + rows0.to(gl.float32)
-                d1 = s_zero - rows0.to(gl.float32)
+                d0 = s_zero + rows.to(gl.float32)
+                d1 = s_zero - rows.to(gl.float32)
             else:
                 d0 = warpgroup_mma(w1_smem.index(wb * 2).slice(0, 64, dim=0), h0, s_zero, use_acc=False,
                                    is_async=True)
@@ -759,7 +759,6 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
                 d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False,
                                    is_async=True)
                 d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
-            rows = row0 + i * BLOCK_M
             dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
             gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg, mask=live)
             d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
