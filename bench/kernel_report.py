@@ -101,7 +101,7 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
 
     if kind == "fwd_ws":
         fn, consts = ge.gluon_expert_fwd_ws_kernel, ge.ws_constexprs(k, dh, de, 8 * 384, 4096, pack_block)
-        tile = [pack_block, ge.WS_BLOCK_E, 12, consts["NS"]]
+        tile = [pack_block, ge.WS_BLOCK_E, 12, de // ge.WS_BLOCK_E]
     elif kind == "dw_ws":
         fn, consts = ge.gluon_expert_dw_ws_kernel, ge.dw_ws_constexprs(k, dh, de, pack_block)
         tile = [ge.DW_WS_BLOCK_M, 128, 12, ge.DW_WS_STAGES]

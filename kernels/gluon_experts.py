@@ -161,13 +161,12 @@ def _ws_barriers(N: gl.constexpr, READY: gl.constexpr, CONSUMERS: gl.constexpr =
 @gluon.jit
 def _ws_load_chunk(w1_smem, w2_smem, w_ready, w_empty, w1_ptr, w2_ptr, g, reuse, j: gl.constexpr, q,
                    DH: gl.constexpr, DE: gl.constexpr, BLOCK_E: gl.constexpr, NS: gl.constexpr, PW: gl.constexpr):
-    """Producer: chunk j of group g (the q-th ring use) into slot q % NS once the consumers freed it. With NS a
-    multiple of DE / BLOCK_E (one or two whole sets of a group's chunks) the slot already holds chunk j of the
-    group of the block NS / (DE / BLOCK_E) blocks before; when `reuse` (that block's group is g) it is handed over
-    again without a copy."""
+    """Producer: chunk j of group g (the q-th ring use) into slot q % NS once the consumers freed it. With
+    NS == DE / BLOCK_E the slot already holds chunk j; when `reuse` (same group as the block before) it is
+    handed over again without a copy."""
     s = q % NS
     mbarrier.wait(w_empty.index(s), ((q // NS) & 1) ^ 1)
-    if NS % (DE // BLOCK_E) == 0 and reuse:
+    if NS == DE // BLOCK_E and reuse:
         mbarrier.arrive(w_ready.index(s), count=PW * 32)
     else:
         fence_async_shared()
@@ -203,8 +202,7 @@ def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
     # the next block's row slots and group are loaded one block ahead: their latency hides under this block
     slot_next = gl.load(row_slot_ptr + start.to(gl.int64) * BLOCK_M + rr, mask=start < end, other=-1)
     g_next = gl.load(block_group_ptr + start, mask=start < end, other=0)
-    g_prev = gl.to_tensor(-1).to(gl.int64)  # the groups of the blocks before (the weights the ring's slots hold)
-    g_prev2 = gl.to_tensor(-1).to(gl.int64)
+    g_prev = gl.to_tensor(-1).to(gl.int64)
     for t in range(end - start):
         b = start + t
         xb = t % 2
@@ -220,12 +218,9 @@ def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
         async_copy.async_copy_global_to_shared(x_smem.index(xb), x_ptr + src[:, None] * DH + cc[None, :],
                                                mask=(slot >= 0)[:, None])
         async_copy.mbarrier_arrive(x_ready.index(xb), increment_count=False)
-        # a slot holds the chunk of the block NS / N blocks before: one set (NS == N) or two (NS == 2 N, the next
-        # group's weights load while the block before computes)
         for j in gl.static_range(N):
-            _ws_load_chunk(w1_smem, w2_smem, w_ready, w_empty, w1_ptr, w2_ptr, g,
-                           g == (g_prev if NS == N else g_prev2), j, t * N + j, DH, DE, BLOCK_E, NS, PW)
-        g_prev2 = g_prev
+            _ws_load_chunk(w1_smem, w2_smem, w_ready, w_empty, w1_ptr, w2_ptr, g, g == g_prev, j, t * N + j, DH, DE,
+                           BLOCK_E, NS, PW)
         g_prev = g
 
 
@@ -310,10 +305,7 @@ def gluon_expert_fwd_ws_kernel(
     _zero_blocks(out_ptr, used, NUM_BLOCKS, BLOCK_M, DH, NW)
 
 
-WS_BLOCK_E = 128  # de chunk; NS = WSETS x DE / WS_BLOCK_E ring slots (every slot keeps its chunk)
-# whole sets of a group's weight chunks in the ring, by de: two at de 128 (the next group's load while the block before
-# computes: 192 KB of shared memory, as one set at de 256), one at de 256
-WS_WSETS = {128: 2, 256: 1}
+WS_BLOCK_E = 128  # de chunk; NS = DE / WS_BLOCK_E ring slots (1 or 2: every slot keeps its chunk)
 WS_CONSUMER_REGS, WS_PRODUCER_REGS, WS_MAXNREG = 208, 88, 168
 # jax-triton compiles with its own options: mhl_jax.ops.gluon_bridge adds these
 gluon_expert_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
@@ -325,32 +317,23 @@ def ws_supported(dh: int, de: int, pack_block: int) -> bool:
     return dh == 128 and pack_block == 128 and de in (128, 256)
 
 
-def ws_constexprs(k: int, dh: int, de: int, num_groups: int, num_blocks: int, pack_block: int,
-                  wsets: int | None = None) -> dict:
-    """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes. wsets: whole
-    sets of a group's weight chunks in the ring (default WS_WSETS by de; 1 or 2, 2 only at de 128)."""
+def ws_constexprs(k: int, dh: int, de: int, num_groups: int, num_blocks: int, pack_block: int) -> dict:
+    """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
     if not ws_supported(dh, de, pack_block):
         raise ValueError(f"warp-specialised expert forward: dh={dh}, de={de}, pack_block={pack_block}; expected "
                          "dh 128, de 128 or 256 and packing blocks of 128 rows")
-    wsets = WS_WSETS[de] if wsets is None else wsets
-    if wsets not in (1, 2) or wsets * de > 256:
-        raise ValueError(f"warp-specialised expert forward: wsets={wsets} at de={de}; expected 1, or 2 at de 128 "
-                         "(the ring's shared memory)")
     return dict(K=k, DH=dh, DE=de, G=num_groups, NUM_BLOCKS=num_blocks, BLOCK_M=pack_block, BLOCK_E=WS_BLOCK_E,
-                NS=wsets * de // WS_BLOCK_E, FAST_TANH=True, CONSUMER_REGS=WS_CONSUMER_REGS,
-                PRODUCER_REGS=WS_PRODUCER_REGS)
+                NS=de // WS_BLOCK_E, FAST_TANH=True, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
 
 
-def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None,
-                         wsets: int | None = None):
+def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None):
     """Torch launcher (CUDA, Hopper): x (S, dh), pk a `kernels.torch_experts.TorchPacking`, w1 (G, dh, de),
-    w2 (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0); `out`, if given, is written in place; wsets:
-    `ws_constexprs`'."""
+    w2 (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0); `out`, if given, is written in place."""
     import torch
 
     p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
     nb = p // pack_block
-    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block, wsets)
+    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block)
     out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     gluon_expert_fwd_ws_kernel[(min(programs, nb),)](

@@ -312,7 +312,7 @@ def test_ws_forward_shapes_checked_and_chosen():
     from kernels.gluon_experts import ws_constexprs, ws_supported
 
     assert ws_constexprs(4, 128, 256, 3072, 100, 128)["NS"] == 2
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["NS"] == 2  # two sets of the one chunk (test below)
+    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["NS"] == 1
     for dh, de, pack in ((128, 512, 128), (256, 256, 128), (128, 256, 64)):
         assert not ws_supported(dh, de, pack)
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
@@ -579,30 +579,16 @@ def test_ws_dw_shapes_checked_and_chosen():
     assert not default_config(8192 * 8 * 4, 8 * 384, 256, 256).dw_ws  # wide experts: the grouped kernels' tiles
 
 
-def test_ws_forward_weight_sets():
-    """The Gluon forward's ring holds one set of a group's weight chunks at de 256 and two at de 128 (the next
-    group's weights load while the block before computes); two sets at de 256 would not fit: a clear error."""
-    from kernels.gluon_experts import ws_constexprs
-
-    assert ws_constexprs(4, 128, 256, 3072, 100, 128)["NS"] == 2  # one set of two 128-de chunks
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["NS"] == 2  # two sets of one chunk
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128, wsets=1)["NS"] == 1
-    for de, wsets in ((256, 2), (128, 3)):
-        with pytest.raises(ValueError, match=f"wsets={wsets} at de={de}"):
-            ws_constexprs(4, 128, de, 3072, 100, 128, wsets=wsets)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("de,wsets", [(256, None), (128, None), (128, 1)], ids=["de256", "de128", "de128-one-set"])
+@pytest.mark.parametrize("de", [256, 128])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 @pytest.mark.parametrize("programs", [None, 3], ids=["one_per_sm", "three"])
-def test_gpu_ws_forward_vs_triton_and_f64(de, wsets, skew, programs):
+def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
     """The warp-specialised Gluon forward (torch launcher) against the Triton forward on the same packing: the
     same output rows bit for bit (same products in the same order: fp32 S over dh in k16 steps, the same gelu
     FMAs, A rounded to bf16, A W2 accumulated over de in order), padding rows zero in a NaN-poisoned output,
     and within bf16 rounding of the float64 reference. Three programs: ~100 blocks each, so the producer's
-    weight reuse across a group's blocks and its reloads at group changes both run many times (at de 128 with
-    the ring's two weight sets by default, and with one)."""
+    weight reuse across a group's blocks and its reloads at group changes both run many times."""
     from kernels.experts import default_config
     from kernels.gluon_experts import gluon_experts_fwd_ws
 
@@ -615,7 +601,7 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, wsets, skew, programs):
     pk = pack_torch(idx, ne, cfg.pack_block)
     ref = experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg)
     out = torch.full_like(ref, float("nan"))
-    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out, wsets=wsets)
+    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out)
     assert torch.isfinite(out).all()
     assert torch.equal(out, ref)
     assert (out[pk.row_slot < 0] == 0).all()
