@@ -106,9 +106,6 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
         kernels = {"triton": (2, lambda s: launch("fwd", cfg, s, w1, w2, k))}
         if ws_supported(dh, de, cfg.pack_block):
             kernels["gluon_ws"] = (2, lambda s: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k, cfg.pack_block),))
-            if de == 128:  # two gathered X buffers (the default has three at de 128)
-                kernels["gluon_ws_xbuf2"] = (2, lambda s: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k,
-                                                                                cfg.pack_block, xbuf=2),))
     else:
         split = replace(cfg, dw=Tile(min(64, cfg.pack_block), 64, 4, 3), dw_form="t")
         kernels = {"triton_dwt": (4, lambda s: launch("dwt", split, s, w1, w2, k))}

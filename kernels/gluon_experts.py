@@ -188,7 +188,7 @@ def _store_rows(ptr, rows, vals, DH: gl.constexpr, NW: gl.constexpr):
 
 @gluon.jit
 def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, XB: gl.constexpr = 2):
+                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr):
     """Loads for both consumers: per block, its X rows (gathered) into one of two X buffers, then its W1 / W2
     chunks into the NS-slot ring; each buffer's `ready` barrier completes when this partition's copies land
     (cp.async arrive, one arrival per thread)."""
@@ -205,13 +205,13 @@ def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
     g_prev = gl.to_tensor(-1).to(gl.int64)
     for t in range(end - start):
         b = start + t
-        xb = t % XB
+        xb = t % 2
         slot = slot_next
         g = g_next.to(gl.int64)
         slot_next = gl.load(row_slot_ptr + (b + 1).to(gl.int64) * BLOCK_M + rr, mask=b + 1 < end, other=-1)
         g_next = gl.load(block_group_ptr + b + 1, mask=b + 1 < end, other=0)
         src = gl.where(slot >= 0, slot // K, 0).to(gl.int64)
-        mbarrier.wait(x_empty.index(xb), ((t // XB) & 1) ^ 1)
+        mbarrier.wait(x_empty.index(xb), ((t // 2) & 1) ^ 1)
         fence_async_shared()
         # padding rows zero-filled (cp.async of 0 bytes): their output rows come out exactly 0, as gelu(0) = 0, so
         # the consumers need no row-slot load (which every fence_async_shared's MEMBAR would wait for)
@@ -226,7 +226,7 @@ def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
 
 @gluon.jit
 def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, XB: gl.constexpr = 2):
+                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr):
     """Consumer C (one warp group) computes rows [C * BLOCK_M / 2, (C + 1) * BLOCK_M / 2) of every block, from the
     shared X buffer and weight ring, chunk by chunk: S_j = X W1_j, gelu, A_j W2_j. A_j W2_j runs under the next
     chunk's S_{j+1} and this consumer's wait for it (the wait retires both), so each consumer alternates its MMAs with
@@ -245,9 +245,9 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
     s_zero = gl.zeros((HALF, BLOCK_E), gl.float32, s_layout)
     for t in range(end - start):
         b = start + t
-        xb = t % XB
+        xb = t % 2
         rows = b.to(gl.int64) * BLOCK_M + C * HALF + om
-        mbarrier.wait(x_ready.index(xb), (t // XB) & 1)
+        mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
         xs = x_smem.index(xb).slice(C * HALF, HALF, dim=0)
         q0 = t * N
         acc = gl.zeros((HALF, DH), gl.float32, o_layout)
@@ -275,7 +275,7 @@ def gluon_expert_fwd_ws_kernel(
     out_ptr,  # output (P, DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, NUM_BLOCKS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr, NS: gl.constexpr, FAST_TANH: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, XB: gl.constexpr = 2,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Warp-specialised persistent forward: one producer warp group loads (X rows gathered by cp.async, W1 / W2
     chunks into a ring of NS slots), two consumer warp groups (the default partition and one worker) each
@@ -288,26 +288,24 @@ def gluon_expert_fwd_ws_kernel(
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     used, start, end = _ws_range(group_block_start_ptr, group_nblocks_ptr, G)
 
-    x_smem = gl.allocate_shared_memory(cdt, [XB, BLOCK_M, DH], gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH],
+    x_smem = gl.allocate_shared_memory(cdt, [2, BLOCK_M, DH], gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH],
                                                                                                   cdt))
     w1_smem = gl.allocate_shared_memory(cdt, [NS, DH, BLOCK_E], gl.NVMMASharedLayout.get_default_for([DH, BLOCK_E],
                                                                                                     cdt))
     w2_smem = gl.allocate_shared_memory(cdt, [NS, BLOCK_E, DH], gl.NVMMASharedLayout.get_default_for([BLOCK_E, DH],
                                                                                                     cdt))
-    x_ready, x_empty = _ws_barriers(XB, NW * 32)  # the producer warp group has NW warps too
+    x_ready, x_empty = _ws_barriers(2, NW * 32)  # the producer warp group has NW warps too
     w_ready, w_empty = _ws_barriers(NS, NW * 32)
     args = (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready,
             x_empty, w_ready, w_empty, start, end)
-    gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0, XB)),
-                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1, XB)),
-                        (_ws_producer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0, XB))],
+    gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0)),
+                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1)),
+                        (_ws_producer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     _zero_blocks(out_ptr, used, NUM_BLOCKS, BLOCK_M, DH, NW)
 
 
 WS_BLOCK_E = 128  # de chunk; NS = DE / WS_BLOCK_E ring slots (1 or 2: every slot keeps its chunk)
-# gathered X row buffers by de: three at de 128 (the producer two blocks ahead: 176 KB of shared memory), two at de 256
-WS_XBUF = {128: 3, 256: 2}
 WS_CONSUMER_REGS, WS_PRODUCER_REGS, WS_MAXNREG = 208, 88, 168
 # jax-triton compiles with its own options: mhl_jax.ops.gluon_bridge adds these
 gluon_expert_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
@@ -319,32 +317,23 @@ def ws_supported(dh: int, de: int, pack_block: int) -> bool:
     return dh == 128 and pack_block == 128 and de in (128, 256)
 
 
-def ws_constexprs(k: int, dh: int, de: int, num_groups: int, num_blocks: int, pack_block: int,
-                  xbuf: int | None = None) -> dict:
-    """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes. xbuf: gathered
-    X row buffers (default WS_XBUF by de; 2 or 3, 3 only at de 128)."""
+def ws_constexprs(k: int, dh: int, de: int, num_groups: int, num_blocks: int, pack_block: int) -> dict:
+    """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
     if not ws_supported(dh, de, pack_block):
         raise ValueError(f"warp-specialised expert forward: dh={dh}, de={de}, pack_block={pack_block}; expected "
                          "dh 128, de 128 or 256 and packing blocks of 128 rows")
-    xbuf = WS_XBUF[de] if xbuf is None else xbuf
-    if xbuf not in (2, 3) or (xbuf == 3 and de != 128):
-        raise ValueError(f"warp-specialised expert forward: xbuf={xbuf} at de={de}; expected 2, or 3 at de 128 "
-                         "(shared memory)")
     return dict(K=k, DH=dh, DE=de, G=num_groups, NUM_BLOCKS=num_blocks, BLOCK_M=pack_block, BLOCK_E=WS_BLOCK_E,
-                NS=de // WS_BLOCK_E, FAST_TANH=True, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS,
-                XB=xbuf)
+                NS=de // WS_BLOCK_E, FAST_TANH=True, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
 
 
-def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None,
-                         xbuf: int | None = None):
+def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None):
     """Torch launcher (CUDA, Hopper): x (S, dh), pk a `kernels.torch_experts.TorchPacking`, w1 (G, dh, de),
-    w2 (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0); `out`, if given, is written in place; xbuf:
-    `ws_constexprs`'."""
+    w2 (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0); `out`, if given, is written in place."""
     import torch
 
     p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
     nb = p // pack_block
-    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block, xbuf)
+    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block)
     out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     gluon_expert_fwd_ws_kernel[(min(programs, nb),)](

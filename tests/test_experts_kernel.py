@@ -579,24 +579,11 @@ def test_ws_dw_shapes_checked_and_chosen():
     assert not default_config(8192 * 8 * 4, 8 * 384, 256, 256).dw_ws  # wide experts: the grouped kernels' tiles
 
 
-def test_ws_forward_x_buffers():
-    """The Gluon forward gathers X rows into three buffers at de 128 (the producer two blocks ahead) and two at de 256;
-    three at de 256 would not fit in shared memory: a clear error."""
-    from kernels.gluon_experts import ws_constexprs
-
-    assert ws_constexprs(4, 128, 256, 3072, 100, 128)["XB"] == 2
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["XB"] == 3
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128, xbuf=2)["XB"] == 2
-    for de, xbuf in ((256, 3), (128, 4)):
-        with pytest.raises(ValueError, match=f"xbuf={xbuf} at de={de}"):
-            ws_constexprs(4, 128, de, 3072, 100, 128, xbuf=xbuf)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("de,xbuf", [(256, None), (128, None), (128, 2)], ids=["de256", "de128", "de128-two-x"])
+@pytest.mark.parametrize("de", [256, 128])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 @pytest.mark.parametrize("programs", [None, 3], ids=["one_per_sm", "three"])
-def test_gpu_ws_forward_vs_triton_and_f64(de, xbuf, skew, programs):
+def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
     """The warp-specialised Gluon forward (torch launcher) against the Triton forward on the same packing: the
     same output rows bit for bit (same products in the same order: fp32 S over dh in k16 steps, the same gelu
     FMAs, A rounded to bf16, A W2 accumulated over de in order), padding rows zero in a NaN-poisoned output,
@@ -614,7 +601,7 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, xbuf, skew, programs):
     pk = pack_torch(idx, ne, cfg.pack_block)
     ref = experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg)
     out = torch.full_like(ref, float("nan"))
-    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out, xbuf=xbuf)
+    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out)
     assert torch.isfinite(out).all()
     assert torch.equal(out, ref)
     assert (out[pk.row_slot < 0] == 0).all()
