@@ -5,24 +5,23 @@ uniform at random, or with --routing layer as uneven as bench/layer.py's: `bench
     python bench/gluon_kernels.py [--kinds fwd dw dw_options] [--shapes 81920/384/4/256 ...] [--routing layer]
                                   [--out FILE]
 
-fwd: the Gluon forward vs `expert_fwd_kernel` (default tile). dw: the Gluon weight gradients vs the transposed
-Triton dW kernel at the tile default_config picks for a split backward, and, where the default backward is the
-fused one (de 128), that kernel too (it also makes the dX rows and gate gradients). dw_options: the Gluon weight
-gradients at each of DW_OPTIONS' launch options (row block, weight buffers, ring stages, registers) vs the same
-Triton dW kernel. bwd: the warp-specialised fused backward (weight gradients, dX rows, gate gradients; partials
+fwd: the Gluon forward vs `expert_fwd_kernel` (default tile); fwd_probe: the Gluon forward with its output stores
+(probe bit 1) and / or its gelu (bit 2) left out (`ws_constexprs`' probe). dw: the Gluon weight gradients vs the
+transposed Triton dW kernel at the tile default_config picks for a split backward, and, where the default backward
+is the fused one (de 128), that kernel too (it also makes the dX rows and gate gradients). dw_options: the Gluon
+weight gradients at each of DW_OPTIONS' launch options (row block, weight buffers, ring stages, registers) vs the
+same Triton dW kernel. bwd: the warp-specialised fused backward (weight gradients, dX rows, gate gradients; partials
 per 128 de, summed for the comparison) at each of BWD_OPTIONS vs the fused Triton kernel (de 128) or the split
-backward default_config picks (the dX kernel and the Gluon or Triton dW kernel), output buffers allocated once
-(rel over dW1, dW2 and the dX rows and gate gradients of routed rows). router: the warp-specialised Gluon router
-forward (kernels/gluon_router.py) at each of ROUTER_OPTIONS vs `router_fwd_kernel` at its default tiles (bf16x3,
-8 heads; de is ignored; rel: the fraction of indices that differ from the Triton kernel's, max_abs: the values'
-largest difference). router_cast: the Gluon router forward with two consumers, without the caster warp group and
-with it (casting two fp32 arrays of 8 x Ne x 128 x de elements, the layer's w1 / w2, to bf16; and a 64th of them),
-and torch's two casts alone (rel: indices that differ from the no-cast launch's; cast_equal: the casts bitwise
-torch's).
-One JSON line per (shape, kernel): ms (median), TFLOP/s of the kernel's matmuls (fwd 2 units, dW 4, fused 5 of
-2 * rows * dh * de), and rel / max_abs: the difference of the outputs to the first (Triton) kernel's (0 when
-bitwise equal; for dW the larger of dW1's and dW2's).
-"""
+backward default_config picks (the dX kernel and the Gluon or Triton dW kernel), output buffers allocated once (rel
+over dW1, dW2 and the dX rows and gate gradients of routed rows). router: the warp-specialised Gluon router forward
+(kernels/gluon_router.py) at each of ROUTER_OPTIONS vs `router_fwd_kernel` at its default tiles (bf16x3, 8 heads; de
+is ignored; rel: the fraction of indices that differ from the Triton kernel's, max_abs: the values' largest
+difference). router_cast: the Gluon router forward with two consumers, without the caster warp group and with it
+(casting two fp32 arrays of 8 x Ne x 128 x de elements, the layer's w1 / w2, to bf16; and a 64th of them), and
+torch's two casts alone (rel: indices that differ from the no-cast launch's; cast_equal: the casts bitwise torch's).
+One JSON line per (shape, kernel): ms (median), TFLOP/s of the kernel's matmuls (fwd 2 units, dW 4, fused 5 of 2 *
+rows * dh * de), and rel / max_abs: the difference of the outputs to the first (Triton) kernel's (0 when bitwise
+equal; for dW the larger of dW1's and dW2's). """
 
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ from bench.kernel_tiles import ROUTINGS, expert_weights, input_set, rotating  # 
 from bench.timing import emit  # noqa: E402
 
 SHAPES = [f"{t}/{c}" for t in (81920, 8192) for c in ("384/4/256", "768/8/128", "768/4/256", "1536/8/128")]
-KINDS = ("fwd", "dw", "dw_options", "bwd", "bwd_probe", "router", "router_cast")
+KINDS = ("fwd", "fwd_probe", "dw", "dw_options", "bwd", "bwd_probe", "router", "router_cast")
 # `gluon_experts_bwd_ws` launch options (`bwd_ws_constexprs`' / `bwd_xw_constexprs`' options; deal=False: tiles
 # strided in group order; xw: the dX warp group), named gluon_bwd_ws + "_option[value]" (results before 2026-11-25
 # named the first gluon_bwd_ws_wb2_st3_r232_40); the first is the fused kernel's default
@@ -106,6 +105,10 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
         kernels = {"triton": (2, lambda s: launch("fwd", cfg, s, w1, w2, k))}
         if ws_supported(dh, de, cfg.pack_block):
             kernels["gluon_ws"] = (2, lambda s: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k, cfg.pack_block),))
+    elif kind == "fwd_probe":  # the Gluon forward with its output stores (1) or gelu (2) left out (session 26)
+        kernels = {f"gluon_ws_probe{p}": (2, lambda s, p=p: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k,
+                                                                                  cfg.pack_block, probe=p),))
+                   for p in range(4) if ws_supported(dh, de, cfg.pack_block)}
     else:
         split = replace(cfg, dw=Tile(min(64, cfg.pack_block), 64, 4, 3), dw_form="t")
         kernels = {"triton_dwt": (4, lambda s: launch("dwt", split, s, w1, w2, k))}

@@ -177,13 +177,13 @@ def _ws_load_chunk(w1_smem, w2_smem, w_ready, w_empty, w1_ptr, w2_ptr, g, reuse,
 
 
 @gluon.jit
-def _store_rows(ptr, rows, vals, DH: gl.constexpr, NW: gl.constexpr):
+def _store_rows(ptr, rows, vals, DH: gl.constexpr, NW: gl.constexpr, live=None):
     """Store vals (rows, DH) at ptr + rows * DH as 16-byte vectors, whole 32-byte sectors (stored from the wgmma
-    layout they go out as 4-byte pairs: half sectors, twice the L2 writes)."""
+    layout they go out as 4-byte pairs: half sectors, twice the L2 writes); live: a mask (a probe's)."""
     ls: gl.constexpr = _copy_layout(DH, NW)
     cols = gl.arange(0, DH, layout=gl.SliceLayout(0, ls))
     rows = gl.convert_layout(rows, gl.SliceLayout(1, ls))
-    gl.store(ptr + rows[:, None] * DH + cols[None, :], gl.convert_layout(vals, ls))
+    gl.store(ptr + rows[:, None] * DH + cols[None, :], gl.convert_layout(vals, ls), mask=live)
 
 
 @gluon.jit
@@ -226,7 +226,7 @@ def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
 
 @gluon.jit
 def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr):
+                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, PROBE: gl.constexpr = 0):
     """Consumer C (one warp group) computes rows [C * BLOCK_M / 2, (C + 1) * BLOCK_M / 2) of every block, from the
     shared X buffer and weight ring, chunk by chunk: S_j = X W1_j, gelu, A_j W2_j. A_j W2_j runs under the next
     chunk's S_{j+1} and this consumer's wait for it (the wait retires both), so each consumer alternates its MMAs with
@@ -261,12 +261,18 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
             s, acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, a_prev))
             if j > 0:
                 mbarrier.arrive(w_empty.index((q - 1) % NS))
-            a_prev = gl.convert_layout(_gelu(s, FAST_TANH).to(cdt), a_layout)
+            if PROBE & 2:  # a measurement: no gelu (A = S)
+                a_prev = gl.convert_layout(s.to(cdt), a_layout)
+            else:
+                a_prev = gl.convert_layout(_gelu(s, FAST_TANH).to(cdt), a_layout)
             acc = warpgroup_mma(a_prev, w2_smem.index(q % NS), acc, is_async=True)
         acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
         mbarrier.arrive(w_empty.index((q0 + N - 1) % NS))
         mbarrier.arrive(x_empty.index(xb))
-        _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW)
+        live = None
+        if PROBE & 1:  # a measurement: the output rows' stores masked off by a condition false at run time
+            live = b < 0
+        _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW, live)
 
 
 @gluon.jit
@@ -275,7 +281,7 @@ def gluon_expert_fwd_ws_kernel(
     out_ptr,  # output (P, DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, NUM_BLOCKS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr, NS: gl.constexpr, FAST_TANH: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr,
 ):
     """Warp-specialised persistent forward: one producer warp group loads (X rows gathered by cp.async, W1 / W2
     chunks into a ring of NS slots), two consumer warp groups (the default partition and one worker) each
@@ -298,8 +304,8 @@ def gluon_expert_fwd_ws_kernel(
     w_ready, w_empty = _ws_barriers(NS, NW * 32)
     args = (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready,
             x_empty, w_ready, w_empty, start, end)
-    gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0)),
-                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1)),
+    gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0, PROBE)),
+                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1, PROBE)),
                         (_ws_producer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     _zero_blocks(out_ptr, used, NUM_BLOCKS, BLOCK_M, DH, NW)
@@ -317,23 +323,31 @@ def ws_supported(dh: int, de: int, pack_block: int) -> bool:
     return dh == 128 and pack_block == 128 and de in (128, 256)
 
 
-def ws_constexprs(k: int, dh: int, de: int, num_groups: int, num_blocks: int, pack_block: int) -> dict:
-    """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes."""
+def ws_constexprs(k: int, dh: int, de: int, num_groups: int, num_blocks: int, pack_block: int,
+                  probe: int = 0) -> dict:
+    """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes. probe: 0 (the
+    kernel) or a measurement (bits: 1 the output rows' stores masked off, 2 no gelu): wrong outputs, bench only."""
     if not ws_supported(dh, de, pack_block):
         raise ValueError(f"warp-specialised expert forward: dh={dh}, de={de}, pack_block={pack_block}; expected "
                          "dh 128, de 128 or 256 and packing blocks of 128 rows")
+    if not 0 <= probe < 4:
+        raise ValueError(f"warp-specialised expert forward: probe={probe}, expected 0..3 (bits: 1 no output stores, "
+                         "2 no gelu)")
     return dict(K=k, DH=dh, DE=de, G=num_groups, NUM_BLOCKS=num_blocks, BLOCK_M=pack_block, BLOCK_E=WS_BLOCK_E,
-                NS=de // WS_BLOCK_E, FAST_TANH=True, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS)
+                NS=de // WS_BLOCK_E, FAST_TANH=True, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS,
+                PROBE=probe)
 
 
-def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None):
+def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None,
+                         probe: int = 0):
     """Torch launcher (CUDA, Hopper): x (S, dh), pk a `kernels.torch_experts.TorchPacking`, w1 (G, dh, de),
-    w2 (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0); `out`, if given, is written in place."""
+    w2 (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0); `out`, if given, is written in place; probe:
+    `ws_constexprs`' (bench only)."""
     import torch
 
     p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
     nb = p // pack_block
-    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block)
+    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block, probe)
     out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     gluon_expert_fwd_ws_kernel[(min(programs, nb),)](

@@ -313,6 +313,12 @@ def test_ws_forward_shapes_checked_and_chosen():
 
     assert ws_constexprs(4, 128, 256, 3072, 100, 128)["NS"] == 2
     assert ws_constexprs(8, 128, 128, 6144, 100, 128)["NS"] == 1
+    # the measurement probes (bench/gluon_kernels.py --kinds fwd_probe): bits 1 and 2; the kernel itself at 0
+    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["PROBE"] == 0
+    assert ws_constexprs(8, 128, 128, 6144, 100, 128, probe=3)["PROBE"] == 3
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match=f"probe={bad}, expected 0..3"):
+            ws_constexprs(8, 128, 128, 6144, 100, 128, probe=bad)
     for dh, de, pack in ((128, 512, 128), (256, 256, 128), (128, 256, 64)):
         assert not ws_supported(dh, de, pack)
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
