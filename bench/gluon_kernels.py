@@ -105,9 +105,6 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
         kernels = {"triton": (2, lambda s: launch("fwd", cfg, s, w1, w2, k))}
         if ws_supported(dh, de, cfg.pack_block):
             kernels["gluon_ws"] = (2, lambda s: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k, cfg.pack_block),))
-            if de == 128:  # the output rows stored from registers (the default stores them by TMA at de 128)
-                kernels["gluon_ws_reg_out"] = (2, lambda s: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k,
-                                                                                  cfg.pack_block, tma_out=False),))
     elif kind == "fwd_probe":  # the Gluon forward with its output stores (1) or gelu (2) left out (session 26)
         kernels = {f"gluon_ws_probe{p}": (2, lambda s, p=p: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k,
                                                                                   cfg.pack_block, probe=p),))

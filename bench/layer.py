@@ -77,23 +77,18 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # (kernels.router.WS_MAX_K = 0); "apart_dx": the router's and the experts' ops apart, their dx added by XLA, instead
 # of one custom_vjp whose dx comes out of one combine kernel (moe_core.FUSE_ROUTER_DX = False: the default until the
 # 2026-11-25 session 20); "xla_combine": the forward's combine of the expert output rows by XLA instead of the Triton
-# kernel (experts_triton.OUT_COMBINE_KERNEL = False: the default until the 2026-11-26 session 23); "fwd_reg_out": the
-# Gluon expert forward storing its output rows from registers at de 128 too (gluon_experts.WS_TMA_OUT[128] = False:
-# the default until the 2026-11-26 session 26).
-LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_reg_out")
+# kernel (experts_triton.OUT_COMBINE_KERNEL = False: the default until the 2026-11-26 session 23).
+LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine")
 
 
 @contextlib.contextmanager
 def layer_switches(variant: str | None):
     """The switches of a LAYER_VARIANTS name flipped inside the context (None or an expert variant: none)."""
-    import kernels.gluon_experts as ge
     import kernels.router as kr
     import mhl_jax.model.moe_core as mc
     import mhl_jax.ops.experts_triton as et
 
-    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, dict(ge.WS_TMA_OUT)
-    if variant == "fwd_reg_out":
-        ge.WS_TMA_OUT[128] = False
+    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL
     if variant == "triton_router_fwd":
         kr.WS_MAX_K = 0
     if variant == "apart_dx":
@@ -103,8 +98,7 @@ def layer_switches(variant: str | None):
     try:
         yield
     finally:
-        kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, tma_out = saved
-        ge.WS_TMA_OUT.update(tma_out)
+        kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL = saved
 
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):

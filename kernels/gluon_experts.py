@@ -63,7 +63,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -225,22 +224,9 @@ def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
         g_prev = g
 
 
-@gluon.constexpr_function
-def _out_stage_layout(dtype):
-    """The forward's output staging tiles: (64, 64), 128-byte swizzle (a TMA box of 64 rows x 128 bytes)."""
-    return gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
-
-
-@gluon.jit
-def _col_halves(acc):
-    """A (64, 128) register tensor's column halves, (64, 64) each (a change of layout only: no data moves)."""
-    return gl.split(gl.permute(gl.reshape(acc, (64, 2, 64)), (0, 2, 1)))
-
-
 @gluon.jit
 def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, PROBE: gl.constexpr = 0, o=(0, 0),
-                 TMA_OUT: gl.constexpr = False):
+                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, PROBE: gl.constexpr = 0):
     """Consumer C (one warp group) computes rows [C * BLOCK_M / 2, (C + 1) * BLOCK_M / 2) of every block, from the
     shared X buffer and weight ring, chunk by chunk: S_j = X W1_j, gelu, A_j W2_j. A_j W2_j runs under the next
     chunk's S_{j+1} and this consumer's wait for it (the wait retires both), so each consumer alternates its MMAs with
@@ -283,35 +269,19 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
         acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
         mbarrier.arrive(w_empty.index((q0 + N - 1) % NS))
         mbarrier.arrive(x_empty.index(xb))
-        if TMA_OUT:  # the rows by TMA stores from a staging tile pair (two per consumer, alternating blocks)
-            gl.static_assert(PROBE == 0 and HALF == 64 and DH == 128, "TMA_OUT: 64-row halves of 128 dh, no probe")
-            desc, stage = o
-            sb = C * 4 + (t % 2) * 2
-            tma.store_wait(2)  # this pair's stores of two blocks before (each block commits two) read it out
-            v0, v1 = _col_halves(acc.to(out_ptr.dtype.element_ty))
-            stage.index(sb).store(v0)
-            stage.index(sb + 1).store(v1)
-            fence_async_shared()  # the generic writes before the async proxy's reads
-            r0 = (b * BLOCK_M + C * HALF).to(gl.int32)
-            tma.async_copy_shared_to_global(desc, [r0, 0], stage.index(sb))
-            tma.async_copy_shared_to_global(desc, [r0, 64], stage.index(sb + 1))
-        else:
-            live = None
-            if PROBE & 1:  # a measurement: the output rows' stores masked off by a condition false at run time
-                live = b < 0
-            _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW, live)
-    if TMA_OUT:  # the last stores read their staging tiles out before the program ends
-        tma.store_wait(0)
+        live = None
+        if PROBE & 1:  # a measurement: the output rows' stores masked off by a condition false at run time
+            live = b < 0
+        _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW, live)
 
 
 @gluon.jit
 def gluon_expert_fwd_ws_kernel(
     x_ptr, row_slot_ptr, block_group_ptr, group_block_start_ptr, group_nblocks_ptr, w1_ptr, w2_ptr,  # inputs
     out_ptr,  # output (P, DH)
-    scratch_ptr,  # output: the global scratch of TMA_OUT's descriptor (programs x FWD_SCRATCH bytes)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, NUM_BLOCKS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr, NS: gl.constexpr, FAST_TANH: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr, TMA_OUT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr,
 ):
     """Warp-specialised persistent forward: one producer warp group loads (X rows gathered by cp.async, W1 / W2
     chunks into a ring of NS slots), two consumer warp groups (the default partition and one worker) each
@@ -334,24 +304,14 @@ def gluon_expert_fwd_ws_kernel(
     w_ready, w_empty = _ws_barriers(NS, NW * 32)
     args = (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready,
             x_empty, w_ready, w_empty, start, end)
-    o = (0, 0)
-    if TMA_OUT:  # a device-made descriptor of the output rows (global scratch: the last parameter) and 4 staging
-        # tile pairs' worth of shared memory (two pairs per consumer)
-        lay: gl.constexpr = _out_stage_layout(out_ptr.dtype.element_ty)
-        o = (tma.make_tensor_descriptor(out_ptr, [NUM_BLOCKS * BLOCK_M, DH], [DH, 1], [64, 64], lay),
-             gl.allocate_shared_memory(out_ptr.dtype.element_ty, [8, 64, 64], lay))
-    gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0, PROBE, o, TMA_OUT)),
-                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1, PROBE, o, TMA_OUT)),
+    gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0, PROBE)),
+                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1, PROBE)),
                         (_ws_producer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     _zero_blocks(out_ptr, used, NUM_BLOCKS, BLOCK_M, DH, NW)
 
 
 WS_BLOCK_E = 128  # de chunk; NS = DE / WS_BLOCK_E ring slots (1 or 2: every slot keeps its chunk)
-# the output rows by TMA stores at de 128 (TMA_OUT; 64 KB of staging: 208 KB of shared memory), from registers at de
-# 256 (no room); the device-made descriptor takes 128 bytes of global scratch per program
-WS_TMA_OUT, FWD_SCRATCH = {128: True, 256: False}, 128
-gluon_expert_fwd_ws_kernel.mhl_global_scratch = FWD_SCRATCH
 WS_CONSUMER_REGS, WS_PRODUCER_REGS, WS_MAXNREG = 208, 88, 168
 # jax-triton compiles with its own options: mhl_jax.ops.gluon_bridge adds these
 gluon_expert_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_MAXNREG}
@@ -364,26 +324,22 @@ def ws_supported(dh: int, de: int, pack_block: int) -> bool:
 
 
 def ws_constexprs(k: int, dh: int, de: int, num_groups: int, num_blocks: int, pack_block: int,
-                  probe: int = 0, tma_out: bool | None = None) -> dict:
+                  probe: int = 0) -> dict:
     """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes. probe: 0 (the
-    kernel) or a measurement (bits: 1 the output rows' stores masked off, 2 no gelu): wrong outputs, bench only.
-    tma_out: the output rows by TMA stores (default WS_TMA_OUT by de; de 128 only, never with a probe)."""
+    kernel) or a measurement (bits: 1 the output rows' stores masked off, 2 no gelu): wrong outputs, bench only."""
     if not ws_supported(dh, de, pack_block):
         raise ValueError(f"warp-specialised expert forward: dh={dh}, de={de}, pack_block={pack_block}; expected "
                          "dh 128, de 128 or 256 and packing blocks of 128 rows")
     if not 0 <= probe < 4:
         raise ValueError(f"warp-specialised expert forward: probe={probe}, expected 0..3 (bits: 1 no output stores, "
                          "2 no gelu)")
-    tma_out = (WS_TMA_OUT[de] if tma_out is None else tma_out) and not probe
-    if tma_out and de != 128:
-        raise ValueError(f"warp-specialised expert forward: tma_out at de={de}; expected de 128 (shared memory)")
     return dict(K=k, DH=dh, DE=de, G=num_groups, NUM_BLOCKS=num_blocks, BLOCK_M=pack_block, BLOCK_E=WS_BLOCK_E,
                 NS=de // WS_BLOCK_E, FAST_TANH=True, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS,
-                PROBE=probe, TMA_OUT=bool(tma_out))
+                PROBE=probe)
 
 
 def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None,
-                         probe: int = 0, tma_out: bool | None = None):
+                         probe: int = 0):
     """Torch launcher (CUDA, Hopper): x (S, dh), pk a `kernels.torch_experts.TorchPacking`, w1 (G, dh, de),
     w2 (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0); `out`, if given, is written in place; probe:
     `ws_constexprs`' (bench only)."""
@@ -391,27 +347,13 @@ def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int |
 
     p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
     nb = p // pack_block
-    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block, probe, tma_out)
+    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block, probe)
     out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
-    programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count, nb)
-    # the last parameter: the JAX binding's global scratch, unread here (Triton's own launcher passes its global
-    # scratch from the allocator set here)
-    scratch = torch.empty(programs * FWD_SCRATCH, dtype=torch.int8, device=x.device)
-    _torch_scratch_allocator()
-    gluon_expert_fwd_ws_kernel[(programs,)](
+    programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
+    gluon_expert_fwd_ws_kernel[(min(programs, nb),)](
         x.contiguous(), pk.row_slot, pk.block_group, pk.group_block_start, pk.group_nblocks, w1.contiguous(),
-        w2.contiguous(), out, scratch, num_warps=4, maxnreg=WS_MAXNREG, **consts)
+        w2.contiguous(), out, num_warps=4, maxnreg=WS_MAXNREG, **consts)
     return out
-
-
-@functools.lru_cache(maxsize=1)
-def _torch_scratch_allocator() -> None:
-    """Triton's launcher takes a kernel's global scratch (device-made TMA descriptors) from `triton.set_allocator`'s
-    function: torch's caching allocator here."""
-    import torch
-    import triton
-
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -319,12 +319,6 @@ def test_ws_forward_shapes_checked_and_chosen():
     for bad in (-1, 4):
         with pytest.raises(ValueError, match=f"probe={bad}, expected 0..3"):
             ws_constexprs(8, 128, 128, 6144, 100, 128, probe=bad)
-    # the output rows by TMA stores at de 128 (not with a probe), from registers at de 256 (no shared memory left)
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["TMA_OUT"] is True
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128, probe=1)["TMA_OUT"] is False
-    assert ws_constexprs(4, 128, 256, 3072, 100, 128)["TMA_OUT"] is False
-    with pytest.raises(ValueError, match="tma_out at de=256"):
-        ws_constexprs(4, 128, 256, 3072, 100, 128, tma_out=True)
     for dh, de, pack in ((128, 512, 128), (256, 256, 128), (128, 256, 64)):
         assert not ws_supported(dh, de, pack)
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
@@ -592,11 +586,10 @@ def test_ws_dw_shapes_checked_and_chosen():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("de,tma_out", [(256, None), (128, None), (128, False)],
-                         ids=["de256", "de128-tma-out", "de128-register-out"])
+@pytest.mark.parametrize("de", [256, 128])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 @pytest.mark.parametrize("programs", [None, 3], ids=["one_per_sm", "three"])
-def test_gpu_ws_forward_vs_triton_and_f64(de, tma_out, skew, programs):
+def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
     """The warp-specialised Gluon forward (torch launcher) against the Triton forward on the same packing: the
     same output rows bit for bit (same products in the same order: fp32 S over dh in k16 steps, the same gelu
     FMAs, A rounded to bf16, A W2 accumulated over de in order), padding rows zero in a NaN-poisoned output,
@@ -614,7 +607,7 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, tma_out, skew, programs):
     pk = pack_torch(idx, ne, cfg.pack_block)
     ref = experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg)
     out = torch.full_like(ref, float("nan"))
-    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out, tma_out=tma_out)
+    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out)
     assert torch.isfinite(out).all()
     assert torch.equal(out, ref)
     assert (out[pk.row_slot < 0] == 0).all()

@@ -150,14 +150,9 @@ def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2):
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     nb = p // st.cfg.pack_block
-    programs = _persistent_programs(nb)
-    # the last output: the kernel's global scratch (`gluon_bridge.redirect_global_scratch`)
-    scratch = jax.ShapeDtypeStruct((programs * gluon_expert_fwd_ws_kernel.mhl_global_scratch,), jnp.int8)
-    out, _ = _gluon_call(xs, meta.row_slot, meta.block_group, meta.group_block_start, meta.group_nblocks, w1, w2,
-                         kernel=gluon_expert_fwd_ws_kernel,
-                         out_shape=[jax.ShapeDtypeStruct((p, dh), xs.dtype), scratch], programs=programs,
-                         **ws_constexprs(st.k, dh, de, g, nb, st.cfg.pack_block))
-    return out
+    return _gluon_call(xs, meta.row_slot, meta.block_group, meta.group_block_start, meta.group_nblocks, w1, w2,
+                       kernel=gluon_expert_fwd_ws_kernel, out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype),
+                       programs=_persistent_programs(nb), **ws_constexprs(st.k, dh, de, g, nb, st.cfg.pack_block))
 
 
 def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
