@@ -105,6 +105,9 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
         kernels = {"triton": (2, lambda s: launch("fwd", cfg, s, w1, w2, k))}
         if ws_supported(dh, de, cfg.pack_block):
             kernels["gluon_ws"] = (2, lambda s: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k, cfg.pack_block),))
+            # each head's blocks in turn (the JAX binding's default) vs a contiguous share of all heads' blocks
+            kernels["gluon_ws_head_major"] = (2, lambda s: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k,
+                                                                                 cfg.pack_block, heads=nh),))
     elif kind == "fwd_probe":  # the Gluon forward with its output stores (1) or gelu (2) left out (session 26)
         kernels = {f"gluon_ws_probe{p}": (2, lambda s, p=p: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k,
                                                                                   cfg.pack_block, probe=p),))

@@ -77,8 +77,10 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # (kernels.router.WS_MAX_K = 0); "apart_dx": the router's and the experts' ops apart, their dx added by XLA, instead
 # of one custom_vjp whose dx comes out of one combine kernel (moe_core.FUSE_ROUTER_DX = False: the default until the
 # 2026-11-25 session 20); "xla_combine": the forward's combine of the expert output rows by XLA instead of the Triton
-# kernel (experts_triton.OUT_COMBINE_KERNEL = False: the default until the 2026-11-26 session 23).
-LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine")
+# kernel (experts_triton.OUT_COMBINE_KERNEL = False: the default until the 2026-11-26 session 23); "fwd_all_heads":
+# the Gluon expert forward's programs each on a contiguous share of all heads' blocks at every k, instead of each
+# head's in turn from k 8 (experts_triton.FWD_HEAD_MAJOR_MIN_K: as until the 2026-11-26 session 26).
+LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads")
 
 
 @contextlib.contextmanager
@@ -88,7 +90,9 @@ def layer_switches(variant: str | None):
     import mhl_jax.model.moe_core as mc
     import mhl_jax.ops.experts_triton as et
 
-    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL
+    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K
+    if variant == "fwd_all_heads":
+        et.FWD_HEAD_MAJOR_MIN_K = 1 << 30
     if variant == "triton_router_fwd":
         kr.WS_MAX_K = 0
     if variant == "apart_dx":
@@ -98,7 +102,7 @@ def layer_switches(variant: str | None):
     try:
         yield
     finally:
-        kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL = saved
+        kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K = saved
 
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):

@@ -136,6 +136,20 @@ def _ws_range(group_block_start_ptr, group_nblocks_ptr, G: gl.constexpr):
 
 
 @gluon.jit
+def _ws_share(group_block_start_ptr, group_nblocks_ptr, G: gl.constexpr, HEADS: gl.constexpr, hh):
+    """This program's share [s0, s1) of head hh's row blocks (the groups of a head are consecutive, G / HEADS of
+    them, their blocks in packed order): programs split every head in turn, so at any time they all gather the rows
+    of one head (one head's x stays in L2). HEADS 1: a share of all the blocks in use."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    NEH: gl.constexpr = G // HEADS
+    hs = gl.load(group_block_start_ptr + hh * NEH)
+    last = hh * NEH + NEH - 1
+    n = gl.load(group_block_start_ptr + last) + gl.load(group_nblocks_ptr + last) - hs
+    return hs + pid * n // nprog, hs + (pid + 1) * n // nprog
+
+
+@gluon.jit
 def _zero_blocks(ptr, used, NUM_BLOCKS: gl.constexpr, BLOCK_M: gl.constexpr, DH: gl.constexpr, NW: gl.constexpr):
     """Zero rows (BLOCK_M, DH) of the blocks made only of padding (after the U in use), strided over programs."""
     lz: gl.constexpr = _copy_layout(DH, NW)
@@ -188,52 +202,57 @@ def _store_rows(ptr, rows, vals, DH: gl.constexpr, NW: gl.constexpr, live=None):
 
 @gluon.jit
 def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr):
+                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, G: gl.constexpr = 1,
+                 HEADS: gl.constexpr = 1):
     """Loads for both consumers: per block, its X rows (gathered) into one of two X buffers, then its W1 / W2
     chunks into the NS-slot ring; each buffer's `ready` barrier completes when this partition's copies land
     (cp.async arrive, one arrival per thread)."""
     (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready, x_empty,
-     w_ready, w_empty, start, end) = a
+     w_ready, w_empty, gbs_ptr, gnb_ptr) = a
     N: gl.constexpr = DE // BLOCK_E
     PW: gl.constexpr = gl.num_warps()
     lx: gl.constexpr = _copy_layout(DH, PW)
     rr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
     cc = gl.arange(0, DH, layout=gl.SliceLayout(0, lx))
-    # the next block's row slots and group are loaded one block ahead: their latency hides under this block
-    slot_next = gl.load(row_slot_ptr + start.to(gl.int64) * BLOCK_M + rr, mask=start < end, other=-1)
-    g_next = gl.load(block_group_ptr + start, mask=start < end, other=0)
     g_prev = gl.to_tensor(-1).to(gl.int64)
-    for t in range(end - start):
-        b = start + t
-        xb = t % 2
-        slot = slot_next
-        g = g_next.to(gl.int64)
-        slot_next = gl.load(row_slot_ptr + (b + 1).to(gl.int64) * BLOCK_M + rr, mask=b + 1 < end, other=-1)
-        g_next = gl.load(block_group_ptr + b + 1, mask=b + 1 < end, other=0)
-        src = gl.where(slot >= 0, slot // K, 0).to(gl.int64)
-        mbarrier.wait(x_empty.index(xb), ((t // 2) & 1) ^ 1)
-        fence_async_shared()
-        # padding rows zero-filled (cp.async of 0 bytes): their output rows come out exactly 0, as gelu(0) = 0, so
-        # the consumers need no row-slot load (which every fence_async_shared's MEMBAR would wait for)
-        async_copy.async_copy_global_to_shared(x_smem.index(xb), x_ptr + src[:, None] * DH + cc[None, :],
-                                               mask=(slot >= 0)[:, None])
-        async_copy.mbarrier_arrive(x_ready.index(xb), increment_count=False)
-        for j in gl.static_range(N):
-            _ws_load_chunk(w1_smem, w2_smem, w_ready, w_empty, w1_ptr, w2_ptr, g, g == g_prev, j, t * N + j, DH, DE,
-                           BLOCK_E, NS, PW)
-        g_prev = g
+    t = 0
+    for hh in range(HEADS):
+        start, end = _ws_share(gbs_ptr, gnb_ptr, G, HEADS, hh)
+        # the next block's row slots and group are loaded one block ahead: their latency hides under this block
+        slot_next = gl.load(row_slot_ptr + start.to(gl.int64) * BLOCK_M + rr, mask=start < end, other=-1)
+        g_next = gl.load(block_group_ptr + start, mask=start < end, other=0)
+        for b in range(start, end):
+            xb = t % 2
+            slot = slot_next
+            g = g_next.to(gl.int64)
+            slot_next = gl.load(row_slot_ptr + (b + 1).to(gl.int64) * BLOCK_M + rr, mask=b + 1 < end, other=-1)
+            g_next = gl.load(block_group_ptr + b + 1, mask=b + 1 < end, other=0)
+            src = gl.where(slot >= 0, slot // K, 0).to(gl.int64)
+            mbarrier.wait(x_empty.index(xb), ((t // 2) & 1) ^ 1)
+            fence_async_shared()
+            # padding rows zero-filled (cp.async of 0 bytes): their output rows come out exactly 0, as gelu(0) = 0,
+            # so the consumers need no row-slot load (which every fence_async_shared's MEMBAR would wait for)
+            async_copy.async_copy_global_to_shared(x_smem.index(xb), x_ptr + src[:, None] * DH + cc[None, :],
+                                                   mask=(slot >= 0)[:, None])
+            async_copy.mbarrier_arrive(x_ready.index(xb), increment_count=False)
+            for j in gl.static_range(N):
+                _ws_load_chunk(w1_smem, w2_smem, w_ready, w_empty, w1_ptr, w2_ptr, g, g == g_prev, j, t * N + j, DH,
+                               DE, BLOCK_E, NS, PW)
+            g_prev = g
+            t += 1
 
 
 @gluon.jit
 def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, PROBE: gl.constexpr = 0):
+                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, PROBE: gl.constexpr = 0,
+                 G: gl.constexpr = 1, HEADS: gl.constexpr = 1):
     """Consumer C (one warp group) computes rows [C * BLOCK_M / 2, (C + 1) * BLOCK_M / 2) of every block, from the
     shared X buffer and weight ring, chunk by chunk: S_j = X W1_j, gelu, A_j W2_j. A_j W2_j runs under the next
     chunk's S_{j+1} and this consumer's wait for it (the wait retires both), so each consumer alternates its MMAs with
     its gelu and the two consumers' interleave. (Issuing S_{j+1} before gelu of S_j with 64-de chunks, two S tiles
     in registers, measured 1-4% slower: the m64n64 products read twice the X per product.)"""
     (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready, x_empty,
-     w_ready, w_empty, start, end) = a
+     w_ready, w_empty, gbs_ptr, gnb_ptr) = a
     N: gl.constexpr = DE // BLOCK_E
     HALF: gl.constexpr = BLOCK_M // 2
     NW: gl.constexpr = gl.num_warps()
@@ -243,36 +262,39 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     om = gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
     s_zero = gl.zeros((HALF, BLOCK_E), gl.float32, s_layout)
-    for t in range(end - start):
-        b = start + t
-        xb = t % 2
-        rows = b.to(gl.int64) * BLOCK_M + C * HALF + om
-        mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
-        xs = x_smem.index(xb).slice(C * HALF, HALF, dim=0)
-        q0 = t * N
-        acc = gl.zeros((HALF, DH), gl.float32, o_layout)
-        a_prev = gl.zeros((HALF, BLOCK_E), cdt, a_layout)
-        for j in gl.static_range(N):
-            q = q0 + j
-            mbarrier.wait(w_ready.index(q % NS), (q // NS) & 1)
-            fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-            s = warpgroup_mma(xs, w1_smem.index(q % NS), s_zero, use_acc=False, is_async=True)
-            # retires S_j and, before it, A_{j-1} W2_{j-1} (its chunk's slot is then free)
-            s, acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, a_prev))
-            if j > 0:
-                mbarrier.arrive(w_empty.index((q - 1) % NS))
-            if PROBE & 2:  # a measurement: no gelu (A = S)
-                a_prev = gl.convert_layout(s.to(cdt), a_layout)
-            else:
-                a_prev = gl.convert_layout(_gelu(s, FAST_TANH).to(cdt), a_layout)
-            acc = warpgroup_mma(a_prev, w2_smem.index(q % NS), acc, is_async=True)
-        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
-        mbarrier.arrive(w_empty.index((q0 + N - 1) % NS))
-        mbarrier.arrive(x_empty.index(xb))
-        live = None
-        if PROBE & 1:  # a measurement: the output rows' stores masked off by a condition false at run time
-            live = b < 0
-        _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW, live)
+    t = 0
+    for hh in range(HEADS):
+        start, end = _ws_share(gbs_ptr, gnb_ptr, G, HEADS, hh)
+        for b in range(start, end):
+            xb = t % 2
+            rows = b.to(gl.int64) * BLOCK_M + C * HALF + om
+            mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
+            xs = x_smem.index(xb).slice(C * HALF, HALF, dim=0)
+            q0 = t * N
+            acc = gl.zeros((HALF, DH), gl.float32, o_layout)
+            a_prev = gl.zeros((HALF, BLOCK_E), cdt, a_layout)
+            for j in gl.static_range(N):
+                q = q0 + j
+                mbarrier.wait(w_ready.index(q % NS), (q // NS) & 1)
+                fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+                s = warpgroup_mma(xs, w1_smem.index(q % NS), s_zero, use_acc=False, is_async=True)
+                # retires S_j and, before it, A_{j-1} W2_{j-1} (its chunk's slot is then free)
+                s, acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, a_prev))
+                if j > 0:
+                    mbarrier.arrive(w_empty.index((q - 1) % NS))
+                if PROBE & 2:  # a measurement: no gelu (A = S)
+                    a_prev = gl.convert_layout(s.to(cdt), a_layout)
+                else:
+                    a_prev = gl.convert_layout(_gelu(s, FAST_TANH).to(cdt), a_layout)
+                acc = warpgroup_mma(a_prev, w2_smem.index(q % NS), acc, is_async=True)
+            acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+            mbarrier.arrive(w_empty.index((q0 + N - 1) % NS))
+            mbarrier.arrive(x_empty.index(xb))
+            live = None
+            if PROBE & 1:  # a measurement: the output rows' stores masked off by a condition false at run time
+                live = b < 0
+            _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW, live)
+            t += 1
 
 
 @gluon.jit
@@ -281,18 +303,20 @@ def gluon_expert_fwd_ws_kernel(
     out_ptr,  # output (P, DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, NUM_BLOCKS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr, NS: gl.constexpr, FAST_TANH: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr, HEADS: gl.constexpr,
 ):
     """Warp-specialised persistent forward: one producer warp group loads (X rows gathered by cp.async, W1 / W2
     chunks into a ring of NS slots), two consumer warp groups (the default partition and one worker) each
     compute half of every row block from the shared buffers; mbarriers hand the buffers over. Program i takes
-    the used row blocks [i U / n, (i + 1) U / n); blocks made only of padding get zero rows."""
+    its share [i B / n, (i + 1) B / n) of each head's B used row blocks, head after head (`_ws_share`; HEADS 1: of
+    all U used blocks at once); blocks made only of padding get zero rows."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(NS >= 2 or NS == DE // BLOCK_E,
                      "NS: a consumer holds two ring slots (chunks j - 1, j) until S_j's wait retires chunk j - 1")
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
-    used, start, end = _ws_range(group_block_start_ptr, group_nblocks_ptr, G)
+    gl.static_assert(G % HEADS == 0, "HEADS: the groups split into equal heads")
+    used, _, _ = _ws_range(group_block_start_ptr, group_nblocks_ptr, G)
 
     x_smem = gl.allocate_shared_memory(cdt, [2, BLOCK_M, DH], gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH],
                                                                                                   cdt))
@@ -303,10 +327,10 @@ def gluon_expert_fwd_ws_kernel(
     x_ready, x_empty = _ws_barriers(2, NW * 32)  # the producer warp group has NW warps too
     w_ready, w_empty = _ws_barriers(NS, NW * 32)
     args = (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready,
-            x_empty, w_ready, w_empty, start, end)
-    gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0, PROBE)),
-                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1, PROBE)),
-                        (_ws_producer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0))],
+            x_empty, w_ready, w_empty, group_block_start_ptr, group_nblocks_ptr)
+    gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0, PROBE, G, HEADS)),
+                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1, PROBE, G, HEADS)),
+                        (_ws_producer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0, G, HEADS))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     _zero_blocks(out_ptr, used, NUM_BLOCKS, BLOCK_M, DH, NW)
 
@@ -324,30 +348,34 @@ def ws_supported(dh: int, de: int, pack_block: int) -> bool:
 
 
 def ws_constexprs(k: int, dh: int, de: int, num_groups: int, num_blocks: int, pack_block: int,
-                  probe: int = 0) -> dict:
+                  probe: int = 0, heads: int = 1) -> dict:
     """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes. probe: 0 (the
-    kernel) or a measurement (bits: 1 the output rows' stores masked off, 2 no gelu): wrong outputs, bench only."""
+    kernel) or a measurement (bits: 1 the output rows' stores masked off, 2 no gelu): wrong outputs, bench only.
+    heads: the heads the groups split into (the programs take each head's blocks in turn; 1: all at once)."""
     if not ws_supported(dh, de, pack_block):
         raise ValueError(f"warp-specialised expert forward: dh={dh}, de={de}, pack_block={pack_block}; expected "
                          "dh 128, de 128 or 256 and packing blocks of 128 rows")
+    if heads < 1 or num_groups % heads:
+        raise ValueError(f"warp-specialised expert forward: heads={heads} for {num_groups} groups; expected the "
+                         "groups to split into equal heads")
     if not 0 <= probe < 4:
         raise ValueError(f"warp-specialised expert forward: probe={probe}, expected 0..3 (bits: 1 no output stores, "
                          "2 no gelu)")
     return dict(K=k, DH=dh, DE=de, G=num_groups, NUM_BLOCKS=num_blocks, BLOCK_M=pack_block, BLOCK_E=WS_BLOCK_E,
                 NS=de // WS_BLOCK_E, FAST_TANH=True, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS,
-                PROBE=probe)
+                PROBE=probe, HEADS=heads)
 
 
 def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None,
-                         probe: int = 0):
+                         probe: int = 0, heads: int = 1):
     """Torch launcher (CUDA, Hopper): x (S, dh), pk a `kernels.torch_experts.TorchPacking`, w1 (G, dh, de),
     w2 (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0); `out`, if given, is written in place; probe:
-    `ws_constexprs`' (bench only)."""
+    `ws_constexprs`' (bench only); heads: `ws_constexprs`'."""
     import torch
 
     p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
     nb = p // pack_block
-    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block, probe)
+    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block, probe, heads)
     out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     gluon_expert_fwd_ws_kernel[(min(programs, nb),)](

@@ -319,6 +319,12 @@ def test_ws_forward_shapes_checked_and_chosen():
     for bad in (-1, 4):
         with pytest.raises(ValueError, match=f"probe={bad}, expected 0..3"):
             ws_constexprs(8, 128, 128, 6144, 100, 128, probe=bad)
+    # the programs take each head's blocks in turn: the groups must split into equal heads
+    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["HEADS"] == 1
+    assert ws_constexprs(8, 128, 128, 6144, 100, 128, heads=8)["HEADS"] == 8
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match=f"heads={bad} for 6144 groups"):
+            ws_constexprs(8, 128, 128, 6144, 100, 128, heads=bad)
     for dh, de, pack in ((128, 512, 128), (256, 256, 128), (128, 256, 64)):
         assert not ws_supported(dh, de, pack)
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
@@ -589,12 +595,14 @@ def test_ws_dw_shapes_checked_and_chosen():
 @pytest.mark.parametrize("de", [256, 128])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 @pytest.mark.parametrize("programs", [None, 3], ids=["one_per_sm", "three"])
-def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
+@pytest.mark.parametrize("heads", [1, 4], ids=["all_heads", "head_major"])
+def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs, heads):
     """The warp-specialised Gluon forward (torch launcher) against the Triton forward on the same packing: the
     same output rows bit for bit (same products in the same order: fp32 S over dh in k16 steps, the same gelu
     FMAs, A rounded to bf16, A W2 accumulated over de in order), padding rows zero in a NaN-poisoned output,
     and within bf16 rounding of the float64 reference. Three programs: ~100 blocks each, so the producer's
-    weight reuse across a group's blocks and its reloads at group changes both run many times."""
+    weight reuse across a group's blocks and its reloads at group changes both run many times. head_major: the
+    programs take each head's blocks in turn (as the JAX binding launches it)."""
     from kernels.experts import default_config
     from kernels.gluon_experts import gluon_experts_fwd_ws
 
@@ -607,7 +615,7 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
     pk = pack_torch(idx, ne, cfg.pack_block)
     ref = experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg)
     out = torch.full_like(ref, float("nan"))
-    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out)
+    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out, heads=heads)
     assert torch.isfinite(out).all()
     assert torch.equal(out, ref)
     assert (out[pk.row_slot < 0] == 0).all()
@@ -618,6 +626,37 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs):
         torch.einsum("rd,rde->re", rows, w1.double()[g]), approximate="tanh"), w2.double()[g])
     assert _rel(out[valid], f64) < 1e-2
 
+
+
+@pytest.mark.gpu
+def test_gpu_forward_head_major_through_jax(monkeypatch):
+    """Through the JAX binding at k 8 (from `FWD_HEAD_MAJOR_MIN_K` on) the Gluon forward's programs take each
+    head's blocks in turn: its launch gets the heads, and the output is bitwise the one with every program on a
+    share of all heads' blocks (the same rows, each made by the same products in the same order)."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.ops.experts_triton as et
+    from mhl_jax.ops.experts_triton import expert_ffn_triton, variant_config
+
+    n, h, dh, k, ne, de = 4096, 4, 128, 8, 16, 128
+    ks = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
+    idx = jnp.argsort(jax.random.uniform(ks[1], (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
+    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
+    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) * dh ** -0.5
+    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) * de ** -0.5
+    cfg = variant_config("default", n * h * k, h * ne, dh, de)
+    assert cfg.fwd_ws and k >= et.FWD_HEAD_MAJOR_MIN_K
+    heads_seen = []
+    real = et._fwd_gluon
+    monkeypatch.setattr(et, "_fwd_gluon", lambda *a: heads_seen.append(a[-1]) or real(*a))
+    head_major = jax.jit(lambda *a: expert_ffn_triton(*a, cfg=cfg)[0])(x, idx, gates, w1, w2)
+    monkeypatch.setattr(et, "FWD_HEAD_MAJOR_MIN_K", 1 << 30)
+    all_heads = jax.jit(lambda *a: expert_ffn_triton(*a, cfg=cfg)[0])(x, idx, gates, w1, w2)
+    assert heads_seen == [h, 1]
+    assert np.isfinite(np.asarray(head_major, np.float32)).all()
+    assert np.array_equal(np.asarray(head_major), np.asarray(all_heads))
 
 
 def _bwd_inputs(seed: int, n: int, h: int, k: int, ne: int, dh: int, de: int, skew: bool):

@@ -144,22 +144,23 @@ def tile_schedule(group_nblocks, tiles_per_group: int, heads: int, programs: int
     return jnp.concatenate([jnp.asarray(starts + programs + 1, jnp.int32), tiles[perm]])
 
 
-def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2):
-    """The warp-specialised forward: work items = row blocks."""
+def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2, heads: int = 1):
+    """The warp-specialised forward: work items = row blocks, each head's shared by the programs in turn."""
     from kernels.gluon_experts import gluon_expert_fwd_ws_kernel, ws_constexprs
 
     p, (_, dh), (g, _, de) = meta.row_slot.shape[0], xs.shape, w1.shape
     nb = p // st.cfg.pack_block
     return _gluon_call(xs, meta.row_slot, meta.block_group, meta.group_block_start, meta.group_nblocks, w1, w2,
                        kernel=gluon_expert_fwd_ws_kernel, out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype),
-                       programs=_persistent_programs(nb), **ws_constexprs(st.k, dh, de, g, nb, st.cfg.pack_block))
+                       programs=_persistent_programs(nb),
+                       **ws_constexprs(st.k, dh, de, g, nb, st.cfg.pack_block, heads=heads))
 
 
-def _fwd_triton(st: Static, xs, meta: Meta, w1, w2):
+def _fwd_triton(st: Static, xs, meta: Meta, w1, w2, heads: int = 1):
     # cfg.fwd_ws is set only at the shapes the Gluon kernel takes (default_config; ws_constexprs names the
     # shape if a hand-made config asks for it elsewhere)
     if st.cfg.fwd_ws and xs.dtype == jnp.bfloat16 and _hopper_sms():
-        return _fwd_gluon(st, xs, meta, w1, w2)
+        return _fwd_gluon(st, xs, meta, w1, w2, heads if st.k >= FWD_HEAD_MAJOR_MIN_K else 1)
     p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
     jt = import_jax_triton()
 
@@ -297,7 +298,7 @@ def _rows_fn(st: Static, meta: Meta, xs, w1, w2):
     return expert_rows_reference(rows, meta.block_group, w1, w2, st.cfg.pack_block)
 
 
-def _fwd_emulate(st: Static, xs, meta: Meta, w1, w2):
+def _fwd_emulate(st: Static, xs, meta: Meta, w1, w2, heads: int = 1):
     return _rows_fn(st, meta, xs, w1, w2)
 
 
@@ -372,6 +373,13 @@ def dgates_and_dy_rows(out_rows, slot_row, dy, gates):
 # 2026-11-26, layer fwd+bwd in one process: 0.01-0.07 ms faster than XLA's gather-reduce fusion at the table's rows;
 # both run at the HBM rate (bench/NOTES.md, Layer, Session 23). False: XLA's (`_combine`) everywhere.
 OUT_COMBINE_KERNEL = True
+# From k = FWD_HEAD_MAJOR_MIN_K on, the Gluon forward's programs take each head's row blocks in turn: all programs
+# gather one head's x rows at a time, k times each, from L2; below it every program takes a contiguous share of all
+# heads' blocks (keeping its weights across more of a group's blocks). H100, 81920 tokens, kernel alone: 1.077 vs
+# 1.150 ms at 768/8/128, 1.275 vs 1.352 at 1536/8/128, but 0.779 vs 0.752 at 384/4/256 and level at 768/4/256; the
+# layer -0.11 / -0.09 ms at the k 8 rows (bench/NOTES.md, Layer, Session 26). A large value: never (layer variant
+# "fwd_all_heads").
+FWD_HEAD_MAJOR_MIN_K = 8
 
 
 def combine_rows(out_rows, slot_row, gates, x_dtype, backend: str):
@@ -409,7 +417,7 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
     w2c = w2c.reshape(h * ne, de, dh).astype(x.dtype)
     xs = x.reshape(n * h, dh)
     fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
-    out_rows = fwd(st, xs, meta, w1c, w2c)
+    out_rows = fwd(st, xs, meta, w1c, w2c, h)
     y = combine_rows(out_rows, meta.slot_row, gates.astype(jnp.float32), x.dtype, st.backend)
     # the output rows are kept for the backward only where no kernel makes the gate gradients
     keep = None if dgates_in_kernels(st.cfg, de) else out_rows
