@@ -6,7 +6,9 @@ schedule written by hand:
     out = gelu(X W1[g]) W2[g]          X: (BLOCK_M, DH) gathered rows, W1[g]: (DH, DE), W2[g]: (DE, DH)
 
 - Persistent: program i of n takes the used row blocks [i U / n, (i + 1) U / n) (U from the packing's
-  group_block_start / group_nblocks), in packed order, so consecutive blocks mostly share a group.
+  group_block_start / group_nblocks), in packed order, so consecutive blocks mostly share a group; with HEADS > 1
+  it takes that share of each head's blocks, head after head, so that all programs gather one head's rows at a
+  time (from L2; the JAX binding's launch from k 8 on: `experts_triton.FWD_HEAD_MAJOR_MIN_K`).
 - One producer warp group loads everything by cp.async (gathered X rows need no TMA descriptor): the next
   block's X rows into the other of two X buffers (padding rows zero-filled, so their output rows come out 0
   without a mask), the W1 / W2 chunks (BLOCK_E wide) into a ring of NS
