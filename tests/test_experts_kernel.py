@@ -334,6 +334,21 @@ def test_ws_forward_shapes_checked_and_chosen():
     assert not default_config(81920 * 8 * 4, 8 * 384, 128, 512).fwd_ws
 
 
+def _jax_expert_inputs(seed: int, n: int, h: int, dh: int, ne: int, de: int, k: int):
+    """JAX inputs of the expert op: bf16 x (n, h, dh), k distinct experts per sub-token at random, softmax gates,
+    fp32 W1 (h, ne, dh, de) / W2 (h, ne, de, dh) at unit-variance scale."""
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
+    idx = jnp.argsort(jax.random.uniform(ks[1], (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
+    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
+    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) * dh ** -0.5
+    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) * de ** -0.5
+    return x, idx, gates, w1, w2
+
+
 def test_dw_gluon_dispatch_rule(monkeypatch):
     """`experts_triton.use_dw_gluon`: the Gluon dW kernel runs only for cfg.dw_ws on a split, unpacked backward, in
     bf16, on a Hopper GPU, at a shape it takes; a hand-made dw_ws config elsewhere falls back to the Triton kernel."""
@@ -372,12 +387,7 @@ def test_binding_sums_partial_dx_rows_and_gate_gradients(monkeypatch):
 
     n, h, dh, de, ne, k = 64, 2, 16, 32, 4, 2
     cfg = variant_config("t", n * h * k, h * ne, dh, de)  # the transposed dW kernel: the kernels make the dgates
-    ks = jax.random.split(jax.random.key(3), 5)
-    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
-    idx = jnp.argsort(jax.random.uniform(ks[1], (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
-    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
-    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) * dh ** -0.5
-    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) * de ** -0.5
+    x, idx, gates, w1, w2 = _jax_expert_inputs(3, n, h, dh, ne, de, k)
 
     def grads():
         def loss(x, g, a, b):
@@ -634,18 +644,12 @@ def test_gpu_forward_head_major_through_jax(monkeypatch):
     head's blocks in turn: its launch gets the heads, and the output is bitwise the one with every program on a
     share of all heads' blocks (the same rows, each made by the same products in the same order)."""
     import jax
-    import jax.numpy as jnp
 
     import mhl_jax.ops.experts_triton as et
     from mhl_jax.ops.experts_triton import expert_ffn_triton, variant_config
 
     n, h, dh, k, ne, de = 4096, 4, 128, 8, 16, 128
-    ks = jax.random.split(jax.random.key(3), 5)
-    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
-    idx = jnp.argsort(jax.random.uniform(ks[1], (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
-    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
-    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) * dh ** -0.5
-    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) * de ** -0.5
+    x, idx, gates, w1, w2 = _jax_expert_inputs(3, n, h, dh, ne, de, k)
     cfg = variant_config("default", n * h * k, h * ne, dh, de)
     assert cfg.fwd_ws and k >= et.FWD_HEAD_MAJOR_MIN_K
     heads_seen = []
