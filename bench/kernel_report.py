@@ -136,7 +136,8 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
                 **rec)
 
 
-def _ptxas_report(fn, ptx_text: str, ttgir: str, shared: int) -> dict:
+def ptxas_sass(ptx_text: str) -> tuple[str, str]:
+    """PTX assembled for sm_90a by the Triton wheel's ptxas (no GPU): (ptxas -v's report, cuobjdump's SASS)."""
     import triton
 
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -148,6 +149,11 @@ def _ptxas_report(fn, ptx_text: str, ttgir: str, shared: int) -> dict:
                               capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
+    return info, sass
+
+
+def _ptxas_report(fn, ptx_text: str, ttgir: str, shared: int) -> dict:
+    info, sass = ptxas_sass(ptx_text)
     dump = os.environ.get("KERNEL_REPORT_DUMP")  # a directory: the TTGIR and SASS are written there
     if dump:
         os.makedirs(dump, exist_ok=True)

@@ -245,6 +245,8 @@ def main() -> None:
                          "call and fp32 gradients, ~1.2 GB + 0.4 GB more HBM traffic at Ne 384; bfloat16: weights "
                          "held in the compute dtype, bf16 gradients)")
     args = ap.parse_args()
+    if any(n < 1 for n in args.inner):
+        ap.error(f"--inner {' '.join(map(str, args.inner))}: expected calls per batch >= 1")
     dwt_tile = None
     if args.dwt_tile:
         from kernels.experts import Tile

@@ -82,25 +82,14 @@ def compile_case(n: int, k: int, wg: int, a_reg: int) -> dict:
     """sm_90a compile of one case (no GPU): the SASS wgmma forms (operands as `_`: RS has one register operand more,
     A's), their count and the registers."""
     import re
-    import subprocess
-    import tempfile
 
-    import triton
-
+    from bench.kernel_report import ptxas_sass
     from mhl_jax.ops.gluon_bridge import compile_gluon
 
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32"}
     c = consts(n, k, wg, a_reg, 16)
     r = compile_gluon(wgmma_rate_kernel, dict(sig, **{key: "constexpr" for key in c}), c, {}, num_warps=4 * wg)
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(r["ptx"])
-        info = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
-                              capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
+    info, sass = ptxas_sass(r["ptx"])
     forms = sorted(set(re.sub(r"UR\d+|R\d+|gdesc\[[^]]*\]", "_", m).strip()
                        for m in re.findall(r"HGMMA\.[^;]*", sass)))
     regs = re.search(r"Used (\d+) registers", info)

@@ -299,6 +299,7 @@ def _rows_fn(st: Static, meta: Meta, xs, w1, w2):
 
 
 def _fwd_emulate(st: Static, xs, meta: Meta, w1, w2, heads: int = 1):
+    """`_fwd_triton`'s signature; heads (a launch order) means nothing to the emulation."""
     return _rows_fn(st, meta, xs, w1, w2)
 
 
