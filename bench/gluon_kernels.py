@@ -54,7 +54,7 @@ BWD_OPTIONS = [{}, dict(xw=True), dict(xw=True, hb=2)]
 BWD_PROBE_OPTIONS = [dict(xw=True), *(dict(xw=True, probe=b) for b in (1, 2, 4, 3, 7)), dict(xw=True, accum=True),
                      dict(xw=True, accum=True, probe=1), dict(xw=True, stages=2), dict(xw=True, stages=2, accum=True)]
 # `gluon_router_fwd_ws` launch options (consumers, ring stages); the default is one of them, by k
-ROUTER_OPTIONS = [(3, 2), (2, 3)]
+ROUTER_OPTIONS = [dict(nc=3, stages=2), dict(nc=2, stages=3)]
 # `gluon_experts_dw_ws` launch options (block_m, wbuf, stages, (worker consumer regs, producer regs)); the first is
 # the kernel's default (H100 2026-11-24: results/gluon_dw_variants-h100-2026-11-24.jsonl, measured by the probe
 # this kind replaced)
@@ -76,7 +76,7 @@ def _diff(outs, refs) -> tuple[float, float]:
 def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, device: str, outf, nh: int = 8,
               dh: int = 128, routing: str = "uniform", probe_options: list[dict] | None = None) -> list[dict]:
     """The `kind` kernels at one shape (the Gluon one where supported): one record per kernel. probe_options:
-    bwd_probe's option dicts (default BWD_PROBE_OPTIONS)."""
+    bwd_probe's option dicts (default BWD_PROBE_OPTIONS), or router's `gluon_router_fwd_ws` ones (ROUTER_OPTIONS)."""
     import torch
 
     from bench.kernel_tiles import launch
@@ -90,7 +90,7 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
     )
 
     if kind == "router":
-        return run_router(tokens, ne, k, date, device, outf, nh, dh)
+        return run_router(tokens, ne, k, date, device, outf, nh, dh, router_options=probe_options)
     if kind == "router_cast":
         return run_router_cast(tokens, ne, k, de, date, device, outf, nh, dh)
     if kind in ("bwd", "bwd_probe"):
@@ -224,7 +224,8 @@ def _router_sets(tokens: int, ne: int, nh: int, dh: int, cast_de: int | None = N
     return sets
 
 
-def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: int = 8, dh: int = 128) -> list[dict]:
+def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: int = 8, dh: int = 128,
+               router_options: list[dict] | None = None) -> list[dict]:
     """The router forward: Triton kernel (default tiles) and the Gluon one at ROUTER_OPTIONS, same inputs."""
     from triton.testing import do_bench
 
@@ -234,9 +235,8 @@ def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: i
     sets = _router_sets(tokens, ne, nh, dh)
     kernels = {"triton": lambda s: router_fwd(s[0], s[1], s[3], k)}
     if ws_router_supported(dh, ne, k, 3):
-        for nc, st in ROUTER_OPTIONS:
-            o = dict(nc=nc, stages=st)
-            kernels[f"gluon_ws_nc{nc}_st{st}"] = (
+        for o in router_options or ROUTER_OPTIONS:
+            kernels["gluon_ws_" + "_".join(f"{a}{v}" for a, v in o.items())] = (
                 lambda s, o=o: gluon_router_fwd_ws(s[0], s[2], s[3], k, **o))
     refs, recs = None, []
     for name, fn in kernels.items():
@@ -292,7 +292,8 @@ def main() -> None:
                     help="uniform (nearly equal groups) or layer (groups as uneven as bench/layer.py's)")
     ap.add_argument("--probe-options", default=None,
                     help="bwd_probe: a JSON list of `gluon_experts_bwd_ws` option dicts instead of BWD_PROBE_OPTIONS, "
-                         'e.g. \'[{"xw": false, "accum": 1}, {"xw": false, "accum": 2}]\'')
+                         'e.g. \'[{"xw": false, "accum": 1}, {"xw": false, "accum": 2}]\'; router: of '
+                         '`gluon_router_fwd_ws` ones instead of ROUTER_OPTIONS, e.g. \'[{"nc": 2, "thr": 8}]\'')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     probe_options = None

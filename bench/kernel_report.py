@@ -91,10 +91,12 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
     return _ptxas_report(fn, compiled.asm["ptx"], compiled.asm["ttgir"], int(compiled.metadata.shared))
 
 
-def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128) -> dict:
+def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128,
+              thr: int = 0) -> dict:
     """Compile a warp-specialised Gluon kernel (kernels/gluon_experts.py: `fwd_ws` the forward, `dw_ws` the weight
     gradients, `bwd_ws` the fused backward, `bwd_xw` the same with the dX warp group; kernels/gluon_router.py:
-    `router_ws` the router forward, Ne = de) as the JAX binding does
+    `router_ws` the router forward, Ne = de; thr: its threshold selection's round limit, 0 networks only) as the JAX
+    binding does
     (mhl_jax.ops.gluon_bridge) and read ptxas' report (registers: the kernel's launch limit, maxnreg)."""
     import kernels.gluon_experts as ge
     from mhl_jax.ops.gluon_bridge import compile_gluon
@@ -117,7 +119,7 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
 
         cast = kind == "router_ws_cast"
         consts = gr.ws_router_constexprs(81920, 8, dh, de, k, 3, nc=2 if cast else None,
-                                         cast_n=8 * de * dh * 128 if cast else 0)
+                                         cast_n=8 * de * dh * 128 if cast else 0, thr=thr)
         fn = gr.ws_router_kernel(consts["NC"], cast)
         tile = [64 * consts["NC"], 64, 4 * (consts["NC"] + 1 + cast), consts["NST"]]
         pointer = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32",
@@ -206,7 +208,8 @@ def main() -> None:
     for spec in args.tiles:
         kind, *nums = spec.split(",")
         if kind in ("fwd_ws", "dw_ws", "bwd_ws", "bwd_xw", "router_ws", "router_ws_cast"):
-            rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block)
+            rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block,
+                            thr=int(nums[0]) if nums and kind.startswith("router_ws") else 0)
         elif kind == "router":
             rec = report_router(*(int(v) for v in nums), dh=args.dh, ne=args.ne, k=args.k or 8)
         else:

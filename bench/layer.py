@@ -79,18 +79,23 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # 2026-11-25 session 20); "xla_combine": the forward's combine of the expert output rows by XLA instead of the Triton
 # kernel (experts_triton.OUT_COMBINE_KERNEL = False: the default until the 2026-11-26 session 23); "fwd_all_heads":
 # the Gluon expert forward's programs each on a contiguous share of all heads' blocks at every k, instead of each
-# head's in turn from k 8 (experts_triton.FWD_HEAD_MAJOR_MIN_K: as until the 2026-11-26 session 26).
-LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads")
+# head's in turn from k 8 (experts_triton.FWD_HEAD_MAJOR_MIN_K: as until the 2026-11-26 session 26); "router_networks":
+# the Gluon router forward selecting by sorting networks in every block, without the threshold rounds
+# (gluon_router.WS_ROUTER_THR = 0: as until the 2026-11-26 session 27).
+LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads", "router_networks")
 
 
 @contextlib.contextmanager
 def layer_switches(variant: str | None):
     """The switches of a LAYER_VARIANTS name flipped inside the context (None or an expert variant: none)."""
+    import kernels.gluon_router as gr
     import kernels.router as kr
     import mhl_jax.model.moe_core as mc
     import mhl_jax.ops.experts_triton as et
 
-    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K
+    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR
+    if variant == "router_networks":
+        gr.WS_ROUTER_THR = 0
     if variant == "fwd_all_heads":
         et.FWD_HEAD_MAJOR_MIN_K = 1 << 30
     if variant == "triton_router_fwd":
@@ -102,7 +107,7 @@ def layer_switches(variant: str | None):
     try:
         yield
     finally:
-        kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K = saved
+        kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR = saved
 
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):

@@ -156,9 +156,9 @@ def _split_cols(t):
 
 
 @gluon.jit
-def _net_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr):
-    """One 64-expert block by sorting networks, each thread on its own 16 columns of its rows: sc (64, 64) scores
-    of experts e0..e0+63 in the wgmma layout; rv / ri the thread's running best KP (KP-tuples of (64, 4))."""
+def _block_leaves(sc, e0, h, b_ptr, NE: gl.constexpr):
+    """The biased scores of one 64-expert block and their expert indices, each thread's 16 columns of its rows as 16
+    (64, 4) leaves (bit-reversed column order, `_split_cols`); sc (64, 64) in the wgmma layout."""
     l16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     cols = e0 + gl.arange(0, 64, layout=gl.SliceLayout(0, l16))
     bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
@@ -168,9 +168,13 @@ def _net_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr):
     # at Ne 768 k 8, H100, results/gluon_router-h100-2026-11-24-nan{mask,max}.jsonl)
     sb = gl.where((cols < NE)[None, :], sb, float("-inf"))
     cb = gl.full([64, 64], 0, gl.int32, l16) + cols[None, :]
-    lv = _split_cols(sb.reshape([64, 4, 16]))
-    li = _split_cols(cb.reshape([64, 4, 16]))
-    # the best KP of each group of KP leaves, then a tree of merges, then into the running list
+    return _split_cols(sb.reshape([64, 4, 16])), _split_cols(cb.reshape([64, 4, 16]))
+
+
+@gluon.jit
+def _net_merge(lv, li, rv, ri, KP: gl.constexpr):
+    """A block's 16 leaves per thread and row into the running best KP by sorting networks: the best KP of each group
+    of KP leaves, then a tree of merges, then into the running list."""
     lists_v = ()
     lists_i = ()
     for g in gl.static_range(16 // KP):
@@ -193,6 +197,105 @@ def _net_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr):
         lists_v = nv
         lists_i = ni
     return _merge_top(rv, ri, lists_v[0], lists_i[0], KP)
+
+
+@gluon.jit
+def _net_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr):
+    """One 64-expert block by sorting networks, each thread on its own 16 columns of its rows: sc (64, 64) scores
+    of experts e0..e0+63 in the wgmma layout; rv / ri the thread's running best KP (KP-tuples of (64, 4))."""
+    lv, li = _block_leaves(sc, e0, h, b_ptr, NE)
+    return _net_merge(lv, li, rv, ri, KP)
+
+
+@gluon.constexpr_function
+def _rev4(c):
+    """The leaf of column c (0-15) in `_split_cols`' bit-reversed order (an involution)."""
+    c = int(c)
+    return ((c & 1) << 3) | ((c & 2) << 1) | ((c & 4) >> 1) | ((c & 8) >> 3)
+
+
+@gluon.jit
+def _bfind(x):
+    """The position of the highest set bit of x (int32, elementwise; 0xffffffff where x is 0)."""
+    return gl.inline_asm_elementwise("bfind.u32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _insert_new(rv, ri, v, i, KP: gl.constexpr):
+    """(v, i) into the better-first list rv / ri (its last element dropped), where i is above every index in the
+    list, so v must be strictly larger to go before an element (an element not larger leaves the list as it is)."""
+    nv = ()
+    ni = ()
+    gp = v > rv[0]
+    nv = nv + (gl.where(gp, v, rv[0]),)
+    ni = ni + (gl.where(gp, i, ri[0]),)
+    for t in gl.static_range(1, KP):
+        g = v > rv[t]
+        nv = nv + (gl.where(g, gl.where(gp, rv[t - 1], v), rv[t]),)
+        ni = ni + (gl.where(g, gl.where(gp, ri[t - 1], i), ri[t]),)
+        gp = g
+    return nv, ni
+
+
+@gluon.jit
+def _thr_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr, THR: gl.constexpr,
+               TMODE: gl.constexpr):
+    """One 64-expert block by a threshold and insertions: only scores above the row's threshold (the best of its four
+    threads' KP-th: that thread holds KP better scores, of lower indices, so nothing not above it is in the row's
+    best KP) can enter; each thread inserts its candidates one by one, lowest column first, in as many rounds as the
+    most candidates any thread row of the warp group has (one reduction per block). Above THR rounds the block goes
+    through the sorting networks instead (the first blocks, where the lists are still filling, and adversarial
+    orders). Every score of the row's best KP enters its thread's list and stays there, so the rows' final merge
+    (`_net_finish`) gives exactly the networks' result."""
+    lv, li = _block_leaves(sc, e0, h, b_ptr, NE)
+    if TMODE >= 1 and KP >= 2:
+        # the second best of the four threads' (KP / 2)-th (two threads hold KP / 2 each: KP at or above it) and the
+        # worst of their (KP / 4)-th (each holds KP / 4)
+        if TMODE != 3 or KP < 4:
+            a = rv[KP // 2 - 1]
+            a1 = _shfl_bfly(a, 1)
+            hi = gl.maximum(a, a1)
+            lo = gl.minimum(a, a1)
+            thr = gl.maximum(gl.minimum(hi, _shfl_bfly(hi, 2)), gl.maximum(lo, _shfl_bfly(lo, 2)))
+        if TMODE >= 2 and KP >= 4:
+            q = rv[KP // 4 - 1]
+            q = gl.minimum(q, _shfl_bfly(q, 1))
+            q = gl.minimum(q, _shfl_bfly(q, 2))
+            if TMODE == 2:
+                thr = gl.maximum(thr, q)
+            else:
+                thr = q
+    else:  # the best of the four threads' KP-th
+        thr = rv[KP - 1]
+        thr = gl.maximum(thr, _shfl_bfly(thr, 1))
+        thr = gl.maximum(thr, _shfl_bfly(thr, 2))
+    m = gl.zeros_like(ri[0])
+    cnt = gl.zeros_like(ri[0])
+    for c in gl.static_range(16):
+        ok = lv[_rev4(c)] > thr
+        m = m | gl.where(ok, 1 << c, 0)
+        cnt = cnt + ok.to(gl.int32)
+    rounds = gl.max(cnt, axis=None)
+    if rounds > THR:
+        rv, ri = _net_merge(lv, li, rv, ri, KP)
+    else:
+        base = li[0]  # leaf 0 holds the thread's first column: e0 + 16 q
+        for _ in range(rounds):
+            low = m & (0 - m)
+            m = m ^ low
+            p = _bfind(low)
+            sel = ()
+            for c in gl.static_range(16):
+                sel = sel + (lv[_rev4(c)],)
+            for lvl in gl.static_range(4):  # a select tree on p's bits
+                bit = ((p >> lvl) & 1) != 0
+                nxt = ()
+                for u in gl.static_range(16 >> (lvl + 1)):
+                    nxt = nxt + (gl.where(bit, sel[2 * u + 1], sel[2 * u]),)
+                sel = nxt
+            v = gl.where(low != 0, sel[0], float("-inf"))
+            rv, ri = _insert_new(rv, ri, v, base + p, KP)
+    return rv, ri
 
 
 @gluon.jit
@@ -305,7 +408,8 @@ def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
 
 @gluon.jit
 def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
-                     PARTS: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, C: gl.constexpr):
+                     PARTS: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, C: gl.constexpr, THR: gl.constexpr,
+                     TMODE: gl.constexpr):
     """Consumer C: rows [C * 64, C * 64 + 64) of every item, block by block (the other consumers' selections run
     under this one's products; issuing block b + 1's before block b's selection measured slower: the second
     accumulator's registers)."""
@@ -327,7 +431,10 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
             fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
             sc = _block_scores(xs, w_smem, s, zero, PARTS)
             mbarrier.arrive(w_empty.index(s))
-            rv, ri = _net_block(sc, e0, h, b_ptr, rv, ri, NE, KP)
+            if THR > 0:
+                rv, ri = _thr_block(sc, e0, h, b_ptr, rv, ri, NE, KP, THR, TMODE)
+            else:
+                rv, ri = _net_block(sc, e0, h, b_ptr, rv, ri, NE, KP)
             q += 1
         mbarrier.arrive(x_empty.index(xb))
         t += 1
@@ -363,7 +470,7 @@ def gluon_router_fwd_ws_kernel(
     o1_ptr, o2_ptr,  # outputs: the casts, bf16 (unused at CAST_N 0)
     N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr, PARTS: gl.constexpr,
     NST: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CAST_N: gl.constexpr = 0, CAST_REGS: gl.constexpr = 40,
+    CAST_N: gl.constexpr = 0, CAST_REGS: gl.constexpr = 40, THR: gl.constexpr = 0, TMODE: gl.constexpr = 0,
 ):
     """Warp-specialised persistent router forward: items (NC * 64 rows, head) strided over the programs; one
     producer warp group (cp.async of x rows and 64-expert W_r blocks), NC consumer warp groups of 64 rows (NC - 1
@@ -383,20 +490,20 @@ def gluon_router_fwd_ws_kernel(
     w_ready, w_empty = _ws_barriers(NST, NW * 32, NC)
     args = (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T)
     if NC == 2 and CAST_N > 0:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1)),
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0, THR, TMODE)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1, THR, TMODE)),
                             (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
                             (_router_caster, ((c1_ptr, c2_ptr, o1_ptr, o2_ptr), CAST_N))],
                            [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, CAST_REGS])
     elif NC == 2:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1)),
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0, THR, TMODE)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1, THR, TMODE)),
                             (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0))],
                            [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 2)),
+        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0, THR, TMODE)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1, THR, TMODE)),
+                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 2, THR, TMODE)),
                             (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0))],
                            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
@@ -412,6 +519,12 @@ WS_ROUTER_NST = {2: 3, 3: 2}
 WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40)}
 WS_ROUTER_MAXNREG = {2: 168, 3: 128}
 WS_ROUTER_CAST_REGS = 40
+# The threshold selection (`_thr_block`): at most WS_ROUTER_THR rounds of insertions per block (more: the networks),
+# the row's threshold by WS_ROUTER_TMODE (0: the best of the four threads' KP-th; 1: also the second best of their
+# (KP / 2)-th; 2: also the worst of their (KP / 4)-th; 3: that one alone where KP >= 4). WS_ROUTER_THR = 0: the
+# networks for every block (as until the 2026-11-26 session 27; layer variant "router_networks").
+WS_ROUTER_THR = 8
+WS_ROUTER_TMODE = 2
 gluon_router_fwd_ws_kernel.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNREG[3]}
 # the same kernel compiled with the two-consumer launch limit (jax-triton takes the limit from the kernel object)
 gluon_router_fwd_ws_kernel_nc2 = gluon.jit(gluon_router_fwd_ws_kernel.fn)
@@ -441,7 +554,8 @@ def ws_router_supported(dh: int, ne: int, k: int, parts: int) -> bool:
 
 
 def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, nc: int | None = None,
-                         stages: int | None = None, cast_n: int = 0) -> dict:
+                         stages: int | None = None, cast_n: int = 0, thr: int | None = None,
+                         tmode: int | None = None) -> dict:
     """The kernel's constexpr arguments (torch and JAX launchers alike; nc / stages default by k, nc 2 with a cast;
     cast_n: elements of each array the caster warp group casts, which fits beside two consumers only); raises on
     unsupported shapes."""
@@ -450,11 +564,17 @@ def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, n
     if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
         raise ValueError(f"warp-specialised router forward: dh={dh}, Ne={ne}, k={k}, parts={parts}, nc={nc}; "
                          "expected dh 128, Ne a multiple of 8, 1 <= k <= 8, 1-3 bf16 parts, 2 or 3 consumers")
+    thr = WS_ROUTER_THR if thr is None else thr
+    tmode = WS_ROUTER_TMODE if tmode is None else tmode
+    if thr < 0 or tmode not in (0, 1, 2, 3):
+        raise ValueError(f"warp-specialised router forward: thr={thr}, tmode={tmode}; expected thr >= 0 (0: the "
+                         "networks in every block) and tmode 0-3")
     if cast_n and nc != 2:
         raise ValueError(f"warp-specialised router forward: a cast of {cast_n} elements needs 2 consumers, got nc={nc}")
     regs = WS_ROUTER_REGS[nc]
     return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, NST=stages, NC=nc, CONSUMER_REGS=regs[0],
-                PRODUCER_REGS=regs[1], CAST_N=cast_n, CAST_REGS=WS_ROUTER_CAST_REGS)
+                PRODUCER_REGS=regs[1], CAST_N=cast_n, CAST_REGS=WS_ROUTER_CAST_REGS,
+                THR=thr, TMODE=tmode)
 
 
 def ws_router_items(n: int, h: int, nc: int) -> int:

@@ -262,6 +262,9 @@ def test_ws_router_shapes_checked():
             ws_router_constexprs(100, 8, dh, ne, k, parts)
     with pytest.raises(ValueError, match="nc=5"):
         ws_router_constexprs(100, 8, 128, 384, 4, 3, nc=5)
+    for bad in (dict(thr=-1), dict(tmode=4)):
+        with pytest.raises(ValueError, match="thr=.*tmode="):
+            ws_router_constexprs(100, 8, 128, 384, 4, 3, **bad)
     c = ws_router_constexprs(81920, 8, 128, 384, 4, 3)
     assert (c["NC"], c["NST"], c["K"], c["PARTS"]) == (3, 2, 4, 3)
     c = ws_router_constexprs(81920, 8, 128, 768, 8, 3)  # lists of 8: two consumers with more registers
@@ -727,15 +730,26 @@ WS_CASES = [  # n, h, ne, k, options (consumers / stages), programs, ties
     (4099, 8, 384, 4, {}, None, False),  # the default: N not a multiple of the 192-row items
     (1000, 2, 64, 1, {}, 5, False),  # k = 1 (lists of one); five programs: many items each, buffers reused in turn
     (777, 3, 1000, 3, dict(nc=2, stages=3), None, False),  # Ne % 64 != 0 (masked W_r columns), k odd (lists of 4)
-    (2048, 4, 768, 8, {}, 7, False),  # k = 8
+    (2048, 4, 768, 8, dict(thr=0), 7, False),  # k = 8; the networks in every block
     (999, 2, 200, 6, dict(stages=3), None, False),  # k = 6 (lists of 8)
     (300, 2, 16, 2, dict(nc=2), None, False),  # Ne < the 64-expert block
     (1500, 2, 256, 4, {}, None, True),  # exact ties within and across expert blocks
     (1500, 2, 256, 8, dict(nc=2), 3, True),
+    # the threshold selection (`thr`: rounds of insertions above the row's threshold, the networks past thr rounds)
+    (4099, 8, 384, 4, dict(thr=8, tmode=2), None, False),
+    (2048, 4, 1536, 8, dict(thr=8, tmode=1), 7, False),
+    (777, 3, 1000, 3, dict(nc=2, stages=3, thr=6, tmode=1), None, False),
+    (1000, 2, 64, 1, dict(thr=4, tmode=1), 5, False),
+    (999, 2, 200, 6, dict(thr=2), None, False),
+    (1500, 2, 256, 4, dict(thr=8, tmode=3), None, True),
+    (1500, 2, 256, 8, dict(nc=2, thr=8), 3, True),
+    (1500, 2, 768, 8, dict(thr=8, tmode=2), None, "trend"),  # scores rising with the expert: many candidates
+    (1500, 2, 768, 4, dict(thr=16), None, "trend"),  # ... every block through the rounds (16 = all 16 columns)
 ]
 
 
-WS_IDS = [f"n{c[0]}-ne{c[2]}-k{c[3]}-{'ties' if c[6] else 'rand'}-{i}" for i, c in enumerate(WS_CASES)]
+WS_IDS = [f"n{c[0]}-ne{c[2]}-k{c[3]}-{c[6] if isinstance(c[6], str) else 'ties' if c[6] else 'rand'}-{i}"
+          for i, c in enumerate(WS_CASES)]
 
 
 @pytest.mark.gpu
@@ -747,6 +761,9 @@ def test_gpu_ws_router_vs_triton_and_float64(case):
 
     n, h, ne, k, options, programs, ties = case
     x, w, b = _inputs(n + ne + k, n, h, 128, ne)
+    if ties == "trend":  # a bias rising with the expert index: each block brings many new best scores
+        b += torch.linspace(0.0, 6.0, ne)[None, :]
+        ties = False
     if ties:  # experts 64-127 copy 0-63 (ties across blocks), 9 copies 5 (within one thread's 16 experts), 20 and 50
         # copy 5 too (ties between the four threads of a row: their butterfly merge), same bias
         w[:, :, 64:128] = w[:, :, 0:64]
