@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 
 # (rows per program, warps). The head-major program order (session 20, dropped in session 21) measured 0.73-0.94 ms vs
 # 0.79 at Ne 768 / k 8 over four tiles (results/combine-h200-2026-11-26-s21-headmajor.jsonl).
-TILES = [(32, 4), (16, 4), (64, 4)]
+TILES = [(16, 4), (32, 4), (8, 4), (16, 2)]
 H, DH = 8, 128
 
 

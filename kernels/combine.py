@@ -29,7 +29,11 @@ import triton.language as tl
 
 
 class CombineTiles(NamedTuple):
-    block_r: int = 32  # rows per program
+    # rows per program. 16 since the 2026-11-26 session 27, when the dv stores moved behind the loads (H100, kernel
+    # alone, bench/combine.py: 0.71 / 0.74 / 0.63 ms at Ne 768 k 8 / Ne 1536 k 8 / Ne 384 k 4 with two partials,
+    # against 0.92 / 0.96 / 0.72 with the stores between the loads at 32 rows; at 64 rows with two partials the
+    # held values spill: 10 ms; results/combine-h100-2026-11-26-s27-dv-{late,inline}.jsonl)
+    block_r: int = 16
     num_warps: int = 4
 
 
@@ -77,6 +81,7 @@ def dx_combine_kernel(
         for j in tl.static_range(K):
             g, dg = _gate_and_dgate(slot_row_ptr, dgr_ptr, gates_ptr, r64, rmask, j, K, PARTS, DG_BY_SLOT)
             ssum += g * dg
+    dvs = ()
     for j in tl.static_range(K):  # fixed order: deterministic
         s = tl.load(slot_row_ptr + r64 * K + j, mask=rmask, other=-1)
         ok = (s >= 0)[:, None] & dmask[None, :]
@@ -86,12 +91,15 @@ def dx_combine_kernel(
         if ROUTER:  # pass 2: dv_j = g_j dg_j - g_j sum (the form of jax.nn.softmax's VJP), then the router's row
             g, dg = _gate_and_dgate(slot_row_ptr, dgr_ptr, gates_ptr, r64, rmask, j, K, PARTS, DG_BY_SLOT)
             dv = g * dg - g * ssum
-            tl.store(dv_ptr + r64 * K + j, dv, mask=rmask)
+            dvs = dvs + (dv,)
             e = tl.load(idx_ptr + r64 * K + j, mask=rmask, other=0)
             wrow = (h * NE + e).to(tl.int64)
             w = tl.load(wt_ptr + wrow[:, None] * DH + offs_d[None, :], mask=rmask[:, None] & dmask[None, :],
                         other=0.0)
             acc += dv[:, None] * w
+    if ROUTER:  # stored after every load: a store between them would keep the next slot's loads behind it
+        for j in tl.static_range(K):
+            tl.store(dv_ptr + r64 * K + j, dvs[j], mask=rmask)
     tl.store(dx_ptr + r64[:, None] * DH + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
 
