@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from mhl_jax.ops.experts import expert_ffn, triton_packing_spec
 from mhl_jax.ops.kernels_select import MAX_TRITON_EXPERT_WIDTH, triton_expert_path
-from mhl_jax.ops.router import MAX_TRITON_ROUTER_WIDTH, route_topk
+from mhl_jax.ops.router import MAX_TRITON_ROUTER_WIDTH, route_topk, router_gates
 
 
 def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
@@ -49,7 +49,7 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
         return moe_heads_triton(x_route, x_expert, w_r, bias, w1, w2, k, cfg, weights_cast=weights_cast,
                                 grad_acc=grad_acc)
     values, idx = route_topk(x_route, w_r, bias, k, impl)
-    gates = jax.nn.softmax(values, axis=-1)  # fp32
+    gates = router_gates(values)  # fp32
     return expert_ffn(x_expert, idx, gates, w1, w2, impl, cfg=cfg, weights_cast=weights_cast, grad_acc=grad_acc)
 
 
@@ -145,7 +145,7 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
     spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
     out = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, cast=(w1, w2) if cast else None, **kw)
     values, idx, packing = out[:3]
-    gates = jax.nn.softmax(values, axis=-1)  # fp32
+    gates = router_gates(values)  # fp32
     return expert_ffn(x_expert, idx, gates, w1, w2, "triton", cfg=cfg, packing=packing, backend=backend,
                       weights_cast=out[3] if cast else weights_cast, grad_acc=grad_acc)
 

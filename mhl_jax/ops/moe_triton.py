@@ -29,6 +29,7 @@ from kernels.combine import CombineTiles, combine_constexprs, combine_grid, dx_c
 from mhl_jax.ops import experts_triton as ext
 from mhl_jax.ops import router_triton as rtr
 from mhl_jax.ops.kernels_select import import_jax_triton
+from mhl_jax.ops.router import router_gates
 
 # The dx combine's tiles when moe_heads_fused is not given any (None: CombineTiles(), the measured default).
 COMBINE_TILES: CombineTiles | None = None
@@ -76,7 +77,7 @@ def dx_combine(dx_rows, slot_row, dgate_rows, gates, idx, wt, x_dtype, tiles: Co
 
 def _forward(st: Static, x, w_r, bias, w1, w2, wc):
     vals, idx, packing, *made = rtr._forward(st.router, x, w_r, bias, (w1, w2) if st.cast else None)
-    gates = jax.nn.softmax(vals, axis=-1)  # fp32
+    gates = router_gates(vals)  # fp32
     _, meta = ext.packed_meta(idx, w1.shape[1], st.experts.cfg.pack_block, st.experts.cfg.pack_impl,
                               st.experts.backend, packing, "moe_heads_fused")
     y, res = ext._forward(st.experts, x, gates, w1, w2, meta, made[0] if made else wc)

@@ -2,7 +2,7 @@
 
 `route_topk(x, w_r, bias, k)` returns the k selected *raw* scores and their expert indices per
 (token, head). The bias only takes part in the selection: top-k of (s + b), values s. Gates are
-`jax.nn.softmax(values)` over the k selected scores (done by the caller, in fp32).
+`router_gates(values)`: the softmax over the k selected scores (done by the caller, in fp32).
 
 Implementations: `reference` (pure JAX: materialises (N, H, Ne) scores) and `triton` (the IO-aware
 kernel of paper Alg. 1/2, in `mhl_jax/ops/router_triton.py`).
@@ -12,6 +12,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def router_gates(values: jax.Array) -> jax.Array:
+    """The gates: softmax over the k selected scores (fp32), compiled apart from what surrounds it. XLA fuses a bare
+    softmax with its neighbours, and the fusion it picks (and so the last bit of a gate) depended on the rest of the
+    program: the fused MoE core and the ops apart gave gates one fp32 ulp apart on an H100 (2026-11-26), so the two
+    forwards, the same function, were not bitwise equal. Optimisation barriers on both sides keep the softmax one
+    computation whatever surrounds it."""
+    return jax.lax.optimization_barrier(jax.nn.softmax(jax.lax.optimization_barrier(values), axis=-1))
 
 
 def route_topk_reference(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

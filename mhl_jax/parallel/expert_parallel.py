@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mhl_jax.ops.experts import expert_ffn
-from mhl_jax.ops.router import route_topk
+from mhl_jax.ops.router import route_topk, router_gates
 
 EP_IMPLS = ("auto", "ragged", "padded")
 
@@ -247,7 +247,7 @@ def ep_moe_local(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: 
     w_full = lax.all_gather(w_r, axis, axis=2, tiled=True)
     b_full = lax.all_gather(bias, axis, axis=1, tiled=True)
     values, idx = route_topk(x_route, w_full, b_full, k, impl)
-    gates = jax.nn.softmax(values, axis=-1)  # (n, H, k) fp32
+    gates = router_gates(values)  # (n, H, k) fp32
 
     # sort the M = n * H * k slots by (destination, head, local expert); stable: token order inside
     dest = idx // ne_local
