@@ -1,6 +1,6 @@
 """The router forward of `kernels/router.py` (`router_fwd_kernel`), warp-specialised, in Gluon
 (`triton.experimental.gluon`, Triton >= 3.6), Hopper only: the same top-k of the same bf16xP scores, selected by
-sorting networks instead of rounds of row maxima, with the schedule written by hand.
+sorting networks and insertions above a threshold instead of rounds of row maxima, with the schedule written by hand.
 
     scores = x_h W_r[h] (+ bias[h]),  x_h: (ROWS, DH) bf16 rows of head h, W_r[h] = sum_p W_p[h], W_p bf16 (DH, NE)
 
@@ -16,6 +16,11 @@ sorting networks instead of rounds of row maxima, with the schedule written by h
   better of a_t and b_{KP-1-t}, then a bitonic merge) and merge the result into its running list. No data-dependent
   control flow, no cross-thread work until the item's end, where two butterfly shuffles merge the four threads of a
   row.
+- From the second block on most scores cannot enter any more, so by default (THR > 0, `_thr_block`) a block goes
+  through the networks only where some thread row of the warp group has more than THR scores above its row's
+  threshold (a bound from the four threads' lists: what is not above it cannot be among the row's best KP); otherwise
+  each thread inserts its candidates into its list, one per round, in as many rounds as the warp group's most
+  candidates. The same total order, so the same lists' merge at the item's end: bitwise the networks' result.
   "Better" = the larger biased score, the lower expert index among equal ones (the Triton kernel's order), a total
   order on non-NaN scores: ties go exactly as there.
 - Outputs as the Triton kernel: values = biased score - bias (the raw score, rounded as there), indices int32.
@@ -31,6 +36,9 @@ Measured on H100 (kernel alone, 81920 tokens x 8 heads, bench/gluon_kernels.py -
 (0.286). With bitonic group sorts (until 2026-11-25, same process: results/gluon_router-h100-2026-11-25-s17-oddeven
 .jsonl) 0.68 / 1.25 / 1.73 / 3.12 ms at 81920 tokens. Rounds of row maxima (the Triton kernel's selection) in this
 kernel (2026-11-24): 0.81 / 2.40 / 3.83 ms at Ne 384 k 4 / Ne 768 k 8 / Ne 1536 k 8.
+The threshold rounds (2026-11-26, session 27, same process, results/gluon_kernels-h100-2026-11-26-s27-router-tmode
+.jsonl): Ne 384 k 4 0.627 ms (0.652 networks only), Ne 768 k 8 1.445 (1.594), Ne 1536 k 8 2.542 (2.833); 8192 tokens
+Ne 384 k 4 0.084 (0.087).
 Supported shapes: `ws_router_supported`.
 """
 
