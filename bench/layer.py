@@ -81,8 +81,10 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # the Gluon expert forward's programs each on a contiguous share of all heads' blocks at every k, instead of each
 # head's in turn from k 8 (experts_triton.FWD_HEAD_MAJOR_MIN_K: as until the 2026-11-26 session 26); "router_networks":
 # the Gluon router forward selecting by sorting networks in every block, without the threshold rounds
-# (gluon_router.WS_ROUTER_THR = 0: as until the 2026-11-26 session 27).
-LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads", "router_networks")
+# (gluon_router.WS_ROUTER_THR = 0: as until the 2026-11-26 session 27); "bare_gates": the gates by a bare
+# softmax, without the optimisation barriers of `router.router_gates` (router.GATES_BARRIER = False: as until
+# session 27).
+LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads", "router_networks", "bare_gates")
 
 
 @contextlib.contextmanager
@@ -92,8 +94,12 @@ def layer_switches(variant: str | None):
     import kernels.router as kr
     import mhl_jax.model.moe_core as mc
     import mhl_jax.ops.experts_triton as et
+    import mhl_jax.ops.router as ro
 
-    saved = kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR
+    saved = (kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR,
+             ro.GATES_BARRIER)
+    if variant == "bare_gates":
+        ro.GATES_BARRIER = False
     if variant == "router_networks":
         gr.WS_ROUTER_THR = 0
     if variant == "fwd_all_heads":
@@ -107,7 +113,8 @@ def layer_switches(variant: str | None):
     try:
         yield
     finally:
-        kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR = saved
+        (kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR,
+         ro.GATES_BARRIER) = saved
 
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):

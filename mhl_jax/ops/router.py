@@ -20,7 +20,13 @@ def router_gates(values: jax.Array) -> jax.Array:
     program: the fused MoE core and the ops apart gave gates one fp32 ulp apart on an H100 (2026-11-26), so the two
     forwards, the same function, were not bitwise equal. Optimisation barriers on both sides keep the softmax one
     computation whatever surrounds it."""
+    if not GATES_BARRIER:
+        return jax.nn.softmax(values, axis=-1)
     return jax.lax.optimization_barrier(jax.nn.softmax(jax.lax.optimization_barrier(values), axis=-1))
+
+
+# False: the bare softmax (as until the 2026-11-26 session 27; bench/layer.py variant "bare_gates")
+GATES_BARRIER = True
 
 
 def route_topk_reference(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
