@@ -248,13 +248,13 @@ def _insert_new(rv, ri, v, i, KP: gl.constexpr):
 @gluon.jit
 def _thr_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr, THR: gl.constexpr,
                TMODE: gl.constexpr):
-    """One 64-expert block by a threshold and insertions: only scores above the row's threshold (the best of its four
-    threads' KP-th: that thread holds KP better scores, of lower indices, so nothing not above it is in the row's
-    best KP) can enter; each thread inserts its candidates one by one, lowest column first, in as many rounds as the
-    most candidates any thread row of the warp group has (one reduction per block). Above THR rounds the block goes
-    through the sorting networks instead (the first blocks, where the lists are still filling, and adversarial
-    orders). Every score of the row's best KP enters its thread's list and stays there, so the rows' final merge
-    (`_net_finish`) gives exactly the networks' result."""
+    """One 64-expert block by a threshold and insertions: only scores strictly above the row's threshold can enter. The
+    threshold is a bound from the four threads' lists (TMODE: see WS_ROUTER_TMODE) such that KP scores of the row, of
+    lower indices, are at or above it, so nothing not above it is in the row's best KP. Each thread inserts its
+    candidates one by one, lowest column first, in as many rounds as the most candidates any thread row of the warp
+    group has (one reduction per block). Above THR rounds the block goes through the sorting networks instead (the
+    first blocks, where the lists are still filling, and adversarial orders). Every score of the row's best KP enters
+    its thread's list and stays there, so the rows' final merge (`_net_finish`) gives exactly the networks' result."""
     lv, li = _block_leaves(sc, e0, h, b_ptr, NE)
     if TMODE >= 1 and KP >= 2:
         # the second best of the four threads' (KP / 2)-th (two threads hold KP / 2 each: KP at or above it) and the
