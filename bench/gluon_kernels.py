@@ -236,7 +236,7 @@ def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: i
     kernels = {"triton": lambda s: router_fwd(s[0], s[1], s[3], k)}
     if ws_router_supported(dh, ne, k, 3):
         for o in router_options or ROUTER_OPTIONS:
-            kernels["gluon_ws_" + "_".join(f"{a}{v}" for a, v in o.items())] = (
+            kernels["gluon_ws_" + ("_".join(f"{a}{v}" for a, v in o.items()) or "default")] = (
                 lambda s, o=o: gluon_router_fwd_ws(s[0], s[2], s[3], k, **o))
     refs, recs = None, []
     for name, fn in kernels.items():

@@ -92,11 +92,11 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
 
 
 def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128,
-              thr: int = 0) -> dict:
+              thr: int | None = None) -> dict:
     """Compile a warp-specialised Gluon kernel (kernels/gluon_experts.py: `fwd_ws` the forward, `dw_ws` the weight
     gradients, `bwd_ws` the fused backward, `bwd_xw` the same with the dX warp group; kernels/gluon_router.py:
-    `router_ws` the router forward, Ne = de; thr: its threshold selection's round limit, 0 networks only) as the JAX
-    binding does
+    `router_ws` the router forward, Ne = de; thr: its threshold selection's round limit, 0 networks only, None the
+    kernel's default) as the JAX binding does
     (mhl_jax.ops.gluon_bridge) and read ptxas' report (registers: the kernel's launch limit, maxnreg)."""
     import kernels.gluon_experts as ge
     from mhl_jax.ops.gluon_bridge import compile_gluon
@@ -195,7 +195,8 @@ def sass_partitions(sass: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiles", nargs="+", default=DEFAULT_TILES, help="kind,block_m,block_e,warps,stages")
+    ap.add_argument("--tiles", nargs="+", default=DEFAULT_TILES,
+                    help="kind,block_m,block_e,warps,stages; router_ws[_cast][,thr] (thr 0: the networks only)")
     ap.add_argument("--dh", type=int, default=128)
     ap.add_argument("--de", type=int, default=256)
     ap.add_argument("--pack-block", type=int, default=128)
@@ -209,7 +210,7 @@ def main() -> None:
         kind, *nums = spec.split(",")
         if kind in ("fwd_ws", "dw_ws", "bwd_ws", "bwd_xw", "router_ws", "router_ws_cast"):
             rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block,
-                            thr=int(nums[0]) if nums and kind.startswith("router_ws") else 0)
+                            thr=int(nums[0]) if nums and kind.startswith("router_ws") else None)
         elif kind == "router":
             rec = report_router(*(int(v) for v in nums), dh=args.dh, ne=args.ne, k=args.k or 8)
         else:

@@ -246,41 +246,47 @@ def _insert_new(rv, ri, v, i, KP: gl.constexpr):
 
 
 @gluon.jit
+def _row_bound(rv, KP: gl.constexpr, TMODE: gl.constexpr):
+    """A bound per row from its four threads' lists rv (lanes 4r .. 4r + 3) with KP of the row's scores, all of lower
+    indices than the next block's, at or above it (TMODE: see WS_ROUTER_TMODE)."""
+    if TMODE == 0 or KP < 2:  # the best of the four threads' KP-th
+        thr = rv[KP - 1]
+        thr = gl.maximum(thr, _shfl_bfly(thr, 1))
+        return gl.maximum(thr, _shfl_bfly(thr, 2))
+    if TMODE != 3 or KP < 4:  # the second best of their (KP / 2)-th: two threads hold KP / 2 each
+        a = rv[KP // 2 - 1]
+        a1 = _shfl_bfly(a, 1)
+        hi = gl.maximum(a, a1)
+        lo = gl.minimum(a, a1)
+        half = gl.maximum(gl.minimum(hi, _shfl_bfly(hi, 2)), gl.maximum(lo, _shfl_bfly(lo, 2)))
+        if TMODE == 1 or KP < 4:
+            return half
+    q = rv[KP // 4 - 1]  # the worst of their (KP / 4)-th: each holds KP / 4
+    q = gl.minimum(q, _shfl_bfly(q, 1))
+    q = gl.minimum(q, _shfl_bfly(q, 2))
+    if TMODE == 2:
+        return gl.maximum(half, q)
+    return q
+
+
+@gluon.jit
 def _thr_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr, THR: gl.constexpr,
                TMODE: gl.constexpr):
-    """One 64-expert block by a threshold and insertions: only scores strictly above the row's threshold can enter. The
-    threshold is a bound from the four threads' lists (TMODE: see WS_ROUTER_TMODE) such that KP scores of the row, of
-    lower indices, are at or above it, so nothing not above it is in the row's best KP. Each thread inserts its
+    """One 64-expert block by a threshold and insertions: only scores strictly above the row's threshold
+    (`_row_bound`) can enter, since KP scores of the row, of lower indices, are at or above it. Each thread inserts its
     candidates one by one, lowest column first, in as many rounds as the most candidates any thread row of the warp
     group has (one reduction per block). Above THR rounds the block goes through the sorting networks instead (the
     first blocks, where the lists are still filling, and adversarial orders). Every score of the row's best KP enters
     its thread's list and stays there, so the rows' final merge (`_net_finish`) gives exactly the networks' result."""
     lv, li = _block_leaves(sc, e0, h, b_ptr, NE)
-    if TMODE >= 1 and KP >= 2:
-        # the second best of the four threads' (KP / 2)-th (two threads hold KP / 2 each: KP at or above it) and the
-        # worst of their (KP / 4)-th (each holds KP / 4)
-        if TMODE != 3 or KP < 4:
-            a = rv[KP // 2 - 1]
-            a1 = _shfl_bfly(a, 1)
-            hi = gl.maximum(a, a1)
-            lo = gl.minimum(a, a1)
-            thr = gl.maximum(gl.minimum(hi, _shfl_bfly(hi, 2)), gl.maximum(lo, _shfl_bfly(lo, 2)))
-        if TMODE >= 2 and KP >= 4:
-            q = rv[KP // 4 - 1]
-            q = gl.minimum(q, _shfl_bfly(q, 1))
-            q = gl.minimum(q, _shfl_bfly(q, 2))
-            if TMODE == 2:
-                thr = gl.maximum(thr, q)
-            else:
-                thr = q
-    else:  # the best of the four threads' KP-th
-        thr = rv[KP - 1]
-        thr = gl.maximum(thr, _shfl_bfly(thr, 1))
-        thr = gl.maximum(thr, _shfl_bfly(thr, 2))
+    thr = _row_bound(rv, KP, TMODE)
+    by_col = ()  # the leaves in column order
+    for c in gl.static_range(16):
+        by_col = by_col + (lv[_rev4(c)],)
     m = gl.zeros_like(ri[0])
     cnt = gl.zeros_like(ri[0])
     for c in gl.static_range(16):
-        ok = lv[_rev4(c)] > thr
+        ok = by_col[c] > thr
         m = m | gl.where(ok, 1 << c, 0)
         cnt = cnt + ok.to(gl.int32)
     rounds = gl.max(cnt, axis=None)
@@ -292,9 +298,7 @@ def _thr_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr, THR
             low = m & (0 - m)
             m = m ^ low
             p = _bfind(low)
-            sel = ()
-            for c in gl.static_range(16):
-                sel = sel + (lv[_rev4(c)],)
+            sel = by_col
             for lvl in gl.static_range(4):  # a select tree on p's bits
                 bit = ((p >> lvl) & 1) != 0
                 nxt = ()
