@@ -83,21 +83,26 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # the Gluon router forward selecting by sorting networks in every block, without the threshold rounds
 # (gluon_router.WS_ROUTER_THR = 0: as until the 2026-11-26 session 27); "bare_gates": the gates by a bare
 # softmax, without the optimisation barriers of `router.router_gates` (router.GATES_BARRIER = False: as until
-# session 27).
-LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads", "router_networks", "bare_gates")
+# session 27); "pack_sort": the Triton packing's scatter ranking slots by sorting each chunk (packing.PACK_SCATTER =
+# "sort": as until the 2026-11-26 session 28).
+LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads", "router_networks", "bare_gates",
+                  "pack_sort")
 
 
 @contextlib.contextmanager
 def layer_switches(variant: str | None):
     """The switches of a LAYER_VARIANTS name flipped inside the context (None or an expert variant: none)."""
     import kernels.gluon_router as gr
+    import kernels.packing as kp
     import kernels.router as kr
     import mhl_jax.model.moe_core as mc
     import mhl_jax.ops.experts_triton as et
     import mhl_jax.ops.router as ro
 
     saved = (kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR,
-             ro.GATES_BARRIER)
+             ro.GATES_BARRIER, kp.PACK_SCATTER)
+    if variant == "pack_sort":
+        kp.PACK_SCATTER = "sort"
     if variant == "bare_gates":
         ro.GATES_BARRIER = False
     if variant == "router_networks":
@@ -114,7 +119,7 @@ def layer_switches(variant: str | None):
         yield
     finally:
         (kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR,
-         ro.GATES_BARRIER) = saved
+         ro.GATES_BARRIER, kp.PACK_SCATTER) = saved
 
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):

@@ -126,6 +126,41 @@ def pack_scatter_kernel(idx_ptr, base_ptr, pstart_ptr, row_slot_in_ptr, slot_row
 
 
 @triton.jit
+def pack_scatter_steps_kernel(idx_ptr, base_in_ptr, pstart_ptr, row_slot_in_ptr, slot_row_ptr, row_slot_ptr, base_ptr,
+                              H: tl.constexpr, K: tl.constexpr, ML: tl.constexpr, NE: tl.constexpr,
+                              NEP: tl.constexpr, NC: tl.constexpr, C: tl.constexpr, S: tl.constexpr):
+    """`pack_scatter_kernel`'s outputs without the sort: the chunk in C / S steps of S slots, in order. A slot's
+    rank among its expert's slots in the chunk = the running count of its expert in the chunk's earlier steps + its
+    rank in its step (an S x S compare). The running counts live in the chunk's own row of base (base_ptr aliases
+    base_in_ptr; no other program reads it): a slot's row is pstart + that count + its rank, and the step's slots
+    store their experts' new counts before the barrier that ends the step. Launched with one warp:
+    the (S, S) compare then holds each slot's S comparisons in its own lane (reduced without shuffles)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    run = base_ptr + (h * NC + c) * NEP
+    i = tl.arange(0, S)
+    earlier = i[:, None] < i[None, :]  # [j, i]: slot j is before slot i in the step
+    for q in tl.range(0, C // S, num_stages=1):  # not pipelined: a step's loads of `run` follow the last step's stores
+        loc = c * C + q * S + i
+        inside = loc < ML
+        s = (loc // K * H + h) * K + loc % K
+        e = tl.load(idx_ptr + s, mask=inside, other=-1)
+        valid = (e >= 0) & (e < NE)
+        ev = tl.where(valid, e, NE)  # NE: empty, out of range or past ML (never another slot's expert)
+        same = (ev[:, None] == ev[None, :]).to(tl.int32)  # [j, i]
+        rank = tl.sum(same * earlier.to(tl.int32), 0)  # slots of i's expert before i in the step
+        total = tl.sum(same, 0)  # slots of i's expert in the step
+        ec = tl.where(valid, e, 0)
+        count = tl.load(run + ec, mask=valid, other=0)  # base + slots of e in the earlier steps
+        start = tl.load(pstart_ptr + h * NE + ec, mask=valid, other=0)
+        row = start + count + rank
+        tl.store(slot_row_ptr + s, tl.where(valid, row, -1), mask=inside)
+        tl.store(row_slot_ptr + row, s, mask=valid)
+        tl.store(run + ec, count + total, mask=valid)  # the expert's slots all store the same count
+        tl.debug_barrier()
+
+
+@triton.jit
 def pack_block_group_kernel(bend_ptr, nblocks_ptr, block_group_ptr, G: tl.constexpr, NB: tl.constexpr,
                             BLOCK: tl.constexpr, STEPS: tl.constexpr):
     b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -147,6 +182,11 @@ def next_pow2(v: int) -> int:
 
 
 PACK_CHUNK = 1024  # local slots per chunk (sorted in registers by one program)
+# How pack_scatter finds each slot's rank among its expert's slots in the chunk: "sort" (`pack_scatter_kernel`, the
+# chunk sorted in registers by tl.sort) or "steps" (`pack_scatter_steps_kernel`: running counts over steps of
+# PACK_STEP slots, one warp)
+PACK_SCATTER = "steps"
+PACK_STEP = 32
 HIST_ATOMIC_MIN_BINS = 1024  # histogram bins (NEP) from which pack_hist_kernel adds atomically
 
 
@@ -176,14 +216,25 @@ class Launch:
     meta: dict
     num_warps: int = 4
     fill: tuple = ()  # ((name, value), ...)
+    inout: tuple = ()  # names of inputs the kernel also writes, as outputs (aliased; not refilled)
+
+    @property
+    def aliased(self) -> tuple:
+        """Names of the buffers passed both as an input and as an output."""
+        return tuple(name for name, _ in self.fill) + self.inout
 
 
 PACK_RESULT = ("row_slot", "slot_row", "block_group", "sizes", "nblocks")  # `Packing`'s fields, in order
 
 
-def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: int = PACK_CHUNK) -> list[Launch]:
+def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: int = PACK_CHUNK,
+                  scatter: str | None = None) -> list[Launch]:
     """The five launches packing idx (n, h, k) (input buffer "idx") over ne experts into p padded rows
-    (`padded_rows(n * h * k, h * ne, block)`); the results are the buffers named in PACK_RESULT."""
+    (`padded_rows(n * h * k, h * ne, block)`); the results are the buffers named in PACK_RESULT. scatter: "sort" or
+    "steps" (default PACK_SCATTER)."""
+    scatter = scatter or PACK_SCATTER
+    if scatter not in ("sort", "steps"):
+        raise ValueError(f"pack_launches: scatter={scatter!r}; expected 'sort' or 'steps'")
     sh = launch_shapes(n, h, k, ne, chunk)
     nc, nep, g, nb = sh["NC"], sh["NEP"], sh["G"], p // block
     chunked = dict(H=h, K=k, ML=sh["ML"], NE=ne, NEP=nep, NC=nc, C=sh["C"])
@@ -199,12 +250,16 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
                dict(G=g, R=block, GB=sh["GB"])),
         Launch(pack_scatter_kernel, ("idx", "base", "pstart", "row_slot"),
                (("slot_row", (n * h * k,)), ("row_slot", (p,))), (nc, h), dict(chunked, LOG_C=sh["LOG_C"]),
-               fill=(("row_slot", -1),)),
+               fill=(("row_slot", -1),)) if scatter == "sort" else
+        Launch(pack_scatter_steps_kernel, ("idx", "base", "pstart", "row_slot"),
+               (("slot_row", (n * h * k,)), ("row_slot", (p,)), ("base", (h, nc, nep))), (nc, h),
+               dict(chunked, S=min(PACK_STEP, sh["C"])), num_warps=1, fill=(("row_slot", -1),), inout=("base",)),
         Launch(pack_block_group_kernel, ("bend", "nblocks"), (("block_group", (nb,)),),
                (-(-nb // BLOCK_GROUP_TILE),), dict(G=g, NB=nb, BLOCK=BLOCK_GROUP_TILE, STEPS=g.bit_length() + 1)),
     ]
 
 
 __all__ = ["pack_hist_kernel", "pack_offsets_kernel", "pack_groups_kernel", "pack_scatter_kernel",
+           "pack_scatter_steps_kernel", "PACK_SCATTER", "PACK_STEP",
            "pack_block_group_kernel", "pack_launches", "Launch", "PACK_RESULT", "PACK_CHUNK", "HIST_ATOMIC_MIN_BINS",
            "next_pow2"]
