@@ -120,7 +120,8 @@ def test_triton_pack_kernels_equal_jax_pack(case, atomic_min_bins, scatter, monk
     """kernels/packing.py (under the Triton interpreter without a GPU) returns exactly `pack`'s arrays:
     chunks that do and do not divide N * k, one chunk for the whole head, empty slots, extreme skew; the
     chunk histograms by atomic adds and by tl.histogram; the slots' ranks by the chunk's sort and by steps of
-    running counts (at step sizes below, at and above the chunk's, so a chunk takes one step or several)."""
+    running counts (at step sizes below, at and above the chunk's, so a chunk takes one step or several; 1, 2 and 4
+    chunks a program)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     import kernels.packing as kp
@@ -129,8 +130,10 @@ def test_triton_pack_kernels_equal_jax_pack(case, atomic_min_bins, scatter, monk
     monkeypatch.setattr(kp, "HIST_ATOMIC_MIN_BINS", atomic_min_bins)
     idx, ne = _case_idx(case, 7)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    for block, chunk, step in ((4, 16, 4), (16, 32, 32), (8, 1024, 16)):  # many_experts at chunk 16: 25 chunks
+    for block, chunk, step, chunks in ((4, 16, 4, 2), (16, 32, 32, 1), (8, 1024, 16, 4)):  # many_experts at chunk
+        # 16: 25 chunks (the last program's second chunk past them)
         monkeypatch.setattr(kp, "PACK_STEP", step)
+        monkeypatch.setattr(kp, "PACK_STEP_CHUNKS", chunks)
         ref = _jit_pack(idx, ne, block)
         got = pack_triton_torch(torch.from_numpy(np.array(idx)).to(dev), ne, block, chunk, scatter)
         for name, a, b in zip(ref._fields, ref, got):
