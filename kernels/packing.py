@@ -145,33 +145,36 @@ def pack_scatter_steps_kernel(idx_ptr, base_in_ptr, pstart_ptr, row_slot_in_ptr,
     """`pack_scatter_kernel`'s outputs without the sort: each of the program's G chunks in C / S steps of S slots, in
     order. A slot's rank among its expert's slots in the chunk = the running count of its expert in the chunk's
     earlier steps + its rank in its step (an S x S compare). The running counts live in the chunk's own row of base
-    (base_ptr aliases base_in_ptr; no other program reads it): a slot's row is pstart + that count + its rank, and
-    the step's slots store their experts' new counts before the barrier that ends the step. The G chunks' steps run
-    side by side, and each step's experts and pstart entries are loaded one step ahead, so that a step waits on one
-    memory round trip (the counts'). Launched with one warp: the (G, S, S) compare then holds each slot's S
-    comparisons in its own lane (reduced without shuffles)."""
+    (base_ptr aliases base_in_ptr; no other program reads it): a slot's row is that count + its rank, and the step's
+    slots store their experts' new counts before the barrier that ends the step. The G chunks' steps run side by
+    side, and each step's experts are loaded one step ahead, so that a step waits on one memory round trip (the
+    counts'). The rows start as base + pstart (one pass over them), so a step gathers one value per slot. Launched
+    with one warp: the (G, S, S) compare then holds each slot's S comparisons in its own lane (reduced without
+    shuffles)."""
     c = tl.program_id(0) * G + tl.arange(0, G)[:, None]  # (G, 1) chunks
     h = tl.program_id(1)
     run = base_ptr + (h * NC + c) * NEP  # (G, 1)
     i = tl.arange(0, S)
     earlier = (i[:, None] < i[None, :]).to(tl.int32)[None, :, :]  # [., j, i]: slot j is before slot i in the step
+    cols = tl.arange(0, NEP)[None, :]
+    ok = (c < NC) & (cols < NE)
+    tl.store(run + cols, tl.load(run + cols, mask=ok) + tl.load(pstart_ptr + h * NE + cols, mask=cols < NE), mask=ok)
+    tl.debug_barrier()
     e_next, s_next, in_next = _step_experts(idx_ptr, c, 0, h, H, K, ML, NE, C, S)
-    start_next = tl.load(pstart_ptr + h * NE + e_next, mask=e_next >= 0, other=0)
     for q in tl.range(0, C // S, num_stages=1):  # not pipelined: a step's loads of `run` follow the last step's stores
-        e, s, inside, start = e_next, s_next, in_next, start_next
+        e, s, inside = e_next, s_next, in_next
         # the next step's (at the last step: the next chunk's first, or nothing past ML; unused)
         e_next, s_next, in_next = _step_experts(idx_ptr, c, q + 1, h, H, K, ML, NE, C, S)
         valid = e >= 0
         ec = tl.where(valid, e, 0)
-        count = tl.load(run + ec, mask=valid, other=0)  # base + slots of e in the chunk's earlier steps
+        count = tl.load(run + ec, mask=valid, other=0)  # pstart + base + slots of e in the chunk's earlier steps
         same = (e[:, :, None] == e[:, None, :]).to(tl.int32)  # [g, j, i]
         rank = tl.sum(same * earlier, 1)  # slots of i's expert before i in the step (empty slots: unused)
         total = tl.sum(same, 1)  # slots of i's expert in the step
-        row = start + count + rank
+        row = count + rank
         tl.store(slot_row_ptr + s, tl.where(valid, row, -1), mask=inside)
         tl.store(row_slot_ptr + row, s, mask=valid)
         tl.store(run + ec, count + total, mask=valid)  # the expert's slots all store the same count
-        start_next = tl.load(pstart_ptr + h * NE + e_next, mask=e_next >= 0, other=0)
         tl.debug_barrier()
 
 
@@ -203,6 +206,7 @@ PACK_CHUNK = 1024  # local slots per chunk (sorted in registers by one program)
 PACK_SCATTER = "steps"
 PACK_STEP = 32
 PACK_STEP_CHUNKS = 2  # chunks per program of the "steps" scatter (their steps side by side)
+PACK_SORT_WARPS = 4  # warps of the "sort" scatter's programs
 HIST_ATOMIC_MIN_BINS = 1024  # histogram bins (NEP) from which pack_hist_kernel adds atomically
 
 
@@ -266,7 +270,7 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
                dict(G=g, R=block, GB=sh["GB"])),
         Launch(pack_scatter_kernel, ("idx", "base", "pstart", "row_slot"),
                (("slot_row", (n * h * k,)), ("row_slot", (p,))), (nc, h), dict(chunked, LOG_C=sh["LOG_C"]),
-               fill=(("row_slot", -1),)) if scatter == "sort" else
+               num_warps=PACK_SORT_WARPS, fill=(("row_slot", -1),)) if scatter == "sort" else
         Launch(pack_scatter_steps_kernel, ("idx", "base", "pstart", "row_slot"),
                (("slot_row", (n * h * k,)), ("row_slot", (p,)), ("base", (h, nc, nep))),
                (-(-nc // PACK_STEP_CHUNKS), h), dict(chunked, S=min(PACK_STEP, sh["C"]), G=PACK_STEP_CHUNKS),
@@ -277,6 +281,6 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
 
 
 __all__ = ["pack_hist_kernel", "pack_offsets_kernel", "pack_groups_kernel", "pack_scatter_kernel",
-           "pack_scatter_steps_kernel", "PACK_SCATTER", "PACK_STEP", "PACK_STEP_CHUNKS",
+           "pack_scatter_steps_kernel", "PACK_SCATTER", "PACK_STEP", "PACK_STEP_CHUNKS", "PACK_SORT_WARPS",
            "pack_block_group_kernel", "pack_launches", "Launch", "PACK_RESULT", "PACK_CHUNK", "HIST_ATOMIC_MIN_BINS",
            "next_pow2"]
