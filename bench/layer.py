@@ -83,10 +83,10 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # the Gluon router forward selecting by sorting networks in every block, without the threshold rounds
 # (gluon_router.WS_ROUTER_THR = 0: as until the 2026-11-26 session 27); "bare_gates": the gates by a bare
 # softmax, without the optimisation barriers of `router.router_gates` (router.GATES_BARRIER = False: as until
-# session 27); "pack_sort": the Triton packing's scatter ranking slots by sorting each chunk (packing.PACK_SCATTER =
-# "sort": as until the 2026-11-26 session 28).
+# session 27); "pack_4warps": the packing's scatter programs at 4 warps (packing.PACK_SORT_WARPS = 4: as until the
+# 2026-11-26 session 28).
 LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads", "router_networks", "bare_gates",
-                  "pack_sort")
+                  "pack_4warps")
 
 
 @contextlib.contextmanager
@@ -100,9 +100,9 @@ def layer_switches(variant: str | None):
     import mhl_jax.ops.router as ro
 
     saved = (kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR,
-             ro.GATES_BARRIER, kp.PACK_SCATTER)
-    if variant == "pack_sort":
-        kp.PACK_SCATTER = "sort"
+             ro.GATES_BARRIER, kp.PACK_SORT_WARPS)
+    if variant == "pack_4warps":
+        kp.PACK_SORT_WARPS = 4
     if variant == "bare_gates":
         ro.GATES_BARRIER = False
     if variant == "router_networks":
@@ -119,7 +119,7 @@ def layer_switches(variant: str | None):
         yield
     finally:
         (kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR,
-         ro.GATES_BARRIER, kp.PACK_SCATTER) = saved
+         ro.GATES_BARRIER, kp.PACK_SORT_WARPS) = saved
 
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):

@@ -2,13 +2,12 @@
 side in one process: time per call and each launch's device time (JAX profiler trace).
 
     python bench/pack.py [--tokens 81920] [--configs 384/4 768/8 1536/8] [--chunks 1024 2048 4096]
-                         [--scatters steps sort] [--steps 32] [--step-chunks 2] [--sort-warps 4] [--out FILE]
+                         [--sort-warps 8] [--out FILE]
 
 idx (N, 8, k): each row's k experts drawn without replacement (uniform scores, lax.top_k), the packing block of the
-layer's default expert config. One JSON line per (shape, chunk, scatter method): `ms` (bench.timing.time_jax),
-`kernels_ms` (launch name -> ms per call, from a trace of 5 calls) and whether the outputs equal the default chunk's
-and method's (kernels.packing.PACK_CHUNK, PACK_SCATTER); --steps / --step-chunks: the "steps" scatter's PACK_STEP and
-PACK_STEP_CHUNKS, --sort-warps the "sort" scatter's PACK_SORT_WARPS (default: the module's).
+layer's default expert config. One JSON line per (shape, chunk, scatter warps): `ms` (bench.timing.time_jax),
+`kernels_ms` (launch name -> ms per call, from a trace of 5 calls) and whether the outputs equal the default's
+(kernels.packing.PACK_CHUNK, PACK_SORT_WARPS).
 """
 
 from __future__ import annotations
@@ -45,15 +44,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[81920])
     ap.add_argument("--configs", nargs="+", default=["384/4", "768/8", "1536/8"], help="Ne/k")
     ap.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--scatters", nargs="+", default=["steps", "sort"], help="kernels.packing.PACK_SCATTER methods")
-    ap.add_argument("--steps", type=int, nargs="+", default=None, help="kernels.packing.PACK_STEP values")
-    ap.add_argument("--step-chunks", type=int, nargs="+", default=None, help="kernels.packing.PACK_STEP_CHUNKS values")
-    ap.add_argument("--sort-warps", type=int, nargs="+", default=None, help="kernels.packing.PACK_SORT_WARPS values")
+    ap.add_argument("--sort-warps", type=int, nargs="+", default=[], help="kernels.packing.PACK_SORT_WARPS values")
     ap.add_argument("--de", type=int, default=128, help="expert width for the default config's packing block")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import kernels.packing as kp
-    from kernels.packing import PACK_CHUNK, PACK_SCATTER
+    from kernels.packing import PACK_CHUNK
     from mhl_jax.ops.experts_triton import resolve_config
     from mhl_jax.ops.packing_triton import pack_triton
 
@@ -67,24 +63,19 @@ def main() -> None:
             idx = jax.block_until_ready(jax.lax.top_k(scores, k)[1].astype(jnp.int32))
             del scores
             ref = None
-            default = (kp.PACK_STEP, kp.PACK_STEP_CHUNKS, kp.PACK_SORT_WARPS)
-            steps = [(s, g, default[2]) for s in args.steps or [default[0]] for g in args.step_chunks or [default[1]]]
-            sorts = [(default[0], default[1], w) for w in args.sort_warps or [default[2]]]
-            options = {"steps": steps, "sort": sorts}
-            runs = [(c, m, v) for c in [PACK_CHUNK] + [c for c in args.chunks if c != PACK_CHUNK]
-                    for m in [PACK_SCATTER] + [m for m in args.scatters if m != PACK_SCATTER]
-                    for v in sorted(options[m], key=lambda v: v != default)]
-            for chunk, method, option in runs:
-                kp.PACK_STEP, kp.PACK_STEP_CHUNKS, kp.PACK_SORT_WARPS = option  # read when traced (the call below)
-                fn = jax.jit(lambda i, c=chunk, e=ne, b=block, m=method: tuple(pack_triton(i, e, b, c, m)))
+            warps = kp.PACK_SORT_WARPS
+            runs = [(c, w) for c in [PACK_CHUNK] + [c for c in args.chunks if c != PACK_CHUNK]
+                    for w in [warps] + [w for w in args.sort_warps if w != warps]]
+            for chunk, sort_warps in runs:
+                kp.PACK_SORT_WARPS = sort_warps  # read when traced (the first call below)
+                fn = jax.jit(lambda i, c=chunk, e=ne, b=block: tuple(pack_triton(i, e, b, c)))
                 out = jax.block_until_ready(fn(idx))
-                kp.PACK_STEP, kp.PACK_STEP_CHUNKS, kp.PACK_SORT_WARPS = default
+                kp.PACK_SORT_WARPS = warps
                 ref = out if ref is None else ref
                 same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, ref))
                 rec = dict(bench="pack", impl="triton", device=device, date=date,
-                           params=dict(tokens=tokens, heads=NH, ne=ne, k=k, block=block, chunk=chunk, scatter=method,
-                                       step=option[:2] if method == "steps" else None,
-                                       sort_warps=option[2] if method == "sort" else None),
+                           params=dict(tokens=tokens, heads=NH, ne=ne, k=k, block=block, chunk=chunk,
+                                       sort_warps=sort_warps),
                            ms=time_jax(fn, [(idx,)]), kernels_ms=kernel_times(fn, (idx,)), same_as_default=same)
                 emit(rec, outf)
 

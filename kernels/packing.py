@@ -126,59 +126,6 @@ def pack_scatter_kernel(idx_ptr, base_ptr, pstart_ptr, row_slot_in_ptr, slot_row
 
 
 @triton.jit
-def _step_experts(idx_ptr, c, q, h, H: tl.constexpr, K: tl.constexpr, ML: tl.constexpr, NE: tl.constexpr,
-                  C: tl.constexpr, S: tl.constexpr):
-    """(G, S) experts of step q's slots in chunks c (G, 1) of head h (-1: empty, out of range or past ML), the
-    global slots, and whether they lie inside the head's ML local slots."""
-    loc = c * C + q * S + tl.arange(0, S)[None, :]
-    inside = loc < ML  # chunks past NC start past ML
-    s = (loc // K * H + h) * K + loc % K
-    e = tl.load(idx_ptr + s, mask=inside, other=-1)
-    return tl.where(inside & (e >= 0) & (e < NE), e, -1), s, inside
-
-
-@triton.jit
-def pack_scatter_steps_kernel(idx_ptr, base_in_ptr, pstart_ptr, row_slot_in_ptr, slot_row_ptr, row_slot_ptr, base_ptr,
-                              H: tl.constexpr, K: tl.constexpr, ML: tl.constexpr, NE: tl.constexpr,
-                              NEP: tl.constexpr, NC: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                              G: tl.constexpr):
-    """`pack_scatter_kernel`'s outputs without the sort: each of the program's G chunks in C / S steps of S slots, in
-    order. A slot's rank among its expert's slots in the chunk = the running count of its expert in the chunk's
-    earlier steps + its rank in its step (an S x S compare). The running counts live in the chunk's own row of base
-    (base_ptr aliases base_in_ptr; no other program reads it): a slot's row is that count + its rank, and the step's
-    slots store their experts' new counts before the barrier that ends the step. The G chunks' steps run side by
-    side, and each step's experts are loaded one step ahead, so that a step waits on one memory round trip (the
-    counts'). The rows start as base + pstart (one pass over them), so a step gathers one value per slot. Launched
-    with one warp: the (G, S, S) compare then holds each slot's S comparisons in its own lane (reduced without
-    shuffles)."""
-    c = tl.program_id(0) * G + tl.arange(0, G)[:, None]  # (G, 1) chunks
-    h = tl.program_id(1)
-    run = base_ptr + (h * NC + c) * NEP  # (G, 1)
-    i = tl.arange(0, S)
-    earlier = (i[:, None] < i[None, :]).to(tl.int32)[None, :, :]  # [., j, i]: slot j is before slot i in the step
-    cols = tl.arange(0, NEP)[None, :]
-    ok = (c < NC) & (cols < NE)
-    tl.store(run + cols, tl.load(run + cols, mask=ok) + tl.load(pstart_ptr + h * NE + cols, mask=cols < NE), mask=ok)
-    tl.debug_barrier()
-    e_next, s_next, in_next = _step_experts(idx_ptr, c, 0, h, H, K, ML, NE, C, S)
-    for q in tl.range(0, C // S, num_stages=1):  # not pipelined: a step's loads of `run` follow the last step's stores
-        e, s, inside = e_next, s_next, in_next
-        # the next step's (at the last step: the next chunk's first, or nothing past ML; unused)
-        e_next, s_next, in_next = _step_experts(idx_ptr, c, q + 1, h, H, K, ML, NE, C, S)
-        valid = e >= 0
-        ec = tl.where(valid, e, 0)
-        count = tl.load(run + ec, mask=valid, other=0)  # pstart + base + slots of e in the chunk's earlier steps
-        same = (e[:, :, None] == e[:, None, :]).to(tl.int32)  # [g, j, i]
-        rank = tl.sum(same * earlier, 1)  # slots of i's expert before i in the step (empty slots: unused)
-        total = tl.sum(same, 1)  # slots of i's expert in the step
-        row = count + rank
-        tl.store(slot_row_ptr + s, tl.where(valid, row, -1), mask=inside)
-        tl.store(row_slot_ptr + row, s, mask=valid)
-        tl.store(run + ec, count + total, mask=valid)  # the expert's slots all store the same count
-        tl.debug_barrier()
-
-
-@triton.jit
 def pack_block_group_kernel(bend_ptr, nblocks_ptr, block_group_ptr, G: tl.constexpr, NB: tl.constexpr,
                             BLOCK: tl.constexpr, STEPS: tl.constexpr):
     b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -200,13 +147,9 @@ def next_pow2(v: int) -> int:
 
 
 PACK_CHUNK = 1024  # local slots per chunk (sorted in registers by one program)
-# How pack_scatter finds each slot's rank among its expert's slots in the chunk: "sort" (`pack_scatter_kernel`, the
-# chunk sorted in registers by tl.sort) or "steps" (`pack_scatter_steps_kernel`: running counts over steps of
-# PACK_STEP slots, one warp)
-PACK_SCATTER = "steps"
-PACK_STEP = 32
-PACK_STEP_CHUNKS = 2  # chunks per program of the "steps" scatter (their steps side by side)
-PACK_SORT_WARPS = 4  # warps of the "sort" scatter's programs
+# warps of pack_scatter_kernel's programs (H100, 81920 tokens, 1024-slot chunks: 0.176 / 0.093 ms at 8 warps against
+# 0.208 / 0.109 at 4, Ne 768 k 8 / Ne 384 k 4; 1 and 2 warps slower; bench/NOTES.md, Layer, session 28)
+PACK_SORT_WARPS = 8
 HIST_ATOMIC_MIN_BINS = 1024  # histogram bins (NEP) from which pack_hist_kernel adds atomically
 
 
@@ -236,25 +179,14 @@ class Launch:
     meta: dict
     num_warps: int = 4
     fill: tuple = ()  # ((name, value), ...)
-    inout: tuple = ()  # names of inputs the kernel also writes, as outputs (aliased; not refilled)
-
-    @property
-    def aliased(self) -> tuple:
-        """Names of the buffers passed both as an input and as an output."""
-        return tuple(name for name, _ in self.fill) + self.inout
 
 
 PACK_RESULT = ("row_slot", "slot_row", "block_group", "sizes", "nblocks")  # `Packing`'s fields, in order
 
 
-def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: int = PACK_CHUNK,
-                  scatter: str | None = None) -> list[Launch]:
+def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: int = PACK_CHUNK) -> list[Launch]:
     """The five launches packing idx (n, h, k) (input buffer "idx") over ne experts into p padded rows
-    (`padded_rows(n * h * k, h * ne, block)`); the results are the buffers named in PACK_RESULT. scatter: "sort" or
-    "steps" (default PACK_SCATTER)."""
-    scatter = scatter or PACK_SCATTER
-    if scatter not in ("sort", "steps"):
-        raise ValueError(f"pack_launches: scatter={scatter!r}; expected 'sort' or 'steps'")
+    (`padded_rows(n * h * k, h * ne, block)`); the results are the buffers named in PACK_RESULT."""
     sh = launch_shapes(n, h, k, ne, chunk)
     nc, nep, g, nb = sh["NC"], sh["NEP"], sh["G"], p // block
     chunked = dict(H=h, K=k, ML=sh["ML"], NE=ne, NEP=nep, NC=nc, C=sh["C"])
@@ -270,17 +202,12 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
                dict(G=g, R=block, GB=sh["GB"])),
         Launch(pack_scatter_kernel, ("idx", "base", "pstart", "row_slot"),
                (("slot_row", (n * h * k,)), ("row_slot", (p,))), (nc, h), dict(chunked, LOG_C=sh["LOG_C"]),
-               num_warps=PACK_SORT_WARPS, fill=(("row_slot", -1),)) if scatter == "sort" else
-        Launch(pack_scatter_steps_kernel, ("idx", "base", "pstart", "row_slot"),
-               (("slot_row", (n * h * k,)), ("row_slot", (p,)), ("base", (h, nc, nep))),
-               (-(-nc // PACK_STEP_CHUNKS), h), dict(chunked, S=min(PACK_STEP, sh["C"]), G=PACK_STEP_CHUNKS),
-               num_warps=1, fill=(("row_slot", -1),), inout=("base",)),
+               num_warps=PACK_SORT_WARPS, fill=(("row_slot", -1),)),
         Launch(pack_block_group_kernel, ("bend", "nblocks"), (("block_group", (nb,)),),
                (-(-nb // BLOCK_GROUP_TILE),), dict(G=g, NB=nb, BLOCK=BLOCK_GROUP_TILE, STEPS=g.bit_length() + 1)),
     ]
 
 
 __all__ = ["pack_hist_kernel", "pack_offsets_kernel", "pack_groups_kernel", "pack_scatter_kernel",
-           "pack_scatter_steps_kernel", "PACK_SCATTER", "PACK_STEP", "PACK_STEP_CHUNKS", "PACK_SORT_WARPS",
-           "pack_block_group_kernel", "pack_launches", "Launch", "PACK_RESULT", "PACK_CHUNK", "HIST_ATOMIC_MIN_BINS",
-           "next_pow2"]
+           "pack_block_group_kernel", "pack_launches", "Launch", "PACK_RESULT", "PACK_CHUNK", "PACK_SORT_WARPS",
+           "HIST_ATOMIC_MIN_BINS", "next_pow2"]

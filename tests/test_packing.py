@@ -113,15 +113,12 @@ def test_count_pack_equals_argsort_pack(case):
                 assert np.array_equal(np.asarray(a), np.asarray(b)), (case, block, chunk, name)
 
 
-@pytest.mark.parametrize("scatter", ["steps", "sort"])
 @pytest.mark.parametrize("atomic_min_bins", [1, 1 << 30], ids=["atomic_hist", "tl_histogram"])
 @pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny", "many_experts"])
-def test_triton_pack_kernels_equal_jax_pack(case, atomic_min_bins, scatter, monkeypatch):
+def test_triton_pack_kernels_equal_jax_pack(case, atomic_min_bins, monkeypatch):
     """kernels/packing.py (under the Triton interpreter without a GPU) returns exactly `pack`'s arrays:
     chunks that do and do not divide N * k, one chunk for the whole head, empty slots, extreme skew; the
-    chunk histograms by atomic adds and by tl.histogram; the slots' ranks by the chunk's sort and by steps of
-    running counts (at step sizes below, at and above the chunk's, so a chunk takes one step or several; 1, 2 and 4
-    chunks a program)."""
+    chunk histograms by atomic adds and by tl.histogram."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     import kernels.packing as kp
@@ -130,26 +127,18 @@ def test_triton_pack_kernels_equal_jax_pack(case, atomic_min_bins, scatter, monk
     monkeypatch.setattr(kp, "HIST_ATOMIC_MIN_BINS", atomic_min_bins)
     idx, ne = _case_idx(case, 7)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    for block, chunk, step, chunks in ((4, 16, 4, 2), (16, 32, 32, 1), (8, 1024, 16, 4)):  # many_experts at chunk
-        # 16: 25 chunks (the last program's second chunk past them)
-        monkeypatch.setattr(kp, "PACK_STEP", step)
-        monkeypatch.setattr(kp, "PACK_STEP_CHUNKS", chunks)
+    for block, chunk in ((4, 16), (16, 32), (8, 1024)):  # many_experts at chunk 16: 25 chunks, 2 tiles of 16
         ref = _jit_pack(idx, ne, block)
-        got = pack_triton_torch(torch.from_numpy(np.array(idx)).to(dev), ne, block, chunk, scatter)
+        got = pack_triton_torch(torch.from_numpy(np.array(idx)).to(dev), ne, block, chunk)
         for name, a, b in zip(ref._fields, ref, got):
             assert np.array_equal(np.asarray(a).reshape(-1), b.cpu().numpy().reshape(-1)), (case, block, chunk, name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scatter", ["steps", "sort"])
-def test_gpu_triton_pack_binding_equals_jax_pack(scatter, monkeypatch):
+def test_gpu_triton_pack_binding_equals_jax_pack():
     """pack(method="triton") through jax-triton equals the JAX packing, under jit: the layer's shape
     (8192 tokens x 8 heads, k 4, Ne 384; half the tokens on 4 experts, some empty slots), the widest
-    table row (Ne 1536, k 8), and one slot; both scatter methods (kernels.packing.PACK_SCATTER)."""
-    import kernels.packing as kp
-
-    monkeypatch.setattr(kp, "PACK_SCATTER", scatter)
-    traced = jax.jit(pk.pack, static_argnums=(1, 2, 3, 4))  # read when traced: not _jit_pack's cached traces
+    table row (Ne 1536, k 8), and one slot."""
     cases = [(8192, 8, 4, 384, (64, 128)), (4096, 8, 8, 1536, (16,)), (1, 1, 1, 1, (16,))]
     for n, h, k, ne, blocks in cases:
         idx = _random_idx(jax.random.key(8), n, h, ne, k)
@@ -157,7 +146,7 @@ def test_gpu_triton_pack_binding_equals_jax_pack(scatter, monkeypatch):
             idx = idx.at[: n // 2, :, :4].set(jnp.array([3, 1, 4, 2], jnp.int32)).at[::7, :, 3].set(-1)
         for block in blocks:
             ref = _jit_pack(idx, ne, block)
-            got = traced(idx, ne, block, "triton")
+            got = _jit_pack(idx, ne, block, "triton")
             for name, a, b in zip(ref._fields, ref, got):
                 assert np.array_equal(np.asarray(a), np.asarray(b)), ((n, h, k, ne), block, name)
 
