@@ -113,12 +113,12 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
     elif kind == "bwd_xw":  # the fused backward with the dX warp group
         fn, consts = ge.gluon_expert_bwd_xw_kernel, ge.bwd_xw_constexprs(k, dh, de, pack_block)
         tile = [ge.DW_WS_BLOCK_M, 128, 16, ge.BWD_XW_STAGES]
-    elif kind in ("router_ws", "router_ws_cast", "router_ws_cast3"):  # the router forward at 81920 tokens x 8 heads,
-        import kernels.gluon_router as gr  # Ne = de, bf16x3; _cast: with the caster warp group (two consumers, cast3:
-        # three; the layer's expert weights at de 128: 8 x Ne x 128 x 128 elements each)
+    elif kind in ("router_ws", "router_ws_cast"):  # the router forward at 81920 tokens x 8 heads, Ne = de, bf16x3
+        import kernels.gluon_router as gr  # _cast: with the caster warp group (two consumers; the layer's expert
+        # weights at de 128: 8 x Ne x 128 x 128 elements each)
 
-        cast = kind.startswith("router_ws_cast")
-        consts = gr.ws_router_constexprs(81920, 8, dh, de, k, 3, nc=(3 if kind.endswith("3") else 2) if cast else None,
+        cast = kind == "router_ws_cast"
+        consts = gr.ws_router_constexprs(81920, 8, dh, de, k, 3, nc=2 if cast else None,
                                          cast_n=8 * de * dh * 128 if cast else 0, thr=thr)
         fn = gr.ws_router_kernel(consts["NC"], cast)
         tile = [64 * consts["NC"], 64, 4 * (consts["NC"] + 1 + cast), consts["NST"]]
@@ -208,7 +208,7 @@ def main() -> None:
     rows = []
     for spec in args.tiles:
         kind, *nums = spec.split(",")
-        if kind in ("fwd_ws", "dw_ws", "bwd_ws", "bwd_xw", "router_ws", "router_ws_cast", "router_ws_cast3"):
+        if kind in ("fwd_ws", "dw_ws", "bwd_ws", "bwd_xw", "router_ws", "router_ws_cast"):
             rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block,
                             thr=int(nums[0]) if nums and kind.startswith("router_ws") else None)
         elif kind == "router":

@@ -455,7 +455,7 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
 
 
 @gluon.jit
-def _router_caster(c, CAST_N: gl.constexpr, VEC: gl.constexpr = 8):
+def _router_caster(c, CAST_N: gl.constexpr):
     """A side job beside the router (NC 2 only): cast two fp32 arrays of CAST_N elements to bf16, chunks of 8 values
     per thread strided over the programs, one chunk of each array per step (two loads in flight). It shares nothing
     with the other partitions, but its HBM traffic slows the router's producer: 2.86 -> 3.14 ms at Ne 1536 k 8
@@ -463,8 +463,8 @@ def _router_caster(c, CAST_N: gl.constexpr, VEC: gl.constexpr = 8):
     19), against 0.80 ms for the cast alone."""
     (c1_ptr, c2_ptr, o1_ptr, o2_ptr) = c
     PW: gl.constexpr = gl.num_warps()
-    CH: gl.constexpr = VEC * 32 * PW
-    offs = gl.arange(0, CH, layout=gl.BlockedLayout([VEC], [32], [PW], [0]))
+    CH: gl.constexpr = 8 * 32 * PW
+    offs = gl.arange(0, CH, layout=gl.BlockedLayout([8], [32], [PW], [0]))
     for j in range(gl.program_id(0), (CAST_N + CH - 1) // CH, gl.num_programs(0)):
         o = j.to(gl.int64) * CH + offs
         m = o < CAST_N
@@ -493,6 +493,7 @@ def gluon_router_fwd_ws_kernel(
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(NC == 2 or NC == 3, "NC: two or three consumer warp groups")
     gl.static_assert(NST >= 2, "NST: the producer fills one stage while the consumers read another")
+    gl.static_assert(CAST_N == 0 or NC == 2, "CAST_N: the caster warp group fits beside two consumers only")
     cdt: gl.constexpr = x_ptr.dtype.element_ty
     T = H * ((N + NC * 64 - 1) // (NC * 64))
     x_smem = gl.allocate_shared_memory(cdt, [2 * NC, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
@@ -500,14 +501,7 @@ def gluon_router_fwd_ws_kernel(
     x_ready, x_empty = _ws_barriers(2, NW * 32, NC)  # the producer warp group has NW warps too
     w_ready, w_empty = _ws_barriers(NST, NW * 32, NC)
     args = (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T)
-    if NC == 3 and CAST_N > 0:  # five warp groups: the registers squeezed (WS_ROUTER_CAST_REGS_NC3)
-        gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0, THR, TMODE)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1, THR, TMODE)),
-                            (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 2, THR, TMODE)),
-                            (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
-                            (_router_caster, ((c1_ptr, c2_ptr, o1_ptr, o2_ptr), CAST_N, 4))],
-                           [4, 4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS, CAST_REGS])
-    elif NC == 2 and CAST_N > 0:
+    if NC == 2 and CAST_N > 0:
         gl.warp_specialize([(_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0, THR, TMODE)),
                             (_router_consumer, (args, N, H, DH, NE, K, PARTS, NST, NC, 1, THR, TMODE)),
                             (_router_producer, (args, N, H, DH, NE, K, PARTS, NST, NC, 0)),
@@ -551,14 +545,6 @@ gluon_router_fwd_ws_kernel_nc2.mhl_compile_options = {"maxnreg": WS_ROUTER_MAXNR
 WS_ROUTER_CAST_MAXNREG = 128
 gluon_router_fwd_ws_kernel_nc2_cast = gluon.jit(gluon_router_fwd_ws_kernel.fn)
 gluon_router_fwd_ws_kernel_nc2_cast.mhl_compile_options = {"maxnreg": WS_ROUTER_CAST_MAXNREG}
-# three consumers and the caster: five warp groups, 640 threads, so a launch limit of 96 (640 x 96 <= 64K) and 480
-# registers a lane across the groups: consumers 144 (the default one gets 480 - 2 x 144 - 24 - 24), producer and
-# caster 24 (the caster then casts 4 values a thread a step)
-WS_ROUTER_CAST_NC = 2  # consumers beside the caster (3: the squeezed registers below)
-WS_ROUTER_CAST_NC3_REGS = (144, 24, 24)
-WS_ROUTER_CAST_NC3_MAXNREG = 96
-gluon_router_fwd_ws_kernel_nc3_cast = gluon.jit(gluon_router_fwd_ws_kernel.fn)
-gluon_router_fwd_ws_kernel_nc3_cast.mhl_compile_options = {"maxnreg": WS_ROUTER_CAST_NC3_MAXNREG}
 
 
 def ws_router_consumers(k: int) -> int:
@@ -567,9 +553,9 @@ def ws_router_consumers(k: int) -> int:
 
 
 def ws_router_kernel(nc: int, cast: bool = False):
-    """The kernel object compiled with nc consumers' launch limit (cast: with the caster warp group)."""
+    """The kernel object compiled with nc consumers' launch limit (cast: with the caster warp group, nc 2)."""
     if cast:
-        return gluon_router_fwd_ws_kernel_nc3_cast if nc == 3 else gluon_router_fwd_ws_kernel_nc2_cast
+        return gluon_router_fwd_ws_kernel_nc2_cast
     return gluon_router_fwd_ws_kernel if nc == 3 else gluon_router_fwd_ws_kernel_nc2
 
 
@@ -585,7 +571,7 @@ def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, n
     """The kernel's constexpr arguments (torch and JAX launchers alike; nc / stages default by k, nc 2 with a cast;
     cast_n: elements of each array the caster warp group casts, which fits beside two consumers only); raises on
     unsupported shapes."""
-    nc = nc or (WS_ROUTER_CAST_NC if cast_n else ws_router_consumers(k))
+    nc = nc or (2 if cast_n else ws_router_consumers(k))
     stages = stages or WS_ROUTER_NST.get(nc, 2)
     if not ws_router_supported(dh, ne, k, parts) or nc not in WS_ROUTER_REGS:
         raise ValueError(f"warp-specialised router forward: dh={dh}, Ne={ne}, k={k}, parts={parts}, nc={nc}; "
@@ -595,9 +581,11 @@ def ws_router_constexprs(n: int, h: int, dh: int, ne: int, k: int, parts: int, n
     if thr < 0 or tmode not in (0, 1, 2, 3):
         raise ValueError(f"warp-specialised router forward: thr={thr}, tmode={tmode}; expected thr >= 0 (0: the "
                          "networks in every block) and tmode 0-3")
-    regs = WS_ROUTER_CAST_NC3_REGS if cast_n and nc == 3 else (*WS_ROUTER_REGS[nc], WS_ROUTER_CAST_REGS)
+    if cast_n and nc != 2:
+        raise ValueError(f"warp-specialised router forward: a cast of {cast_n} elements needs 2 consumers, got nc={nc}")
+    regs = WS_ROUTER_REGS[nc]
     return dict(N=n, H=h, DH=dh, NE=ne, K=k, PARTS=parts, NST=stages, NC=nc, CONSUMER_REGS=regs[0],
-                PRODUCER_REGS=regs[1], CAST_N=cast_n, CAST_REGS=regs[2],
+                PRODUCER_REGS=regs[1], CAST_N=cast_n, CAST_REGS=WS_ROUTER_CAST_REGS,
                 THR=thr, TMODE=tmode)
 
 

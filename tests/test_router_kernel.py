@@ -784,17 +784,12 @@ def test_gpu_ws_router_vs_triton_and_float64(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nc", [2, 3])
 @pytest.mark.parametrize("ne,k", [(1536, 8), (296, 6), (384, 4)])
-def test_gpu_ws_router_caster(ne, k, nc, monkeypatch):
-    """The Gluon forward with the caster warp group (two consumers, or three with the registers squeezed): the same
-    top-k bitwise as without it, and the two fp32 arrays (the expert weights' shape at de 128; then 8008 values, not
-    a multiple of the caster's chunk) cast to bf16 exactly as torch casts them; through JAX
-    (`route_topk_triton(cast=)`, gluon_router.WS_ROUTER_CAST_NC) the same."""
-    import kernels.gluon_router as gr
+def test_gpu_ws_router_caster(ne, k):
+    """The Gluon forward with the caster warp group (two consumers): the same top-k bitwise as without it, and the
+    two fp32 arrays (the expert weights' shape at de 128; then 8008 values, not a multiple of the 1024-value chunk)
+    cast to bf16 exactly as torch casts them; through JAX (`route_topk_triton(cast=)`) the same."""
     from kernels.gluon_router import gluon_router_fwd_ws
-
-    monkeypatch.setattr(gr, "WS_ROUTER_CAST_NC", nc)
 
     n, h = 3000, 2
     x, w, b = _inputs(ne + k, n, h, 128, ne)
@@ -804,11 +799,11 @@ def test_gpu_ws_router_caster(ne, k, nc, monkeypatch):
     c1 = torch.randn(h, ne, 128, 128, device="cuda", generator=g)
     c2 = torch.randn(h, ne, 128, 128, device="cuda", generator=g) * 1e3
     vals, idx = gluon_router_fwd_ws(xc, wp, bc, k, nc=2)
-    v2, i2, o1, o2 = gluon_router_fwd_ws(xc, wp, bc, k, nc=nc, cast=(c1, c2))
+    v2, i2, o1, o2 = gluon_router_fwd_ws(xc, wp, bc, k, nc=2, cast=(c1, c2))
     assert torch.equal(v2, vals) and torch.equal(i2, idx)
     assert torch.equal(o1, c1.to(torch.bfloat16)) and torch.equal(o2, c2.to(torch.bfloat16))
     odd = torch.randn(1000 * 8 + 8, device="cuda", generator=g)  # a tail past the last whole chunk
-    _, _, p1, p2 = gluon_router_fwd_ws(xc, wp, bc, k, nc=nc, cast=(odd, -odd))
+    _, _, p1, p2 = gluon_router_fwd_ws(xc, wp, bc, k, nc=2, cast=(odd, -odd))
     assert torch.equal(p1, odd.to(torch.bfloat16)) and torch.equal(p2, (-odd).to(torch.bfloat16))
 
     import jax
