@@ -148,7 +148,7 @@ def next_pow2(v: int) -> int:
 
 PACK_CHUNK = 1024  # local slots per chunk (sorted in registers by one program)
 # warps of pack_scatter_kernel's programs (H100, 81920 tokens, 1024-slot chunks: 0.176 / 0.093 ms at 8 warps against
-# 0.208 / 0.109 at 4, Ne 768 k 8 / Ne 384 k 4; 1 and 2 warps slower; bench/NOTES.md, Layer, session 28)
+# 0.208 / 0.109 at 4, Ne 768 k 8 / Ne 384 k 4; 1, 2, 16 and 32 warps slower; bench/NOTES.md, Layer, session 28)
 PACK_SORT_WARPS = 8
 HIST_ATOMIC_MIN_BINS = 1024  # histogram bins (NEP) from which pack_hist_kernel adds atomically
 
