@@ -36,7 +36,7 @@ COUNTED = ("HGMMA", "FFMA", "FMUL", "FADD", "MUFU.TANH", "LDL", "STL", "BAR.SYNC
 POINTER_TYPES = {"gates_ptr": "*fp32", "dgate_ptr": "*fp32", "dw1_ptr": "*fp32", "dw2_ptr": "*fp32",
                  "acc1_ptr": "*fp32", "acc2_ptr": "*fp32",
                  "row_slot_ptr": "*i32", "block_group_ptr": "*i32", "group_block_start_ptr": "*i32",
-                 "group_nblocks_ptr": "*i32", "sched_ptr": "*i32"}  # every other pointer: bf16
+                 "group_nblocks_ptr": "*i32", "group_size_ptr": "*i32", "sched_ptr": "*i32"}  # every other: bf16
 
 
 def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: int, dh: int = 128, de: int = 256,

@@ -86,9 +86,11 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # session 27); "pack_4warps": the packing's scatter programs at 4 warps (packing.PACK_SORT_WARPS = 4: as until the
 # 2026-11-26 session 28); "nocast": the expert weights cast by XLA, not by the router's caster warp group
 # (moe_core.ROUTER_CASTS_WEIGHTS = False); "nocast_nc3": that, with the router's three consumer warp groups at every k
-# (gluon_router.ws_router_consumers; two at k > 4 by default).
+# (gluon_router.ws_router_consumers; two at k > 4 by default); "bwd_pad_blocks": the Gluon backward over every 32-row
+# block of a group's packing blocks, the padding-only ones too (experts_triton.BWD_SKIP_PADDING = False: as until
+# the 2026-11-26 session 28).
 LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads", "router_networks", "bare_gates",
-                  "pack_4warps", "nocast", "nocast_nc3")
+                  "pack_4warps", "nocast", "nocast_nc3", "bwd_pad_blocks")
 
 
 @contextlib.contextmanager
@@ -102,7 +104,9 @@ def layer_switches(variant: str | None):
     import mhl_jax.ops.router as ro
 
     saved = (kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR,
-             ro.GATES_BARRIER, kp.PACK_SORT_WARPS, mc.ROUTER_CASTS_WEIGHTS, gr.ws_router_consumers)
+             ro.GATES_BARRIER, kp.PACK_SORT_WARPS, mc.ROUTER_CASTS_WEIGHTS, gr.ws_router_consumers, et.BWD_SKIP_PADDING)
+    if variant == "bwd_pad_blocks":
+        et.BWD_SKIP_PADDING = False
     if variant in ("nocast", "nocast_nc3"):
         mc.ROUTER_CASTS_WEIGHTS = False
     if variant == "nocast_nc3":
@@ -125,7 +129,8 @@ def layer_switches(variant: str | None):
         yield
     finally:
         (kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR,
-         ro.GATES_BARRIER, kp.PACK_SORT_WARPS, mc.ROUTER_CASTS_WEIGHTS, gr.ws_router_consumers) = saved
+         ro.GATES_BARRIER, kp.PACK_SORT_WARPS, mc.ROUTER_CASTS_WEIGHTS, gr.ws_router_consumers,
+         et.BWD_SKIP_PADDING) = saved
 
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):

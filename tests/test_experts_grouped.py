@@ -163,7 +163,7 @@ def test_emulate_stand_ins_match_interpreted_kernels():
     g, k = 6, 2
     jp = packing.pack(idx, 3, cfg.pack_block)
     start, count = packing.group_blocks(jp.group_sizes, cfg.pack_block)
-    meta = eg.Meta(jp.row_slot, jp.slot_row, jp.block_group, start, count)
+    meta = eg.Meta(jp.row_slot, jp.slot_row, jp.block_group, start, count, jp.group_sizes)
     st = eg.Static(cfg, k, "emulate", "float32")
     xs, g32 = x.reshape(48, dh), gates.reshape(-1)
     w1g, w2g = w1.reshape(g, dh, de), w2.reshape(g, de, dh)

@@ -663,6 +663,40 @@ def test_gpu_forward_head_major_through_jax(monkeypatch):
     assert np.array_equal(np.asarray(head_major), np.asarray(all_heads))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("de,k", [(128, 8), (256, 4)])
+def test_gpu_backward_skips_padding_blocks_bitwise(de, k, monkeypatch):
+    """Through the JAX binding the Gluon backward computes only the 32-row blocks that hold a group's rows
+    (`experts_triton.BWD_SKIP_PADDING`): every gradient (x, gates, W1, W2) is bitwise the one over all blocks of the
+    groups' packing blocks, the padding-only ones included (their rows add exact zeros), with ~30 such blocks
+    skipped at this shape."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.ops.experts_triton as et
+    from mhl_jax.ops.experts_triton import expert_ffn_triton, variant_config
+
+    n, h, dh, ne = 2048, 4, 128, 16
+    x, idx, gates, w1, w2 = _jax_expert_inputs(4, n, h, dh, ne, de, k)
+    cfg = variant_config("default", n * h * k, h * ne, dh, de)
+    assert et.use_bwd_gluon(cfg, x.dtype, dh, de)
+    sizes = np.bincount((np.arange(h)[None, :, None] * ne + np.asarray(idx)).ravel(), minlength=h * ne)
+    pb = cfg.pack_block
+    assert (-(-sizes // pb) * pb // 32 - -(-sizes // 32)).sum() > 20  # padding-only 32-row blocks to skip
+
+    def loss(x, gates, w1, w2):
+        y = expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg)[0]
+        return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(dh, dtype=jnp.float32)))
+
+    grads = []
+    for skip in (True, False):
+        monkeypatch.setattr(et, "BWD_SKIP_PADDING", skip)
+        grads.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, gates, w1, w2))
+    for a, b in zip(*grads):
+        assert np.isfinite(np.asarray(a, np.float32)).all()
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def _bwd_inputs(seed: int, n: int, h: int, k: int, ne: int, dh: int, de: int, skew: bool):
     """CUDA inputs of the backward kernels' torch launchers: bf16 x / dy rows (n * h, dh), routing idx, fp32 gates
     (n * h * k,), bf16 W1 (h * ne, dh, de) / W2 (h * ne, de, dh)."""
@@ -751,14 +785,15 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne, xw):
     routed row (at de 256 the sums of the two tiles' partials) against the float64 reference (`_f64_bwd`) and against
     the Triton kernels on the same packing (the fused one at de 128, the dX and transposed dW kernels at 256; within
     bf16 rounding: the sums over de run in other orders). The outputs start NaN-poisoned: empty groups' dW must come
-    out zero, padding rows of used blocks dX = 0 and gate gradient 0. Packing blocks 128, 64, 32; five programs take
+    out zero; the padding rows of the kernel's 32-row blocks that hold a group's rows dX = 0 and gate gradient 0, the
+    32-row blocks made only of padding unwritten (still NaN). Packing blocks 128, 64, 32; five programs take
     many tiles each (the dH^T buffers and barriers shared by the two consumers go round many times). xw: the kernel
     with the dX warp group, which computes the same products and sums in the same order: bitwise the other kernel's
     outputs, and bitwise its own on a second run with another ring depth, weight buffering and stage count."""
     from dataclasses import replace
 
     from kernels.experts import Tile, default_config
-    from kernels.gluon_experts import gluon_experts_bwd_ws
+    from kernels.gluon_experts import DW_WS_BLOCK_M, gluon_experts_bwd_ws
     from kernels.torch_experts import experts_dw, experts_dx
 
     n, h, k, dh = 2048, 4, 4, 128
@@ -781,13 +816,20 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne, xw):
             assert torch.equal(a[~a.isnan()], b[~a.isnan()]) and torch.equal(a[~a.isnan()], c[~a.isnan()])
     ref1, ref2, rdx, rdg, g = _f64_bwd(x, dy, gates, pk, idx, w1, w2, k, h, ne)
     valid = pk.row_slot >= 0
-    used = torch.arange(p, device="cuda") < int(pk.group_block_start[-1] + pk.group_nblocks[-1]) * cfg.pack_block
+    rows = torch.arange(p, device="cuda")
+    grp = pk.block_group.long()[rows // cfg.pack_block]  # -1 past the blocks in use
+    gs = grp.clamp(min=0)
+    local = rows - pk.group_block_start.long()[gs] * cfg.pack_block
+    bm = DW_WS_BLOCK_M
+    written = (grp >= 0) & (local < (pk.group_sizes.long()[gs] + bm - 1) // bm * bm)
     assert torch.isfinite(dw1).all() and torch.isfinite(dw2).all()
-    assert torch.isfinite(dxp[used]).all() and torch.isfinite(dgp[used]).all()
+    assert torch.isfinite(dxp[written]).all() and torch.isfinite(dgp[written]).all()
+    skipped = (grp >= 0) & ~written  # 32-row blocks made only of padding
+    assert dxp[skipped].isnan().all() and dgp[skipped].isnan().all()
     dx, dgate = dxp.float().sum(1), dgp.sum(1)
     assert _rel(dw1, ref1) < 1e-2 and _rel(dw2, ref2) < 1e-2
     assert _rel(dx[valid], rdx) < 1e-2 and _rel(dgate[valid], rdg) < 1e-2
-    pad = used & ~valid
+    pad = written & ~valid
     assert (dxp[pad] == 0).all() and (dgp[pad] == 0).all()
     empty = torch.bincount(g, minlength=h * ne) == 0
     assert (dw1[empty] == 0).all() and (dw2[empty] == 0).all()

@@ -43,6 +43,7 @@ class Meta(NamedTuple):
     block_group: jax.Array  # (P // pack_block,) int32
     group_block_start: jax.Array  # (G,) int32
     group_nblocks: jax.Array  # (G,) int32
+    group_sizes: jax.Array  # (G,) int32: rows of each group (the Gluon dW / backward kernels' row blocks)
 
 
 class Static(NamedTuple):
@@ -205,7 +206,10 @@ def _tiled_call(kernel, xs, dys, gates, meta: Meta, w1, w2, heads: int, out_shap
     programs = _persistent_programs(w1.shape[0] * tiles_per_group)
     # acc1, acc2 (after the 9 inputs) -> dW1, dW2 (their shapes checked by the public ops: `moe_heads_fused`)
     alias = {} if acc is None else {"input_output_aliases": {9: 0, 10: 1}}
-    return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks,
+    # the kernels' row blocks per group come from these sizes: the group's rows, or (BWD_SKIP_PADDING off) its whole
+    # packing blocks, padding included
+    sizes = meta.group_sizes if BWD_SKIP_PADDING else meta.group_nblocks * constexprs["PACK_BLOCK"]
+    return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, sizes,
                        tile_schedule(meta.group_nblocks, tiles_per_group, heads, programs), w1, w2,
                        *((w1, w2) if acc is None else acc), kernel=kernel, out_shape=out_shape, programs=programs,
                        **alias, **constexprs)
@@ -349,7 +353,7 @@ def packed_meta(idx: jax.Array, num_experts: int, block: int, pack_impl: str, ba
             raise ValueError(f"{who}: the given packing has (rows, slots, groups) = {got}, expected {want} "
                              f"(row block {block}: make it with mhl_jax.ops.experts.triton_packing_spec)")
     start, count = pk.group_blocks(packing.group_sizes, block)
-    return packing, Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count)
+    return packing, Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count, packing.group_sizes)
 
 
 def take_slots(rows, slot_row):
@@ -381,6 +385,11 @@ OUT_COMBINE_KERNEL = True
 # layer -0.11 / -0.09 ms at the k 8 rows (bench/NOTES.md, Layer, Session 26). A large value: never (layer variant
 # "fwd_all_heads").
 FWD_HEAD_MAJOR_MIN_K = 8
+# The Gluon dW / backward kernels compute (and write) only the 32-row blocks that hold a group's rows, not the blocks of
+# padding after them at the end of its last packing block (up to pack_block - 32 rows; ~4% of the blocks at 768/8/128,
+# ~13% at 1536/8/128 and 768/4/256, 81920 tokens). False: every block of the group's packing blocks, as until the
+# 2026-11-26 session 28 (layer variant "bwd_pad_blocks").
+BWD_SKIP_PADDING = True
 
 
 def combine_rows(out_rows, slot_row, gates, x_dtype, backend: str):
