@@ -95,7 +95,10 @@ LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads
 
 @contextlib.contextmanager
 def layer_switches(variant: str | None):
-    """The switches of a LAYER_VARIANTS name flipped inside the context (None or an expert variant: none)."""
+    """The switches of a LAYER_VARIANTS name flipped inside the context (None or an expert variant: none). The context
+    covers the layer's forward only: jax.grad traces a custom_vjp's backward after the forward has returned, so a
+    switch read only by a backward rule must be read in the forward and carried into the residuals (as
+    experts_triton.BWD_SKIP_PADDING is, by `packed_meta`); else the variant's backward runs the default."""
     import kernels.gluon_router as gr
     import kernels.packing as kp
     import kernels.router as kr

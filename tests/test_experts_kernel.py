@@ -667,9 +667,9 @@ def test_gpu_forward_head_major_through_jax(monkeypatch):
 @pytest.mark.parametrize("de,k", [(128, 8), (256, 4)])
 def test_gpu_backward_skips_padding_blocks_bitwise(de, k, monkeypatch):
     """Through the JAX binding the Gluon backward computes only the 32-row blocks that hold a group's rows
-    (`experts_triton.BWD_SKIP_PADDING`): every gradient (x, gates, W1, W2) is bitwise the one over all blocks of the
-    groups' packing blocks, the padding-only ones included (their rows add exact zeros), with ~30 such blocks
-    skipped at this shape."""
+    (`experts_triton.BWD_SKIP_PADDING`, read in the forward): the backward's launch gets the groups' sizes, or with
+    the switch off their whole packing blocks, and every gradient (x, gates, W1, W2) is bitwise the same either way
+    (the padding-only blocks' rows add exact zeros; more than 20 of them at this shape)."""
     import jax
     import jax.numpy as jnp
 
@@ -688,10 +688,15 @@ def test_gpu_backward_skips_padding_blocks_bitwise(de, k, monkeypatch):
         y = expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg)[0]
         return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(dh, dtype=jnp.float32)))
 
-    grads = []
+    grads, launched = [], []
+    real = et._gluon_call
+    monkeypatch.setattr(et, "_gluon_call", lambda *a, **kw: launched.append(a[5]) or real(*a, **kw))
     for skip in (True, False):
         monkeypatch.setattr(et, "BWD_SKIP_PADDING", skip)
-        grads.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, gates, w1, w2))
+        grads.append(jax.grad(loss, argnums=(0, 1, 2, 3))(x, gates, w1, w2))  # eager: the launch's sizes concrete
+    # the forward's launch reads no sizes; the backward's got the groups' rows, then their whole packing blocks
+    got = [np.asarray(a) for a in launched if a.shape == (h * ne,)]
+    assert len(got) == 2 and np.array_equal(got[0], sizes) and np.array_equal(got[1], -(-sizes // pb) * pb)
     for a, b in zip(*grads):
         assert np.isfinite(np.asarray(a, np.float32)).all()
         assert np.array_equal(np.asarray(a), np.asarray(b))

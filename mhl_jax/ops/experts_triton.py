@@ -43,7 +43,8 @@ class Meta(NamedTuple):
     block_group: jax.Array  # (P // pack_block,) int32
     group_block_start: jax.Array  # (G,) int32
     group_nblocks: jax.Array  # (G,) int32
-    group_sizes: jax.Array  # (G,) int32: rows of each group (the Gluon dW / backward kernels' row blocks)
+    group_sizes: jax.Array  # (G,) int32: rows of each group, from which the Gluon dW / backward kernels count their
+    # 32-row blocks (BWD_SKIP_PADDING off: its whole packing blocks)
 
 
 class Static(NamedTuple):
@@ -206,10 +207,7 @@ def _tiled_call(kernel, xs, dys, gates, meta: Meta, w1, w2, heads: int, out_shap
     programs = _persistent_programs(w1.shape[0] * tiles_per_group)
     # acc1, acc2 (after the 9 inputs) -> dW1, dW2 (their shapes checked by the public ops: `moe_heads_fused`)
     alias = {} if acc is None else {"input_output_aliases": {9: 0, 10: 1}}
-    # the kernels' row blocks per group come from these sizes: the group's rows, or (BWD_SKIP_PADDING off) its whole
-    # packing blocks, padding included
-    sizes = meta.group_sizes if BWD_SKIP_PADDING else meta.group_nblocks * constexprs["PACK_BLOCK"]
-    return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, sizes,
+    return _gluon_call(xs, dys, gates, meta.row_slot, meta.group_block_start, meta.group_sizes,
                        tile_schedule(meta.group_nblocks, tiles_per_group, heads, programs), w1, w2,
                        *((w1, w2) if acc is None else acc), kernel=kernel, out_shape=out_shape, programs=programs,
                        **alias, **constexprs)
@@ -353,7 +351,10 @@ def packed_meta(idx: jax.Array, num_experts: int, block: int, pack_impl: str, ba
             raise ValueError(f"{who}: the given packing has (rows, slots, groups) = {got}, expected {want} "
                              f"(row block {block}: make it with mhl_jax.ops.experts.triton_packing_spec)")
     start, count = pk.group_blocks(packing.group_sizes, block)
-    return packing, Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count, packing.group_sizes)
+    # read here, in the forward, so that the backward (traced later, outside any switch a caller flips around the
+    # forward) gets the setting the forward ran with
+    sizes = packing.group_sizes if BWD_SKIP_PADDING else count * block
+    return packing, Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count, sizes)
 
 
 def take_slots(rows, slot_row):
