@@ -106,34 +106,28 @@ def layer_switches(variant: str | None):
     import mhl_jax.ops.experts_triton as et
     import mhl_jax.ops.router as ro
 
-    saved = (kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR,
-             ro.GATES_BARRIER, kp.PACK_SORT_WARPS, mc.ROUTER_CASTS_WEIGHTS, gr.ws_router_consumers, et.BWD_SKIP_PADDING)
-    if variant == "bwd_pad_blocks":
-        et.BWD_SKIP_PADDING = False
-    if variant in ("nocast", "nocast_nc3"):
-        mc.ROUTER_CASTS_WEIGHTS = False
-    if variant == "nocast_nc3":
-        gr.ws_router_consumers = lambda k: 3
-    if variant == "pack_4warps":
-        kp.PACK_SORT_WARPS = 4
-    if variant == "bare_gates":
-        ro.GATES_BARRIER = False
-    if variant == "router_networks":
-        gr.WS_ROUTER_THR = 0
-    if variant == "fwd_all_heads":
-        et.FWD_HEAD_MAJOR_MIN_K = 1 << 30
-    if variant == "triton_router_fwd":
-        kr.WS_MAX_K = 0
-    if variant == "apart_dx":
-        mc.FUSE_ROUTER_DX = False
-    if variant == "xla_combine":
-        et.OUT_COMBINE_KERNEL = False
+    switches = {  # variant -> the (module, attribute, value) it sets
+        "triton_router_fwd": [(kr, "WS_MAX_K", 0)],
+        "apart_dx": [(mc, "FUSE_ROUTER_DX", False)],
+        "xla_combine": [(et, "OUT_COMBINE_KERNEL", False)],
+        "fwd_all_heads": [(et, "FWD_HEAD_MAJOR_MIN_K", 1 << 30)],
+        "router_networks": [(gr, "WS_ROUTER_THR", 0)],
+        "bare_gates": [(ro, "GATES_BARRIER", False)],
+        "pack_4warps": [(kp, "PACK_SORT_WARPS", 4)],
+        "nocast": [(mc, "ROUTER_CASTS_WEIGHTS", False)],
+        "nocast_nc3": [(mc, "ROUTER_CASTS_WEIGHTS", False), (gr, "ws_router_consumers", lambda k: 3)],
+        "bwd_pad_blocks": [(et, "BWD_SKIP_PADDING", False)],
+    }
+    assert set(switches) == set(LAYER_VARIANTS), "layer_switches: a LAYER_VARIANTS name without its switches"
+    flips = switches.get(variant, [])
+    saved = [(m, name, getattr(m, name)) for m, name, _ in flips]
+    for m, name, value in flips:
+        setattr(m, name, value)
     try:
         yield
     finally:
-        (kr.WS_MAX_K, mc.FUSE_ROUTER_DX, et.OUT_COMBINE_KERNEL, et.FWD_HEAD_MAJOR_MIN_K, gr.WS_ROUTER_THR,
-         ro.GATES_BARRIER, kp.PACK_SORT_WARPS, mc.ROUTER_CASTS_WEIGHTS, gr.ws_router_consumers,
-         et.BWD_SKIP_PADDING) = saved
+        for m, name, value in saved:
+            setattr(m, name, value)
 
 
 def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switch: str | None = None):

@@ -69,8 +69,10 @@ def main() -> None:
             for chunk, sort_warps in runs:
                 kp.PACK_SORT_WARPS = sort_warps  # read when traced (the first call below)
                 fn = jax.jit(lambda i, c=chunk, e=ne, b=block: tuple(pack_triton(i, e, b, c)))
-                out = jax.block_until_ready(fn(idx))
-                kp.PACK_SORT_WARPS = warps
+                try:
+                    out = jax.block_until_ready(fn(idx))
+                finally:
+                    kp.PACK_SORT_WARPS = warps
                 ref = out if ref is None else ref
                 same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, ref))
                 rec = dict(bench="pack", impl="triton", device=device, date=date,
