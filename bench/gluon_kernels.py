@@ -104,10 +104,12 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
     if kind == "fwd":
         kernels = {"triton": (2, lambda s: launch("fwd", cfg, s, w1, w2, k))}
         if ws_supported(dh, de, cfg.pack_block):
-            kernels["gluon_ws"] = (2, lambda s: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k, cfg.pack_block),))
-            # each head's blocks in turn (the JAX binding's default) vs a contiguous share of all heads' blocks
-            kernels["gluon_ws_head_major"] = (2, lambda s: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k,
-                                                                                 cfg.pack_block, heads=nh),))
+            # each head's blocks in turn (the JAX binding's default from k 8) vs a contiguous share of all heads'
+            # blocks; "_pad": the padding-only second halves computed and zeroed (skip_padding=False, session 29)
+            for name, heads in (("gluon_ws", 1), ("gluon_ws_head_major", nh)):
+                for suffix, skip in (("", True), ("_pad", False)):
+                    kernels[name + suffix] = (2, lambda s, h=heads, sk=skip: (gluon_experts_fwd_ws(
+                        s[0], s[3], w1, w2, k, cfg.pack_block, heads=h, skip_padding=sk),))
     elif kind == "fwd_probe":  # the Gluon forward with its output stores (1) or gelu (2) left out (session 26)
         kernels = {f"gluon_ws_probe{p}": (2, lambda s, p=p: (gluon_experts_fwd_ws(s[0], s[3], w1, w2, k,
                                                                                   cfg.pack_block, probe=p),))
@@ -126,7 +128,11 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
                 kernels[name] = (4, lambda s, o=opt: gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k,
                                                                          cfg.pack_block, heads=nh, **o))
     params = dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=cfg.pack_block, routing=routing)
-    return _time_kernels(kind, kernels, sets, params, unit, date, device, outf)
+    outputs = None
+    if kind in ("fwd", "fwd_probe"):  # the routed rows only (the Gluon forward leaves padding-only halves unwritten)
+        valid = sets[0][3].row_slot >= 0
+        outputs = lambda fn: [o[valid] for o in fn(sets[0])]  # noqa: E731
+    return _time_kernels(kind, kernels, sets, params, unit, date, device, outf, outputs)
 
 
 def _time_kernels(kind: str, kernels: dict, sets, params: dict, unit: float, date: str, device: str, outf,

@@ -17,7 +17,8 @@ schedule written by hand:
 - Two consumer warp groups (the default partition and one worker) compute the two 64-row halves of every
   block from the shared buffers in 128-de chunks: per chunk S_j = X W1_j (async m64n128 wgmma), gelu, then
   A_j W2_j, which runs under the next chunk's S and the other consumer's gelu (S_j's wait retires it); output
-  rows go out as whole 32-byte sectors.
+  rows go out as whole 32-byte sectors. A second half made only of padding (a group's last block, about every
+  other group) is skipped: neither computed nor written (SKIP_PAD; nothing reads padding rows).
 - mbarriers hand each buffer over (ready: one cp.async arrival per producer thread; empty: one arrival per
   consumer). Registers: consumers WS_CONSUMER_REGS, producer WS_PRODUCER_REGS, launched with maxnreg
   WS_MAXNREG (three warp groups in one 64K-register SM).
@@ -245,58 +246,94 @@ def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
 
 
 @gluon.jit
-def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, PROBE: gl.constexpr = 0,
-                 G: gl.constexpr = 1, HEADS: gl.constexpr = 1):
-    """Consumer C (one warp group) computes rows [C * BLOCK_M / 2, (C + 1) * BLOCK_M / 2) of every block, from the
-    shared X buffer and weight ring, chunk by chunk: S_j = X W1_j, gelu, A_j W2_j. A_j W2_j runs under the next
-    chunk's S_{j+1} and this consumer's wait for it (the wait retires both), so each consumer alternates its MMAs with
-    its gelu and the two consumers' interleave. (Issuing S_{j+1} before gelu of S_j with 64-de chunks, two S tiles
-    in registers, measured 1-4% slower: the m64n64 products read twice the X per product.)"""
+def _ws_half(a, xb, q0, rows, b, nxt_ptr, nxt_live, DH: gl.constexpr, BLOCK_E: gl.constexpr, NS: gl.constexpr,
+             N: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, PROBE: gl.constexpr, HALF: gl.constexpr,
+             LOAD_NEXT: gl.constexpr):
+    """One consumer's half of a block (X rows ready in buffer xb, ring uses q0 ..): the chunks' products, its rows'
+    store. LOAD_NEXT: returns the int32 at nxt_ptr (masked by nxt_live), loaded under the last product, after the
+    block's last fence (which would wait for it); else 0."""
     (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready, x_empty,
      w_ready, w_empty, gbs_ptr, gnb_ptr) = a
-    N: gl.constexpr = DE // BLOCK_E
-    HALF: gl.constexpr = BLOCK_M // 2
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_E, NW)
     o_layout: gl.constexpr = _wgmma_layout(DH, NW)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    om = gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
     s_zero = gl.zeros((HALF, BLOCK_E), gl.float32, s_layout)
+    xs = x_smem.index(xb).slice(C * HALF, HALF, dim=0)
+    acc = gl.zeros((HALF, DH), gl.float32, o_layout)
+    a_prev = gl.zeros((HALF, BLOCK_E), cdt, a_layout)
+    for j in gl.static_range(N):
+        q = q0 + j
+        mbarrier.wait(w_ready.index(q % NS), (q // NS) & 1)
+        fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+        s = warpgroup_mma(xs, w1_smem.index(q % NS), s_zero, use_acc=False, is_async=True)
+        # retires S_j and, before it, A_{j-1} W2_{j-1} (its chunk's slot is then free)
+        s, acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, a_prev))
+        if j > 0:
+            mbarrier.arrive(w_empty.index((q - 1) % NS))
+        if PROBE & 2:  # a measurement: no gelu (A = S)
+            a_prev = gl.convert_layout(s.to(cdt), a_layout)
+        else:
+            a_prev = gl.convert_layout(_gelu(s, FAST_TANH).to(cdt), a_layout)
+        acc = warpgroup_mma(a_prev, w2_smem.index(q % NS), acc, is_async=True)
+    nxt = gl.to_tensor(0)
+    if LOAD_NEXT:
+        nxt = gl.load(nxt_ptr, mask=nxt_live, other=0)
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+    mbarrier.arrive(w_empty.index((q0 + N - 1) % NS))
+    mbarrier.arrive(x_empty.index(xb))
+    live = None
+    if PROBE & 1:  # a measurement: the output rows' stores masked off by a condition false at run time
+        live = b < 0
+    _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW, live)
+    return nxt
+
+
+@gluon.jit
+def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
+                 NS: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, PROBE: gl.constexpr = 0,
+                 G: gl.constexpr = 1, HEADS: gl.constexpr = 1, SKIP_PAD: gl.constexpr = False):
+    """Consumer C (one warp group) computes rows [C * BLOCK_M / 2, (C + 1) * BLOCK_M / 2) of every block, from the
+    shared X buffer and weight ring, chunk by chunk (`_ws_half`): S_j = X W1_j, gelu, A_j W2_j. A_j W2_j runs under
+    the next chunk's S_{j+1} and this consumer's wait for it (the wait retires both), so each consumer alternates its
+    MMAs with its gelu and the two consumers' interleave. (Issuing S_{j+1} before gelu of S_j with 64-de chunks, two
+    S tiles in registers, measured 1-4% slower: the m64n64 products read twice the X per product.)
+    SKIP_PAD (consumer 1 only): a second half made only of padding (its first row a padding row: a group's padding
+    is the end of its last block, so half 0 always holds a row) is neither computed nor stored; the consumer still
+    waits for the block's buffers and frees them. Its first row's slot is loaded one block ahead."""
+    (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready, x_empty,
+     w_ready, w_empty, gbs_ptr, gnb_ptr) = a
+    N: gl.constexpr = DE // BLOCK_E
+    HALF: gl.constexpr = BLOCK_M // 2
+    NW: gl.constexpr = gl.num_warps()
+    o_layout: gl.constexpr = _wgmma_layout(DH, NW)
+    om = gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
     t = 0
     for hh in range(HEADS):
         start, end = _ws_share(gbs_ptr, gnb_ptr, G, HEADS, hh)
-        for b in range(start, end):
-            xb = t % 2
-            rows = b.to(gl.int64) * BLOCK_M + C * HALF + om
-            mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
-            xs = x_smem.index(xb).slice(C * HALF, HALF, dim=0)
-            q0 = t * N
-            acc = gl.zeros((HALF, DH), gl.float32, o_layout)
-            a_prev = gl.zeros((HALF, BLOCK_E), cdt, a_layout)
-            for j in gl.static_range(N):
-                q = q0 + j
-                mbarrier.wait(w_ready.index(q % NS), (q // NS) & 1)
-                fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-                s = warpgroup_mma(xs, w1_smem.index(q % NS), s_zero, use_acc=False, is_async=True)
-                # retires S_j and, before it, A_{j-1} W2_{j-1} (its chunk's slot is then free)
-                s, acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc, a_prev))
-                if j > 0:
-                    mbarrier.arrive(w_empty.index((q - 1) % NS))
-                if PROBE & 2:  # a measurement: no gelu (A = S)
-                    a_prev = gl.convert_layout(s.to(cdt), a_layout)
+        if SKIP_PAD and C == 1:
+            for b in range(start, end):
+                xb = t % 2
+                nxt_ptr = row_slot_ptr + (b + 1).to(gl.int64) * BLOCK_M + HALF
+                half_slot = gl.load(row_slot_ptr + b.to(gl.int64) * BLOCK_M + HALF)
+                mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
+                if half_slot < 0:  # padding only: free the block's weight chunks and X rows unused
+                    for j in gl.static_range(N):
+                        mbarrier.wait(w_ready.index((t * N + j) % NS), ((t * N + j) // NS) & 1)
+                        mbarrier.arrive(w_empty.index((t * N + j) % NS))
+                    mbarrier.arrive(x_empty.index(xb))
                 else:
-                    a_prev = gl.convert_layout(_gelu(s, FAST_TANH).to(cdt), a_layout)
-                acc = warpgroup_mma(a_prev, w2_smem.index(q % NS), acc, is_async=True)
-            acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
-            mbarrier.arrive(w_empty.index((q0 + N - 1) % NS))
-            mbarrier.arrive(x_empty.index(xb))
-            live = None
-            if PROBE & 1:  # a measurement: the output rows' stores masked off by a condition false at run time
-                live = b < 0
-            _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW, live)
-            t += 1
+                    _ws_half(a, xb, t * N, b.to(gl.int64) * BLOCK_M + C * HALF + om, b, nxt_ptr,
+                             b + 1 < end, DH, BLOCK_E, NS, N, FAST_TANH, C, PROBE, HALF, False)
+                t += 1
+        else:
+            for b in range(start, end):
+                xb = t % 2
+                mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
+                _ws_half(a, xb, t * N, b.to(gl.int64) * BLOCK_M + C * HALF + om, b, row_slot_ptr, False, DH,
+                         BLOCK_E, NS, N, FAST_TANH, C, PROBE, HALF, False)
+                t += 1
 
 
 @gluon.jit
@@ -306,12 +343,14 @@ def gluon_expert_fwd_ws_kernel(
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, G: gl.constexpr, NUM_BLOCKS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr, NS: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr, HEADS: gl.constexpr,
+    SKIP_PAD: gl.constexpr = True,
 ):
     """Warp-specialised persistent forward: one producer warp group loads (X rows gathered by cp.async, W1 / W2
     chunks into a ring of NS slots), two consumer warp groups (the default partition and one worker) each
     compute half of every row block from the shared buffers; mbarriers hand the buffers over. Program i takes
     its share [i B / n, (i + 1) B / n) of each head's B used row blocks, head after head (`_ws_share`; HEADS 1: of
-    all U used blocks at once); blocks made only of padding get zero rows."""
+    all U used blocks at once); blocks made only of padding get zero rows. SKIP_PAD: a block's second half made only
+    of padding is left unwritten (`_ws_consumer`; nothing reads padding rows); else padding rows are 0."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(NS >= 2 or NS == DE // BLOCK_E,
@@ -331,7 +370,8 @@ def gluon_expert_fwd_ws_kernel(
     args = (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready,
             x_empty, w_ready, w_empty, group_block_start_ptr, group_nblocks_ptr)
     gl.warp_specialize([(_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0, PROBE, G, HEADS)),
-                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1, PROBE, G, HEADS)),
+                        (_ws_consumer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 1, PROBE, G, HEADS,
+                                        SKIP_PAD)),
                         (_ws_producer, (args, K, DH, DE, BLOCK_M, BLOCK_E, NS, FAST_TANH, 0, G, HEADS))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     _zero_blocks(out_ptr, used, NUM_BLOCKS, BLOCK_M, DH, NW)
@@ -350,10 +390,11 @@ def ws_supported(dh: int, de: int, pack_block: int) -> bool:
 
 
 def ws_constexprs(k: int, dh: int, de: int, num_groups: int, num_blocks: int, pack_block: int,
-                  probe: int = 0, heads: int = 1) -> dict:
+                  probe: int = 0, heads: int = 1, skip_padding: bool = True) -> dict:
     """The kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes. probe: 0 (the
     kernel) or a measurement (bits: 1 the output rows' stores masked off, 2 no gelu): wrong outputs, bench only.
-    heads: the heads the groups split into (the programs take each head's blocks in turn; 1: all at once)."""
+    heads: the heads the groups split into (the programs take each head's blocks in turn; 1: all at once).
+    skip_padding: the second halves of blocks made only of padding are not computed and stay unwritten."""
     if not ws_supported(dh, de, pack_block):
         raise ValueError(f"warp-specialised expert forward: dh={dh}, de={de}, pack_block={pack_block}; expected "
                          "dh 128, de 128 or 256 and packing blocks of 128 rows")
@@ -365,19 +406,20 @@ def ws_constexprs(k: int, dh: int, de: int, num_groups: int, num_blocks: int, pa
                          "2 no gelu)")
     return dict(K=k, DH=dh, DE=de, G=num_groups, NUM_BLOCKS=num_blocks, BLOCK_M=pack_block, BLOCK_E=WS_BLOCK_E,
                 NS=de // WS_BLOCK_E, FAST_TANH=True, CONSUMER_REGS=WS_CONSUMER_REGS, PRODUCER_REGS=WS_PRODUCER_REGS,
-                PROBE=probe, HEADS=heads)
+                PROBE=probe, HEADS=heads, SKIP_PAD=skip_padding)
 
 
 def gluon_experts_fwd_ws(x, pk, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None,
-                         probe: int = 0, heads: int = 1):
+                         probe: int = 0, heads: int = 1, skip_padding: bool = True):
     """Torch launcher (CUDA, Hopper): x (S, dh), pk a `kernels.torch_experts.TorchPacking`, w1 (G, dh, de),
-    w2 (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0); `out`, if given, is written in place; probe:
-    `ws_constexprs`' (bench only); heads: `ws_constexprs`'."""
+    w2 (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0, but for the padding-only second halves of blocks
+    with skip_padding: unwritten); `out`, if given, is written in place; probe: `ws_constexprs`' (bench only);
+    heads, skip_padding: `ws_constexprs`'."""
     import torch
 
     p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
     nb = p // pack_block
-    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block, probe, heads)
+    consts = ws_constexprs(k, dh, de, g_count, nb, pack_block, probe, heads, skip_padding)
     out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
     programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     gluon_expert_fwd_ws_kernel[(min(programs, nb),)](

@@ -606,13 +606,15 @@ def test_ws_dw_shapes_checked_and_chosen():
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 @pytest.mark.parametrize("programs", [None, 3], ids=["one_per_sm", "three"])
 @pytest.mark.parametrize("heads", [1, 4], ids=["all_heads", "head_major"])
-def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs, heads):
+@pytest.mark.parametrize("skip", [True, False], ids=["skip_pad", "pad"])
+def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs, heads, skip):
     """The warp-specialised Gluon forward (torch launcher) against the Triton forward on the same packing: the
     same output rows bit for bit (same products in the same order: fp32 S over dh in k16 steps, the same gelu
-    FMAs, A rounded to bf16, A W2 accumulated over de in order), padding rows zero in a NaN-poisoned output,
-    and within bf16 rounding of the float64 reference. Three programs: ~100 blocks each, so the producer's
-    weight reuse across a group's blocks and its reloads at group changes both run many times. head_major: the
-    programs take each head's blocks in turn (as the JAX binding launches it)."""
+    FMAs, A rounded to bf16, A W2 accumulated over de in order), padding rows zero in a NaN-poisoned output (with
+    skip, the second halves of used blocks made only of padding stay NaN: never written), and within bf16 rounding
+    of the float64 reference. Three programs: ~100 blocks each, so the producer's weight reuse across a group's
+    blocks and its reloads at group changes both run many times. head_major: the programs take each head's blocks
+    in turn (as the JAX binding launches it)."""
     from kernels.experts import default_config
     from kernels.gluon_experts import gluon_experts_fwd_ws
 
@@ -625,11 +627,20 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs, heads):
     pk = pack_torch(idx, ne, cfg.pack_block)
     ref = experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg)
     out = torch.full_like(ref, float("nan"))
-    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out, heads=heads)
-    assert torch.isfinite(out).all()
-    assert torch.equal(out, ref)
-    assert (out[pk.row_slot < 0] == 0).all()
+    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out, heads=heads,
+                         skip_padding=skip)
     valid = pk.row_slot >= 0
+    blocks = pk.row_slot.view(-1, cfg.pack_block)
+    half = cfg.pack_block // 2  # used blocks (a real first row) whose second half is padding only
+    skipped = ((blocks[:, :1] >= 0) & (blocks[:, half:half + 1] < 0) &
+               (torch.arange(cfg.pack_block, device="cuda") >= half)).reshape(-1)
+    assert skipped.sum() >= 8 * half or skew  # (random: about every other group's last block; skew: 2048-row groups)
+    if skip:
+        assert torch.isnan(out[skipped]).all() and torch.isfinite(out[~skipped]).all()
+    else:
+        assert torch.isfinite(out).all()
+    assert torch.equal(out[valid], ref[valid])
+    assert (out[~valid & ~skipped] == 0).all()
     rows = x.double()[pk.row_slot[valid].long() // k]
     g = (torch.arange(h, device="cuda").view(1, h, 1) * ne + idx.long()).reshape(-1)[pk.row_slot[valid].long()]
     f64 = torch.einsum("re,red->rd", torch.nn.functional.gelu(
@@ -661,6 +672,40 @@ def test_gpu_forward_head_major_through_jax(monkeypatch):
     assert heads_seen == [h, 1]
     assert np.isfinite(np.asarray(head_major, np.float32)).all()
     assert np.array_equal(np.asarray(head_major), np.asarray(all_heads))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("de,k", [(128, 8), (256, 4)])
+def test_gpu_forward_skips_padding_halves_through_jax(de, k, monkeypatch):
+    """Through the JAX binding the Gluon forward leaves the padding-only second halves of packing blocks uncomputed
+    (`experts_triton.FWD_SKIP_PADDING`): its launch gets the switch, and the layer's output (the combine reads real
+    rows only) and every gradient are bitwise the same as with every half computed."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.ops.experts_triton as et
+    from mhl_jax.ops.experts_triton import expert_ffn_triton, variant_config
+
+    n, h, dh, ne = 2048, 4, 128, 16
+    x, idx, gates, w1, w2 = _jax_expert_inputs(5, n, h, dh, ne, de, k)
+    cfg = variant_config("default", n * h * k, h * ne, dh, de)
+    assert cfg.fwd_ws
+    seen = []
+    real = et._gluon_call
+    monkeypatch.setattr(et, "_gluon_call", lambda *a, **kw: seen.append(kw.get("SKIP_PAD")) or real(*a, **kw))
+    runs = []
+    for skip in (True, False):
+        monkeypatch.setattr(et, "FWD_SKIP_PADDING", skip)
+
+        def loss(x, gates, w1, w2):  # a new function each time: a fresh trace, which reads the switch
+            y = expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg)[0]
+            return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
+
+        runs.append(jax.tree.leaves(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, gates, w1, w2)))
+    assert seen[0] is True and False in seen  # the forward's launches (the backward's have no SKIP_PAD)
+    for a, b in zip(*runs):
+        assert np.isfinite(np.asarray(a, np.float32)).all()
+        assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.gpu

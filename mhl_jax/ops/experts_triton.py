@@ -155,7 +155,8 @@ def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2, heads: int = 1):
     return _gluon_call(xs, meta.row_slot, meta.block_group, meta.group_block_start, meta.group_nblocks, w1, w2,
                        kernel=gluon_expert_fwd_ws_kernel, out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype),
                        programs=_persistent_programs(nb),
-                       **ws_constexprs(st.k, dh, de, g, nb, st.cfg.pack_block, heads=heads))
+                       **ws_constexprs(st.k, dh, de, g, nb, st.cfg.pack_block, heads=heads,
+                                       skip_padding=FWD_SKIP_PADDING))
 
 
 def _fwd_triton(st: Static, xs, meta: Meta, w1, w2, heads: int = 1):
@@ -391,6 +392,11 @@ FWD_HEAD_MAJOR_MIN_K = 8
 # ~13% at 1536/8/128 and 768/4/256, 81920 tokens). False: every block of the group's packing blocks, as until the
 # 2026-11-26 session 28 (layer variant "bwd_pad_blocks").
 BWD_SKIP_PADDING = True
+# The Gluon forward skips the second 64-row half of a packing block when it holds only padding (about every other
+# group's last block: ~4% of the halves at 768/8/128, ~13% at 1536/8/128 and 768/4/256, 81920 tokens): not computed,
+# its rows left unwritten (the combines read real rows only). False: every half computed, padding rows 0, as until
+# the 2026-11-26 session 29 (layer variant "fwd_pad_halves").
+FWD_SKIP_PADDING = True
 
 
 def combine_rows(out_rows, slot_row, gates, x_dtype, backend: str):
