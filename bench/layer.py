@@ -89,9 +89,11 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # (gluon_router.ws_router_consumers; two at k > 4 by default); "bwd_pad_blocks": the Gluon backward over every 32-row
 # block of a group's packing blocks, the padding-only ones too (experts_triton.BWD_SKIP_PADDING = False: as until
 # the 2026-11-26 session 28); "fwd_pad_halves": the Gluon forward computing (and zeroing) the padding-only second halves
-# of packing blocks too (experts_triton.FWD_SKIP_PADDING = False: as until the 2026-11-26 session 29).
+# of packing blocks too (experts_triton.FWD_SKIP_PADDING = False: as until the 2026-11-26 session 29);
+# "router_dw_lanes": the router's dW partial kernel with a (SUB, DHP) accumulator at SUB 64, 4 warps, instead of its
+# row sums at SUB 128, 2 warps (kernels.router.DW_ROWSUM = False: as until the 2026-11-26 session 29).
 LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads", "router_networks", "bare_gates",
-                  "pack_4warps", "nocast", "nocast_nc3", "bwd_pad_blocks", "fwd_pad_halves")
+                  "pack_4warps", "nocast", "nocast_nc3", "bwd_pad_blocks", "fwd_pad_halves", "router_dw_lanes")
 
 
 @contextlib.contextmanager
@@ -119,6 +121,7 @@ def layer_switches(variant: str | None):
         "nocast_nc3": [(mc, "ROUTER_CASTS_WEIGHTS", False), (gr, "ws_router_consumers", lambda k: 3)],
         "bwd_pad_blocks": [(et, "BWD_SKIP_PADDING", False)],
         "fwd_pad_halves": [(et, "FWD_SKIP_PADDING", False)],
+        "router_dw_lanes": [(kr, "DW_ROWSUM", False)],
     }
     assert set(switches) == set(LAYER_VARIANTS), "layer_switches: a LAYER_VARIANTS name without its switches"
     flips = switches.get(variant, [])

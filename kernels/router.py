@@ -71,8 +71,10 @@ class RouterTiles(NamedTuple):
     dx_block_n: int = 16  # backward dX: tokens per program (k gathered fp32 rows in flight: keep small)
     dx_warps: int = 4
     dw_block: int = 512  # backward dW: max slots per partial block (CB)
-    dw_sub: int = 64  # backward dW: slots per loop step inside a block
-    dw_warps: int = 4
+    dw_sub: int = 128  # backward dW: slots per loop step inside a block (row-sum form, DW_ROWSUM)
+    dw_warps: int = 2  # (H100, 81920 tokens, layer routing, with the reduce: 0.253 vs 0.357 ms at Ne 768 k 8,
+    # 0.256 vs 0.370 at Ne 1536 against the (SUB, DHP) accumulator at SUB 64, 4 warps; bench/NOTES.md, Layer, s29)
+    dw_rowsum: bool = True  # backward dW: the partial kernel's row-sum form (router_bwd_dw_partial_kernel's ROWSUM)
     red_block_e: int = 32  # backward dW reduce: experts per program
     red_warps: int = 4
     row_tiles: int = 0  # forward: BLOCK_N-row tiles per program (1 or 2: two share each W_r block); 0: 2 if
@@ -84,6 +86,12 @@ class RouterTiles(NamedTuple):
 
 WS_MAX_K = 8  # the Gluon forward's k range (H100, 81920 tokens, kernel alone: Ne 384 k 4 0.685 vs 0.926 ms, Ne 768 k 8
 # 1.72 vs 2.26, Ne 1536 k 8 3.13 vs 3.77, Ne 768 k 1 0.79 vs 0.91; bench/layer.py's variant triton_router_fwd sets 0)
+
+
+# router_tiles' dW form where not given: False gives the (SUB, DHP) accumulator at its tiles until the 2026-11-26
+# session 29 (dw_sub 64, 4 warps; bench/layer.py's variant router_dw_lanes). Read when the tiles are made (in the
+# forward: the backward gets them through the custom_vjp's static arguments).
+DW_ROWSUM = True
 
 
 def ws_wanted(tiles: RouterTiles, k: int) -> bool:
@@ -99,6 +107,8 @@ def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
     be = t.block_e or (128 if ne <= 128 else 64)  # H100 sweeps (bench/NOTES.md, Router; Layer, session 8)
     be = max(16, kp, min(be, next_pow2(ne)))
     rt = t.row_tiles or (2 if k <= 2 and ne > 128 else 1)
+    if not DW_ROWSUM and "dw_rowsum" not in overrides:
+        t = t._replace(dw_rowsum=False, dw_sub=overrides.get("dw_sub", 64), dw_warps=overrides.get("dw_warps", 4))
     return t._replace(block_e=be, row_tiles=rt, ws=ws_wanted(t, k))
 
 
@@ -317,12 +327,14 @@ def router_bwd_dw_partial_kernel(
     x_ptr, dv_ptr, order_ptr, block_group_ptr, group_start_ptr, group_bstart_ptr, group_size_ptr,  # inputs
     part_ptr,  # output: (NB, DHP) fp32 partial sums
     H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
-    CB: tl.constexpr, SUB: tl.constexpr, UPCAST: tl.constexpr,
+    CB: tl.constexpr, SUB: tl.constexpr, UPCAST: tl.constexpr, ROWSUM: tl.constexpr = True,
 ):
     """order: (H * N * K,) int32, per head the local slots n * K + j sorted by expert (stable), or any
     layout in which each group's slots are contiguous from group_start (e.g. the experts' packed rows);
     block_group: (NB,) group h * NE + e of each block or -1; group_start (G,): first position of the
-    group in `order`; group_bstart (G,): its first block; group_size (G,): its slot count."""
+    group in `order`; group_bstart (G,): its first block; group_size (G,): its slot count.
+    ROWSUM: each step's SUB products summed over the slots into one (DHP,) fp32 row at once (a fixed tree),
+    added to the running row; else a (SUB, DHP) accumulator summed over SUB at the end (DW_ROWSUM)."""
     b = tl.program_id(0)
     g = tl.load(block_group_ptr + b)
     offs_d = tl.arange(0, DHP)
@@ -332,7 +344,10 @@ def router_bwd_dw_partial_kernel(
         lb = b - tl.load(group_bstart_ptr + g)
         pos0 = tl.load(group_start_ptr + g) + lb * CB
         cnt = tl.minimum(tl.load(group_size_ptr + g) - lb * CB, CB)
-        acc = tl.zeros((SUB, DHP), tl.float32)
+        if ROWSUM:
+            acc = tl.zeros((DHP,), tl.float32)
+        else:
+            acc = tl.zeros((SUB, DHP), tl.float32)
         for i in range(0, cnt, SUB):
             o = i + tl.arange(0, SUB)
             m = o < cnt
@@ -340,8 +355,14 @@ def router_bwd_dw_partial_kernel(
             xrow = (slot // K).to(tl.int64) * H + h
             gv = tl.load(dv_ptr + xrow * K + slot % K, mask=m, other=0.0)
             xr = tl.load(x_ptr + xrow[:, None] * DH + offs_d[None, :], mask=m[:, None] & dmask[None, :], other=0.0)
-            acc += gv[:, None] * xr.to(tl.float32)
-        tl.store(part_ptr + b.to(tl.int64) * DHP + offs_d, tl.sum(acc, axis=0))
+            if ROWSUM:
+                acc += tl.sum(gv[:, None] * xr.to(tl.float32), axis=0)
+            else:
+                acc += gv[:, None] * xr.to(tl.float32)
+        if ROWSUM:
+            tl.store(part_ptr + b.to(tl.int64) * DHP + offs_d, acc)
+        else:
+            tl.store(part_ptr + b.to(tl.int64) * DHP + offs_d, tl.sum(acc, axis=0))
 
 
 @triton.jit

@@ -144,6 +144,7 @@ def router_bwd(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, dvals: torch
     router_bwd_dw_partial_kernel[(nb,)](
         x, dvals, meta.order, meta.block_group, meta.group_start, meta.group_bstart, meta.group_size, part,
         H=h, DH=dh, DHP=dhp, NE=ne, K=k, CB=tiles.dw_block, SUB=tiles.dw_sub, UPCAST=_interpreting(),
+        ROWSUM=tiles.dw_rowsum,
         num_warps=tiles.dw_warps)
     dw = torch.empty((h, dh, ne), dtype=torch.float32, device=x.device)
     router_bwd_dw_reduce_kernel[(triton.cdiv(ne, tiles.red_block_e), h)](

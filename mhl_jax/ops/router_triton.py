@@ -241,7 +241,8 @@ def _dw_triton(st: Static, x, dvals, meta: DwMeta, ne: int):
         x, dvals, meta.order, meta.block_group, meta.group_start, meta.group_bstart, meta.group_size,
         kernel=router_bwd_dw_partial_kernel, out_shape=jax.ShapeDtypeStruct((nb, dhp), jnp.float32),
         grid=(nb,), num_warps=t.dw_warps,
-        H=h, DH=dh, DHP=dhp, NE=ne, K=st.k, CB=t.dw_block, SUB=t.dw_sub, UPCAST=False)
+        H=h, DH=dh, DHP=dhp, NE=ne, K=st.k, CB=t.dw_block, SUB=t.dw_sub, UPCAST=False,
+        ROWSUM=t.dw_rowsum)
     return jt.triton_call(
         part, meta.group_bstart, meta.group_nblk, kernel=router_bwd_dw_reduce_kernel,
         out_shape=jax.ShapeDtypeStruct((h, dh, ne), jnp.float32), grid=(-(-ne // t.red_block_e), h),
