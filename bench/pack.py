@@ -2,7 +2,7 @@
 side in one process: time per call and each launch's device time (JAX profiler trace).
 
     python bench/pack.py [--tokens 81920] [--configs 384/4 768/8 1536/8] [--chunks 1024 2048 4096]
-                         [--sort-warps 8] [--out FILE]
+                         [--sort-warps 8] [--offsets-eb 256 32] [--out FILE]
 
 idx (N, 8, k): each row's k experts drawn without replacement (uniform scores, lax.top_k), the packing block of the
 layer's default expert config. One JSON line per (shape, chunk, scatter warps): `ms` (bench.timing.time_jax),
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["384/4", "768/8", "1536/8"], help="Ne/k")
     ap.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--sort-warps", type=int, nargs="+", default=[], help="kernels.packing.PACK_SORT_WARPS values")
+    ap.add_argument("--offsets-eb", type=int, nargs="+", default=[], help="kernels.packing.PACK_OFFSETS_EB values")
     ap.add_argument("--de", type=int, default=128, help="expert width for the default config's packing block")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -63,21 +64,22 @@ def main() -> None:
             idx = jax.block_until_ready(jax.lax.top_k(scores, k)[1].astype(jnp.int32))
             del scores
             ref = None
-            warps = kp.PACK_SORT_WARPS
-            runs = [(c, w) for c in [PACK_CHUNK] + [c for c in args.chunks if c != PACK_CHUNK]
-                    for w in [warps] + [w for w in args.sort_warps if w != warps]]
-            for chunk, sort_warps in runs:
-                kp.PACK_SORT_WARPS = sort_warps  # read when traced (the first call below)
+            warps, eb0 = kp.PACK_SORT_WARPS, kp.PACK_OFFSETS_EB
+            runs = [(c, w, eb) for c in [PACK_CHUNK] + [c for c in args.chunks if c != PACK_CHUNK]
+                    for w in [warps] + [w for w in args.sort_warps if w != warps]
+                    for eb in [eb0] + [v for v in args.offsets_eb if v != eb0]]
+            for chunk, sort_warps, eb in runs:
+                kp.PACK_SORT_WARPS, kp.PACK_OFFSETS_EB = sort_warps, eb  # read when traced (the first call below)
                 fn = jax.jit(lambda i, c=chunk, e=ne, b=block: tuple(pack_triton(i, e, b, c)))
                 try:
                     out = jax.block_until_ready(fn(idx))
                 finally:
-                    kp.PACK_SORT_WARPS = warps
+                    kp.PACK_SORT_WARPS, kp.PACK_OFFSETS_EB = warps, eb0
                 ref = out if ref is None else ref
                 same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, ref))
                 rec = dict(bench="pack", impl="triton", device=device, date=date,
                            params=dict(tokens=tokens, heads=NH, ne=ne, k=k, block=block, chunk=chunk,
-                                       sort_warps=sort_warps),
+                                       sort_warps=sort_warps, offsets_eb=eb),
                            ms=time_jax(fn, [(idx,)]), kernels_ms=kernel_times(fn, (idx,)), same_as_default=same)
                 emit(rec, outf)
 

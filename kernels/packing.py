@@ -151,6 +151,8 @@ PACK_CHUNK = 1024  # local slots per chunk (sorted in registers by one program)
 # 0.208 / 0.109 at 4, Ne 768 k 8 / Ne 384 k 4; 1, 2, 16 and 32 warps slower; bench/NOTES.md, Layer, session 28)
 PACK_SORT_WARPS = 8
 HIST_ATOMIC_MIN_BINS = 1024  # histogram bins (NEP) from which pack_hist_kernel adds atomically
+# expert columns per pack_offsets_kernel program (its grid: H x NEP / EB programs, each over all NC chunks in order)
+PACK_OFFSETS_EB = 32
 
 
 def launch_shapes(n: int, h: int, k: int, ne: int, chunk: int = PACK_CHUNK) -> dict:
@@ -158,7 +160,7 @@ def launch_shapes(n: int, h: int, k: int, ne: int, chunk: int = PACK_CHUNK) -> d
     ml = n * k
     c = min(next_pow2(chunk), next_pow2(max(ml, 16)))
     nep = next_pow2(ne + 1)
-    eb = min(nep, 256)
+    eb = min(nep, PACK_OFFSETS_EB)
     return dict(ML=ml, C=c, LOG_C=c.bit_length() - 1, NC=-(-ml // c), NEP=nep, EB=eb, CB=4096 // eb,
                 G=h * ne, GB=1024)
 
@@ -210,4 +212,4 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
 
 __all__ = ["pack_hist_kernel", "pack_offsets_kernel", "pack_groups_kernel", "pack_scatter_kernel",
            "pack_block_group_kernel", "pack_launches", "Launch", "PACK_RESULT", "PACK_CHUNK", "PACK_SORT_WARPS",
-           "HIST_ATOMIC_MIN_BINS", "next_pow2"]
+           "HIST_ATOMIC_MIN_BINS", "PACK_OFFSETS_EB", "next_pow2"]
