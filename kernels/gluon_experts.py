@@ -246,12 +246,10 @@ def _ws_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
 
 
 @gluon.jit
-def _ws_half(a, xb, q0, rows, b, nxt_ptr, nxt_live, DH: gl.constexpr, BLOCK_E: gl.constexpr, NS: gl.constexpr,
-             N: gl.constexpr, FAST_TANH: gl.constexpr, C: gl.constexpr, PROBE: gl.constexpr, HALF: gl.constexpr,
-             LOAD_NEXT: gl.constexpr):
-    """One consumer's half of a block (X rows ready in buffer xb, ring uses q0 ..): the chunks' products, its rows'
-    store. LOAD_NEXT: returns the int32 at nxt_ptr (masked by nxt_live), loaded under the last product, after the
-    block's last fence (which would wait for it); else 0."""
+def _ws_half(a, xb, q0, rows, b, DH: gl.constexpr, BLOCK_E: gl.constexpr, NS: gl.constexpr, N: gl.constexpr,
+             FAST_TANH: gl.constexpr, C: gl.constexpr, PROBE: gl.constexpr, HALF: gl.constexpr):
+    """One consumer's half of block b (X rows ready in buffer xb, ring uses q0 ..): the chunks' products, then its
+    rows' store."""
     (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready, x_empty,
      w_ready, w_empty, gbs_ptr, gnb_ptr) = a
     NW: gl.constexpr = gl.num_warps()
@@ -277,9 +275,6 @@ def _ws_half(a, xb, q0, rows, b, nxt_ptr, nxt_live, DH: gl.constexpr, BLOCK_E: g
         else:
             a_prev = gl.convert_layout(_gelu(s, FAST_TANH).to(cdt), a_layout)
         acc = warpgroup_mma(a_prev, w2_smem.index(q % NS), acc, is_async=True)
-    nxt = gl.to_tensor(0)
-    if LOAD_NEXT:
-        nxt = gl.load(nxt_ptr, mask=nxt_live, other=0)
     acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
     mbarrier.arrive(w_empty.index((q0 + N - 1) % NS))
     mbarrier.arrive(x_empty.index(xb))
@@ -287,7 +282,6 @@ def _ws_half(a, xb, q0, rows, b, nxt_ptr, nxt_live, DH: gl.constexpr, BLOCK_E: g
     if PROBE & 1:  # a measurement: the output rows' stores masked off by a condition false at run time
         live = b < 0
     _store_rows(out_ptr, rows, acc.to(out_ptr.dtype.element_ty), DH, NW, live)
-    return nxt
 
 
 @gluon.jit
@@ -301,7 +295,8 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
     S tiles in registers, measured 1-4% slower: the m64n64 products read twice the X per product.)
     SKIP_PAD (consumer 1 only): a second half made only of padding (its first row a padding row: a group's padding
     is the end of its last block, so half 0 always holds a row) is neither computed nor stored; the consumer still
-    waits for the block's buffers and frees them. Its first row's slot is loaded one block ahead."""
+    waits for the block's buffers and frees them. The slot of its first row is loaded at the block's start (loaded
+    one block ahead, it measured the same, and ptxas spilled setup values at de 256)."""
     (x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, x_smem, w1_smem, w2_smem, x_ready, x_empty,
      w_ready, w_empty, gbs_ptr, gnb_ptr) = a
     N: gl.constexpr = DE // BLOCK_E
@@ -315,7 +310,6 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
         if SKIP_PAD and C == 1:
             for b in range(start, end):
                 xb = t % 2
-                nxt_ptr = row_slot_ptr + (b + 1).to(gl.int64) * BLOCK_M + HALF
                 half_slot = gl.load(row_slot_ptr + b.to(gl.int64) * BLOCK_M + HALF)
                 mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
                 if half_slot < 0:  # padding only: free the block's weight chunks and X rows unused
@@ -324,15 +318,15 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
                         mbarrier.arrive(w_empty.index((t * N + j) % NS))
                     mbarrier.arrive(x_empty.index(xb))
                 else:
-                    _ws_half(a, xb, t * N, b.to(gl.int64) * BLOCK_M + C * HALF + om, b, nxt_ptr,
-                             b + 1 < end, DH, BLOCK_E, NS, N, FAST_TANH, C, PROBE, HALF, False)
+                    _ws_half(a, xb, t * N, b.to(gl.int64) * BLOCK_M + C * HALF + om, b, DH, BLOCK_E, NS, N, FAST_TANH,
+                             C, PROBE, HALF)
                 t += 1
         else:
             for b in range(start, end):
                 xb = t % 2
                 mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
-                _ws_half(a, xb, t * N, b.to(gl.int64) * BLOCK_M + C * HALF + om, b, row_slot_ptr, False, DH,
-                         BLOCK_E, NS, N, FAST_TANH, C, PROBE, HALF, False)
+                _ws_half(a, xb, t * N, b.to(gl.int64) * BLOCK_M + C * HALF + om, b, DH, BLOCK_E, NS, N, FAST_TANH, C,
+                         PROBE, HALF)
                 t += 1
 
 

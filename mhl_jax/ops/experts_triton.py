@@ -393,7 +393,7 @@ FWD_HEAD_MAJOR_MIN_K = 8
 # 2026-11-26 session 28 (layer variant "bwd_pad_blocks").
 BWD_SKIP_PADDING = True
 # The Gluon forward skips the second 64-row half of a packing block when it holds only padding (about every other
-# group's last block: ~4% of the halves at 768/8/128, ~13% at 1536/8/128 and 768/4/256, 81920 tokens): not computed,
+# group's last block: 3.5% of the halves at 768/8/128, ~6.5% at 1536/8/128 and 768/4/256, 81920 tokens): not computed,
 # its rows left unwritten (the combines read real rows only). False: every half computed, padding rows 0, as until
 # the 2026-11-26 session 29 (layer variant "fwd_pad_halves").
 FWD_SKIP_PADDING = True
