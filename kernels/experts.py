@@ -412,12 +412,18 @@ BWD_WS_WIDE_MAX_DE = 256
 # gap closed (results/layer-h100-2026-11-25-final.jsonl: 8.21 vs 8.20, 10.30 vs 10.43, 9.74 vs 9.77, 13.16 vs 13.19
 # at 81920 tokens): kept, level or ahead at those rows
 BWD_XW_MIN_SLOTS = 1 << 21
+# fewest mean rows per group where the packing block is 64 (32 below): H100 2026-11-26 (session 30), layer fwd+bwd at
+# 8192 tokens, mean 42.7 (768/4/256 and 1536/8/128; the 4.2B configs' shape), one process
+# (results/layer-h100-2026-11-26-s30-pack.jsonl): 2.97 vs 3.13 ms and 3.28 vs 3.48 at block 64 vs 32 (at such means
+# most groups take two 32-row blocks anyway, so the padding barely grows while the blocks halve; block 128 there:
+# 2.98 / 3.32). At mean 85 (384/4/256, 768/8/128) block 128 measured 1.88 / 2.10 vs 1.86 / 2.08 at 64. Was 48
+PACK64_MIN_MEAN = 32
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
 
 def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: str | None = None,
                    fuse_bwd: bool = True, fuse_min_pack: int | None = None, dw_ws: bool = True,
-                   bwd_ws: bool = True) -> ExpertsConfig:
+                   bwd_ws: bool = True, pack: int | None = None) -> ExpertsConfig:
     """Pick the packing block from the mean rows per group (padding waste ~ block / 2 per group) and
     tiles that keep the accumulators in registers on Hopper (tuned in bench/NOTES.md).
 
@@ -439,9 +445,14 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     bwd_ws: the backward as the one warp-specialised Gluon kernel where it takes the shape (`bwd_ws_supported`): at
     de = 128 in place of the fused Triton kernel, at larger de (up to BWD_WS_WIDE_MAX_DE) in place of the split
     backward; False: the Triton kernels of the other fields (variant "triton_fused_bwd"). From BWD_XW_MIN_SLOTS
-    routed slots on, that kernel runs with its dX warp group (bwd_xw)."""
+    routed slots on, that kernel runs with its dX warp group (bwd_xw).
+
+    pack: force the packing block (16, 32, 64 or 128; None: from the mean rows per group as above)."""
     mean = num_slots / max(num_groups, 1)
-    pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
+    if pack is None:
+        pack = 128 if mean >= 384 else 64 if mean >= PACK64_MIN_MEAN else 32 if mean >= 12 else 16
+    elif pack not in (16, 32, 64, 128):
+        raise ValueError(f"default_config: pack={pack}, expected None or one of 16, 32, 64, 128")
     if dh > 128:
         return _wide_config(pack, num_slots, de, dw_form)
     measured = pack >= 64 and dw_form is None
@@ -511,4 +522,5 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
 
 __all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
            "dgates_in_kernels", "DW_WS_MAX_PACK", "BWD_WS_WIDE_MAX_DE",
-           "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "default_config", "triton"]
+           "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "PACK64_MIN_MEAN", "default_config",
+           "triton"]

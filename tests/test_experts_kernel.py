@@ -232,15 +232,15 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de, ne, monkeypatch):
 @pytest.mark.parametrize("variant,de,skew,ne", [
     ("t", 256, False, 16), ("t", 256, True, 16), ("t_packed", 256, False, 16), ("count", 256, True, 16),
     ("new", 256, True, 16), ("new", 128, False, 16), ("new_packed", 128, True, 16), ("default", 256, True, 16),
-    # de = 128: the fused backward at packing blocks 128, 64 (Ne 128) and 32 (Ne 512), and the split one
-    ("default", 128, True, 16), ("default", 128, False, 128), ("default", 128, True, 512),
+    # de = 128: the fused backward at packing blocks 128, 64 (Ne 128) and 32 (Ne 1024), and the split one
+    ("default", 128, True, 16), ("default", 128, False, 128), ("default", 128, True, 1024),
     ("split_bwd", 128, True, 16), ("triton_fwd", 256, True, 16),
     # the Gluon dW kernel at packing block 64 (Ne 128) and, split, at de 128; and without it
     ("default", 256, False, 128), ("split_bwd", 128, False, 128), ("triton_dw", 256, False, 128),
     # the fused backward runs the Gluon kernel by default; the fused Triton one
-    ("triton_fused_bwd", 128, True, 512), ("triton_fused_bwd", 128, False, 16),
+    ("triton_fused_bwd", 128, True, 1024), ("triton_fused_bwd", 128, False, 16),
     # the whole backward on the Gluon kernel at de 256 (partial dX rows per 128 de), packing blocks 128 and 64
-    ("gluon_bwd", 256, True, 16), ("gluon_bwd", 256, False, 128), ("default", 256, True, 512),
+    ("gluon_bwd", 256, True, 16), ("gluon_bwd", 256, False, 128), ("default", 256, True, 1024),
     # the Gluon backward with the dX warp group, de 256 and 128
     ("gluon_bwd_xw", 256, True, 16), ("gluon_bwd_xw", 128, False, 128)])
 def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne, monkeypatch):
@@ -583,8 +583,9 @@ def test_ws_dw_shapes_checked_and_chosen():
                 (81920, 384, 4, 512): (128, False, False, False, False),
                 (8192, 384, 4, 256): (64, True, False, True, False),
                 (8192, 768, 8, 128): (64, False, True, True, False),
-                (8192, 768, 4, 256): (32, True, False, True, False),
-                (8192, 1536, 8, 128): (32, False, True, True, False),
+                (8192, 768, 4, 256): (64, True, False, True, False),
+                (8192, 1536, 8, 128): (64, False, True, True, False),
+                (4096, 768, 4, 256): (32, True, False, True, False),
                 (8192, 384, 4, 512): (64, True, False, False, False)}
     for (tokens, ne, k, de), want in expected.items():
         cfg = default_config(tokens * 8 * k, 8 * ne, 128, de)

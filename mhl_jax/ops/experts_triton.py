@@ -57,7 +57,8 @@ class Static(NamedTuple):
 # ------------------------------------------------------------------------------ variants (benchmarks)
 
 VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd", "fused_bwd16",
-            "triton_fwd", "triton_dw", "triton_fused_bwd", "gluon_bwd", "gluon_bwd_xw", "gluon_bwd_noxw")
+            "triton_fwd", "triton_dw", "triton_fused_bwd", "gluon_bwd", "gluon_bwd_xw", "gluon_bwd_noxw", "pack64",
+            "pack128")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -78,11 +79,15 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     warp-specialised Gluon one (the default until the seventh session of 2026-11-24); "gluon_bwd" = "default" with
     the whole backward on the warp-specialised Gluon kernel wherever it takes the shape (at de > 128 too: partial dX
     rows per 128 de, summed by the combine); "gluon_bwd_xw" / "gluon_bwd_noxw" = "default" with / without the dX warp
-    group in the Gluon backward (`ExpertsConfig.bwd_xw`)."""
+    group in the Gluon backward (`ExpertsConfig.bwd_xw`); "pack64" / "pack128" = the default's choices at packing
+    block 64 / 128 whatever the mean rows per group (the Gluon forward and Triton packing where the default takes 32 or
+    64)."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name in ("split_bwd", "fused_bwd16"):
         return default_config(num_slots, num_groups, dh, de, fuse_bwd=name != "split_bwd", fuse_min_pack=16)
+    if name in ("pack64", "pack128"):
+        return default_config(num_slots, num_groups, dh, de, pack=int(name[4:]))
     if name == "triton_dw":
         return default_config(num_slots, num_groups, dh, de, dw_ws=False)
     if name == "triton_fused_bwd":
