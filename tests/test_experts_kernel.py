@@ -234,6 +234,8 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de, ne, monkeypatch):
     ("new", 256, True, 16), ("new", 128, False, 16), ("new_packed", 128, True, 16), ("default", 256, True, 16),
     # de = 128: the fused backward at packing blocks 128, 64 (Ne 128) and 32 (Ne 1024), and the split one
     ("default", 128, True, 16), ("default", 128, False, 128), ("default", 128, True, 1024),
+    # 42.7 mean rows per group (Ne 384): packing block 64 since session 30 (PACK64_MIN_MEAN), blocks about 2/3 full
+    ("default", 128, True, 384), ("default", 256, False, 384),
     ("split_bwd", 128, True, 16), ("triton_fwd", 256, True, 16),
     # the Gluon dW kernel at packing block 64 (Ne 128) and, split, at de 128; and without it
     ("default", 256, False, 128), ("split_bwd", 128, False, 128), ("triton_dw", 256, False, 128),
