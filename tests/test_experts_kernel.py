@@ -589,6 +589,13 @@ def test_ws_dw_shapes_checked_and_chosen():
                 (8192, 1536, 8, 128): (64, False, True, True, False),
                 (4096, 768, 4, 256): (32, True, False, True, False),
                 (8192, 384, 4, 512): (64, True, False, False, False)}
+    # the forced-block variants (and the argument behind them): the default's choices at that block
+    for name, pb in (("pack64", 64), ("pack128", 128)):
+        forced = variant_config(name, 8192 * 8 * 4, 8 * 768, 128, 256)
+        assert forced == default_config(8192 * 8 * 4, 8 * 768, 128, 256, pack=pb) and forced.pack_block == pb
+    assert variant_config("pack128", 8192 * 8 * 4, 8 * 768, 128, 256).fwd_ws  # the Gluon forward takes block 128
+    with pytest.raises(ValueError, match="pack=48, expected None or one of 16, 32, 64, 128"):
+        default_config(8192 * 8 * 4, 8 * 768, 128, 256, pack=48)
     for (tokens, ne, k, de), want in expected.items():
         cfg = default_config(tokens * 8 * k, 8 * ne, 128, de)
         got = (cfg.pack_block, cfg.dw_ws, cfg.dw.block_e == de, cfg.bwd_ws, cfg.bwd_xw)
