@@ -307,9 +307,9 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
     t = 0
     for hh in range(HEADS):
         start, end = _ws_share(gbs_ptr, gnb_ptr, G, HEADS, hh)
-        if SKIP_PAD and C == 1:
-            for b in range(start, end):
-                xb = t % 2
+        for b in range(start, end):
+            xb = t % 2
+            if SKIP_PAD and C == 1:
                 half_slot = gl.load(row_slot_ptr + b.to(gl.int64) * BLOCK_M + HALF)
                 mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
                 if half_slot < 0:  # padding only: free the block's weight chunks and X rows unused
@@ -320,14 +320,11 @@ def _ws_consumer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M
                 else:
                     _ws_half(a, xb, t * N, b.to(gl.int64) * BLOCK_M + C * HALF + om, b, DH, BLOCK_E, NS, N, FAST_TANH,
                              C, PROBE, HALF)
-                t += 1
-        else:
-            for b in range(start, end):
-                xb = t % 2
+            else:
                 mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
                 _ws_half(a, xb, t * N, b.to(gl.int64) * BLOCK_M + C * HALF + om, b, DH, BLOCK_E, NS, N, FAST_TANH, C,
                          PROBE, HALF)
-                t += 1
+            t += 1
 
 
 @gluon.jit

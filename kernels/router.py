@@ -359,10 +359,9 @@ def router_bwd_dw_partial_kernel(
                 acc += tl.sum(gv[:, None] * xr.to(tl.float32), axis=0)
             else:
                 acc += gv[:, None] * xr.to(tl.float32)
-        if ROWSUM:
-            tl.store(part_ptr + b.to(tl.int64) * DHP + offs_d, acc)
-        else:
-            tl.store(part_ptr + b.to(tl.int64) * DHP + offs_d, tl.sum(acc, axis=0))
+        if not ROWSUM:
+            acc = tl.sum(acc, axis=0)
+        tl.store(part_ptr + b.to(tl.int64) * DHP + offs_d, acc)
 
 
 @triton.jit

@@ -185,13 +185,15 @@ def test_bias_selects_but_values_are_raw():
 
 @interp
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
-def test_backward_vs_float64_and_deterministic(skew):
+@pytest.mark.parametrize("rowsum", [True, False], ids=["rowsum", "lanes"])  # the dW partial kernel's two forms
+def test_backward_vs_float64_and_deterministic(skew, rowsum):
     n, h, dh, ne, k = 45, 2, 24, 20, 3
     x, w, b = _inputs(11, n, h, dh, ne)
     if skew:  # every token picks experts {3, 7, 12}: one group spans many dW blocks
         b = torch.full((h, ne), -50.0)
         b[:, [3, 7, 12]] = 50.0
-    tiles = kr.router_tiles(ne, k, block_n=16, block_e=16, dx_block_n=16, dw_block=16, dw_sub=16, red_block_e=16)
+    tiles = kr.router_tiles(ne, k, block_n=16, block_e=16, dx_block_n=16, dw_block=16, dw_sub=16, red_block_e=16,
+                            dw_rowsum=rowsum)
     _, idx = ktr.router_fwd(x, w, b, k, "bf16x3", tiles)
     dv = torch.from_numpy(np.random.default_rng(5).standard_normal((n, h, k), dtype=np.float32))
     dx, dw = ktr.router_bwd(x, w, idx, dv, tiles, dx_dtype=torch.float32)

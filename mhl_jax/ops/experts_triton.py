@@ -87,7 +87,7 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     if name in ("split_bwd", "fused_bwd16"):
         return default_config(num_slots, num_groups, dh, de, fuse_bwd=name != "split_bwd", fuse_min_pack=16)
     if name in ("pack64", "pack128"):
-        return default_config(num_slots, num_groups, dh, de, pack=int(name[4:]))
+        return default_config(num_slots, num_groups, dh, de, pack={"pack64": 64, "pack128": 128}[name])
     if name == "triton_dw":
         return default_config(num_slots, num_groups, dh, de, dw_ws=False)
     if name == "triton_fused_bwd":
