@@ -66,6 +66,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +86,7 @@ from mhl_jax.model.gpt import build_model  # noqa: E402
 from mhl_jax.model.params import train_flops_per_token  # noqa: E402
 from mhl_jax.parallel.executors import make_executor  # noqa: E402
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, mesh_shape, model_axis, state_shardings  # noqa: E402
+from mhl_jax.train.autotune import autotune_file  # noqa: E402
 from mhl_jax.train.loop import accumulation_steps  # noqa: E402
 from mhl_jax.train.metrics import device_peak_flops, mfu  # noqa: E402
 from mhl_jax.train.optimizer import make_optimizer  # noqa: E402
@@ -168,13 +170,19 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     before = device_peaks(mesh.devices.flat)
     state = jax.jit(init_state, out_shardings=sh, donate_argnums=(0, 1))(
         *jax.device_put((params, biases), (sh["params"], sh["biases"])))
+    # train.xla_autotune_file as a path: XLA's autotuning results loaded from it if it exists, written to it (this
+    # bench has no run directory: "auto" is off here, as "")
+    setting = cfg.train.xla_autotune_file
+    tuned = autotune_file("" if setting == "auto" else setting, Path("."), backend=jax.default_backend())
     step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh, bsh,
                           donate=True, deterministic=cfg.train.xla_deterministic_ops,
-                          cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn")
+                          cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
+                          autotune_options=tuned.compiler_options())
     shaped = batches.reshape(len(batches), accum, micro_global, -1)
     t0 = time.perf_counter()
     compiled = step.lower(state, jax.device_put(shaped[0], bsh)).compile()
     compile_s = time.perf_counter() - t0
+    tuned.commit()
     mem_compiled = compiled_gib(compiled.memory_analysis())
     losses, gnorms, times = [], [], []
     for b in shaped:

@@ -88,6 +88,10 @@ class TrainConfig:
     # float atomics without it (README, Determinism), and with it the fp32 gradients of MH-LatentMoE moved
     # by 1.8e-5 rel. on H200 (1 vs 2 GPUs then 3e-4 apart after 5 steps; bench/NOTES.md).
     xla_deterministic_ops: bool = False
+    # GPU: XLA's autotuning results kept with the run, so a resumed process compiles the kernels the first one
+    # picked and the losses continue bitwise ("auto": <run_dir>/xla_autotune.txt; "": off, every process tunes
+    # afresh; else a file path). mhl_jax/train/autotune.py.
+    xla_autotune_file: str = "auto"
 
 
 @dataclass

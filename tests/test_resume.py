@@ -1,7 +1,9 @@
 """Exact resume (issue 3): 2N steps straight == N steps, a fresh process restoring, N more steps.
 
-Per-step losses and the final parameters must be bitwise identical on CPU. Also: a run on .bin
-shards killed with SIGKILL after a checkpoint resumes exactly.
+Per-step losses and the final parameters must be bitwise identical on CPU, and on a GPU (marker gpu) where each
+process compiles afresh and XLA's autotuning could pick other kernels: there the run's XLA autotuning results
+(train.xla_autotune_file) carry the choice across processes. Also: a run on .bin shards killed with SIGKILL after a
+checkpoint resumes exactly.
 """
 
 import json
@@ -28,8 +30,13 @@ def common(run_dir, *extra):
             "--set", "logging.progress_bar=false", "--set", f"logging.run_dir={run_dir}", *extra]
 
 
-def run(args, **kw):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+def run(args, gpu=False, **kw):
+    env = {**os.environ, "XLA_FLAGS": "", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if gpu:
+        env.pop("JAX_PLATFORMS", None)
+        env.pop("TRITON_INTERPRET", None)
+    else:
+        env["JAX_PLATFORMS"] = "cpu"
     r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
@@ -150,3 +157,29 @@ def test_refused_or_damaged_checkpoint_and_nothing_to_train(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "checkpoint error:" in r.stderr and "/checkpoints/4: its state" in r.stderr and "[2]" in r.stderr
     assert (d / "config.yaml").read_text() == before
+
+
+@pytest.mark.gpu
+def test_gpu_stop_and_resume_is_exact(tmp_path):
+    """On a GPU, with the default train.xla_autotune_file ("auto"): the straight run writes its autotuning results;
+    the split run starts from a copy of them (so its first process compiles what the straight one did: two fresh
+    processes may otherwise tune differently, bench/results/det-processes-h100-2026-11-27.log), and its resumed
+    process loads its own file, as a user's resume does."""
+    import shutil
+
+    from mhl_jax.train.autotune import DEFAULT_NAME
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    r = run(common(straight), gpu=True)  # ffn.kernels auto: the Triton kernels on a GPU
+    assert "XLA autotuning results from" not in r.stdout
+    tuned = straight / DEFAULT_NAME
+    assert tuned.is_file() and tuned.read_text().lstrip().startswith("version")
+    assert not (straight / f"{tuned.stem}.partial{tuned.suffix}").exists()
+    split.mkdir()
+    shutil.copy(tuned, split / DEFAULT_NAME)
+    run(common(split, "--stop-after", str(N)), gpu=True)
+    r = run(common(split), gpu=True)
+    assert f"resumed from step {N}" in r.stdout
+    assert f"XLA autotuning results from {(split / DEFAULT_NAME).resolve()}" in r.stdout
+    assert losses(split) == losses(straight)
+    assert_same_state(straight, split)

@@ -26,6 +26,7 @@ from mhl_jax.model.params import count_params, train_flops_per_token
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
+from mhl_jax.train.autotune import autotune_file
 from mhl_jax.train.checkpoint import Checkpointer
 from mhl_jax.train.metrics import device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
@@ -124,10 +125,15 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         truncate_metrics(run_dir / "metrics.jsonl", start)
 
         schedule = make_schedule(cfg.optimizer, cfg.schedule)
+        tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(),
+                              jax.process_index())
+        if tuned.load is not None:
+            log(f"XLA autotuning results from {tuned.load}")
         step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
                                  deterministic=cfg.train.xla_deterministic_ops,
-                                 cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn")
-        eval_fn = jax.jit(make_eval_step(graphdef))
+                                 cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
+                                 autotune_options=tuned.compiler_options())
+        eval_fn = jax.jit(make_eval_step(graphdef), compiler_options=tuned.compiler_options() or None)
         val = (load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences
                else None)
 
@@ -147,6 +153,8 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             for step in range(start, end):
                 batch = np.asarray(next(loader)).reshape(accum, -1, t + 1)
                 state, m = step_fn(state, jax.device_put(batch, batch_sharding))
+                if step == start:
+                    tuned.commit()  # the step compiled: XLA's autotuning results in place
                 m = {k: float(v) for k, v in jax.device_get(m).items()}
                 now = time.perf_counter()
                 m["step"] = step + 1
@@ -158,6 +166,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                                                                 or step + 1 == total):
                     m["val_loss"] = evaluate(eval_fn, state, val, cfg.train.micro_batch * mesh.size, eval_sharding)
                     m["val_ppl"] = math.exp(min(m["val_loss"], 50.0))
+                    tuned.commit()  # with the evaluation's too (a no-op once it has compiled)
                     last = time.perf_counter()  # evaluation time is not training throughput
                 if not math.isfinite(m["loss"]):
                     raise FloatingPointError(f"loss is {m['loss']} at step {step + 1}; stopping (last checkpoint "

@@ -132,16 +132,18 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
 
 def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gamma: float, schedule: Callable,
                    state_shardings, batch_sharding, donate: bool = False, deterministic: bool = False,
-                   cudnn_attention: bool = False, compiler_options: dict | None = None) -> Callable:
+                   cudnn_attention: bool = False, compiler_options: dict | None = None,
+                   autotune_options: dict | None = None) -> Callable:
     """`make_train_step` under jit with the given shardings and `train_step_compiler_options`:
     the one way train.py and the benchmarks compile it. donate: donate the state (train.py; its buffers
     are reused for the new state). deterministic: train.xla_deterministic_ops. compiler_options: replaces
-    those options (bench/train_2gpu.py and bench/determinism.py compare sets of them)."""
+    those options (bench/train_2gpu.py and bench/determinism.py compare sets of them). autotune_options: added to
+    them (`mhl_jax.train.autotune.AutotuneFile.compiler_options`: XLA's autotuning results loaded / written)."""
+    options = train_step_compiler_options(deterministic, cudnn_attention) if compiler_options is None \
+        else compiler_options
     return jax.jit(make_train_step(graphdef, tx, gamma, schedule), in_shardings=(state_shardings, batch_sharding),
                    out_shardings=(state_shardings, None), donate_argnums=0 if donate else (),
-                   compiler_options=train_step_compiler_options(deterministic, cudnn_attention)
-                   if compiler_options is None
-                   else compiler_options)
+                   compiler_options={**options, **(autotune_options or {})})
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:

@@ -1,0 +1,92 @@
+"""XLA's autotuning results kept with a run, so that every process of the run compiles the same GPU kernels.
+
+On GPUs XLA times candidate kernels (cuBLAS algorithms, its own GEMM fusions' tiles) while it compiles and keeps the
+fastest. Timings are noisy, so two fresh processes can pick different kernels for the same step, and different kernels
+round differently: the 2.2B MH-LatentMoE step's losses differed in the 6th digit from the second step between two
+fresh processes on one H100, and were bitwise equal when the second process loaded the first one's autotuning results
+(bench/results/det-processes-h100-2026-11-27.log). Turning autotuning off instead (`--xla_gpu_autotune_level=0`)
+made that step 11x slower.
+
+`train.xla_autotune_file` ("auto": `<run_dir>/xla_autotune.txt`; "": off; else a path): the first process of a run
+writes XLA's results there once its step and evaluation are compiled (through a temporary file and a rename, so a
+killed run never leaves half a file); a later process of the run (a resume) loads them before it compiles, so it gets
+the kernels the first one had and continues bitwise as if never stopped (and writes the file again, with whatever it
+had to tune that the file lacked, e.g. an evaluation step the first process never reached). A run that resumes from
+another run's checkpoint (`--resume <run>/checkpoints/<step>`) loads that run's file when its own has none. Only on
+GPUs: XLA's CPU compiler does not autotune. XLA looks results up by GPU model and computation: a file made on another
+GPU model should leave XLA tuning afresh (not tried here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mhl_jax.config import ConfigError
+
+DEFAULT_NAME = "xla_autotune.txt"  # the text form (XLA picks the form from the extension)
+_TEXT_SUFFIXES = (".txt", ".textproto", ".prototxt", ".pbtxt")
+
+
+@dataclass(frozen=True)
+class AutotuneFile:
+    """Where a run keeps XLA's autotuning results. path None: off; load: the file read before compiling (None: tune
+    afresh); write: whether this process writes `path` (through `tmp`; process 0 of the run)."""
+
+    path: Path | None = None
+    load: Path | None = None
+    write: bool = False
+
+    @property
+    def tmp(self) -> Path | None:
+        """XLA's dump target: beside `path`, with its extension (which sets the text or binary form)."""
+        return None if self.path is None else self.path.with_name(f"{self.path.stem}.partial{self.path.suffix}")
+
+    def compiler_options(self) -> dict:
+        """XLA options for the jitted step and evaluation (empty when off)."""
+        opts = {}
+        if self.load is not None:
+            opts["xla_gpu_load_autotune_results_from"] = str(self.load)
+        if self.write:
+            opts["xla_gpu_dump_autotune_results_to"] = str(self.tmp)
+        return opts
+
+    def commit(self) -> bool:
+        """After a compile: move XLA's dump into place (a rename: readers see the old or the new file whole). True
+        when a dump was there."""
+        if not self.write or not self.tmp.exists():
+            return False
+        self.tmp.replace(self.path)
+        return True
+
+
+def _looks_like_results(path: Path) -> bool:
+    """A text file of XLA's AutotuneResults starts with its `version` field; a binary one with that field's tag."""
+    head = path.read_bytes()[:64]
+    if path.suffix in _TEXT_SUFFIXES:
+        return head.lstrip().startswith(b"version")
+    return head[:1] == b"\x08"  # field 1 (version), varint
+
+
+def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backend: str = "gpu",
+                  process_index: int = 0) -> AutotuneFile:
+    """Resolve `train.xla_autotune_file` for this process (module docstring). Raises ConfigError naming the value when
+    the file's directory is missing or the file to load is not XLA autotuning results."""
+    if backend != "gpu" or setting == "":
+        return AutotuneFile()
+    if setting == "auto":
+        path = (run_dir / DEFAULT_NAME).resolve()
+    else:
+        path = Path(setting).expanduser().resolve()
+        if not path.parent.is_dir():
+            raise ConfigError(f"train.xla_autotune_file={setting!r}: directory {path.parent} does not exist; "
+                              "expected 'auto', '' (off) or a file path in an existing directory")
+    load = path if path.is_file() else None
+    if load is None and setting == "auto" and resume:
+        r = Path(resume).expanduser().resolve()
+        # <run>/checkpoints/<step> or <run>/checkpoints
+        load = next((c for c in (r.parent.parent / DEFAULT_NAME, r.parent / DEFAULT_NAME) if c.is_file()), None)
+    if load is not None and not _looks_like_results(load):
+        raise ConfigError(f"train.xla_autotune_file={setting!r}: {load} is not a file of XLA autotuning results; "
+                          "delete it (XLA then tunes afresh and writes a new one) or set train.xla_autotune_file=''")
+    return AutotuneFile(path=path, load=load, write=process_index == 0)

@@ -1,0 +1,93 @@
+"""train.xla_autotune_file (mhl_jax/train/autotune.py): where XLA's autotuning results are read and written.
+
+CPU: the resolution of the setting, the errors, and the rename that puts XLA's dump in place. What the file is for
+(a resumed GPU process continuing bitwise) is tests/test_resume.py's GPU case.
+"""
+
+import os
+
+import pytest
+
+from mhl_jax.config import ConfigError
+from mhl_jax.train.autotune import DEFAULT_NAME, AutotuneFile, autotune_file
+
+RESULTS = "version: 3\nresults {\n  device: \"CUDA: 9.0\"\n}\n"
+
+
+def test_off_on_cpu_and_when_empty(tmp_path):
+    assert autotune_file("auto", tmp_path, backend="cpu") == AutotuneFile()
+    assert autotune_file("", tmp_path, backend="gpu") == AutotuneFile()
+    assert AutotuneFile().compiler_options() == {}
+    assert AutotuneFile().commit() is False
+
+
+def test_auto_first_process_writes_through_a_partial_file(tmp_path):
+    a = autotune_file("auto", tmp_path)
+    assert a.path == (tmp_path / DEFAULT_NAME).resolve() and a.load is None and a.write
+    assert a.tmp.suffix == ".txt" and a.tmp != a.path  # XLA picks the text form from the extension
+    assert a.compiler_options() == {"xla_gpu_dump_autotune_results_to": str(a.tmp)}
+    assert a.commit() is False and not a.path.exists()  # nothing dumped yet
+    a.tmp.write_text(RESULTS)  # as XLA dumps at compile time
+    assert a.commit() is True
+    assert a.path.read_text() == RESULTS and not a.tmp.exists()
+    assert a.commit() is False  # once moved, later calls do nothing
+
+
+def test_auto_later_process_loads_and_rewrites(tmp_path):
+    (tmp_path / DEFAULT_NAME).write_text(RESULTS)
+    a = autotune_file("auto", tmp_path)
+    assert a.load == a.path and a.write
+    assert a.compiler_options() == {"xla_gpu_load_autotune_results_from": str(a.path),
+                                    "xla_gpu_dump_autotune_results_to": str(a.tmp)}
+    b = autotune_file("auto", tmp_path, process_index=1)  # other processes of a multi-process run only read
+    assert b.load == b.path and not b.write and "xla_gpu_dump_autotune_results_to" not in b.compiler_options()
+
+
+def test_resume_from_another_run_loads_its_file(tmp_path):
+    src, new = tmp_path / "src", tmp_path / "new"
+    (src / "checkpoints" / "6").mkdir(parents=True)
+    new.mkdir()
+    (src / DEFAULT_NAME).write_text(RESULTS)
+    for resume in (src / "checkpoints" / "6", src / "checkpoints"):
+        a = autotune_file("auto", new, resume=str(resume))
+        assert a.load == (src / DEFAULT_NAME).resolve() and a.path == (new / DEFAULT_NAME).resolve() and a.write
+    # the run's own file wins over the source run's
+    (new / DEFAULT_NAME).write_text(RESULTS)
+    assert autotune_file("auto", new, resume=str(src / "checkpoints" / "6")).load == (new / DEFAULT_NAME).resolve()
+    # an explicit path is not looked for elsewhere
+    assert autotune_file(str(tmp_path / "mine.txt"), new, resume=str(src / "checkpoints")).load is None
+
+
+def test_explicit_path_and_binary_form(tmp_path):
+    p = tmp_path / "tuned.pb"
+    a = autotune_file(str(p), tmp_path / "elsewhere")
+    assert a.path == p.resolve() and a.tmp.suffix == ".pb" and a.load is None
+    p.write_bytes(b"\x08\x03\x12\x00")  # field 1 (version) = 3, as a binary AutotuneResults starts
+    assert autotune_file(str(p), tmp_path).load == p.resolve()
+
+
+def test_errors_name_the_value(tmp_path):
+    missing = tmp_path / "no_such_dir" / "tuned.txt"
+    with pytest.raises(ConfigError, match=r"train.xla_autotune_file=.*no_such_dir.*does not exist"):
+        autotune_file(str(missing), tmp_path)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("not autotune results\n")
+    with pytest.raises(ConfigError, match=r"train.xla_autotune_file=.*bad.txt is not a file of XLA autotuning"):
+        autotune_file(str(bad), tmp_path)
+    (tmp_path / DEFAULT_NAME).write_bytes(b"")  # e.g. truncated by hand: refused, not passed to XLA
+    with pytest.raises(ConfigError, match="delete it"):
+        autotune_file("auto", tmp_path)
+    assert os.path.getsize(tmp_path / DEFAULT_NAME) == 0  # nothing touched
+
+
+def test_step_compiles_with_the_options_added(monkeypatch):
+    """jit_train_step hands jax.jit its own options plus the autotune ones (the all-reduce code motion pass stays
+    off), and the default (no autotune options) is unchanged."""
+    from mhl_jax.train import step as step_mod
+
+    seen = []
+    monkeypatch.setattr(step_mod.jax, "jit", lambda f, **kw: seen.append(kw["compiler_options"]) or f)
+    opts = {"xla_gpu_load_autotune_results_from": "/x/a.txt"}
+    step_mod.jit_train_step(None, None, 0.0, None, None, None, autotune_options=opts)
+    step_mod.jit_train_step(None, None, 0.0, None, None, None)
+    assert seen == [{**step_mod.TRAIN_STEP_COMPILER_OPTIONS, **opts}, step_mod.TRAIN_STEP_COMPILER_OPTIONS]
