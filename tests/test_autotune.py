@@ -4,14 +4,14 @@ CPU: the resolution of the setting, the errors, and the rename that puts XLA's d
 (a resumed GPU process continuing bitwise) is tests/test_resume.py's GPU case.
 """
 
-import os
-
 import pytest
 
 from mhl_jax.config import ConfigError
 from mhl_jax.train.autotune import DEFAULT_NAME, AutotuneFile, autotune_file
 
-RESULTS = "version: 3\nresults {\n  device: \"CUDA: 9.0\"\n}\n"
+# the head of a file jaxlib 0.11.2 wrote on an H100 (bench/results/autotune-h100-2026-11-27.log's run a)
+RESULTS = ('entries {\n  key {\n    target {\n      device: "699b92c0fb30cb16"\n      hlo_fingerprint: '
+           '"059e5aad50ceb7b1c214d9634fb4c640"\n    }\n  }\n}\n')
 
 
 def test_off_on_cpu_and_when_empty(tmp_path):
@@ -62,8 +62,11 @@ def test_explicit_path_and_binary_form(tmp_path):
     p = tmp_path / "tuned.pb"
     a = autotune_file(str(p), tmp_path / "elsewhere")
     assert a.path == p.resolve() and a.tmp.suffix == ".pb" and a.load is None
-    p.write_bytes(b"\x08\x03\x12\x00")  # field 1 (version) = 3, as a binary AutotuneResults starts
+    p.write_bytes(b"\x0a\x00")  # binary: left to XLA to check
     assert autotune_file(str(p), tmp_path).load == p.resolve()
+    empty = tmp_path / "empty.txt"  # no results at all: a valid (empty) text file
+    empty.write_text("\n")
+    assert autotune_file(str(empty), tmp_path).load == empty.resolve()
 
 
 def test_errors_name_the_value(tmp_path):
@@ -74,10 +77,10 @@ def test_errors_name_the_value(tmp_path):
     bad.write_text("not autotune results\n")
     with pytest.raises(ConfigError, match=r"train.xla_autotune_file=.*bad.txt is not a file of XLA autotuning"):
         autotune_file(str(bad), tmp_path)
-    (tmp_path / DEFAULT_NAME).write_bytes(b"")  # e.g. truncated by hand: refused, not passed to XLA
-    with pytest.raises(ConfigError, match="delete it"):
+    (tmp_path / DEFAULT_NAME).write_text("{'some': 'json'}\n")  # another file under that name: refused, not passed
+    with pytest.raises(ConfigError, match="delete it"):  # to XLA, and left as it was
         autotune_file("auto", tmp_path)
-    assert os.path.getsize(tmp_path / DEFAULT_NAME) == 0  # nothing touched
+    assert (tmp_path / DEFAULT_NAME).read_text() == "{'some': 'json'}\n"
 
 
 def test_step_compiles_with_the_options_added(monkeypatch):

@@ -173,7 +173,7 @@ def test_gpu_stop_and_resume_is_exact(tmp_path):
     r = run(common(straight), gpu=True)  # ffn.kernels auto: the Triton kernels on a GPU
     assert "XLA autotuning results from" not in r.stdout
     tuned = straight / DEFAULT_NAME
-    assert tuned.is_file() and tuned.read_text().lstrip().startswith("version")
+    assert tuned.is_file()
     assert not (straight / f"{tuned.stem}.partial{tuned.suffix}").exists()
     split.mkdir()
     shutil.copy(tuned, split / DEFAULT_NAME)

@@ -61,11 +61,13 @@ class AutotuneFile:
 
 
 def _looks_like_results(path: Path) -> bool:
-    """A text file of XLA's AutotuneResults starts with its `version` field; a binary one with that field's tag."""
-    head = path.read_bytes()[:64]
-    if path.suffix in _TEXT_SUFFIXES:
-        return head.lstrip().startswith(b"version")
-    return head[:1] == b"\x08"  # field 1 (version), varint
+    """A text file of XLA's AutotuneResults (jaxlib 0.11.2 writes only its repeated `entries { ... }`; older XLA
+    also `version` / `results`) starts with one of those fields, or is empty (no results). A binary file is left to
+    XLA to check."""
+    if path.suffix not in _TEXT_SUFFIXES:
+        return True
+    head = path.read_bytes()[:256].lstrip()
+    return not head or head.startswith((b"entries", b"version", b"results"))
 
 
 def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backend: str = "gpu",
