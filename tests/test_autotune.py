@@ -4,6 +4,8 @@ CPU: the resolution of the setting, the errors, and the rename that puts XLA's d
 (a resumed GPU process continuing bitwise) is tests/test_resume.py's GPU case.
 """
 
+import os
+
 import pytest
 
 from mhl_jax.config import ConfigError
@@ -94,3 +96,42 @@ def test_step_compiles_with_the_options_added(monkeypatch):
     step_mod.jit_train_step(None, None, 0.0, None, None, None, autotune_options=opts)
     step_mod.jit_train_step(None, None, 0.0, None, None, None)
     assert seen == [{**step_mod.TRAIN_STEP_COMPILER_OPTIONS, **opts}, step_mod.TRAIN_STEP_COMPILER_OPTIONS]
+
+
+_PROBE = """
+import sys, jax, jax.numpy as jnp
+opts = dict(a.split("=", 1) for a in sys.argv[1:])
+opts = {k: (v == "true" if v in ("true", "false") else v) for k, v in opts.items()}
+f = jax.jit(lambda a, b: jax.nn.gelu(a @ b).sum(0), compiler_options=opts)
+a = jnp.ones((512, 1024), jnp.bfloat16)
+b = jnp.ones((1024, 768), jnp.bfloat16)
+print("ok", float(f(a, b)[0]))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_compiler_options_write_and_load_autotuning(tmp_path):
+    """XLA takes the autotuning options per compile, as jit_train_step passes them: a fresh process writes the results
+    of a GEMM it tuned; a second one, told to refuse any GEMM it has no loaded result for
+    (xla_gpu_require_complete_aot_autotune_results), compiles with the file loaded and fails without it (the control:
+    that option is honoured, so the load is what made the difference)."""
+    import subprocess
+    import sys
+
+    tuned = autotune_file(str(tmp_path / "tuned.txt"), tmp_path)
+    env = {**os.environ, "XLA_FLAGS": "", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+    def probe(opts):
+        args = [f"{k}={'true' if v is True else v}" for k, v in opts.items()]
+        return subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, env=env)
+
+    r = probe(tuned.compiler_options())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert tuned.commit() and tuned.path.read_text().startswith("entries {")
+    strict = {"xla_gpu_require_complete_aot_autotune_results": True}
+    loaded = autotune_file(str(tmp_path / "tuned.txt"), tmp_path, process_index=1)  # load only
+    r = probe({**loaded.compiler_options(), **strict})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+    r = probe(strict)
+    assert r.returncode != 0 and "autotun" in r.stderr.lower(), (r.returncode, r.stderr[-2000:])
