@@ -423,7 +423,7 @@ COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measure
 
 def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: str | None = None,
                    fuse_bwd: bool = True, fuse_min_pack: int | None = None, dw_ws: bool = True,
-                   bwd_ws: bool = True, pack: int | None = None) -> ExpertsConfig:
+                   bwd_ws: bool = True, pack: int | None = None, fwd_wide: bool = True) -> ExpertsConfig:
     """Pick the packing block from the mean rows per group (padding waste ~ block / 2 per group) and
     tiles that keep the accumulators in registers on Hopper (tuned in bench/NOTES.md).
 
@@ -447,7 +447,10 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     backward; False: the Triton kernels of the other fields (variant "triton_fused_bwd"). From BWD_XW_MIN_SLOTS
     routed slots on, that kernel runs with its dX warp group (bwd_xw).
 
-    pack: force the packing block (16, 32, 64 or 128; None: from the mean rows per group as above)."""
+    pack: force the packing block (16, 32, 64 or 128; None: from the mean rows per group as above).
+
+    fwd_wide: the Triton forward at packing block 64 and de 128 takes the whole de per chunk (tile 64 x 128, 2 stages);
+    False: 64-wide chunks, 3 stages, as at the other shapes (the default until 2026-11-27, variant "fwd_e64")."""
     mean = num_slots / max(num_groups, 1)
     if pack is None:
         pack = 128 if mean >= 384 else 64 if mean >= PACK64_MIN_MEAN else 32 if mean >= 12 else 16
@@ -491,9 +494,13 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
                              fwd_ws=measured and ws_supported(dh, de, pack), dw_ws=gluon_dw,
                              bwd_ws=gluon_bwd, bwd_xw=gluon_xw).fit(de)
     bm = pack
+    # forward at 64-row blocks and de 128: the whole de in one chunk, 2 stages (H100 2026-11-27, kernel alone, 8192
+    # tokens, results/kernel_tiles-h100-2026-11-27-fwd8192.jsonl: 0.262 vs 0.303 ms at 768/8/128, 0.385 vs 0.411 at
+    # 1536/8/128; at de 256 (64, 64, 4, 3) stayed the best: 0.220 / 0.337 ms at 384/4/256 / 768/4/256)
+    fwd = Tile(bm, 128, 4, 2) if pack == 64 and de == 128 and fwd_wide else Tile(bm, 64, 4, 3)
     return ExpertsConfig(
         pack_block=pack,
-        fwd=Tile(bm, 64, 4, 3),
+        fwd=fwd,
         dx=dx if pack >= 64 else Tile(bm, 64, 4, 3),
         dw=fused or Tile(min(bm, 64), 64, 4, 3),
         dw_form=form,

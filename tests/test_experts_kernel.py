@@ -73,6 +73,19 @@ def test_default_tiles_keep_accumulators_in_registers(dh):
         assert 2 * cfg.dw.block_e * dh / threads(cfg.dw) <= 128, (mean, cfg.dw)
 
 
+def test_default_forward_tile_at_block64():
+    """The Triton forward's tile at packing block 64 (the 8192-token rows): the whole de = 128 in one chunk, 2 stages
+    (measured faster there); 64-wide chunks, 3 stages at de 256, at block 32, and in variant "fwd_e64"."""
+    from kernels.experts import Tile, default_config
+    from mhl_jax.ops.experts_triton import variant_config
+
+    assert default_config(8192 * 8 * 8, 8 * 768, 128, 128).fwd == Tile(64, 128, 4, 2)  # mean 85
+    assert default_config(8192 * 8 * 8, 8 * 1536, 128, 128).fwd == Tile(64, 128, 4, 2)  # mean 43
+    assert default_config(8192 * 8 * 4, 8 * 384, 128, 256).fwd == Tile(64, 64, 4, 3)
+    assert default_config(4096 * 8 * 8, 8 * 1536, 128, 128).fwd == Tile(32, 64, 4, 3)  # block 32: unchanged (fit)
+    assert variant_config("fwd_e64", 8192 * 8 * 8, 8 * 768, 128, 128).fwd == Tile(64, 64, 4, 3)
+
+
 def test_default_config_fuses_the_de128_backward():
     """At de = 128 (packing blocks >= 32) the default backward is one kernel: the transposed dW kernel with a
     de-wide tile, which then also makes dX and the gate gradients; de = 256, explicit forms and the
