@@ -75,6 +75,8 @@ def test_errors_name_the_value(tmp_path):
     missing = tmp_path / "no_such_dir" / "tuned.txt"
     with pytest.raises(ConfigError, match=r"train.xla_autotune_file=.*no_such_dir.*does not exist"):
         autotune_file(str(missing), tmp_path)
+    with pytest.raises(ConfigError, match=r"train.xla_autotune_file=.* is a directory"):
+        autotune_file(str(tmp_path), tmp_path)
     bad = tmp_path / "bad.txt"
     bad.write_text("not autotune results\n")
     with pytest.raises(ConfigError, match=r"train.xla_autotune_file=.*bad.txt is not a file of XLA autotuning"):

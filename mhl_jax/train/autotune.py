@@ -80,6 +80,9 @@ def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backen
         path = (run_dir / DEFAULT_NAME).resolve()
     else:
         path = Path(setting).expanduser().resolve()
+        if path.is_dir():
+            raise ConfigError(f"train.xla_autotune_file={setting!r} is a directory; expected 'auto', '' (off) or a "
+                              "file path (e.g. <dir>/xla_autotune.txt)")
         if not path.parent.is_dir():
             raise ConfigError(f"train.xla_autotune_file={setting!r}: directory {path.parent} does not exist; "
                               "expected 'auto', '' (off) or a file path in an existing directory")

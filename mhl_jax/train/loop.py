@@ -105,6 +105,9 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                                seed=cfg.train.seed,
                                vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                                process_count=jax.process_count())
+    # XLA's autotuning results kept with the run (GPU); a bad setting is refused before anything is written
+    tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume or cfg.checkpoint.resume or None,
+                          jax.default_backend(), jax.process_index())
     # closed on every way out (a refused restore too): Orbax's threads released, no tracebacks from them at exit
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
         resume = resume or cfg.checkpoint.resume or None
@@ -125,8 +128,6 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         truncate_metrics(run_dir / "metrics.jsonl", start)
 
         schedule = make_schedule(cfg.optimizer, cfg.schedule)
-        tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(),
-                              jax.process_index())
         if tuned.load is not None:
             log(f"XLA autotuning results from {tuned.load}")
         step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
