@@ -105,12 +105,12 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                                seed=cfg.train.seed,
                                vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                                process_count=jax.process_count())
+    resume = resume or cfg.checkpoint.resume or None
     # XLA's autotuning results kept with the run (GPU); a bad setting is refused before anything is written
-    tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume or cfg.checkpoint.resume or None,
-                          jax.default_backend(), jax.process_index())
+    tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(), jax.process_index())
+    tuned_options = tuned.compiler_options()
     # closed on every way out (a refused restore too): Orbax's threads released, no tracebacks from them at exit
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
-        resume = resume or cfg.checkpoint.resume or None
         if resume or ckpt.latest_step() is not None:  # refused or unreadable: the run directory is left as it was
             start, state = ckpt.restore(state, loader, path=resume)
             state = jax.device_put(state, shardings)
@@ -133,8 +133,8 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
                                  deterministic=cfg.train.xla_deterministic_ops,
                                  cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
-                                 autotune_options=tuned.compiler_options())
-        eval_fn = jax.jit(make_eval_step(graphdef), compiler_options=tuned.compiler_options() or None)
+                                 autotune_options=tuned_options)
+        eval_fn = jax.jit(make_eval_step(graphdef), compiler_options=tuned_options or None)
         val = (load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences
                else None)
 
