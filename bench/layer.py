@@ -91,9 +91,12 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # the 2026-11-26 session 28); "fwd_pad_halves": the Gluon forward computing (and zeroing) the padding-only second halves
 # of packing blocks too (experts_triton.FWD_SKIP_PADDING = False: as until the 2026-11-26 session 29);
 # "router_dw_lanes": the router's dW partial kernel with a (SUB, DHP) accumulator at SUB 64, 4 warps, instead of its
-# row sums at SUB 128, 2 warps (kernels.router.DW_ROWSUM = False: as until the 2026-11-26 session 29).
+# row sums at SUB 128, 2 warps (kernels.router.DW_ROWSUM = False: as until the 2026-11-26 session 29); "xla_meta": the
+# per-group block arrays of the expert op and the router's dW blocks by XLA's scans instead of Triton launches
+# (packing_triton.META_KERNELS = False: as until the 2026-11-27 session 32).
 LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads", "router_networks", "bare_gates",
-                  "pack_4warps", "nocast", "nocast_nc3", "bwd_pad_blocks", "fwd_pad_halves", "router_dw_lanes")
+                  "pack_4warps", "nocast", "nocast_nc3", "bwd_pad_blocks", "fwd_pad_halves", "router_dw_lanes",
+                  "xla_meta")
 
 
 @contextlib.contextmanager
@@ -107,6 +110,7 @@ def layer_switches(variant: str | None):
     import kernels.router as kr
     import mhl_jax.model.moe_core as mc
     import mhl_jax.ops.experts_triton as et
+    import mhl_jax.ops.packing_triton as pt
     import mhl_jax.ops.router as ro
 
     switches = {  # variant -> the (module, attribute, value) it sets
@@ -122,6 +126,7 @@ def layer_switches(variant: str | None):
         "bwd_pad_blocks": [(et, "BWD_SKIP_PADDING", False)],
         "fwd_pad_halves": [(et, "FWD_SKIP_PADDING", False)],
         "router_dw_lanes": [(kr, "DW_ROWSUM", False)],
+        "xla_meta": [(pt, "META_KERNELS", False)],
     }
     assert set(switches) == set(LAYER_VARIANTS), "layer_switches: a LAYER_VARIANTS name without its switches"
     flips = switches.get(variant, [])

@@ -15,8 +15,9 @@ the order of its adds); every other output element is written by one program.
                           against 0.020 ms at Ne 384, k 4: bench/NOTES.md, Packing).
 2. `pack_offsets_kernel`  grid (H, NEP / EB): per (head, expert column block), over chunks in order:
                           base[h, c, e] = slots of e in earlier chunks; group sizes.
-3. `pack_groups_kernel`   grid (1,): padded group sizes (multiples of R), their exclusive prefix sum
-                          pstart (G,), each group's end in row blocks bend (G,), blocks in use.
+3. `group_blocks_kernel`  grid (1,): each group's R-row blocks: count (G,), first block (G,) and its row
+                          pstart = first block * R (G,), end bend (G,), blocks in use. The same launch cuts
+                          groups into blocks elsewhere (`cut_launches`: the router's dW blocks).
 4. `pack_scatter_kernel`  grid (NC, H): sort the chunk's keys (e << LOG_C | i) in registers (stable by
                           expert); a slot's rank among its expert's slots in the chunk = its sorted
                           position - its run's first position (a segmented scan over the sorted
@@ -79,19 +80,23 @@ def pack_offsets_kernel(hist_ptr, base_ptr, sizes_ptr, NE: tl.constexpr, NEP: tl
 
 
 @triton.jit
-def pack_groups_kernel(sizes_ptr, pstart_ptr, bend_ptr, nblocks_ptr, G: tl.constexpr, R: tl.constexpr,
-                       GB: tl.constexpr):
+def group_blocks_kernel(sizes_ptr, gstart_ptr, gcount_ptr, pstart_ptr, bend_ptr, nblocks_ptr, G: tl.constexpr,
+                        R: tl.constexpr, GB: tl.constexpr):
+    """Groups of sizes (G,) laid out one after another, each in whole blocks of R rows: per group its block count,
+    first block, first row and end (in blocks), and the blocks in all. One program: G / GB steps of a scan."""
     total = tl.sum(tl.zeros((GB,), tl.int32), 0)
     for g0 in range(0, G, GB):
         g = g0 + tl.arange(0, GB)
         ok = g < G
         size = tl.load(sizes_ptr + g, mask=ok, other=0)
-        padded = (size + R - 1) // R * R
-        end = total + tl.cumsum(padded, 0)
-        tl.store(pstart_ptr + g, end - padded, mask=ok)
-        tl.store(bend_ptr + g, end // R, mask=ok)
-        total += tl.sum(padded, 0)
-    tl.store(nblocks_ptr, total // R)
+        count = (size + R - 1) // R
+        end = total + tl.cumsum(count, 0)
+        tl.store(gstart_ptr + g, end - count, mask=ok)
+        tl.store(gcount_ptr + g, count, mask=ok)
+        tl.store(pstart_ptr + g, (end - count) * R, mask=ok)
+        tl.store(bend_ptr + g, end, mask=ok)
+        total += tl.sum(count, 0)
+    tl.store(nblocks_ptr, total)
 
 
 @triton.jit
@@ -162,10 +167,11 @@ def launch_shapes(n: int, h: int, k: int, ne: int, chunk: int = PACK_CHUNK) -> d
     nep = next_pow2(ne + 1)
     eb = min(nep, PACK_OFFSETS_EB)
     return dict(ML=ml, C=c, LOG_C=c.bit_length() - 1, NC=-(-ml // c), NEP=nep, EB=eb, CB=4096 // eb,
-                G=h * ne, GB=1024)
+                G=h * ne)
 
 
 BLOCK_GROUP_TILE = 1024  # row blocks per program of pack_block_group_kernel
+GROUP_SCAN_STEP = 1024  # groups per step of group_blocks_kernel's scan
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,27 @@ class Launch:
 PACK_RESULT = ("row_slot", "slot_row", "block_group", "sizes", "nblocks")  # `Packing`'s fields, in order
 
 
+def group_blocks_launch(g: int, block: int) -> Launch:
+    """group_blocks_kernel over the G group sizes ("sizes") in blocks of `block`: "gstart", "gcount", "pstart",
+    "bend" (G,) and "nblocks" (1,)."""
+    outs = tuple((name, (g,)) for name in ("gstart", "gcount", "pstart", "bend")) + (("nblocks", (1,)),)
+    return Launch(group_blocks_kernel, ("sizes",), outs, (1,), dict(G=g, R=block, GB=GROUP_SCAN_STEP))
+
+
+def block_group_launch(g: int, nb: int) -> Launch:
+    """pack_block_group_kernel: the group of each of nb blocks ("block_group", -1 past "nblocks") from the groups'
+    ends in blocks ("bend")."""
+    return Launch(pack_block_group_kernel, ("bend", "nblocks"), (("block_group", (nb,)),),
+                  (-(-nb // BLOCK_GROUP_TILE),), dict(G=g, NB=nb, BLOCK=BLOCK_GROUP_TILE, STEPS=g.bit_length() + 1))
+
+
+def cut_launches(g: int, block: int, nb: int) -> list[Launch]:
+    """Groups of sizes "sizes" (G,) cut into blocks of at most `block` rows, numbered group after group (nb: a static
+    bound on the blocks): group_blocks_launch's arrays and each block's group ("block_group", -1 past the used ones).
+    The router's dW blocks (`mhl_jax.ops.router_triton.dw_metadata_from_packing`)."""
+    return [group_blocks_launch(g, block), block_group_launch(g, nb)]
+
+
 def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: int = PACK_CHUNK) -> list[Launch]:
     """The five launches packing idx (n, h, k) (input buffer "idx") over ne experts into p padded rows
     (`padded_rows(n * h * k, h * ne, block)`); the results are the buffers named in PACK_RESULT."""
@@ -200,16 +227,15 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
                dict(chunked, ATOMIC=atomic), fill=(("hist", 0),) if atomic else ()),
         Launch(pack_offsets_kernel, ("hist",), (("base", (h, nc, nep)), ("sizes", (g,))),
                (h, nep // sh["EB"]), dict(NE=ne, NEP=nep, NC=nc, CB=sh["CB"], EB=sh["EB"])),
-        Launch(pack_groups_kernel, ("sizes",), (("pstart", (g,)), ("bend", (g,)), ("nblocks", (1,))), (1,),
-               dict(G=g, R=block, GB=sh["GB"])),
+        group_blocks_launch(g, block),
         Launch(pack_scatter_kernel, ("idx", "base", "pstart", "row_slot"),
                (("slot_row", (n * h * k,)), ("row_slot", (p,))), (nc, h), dict(chunked, LOG_C=sh["LOG_C"]),
                num_warps=PACK_SORT_WARPS, fill=(("row_slot", -1),)),
-        Launch(pack_block_group_kernel, ("bend", "nblocks"), (("block_group", (nb,)),),
-               (-(-nb // BLOCK_GROUP_TILE),), dict(G=g, NB=nb, BLOCK=BLOCK_GROUP_TILE, STEPS=g.bit_length() + 1)),
+        block_group_launch(g, nb),
     ]
 
 
-__all__ = ["pack_hist_kernel", "pack_offsets_kernel", "pack_groups_kernel", "pack_scatter_kernel",
-           "pack_block_group_kernel", "pack_launches", "Launch", "PACK_RESULT", "PACK_CHUNK", "PACK_SORT_WARPS",
+__all__ = ["pack_hist_kernel", "pack_offsets_kernel", "group_blocks_kernel", "pack_scatter_kernel",
+           "pack_block_group_kernel", "pack_launches", "group_blocks_launch", "block_group_launch", "cut_launches",
+           "Launch", "PACK_RESULT", "PACK_CHUNK", "PACK_SORT_WARPS",
            "HIST_ATOMIC_MIN_BINS", "PACK_OFFSETS_EB", "next_pow2"]

@@ -328,11 +328,14 @@ def router_bwd_dw_partial_kernel(
     part_ptr,  # output: (NB, DHP) fp32 partial sums
     H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
     CB: tl.constexpr, SUB: tl.constexpr, UPCAST: tl.constexpr, ROWSUM: tl.constexpr = True,
+    GLOBAL_SLOTS: tl.constexpr = False,
 ):
     """order: (H * N * K,) int32, per head the local slots n * K + j sorted by expert (stable), or any
     layout in which each group's slots are contiguous from group_start (e.g. the experts' packed rows);
-    block_group: (NB,) group h * NE + e of each block or -1; group_start (G,): first position of the
-    group in `order`; group_bstart (G,): its first block; group_size (G,): its slot count.
+    GLOBAL_SLOTS: `order` holds global slots (n * H + h) * K + j instead (the packing's row_slot as it is);
+    the same rows and products either way. block_group: (NB,) group h * NE + e of each block or -1;
+    group_start (G,): first position of the group in `order`; group_bstart (G,): its first block;
+    group_size (G,): its slot count.
     ROWSUM: each step's SUB products summed over the slots into one (DHP,) fp32 row at once (a fixed tree),
     added to the running row; else a (SUB, DHP) accumulator summed over SUB at the end (DW_ROWSUM)."""
     b = tl.program_id(0)
@@ -352,8 +355,12 @@ def router_bwd_dw_partial_kernel(
             o = i + tl.arange(0, SUB)
             m = o < cnt
             slot = tl.load(order_ptr + pos0 + o, mask=m, other=0)
-            xrow = (slot // K).to(tl.int64) * H + h
-            gv = tl.load(dv_ptr + xrow * K + slot % K, mask=m, other=0.0)
+            if GLOBAL_SLOTS:  # (n * H + h) * K + j: the sub-token's row n * H + h, dv at the slot itself
+                xrow = (slot // K).to(tl.int64)
+                gv = tl.load(dv_ptr + slot, mask=m, other=0.0)
+            else:
+                xrow = (slot // K).to(tl.int64) * H + h
+                gv = tl.load(dv_ptr + xrow * K + slot % K, mask=m, other=0.0)
             xr = tl.load(x_ptr + xrow[:, None] * DH + offs_d[None, :], mask=m[:, None] & dmask[None, :], other=0.0)
             if ROWSUM:
                 acc += tl.sum(gv[:, None] * xr.to(tl.float32), axis=0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.packing import PACK_CHUNK, PACK_RESULT, pack_launches
+from kernels.packing import PACK_CHUNK, PACK_RESULT, cut_launches, pack_launches
 from kernels.torch_experts import padded_rows
 
 
@@ -15,9 +15,18 @@ def pack_triton_torch(idx: torch.Tensor, num_experts: int, block: int, chunk: in
     group_sizes (G,), num_blocks (1,)) int32: the arrays of `mhl_jax.ops.packing.pack`."""
     n, h, k = idx.shape
     p = padded_rows(n * h * k, h * num_experts, block)
-    i32 = dict(dtype=torch.int32, device=idx.device)
-    bufs = {"idx": idx.to(torch.int32).contiguous()}
-    for launch in pack_launches(n, h, k, num_experts, block, p, chunk):
+    bufs = run_launches_torch(pack_launches(n, h, k, num_experts, block, p, chunk),
+                              {"idx": idx.to(torch.int32).contiguous()})
+    return tuple(bufs[name] for name in PACK_RESULT)
+
+
+def run_launches_torch(launches, bufs: dict) -> dict:
+    """Run `kernels.packing.Launch`es in order on the named int32 tensors `bufs` (one device): the buffers at the
+    end (each launch adds its outputs)."""
+    dev = next(iter(bufs.values())).device
+    i32 = dict(dtype=torch.int32, device=dev)
+    bufs = dict(bufs)
+    for launch in launches:
         shapes = dict(launch.outputs)
         bufs.update({name: torch.full(shapes[name], value, **i32) for name, value in launch.fill})
         filled = dict(launch.fill)
@@ -25,4 +34,12 @@ def pack_triton_torch(idx: torch.Tensor, num_experts: int, block: int, chunk: in
         launch.kernel[launch.grid](*[bufs[name] for name in launch.inputs], *outs, num_warps=launch.num_warps,
                                    **launch.meta)
         bufs.update(zip(shapes, outs))
-    return tuple(bufs[name] for name in PACK_RESULT)
+    return bufs
+
+
+def cut_blocks_torch(group_sizes: torch.Tensor, block: int, num_blocks: int):
+    """`mhl_jax.ops.packing_triton.group_blocks_triton` on torch: (first block, block count, first row) of each
+    group and each of num_blocks blocks' group (-1 past the used ones), int32."""
+    bufs = run_launches_torch(cut_launches(group_sizes.shape[0], block, num_blocks),
+                              {"sizes": group_sizes.to(torch.int32).contiguous()})
+    return tuple(bufs[name] for name in ("gstart", "gcount", "pstart", "block_group"))

@@ -122,9 +122,10 @@ def dw_metadata(idx: torch.Tensor, ne: int, block: int) -> DwMeta:
 
 def router_bwd(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, dvals: torch.Tensor,
                tiles: RouterTiles | None = None, dx_dtype: torch.dtype | None = None,
-               meta: DwMeta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               meta: DwMeta | None = None, global_slots: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x (N, H, dh), w (H, dh, Ne) fp32, idx (N, H, k) int32, dvals (N, H, k) fp32
-    -> dx (N, H, dh) in dx_dtype (default x.dtype), dw (H, dh, Ne) fp32. Deterministic."""
+    -> dx (N, H, dh) in dx_dtype (default x.dtype), dw (H, dh, Ne) fp32. Deterministic. global_slots: meta.order
+    holds global slots (a packing's row_slot; the dW partial kernel's GLOBAL_SLOTS)."""
     n, h, dh = x.shape
     ne, k = w.shape[2], idx.shape[2]
     tiles = tiles or router_tiles(ne, k)
@@ -144,7 +145,7 @@ def router_bwd(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, dvals: torch
     router_bwd_dw_partial_kernel[(nb,)](
         x, dvals, meta.order, meta.block_group, meta.group_start, meta.group_bstart, meta.group_size, part,
         H=h, DH=dh, DHP=dhp, NE=ne, K=k, CB=tiles.dw_block, SUB=tiles.dw_sub, UPCAST=_interpreting(),
-        ROWSUM=tiles.dw_rowsum,
+        ROWSUM=tiles.dw_rowsum, GLOBAL_SLOTS=global_slots,
         num_warps=tiles.dw_warps)
     dw = torch.empty((h, dh, ne), dtype=torch.float32, device=x.device)
     router_bwd_dw_reduce_kernel[(triton.cdiv(ne, tiles.red_block_e), h)](

@@ -418,6 +418,47 @@ def test_dw_layout_from_the_experts_packing_drives_the_kernels(pack_block, dw_bl
     dws = [ktr.router_bwd(x, w, idx, dv, tiles, dx_dtype=torch.float32, meta=m)[1] for m in metas]
     _close(dws[0], grads64(x, w, idx, dv)[1])
     assert torch.equal(dws[0], dws[1])
+    # the GPU path's form (dw_metadata_from_packing(global_slots=True)): the blocks cut by the Triton launches and
+    # the packing's row_slot read as global slots: the same arrays and the same dW_r to the bit
+    from kernels.torch_packing import cut_blocks_torch
+
+    packing = pk.pack(idx_j, ne, pack_block)
+    sizes = torch.from_numpy(np.array(packing.group_sizes))
+    _, _, start, _ = cut_blocks_torch(sizes, pack_block, 1)
+    bstart, nblk, _, bg = cut_blocks_torch(sizes, dw_block, from_pack.block_group.shape[0])
+    for name, got in (("group_start", start), ("group_bstart", bstart), ("group_nblk", nblk), ("block_group", bg)):
+        assert np.array_equal(got.numpy(), np.asarray(getattr(from_pack, name))), name
+    glob = ktr.DwMeta(torch.from_numpy(np.array(packing.row_slot)), bg, start, bstart, sizes, nblk)
+    dw_glob = ktr.router_bwd(x, w, idx, dv, tiles, dx_dtype=torch.float32, meta=glob, global_slots=True)[1]
+    assert torch.equal(dw_glob, dws[1])
+
+
+@interp
+@pytest.mark.parametrize("block,nb_extra", [(1, 0), (16, 3), (512, 1)])
+def test_group_blocks_launches_match_the_jax_scans(block, nb_extra):
+    """kernels.packing.cut_launches (the Triton scans that cut groups into blocks, the GPU path of the expert op's
+    and the router's block arrays) against packing.group_blocks and router_triton._cut_groups: over more groups
+    than one scan step (GROUP_SCAN_STEP), empty groups, a group over many blocks, and a block bound past the
+    blocks in use (-1 there)."""
+    import jax.numpy as jnp
+
+    from kernels.packing import GROUP_SCAN_STEP
+    from kernels.torch_packing import cut_blocks_torch
+    from mhl_jax.ops import packing as pk
+    from mhl_jax.ops.router_triton import _cut_groups
+
+    rng = np.random.default_rng(block)
+    g = 2 * GROUP_SCAN_STEP + 37
+    sizes = np.where(rng.random(g) < 0.3, 0, rng.integers(1, 3 * block + 2, g)).astype(np.int32)
+    sizes[5] = 40 * block + 1
+    nb = int(((sizes + block - 1) // block).sum()) + nb_extra
+    gstart, gcount, pstart, bg = (t.numpy() for t in cut_blocks_torch(torch.from_numpy(sizes), block, nb))
+    start, count = (np.asarray(a) for a in pk.group_blocks(jnp.asarray(sizes), block))
+    ref = _cut_groups(jnp.zeros((1,), jnp.int32), jnp.zeros((g,), jnp.int32), jnp.asarray(sizes), block, nb)
+    assert np.array_equal(gstart, start) and np.array_equal(gcount, count)
+    assert np.array_equal(pstart, start * block)
+    assert np.array_equal(gstart, np.asarray(ref.group_bstart)) and np.array_equal(bg, np.asarray(ref.block_group))
+    assert (bg[nb - nb_extra:] == -1).all() and (bg[:nb - nb_extra] >= 0).all()
 
 
 @pytest.mark.parametrize("method", ["argsort", "count"])

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.experts import ExpertsConfig, Tile, default_config, dgates_in_kernels
-from mhl_jax.ops import gluon_bridge
+from mhl_jax.ops import gluon_bridge, packing_triton
 from mhl_jax.ops import packing as pk
 from mhl_jax.ops.kernels_select import import_jax_triton
 
@@ -359,7 +359,10 @@ def packed_meta(idx: jax.Array, num_experts: int, block: int, pack_impl: str, ba
         if got != want:
             raise ValueError(f"{who}: the given packing has (rows, slots, groups) = {got}, expected {want} "
                              f"(row block {block}: make it with mhl_jax.ops.experts.triton_packing_spec)")
-    start, count = pk.group_blocks(packing.group_sizes, block)
+    if backend == "triton" and packing_triton.META_KERNELS:
+        start, count, _ = packing_triton.group_blocks_triton(packing.group_sizes, block)
+    else:
+        start, count = pk.group_blocks(packing.group_sizes, block)
     # read here, in the forward, so that the backward (traced later, outside any switch a caller flips around the
     # forward) gets the setting the forward ran with
     sizes = packing.group_sizes if BWD_SKIP_PADDING else count * block

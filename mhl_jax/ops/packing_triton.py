@@ -11,8 +11,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.packing import PACK_CHUNK, PACK_RESULT, pack_launches
+from kernels.packing import PACK_CHUNK, PACK_RESULT, cut_launches, group_blocks_launch, pack_launches
 from mhl_jax.ops.kernels_select import import_jax_triton
+
+# The expert op's and the router's per-group block arrays (first block, count; the router's dW blocks) cut from a
+# packing by Triton launches (`group_blocks_triton`) where the kernels run on Triton: one or two launches in place of
+# ~5 (experts) and ~12 (router dW) small XLA kernels of log-depth scans over the groups. False: XLA's scans
+# (`packing.group_blocks`, `router_triton._cut_groups`) everywhere (bench/layer.py variant "xla_meta").
+META_KERNELS = True
 
 
 def pack_triton(idx: jax.Array, num_experts: int, block: int, chunk: int = PACK_CHUNK):
@@ -45,11 +51,19 @@ _pack.defvjp(_pack_fwd, _pack_bwd)
 def _launch(idx: jax.Array, num_experts: int, block: int, chunk: int):
     from mhl_jax.ops.packing import Packing, padded_rows
 
-    jt = import_jax_triton()
     n, h, k = idx.shape
     p = padded_rows(n * h * k, h * num_experts, block)
-    bufs = {"idx": idx.astype(jnp.int32)}
-    for launch in pack_launches(n, h, k, num_experts, block, p, chunk):
+    bufs = run_launches(pack_launches(n, h, k, num_experts, block, p, chunk), {"idx": idx.astype(jnp.int32)})
+    row_slot, slot_row, block_group, sizes, nblocks = (bufs[name] for name in PACK_RESULT)
+    return Packing(row_slot, slot_row, block_group, sizes, nblocks.reshape(()))
+
+
+def run_launches(launches, bufs: dict) -> dict:
+    """Run `kernels.packing.Launch`es in order through jax-triton on the named int32 buffers `bufs` (inputs; each
+    launch adds its outputs): the buffers at the end."""
+    jt = import_jax_triton()
+    bufs = dict(bufs)
+    for launch in launches:
         names = [name for name, _ in launch.outputs]
         shapes = dict(launch.outputs)
         bufs.update({name: jnp.full(shapes[name], value, jnp.int32) for name, value in launch.fill})
@@ -60,5 +74,37 @@ def _launch(idx: jax.Array, num_experts: int, block: int, chunk: int):
             input_output_aliases={launch.inputs.index(name): names.index(name) for name, _ in launch.fill} or None,
             **launch.meta)
         bufs.update(zip(names, outs))
-    row_slot, slot_row, block_group, sizes, nblocks = (bufs[name] for name in PACK_RESULT)
-    return Packing(row_slot, slot_row, block_group, sizes, nblocks.reshape(()))
+    return bufs
+
+
+def group_blocks_triton(group_sizes: jax.Array, block: int, num_blocks: int | None = None):
+    """group_sizes (G,) int32 cut into blocks of at most `block` rows, group after group, in one or two launches
+    (`kernels.packing.cut_launches`): (first block, block count, first row) of each group (G,) int32, as
+    `packing.group_blocks` (and first block * block); with num_blocks (a static bound on the blocks) also each
+    block's group (num_blocks,), -1 past the used blocks. Integer only (a custom_vjp without cotangents, as
+    `pack_triton`)."""
+    return _cut(block, num_blocks, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _cut(block: int, num_blocks: int | None, sizes: jax.Array):
+    return _cut_launch(sizes, block, num_blocks)
+
+
+def _cut_fwd(block, num_blocks, sizes):
+    return _cut_launch(sizes, block, num_blocks), None
+
+
+def _cut_bwd(block, num_blocks, res, cts):
+    return (None,)
+
+
+_cut.defvjp(_cut_fwd, _cut_bwd)
+
+
+def _cut_launch(sizes: jax.Array, block: int, num_blocks: int | None):
+    g = sizes.shape[0]
+    launches = [group_blocks_launch(g, block)] if num_blocks is None else cut_launches(g, block, num_blocks)
+    bufs = run_launches(launches, {"sizes": sizes.astype(jnp.int32)})
+    out = (bufs["gstart"], bufs["gcount"], bufs["pstart"])
+    return out if num_blocks is None else out + (bufs["block_group"],)

@@ -46,6 +46,7 @@ class Static(NamedTuple):
     backend: str  # "triton" | "emulate"
     sort: str  # "flat" | "packed" (uint32 keys, when they fit) | "argsort" (stable argsort): dw_metadata
     pack: tuple[int, str] | None = None  # (row block, method): also return the experts' packing of idx
+    meta_kernels: bool = False  # dW blocks cut from the packing by Triton launches (packing_triton.META_KERNELS)
 
 
 class DwMeta(NamedTuple):
@@ -145,20 +146,31 @@ def _cut_groups(order, start, size, block: int, nb: int, search: bool = False) -
     return DwMeta(order, bg, start, bstart, size, nblk)
 
 
-def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, pack_block: int, block: int) -> DwMeta:
+def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, pack_block: int, block: int,
+                             global_slots: bool = False) -> DwMeta:
     """The dW layout taken from the experts' packing of the same indices (no sort of its own).
 
     The packing holds each (head, expert) group's slots in the same stable order as `dw_metadata`'s sort,
     contiguous from the group's first padded row (its padding follows its last slot). So `order` is the
     packed rows' local slots n * k + j (padding rows are never read: a block stops at its group's size)
     and the groups are cut into dW blocks of at most `block` slots exactly as `dw_metadata` cuts them:
-    the same partial sums, so the same dW_r to the bit. Elementwise work and scans over the G groups."""
-    s = packing.row_slot
+    the same partial sums, so the same dW_r to the bit. Elementwise work and scans over the G groups.
+
+    global_slots (GPU, jax-triton): `order` is the packing's row_slot as it is (global slots (n * H + h) * k + j,
+    which the dW kernel reads with GLOBAL_SLOTS) and the group scans run as three Triton launches
+    (`packing_triton.group_blocks_triton`) instead of ~15 small XLA kernels; the same blocks."""
     n_slots, g = packing.slot_row.shape[0], packing.group_sizes.shape[0]
+    nb = dw_num_blocks(n_slots, g, block)
+    if global_slots:
+        from mhl_jax.ops.packing_triton import group_blocks_triton
+
+        _, _, start = group_blocks_triton(packing.group_sizes, pack_block)
+        bstart, nblk, _, bg = group_blocks_triton(packing.group_sizes, block, nb)
+        return DwMeta(packing.row_slot, bg, start, bstart, packing.group_sizes, nblk)
+    s = packing.row_slot
     local = jnp.where(s >= 0, s // (heads * k) * k + s % k, 0).astype(jnp.int32)
     first_block, _ = pk.group_blocks(packing.group_sizes, pack_block)
-    return _cut_groups(local, first_block * pack_block, packing.group_sizes, block,
-                       dw_num_blocks(n_slots, g, block))
+    return _cut_groups(local, first_block * pack_block, packing.group_sizes, block, nb)
 
 
 def _dhp(dh: int) -> int:
@@ -230,7 +242,7 @@ def _dx_triton(st: Static, idx, dvals, wt, x_dtype):
         N=n, H=h, DH=dh, DHP=_dhp(dh), NE=ne, K=k, BLOCK_N=t.dx_block_n)
 
 
-def _dw_triton(st: Static, x, dvals, meta: DwMeta, ne: int):
+def _dw_triton(st: Static, x, dvals, meta: DwMeta, ne: int, global_slots: bool = False):
     jt = import_jax_triton()
 
     from kernels.router import router_bwd_dw_partial_kernel, router_bwd_dw_reduce_kernel
@@ -242,7 +254,7 @@ def _dw_triton(st: Static, x, dvals, meta: DwMeta, ne: int):
         kernel=router_bwd_dw_partial_kernel, out_shape=jax.ShapeDtypeStruct((nb, dhp), jnp.float32),
         grid=(nb,), num_warps=t.dw_warps,
         H=h, DH=dh, DHP=dhp, NE=ne, K=st.k, CB=t.dw_block, SUB=t.dw_sub, UPCAST=False,
-        ROWSUM=t.dw_rowsum)
+        ROWSUM=t.dw_rowsum, GLOBAL_SLOTS=global_slots)
     return jt.triton_call(
         part, meta.group_bstart, meta.group_nblk, kernel=router_bwd_dw_reduce_kernel,
         out_shape=jax.ShapeDtypeStruct((h, dh, ne), jnp.float32), grid=(-(-ne // t.red_block_e), h),
@@ -311,11 +323,15 @@ def router_dw(st: Static, x, w, idx, packing, dvals):
     """dW_r (H, dh, Ne) in w's dtype from the cotangent of the selected scores dvals (N, H, k) fp32; `packing`: the
     experts' packing of idx when st.pack is set (its dW layout, no second sort), else None."""
     ne = w.shape[2]
+    global_slots = st.pack is not None and st.meta_kernels
     if st.pack is None:
         meta = dw_metadata(idx, ne, st.tiles.dw_block, st.sort)
     else:  # the experts' packing of the same indices: no second sort
-        meta = dw_metadata_from_packing(packing, x.shape[1], st.k, st.pack[0], st.tiles.dw_block)
-    dw = (_dw_triton if st.backend == "triton" else _dw_emulate)(st, x, dvals, meta, ne)
+        meta = dw_metadata_from_packing(packing, x.shape[1], st.k, st.pack[0], st.tiles.dw_block, global_slots)
+    if st.backend == "triton":
+        dw = _dw_triton(st, x, dvals, meta, ne, global_slots)
+    else:
+        dw = _dw_emulate(st, x, dvals, meta, ne)
     return dw.astype(w.dtype)
 
 
@@ -381,4 +397,6 @@ def router_static(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, precisi
         if a.size != b.size or a.dtype != jnp.float32 or b.dtype != jnp.float32 or x.dtype != jnp.bfloat16:
             raise ValueError(f"route_topk_triton: cast wants two fp32 arrays of one size and bf16 x, got "
                              f"{a.shape} {a.dtype}, {b.shape} {b.dtype}, x {x.dtype}")
-    return Static(k, precision, tiles, backend, sort, pack)
+    from mhl_jax.ops import packing_triton
+
+    return Static(k, precision, tiles, backend, sort, pack, backend == "triton" and packing_triton.META_KERNELS)
