@@ -93,10 +93,12 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # "router_dw_lanes": the router's dW partial kernel with a (SUB, DHP) accumulator at SUB 64, 4 warps, instead of its
 # row sums at SUB 128, 2 warps (kernels.router.DW_ROWSUM = False: as until the 2026-11-26 session 29); "xla_meta": the
 # per-group block arrays of the expert op and the router's dW blocks by XLA's scans instead of Triton launches
-# (packing_triton.META_KERNELS = False: as until the 2026-11-27 session 32).
+# (packing_triton.META_KERNELS = False: as until the 2026-11-27 session 32); "xla_cast": the expert weights cast by
+# XLA before the Triton forward instead of converted in its loads (experts_triton.FWD_CASTS_WEIGHTS = False: as until
+# session 32).
 LAYER_VARIANTS = ("triton_router_fwd", "apart_dx", "xla_combine", "fwd_all_heads", "router_networks", "bare_gates",
                   "pack_4warps", "nocast", "nocast_nc3", "bwd_pad_blocks", "fwd_pad_halves", "router_dw_lanes",
-                  "xla_meta")
+                  "xla_meta", "xla_cast")
 
 
 @contextlib.contextmanager
@@ -127,6 +129,7 @@ def layer_switches(variant: str | None):
         "fwd_pad_halves": [(et, "FWD_SKIP_PADDING", False)],
         "router_dw_lanes": [(kr, "DW_ROWSUM", False)],
         "xla_meta": [(pt, "META_KERNELS", False)],
+        "xla_cast": [(et, "FWD_CASTS_WEIGHTS", False)],
     }
     assert set(switches) == set(LAYER_VARIANTS), "layer_switches: a LAYER_VARIANTS name without its switches"
     flips = switches.get(variant, [])

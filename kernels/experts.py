@@ -18,6 +18,7 @@ Kernels:
 BLOCK_M (rows per program step) divides PACK_BLOCK (the packing's row block), so the tiles can be tuned
 apart from the packing.
 - `expert_fwd_kernel`  grid (P / BLOCK_M,):           out rows (P, DH); padding rows written as zeros.
+  `expert_fwd_cast_kernel`: the same on fp32 weights, converted as loaded, the group's first tile storing them.
 - `expert_dx_kernel`   grid (P / BLOCK_M,):         dX rows (P, DH) = dH W1^T, dO = gate * dy gathered;
   with DGATES also each row's gate gradient <out row, dy row> (P,), fp32, from A and dy W2^T.
 - `expert_dw_kernel`   grid (DE/BLOCK_E, G): dW1[g][:, tile], dW2[g][tile, :] summed over the group's
@@ -126,12 +127,11 @@ def _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K: tl.const
 
 
 @triton.jit
-def expert_fwd_kernel(
-    x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr,  # inputs
-    out_ptr,  # output (P, DH)
-    K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
-):
+def _expert_fwd(x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, gstart_ptr, w1c_ptr, w2c_ptr,
+                K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, CAST: tl.constexpr):
+    """One BLOCK_M-row tile of `expert_fwd_kernel` / `expert_fwd_cast_kernel` (CAST: the weights arrive in fp32 and
+    are converted to x's dtype as loaded; the group's first tile also stores them, w1c / w2c)."""
     pid = tl.program_id(0)
     g = tl.load(block_group_ptr + pid // (PACK_BLOCK // BLOCK_M))
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -140,7 +140,11 @@ def expert_fwd_kernel(
     if g < 0:  # block made only of padding: nothing to compute
         tl.store(out_ptrs, tl.zeros((BLOCK_M, DH), out_ptr.dtype.element_ty))
     else:
-        cdt = w1_ptr.dtype.element_ty
+        if CAST:
+            cdt = x_ptr.dtype.element_ty
+            first = pid == tl.load(gstart_ptr + g) * (PACK_BLOCK // BLOCK_M)  # the group's first tile
+        else:
+            cdt = w1_ptr.dtype.element_ty
         x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
         x = x.to(cdt)
         offs_e = tl.arange(0, BLOCK_E)
@@ -148,12 +152,45 @@ def expert_fwd_kernel(
         w2_base = w2_ptr + g.to(tl.int64) * (DE * DH)
         acc = tl.zeros((BLOCK_M, DH), tl.float32)
         for e0 in range(0, DE, BLOCK_E):
-            w1 = tl.load(w1_base + offs_d[:, None] * DE + (e0 + offs_e)[None, :])  # (DH, BLOCK_E)
+            w1_off = offs_d[:, None] * DE + (e0 + offs_e)[None, :]
+            w1 = tl.load(w1_base + w1_off).to(cdt)  # (DH, BLOCK_E)
             h = tl.dot(x, w1, input_precision=PRECISION)  # (BLOCK_M, BLOCK_E) fp32
             a = _gelu(h, FAST_TANH).to(cdt)
-            w2 = tl.load(w2_base + (e0 + offs_e)[:, None] * DH + offs_d[None, :])  # (BLOCK_E, DH)
+            w2_off = (e0 + offs_e)[:, None] * DH + offs_d[None, :]
+            w2 = tl.load(w2_base + w2_off).to(cdt)  # (BLOCK_E, DH)
+            if CAST:
+                if first:
+                    tl.store(w1c_ptr + g.to(tl.int64) * (DH * DE) + w1_off, w1)
+                    tl.store(w2c_ptr + g.to(tl.int64) * (DE * DH) + w2_off, w2)
             acc = tl.dot(a, w2, acc, input_precision=PRECISION)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def expert_fwd_kernel(
+    x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr,  # inputs
+    out_ptr,  # output (P, DH)
+    K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
+):
+    _expert_fwd(x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, out_ptr, out_ptr, out_ptr, K, DH, DE,
+                PACK_BLOCK, BLOCK_M, BLOCK_E, FAST_TANH, PRECISION, False)
+
+
+@triton.jit
+def expert_fwd_cast_kernel(
+    x_ptr, row_slot_ptr, block_group_ptr, group_block_start_ptr, w1_ptr, w2_ptr,  # inputs (w1, w2 fp32)
+    out_ptr, w1c_ptr, w2c_ptr,  # outputs (P, DH); w1 / w2 in x's dtype (written for groups with rows only)
+    K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """`expert_fwd_kernel` on the fp32 master weights: each tile converts them to x's dtype as it loads them (the
+    same values as a cast before the launch: the same products), and each group's first tile stores the converted
+    weights for the backward, so the fp32 weights are read once per group (the group's other tiles run beside it
+    and find them in L2) and no separate cast pass reads and writes them. A group without rows has no tile: its
+    converted weights are left unwritten (no kernel reads them: the backward has no rows for it)."""
+    _expert_fwd(x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, group_block_start_ptr, w1c_ptr, w2c_ptr,
+                K, DH, DE, PACK_BLOCK, BLOCK_M, BLOCK_E, FAST_TANH, PRECISION, True)
 
 
 @triton.jit
@@ -527,7 +564,8 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
                          dw=Tile(bm, 32, 8, 2), dw_form=form, pack_impl="count" if count else "argsort").fit(de)
 
 
-__all__ = ["expert_fwd_kernel", "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
+__all__ = ["expert_fwd_kernel", "expert_fwd_cast_kernel",
+           "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
            "dgates_in_kernels", "DW_WS_MAX_PACK", "BWD_WS_WIDE_MAX_DE",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "PACK64_MIN_MEAN", "default_config",
            "triton"]

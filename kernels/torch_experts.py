@@ -22,6 +22,7 @@ from kernels.experts import (
     expert_dw_kernel,
     expert_dwt_kernel,
     expert_dx_kernel,
+    expert_fwd_cast_kernel,
     expert_fwd_kernel,
 )
 from kernels.interpreter_patch import fix_interpreter_scalar_index
@@ -86,6 +87,24 @@ def experts_fwd(x: torch.Tensor, row_slot: torch.Tensor, block_group: torch.Tens
         K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
         num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
     return out
+
+
+def experts_fwd_cast(x: torch.Tensor, pk: TorchPacking, w1: torch.Tensor, w2: torch.Tensor, k: int,
+                     cfg: ExpertsConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`experts_fwd` on fp32 weights w1 (G, dh, de), w2 (G, de, dh), converted to x's dtype inside the kernel
+    (`expert_fwd_cast_kernel`): (out rows (P, dh), w1 and w2 in x's dtype). The converted weights of a group without
+    rows are left unwritten (here: zeros)."""
+    p, (_, dh), de = pk.row_slot.shape[0], x.shape, w1.shape[2]
+    cfg.check(dh, de)
+    t = cfg.fwd
+    out = torch.empty(p, dh, dtype=x.dtype, device=x.device)
+    w1c, w2c = (torch.zeros(w.shape, dtype=x.dtype, device=x.device) for w in (w1, w2))
+    expert_fwd_cast_kernel[(p // t.block_m,)](
+        x.contiguous(), pk.row_slot, pk.block_group, pk.group_block_start, w1.float().contiguous(),
+        w2.float().contiguous(), out, w1c, w2c,
+        K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
+        num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
+    return out, w1c, w2c
 
 
 def experts_bwd(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: TorchPacking, w1: torch.Tensor,

@@ -129,6 +129,30 @@ def test_fwd_writes_every_row_and_zero_padding():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
+@pytest.mark.parametrize("cfg", [ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16)),
+                                 ExpertsConfig(32, Tile(16, 32), Tile(16, 16), Tile(16, 16))],
+                         ids=["plain", "subblock"])
+def test_fwd_cast_kernel_equals_fwd_on_cast_weights(cfg):
+    """expert_fwd_cast_kernel on fp32 weights: the output rows bitwise those of expert_fwd_kernel on weights cast
+    beforehand, and the converted weights it stores equal the cast for every group with rows (each group's over
+    several blocks and sub-blocks: a hot expert), the others left unwritten."""
+    from kernels.torch_experts import experts_fwd_cast
+
+    x, idx, gates, w1, w2 = _inputs(4, 80, 2, 2, 5, 16, 32, skew=True)
+    h, ne, dh, de = w1.shape
+    pk = pack_torch(idx, ne, cfg.pack_block)
+    w1g, w2g = w1.reshape(h * ne, dh, de).float(), w2.reshape(h * ne, de, dh).float()
+    xs = x.reshape(-1, dh).half()  # the interpreter's bf16 arithmetic is broken: fp16 is the compute dtype here
+    ref = experts_fwd(xs, pk.row_slot, pk.block_group, w1g.half(), w2g.half(), 2, cfg)
+    out, w1c, w2c = experts_fwd_cast(xs, pk, w1g, w2g, 2, cfg)
+    assert torch.equal(out, ref)
+    used = pk.group_sizes > 0
+    assert int(pk.group_nblocks.max()) >= 2 and not bool(used.all())
+    assert torch.equal(w1c[used], w1g[used].half()) and torch.equal(w2c[used], w2g[used].half())
+    assert (w1c[~used] == 0).all() and (w2c[~used] == 0).all()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter test")
 @pytest.mark.parametrize("form", ["rows", "t"])
 def test_weight_gradients_bitwise_deterministic(form):
     x, idx, gates, w1, w2 = _inputs(2, 40, 1, 2, 2, 16, 32)

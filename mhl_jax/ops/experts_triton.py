@@ -186,6 +186,32 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2, heads: int = 1):
         **_opts(xs.dtype))
 
 
+def _fwd_triton_cast(st: Static, xs, meta: Meta, w1, w2):
+    """The Triton forward on the fp32 weights w1 (G, dh, de), w2 (G, de, dh), converting them as it loads them
+    (`expert_fwd_cast_kernel`): (out rows, w1 and w2 in xs's dtype for the backward; a group without rows keeps
+    its converted weights unwritten, which no kernel reads)."""
+    from kernels.experts import expert_fwd_cast_kernel
+
+    jt = import_jax_triton()
+    p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
+    t = st.cfg.fwd
+    return jt.triton_call(
+        xs, meta.row_slot, meta.block_group, meta.group_block_start, w1, w2, kernel=expert_fwd_cast_kernel,
+        out_shape=[jax.ShapeDtypeStruct((p, dh), xs.dtype), jax.ShapeDtypeStruct(w1.shape, xs.dtype),
+                   jax.ShapeDtypeStruct(w2.shape, xs.dtype)], grid=(p // t.block_m,),
+        num_warps=t.num_warps, num_stages=t.num_stages,
+        K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
+        **_opts(xs.dtype))
+
+
+def fwd_casts_weights(st: Static, x_dtype, w_dtype, cast_given: bool) -> bool:
+    """Whether the forward converts the fp32 weights in its own loads (`expert_fwd_cast_kernel`) instead of XLA
+    casting them before it: FWD_CASTS_WEIGHTS, the Triton forward (not the Gluon one) on a GPU, fp32 weights, bf16
+    x, and no cast made elsewhere (the router's caster, or the train step's once-per-step cast)."""
+    return bool(FWD_CASTS_WEIGHTS and st.backend == "triton" and not cast_given and w_dtype == jnp.float32
+                and x_dtype == jnp.bfloat16 and not (st.cfg.fwd_ws and _hopper_sms()))
+
+
 def use_dw_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
     """Whether the backward's weight gradients run on the warp-specialised Gluon kernel: cfg.dw_ws on a split
     backward (no fused dX, unpacked rows, not the whole backward on Gluon: `use_bwd_gluon`), bf16, a Hopper GPU, a
@@ -403,6 +429,11 @@ FWD_HEAD_MAJOR_MIN_K = 8
 # ~13% at 1536/8/128 and 768/4/256, 81920 tokens). False: every block of the group's packing blocks, as until the
 # 2026-11-26 session 28 (layer variant "bwd_pad_blocks").
 BWD_SKIP_PADDING = True
+# The Triton forward (the 64-row packing blocks: the 8192-token rows) on fp32 master weights converts them as it loads
+# them and stores the converted weights from each group's first tile for the backward (`expert_fwd_cast_kernel`),
+# instead of XLA casting them in a pass of its own before it (1.2 GB read and written at 201M parameters, then 0.4 GB
+# read again by the forward). False: XLA's cast, as until the 2026-11-27 session 32 (layer variant "xla_cast").
+FWD_CASTS_WEIGHTS = True
 # The Gluon forward skips the second 64-row half of a packing block when it holds only padding (about every other
 # group's last block: 3.5% of the halves at 768/8/128, ~6.5% at 1536/8/128 and 768/4/256, 81920 tokens): not computed,
 # its rows left unwritten (the combines read real rows only). False: every half computed, padding rows 0, as until
@@ -440,12 +471,15 @@ def _combine(out_rows, slot_row, gates):
 def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
     n, h, dh = x.shape
     _, ne, _, de = w1.shape
-    w1c, w2c = (w1, w2) if wc is None else wc  # wc: the weights already cast (by the router's kernel)
-    w1c = w1c.reshape(h * ne, dh, de).astype(x.dtype)
-    w2c = w2c.reshape(h * ne, de, dh).astype(x.dtype)
     xs = x.reshape(n * h, dh)
-    fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
-    out_rows = fwd(st, xs, meta, w1c, w2c, h)
+    if fwd_casts_weights(st, x.dtype, w1.dtype, wc is not None):
+        out_rows, w1c, w2c = _fwd_triton_cast(st, xs, meta, w1.reshape(h * ne, dh, de), w2.reshape(h * ne, de, dh))
+    else:
+        w1c, w2c = (w1, w2) if wc is None else wc  # wc: the weights already cast (by the router's kernel)
+        w1c = w1c.reshape(h * ne, dh, de).astype(x.dtype)
+        w2c = w2c.reshape(h * ne, de, dh).astype(x.dtype)
+        fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
+        out_rows = fwd(st, xs, meta, w1c, w2c, h)
     y = combine_rows(out_rows, meta.slot_row, gates.astype(jnp.float32), x.dtype, st.backend)
     # the output rows are kept for the backward only where no kernel makes the gate gradients
     keep = None if dgates_in_kernels(st.cfg, de) else out_rows
