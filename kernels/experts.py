@@ -186,9 +186,11 @@ def expert_fwd_cast_kernel(
 ):
     """`expert_fwd_kernel` on the fp32 master weights: each tile converts them to x's dtype as it loads them (the
     same values as a cast before the launch: the same products), and each group's first tile stores the converted
-    weights for the backward, so the fp32 weights are read once per group (the group's other tiles run beside it
-    and find them in L2) and no separate cast pass reads and writes them. A group without rows has no tile: its
-    converted weights are left unwritten (no kernel reads them: the backward has no rows for it)."""
+    weights for the backward, so the fp32 weights come from HBM about once per group (the group's other tiles run
+    beside it and find them in L2, if it holds them) and no separate cast pass reads and writes them. A group
+    without rows has no tile: its converted weights are left unwritten. The backward kernels may load them (their
+    weight tiles are fetched per group) but no output depends on them: a group without rows has no row block, so
+    no product uses them and its weight gradients stay zero."""
     _expert_fwd(x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, group_block_start_ptr, w1c_ptr, w2c_ptr,
                 K, DH, DE, PACK_BLOCK, BLOCK_M, BLOCK_E, FAST_TANH, PRECISION, True)
 

@@ -283,3 +283,47 @@ def test_gpu_out_combine_binding_vs_torch_launch_and_xla(dh, k):
     got, xla = (np.asarray(a.astype(jnp.float32)).reshape(n * h, dh) for a in (y, y_xla))
     for a in (got, xla):
         np.testing.assert_allclose(a, ref, rtol=2 ** -7, atol=2 ** -7 * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+def test_gpu_triton_metadata_and_converting_forward_bitwise_the_xla_paths():
+    """The model's MoE core with the packing metadata from Triton launches (packing_triton.META_KERNELS) and the
+    forward converting the fp32 weights in its loads (experts_triton.FWD_CASTS_WEIGHTS) against both off (XLA's scans
+    and cast): loss, load and every gradient to the bit, at 32-row packing blocks (16 mean rows per group) with half
+    of the experts never chosen (their groups empty: their converted weights are never written)."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.model.moe_core as mc
+    import mhl_jax.ops.experts_triton as et
+    import mhl_jax.ops.packing_triton as pt
+
+    n, h, dh, ne, k, de = 1024, 4, 128, 256, 4, 128
+    ks = jax.random.split(jax.random.key(5), 6)
+    x = jax.random.normal(ks[0], (n, h, dh), jnp.float32).astype(jnp.bfloat16)
+    w_r = jax.random.normal(ks[1], (h, dh, ne), jnp.float32) * dh ** -0.5
+    b = jnp.where(jnp.arange(ne) < ne // 2, 0.0, -1e4) * jnp.ones((h, 1), jnp.float32)
+    w1 = jax.random.normal(ks[3], (h, ne, dh, de), jnp.float32) * dh ** -0.5
+    w2 = jax.random.normal(ks[4], (h, ne, de, dh), jnp.float32) * de ** -0.5
+    wy = jax.random.normal(ks[5], (n, h, dh), jnp.float32)
+    assert et.default_config(n * h * k, h * ne, dh, de).pack_block == 32
+
+    def loss(x, w_r, w1, w2):
+        y, load = mc.moe_heads_triton(x, x, w_r, b, w1, w2, k)
+        return jnp.vdot(y.astype(jnp.float32), wy), load
+
+    out, casts, saved = [], [], (pt.META_KERNELS, et.FWD_CASTS_WEIGHTS, et._fwd_triton_cast)
+    try:
+        et._fwd_triton_cast = lambda *a: casts.append(1) or saved[2](*a)
+        for on in (True, False):
+            pt.META_KERNELS = et.FWD_CASTS_WEIGHTS = on
+            out.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w_r, w1, w2))
+    finally:
+        pt.META_KERNELS, et.FWD_CASTS_WEIGHTS, et._fwd_triton_cast = saved
+    assert casts == [1]  # the converting forward ran in the first trace only
+    (l1, load1), g1 = out[0]
+    (l0, load0), g0 = out[1]
+    assert int((load1 == 0).sum()) >= h * ne // 2
+    assert float(l1) == float(l0) and np.array_equal(load1, load0)
+    for name, a, c in zip(("x", "w_r", "w1", "w2"), g1, g0):
+        assert np.array_equal(np.asarray(a), np.asarray(c)), name

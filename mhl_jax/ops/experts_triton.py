@@ -189,7 +189,7 @@ def _fwd_triton(st: Static, xs, meta: Meta, w1, w2, heads: int = 1):
 def _fwd_triton_cast(st: Static, xs, meta: Meta, w1, w2):
     """The Triton forward on the fp32 weights w1 (G, dh, de), w2 (G, de, dh), converting them as it loads them
     (`expert_fwd_cast_kernel`): (out rows, w1 and w2 in xs's dtype for the backward; a group without rows keeps
-    its converted weights unwritten, which no kernel reads)."""
+    its converted weights unwritten: no output depends on them, as it has no row block)."""
     from kernels.experts import expert_fwd_cast_kernel
 
     jt = import_jax_triton()

@@ -16,7 +16,7 @@ from mhl_jax.ops.kernels_select import import_jax_triton
 
 # The expert op's and the router's per-group block arrays (first block, count; the router's dW blocks) cut from a
 # packing by Triton launches (`group_blocks_triton`) where the kernels run on Triton: one or two launches in place of
-# ~5 (experts) and ~12 (router dW) small XLA kernels of log-depth scans over the groups. False: XLA's scans
+# ~5 (experts) and ~15 (router dW) small XLA kernels of log-depth scans over the groups. False: XLA's scans
 # (`packing.group_blocks`, `router_triton._cut_groups`) everywhere (bench/layer.py variant "xla_meta").
 META_KERNELS = True
 

@@ -53,7 +53,8 @@ class DwMeta(NamedTuple):
     """Expert-sorted slot layout for the dW kernels (all int32; G = H * Ne groups, NB blocks)."""
 
     order: jax.Array  # (H * N * k,) per head, local slots n * k + j sorted by expert (stable); from a
-    # packing (`dw_metadata_from_packing`): (P,) the packed rows' local slots, padding rows never read
+    # packing (`dw_metadata_from_packing`): (P,) the packed rows' local slots, or with global_slots the packing's
+    # row_slot itself (global slots (n * H + h) * k + j: the dW kernel's GLOBAL_SLOTS); padding rows never read
     block_group: jax.Array  # (NB,) group h * Ne + e of each block, -1 past the used blocks
     group_start: jax.Array  # (G,) first position of the group in `order`
     group_bstart: jax.Array  # (G,) first block of the group
@@ -158,7 +159,8 @@ def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, pack_block
 
     global_slots (GPU, jax-triton): `order` is the packing's row_slot as it is (global slots (n * H + h) * k + j,
     which the dW kernel reads with GLOBAL_SLOTS) and the group scans run as three Triton launches
-    (`packing_triton.group_blocks_triton`) instead of ~15 small XLA kernels; the same blocks."""
+    (`packing_triton.group_blocks_triton`) instead of ~15 small XLA kernels and a pass over the rows; the same
+    blocks."""
     n_slots, g = packing.slot_row.shape[0], packing.group_sizes.shape[0]
     nb = dw_num_blocks(n_slots, g, block)
     if global_slots:
