@@ -93,17 +93,29 @@ def _ragged_standin(operand, output, input_offsets, send_sizes, output_offsets, 
     return _opaque([shape], operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)[0]
 
 
+def _group_blocks_standin(group_sizes, block, num_blocks=None):
+    """`packing_triton.group_blocks_triton`'s outputs: (first block, block count, first row) (G,) int32 and, with
+    num_blocks, each block's group (num_blocks,)."""
+    shapes = [jax.ShapeDtypeStruct(group_sizes.shape, jnp.int32)] * 3
+    if num_blocks is not None:
+        shapes.append(jax.ShapeDtypeStruct((num_blocks,), jnp.int32))
+    return tuple(_opaque(shapes, group_sizes))
+
+
 @contextlib.contextmanager
 def standin_ops():
-    """Within: the grouped experts' Triton launches and lax.ragged_all_to_all are the stand-ins."""
+    """Within: the grouped experts' Triton launches (and the packing metadata's), and lax.ragged_all_to_all are the
+    stand-ins."""
     from mhl_jax.ops import experts_grouped as eg
+    from mhl_jax.ops import packing_triton as pt
 
-    saved = eg._rows_triton, eg._wgrad_triton, jax.lax.ragged_all_to_all
+    saved = eg._rows_triton, eg._wgrad_triton, jax.lax.ragged_all_to_all, pt.group_blocks_triton
     eg._rows_triton, eg._wgrad_triton, jax.lax.ragged_all_to_all = _rows_standin, _wgrad_standin, _ragged_standin
+    pt.group_blocks_triton = _group_blocks_standin
     try:
         yield
     finally:
-        eg._rows_triton, eg._wgrad_triton, jax.lax.ragged_all_to_all = saved
+        eg._rows_triton, eg._wgrad_triton, jax.lax.ragged_all_to_all, pt.group_blocks_triton = saved
 
 
 def check_standin(cfg: Config) -> None:
