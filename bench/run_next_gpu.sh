@@ -1,23 +1,25 @@
 #!/bin/bash
-# One H100 call (~5 min) for what session 18 (2026-11-25) left unmeasured (bench/NOTES.md, "Next device session"):
-#   caster   the router kernel's caster warp group: its GPU test (top-k bitwise as without it, casts equal torch's and
-#            XLA's) and bench/router_cast.py (every layer gradient bitwise with moe_core.ROUTER_CASTS_WEIGHTS on and
-#            off, then both timed) at 81920 tokens, 1536/8/128 and 768/8/128
-#   oracle   the layer against the FlexAttention oracle and the packing binding (the packing's histogram changed)
+# One H100 call (~6 min) for what session 32 (2026-11-27) left unmeasured (bench/NOTES.md, "Next device session"):
+#   test     tests/test_combine.py's GPU test of session 32's two switches (packing metadata on Triton, the converting
+#            forward) on vs off, every gradient bitwise, at 32-row packing blocks with empty groups (written after
+#            that session's device time ran out)
+#   trace    the 8192-token rows traced over 30 back-to-back calls (bench/profile_layer.py --calls 30): the span per
+#            call against the busy time and the timed figure, i.e. how much of the ~0.2 ms by which the timed layer
+#            exceeds its kernels is launch gaps inside a call
+#   layer    the 8192-token layer table with more calls per timed batch (bench/layer.py --inner 3 30)
+# (Session 18's caster / oracle checks that this script ran before are in bench/NOTES.md, Layer, Session 18.)
 # From the repo root on the device machine, after installing the carried wheels:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/run_next_gpu.sh
-# Stage limits T_CASTER T_BENCH T_ORACLE (s). Files in $OUT: run.log, caster.log, router_cast.jsonl, oracle.log.
+# Stage limits T_TEST T_TRACE T_LAYER (s). Files in $OUT: run.log, test.log, trace.jsonl, layer.jsonl.
 set -o pipefail
 OUT=${OUT:-/tmp/next_out}
 source "$(dirname "$0")/gpu_stage.sh"
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$LOG"
-stage caster "${T_CASTER:-120}" bash -c "python3 -m pytest -q -p no:cacheprovider -rA tests/test_router_kernel.py \
-    -k caster > $OUT/caster.log 2>&1; rc=\$?; grep -E '^(PASSED|FAILED|ERROR)|passed|failed|Error' $OUT/caster.log \
-    | tail -n 20; exit \$rc"
-stage bench "${T_BENCH:-200}" python3 bench/router_cast.py --configs 1536/8/128 768/8/128 \
-    --out "$OUT/router_cast.jsonl"
-stage oracle "${T_ORACLE:-150}" bash -c "python3 -m pytest -q -p no:cacheprovider -rA tests/test_experts_kernel.py \
-    tests/test_packing.py -k 'layer_triton_vs_oracle or gpu_triton_pack' > $OUT/oracle.log 2>&1; rc=\$?; \
-    grep -E '^(PASSED|FAILED|ERROR)|passed|failed|Error' $OUT/oracle.log | tail -n 20; exit \$rc"
+stage test "${T_TEST:-150}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_combine.py \
+    -k metadata_and_converting > $OUT/test.log 2>&1; rc=\$?; grep -E '^(PASSED|FAILED|ERROR)|passed|failed|Error' \
+    $OUT/test.log | tail -n 20; exit \$rc"
+stage trace "${T_TRACE:-150}" python3 bench/profile_layer.py --tokens 8192 \
+    --configs 384/4/256 768/8/128 768/4/256 1536/8/128 --calls 30 --out "$OUT/trace.jsonl"
+stage layer "${T_LAYER:-150}" python3 bench/layer.py --tokens 8192 --inner 3 30 --out "$OUT/layer.jsonl"
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
