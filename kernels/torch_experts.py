@@ -78,14 +78,8 @@ def experts_fwd(x: torch.Tensor, row_slot: torch.Tensor, block_group: torch.Tens
                 w2: torch.Tensor, k: int, cfg: ExpertsConfig, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: (S, dh); w1: (G, dh, de); w2: (G, de, dh) -> out rows (P, dh) in x.dtype (padding rows 0).
     `out` (P, dh), if given, is written in place (tests poison it first)."""
-    p, (_, dh), de = row_slot.shape[0], x.shape, w1.shape[2]
-    cfg.check(dh, de)
-    t = cfg.fwd
-    out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
-    expert_fwd_kernel[(p // t.block_m,)](
-        x.contiguous(), row_slot, block_group, w1.contiguous(), w2.contiguous(), out,
-        K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
-        num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
+    out = torch.empty(row_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device) if out is None else out
+    _launch_fwd(expert_fwd_kernel, x, (row_slot, block_group, w1.contiguous(), w2.contiguous()), (out,), w1, k, cfg)
     return out
 
 
@@ -94,17 +88,24 @@ def experts_fwd_cast(x: torch.Tensor, pk: TorchPacking, w1: torch.Tensor, w2: to
     """`experts_fwd` on fp32 weights w1 (G, dh, de), w2 (G, de, dh), converted to x's dtype inside the kernel
     (`expert_fwd_cast_kernel`): (out rows (P, dh), w1 and w2 in x's dtype). The converted weights of a group without
     rows are left unwritten (here: zeros)."""
-    p, (_, dh), de = pk.row_slot.shape[0], x.shape, w1.shape[2]
+    out = torch.empty(pk.row_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    w1c, w2c = (torch.zeros(w.shape, dtype=x.dtype, device=x.device) for w in (w1, w2))
+    inputs = (pk.row_slot, pk.block_group, pk.group_block_start, w1.float().contiguous(), w2.float().contiguous())
+    _launch_fwd(expert_fwd_cast_kernel, x, inputs, (out, w1c, w2c), w1, k, cfg)
+    return out, w1c, w2c
+
+
+def _launch_fwd(kernel, x: torch.Tensor, inputs: tuple, outputs: tuple, w1: torch.Tensor, k: int,
+                cfg: ExpertsConfig) -> None:
+    """One launch of a forward kernel (`expert_fwd_kernel` / `expert_fwd_cast_kernel`) over the packed rows: x
+    first, then `inputs`, then `outputs` (the first the out rows (P, dh)), at cfg.fwd's tile."""
+    (_, dh), de, p = x.shape, w1.shape[2], outputs[0].shape[0]
     cfg.check(dh, de)
     t = cfg.fwd
-    out = torch.empty(p, dh, dtype=x.dtype, device=x.device)
-    w1c, w2c = (torch.zeros(w.shape, dtype=x.dtype, device=x.device) for w in (w1, w2))
-    expert_fwd_cast_kernel[(p // t.block_m,)](
-        x.contiguous(), pk.row_slot, pk.block_group, pk.group_block_start, w1.float().contiguous(),
-        w2.float().contiguous(), out, w1c, w2c,
+    kernel[(p // t.block_m,)](
+        x.contiguous(), *inputs, *outputs,
         K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
         num_warps=t.num_warps, num_stages=t.num_stages, **_launch_opts(x))
-    return out, w1c, w2c
 
 
 def experts_bwd(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: TorchPacking, w1: torch.Tensor,

@@ -312,14 +312,14 @@ def test_gpu_triton_metadata_and_converting_forward_bitwise_the_xla_paths():
         y, load = mc.moe_heads_triton(x, x, w_r, b, w1, w2, k)
         return jnp.vdot(y.astype(jnp.float32), wy), load
 
-    out, casts, saved = [], [], (pt.META_KERNELS, et.FWD_CASTS_WEIGHTS, et._fwd_triton_cast)
+    out, casts, saved = [], [], (pt.META_KERNELS, et.FWD_CASTS_WEIGHTS, et._fwd_triton_call)
     try:
-        et._fwd_triton_cast = lambda *a: casts.append(1) or saved[2](*a)
+        et._fwd_triton_call = lambda *a, cast: (casts.append(1) if cast else None) or saved[2](*a, cast=cast)
         for on in (True, False):
             pt.META_KERNELS = et.FWD_CASTS_WEIGHTS = on
             out.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w_r, w1, w2))
     finally:
-        pt.META_KERNELS, et.FWD_CASTS_WEIGHTS, et._fwd_triton_cast = saved
+        pt.META_KERNELS, et.FWD_CASTS_WEIGHTS, et._fwd_triton_call = saved
     assert casts == [1]  # the converting forward ran in the first trace only
     (l1, load1), g1 = out[0]
     (l0, load0), g0 = out[1]

@@ -167,39 +167,37 @@ def _fwd_gluon(st: Static, xs, meta: Meta, w1, w2, heads: int = 1):
                                        skip_padding=FWD_SKIP_PADDING))
 
 
+def use_fwd_gluon(st: Static, dtype) -> bool:
+    """Whether the forward runs on the warp-specialised Gluon kernel: cfg.fwd_ws (set by default_config only at the
+    shapes that kernel takes; ws_constexprs names the shape if a hand-made config asks for it elsewhere), bf16, a
+    Hopper GPU; else the Triton kernel (`_fwd_triton`)."""
+    return bool(st.cfg.fwd_ws and dtype == jnp.bfloat16 and _hopper_sms())
+
+
 def _fwd_triton(st: Static, xs, meta: Meta, w1, w2, heads: int = 1):
-    # cfg.fwd_ws is set only at the shapes the Gluon kernel takes (default_config; ws_constexprs names the
-    # shape if a hand-made config asks for it elsewhere)
-    if st.cfg.fwd_ws and xs.dtype == jnp.bfloat16 and _hopper_sms():
+    if use_fwd_gluon(st, xs.dtype):
         return _fwd_gluon(st, xs, meta, w1, w2, heads if st.k >= FWD_HEAD_MAJOR_MIN_K else 1)
-    p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
-    jt = import_jax_triton()
-
-    from kernels.experts import expert_fwd_kernel
-
-    t = st.cfg.fwd
-    return jt.triton_call(
-        xs, meta.row_slot, meta.block_group, w1, w2, kernel=expert_fwd_kernel,
-        out_shape=jax.ShapeDtypeStruct((p, dh), xs.dtype), grid=(p // t.block_m,),
-        num_warps=t.num_warps, num_stages=t.num_stages,
-        K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
-        **_opts(xs.dtype))
+    return _fwd_triton_call(st, xs, meta, w1, w2, cast=False)
 
 
-def _fwd_triton_cast(st: Static, xs, meta: Meta, w1, w2):
-    """The Triton forward on the fp32 weights w1 (G, dh, de), w2 (G, de, dh), converting them as it loads them
-    (`expert_fwd_cast_kernel`): (out rows, w1 and w2 in xs's dtype for the backward; a group without rows keeps
-    its converted weights unwritten: no output depends on them, as it has no row block)."""
-    from kernels.experts import expert_fwd_cast_kernel
+def _fwd_triton_call(st: Static, xs, meta: Meta, w1, w2, cast: bool):
+    """The Triton forward's launch: out rows (P, dh) (`expert_fwd_kernel`); with cast, w1 (G, dh, de) and w2 (G, de,
+    dh) arrive in fp32 and are converted as loaded (`expert_fwd_cast_kernel`): (out rows, w1 and w2 in xs's dtype
+    for the backward; a group without rows keeps its converted weights unwritten: no output depends on them, as it
+    has no row block)."""
+    from kernels.experts import expert_fwd_cast_kernel, expert_fwd_kernel
 
     jt = import_jax_triton()
     p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
     t = st.cfg.fwd
+    out = jax.ShapeDtypeStruct((p, dh), xs.dtype)
+    if cast:
+        inputs, kernel = (xs, meta.row_slot, meta.block_group, meta.group_block_start, w1, w2), expert_fwd_cast_kernel
+        out = [out, jax.ShapeDtypeStruct(w1.shape, xs.dtype), jax.ShapeDtypeStruct(w2.shape, xs.dtype)]
+    else:
+        inputs, kernel = (xs, meta.row_slot, meta.block_group, w1, w2), expert_fwd_kernel
     return jt.triton_call(
-        xs, meta.row_slot, meta.block_group, meta.group_block_start, w1, w2, kernel=expert_fwd_cast_kernel,
-        out_shape=[jax.ShapeDtypeStruct((p, dh), xs.dtype), jax.ShapeDtypeStruct(w1.shape, xs.dtype),
-                   jax.ShapeDtypeStruct(w2.shape, xs.dtype)], grid=(p // t.block_m,),
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        *inputs, kernel=kernel, out_shape=out, grid=(p // t.block_m,), num_warps=t.num_warps, num_stages=t.num_stages,
         K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
         **_opts(xs.dtype))
 
@@ -209,7 +207,7 @@ def fwd_casts_weights(st: Static, x_dtype, w_dtype, cast_given: bool) -> bool:
     casting them before it: FWD_CASTS_WEIGHTS, the Triton forward (not the Gluon one) on a GPU, fp32 weights, bf16
     x, and no cast made elsewhere (the router's caster, or the train step's once-per-step cast)."""
     return bool(FWD_CASTS_WEIGHTS and st.backend == "triton" and not cast_given and w_dtype == jnp.float32
-                and x_dtype == jnp.bfloat16 and not (st.cfg.fwd_ws and _hopper_sms()))
+                and x_dtype == jnp.bfloat16 and not use_fwd_gluon(st, x_dtype))
 
 
 def use_dw_gluon(cfg: ExpertsConfig, dtype, dh: int, de: int) -> bool:
@@ -473,7 +471,8 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
     _, ne, _, de = w1.shape
     xs = x.reshape(n * h, dh)
     if fwd_casts_weights(st, x.dtype, w1.dtype, wc is not None):
-        out_rows, w1c, w2c = _fwd_triton_cast(st, xs, meta, w1.reshape(h * ne, dh, de), w2.reshape(h * ne, de, dh))
+        out_rows, w1c, w2c = _fwd_triton_call(st, xs, meta, w1.reshape(h * ne, dh, de), w2.reshape(h * ne, de, dh),
+                                              cast=True)
     else:
         w1c, w2c = (w1, w2) if wc is None else wc  # wc: the weights already cast (by the router's kernel)
         w1c = w1c.reshape(h * ne, dh, de).astype(x.dtype)

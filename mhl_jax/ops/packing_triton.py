@@ -29,26 +29,28 @@ def pack_triton(idx: jax.Array, num_experts: int, block: int, chunk: int = PACK_
     router's custom_vjp) carry zero tangents and jax-triton's call has no JVP rule ("triton_call does
     not support automatic differentiation", H100, 2026-11-23), so the launches sit in a custom_vjp
     whose backward returns no cotangent."""
-    return _pack(num_experts, block, chunk, idx)
+    return _integer_launches(functools.partial(_launch, num_experts=num_experts, block=block, chunk=chunk), idx)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _pack(num_experts: int, block: int, chunk: int, idx: jax.Array):
-    return _launch(idx, num_experts, block, chunk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _integer_launches(launch, ints: jax.Array):
+    """launch(ints): integer launches on one integer array, under a custom_vjp whose backward gives no cotangent
+    (jax-triton's call has no JVP rule: `pack_triton`)."""
+    return launch(ints)
 
 
-def _pack_fwd(num_experts, block, chunk, idx):
-    return _launch(idx, num_experts, block, chunk), None
+def _integer_launches_fwd(launch, ints):
+    return launch(ints), None
 
 
-def _pack_bwd(num_experts, block, chunk, res, cts):
+def _integer_launches_bwd(launch, res, cts):
     return (None,)
 
 
-_pack.defvjp(_pack_fwd, _pack_bwd)
+_integer_launches.defvjp(_integer_launches_fwd, _integer_launches_bwd)
 
 
-def _launch(idx: jax.Array, num_experts: int, block: int, chunk: int):
+def _launch(idx: jax.Array, *, num_experts: int, block: int, chunk: int):
     from mhl_jax.ops.packing import Packing, padded_rows
 
     n, h, k = idx.shape
@@ -81,28 +83,11 @@ def group_blocks_triton(group_sizes: jax.Array, block: int, num_blocks: int | No
     """group_sizes (G,) int32 cut into blocks of at most `block` rows, group after group, in one or two launches
     (`kernels.packing.cut_launches`): (first block, block count, first row) of each group (G,) int32, as
     `packing.group_blocks` (and first block * block); with num_blocks (a static bound on the blocks) also each
-    block's group (num_blocks,), -1 past the used blocks. Integer only (a custom_vjp without cotangents, as
-    `pack_triton`)."""
-    return _cut(block, num_blocks, group_sizes)
+    block's group (num_blocks,), -1 past the used blocks. Integer only (no cotangent, as `pack_triton`)."""
+    return _integer_launches(functools.partial(_cut_launch, block=block, num_blocks=num_blocks), group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _cut(block: int, num_blocks: int | None, sizes: jax.Array):
-    return _cut_launch(sizes, block, num_blocks)
-
-
-def _cut_fwd(block, num_blocks, sizes):
-    return _cut_launch(sizes, block, num_blocks), None
-
-
-def _cut_bwd(block, num_blocks, res, cts):
-    return (None,)
-
-
-_cut.defvjp(_cut_fwd, _cut_bwd)
-
-
-def _cut_launch(sizes: jax.Array, block: int, num_blocks: int | None):
+def _cut_launch(sizes: jax.Array, *, block: int, num_blocks: int | None):
     g = sizes.shape[0]
     launches = [group_blocks_launch(g, block)] if num_blocks is None else cut_launches(g, block, num_blocks)
     bufs = run_launches(launches, {"sizes": sizes.astype(jnp.int32)})

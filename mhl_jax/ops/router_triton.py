@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.router import RouterTiles, check_router_args, dw_num_blocks, next_pow2, router_tiles, weight_parts
-from mhl_jax.ops import gluon_bridge
+from mhl_jax.ops import gluon_bridge, packing_triton
 from mhl_jax.ops import packing as pk
 from mhl_jax.ops.kernels_select import import_jax_triton
 from mhl_jax.ops.packing import prefix_scan
@@ -164,10 +164,8 @@ def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, pack_block
     n_slots, g = packing.slot_row.shape[0], packing.group_sizes.shape[0]
     nb = dw_num_blocks(n_slots, g, block)
     if global_slots:
-        from mhl_jax.ops.packing_triton import group_blocks_triton
-
-        _, _, start = group_blocks_triton(packing.group_sizes, pack_block)
-        bstart, nblk, _, bg = group_blocks_triton(packing.group_sizes, block, nb)
+        _, _, start = packing_triton.group_blocks_triton(packing.group_sizes, pack_block)
+        bstart, nblk, _, bg = packing_triton.group_blocks_triton(packing.group_sizes, block, nb)
         return DwMeta(packing.row_slot, bg, start, bstart, packing.group_sizes, nblk)
     s = packing.row_slot
     local = jnp.where(s >= 0, s // (heads * k) * k + s % k, 0).astype(jnp.int32)
@@ -399,6 +397,4 @@ def router_static(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, precisi
         if a.size != b.size or a.dtype != jnp.float32 or b.dtype != jnp.float32 or x.dtype != jnp.bfloat16:
             raise ValueError(f"route_topk_triton: cast wants two fp32 arrays of one size and bf16 x, got "
                              f"{a.shape} {a.dtype}, {b.shape} {b.dtype}, x {x.dtype}")
-    from mhl_jax.ops import packing_triton
-
     return Static(k, precision, tiles, backend, sort, pack, backend == "triton" and packing_triton.META_KERNELS)
