@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.timing import emit, time_jax  # noqa: E402
+from bench.timing import dispatch_ms, emit, time_jax  # noqa: E402
 
 D, NH, DH = 1024, 8, 128
 MEASURED_BF16_TFLOPS = 800.0
@@ -325,6 +325,7 @@ def main() -> None:
                         rec["ms_by_inner"] = {str(n): time_jax(grad, [(params, x) for x in xs], inner=n)
                                               for n in args.inner[1:]}
                     rec["ms_bwd"] = rec["ms"] - rec["ms_fwd"]
+                    rec["dispatch_ms"] = dispatch_ms(grad, [(params, x) for x in xs])  # host enqueue of one fwd+bwd
                     rec["peak_gib"] = peak_gib(grad, params, xs[0])
                     rec["tflops"] = model_flops(tokens, ne, k, de) / rec["ms"] / 1e9
                     rec["frac_of_measured_peak"] = rec["tflops"] / MEASURED_BF16_TFLOPS

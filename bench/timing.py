@@ -33,6 +33,21 @@ def time_jax(fn, arg_sets, reps: int = 20, inner: int = 3, budget_s: float = 10.
     return float(np.median(ts))
 
 
+def dispatch_ms(fn, arg_sets, reps: int = 20) -> float:
+    """Median host time (ms) for one call of `fn` to return, with the device idle before it (each call is waited for
+    after the clock stops): the host's cost of enqueuing the call's launches, which the device waits for wherever it
+    catches up with the host (a timed batch's first call)."""
+    jax.block_until_ready(fn(*arg_sets[0]))
+    ts = []
+    for r in range(reps):
+        a = arg_sets[r % len(arg_sets)]
+        t0 = time.perf_counter()
+        out = fn(*a)
+        ts.append((time.perf_counter() - t0) * 1e3)
+        jax.block_until_ready(out)
+    return float(np.median(ts))
+
+
 def emit(rec: dict, outf=None) -> None:
     """Print one JSON line and append it to the open results file `outf` (if any), flushed at once."""
     line = json.dumps(rec)
