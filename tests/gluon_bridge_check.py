@@ -37,13 +37,8 @@ def main() -> None:
         calls.append((type(backend).__name__, options.maxnreg))
         return types.SimpleNamespace(name=md["name"], binary=ptx)
 
-    handed = []  # what jaxlib's kernel object would get: (ptx, ttir)
-
-    def triton_kernel(name, num_warps, num_ctas, shared_mem_bytes, ptx, ttir, capability):
-        handed.append((ptx, ttir))
-        return name, num_warps
-
-    call_lib = types.SimpleNamespace(get_compute_capability=lambda device: 90, TritonKernel=triton_kernel)
+    call_lib = types.SimpleNamespace(get_compute_capability=lambda device: 90,
+                                     TritonKernel=lambda name, num_warps, *rest: (name, num_warps))
     lib = types.SimpleNamespace(code_gen=code_generator, compile_ttir_inplace=compile_ttir_inplace,
                                 triton_kernel_call_lib=call_lib)
     jt = types.SimpleNamespace(triton_lib=lib, __version__="stand-in")
@@ -68,17 +63,14 @@ def main() -> None:
                                           options=options, codegen_fns=backend.get_codegen_implementation(options),
                                           context=context, module_map=backend.get_module_map())
         result = lib.compile_ttir_inplace(module, backend, options, 90, "cuda")
-        kernel = lib.triton_kernel_call_lib.TritonKernel(result.name, 4, 1, 0, result.binary, str(module), 90)
-        return kernel, result.binary
+        return lib.triton_kernel_call_lib.TritonKernel(result.name, 4, 1, 0, result.binary), result.binary
 
     kernel, ptx = build(expert_fwd_kernel, dict(K=4, DH=128, DE=256, PACK_BLOCK=128, BLOCK_M=128, BLOCK_E=32,
                                                 FAST_TANH=True, PRECISION="tf32"))
     assert kernel == ("expert_fwd_kernel", 4) and calls[-1] == ("CUDABackend", None)
-    check_slim(ptx, *handed[-1])
     kernel, ptx = build(gluon_expert_fwd_ws_kernel, ws_constexprs(4, 128, 256, 64, 100, 128))
     assert kernel == ("gluon_expert_fwd_ws_kernel", 12) and calls[-1] == ("_GluonStages", 168)
     assert ".reqntid 384" in ptx and ".maxnreg 168" in ptx
-    check_slim(ptx, *handed[-1])
 
     check_global_scratch(build)
 
@@ -88,23 +80,6 @@ def main() -> None:
     except RuntimeError as e:
         assert "jax-triton old has no triton_lib.code_gen" in str(e), e
     print("ok")
-
-
-def check_slim(ptx: str, handed_ptx: str, handed_ttir: str) -> None:
-    """jaxlib gets the PTX without its debug line info and comments and no TTIR (`gluon_bridge.SLIM_OPAQUE`): much
-    smaller, and ptxas (as jaxlib runs it, without -lineinfo) makes the same machine code of it."""
-    from bench.kernel_report import ptxas_sass
-    from mhl_jax.ops import gluon_bridge
-
-    assert gluon_bridge.SLIM_OPAQUE and handed_ttir == "" and handed_ptx == gluon_bridge.slim_ptx(ptx)
-    assert ".loc" in ptx and ".debug_info" in ptx and "//" in ptx  # what there was to drop
-    assert not any(w in handed_ptx for w in (".loc", ".file", ".debug_", "//")) and len(handed_ptx) < len(ptx) * 0.7
-    (info, sass), (slim_info, slim_sass) = ptxas_sass(ptx), ptxas_sass(handed_ptx)
-    assert "HGMMA" in sass or "HMMA" in sass, sass[:400]
-    def report(text):  # ptxas -v's registers, spills, barriers (not its compile time)
-        return [line for line in text.splitlines() if "Compile time" not in line]
-
-    assert slim_sass == sass and report(slim_info) == report(info)
 
 
 def tma_store_kernel():

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import re
 from types import ModuleType
 
@@ -101,33 +100,6 @@ def redirect_global_scratch(ptx: str, name: str, needed: int, per_program: int) 
     return ptx
 
 
-# Every launch of a jax-triton kernel looks its call up by the custom call's whole opaque string (jaxlib/gpu/
-# triton_kernels.cc, `GetKernelCall`: a hash map keyed by the zlib-compressed proto, hashed and compared in full on
-# every call), and jax-triton puts the kernel's PTX with its debug line info and the whole TTIR text into it: 122 KB
-# compressed for the Gluon router at Ne 768, k 8, 44 KB for the fused expert backward. So `install` hands jaxlib the
-# PTX without its debug directives and comments (`slim_ptx`) and no TTIR (jaxlib keeps it but never reads it): 54 /
-# 23 KB. jaxlib assembles the PTX itself without -lineinfo, so the machine code is the same (tests/
-# gluon_bridge_check.py compares the SASS). False (or MHL_SLIM_OPAQUE=0 at import): jax-triton's opaque as it builds
-# it (the measurement's baseline).
-SLIM_OPAQUE = os.environ.get("MHL_SLIM_OPAQUE", "1") != "0"
-_PTX_DROP = re.compile(r"^\s*(\.loc\b|\.file\b|//)")
-
-
-def slim_ptx(ptx: str) -> str:
-    """PTX without what only a debugger reads: `.loc` / `.file` directives, comment lines, trailing comments and the
-    `.section .debug_*` blocks at its end (from the first such section on: LLVM emits them after the last function).
-    Raises ValueError if anything but debug sections follows the first one."""
-    cut = re.search(r"^\s*\.section\s+\.debug_", ptx, flags=re.MULTILINE)
-    if cut:
-        tail = ptx[cut.start():]
-        if re.search(r"^\s*\.(visible|entry|func|global|shared|const)\b", tail, flags=re.MULTILINE):
-            raise ValueError("slim_ptx: code after the PTX's first .debug section; expected debug sections only")
-        ptx = ptx[:cut.start()]
-    lines = (line.split("//", 1)[0].rstrip() if "//" in line else line.rstrip()
-             for line in ptx.splitlines() if not _PTX_DROP.match(line))
-    return "\n".join(line for line in lines if line) + "\n"
-
-
 HOOKS = ("code_gen", "compile_ttir_inplace", "triton_kernel_call_lib")  # jax_triton.triton_lib names it replaces
 
 
@@ -182,11 +154,8 @@ def install(jt: ModuleType) -> None:
             return getattr(call_lib, name)
 
         @staticmethod
-        def TritonKernel(name, num_warps, num_ctas, shared_mem_bytes, ptx, ttir, *args):  # noqa: N802 (jaxlib's)
-            if SLIM_OPAQUE:
-                ptx, ttir = slim_ptx(ptx), ""
-            return call_lib.TritonKernel(name, launch_warps.get(name, num_warps), num_ctas, shared_mem_bytes, ptx,
-                                         ttir, *args)
+        def TritonKernel(name, num_warps, *args):  # noqa: N802 (jaxlib's name)
+            return call_lib.TritonKernel(name, launch_warps.get(name, num_warps), *args)
 
     lib.code_gen = CodeGen()
     lib.compile_ttir_inplace = compile_ttir_inplace

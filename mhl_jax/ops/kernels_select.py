@@ -12,17 +12,13 @@ import jax
 def import_jax_triton() -> ModuleType:
     """Import jax_triton and undo its side effect: its import sets TRITON_CACHE_DIR="" for the whole
     process (DESIGN §6), which later breaks torch.compile / FlexAttention ("Could not create or
-    locate cache dir"). Puts back the previous value, else $MHL_TRITON_CACHE, else a fresh folder.
-    Installs `gluon_bridge` (Gluon kernels; slim launch opaques for every kernel)."""
+    locate cache dir"). Puts back the previous value, else $MHL_TRITON_CACHE, else a fresh folder."""
     before = os.environ.get("TRITON_CACHE_DIR")
     import jax_triton
 
     if not os.environ.get("TRITON_CACHE_DIR"):
         os.environ["TRITON_CACHE_DIR"] = before or os.environ.get("MHL_TRITON_CACHE") or tempfile.mkdtemp(
             prefix="triton-cache-")
-    from mhl_jax.ops import gluon_bridge
-
-    gluon_bridge.install(jax_triton)  # Gluon kernels, and every kernel's slim launch opaque (gluon_bridge.SLIM_OPAQUE)
     return jax_triton
 
 
