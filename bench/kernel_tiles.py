@@ -3,7 +3,7 @@ fastest at the layer's shapes. Unlike `bench/experts.py --sweep` (which times th
 together), every line here is one kernel launch.
 
     python bench/kernel_tiles.py [--tokens 81920 8192] [--ne 384] [--de 256] [--out FILE]
-        [--fwd 128,32,4,3 ...] [--dx ...] [--dwt ...] [--dw ...]
+        [--fwd 128,32,4,3 ...] [--dx ...] [--dwt ...] [--dw ...] [--fwd_cast 64,64,4,3 128,64,8,3 ...]
 
 One JSON line per (shape, kernel, tile): ms (median, several input sets), TFLOP/s of the kernel's own
 matmuls (fwd 2, dX 3, dW 4 units of 2 * rows * dh * de), and rel_vs_first: the relative difference of the
@@ -28,8 +28,9 @@ DEFAULT_TILES = {
     "dx": ["128,32,4,3", "64,32,4,2", "64,32,4,3", "128,32,4,2", "64,64,4,2", "128,64,8,2"],
     "dwt": ["64,64,4,3", "64,64,4,2", "64,32,4,2", "64,32,4,3", "32,64,4,3"],
     "dw": [],  # the row-form dW kernel (dw_form "rows"), none by default
+    "fwd_cast": [],  # the converting forward (fp32 weights), none by default
 }
-UNITS = {"fwd": 2, "dx": 3, "dwt": 4, "dw": 4}
+UNITS = {"fwd": 2, "dx": 3, "dwt": 4, "dw": 4, "fwd_cast": 2}
 
 
 def launch(kind: str, cfg, s, w1, w2, k: int):
@@ -41,6 +42,11 @@ def launch(kind: str, cfg, s, w1, w2, k: int):
     x, dy, gates, pk = s
     if kind == "fwd":
         return (experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg),)
+    if kind == "fwd_cast":  # the converting forward on fp32 masters (w1 / w2 here: fp32); a tile of twice the packing
+        # block's rows runs pair tiles (`kernels.experts.fwd_pairs`)
+        from kernels.torch_experts import experts_fwd_cast
+
+        return experts_fwd_cast(x, pk, w1, w2, k, cfg)
     if kind == "dx":  # as the binding runs it: with the gate gradients (DGATES)
         return experts_dx(x, dy, gates, pk, w1, w2, k, cfg)
     # fp32 masters' gradients; a de-wide tile (block_e == de) fuses dX into the dW kernel: its rows go to `dx`
@@ -138,25 +144,27 @@ def main() -> None:
         sets = [input_set(tokens, ne, k, pack_block, g, nh, dh) for _ in range(3)]
         w1, w2 = expert_weights(ne, de, g, nh, dh)
         rows_total = tokens * nh * k
-        for kind in ("fwd", "dx", "dwt", "dw"):
+        for kind in ("fwd", "dx", "dwt", "dw", "fwd_cast"):
             first = None
             for spec in getattr(args, kind):
                 t = Tile(*(int(v) for v in spec.split(",")))
-                t = Tile(min(t.block_m, pack_block), min(t.block_e, de), t.num_warps, t.num_stages)
+                rows_max = 2 * pack_block if kind == "fwd_cast" and t.block_m == 2 * pack_block else pack_block
+                t = Tile(min(t.block_m, rows_max), min(t.block_e, de), t.num_warps, t.num_stages)
                 cfg = ExpertsConfig(pack_block, t, t, t, dw_form="rows" if kind == "dw" else "t")
                 rec = dict(bench="kernel_tiles", kernel=kind, device=device, date=date,
                            params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=pack_block,
                                        tile=[t.block_m, t.block_e, t.num_warps, t.num_stages]))
                 try:
                     cfg.check(dh, de)
-                    outs = launch(kind, cfg, sets[0], w1, w2, k)
+                    wk = (w1.float(), w2.float()) if kind == "fwd_cast" else (w1, w2)
+                    outs = launch(kind, cfg, sets[0], *wk, k)
                     if first is None:
                         first = outs
                     rec["rel_vs_first"] = [float((a.double() - b.double()).norm() / b.double().norm())
                                            for a, b in zip(outs, first)]
                     if args.once:
                         continue
-                    step = rotating(functools.partial(launch, kind, cfg, w1=w1, w2=w2, k=k), sets)
+                    step = rotating(functools.partial(launch, kind, cfg, w1=wk[0], w2=wk[1], k=k), sets)
                     rec["ms"] = float(do_bench(step, warmup=25, rep=200, return_mode="median"))
                     rec["tflops"] = UNITS[kind] * 2 * rows_total * dh * de / rec["ms"] / 1e9
                 except Exception as e:

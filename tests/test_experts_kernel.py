@@ -10,6 +10,7 @@ each config variant (transposed dW, packed backward rows, counting-sort packing)
 """
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels module is imported
 pytest.importorskip("triton")
 
-from kernels.experts import ExpertsConfig, Tile  # noqa: E402
+from kernels.experts import ExpertsConfig, Tile, fwd_pairs  # noqa: E402
 from kernels.torch_experts import experts_fwd, pack_torch, triton_expert_ffn  # noqa: E402
 from tests.torch_expert_reference import check_fwd_bwd_vs_f64, expert_ffn_f64, expert_inputs, weight_grads_twice  # noqa: E402
 
@@ -130,24 +131,32 @@ def test_fwd_writes_every_row_and_zero_padding():
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
 @pytest.mark.parametrize("cfg", [ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16)),
-                                 ExpertsConfig(32, Tile(16, 32), Tile(16, 16), Tile(16, 16))],
-                         ids=["plain", "subblock"])
+                                 ExpertsConfig(32, Tile(16, 32), Tile(16, 16), Tile(16, 16)),
+                                 ExpertsConfig(16, Tile(32, 16), Tile(16, 16), Tile(16, 16))],
+                         ids=["plain", "subblock", "pairs"])
 def test_fwd_cast_kernel_equals_fwd_on_cast_weights(cfg):
     """expert_fwd_cast_kernel on fp32 weights: the output rows bitwise those of expert_fwd_kernel on weights cast
-    beforehand, and the converted weights it stores equal the cast for every group with rows (each group's over
-    several blocks and sub-blocks: a hot expert), the others left unwritten."""
+    beforehand (every row, padding rows 0), and the converted weights it stores equal the cast for every group with
+    rows (each group's over several blocks and sub-blocks: a hot expert), the others left unwritten. pairs: tiles of
+    two packing blocks (`fwd_pairs`), groups of one, two and three or more blocks, blocks made only of padding."""
     from kernels.torch_experts import experts_fwd_cast
 
-    x, idx, gates, w1, w2 = _inputs(4, 80, 2, 2, 5, 16, 32, skew=True)
+    x, _, gates, w1, w2 = _inputs(4, 80, 2, 2, 6, 16, 32)
     h, ne, dh, de = w1.shape
+    # uneven groups (expert e drawn with weight 0.4 ** e, two distinct per token; the last expert never): ~75 rows
+    # down to none
+    weights = torch.where(torch.arange(ne) < ne - 1, 0.4 ** torch.arange(ne, dtype=torch.float64), 0.0)
+    idx = torch.multinomial(weights.expand(80 * h, ne), 2, generator=torch.Generator().manual_seed(0)).reshape(80, h, 2)
     pk = pack_torch(idx, ne, cfg.pack_block)
     w1g, w2g = w1.reshape(h * ne, dh, de).float(), w2.reshape(h * ne, de, dh).float()
     xs = x.reshape(-1, dh).half()  # the interpreter's bf16 arithmetic is broken: fp16 is the compute dtype here
-    ref = experts_fwd(xs, pk.row_slot, pk.block_group, w1g.half(), w2g.half(), 2, cfg)
+    plain = replace(cfg, fwd=Tile(cfg.pack_block, 16)) if fwd_pairs(cfg) else cfg
+    ref = experts_fwd(xs, pk.row_slot, pk.block_group, w1g.half(), w2g.half(), 2, plain)
     out, w1c, w2c = experts_fwd_cast(xs, pk, w1g, w2g, 2, cfg)
-    assert torch.equal(out, ref)
+    assert torch.equal(out, ref) and bool((out[pk.row_slot < 0] == 0).all())
     used = pk.group_sizes > 0
-    assert int(pk.group_nblocks.max()) >= 2 and not bool(used.all())
+    assert int(pk.group_nblocks.max()) >= 3 and not bool(used.all())
+    assert {1, 2} <= set(pk.group_nblocks.tolist()) and bool((pk.block_group < 0).any())
     assert torch.equal(w1c[used], w1g[used].half()) and torch.equal(w2c[used], w2g[used].half())
     assert (w1c[~used] == 0).all() and (w2c[~used] == 0).all()
 

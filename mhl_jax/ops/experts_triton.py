@@ -189,17 +189,23 @@ def _fwd_triton_call(st: Static, xs, meta: Meta, w1, w2, cast: bool):
 
     jt = import_jax_triton()
     p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
-    t = st.cfg.fwd
+    t, pb = st.cfg.fwd, st.cfg.pack_block
+    pair = fwd_pairs(st.cfg)
     out = jax.ShapeDtypeStruct((p, dh), xs.dtype)
+    extra = {}
     if cast:
         inputs, kernel = (xs, meta.row_slot, meta.block_group, meta.group_block_start, w1, w2), expert_fwd_cast_kernel
         out = [out, jax.ShapeDtypeStruct(w1.shape, xs.dtype), jax.ShapeDtypeStruct(w2.shape, xs.dtype)]
+        if pair:  # one program per packing block, a tile of two (`kernels.experts.fwd_pairs`)
+            extra = dict(PAIR=True, NUM_BLOCKS=p // pb)
     else:
         inputs, kernel = (xs, meta.row_slot, meta.block_group, w1, w2), expert_fwd_kernel
+        if pair:  # the plain kernel has no pair tiles: one packing block per program
+            t = Tile(pb, t.block_e, t.num_warps, t.num_stages)
     return jt.triton_call(
-        *inputs, kernel=kernel, out_shape=out, grid=(p // t.block_m,), num_warps=t.num_warps, num_stages=t.num_stages,
-        K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
-        **_opts(xs.dtype))
+        *inputs, kernel=kernel, out_shape=out, grid=(p // (pb if pair else t.block_m),), num_warps=t.num_warps,
+        num_stages=t.num_stages, K=st.k, DH=dh, DE=de, PACK_BLOCK=pb, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
+        **extra, **_opts(xs.dtype))
 
 
 def fwd_casts_weights(st: Static, x_dtype, w_dtype, cast_given: bool) -> bool:
