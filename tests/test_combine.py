@@ -327,3 +327,48 @@ def test_gpu_triton_metadata_and_converting_forward_bitwise_the_xla_paths():
     assert float(l1) == float(l0) and np.array_equal(load1, load0)
     for name, a, c in zip(("x", "w_r", "w1", "w2"), g1, g0):
         assert np.array_equal(np.asarray(a), np.asarray(c)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("de", [128, 256])
+def test_gpu_converting_forward_pair_tiles_bitwise(de, monkeypatch):
+    """The model's MoE core with the converting forward's pair tiles (`kernels.experts.fwd_pairs`, variant "fwd_pairs":
+    one program per two packing blocks of a group) against the default one-block tiles: loss, load and every gradient
+    to the bit, at 64-row packing blocks with half of the experts never chosen and groups of one to several blocks."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.model.moe_core as mc
+    import mhl_jax.ops.experts_triton as et
+    from mhl_jax.ops.experts_triton import variant_config
+
+    n, h, dh, ne, k = 2048, 4, 128, 64, 4
+    ks = jax.random.split(jax.random.key(de), 6)
+    x = jax.random.normal(ks[0], (n, h, dh), jnp.float32).astype(jnp.bfloat16)
+    # expert e's score raised by a bias falling with e: groups from ~600 rows down to a few, half of them empty
+    w_r = jax.random.normal(ks[1], (h, dh, ne), jnp.float32) * dh ** -0.5
+    b = jnp.where(jnp.arange(ne) < ne // 2, -0.1 * jnp.arange(ne), -1e4) * jnp.ones((h, 1), jnp.float32)
+    w1 = jax.random.normal(ks[3], (h, ne, dh, de), jnp.float32) * dh ** -0.5
+    w2 = jax.random.normal(ks[4], (h, ne, de, dh), jnp.float32) * de ** -0.5
+    wy = jax.random.normal(ks[5], (n, h, dh), jnp.float32)
+    out, casts, launch = [], [], et._fwd_triton_call
+    monkeypatch.setattr(et, "_fwd_triton_call", lambda st, *a, cast: casts.append((cast, st.cfg.fwd.block_m)) or launch(
+        st, *a, cast=cast))
+    for name in ("fwd_pairs", "default"):
+        cfg = variant_config(name, n * h * k, h * ne, dh, de)
+        assert cfg.pack_block == 64 and (cfg.fwd.block_m == 128) == (name == "fwd_pairs"), cfg
+
+        def loss(x, w_r, w1, w2, cfg=cfg):
+            y, load = mc.moe_heads_triton(x, x, w_r, b, w1, w2, k, cfg=cfg)
+            return jnp.vdot(y.astype(jnp.float32), wy), (load, y)
+
+        out.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w_r, w1, w2))
+    assert casts == [(True, 128), (True, 64)]  # the converting forward ran, with pair tiles first
+    (l1, (load1, y1)), g1 = out[0]
+    (l0, (load0, y0)), g0 = out[1]
+    sizes = np.asarray(load1).reshape(-1)
+    assert (sizes == 0).sum() >= h * ne // 2 and (sizes > 128).any() and ((sizes > 0) & (sizes <= 64)).any(), sizes
+    assert np.array_equal(np.asarray(y1), np.asarray(y0)) and float(l1) == float(l0)
+    assert np.array_equal(load1, load0)
+    for name, a, c in zip(("x", "w_r", "w1", "w2"), g1, g0):
+        assert np.array_equal(np.asarray(a), np.asarray(c)), name

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels.experts import ExpertsConfig, Tile, default_config, dgates_in_kernels
+from kernels.experts import FWD_PAIR_TILES, ExpertsConfig, Tile, default_config, dgates_in_kernels, fwd_pairs
 from mhl_jax.ops import gluon_bridge, packing_triton
 from mhl_jax.ops import packing as pk
 from mhl_jax.ops.kernels_select import import_jax_triton
@@ -58,7 +58,7 @@ class Static(NamedTuple):
 
 VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd", "fused_bwd16",
             "triton_fwd", "triton_dw", "triton_fused_bwd", "gluon_bwd", "gluon_bwd_xw", "gluon_bwd_noxw", "pack64",
-            "pack128", "fwd_e64")
+            "pack128", "fwd_e64", "fwd_pairs")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -82,13 +82,18 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     group in the Gluon backward (`ExpertsConfig.bwd_xw`); "pack64" / "pack128" = the default's choices at packing
     block 64 / 128 whatever the mean rows per group (the Gluon forward and Triton packing where the default takes 32 or
     64); "fwd_e64" = "default" with the Triton forward's 64-wide de chunks at packing block 64 and de 128 (the default
-    until 2026-11-27)."""
+    until 2026-11-27); "fwd_pairs" = "default" with the converting forward's pair tiles (`FWD_PAIR_TILES`) at packing
+    block 64."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name in ("split_bwd", "fused_bwd16"):
         return default_config(num_slots, num_groups, dh, de, fuse_bwd=name != "split_bwd", fuse_min_pack=16)
     if name == "fwd_e64":
         return default_config(num_slots, num_groups, dh, de, fwd_wide=False)
+    if name == "fwd_pairs":  # the converting forward's pair tiles where the Triton forward runs at packing block 64
+        cfg = default_config(num_slots, num_groups, dh, de)
+        tile = FWD_PAIR_TILES.get(de)
+        return replace(cfg, fwd=tile) if tile and cfg.pack_block == 64 and not cfg.fwd_ws else cfg
     if name in ("pack64", "pack128"):
         return default_config(num_slots, num_groups, dh, de, pack={"pack64": 64, "pack128": 128}[name])
     if name == "triton_dw":
