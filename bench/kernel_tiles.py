@@ -3,7 +3,7 @@ fastest at the layer's shapes. Unlike `bench/experts.py --sweep` (which times th
 together), every line here is one kernel launch.
 
     python bench/kernel_tiles.py [--tokens 81920 8192] [--ne 384] [--de 256] [--out FILE]
-        [--fwd 128,32,4,3 ...] [--dx ...] [--dwt ...] [--dw ...] [--fwd_cast 64,64,4,3 128,64,8,3 ...]
+        [--fwd 128,32,4,3 ...] [--dx ...] [--dwt ...] [--dw ...] [--fwd_cast 64,64,4,3 ...]
 
 One JSON line per (shape, kernel, tile): ms (median, several input sets), TFLOP/s of the kernel's own
 matmuls (fwd 2, dX 3, dW 4 units of 2 * rows * dh * de), and rel_vs_first: the relative difference of the
@@ -42,8 +42,8 @@ def launch(kind: str, cfg, s, w1, w2, k: int):
     x, dy, gates, pk = s
     if kind == "fwd":
         return (experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg),)
-    if kind == "fwd_cast":  # the converting forward on fp32 masters (w1 / w2 here: fp32); a tile of twice the packing
-        # block's rows runs pair tiles (`kernels.experts.fwd_pairs`)
+    if kind == "fwd_cast":  # the converting forward on fp32 masters (w1 / w2 here: fp32; its launcher also zero-fills
+        # the two bf16 copies it returns, as many bytes again as the copies: every tile pays that alike)
         from kernels.torch_experts import experts_fwd_cast
 
         return experts_fwd_cast(x, pk, w1, w2, k, cfg)
@@ -148,8 +148,7 @@ def main() -> None:
             first = None
             for spec in getattr(args, kind):
                 t = Tile(*(int(v) for v in spec.split(",")))
-                rows_max = 2 * pack_block if kind == "fwd_cast" and t.block_m == 2 * pack_block else pack_block
-                t = Tile(min(t.block_m, rows_max), min(t.block_e, de), t.num_warps, t.num_stages)
+                t = Tile(min(t.block_m, pack_block), min(t.block_e, de), t.num_warps, t.num_stages)
                 cfg = ExpertsConfig(pack_block, t, t, t, dw_form="rows" if kind == "dw" else "t")
                 rec = dict(bench="kernel_tiles", kernel=kind, device=device, date=date,
                            params=dict(tokens=tokens, nh=nh, dh=dh, k=k, ne=ne, de=de, pack_block=pack_block,

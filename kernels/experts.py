@@ -129,49 +129,23 @@ def _load_x_do(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, rows, offs_d, K: tl.const
 @triton.jit
 def _expert_fwd(x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, gstart_ptr, w1c_ptr, w2c_ptr,
                 K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, CAST: tl.constexpr,
-                PAIR: tl.constexpr = False, NUM_BLOCKS: tl.constexpr = 0):
+                BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, CAST: tl.constexpr):
     """One BLOCK_M-row tile of `expert_fwd_kernel` / `expert_fwd_cast_kernel` (CAST: the weights arrive in fp32 and
-    are converted to x's dtype as loaded; the group's first tile also stores them, w1c / w2c).
-    PAIR (BLOCK_M == 2 PACK_BLOCK, one program per packing block, NUM_BLOCKS of them): the program of a group's block
-    at an even offset from the group's first takes that block and the next one if it is the same group's, so the
-    weights are loaded (and converted) once per two blocks; a program at an odd offset does nothing; a block made
-    only of padding stores its zero rows as before."""
+    are converted to x's dtype as loaded; the group's first tile also stores them, w1c / w2c)."""
     pid = tl.program_id(0)
+    g = tl.load(block_group_ptr + pid // (PACK_BLOCK // BLOCK_M))
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DH)
-    if PAIR:
-        g = tl.load(block_group_ptr + pid)
-        rows = pid.to(tl.int64) * PACK_BLOCK + tl.arange(0, BLOCK_M)
-        g2 = tl.load(block_group_ptr + pid + 1, mask=pid + 1 < NUM_BLOCKS, other=-1)
-        # the second block's rows: this group's, else the next program's (or padding's)
-        own = (tl.arange(0, BLOCK_M) < PACK_BLOCK) | ((g2 == g) & (g >= 0))
-        lead = (pid - tl.load(gstart_ptr + tl.maximum(g, 0))) % 2 == 0
-    else:
-        g = tl.load(block_group_ptr + pid // (PACK_BLOCK // BLOCK_M))
-        rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        lead = True
     out_ptrs = out_ptr + rows[:, None] * DH + offs_d[None, :]
     if g < 0:  # block made only of padding: nothing to compute
-        if PAIR:
-            tl.store(out_ptrs, tl.zeros((BLOCK_M, DH), out_ptr.dtype.element_ty), mask=own[:, None])
-        else:
-            tl.store(out_ptrs, tl.zeros((BLOCK_M, DH), out_ptr.dtype.element_ty))
-    elif lead:
+        tl.store(out_ptrs, tl.zeros((BLOCK_M, DH), out_ptr.dtype.element_ty))
+    else:
         if CAST:
             cdt = x_ptr.dtype.element_ty
-            if PAIR:
-                first = pid == tl.load(gstart_ptr + g)
-            else:
-                first = pid == tl.load(gstart_ptr + g) * (PACK_BLOCK // BLOCK_M)  # the group's first tile
+            first = pid == tl.load(gstart_ptr + g) * (PACK_BLOCK // BLOCK_M)  # the group's first tile
         else:
             cdt = w1_ptr.dtype.element_ty
-        if PAIR:
-            slot = tl.load(row_slot_ptr + rows, mask=own, other=-1)
-            valid = slot >= 0
-            src = tl.where(valid, slot // K, 0).to(tl.int64)
-            x = tl.load(x_ptr + src[:, None] * DH + offs_d[None, :], mask=valid[:, None], other=0.0)
-        else:
-            x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
+        x, slot, valid, src = _load_x_rows(x_ptr, row_slot_ptr, rows, offs_d, K, DH)
         x = x.to(cdt)
         offs_e = tl.arange(0, BLOCK_E)
         w1_base = w1_ptr + g.to(tl.int64) * (DH * DE)
@@ -189,10 +163,7 @@ def _expert_fwd(x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, g
                     tl.store(w1c_ptr + g.to(tl.int64) * (DH * DE) + w1_off, w1)
                     tl.store(w2c_ptr + g.to(tl.int64) * (DE * DH) + w2_off, w2)
             acc = tl.dot(a, w2, acc, input_precision=PRECISION)
-        if PAIR:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=own[:, None])
-        else:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -211,8 +182,7 @@ def expert_fwd_cast_kernel(
     x_ptr, row_slot_ptr, block_group_ptr, group_block_start_ptr, w1_ptr, w2_ptr,  # inputs (w1, w2 fp32)
     out_ptr, w1c_ptr, w2c_ptr,  # outputs (P, DH); w1 / w2 in x's dtype (written for groups with rows only)
     K: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr, PACK_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr, PAIR: tl.constexpr = False,
-    NUM_BLOCKS: tl.constexpr = 0,
+    BLOCK_E: tl.constexpr, FAST_TANH: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """`expert_fwd_kernel` on the fp32 master weights: each tile converts them to x's dtype as it loads them (the
     same values as a cast before the launch: the same products), and each group's first tile stores the converted
@@ -222,7 +192,7 @@ def expert_fwd_cast_kernel(
     weight tiles are fetched per group) but no output depends on them: a group without rows has no row block, so
     no product uses them and its weight gradients stay zero."""
     _expert_fwd(x_ptr, row_slot_ptr, block_group_ptr, w1_ptr, w2_ptr, out_ptr, group_block_start_ptr, w1c_ptr, w2c_ptr,
-                K, DH, DE, PACK_BLOCK, BLOCK_M, BLOCK_E, FAST_TANH, PRECISION, True, PAIR, NUM_BLOCKS)
+                K, DH, DE, PACK_BLOCK, BLOCK_M, BLOCK_E, FAST_TANH, PRECISION, True)
 
 
 @triton.jit
@@ -442,31 +412,16 @@ class ExpertsConfig:
     def check(self, dh: int, de: int) -> None:
         for t in (self.fwd, self.dx, self.dw):
             check_blocks(dh, de, self.pack_block, min(t.block_m, self.pack_block), min(t.block_e, de))
-        if self.fwd.block_m > self.pack_block and not fwd_pairs(self):
-            raise ValueError(f"expert kernels: forward block_m={self.fwd.block_m}, expected at most the packing block "
-                             f"{self.pack_block} or twice it (pair tiles)")
         if self.dw_form not in DW_FORMS or self.pack_impl not in PACK_IMPLS:
             raise ValueError(f"expert kernels: dw_form={self.dw_form!r} (one of {DW_FORMS}), "
                              f"pack_impl={self.pack_impl!r} (one of {PACK_IMPLS})")
 
     def fit(self, de: int) -> ExpertsConfig:
         """Clamp tiles to the packing block and to de (small shapes in tests)."""
-        def f(t: Tile, rows: int = self.pack_block) -> Tile:
-            return Tile(min(t.block_m, rows), min(t.block_e, de), t.num_warps, t.num_stages)
+        def f(t: Tile) -> Tile:
+            return Tile(min(t.block_m, self.pack_block), min(t.block_e, de), t.num_warps, t.num_stages)
 
-        return replace(self, fwd=f(self.fwd, 2 * self.pack_block if fwd_pairs(self) else self.pack_block),
-                       dx=f(self.dx), dw=f(self.dw))
-
-
-# the converting forward's pair tiles by de at packing block 64 (`fwd_pairs`; 8 warps: 170 / 178 registers, no spills
-# in the sm_90a compile, vs 247 / 255 for the one-block tiles (64, 64, 4, 3) / (64, 128, 4, 2))
-FWD_PAIR_TILES = {256: Tile(128, 64, 8, 2), 128: Tile(128, 128, 8, 2)}
-
-
-def fwd_pairs(cfg: ExpertsConfig) -> bool:
-    """Whether the forward's tile spans two packing blocks (`_expert_fwd`'s PAIR: one program per packing block, the
-    one at an even offset in its group taking the group's next block too; the converting forward only)."""
-    return cfg.fwd.block_m == 2 * cfg.pack_block
+        return replace(self, fwd=f(self.fwd), dx=f(self.dx), dw=f(self.dw))
 
 
 # smallest packing block where the fused de = 128 backward is the default: measured at 128, 64 and 32 (H100,
@@ -611,7 +566,7 @@ def _wide_config(pack: int, num_slots: int, de: int, dw_form: str | None) -> Exp
                          dw=Tile(bm, 32, 8, 2), dw_form=form, pack_impl="count" if count else "argsort").fit(de)
 
 
-__all__ = ["expert_fwd_kernel", "expert_fwd_cast_kernel", "fwd_pairs", "FWD_PAIR_TILES",
+__all__ = ["expert_fwd_kernel", "expert_fwd_cast_kernel",
            "expert_dx_kernel", "expert_dw_kernel", "expert_dwt_kernel", "check_blocks", "Tile",
            "dgates_in_kernels", "DW_WS_MAX_PACK", "BWD_WS_WIDE_MAX_DE",
            "ExpertsConfig", "DW_FORMS", "PACK_IMPLS", "COUNT_SORT_MAX_SLOTS", "PACK64_MIN_MEAN", "default_config",

@@ -10,7 +10,6 @@ each config variant (transposed dW, packed backward rows, counting-sort packing)
 """
 
 import os
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels module is imported
 pytest.importorskip("triton")
 
-from kernels.experts import ExpertsConfig, Tile, fwd_pairs  # noqa: E402
+from kernels.experts import ExpertsConfig, Tile  # noqa: E402
 from kernels.torch_experts import experts_fwd, pack_torch, triton_expert_ffn  # noqa: E402
 from tests.torch_expert_reference import check_fwd_bwd_vs_f64, expert_ffn_f64, expert_inputs, weight_grads_twice  # noqa: E402
 
@@ -131,14 +130,12 @@ def test_fwd_writes_every_row_and_zero_padding():
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
 @pytest.mark.parametrize("cfg", [ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16)),
-                                 ExpertsConfig(32, Tile(16, 32), Tile(16, 16), Tile(16, 16)),
-                                 ExpertsConfig(16, Tile(32, 16), Tile(16, 16), Tile(16, 16))],
-                         ids=["plain", "subblock", "pairs"])
+                                 ExpertsConfig(32, Tile(16, 32), Tile(16, 16), Tile(16, 16))],
+                         ids=["plain", "subblock"])
 def test_fwd_cast_kernel_equals_fwd_on_cast_weights(cfg):
     """expert_fwd_cast_kernel on fp32 weights: the output rows bitwise those of expert_fwd_kernel on weights cast
     beforehand (every row, padding rows 0), and the converted weights it stores equal the cast for every group with
-    rows (each group's over several blocks and sub-blocks: a hot expert), the others left unwritten. pairs: tiles of
-    two packing blocks (`fwd_pairs`), groups of one, two and three or more blocks, blocks made only of padding."""
+    rows (groups of one, two and three or more blocks, and sub-blocks), the others left unwritten."""
     from kernels.torch_experts import experts_fwd_cast
 
     x, _, gates, w1, w2 = _inputs(4, 80, 2, 2, 6, 16, 32)
@@ -150,8 +147,7 @@ def test_fwd_cast_kernel_equals_fwd_on_cast_weights(cfg):
     pk = pack_torch(idx, ne, cfg.pack_block)
     w1g, w2g = w1.reshape(h * ne, dh, de).float(), w2.reshape(h * ne, de, dh).float()
     xs = x.reshape(-1, dh).half()  # the interpreter's bf16 arithmetic is broken: fp16 is the compute dtype here
-    plain = replace(cfg, fwd=Tile(cfg.pack_block, 16)) if fwd_pairs(cfg) else cfg
-    ref = experts_fwd(xs, pk.row_slot, pk.block_group, w1g.half(), w2g.half(), 2, plain)
+    ref = experts_fwd(xs, pk.row_slot, pk.block_group, w1g.half(), w2g.half(), 2, cfg)
     out, w1c, w2c = experts_fwd_cast(xs, pk, w1g, w2g, 2, cfg)
     assert torch.equal(out, ref) and bool((out[pk.row_slot < 0] == 0).all())
     used = pk.group_sizes > 0

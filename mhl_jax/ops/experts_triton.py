@@ -29,7 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels.experts import FWD_PAIR_TILES, ExpertsConfig, Tile, default_config, dgates_in_kernels, fwd_pairs
+from kernels.experts import ExpertsConfig, Tile, default_config, dgates_in_kernels
 from mhl_jax.ops import gluon_bridge, packing_triton
 from mhl_jax.ops import packing as pk
 from mhl_jax.ops.kernels_select import import_jax_triton
@@ -58,7 +58,7 @@ class Static(NamedTuple):
 
 VARIANTS = ("default", "v2", "t", "t_packed", "count", "new", "new_packed", "tpack", "split_bwd", "fused_bwd16",
             "triton_fwd", "triton_dw", "triton_fused_bwd", "gluon_bwd", "gluon_bwd_xw", "gluon_bwd_noxw", "pack64",
-            "pack128", "fwd_e64", "fwd_pairs")
+            "pack128", "fwd_e64")
 DWT_TILE = Tile(64, 64, 4, 3)  # transposed dW kernel's tile (bench/experts.py --sweep: 4.05 ms on H100)
 
 
@@ -82,18 +82,13 @@ def variant_config(name: str, num_slots: int, num_groups: int, dh: int, de: int,
     group in the Gluon backward (`ExpertsConfig.bwd_xw`); "pack64" / "pack128" = the default's choices at packing
     block 64 / 128 whatever the mean rows per group (the Gluon forward and Triton packing where the default takes 32 or
     64); "fwd_e64" = "default" with the Triton forward's 64-wide de chunks at packing block 64 and de 128 (the default
-    until 2026-11-27); "fwd_pairs" = "default" with the converting forward's pair tiles (`FWD_PAIR_TILES`) at packing
-    block 64."""
+    until 2026-11-27)."""
     if name not in VARIANTS:
         raise ValueError(f"variant {name!r}, expected one of {VARIANTS}")
     if name in ("split_bwd", "fused_bwd16"):
         return default_config(num_slots, num_groups, dh, de, fuse_bwd=name != "split_bwd", fuse_min_pack=16)
     if name == "fwd_e64":
         return default_config(num_slots, num_groups, dh, de, fwd_wide=False)
-    if name == "fwd_pairs":  # the converting forward's pair tiles where the Triton forward runs at packing block 64
-        cfg = default_config(num_slots, num_groups, dh, de)
-        tile = FWD_PAIR_TILES.get(de)
-        return replace(cfg, fwd=tile) if tile and cfg.pack_block == 64 and not cfg.fwd_ws else cfg
     if name in ("pack64", "pack128"):
         return default_config(num_slots, num_groups, dh, de, pack={"pack64": 64, "pack128": 128}[name])
     if name == "triton_dw":
@@ -194,23 +189,17 @@ def _fwd_triton_call(st: Static, xs, meta: Meta, w1, w2, cast: bool):
 
     jt = import_jax_triton()
     p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
-    t, pb = st.cfg.fwd, st.cfg.pack_block
-    pair = fwd_pairs(st.cfg)
+    t = st.cfg.fwd
     out = jax.ShapeDtypeStruct((p, dh), xs.dtype)
-    extra = {}
     if cast:
         inputs, kernel = (xs, meta.row_slot, meta.block_group, meta.group_block_start, w1, w2), expert_fwd_cast_kernel
         out = [out, jax.ShapeDtypeStruct(w1.shape, xs.dtype), jax.ShapeDtypeStruct(w2.shape, xs.dtype)]
-        if pair:  # one program per packing block, a tile of two (`kernels.experts.fwd_pairs`)
-            extra = dict(PAIR=True, NUM_BLOCKS=p // pb)
     else:
         inputs, kernel = (xs, meta.row_slot, meta.block_group, w1, w2), expert_fwd_kernel
-        if pair:  # the plain kernel has no pair tiles: one packing block per program
-            t = Tile(pb, t.block_e, t.num_warps, t.num_stages)
     return jt.triton_call(
-        *inputs, kernel=kernel, out_shape=out, grid=(p // (pb if pair else t.block_m),), num_warps=t.num_warps,
-        num_stages=t.num_stages, K=st.k, DH=dh, DE=de, PACK_BLOCK=pb, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
-        **extra, **_opts(xs.dtype))
+        *inputs, kernel=kernel, out_shape=out, grid=(p // t.block_m,), num_warps=t.num_warps, num_stages=t.num_stages,
+        K=st.k, DH=dh, DE=de, PACK_BLOCK=st.cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
+        **_opts(xs.dtype))
 
 
 def fwd_casts_weights(st: Static, x_dtype, w_dtype, cast_given: bool) -> bool:
