@@ -20,7 +20,8 @@ W_in, W_out, router scores and experts; our backward's recomputation is not coun
 (arguments + outputs + temporaries = the step's peak), beside the authors' torch peak.
 
 --variants: expert configs of the triton path (`mhl_jax.ops.experts_triton.VARIANTS`, "v2" = the
-measured default) or LAYER_VARIANTS (a switch of the MoE core flipped, e.g. "apart_dx"), one record each; a
+measured default; "fwd_tile:M,E,W,S" the default with that Triton forward tile) or LAYER_VARIANTS (a switch of the
+MoE core flipped, e.g. "apart_dx"), one record each; a
 variant that fails is recorded and the next one runs.
 --breakdown: also time the layer's parts alone under jit at each shape (one `layer_breakdown` record
 per variant): the router alone fwd+bwd (its own slot sort), packing (sort, counting sort, Triton
@@ -64,11 +65,19 @@ def init_params(key, ne: int, de: int):
 
 
 def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_tile=None):
-    """ExpertsConfig of a named variant (None: the binding's default)."""
+    """ExpertsConfig of a named variant (None: the binding's default); "fwd_tile:M,E,W,S": the default with the Triton
+    forward's tile (block_m, block_e, warps, stages) replaced (tile sweeps in the layer)."""
     if variant is None:
         return None
     from mhl_jax.ops.experts_triton import variant_config
 
+    if variant.startswith("fwd_tile:"):
+        from dataclasses import replace
+
+        from kernels.experts import Tile
+
+        cfg = variant_config("default", tokens * NH * k, NH * ne, DH, de)
+        return replace(cfg, fwd=Tile(*(int(v) for v in variant.split(":", 1)[1].split(",")))).fit(de)
     return variant_config(variant, tokens * NH * k, NH * ne, DH, de, dwt_tile)
 
 
