@@ -77,7 +77,8 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
         from kernels.experts import Tile
 
         cfg = variant_config("default", tokens * NH * k, NH * ne, DH, de)
-        return replace(cfg, fwd=Tile(*(int(v) for v in variant.split(":", 1)[1].split(",")))).fit(de)
+        tile = Tile(*(int(v) for v in variant.split(":", 1)[1].split(",")))
+        return replace(cfg, fwd=tile, fwd_cast=tile).fit(de)  # the converting forward's too
     return variant_config(variant, tokens * NH * k, NH * ne, DH, de, dwt_tile)
 
 

@@ -396,6 +396,8 @@ class ExpertsConfig:
     # the forward as the warp-specialised Gluon kernel (kernels/gluon_experts.py) where the JAX binding runs on a
     # Hopper GPU and the shape is `gluon_experts.ws_supported`; elsewhere `fwd` (Triton) as before
     fwd_ws: bool = False
+    # the converting forward's tile (`expert_fwd_cast_kernel`, fp32 weights converted as loaded); None: `fwd`'s
+    fwd_cast: Tile | None = None
     # the weight gradients of a split backward (dX kernel apart) as the warp-specialised Gluon kernel where the JAX
     # binding runs on a Hopper GPU in bf16 and the shape is `gluon_experts.dw_ws_supported`; elsewhere `dw`
     # (`experts_triton.use_dw_gluon`)
@@ -410,7 +412,7 @@ class ExpertsConfig:
     bwd_xw: bool = False
 
     def check(self, dh: int, de: int) -> None:
-        for t in (self.fwd, self.dx, self.dw):
+        for t in (self.fwd, self.cast_tile, self.dx, self.dw):
             check_blocks(dh, de, self.pack_block, min(t.block_m, self.pack_block), min(t.block_e, de))
         if self.dw_form not in DW_FORMS or self.pack_impl not in PACK_IMPLS:
             raise ValueError(f"expert kernels: dw_form={self.dw_form!r} (one of {DW_FORMS}), "
@@ -421,7 +423,13 @@ class ExpertsConfig:
         def f(t: Tile) -> Tile:
             return Tile(min(t.block_m, self.pack_block), min(t.block_e, de), t.num_warps, t.num_stages)
 
-        return replace(self, fwd=f(self.fwd), dx=f(self.dx), dw=f(self.dw))
+        return replace(self, fwd=f(self.fwd), dx=f(self.dx), dw=f(self.dw),
+                       fwd_cast=self.fwd_cast and f(self.fwd_cast))
+
+    @property
+    def cast_tile(self) -> Tile:
+        """The converting forward's tile: `fwd_cast`, else `fwd`'s."""
+        return self.fwd_cast or self.fwd
 
 
 # smallest packing block where the fused de = 128 backward is the default: measured at 128, 64 and 32 (H100,
@@ -457,9 +465,9 @@ BWD_XW_MIN_SLOTS = 1 << 21
 # most groups take two 32-row blocks anyway, so the padding barely grows while the blocks halve; block 128 there:
 # 2.98 / 3.32). At mean 85 (384/4/256, 768/8/128) block 128 measured 1.88 / 2.10 vs 1.86 / 2.08 at 64. Was 48
 PACK64_MIN_MEAN = 32
-# fewest mean rows per group where the Triton forward takes 32-wide de chunks at packing block 64, de 256
-# (`default_config`; measured at means 85 and 42.7 only)
-FWD_E32_MIN_MEAN = 64
+# fewest mean rows per group where the converting forward takes 32-wide de chunks at packing block 64, de 256
+# (`default_config`'s fwd_cast; measured at means 85 and 42.7 only)
+CAST_E32_MIN_MEAN = 64
 COUNT_SORT_MAX_SLOTS = 1 << 19  # the counting-sort packing where it was measured (262144 slots); argsort above
 
 
@@ -540,18 +548,15 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     # tokens, results/kernel_tiles-h100-2026-11-27-fwd8192.jsonl: 0.262 vs 0.303 ms at 768/8/128, 0.385 vs 0.411 at
     # 1536/8/128; at de 256 (64, 64, 4, 3) stayed the best: 0.220 / 0.337 ms at 384/4/256 / 768/4/256)
     fwd = Tile(bm, 128, 4, 2) if pack == 64 and de == 128 and fwd_wide else Tile(bm, 64, 4, 3)
-    # at 64-row blocks and de 256 with ~two blocks per group: 32-wide de chunks, for the converting forward (H100
-    # 2026-11-27, session 33, layer at 8192 tokens 384/4/256 (mean 85 rows) in three processes: 1.68 / 1.72, 1.71 /
-    # 1.70, 1.70 ms vs 1.76 / 1.73, 1.75 / 1.79, 1.79 with (64, 64, 4, 3); kernel alone 0.648 vs 0.712; at 768/4/256
-    # (mean 42.7) level to +0.03 ms: not taken there; results/layer-h100-2026-11-27-s33-{fwd-cast-tiles{,2},cast-tile-
-    # ab}.jsonl) and for the plain one on bf16 weights alike (0.218 vs 0.220 ms alone at 384/4/256, 0.355 vs 0.337 at
-    # 768/4/256: results/kernel_tiles-h100-2026-11-27-fwd8192.jsonl), so that both forwards sum alike (the train step
-    # casting the weights once per step gives the converting forward's bits)
-    if pack == 64 and de == 256 and mean >= FWD_E32_MIN_MEAN:
-        fwd = Tile(bm, 32, 4, 3)
+    # the converting forward at 64-row blocks and de 256 with ~two blocks per group: 32-wide de chunks (H100 2026-11-27,
+    # session 33, layer at 8192 tokens 384/4/256 (mean 85 rows), three processes' A/B: 1.68 / 1.72 / 1.71 ms vs 1.76 /
+    # 1.73-1.79 with `fwd`'s (64, 64, 4, 3), kernel alone 0.648 vs 0.712; at 768/4/256 (mean 42.7) level or slower,
+    # 2.65-2.70 vs 2.65-2.67: kept `fwd`'s there; results/layer-h100-2026-11-27-s33-fwd-cast-tiles{,2}.jsonl)
+    fwd_cast = Tile(bm, 32, 4, 3) if pack == 64 and de == 256 and mean >= CAST_E32_MIN_MEAN else None
     return ExpertsConfig(
         pack_block=pack,
         fwd=fwd,
+        fwd_cast=fwd_cast,
         dx=dx if pack >= 64 else Tile(bm, 64, 4, 3),
         dw=fused or Tile(min(bm, 64), 64, 4, 3),
         dw_form=form,

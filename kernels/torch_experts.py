@@ -91,17 +91,17 @@ def experts_fwd_cast(x: torch.Tensor, pk: TorchPacking, w1: torch.Tensor, w2: to
     out = torch.empty(pk.row_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
     w1c, w2c = (torch.zeros(w.shape, dtype=x.dtype, device=x.device) for w in (w1, w2))
     inputs = (pk.row_slot, pk.block_group, pk.group_block_start, w1.float().contiguous(), w2.float().contiguous())
-    _launch_fwd(expert_fwd_cast_kernel, x, inputs, (out, w1c, w2c), w1, k, cfg)
+    _launch_fwd(expert_fwd_cast_kernel, x, inputs, (out, w1c, w2c), w1, k, cfg, cfg.cast_tile)
     return out, w1c, w2c
 
 
 def _launch_fwd(kernel, x: torch.Tensor, inputs: tuple, outputs: tuple, w1: torch.Tensor, k: int,
-                cfg: ExpertsConfig) -> None:
+                cfg: ExpertsConfig, tile=None) -> None:
     """One launch of a forward kernel (`expert_fwd_kernel` / `expert_fwd_cast_kernel`) over the packed rows: x
-    first, then `inputs`, then `outputs` (the first the out rows (P, dh)), at cfg.fwd's tile."""
+    first, then `inputs`, then `outputs` (the first the out rows (P, dh)), at `tile` (default cfg.fwd)."""
     (_, dh), de, p = x.shape, w1.shape[2], outputs[0].shape[0]
     cfg.check(dh, de)
-    t = cfg.fwd
+    t = tile or cfg.fwd
     kernel[(p // t.block_m,)](
         x.contiguous(), *inputs, *outputs,
         K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,

@@ -10,6 +10,7 @@ each config variant (transposed dW, packed backward rows, counting-sort packing)
 """
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -75,17 +76,20 @@ def test_default_tiles_keep_accumulators_in_registers(dh):
 
 def test_default_forward_tile_at_block64():
     """The Triton forward's tile at packing block 64 (the 8192-token rows): the whole de = 128 in one chunk, 2 stages
-    (measured faster there); at de 256 32-wide chunks from FWD_E32_MIN_MEAN mean rows per group, else 64-wide; 64-wide,
-    3 stages at block 32 and in variant "fwd_e64"."""
+    (measured faster there); 64-wide chunks, 3 stages at de 256, at block 32, and in variant "fwd_e64"."""
     from kernels.experts import Tile, default_config
     from mhl_jax.ops.experts_triton import variant_config
 
     assert default_config(8192 * 8 * 8, 8 * 768, 128, 128).fwd == Tile(64, 128, 4, 2)  # mean 85
     assert default_config(8192 * 8 * 8, 8 * 1536, 128, 128).fwd == Tile(64, 128, 4, 2)  # mean 43
-    assert default_config(8192 * 8 * 4, 8 * 384, 128, 256).fwd == Tile(64, 32, 4, 3)  # mean 85: 32-wide chunks
-    assert default_config(8192 * 8 * 4, 8 * 768, 128, 256).fwd == Tile(64, 64, 4, 3)  # mean 43
+    assert default_config(8192 * 8 * 4, 8 * 384, 128, 256).fwd == Tile(64, 64, 4, 3)
     assert default_config(4096 * 8 * 8, 8 * 1536, 128, 128).fwd == Tile(32, 64, 4, 3)  # block 32: unchanged (fit)
     assert variant_config("fwd_e64", 8192 * 8 * 8, 8 * 768, 128, 128).fwd == Tile(64, 64, 4, 3)
+    # the converting forward (fp32 weights): 32-wide chunks at de 256 with ~two blocks per group (384/4/256, mean 85),
+    # the plain forward's tile elsewhere (768/4/256, mean 43; de 128)
+    assert default_config(8192 * 8 * 4, 8 * 384, 128, 256).cast_tile == Tile(64, 32, 4, 3)
+    assert default_config(8192 * 8 * 4, 8 * 768, 128, 256).cast_tile == Tile(64, 64, 4, 3)
+    assert default_config(8192 * 8 * 8, 8 * 768, 128, 128).cast_tile == Tile(64, 128, 4, 2)
 
 
 def test_default_config_fuses_the_de128_backward():
@@ -132,8 +136,9 @@ def test_fwd_writes_every_row_and_zero_padding():
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
 @pytest.mark.parametrize("cfg", [ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16)),
-                                 ExpertsConfig(32, Tile(16, 32), Tile(16, 16), Tile(16, 16))],
-                         ids=["plain", "subblock"])
+                                 ExpertsConfig(32, Tile(16, 32), Tile(16, 16), Tile(16, 16)),
+                                 ExpertsConfig(32, Tile(32, 32), Tile(16, 16), Tile(16, 16), fwd_cast=Tile(16, 16))],
+                         ids=["plain", "subblock", "cast_tile"])
 def test_fwd_cast_kernel_equals_fwd_on_cast_weights(cfg):
     """expert_fwd_cast_kernel on fp32 weights: the output rows bitwise those of expert_fwd_kernel on weights cast
     beforehand (every row, padding rows 0), and the converted weights it stores equal the cast for every group with
@@ -149,7 +154,8 @@ def test_fwd_cast_kernel_equals_fwd_on_cast_weights(cfg):
     pk = pack_torch(idx, ne, cfg.pack_block)
     w1g, w2g = w1.reshape(h * ne, dh, de).float(), w2.reshape(h * ne, de, dh).float()
     xs = x.reshape(-1, dh).half()  # the interpreter's bf16 arithmetic is broken: fp16 is the compute dtype here
-    ref = experts_fwd(xs, pk.row_slot, pk.block_group, w1g.half(), w2g.half(), 2, cfg)
+    # the reference at the converting forward's tile (cast_tile: 16-wide de chunks vs the plain 32 sum differently)
+    ref = experts_fwd(xs, pk.row_slot, pk.block_group, w1g.half(), w2g.half(), 2, replace(cfg, fwd=cfg.cast_tile))
     out, w1c, w2c = experts_fwd_cast(xs, pk, w1g, w2g, 2, cfg)
     assert torch.equal(out, ref) and bool((out[pk.row_slot < 0] == 0).all())
     used = pk.group_sizes > 0
@@ -202,7 +208,7 @@ def _layer_jax(params, x, idx, expert_impl):
 @pytest.mark.gpu
 # the backward as the warp-specialised Gluon kernel on Hopper (de 256: one partial dX row per 128 de, summed by the
 # binding; de 128: whole rows), packing blocks 128 (Ne 16) and 64 (Ne 128: the Triton forward converting the fp32
-# weights as it loads them; at de 256 with 32-wide de chunks, mean 64 rows per group)
+# weights as it loads them, at de 256 with its own tile, `ExpertsConfig.fwd_cast`)
 @pytest.mark.parametrize("de,ne", [(256, 16), (128, 16), (128, 128), (256, 128)])
 def test_gpu_layer_triton_vs_oracle_and_reference(de, ne, monkeypatch):
     import jax

@@ -189,7 +189,7 @@ def _fwd_triton_call(st: Static, xs, meta: Meta, w1, w2, cast: bool):
 
     jt = import_jax_triton()
     p, (_, dh), de = meta.row_slot.shape[0], xs.shape, w1.shape[2]
-    t = st.cfg.fwd
+    t = st.cfg.cast_tile if cast else st.cfg.fwd
     out = jax.ShapeDtypeStruct((p, dh), xs.dtype)
     if cast:
         inputs, kernel = (xs, meta.row_slot, meta.block_group, meta.group_block_start, w1, w2), expert_fwd_cast_kernel
