@@ -379,7 +379,8 @@ PACK_IMPLS = ("argsort", "count", "triton")  # mhl_jax.ops.packing.pack(method=.
 
 @dataclass(frozen=True)
 class ExpertsConfig:
-    """Packing row block and the tiles of the three kernels. dw.block_e == de fuses dX into the dW kernel.
+    """Packing row block and the tiles of the kernels (forward, its converting form's own where `fwd_cast` is set, dX,
+    dW). dw.block_e == de fuses dX into the dW kernel.
 
     Variants (old defaults first): dw_form "rows" | "t" (which dW kernel); packed_bwd: write packed X and
     gate-scaled dO rows once and let the dX / dW kernels read them contiguously; pack_impl "argsort" |
@@ -549,9 +550,12 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     # 1536/8/128; at de 256 (64, 64, 4, 3) stayed the best: 0.220 / 0.337 ms at 384/4/256 / 768/4/256)
     fwd = Tile(bm, 128, 4, 2) if pack == 64 and de == 128 and fwd_wide else Tile(bm, 64, 4, 3)
     # the converting forward at 64-row blocks and de 256 with ~two blocks per group: 32-wide de chunks (H100 2026-11-27,
-    # session 33, layer at 8192 tokens 384/4/256 (mean 85 rows), three processes' A/B: 1.68 / 1.72 / 1.71 ms vs 1.76 /
-    # 1.73-1.79 with `fwd`'s (64, 64, 4, 3), kernel alone 0.648 vs 0.712; at 768/4/256 (mean 42.7) level or slower,
-    # 2.65-2.70 vs 2.65-2.67: kept `fwd`'s there; results/layer-h100-2026-11-27-s33-fwd-cast-tiles{,2}.jsonl)
+    # session 33, layer at 8192 tokens 384/4/256 (mean 85 rows) in three processes: 1.68 / 1.72, 1.71 / 1.70, 1.70 ms
+    # vs 1.76 / 1.73, 1.75 / 1.79, 1.79 with `fwd`'s (64, 64, 4, 3); kernel alone 0.648 vs 0.712; at 768/4/256 (mean
+    # 42.7) level to +0.03 ms: `fwd`'s kept there; results/layer-h100-2026-11-27-s33-{fwd-cast-tiles{,2},cast-tile-ab}
+    # .jsonl). The plain forward keeps (64, 64, 4, 3): with 32-wide chunks the 2.2B step (mean 170) measured 0.309 vs
+    # 0.3055 s (train_scale-h100-2026-11-27-s33-fwd-e32-*.jsonl, two processes) with bitwise the same losses: on the
+    # GPU the chunk width leaves the products' k16 steps in the same order, so the two forwards still agree bitwise
     fwd_cast = Tile(bm, 32, 4, 3) if pack == 64 and de == 256 and mean >= CAST_E32_MIN_MEAN else None
     return ExpertsConfig(
         pack_block=pack,

@@ -17,6 +17,7 @@ import torch
 
 from kernels.experts import (
     ExpertsConfig,
+    Tile,
     default_config,
     dgates_in_kernels,
     expert_dw_kernel,
@@ -96,7 +97,7 @@ def experts_fwd_cast(x: torch.Tensor, pk: TorchPacking, w1: torch.Tensor, w2: to
 
 
 def _launch_fwd(kernel, x: torch.Tensor, inputs: tuple, outputs: tuple, w1: torch.Tensor, k: int,
-                cfg: ExpertsConfig, tile=None) -> None:
+                cfg: ExpertsConfig, tile: Tile | None = None) -> None:
     """One launch of a forward kernel (`expert_fwd_kernel` / `expert_fwd_cast_kernel`) over the packed rows: x
     first, then `inputs`, then `outputs` (the first the out rows (P, dh)), at `tile` (default cfg.fwd)."""
     (_, dh), de, p = x.shape, w1.shape[2], outputs[0].shape[0]

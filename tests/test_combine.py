@@ -327,4 +327,3 @@ def test_gpu_triton_metadata_and_converting_forward_bitwise_the_xla_paths():
     assert float(l1) == float(l0) and np.array_equal(load1, load0)
     for name, a, c in zip(("x", "w_r", "w1", "w2"), g1, g0):
         assert np.array_equal(np.asarray(a), np.asarray(c)), name
-

@@ -74,6 +74,43 @@ def test_default_tiles_keep_accumulators_in_registers(dh):
         assert 2 * cfg.dw.block_e * dh / threads(cfg.dw) <= 128, (mean, cfg.dw)
 
 
+def test_converting_forward_tile_checked_fitted_and_launched(monkeypatch):
+    """`ExpertsConfig.fwd_cast`: checked and clamped like the other tiles, and the JAX binding launches the converting
+    forward at it (a recording stand-in for jax-triton) while the plain forward keeps `fwd`."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.ops.experts_triton as et
+
+    cfg = ExpertsConfig(64, Tile(64, 64, 4, 3), Tile(64, 64), Tile(64, 64), fwd_cast=Tile(128, 512, 4, 3))
+    assert cfg.fit(256).fwd_cast == Tile(64, 256, 4, 3) and cfg.fit(256).cast_tile == Tile(64, 256, 4, 3)
+    with pytest.raises(ValueError, match="block_e=24"):
+        replace(cfg, fwd_cast=Tile(64, 24)).check(128, 256)
+    assert ExpertsConfig(64).cast_tile == ExpertsConfig(64).fwd  # unset: the forward's tile
+
+    launches = []
+
+    def triton_call(*args, kernel, out_shape, grid, **kw):
+        launches.append((kernel.fn.__name__, grid, kw["BLOCK_M"], kw["BLOCK_E"], kw["num_warps"], kw["num_stages"]))
+        shapes = out_shape if isinstance(out_shape, list) else [out_shape]
+        outs = [jnp.zeros(o.shape, o.dtype) for o in shapes]
+        return outs if isinstance(out_shape, list) else outs[0]
+
+    monkeypatch.setattr(et, "import_jax_triton", lambda: types.SimpleNamespace(triton_call=triton_call))
+    cfg = replace(cfg, fwd_cast=Tile(64, 32, 4, 3))
+    st = et.Static(cfg, 4, "triton", "float32")
+    meta = types.SimpleNamespace(row_slot=jnp.zeros((256,), jnp.int32), block_group=jnp.zeros((4,), jnp.int32),
+                                 group_block_start=jnp.zeros((2,), jnp.int32))
+    xs = jnp.zeros((64, 128), jnp.bfloat16)
+    w1, w2 = jnp.zeros((2, 128, 256), jnp.float32), jnp.zeros((2, 256, 128), jnp.float32)
+    jax.eval_shape(lambda: et._fwd_triton_call(st, xs, meta, w1, w2, cast=True))
+    jax.eval_shape(lambda: et._fwd_triton_call(st, xs, meta, w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16),
+                                               cast=False))
+    assert launches == [("expert_fwd_cast_kernel", (4,), 64, 32, 4, 3), ("expert_fwd_kernel", (4,), 64, 64, 4, 3)]
+
+
 def test_default_forward_tile_at_block64():
     """The Triton forward's tile at packing block 64 (the 8192-token rows): the whole de = 128 in one chunk, 2 stages
     (measured faster there); 64-wide chunks, 3 stages at de 256, at block 32, and in variant "fwd_e64"."""

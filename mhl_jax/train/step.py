@@ -43,7 +43,8 @@ def train_step_compiler_options(deterministic: bool = False, cudnn_attention: bo
 
 # The train step casts the expert weights to the compute dtype once per step, before its micro-batch loop, where the
 # MoE executor reads them cast (`GPT.expert_weight_casts`); False: every micro-batch's MoE op casts them again (XLA
-# did not hoist those casts out of the loop). The gradients are bitwise the same either way.
+# did not hoist those casts out of the loop). The gradients are bitwise the same either way (where the converting
+# forward has a chunk width of its own, the GPU sums in the same order: `kernels.experts.default_config`'s fwd_cast).
 CAST_EXPERT_WEIGHTS_ONCE = True
 # Where the expert backward adds into the gradient sums in place (`GPT.expert_grad_accumulation`: the fused Triton core,
 # fp32 weights, no data parallelism in the MoE executor), the micro-batch loop hands it the running sums of those expert
