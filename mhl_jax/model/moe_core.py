@@ -96,8 +96,8 @@ def reads_weights_cast(impl: str, x_dtype, w_dtype, dh: int) -> bool:
 # The router's Gluon kernel also casts the fp32 expert weights to bf16 (its caster warp group, beside two consumers)
 # instead of a separate XLA cast before the expert op; the gradients are bitwise the same either way (see
 # `kernels.experts.default_config`'s fwd_cast for the one tile where the two forwards' chunk widths differ). The casts
-# are 0.40 / 0.80 ms of the 768/8/128 and 1536/8/128 layers at 81920 tokens; the caster's HBM traffic slows the router by
-# 0.1 / 0.28 ms, so the layer gains 0.23 / 0.39 ms (H100 2026-11-25, bench/router_cast.py; bench/NOTES.md, Layer,
+# are 0.40 / 0.80 ms of the 768/8/128 and 1536/8/128 layers at 81920 tokens; the caster's HBM traffic slows the router
+# by 0.1 / 0.28 ms, so the layer gains 0.23 / 0.39 ms (H100 2026-11-25, bench/router_cast.py; bench/NOTES.md, Layer,
 # session 19). At k <= 4 (three consumers without the caster) too: 7.27 vs 7.43 ms (384/4/256), 8.70 vs 8.93
 # (768/4/256) at 81920 tokens (H100 2026-11-26, session 24).
 ROUTER_CASTS_WEIGHTS = True
