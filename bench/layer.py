@@ -66,7 +66,8 @@ def init_params(key, ne: int, de: int):
 
 def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_tile=None):
     """ExpertsConfig of a named variant (None: the binding's default); "fwd_tile:M,E,W,S": the default with the Triton
-    forward's tile (block_m, block_e, warps, stages) replaced (tile sweeps in the layer)."""
+    forward's tile (block_m, block_e, warps, stages) replaced, the converting forward's (`fwd_cast`) too (tile sweeps
+    in the layer)."""
     if variant is None:
         return None
     from mhl_jax.ops.experts_triton import variant_config
