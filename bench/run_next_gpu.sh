@@ -1,11 +1,11 @@
 #!/bin/bash
-# One H100 call (~6 min) for what session 32 (2026-11-27) left unmeasured (bench/NOTES.md, "Next device session"):
-#   test     tests/test_combine.py's GPU test of session 32's two switches (packing metadata on Triton, the converting
-#            forward) on vs off, every gradient bitwise, at 32-row packing blocks with empty groups (written after
-#            that session's device time ran out)
-#   trace    the 8192-token rows traced over 30 back-to-back calls (bench/profile_layer.py --calls 30): the span per
-#            call against the busy time and the timed figure, i.e. how much of the ~0.2 ms by which the timed layer
-#            exceeds its kernels is launch gaps inside a call
+# One H100 call (~6 min) for what session 33 (2026-11-27) left unmeasured (bench/NOTES.md, "Next device session"):
+#   test     tests/test_combine.py's GPU test of the packing metadata on Triton and the converting forward against the
+#            XLA paths, every gradient bitwise, now also at 64-row packing blocks and de 256 where the converting forward
+#            runs 32-wide de chunks and the plain one 64 (session 33's new tile; the case was written after that
+#            session's device time ran out: the bitwise agreement there is inferred, not tested)
+#   trace    the 8192-token rows traced over 30 back-to-back calls (bench/profile_layer.py --calls 30): busy time, span
+#            per call and the timed figure with today's code
 #   layer    the 8192-token layer table with more calls per timed batch (bench/layer.py --inner 3 30)
 # (Session 18's caster / oracle checks that this script ran before are in bench/NOTES.md, Layer, Session 18.)
 # From the repo root on the device machine, after installing the carried wheels:

@@ -286,11 +286,14 @@ def test_gpu_out_combine_binding_vs_torch_launch_and_xla(dh, k):
 
 
 @pytest.mark.gpu
-def test_gpu_triton_metadata_and_converting_forward_bitwise_the_xla_paths():
+# 32-row packing blocks (16 mean rows per group); 64-row blocks at de 256 with 64 mean rows per group, where the
+# converting forward has a chunk width of its own (`ExpertsConfig.fwd_cast`: 32 de against the plain forward's 64)
+@pytest.mark.parametrize("ne,de,pack,cast_e", [(256, 128, 32, 64), (64, 256, 64, 32)])
+def test_gpu_triton_metadata_and_converting_forward_bitwise_the_xla_paths(ne, de, pack, cast_e):
     """The model's MoE core with the packing metadata from Triton launches (packing_triton.META_KERNELS) and the
     forward converting the fp32 weights in its loads (experts_triton.FWD_CASTS_WEIGHTS) against both off (XLA's scans
-    and cast): loss, load and every gradient to the bit, at 32-row packing blocks (16 mean rows per group) with half
-    of the experts never chosen (their groups empty: their converted weights are never written)."""
+    and cast, then the plain forward): loss, load and every gradient to the bit, with half of the experts never chosen
+    (their groups empty: their converted weights are never written)."""
     import jax
     import jax.numpy as jnp
 
@@ -298,7 +301,7 @@ def test_gpu_triton_metadata_and_converting_forward_bitwise_the_xla_paths():
     import mhl_jax.ops.experts_triton as et
     import mhl_jax.ops.packing_triton as pt
 
-    n, h, dh, ne, k, de = 1024, 4, 128, 256, 4, 128
+    n, h, dh, k = 1024, 4, 128, 4
     ks = jax.random.split(jax.random.key(5), 6)
     x = jax.random.normal(ks[0], (n, h, dh), jnp.float32).astype(jnp.bfloat16)
     w_r = jax.random.normal(ks[1], (h, dh, ne), jnp.float32) * dh ** -0.5
@@ -306,7 +309,8 @@ def test_gpu_triton_metadata_and_converting_forward_bitwise_the_xla_paths():
     w1 = jax.random.normal(ks[3], (h, ne, dh, de), jnp.float32) * dh ** -0.5
     w2 = jax.random.normal(ks[4], (h, ne, de, dh), jnp.float32) * de ** -0.5
     wy = jax.random.normal(ks[5], (n, h, dh), jnp.float32)
-    assert et.default_config(n * h * k, h * ne, dh, de).pack_block == 32
+    cfg = et.default_config(n * h * k, h * ne, dh, de)
+    assert cfg.pack_block == pack and cfg.cast_tile.block_e == cast_e and cfg.fwd.block_e == min(de, 64), cfg
 
     def loss(x, w_r, w1, w2):
         y, load = mc.moe_heads_triton(x, x, w_r, b, w1, w2, k)
