@@ -146,6 +146,8 @@ def main() -> None:
         rows_total = tokens * nh * k
         for kind in ("fwd", "dx", "dwt", "dw", "fwd_cast"):
             first = None
+            # the converting forward reads fp32 masters: converted once per kind, not per tile
+            wk = (w1.float(), w2.float()) if kind == "fwd_cast" and getattr(args, kind) else (w1, w2)
             for spec in getattr(args, kind):
                 t = Tile(*(int(v) for v in spec.split(",")))
                 t = Tile(min(t.block_m, pack_block), min(t.block_e, de), t.num_warps, t.num_stages)
@@ -155,7 +157,6 @@ def main() -> None:
                                        tile=[t.block_m, t.block_e, t.num_warps, t.num_stages]))
                 try:
                     cfg.check(dh, de)
-                    wk = (w1.float(), w2.float()) if kind == "fwd_cast" else (w1, w2)
                     outs = launch(kind, cfg, sets[0], *wk, k)
                     if first is None:
                         first = outs
