@@ -60,3 +60,61 @@ def test_other_variants_train(tmp_path, kind):
         "parallel.devices=1"])
     losses = [m["loss"] for m in train(cfg)]
     assert losses[-1] < losses[0] - 0.5
+
+
+def _records(run_dir):
+    """metrics.jsonl without the wall-clock fields."""
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in recs]
+
+
+def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, capsys):
+    """The loop dispatches step n + 1 before it fetches step n's metrics; evaluation and checkpoint steps are finished
+    first, since they read the state of their own step. Against the loop that fetches every step's metrics before
+    dispatching the next (FETCH_AHEAD False): the same records (losses, validation, load statistics), the same
+    progress lines and the same checkpoints. An evaluation run on the next step's state would change val_loss."""
+    from mhl_jax.train import loop
+    from mhl_jax.train.checkpoint import Checkpointer
+
+    runs = {}
+    for ahead in (False, True):
+        monkeypatch.setattr(loop, "FETCH_AHEAD", ahead)
+        run_dir = tmp_path / f"ahead_{ahead}"
+        cfg = tiny(tmp_path, "schedule.total_steps=11", "schedule.decay_steps=4", "data.eval_every=4",
+                   "checkpoint.every=5", "checkpoint.keep=5", "checkpoint.async_save=false", "logging.log_every=3",
+                   "model.n_layers=2",
+                   f"logging.run_dir={run_dir}")
+        hist = train(cfg)
+        out = capsys.readouterr().out
+        lines = [line.split(" | ") for line in out.splitlines() if line.startswith("step ")]
+        lines = [[p for p in parts if "tok/s" not in p and "MFU" not in p] for parts in lines]
+        with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, loop.model_fingerprint(cfg)) as ckpt:
+            saved = ckpt.all_steps()
+        runs[ahead] = (_records(run_dir), lines, saved, len(hist))
+    base, ahead = runs[False], runs[True]
+    assert [r["step"] for r in base[0]] == list(range(1, 12))
+    assert [r["step"] for r in base[0] if "val_loss" in r] == [4, 8, 11]
+    assert base[2] == [5, 10, 11], base[2]
+    assert [p[0] for p in base[1]] == ["step 1/11", "step 3/11", "step 4/11", "step 6/11", "step 8/11",
+                                       "step 9/11", "step 11/11"]
+    assert ahead == base
+
+
+def test_non_finite_loss_stops_before_a_checkpoint(tmp_path):
+    """A loss that turns non-finite stops the run with the step named; no checkpoint or record holds a later state
+    (with fetch-ahead the next step is already dispatched when the loss is seen: it is dropped)."""
+    from mhl_jax.train import loop
+    from mhl_jax.train.checkpoint import Checkpointer
+
+    cfg = tiny(tmp_path, "schedule.total_steps=12", "schedule.warmup_steps=1", "schedule.decay_steps=1",
+               "optimizer.lr=1e30", "optimizer.grad_clip=null", "data.val_sequences=0", "checkpoint.every=2",
+               "checkpoint.keep=20", "checkpoint.async_save=false", "model.n_layers=2")
+    with pytest.raises(FloatingPointError, match=r"loss is (nan|inf|-inf) at step (\d+)") as err:
+        train(cfg)
+    bad = int(str(err.value).split(" at step ")[1].split(";")[0])  # 3 on the CPU: step 4 was already dispatched
+    assert bad >= 2
+    run_dir = tmp_path / "run"
+    recs = _records(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, bad))
+    with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, loop.model_fingerprint(cfg)) as ckpt:
+        assert ckpt.all_steps() == list(range(2, bad, 2))

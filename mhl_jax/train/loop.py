@@ -34,6 +34,11 @@ from mhl_jax.train.schedule import make_schedule
 from mhl_jax.train.step import jit_train_step, make_eval_step
 
 
+# Dispatch each step before fetching the previous step's metrics (False: fetch them first, the device idling while
+# the host logs and loads the next batch; kept for bench/loop_overlap.py's A/B).
+FETCH_AHEAD = True
+
+
 def model_fingerprint(cfg: Config) -> dict:
     """What a checkpoint must agree on to be restored into this run."""
     d = config_to_dict(cfg)
@@ -150,37 +155,59 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         bar = tqdm(total=total, initial=start, disable=not cfg.logging.progress_bar, file=sys.stderr,
                    dynamic_ncols=True)
         last = time.perf_counter()
+
+        def needs_state(n: int) -> bool:
+            """Whether the end of step `n` (1-based) evaluates, checkpoints or ends the run: those read the state
+            of step `n` and must see its loss first, so its metrics are fetched before step n + 1 is dispatched."""
+            every = cfg.checkpoint.every
+            return (n == end or bool(every and n % every == 0)
+                    or bool(val is not None and cfg.data.eval_every and (n % cfg.data.eval_every == 0 or n == total)))
+
+        def finish(n: int, m_device) -> None:
+            """Step `n`'s metrics fetched (waiting for the step), checked, logged; then its evaluation and
+            checkpoint when due."""
+            nonlocal last
+            m = {k: float(v) for k, v in jax.device_get(m_device).items()}
+            now = time.perf_counter()
+            m["step"] = n
+            m.update(comm)
+            m["tokens_per_s"] = tokens_per_step / (now - last)
+            m["mfu"] = mfu(flops_tok, m["tokens_per_s"], mesh.size, peak)
+            last = now
+            if not math.isfinite(m["loss"]):
+                raise FloatingPointError(f"loss is {m['loss']} at step {n}; stopping (last checkpoint kept)")
+            if val is not None and cfg.data.eval_every and (n % cfg.data.eval_every == 0 or n == total):
+                m["val_loss"] = evaluate(eval_fn, state, val, cfg.train.micro_batch * mesh.size, eval_sharding)
+                m["val_ppl"] = math.exp(min(m["val_loss"], 50.0))
+                tuned.commit()  # with the evaluation's too (a no-op once it has compiled)
+                last = time.perf_counter()  # evaluation time is not training throughput
+            history.append(m)
+            metrics_file.write(json.dumps(m) + "\n")
+            metrics_file.flush()
+            bar.update(1)
+            if n % cfg.logging.log_every == 0 or n == start + 1 or n == end or "val_loss" in m:
+                bar.write(format_line(n, total, m), file=sys.stdout)
+            every = cfg.checkpoint.every
+            if every and (n % every == 0 or n == end):
+                ckpt.save(n, state, loader)
+
+        # Step n + 1 is dispatched before step n's metrics are fetched (FETCH_AHEAD), so the device runs it
+        # while the host waits for, checks and logs step n and loads the next batch: no idle gap between steps.
+        # A step whose end reads the state (evaluation, checkpoint, the last step) is finished before the next
+        # is dispatched. A non-finite loss at step n stops the run one step later, before any checkpoint.
+        pending = None  # (step number, metrics on the device) not yet finished
         try:
             for step in range(start, end):
                 batch = np.asarray(next(loader)).reshape(accum, -1, t + 1)
-                state, m = step_fn(state, jax.device_put(batch, batch_sharding))
+                state, m_device = step_fn(state, jax.device_put(batch, batch_sharding))
                 if step == start:
                     tuned.commit()  # the step compiled: XLA's autotuning results in place
-                m = {k: float(v) for k, v in jax.device_get(m).items()}
-                now = time.perf_counter()
-                m["step"] = step + 1
-                m.update(comm)
-                m["tokens_per_s"] = tokens_per_step / (now - last)
-                m["mfu"] = mfu(flops_tok, m["tokens_per_s"], mesh.size, peak)
-                last = now
-                if val is not None and cfg.data.eval_every and ((step + 1) % cfg.data.eval_every == 0
-                                                                or step + 1 == total):
-                    m["val_loss"] = evaluate(eval_fn, state, val, cfg.train.micro_batch * mesh.size, eval_sharding)
-                    m["val_ppl"] = math.exp(min(m["val_loss"], 50.0))
-                    tuned.commit()  # with the evaluation's too (a no-op once it has compiled)
-                    last = time.perf_counter()  # evaluation time is not training throughput
-                if not math.isfinite(m["loss"]):
-                    raise FloatingPointError(f"loss is {m['loss']} at step {step + 1}; stopping (last checkpoint "
-                                             "kept)")
-                history.append(m)
-                metrics_file.write(json.dumps(m) + "\n")
-                metrics_file.flush()
-                bar.update(1)
-                if (step + 1) % cfg.logging.log_every == 0 or step == start or step + 1 == end or "val_loss" in m:
-                    bar.write(format_line(step + 1, total, m), file=sys.stdout)
-                every = cfg.checkpoint.every
-                if every and ((step + 1) % every == 0 or step + 1 == end):
-                    ckpt.save(step + 1, state, loader)
+                if pending is not None:
+                    finish(*pending)
+                pending = (step + 1, m_device)
+                if not FETCH_AHEAD or needs_state(step + 1):
+                    pending = None
+                    finish(step + 1, m_device)
         finally:
             bar.close()
             metrics_file.close()

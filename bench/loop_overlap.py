@@ -1,0 +1,98 @@
+"""The train loop's step period with and without fetch-ahead (mhl_jax/train/loop.py, FETCH_AHEAD).
+
+    python bench/loop_overlap.py [--config FILE ...] [--steps 60] [--rounds 2] [--set key=value ...] [--out FILE]
+
+With fetch-ahead the loop dispatches step n + 1 before it fetches step n's metrics, so the device runs step n + 1
+while the host waits for, checks and logs step n and loads the next batch. Without it (the loop before session 34),
+the device idles between steps for the host's fetch, logging, batch load and dispatch. Both run here in one process
+through `train()` itself (the real loop, loader and logging), alternating off / on `--rounds` times per config, with
+evaluation and checkpoints off (those steps are finished before the next is dispatched either way).
+
+Per run, one JSON line: the median step period (wall time between consecutive metric fetches, the loop's own
+tokens_per_s) over the steps after the first 5, tokens/s, and the run's losses; the last line per config says
+whether the two settings' losses are bitwise equal (they must be: the loop changes when the host waits, not what
+the device computes). Default configs: the built-in tiny MH-LatentMoE (`make train`'s) and the same at d 512 with
+bf16 compute, both small enough that the host's share of a step shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.timing import emit  # noqa: E402
+from mhl_jax.config import load_config  # noqa: E402
+from mhl_jax.train import loop  # noqa: E402
+
+DEFAULT_RUNS = [
+    ("tiny", "configs/tiny_mh_latent_moe.yaml", []),
+    ("small_bf16", "configs/tiny_mh_latent_moe.yaml",
+     ["model.d_model=512", "ffn.latent_dim=512", "ffn.num_heads=4", "ffn.head_dim=128", "model.n_layers=6",
+      "model.context=512", "train.global_batch=16", "train.micro_batch=16", "model.compute_dtype=bfloat16"]),
+]
+
+
+def run_once(config: str, overrides: list[str], steps: int, ahead: bool, run_dir: Path) -> dict:
+    loop.FETCH_AHEAD = ahead
+    cfg = load_config(config, [f"schedule.total_steps={steps}", "schedule.warmup_steps=2", "schedule.decay_steps=2",
+                               "data.val_sequences=0", "checkpoint.every=0", "logging.progress_bar=false",
+                               f"logging.log_every={steps}", f"logging.run_dir={run_dir}", *overrides])
+    hist = loop.train(cfg, log=lambda *a: None)
+    tps = [m["tokens_per_s"] for m in hist[5:]]
+    tokens = cfg.train.global_batch * cfg.model.context
+    return {"fetch_ahead": ahead, "step_ms": 1e3 * tokens / float(np.median(tps)), "tokens_per_s": float(np.median(tps)),
+            "losses": [m["loss"] for m in hist]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", action="append", default=None, help="a config file (default: the two runs above)")
+    ap.add_argument("--set", action="append", default=[], help="override for every run")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    runs = ([(Path(c).stem, c, []) for c in args.config] if args.config else DEFAULT_RUNS)
+    out = open(args.out, "a") if args.out else None
+    device, date = jax.devices()[0].device_kind, datetime.date.today().isoformat()
+    rows = []
+    for name, config, overrides in runs:
+        results = {False: [], True: []}
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(args.rounds):
+                for ahead in (False, True):
+                    res = run_once(config, overrides + args.set, args.steps, ahead, Path(tmp) / f"{r}_{ahead}")
+                    results[ahead].append(res)
+                    rec = {"bench": "loop_overlap", "impl": "fetch_ahead" if ahead else "fetch_first",
+                           "device": device, "date": date,
+                           "params": {"run": name, "config": config, "overrides": overrides + args.set,
+                                      "steps": args.steps, "round": r},
+                           "ms": res["step_ms"], "tokens_per_s": res["tokens_per_s"], "loss_last": res["losses"][-1]}
+                    emit(rec, out)
+        same = all(a["losses"] == results[False][0]["losses"] for a in results[False] + results[True])
+        summary = {"bench": "loop_overlap", "impl": "summary", "device": device, "date": date,
+                   "params": {"run": name}, "losses_bitwise_equal": same,
+                   "ms_fetch_first": [round(a["step_ms"], 3) for a in results[False]],
+                   "ms_fetch_ahead": [round(a["step_ms"], 3) for a in results[True]]}
+        emit(summary, out)
+        rows.append(summary)
+    print(f"{'run':<12} {'fetch first ms':>24} {'fetch ahead ms':>24} bitwise")
+    for s in rows:
+        print(f"{s['params']['run']:<12} {str(s['ms_fetch_first']):>24} {str(s['ms_fetch_ahead']):>24} "
+              f"{s['losses_bitwise_equal']}")
+    if out:
+        out.close()
+    if not all(s["losses_bitwise_equal"] for s in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
