@@ -40,16 +40,69 @@ DEFAULT_RUNS = [
 ]
 
 
-def run_once(config: str, overrides: list[str], steps: int, ahead: bool, run_dir: Path) -> dict:
+def step_windows(trace_dir: str, steps: int, skip: int = 5) -> dict:
+    """From a JAX profiler trace of a run, GPU 0's lines: each step uploads its batch once (a MemcpyH2D; the last
+    `steps` uploads, after the state's), so from the upload of step skip + 1 on (the compile, XLA's autotuning and
+    the first steps left out) to the last kernel, the device's busy time per step (union of the intervals of every
+    kernel and copy) and the wall time per step (`windows`); their difference is the device's idle time per step.
+    On failure, what the trace held."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    from bench.profile_split import DERIVED_LINES
+
+    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    uploads, work, seen = [], [], {}
+    for plane in ProfileData.from_file(files[0]).planes if files else []:
+        if not plane.name.startswith("/device:GPU:0"):
+            continue
+        for line in plane.lines:
+            evs = [(int(ev.start_ns), int(ev.start_ns) + int(ev.duration_ns), ev.name) for ev in line.events]
+            seen[line.name] = len(evs)
+            if line.name.startswith(DERIVED_LINES):
+                continue
+            work += evs
+            uploads += [e for e in evs if e[2].startswith("MemcpyH2D")]
+    if len(set(uploads)) < steps or steps < skip + 3:
+        return {"trace_error": f"{len(uploads)} uploads on GPU 0 for {steps} steps in {len(files)} files; lines: {seen}"}
+    return windows(uploads, work, steps, skip)
+
+
+def windows(uploads: list[tuple], work: list[tuple], steps: int, skip: int) -> dict:
+    """Events (start ns, end ns, name): the last `steps` uploads are the steps' batches; from the upload of step
+    skip + 1 to the end of the last event, the busy time (union of the events' intervals) and wall time per step."""
+    from bench.profile_split import _union_ms
+
+    n = steps - skip
+    t0 = sorted(set(uploads))[-n][0]
+    inside = [(a, b) for a, b, _ in work if a >= t0]
+    wall = (max(b for _, b in inside) - t0) / 1e6
+    busy = _union_ms(inside)
+    return {"traced_steps": n, "device_busy_ms_per_step": busy / n, "wall_ms_per_step": wall / n,
+            "device_idle_ms_per_step": (wall - busy) / n}
+
+
+def run_once(config: str, overrides: list[str], steps: int, ahead: bool, run_dir: Path, trace: bool = False) -> dict:
+    """One train() run; with `trace`, under the JAX profiler, and the step's device windows added (step_windows)."""
     loop.FETCH_AHEAD = ahead
     cfg = load_config(config, [f"schedule.total_steps={steps}", "schedule.warmup_steps=2", "schedule.decay_steps=2",
                                "data.val_sequences=0", "checkpoint.every=0", "logging.progress_bar=false",
                                f"logging.log_every={steps}", f"logging.run_dir={run_dir}", *overrides])
-    hist = loop.train(cfg, log=lambda *a: None)
+    if trace:
+        jax.profiler.start_trace(str(run_dir / "trace"))
+    try:
+        hist = loop.train(cfg, log=lambda *a: None)
+    finally:
+        if trace:
+            jax.profiler.stop_trace()
     tps = [m["tokens_per_s"] for m in hist[5:]]
     tokens = cfg.train.global_batch * cfg.model.context
-    return {"fetch_ahead": ahead, "step_ms": 1e3 * tokens / float(np.median(tps)), "tokens_per_s": float(np.median(tps)),
-            "losses": [m["loss"] for m in hist]}
+    res = {"fetch_ahead": ahead, "step_ms": 1e3 * tokens / float(np.median(tps)), "tokens_per_s": float(np.median(tps)),
+           "losses": [m["loss"] for m in hist]}
+    if trace:
+        res["trace"] = step_windows(str(run_dir / "trace"), steps)
+    return res
 
 
 def main() -> None:
@@ -59,6 +112,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--trace", action="store_true", help="one more round per setting under the JAX profiler: the "
+                    "step's device span and busy time and the idle time between steps (GPU)")
     args = ap.parse_args()
     runs = ([(Path(c).stem, c, []) for c in args.config] if args.config else DEFAULT_RUNS)
     out = open(args.out, "a") if args.out else None
@@ -67,15 +122,18 @@ def main() -> None:
     for name, config, overrides in runs:
         results = {False: [], True: []}
         with tempfile.TemporaryDirectory() as tmp:
-            for r in range(args.rounds):
+            for r in range(args.rounds + args.trace):
+                traced = r == args.rounds
                 for ahead in (False, True):
-                    res = run_once(config, overrides + args.set, args.steps, ahead, Path(tmp) / f"{r}_{ahead}")
-                    results[ahead].append(res)
+                    res = run_once(config, overrides + args.set, args.steps, ahead, Path(tmp) / f"{r}_{ahead}", traced)
+                    if not traced:
+                        results[ahead].append(res)
                     rec = {"bench": "loop_overlap", "impl": "fetch_ahead" if ahead else "fetch_first",
                            "device": device, "date": date,
                            "params": {"run": name, "config": config, "overrides": overrides + args.set,
-                                      "steps": args.steps, "round": r},
-                           "ms": res["step_ms"], "tokens_per_s": res["tokens_per_s"], "loss_last": res["losses"][-1]}
+                                      "steps": args.steps, "round": r, "traced": traced},
+                           "ms": res["step_ms"], "tokens_per_s": res["tokens_per_s"], "loss_last": res["losses"][-1],
+                           **res.get("trace", {})}
                     emit(rec, out)
         same = all(a["losses"] == results[False][0]["losses"] for a in results[False] + results[True])
         summary = {"bench": "loop_overlap", "impl": "summary", "device": device, "date": date,

@@ -19,8 +19,9 @@ nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader | te
 stage test "${T_TEST:-150}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_combine.py \
     -k metadata_and_converting > $OUT/test.log 2>&1; rc=\$?; grep -E '^(PASSED|FAILED|ERROR)|passed|failed|Error' \
     $OUT/test.log | tail -n 20; exit \$rc"
-stage train "${T_TRAIN:-200}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_gpu_train.py \
+stage train "${T_TRAIN:-400}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_gpu_train.py \
     tests/test_resume.py > $OUT/train.log 2>&1; rc=\$?; grep -E '^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error' \
     $OUT/train.log | tail -n 20; exit \$rc"
-stage loop "${T_LOOP:-180}" python3 bench/loop_overlap.py --steps 60 --rounds 2 --out "$OUT/loop.jsonl"
+stage loop "${T_LOOP:-180}" python3 bench/loop_overlap.py --steps 60 --rounds ${ROUNDS:-2} ${TRACE:+--trace} \
+    --out "$OUT/loop.jsonl"
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$LOG"

@@ -323,3 +323,25 @@ def test_wgmma_rates_kernel_compiles_both_operand_forms():
         assert not r["spills"], r
     ops = [max(f.count("_") for f in r["hgmma"]) for r in (ss, rs)]
     assert ops[1] == ops[0] + 1, (ss["hgmma"], rs["hgmma"])
+
+
+def test_loop_overlap_windows_count_busy_and_idle_time_per_step():
+    """bench/loop_overlap.py's `windows`: on a made-up GPU timeline (ns) of 4 steps, each a batch upload then kernels
+    (two of them overlapping), after two state uploads, skipping 1 step: the steps from the second upload on, the
+    union of the intervals as busy time (overlap counted once) and the rest of the wall time as idle."""
+    from bench.loop_overlap import windows
+
+    ms = 1_000_000
+    uploads = [(0, 10, "MemcpyH2D"), (20, 30, "MemcpyH2D")]  # the state's
+    work = list(uploads)
+    for i in range(4):
+        t = 1000 * ms + i * 10 * ms  # a step every 10 ms: upload 1 ms, kernels 5 ms with 1 ms of overlap, idle 4 ms
+        up = (t, t + ms, "MemcpyH2D")
+        uploads.append(up)
+        work += [up, (t + ms, t + 4 * ms, "a"), (t + 3 * ms, t + 6 * ms, "b")]
+    r = windows(uploads, work + [uploads[-1]], steps=4, skip=1)  # an event seen on two lines counts once
+    assert r["traced_steps"] == 3
+    # from the second step's upload to the end of the last kernel: 2 steps of 10 ms + 6 ms, busy 3 x 6 ms
+    assert abs(r["wall_ms_per_step"] - 26 / 3) < 1e-9
+    assert abs(r["device_busy_ms_per_step"] - 6.0) < 1e-9
+    assert abs(r["device_idle_ms_per_step"] - 8 / 3) < 1e-9
