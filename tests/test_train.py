@@ -62,10 +62,24 @@ def test_other_variants_train(tmp_path, kind):
     assert losses[-1] < losses[0] - 0.5
 
 
-def _records(run_dir):
-    """metrics.jsonl without the wall-clock fields."""
+def _records(run_dir, keep_times=False):
+    """metrics.jsonl without the wall-clock fields (unless keep_times)."""
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in recs]
+    return recs if keep_times else [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in recs]
+
+
+def _check_line_throughput(lines, recs):
+    """Each progress line's tok/s is over the steps since the line before: the tokens over the sum of those steps'
+    times, i.e. the harmonic mean of their records' tokens_per_s."""
+    by_step = {r["step"]: r["tokens_per_s"] for r in recs}
+    prev = 0
+    for parts in lines:
+        n = int(parts[0].split()[1].split("/")[0])
+        shown = float(next(p for p in parts if p.endswith("tok/s")).split("k")[0])
+        steps = range(prev + 1, n + 1)
+        expect = len(steps) / sum(1 / by_step[i] for i in steps) / 1e3
+        assert abs(shown - expect) <= 0.051 + 1e-6 * expect, (n, shown, expect)
+        prev = n
 
 
 def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, capsys):
@@ -87,6 +101,7 @@ def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, cap
         hist = train(cfg)
         out = capsys.readouterr().out
         lines = [line.split(" | ") for line in out.splitlines() if line.startswith("step ")]
+        _check_line_throughput(lines, _records(run_dir, keep_times=True))
         lines = [[p for p in parts if "tok/s" not in p and "MFU" not in p] for parts in lines]
         with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, loop.model_fingerprint(cfg)) as ckpt:
             saved = ckpt.all_steps()

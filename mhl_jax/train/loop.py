@@ -155,6 +155,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         bar = tqdm(total=total, initial=start, disable=not cfg.logging.progress_bar, file=sys.stderr,
                    dynamic_ncols=True)
         last = time.perf_counter()
+        window = [0, 0.0]  # steps and training seconds since the last progress line
 
         def needs_state(n: int) -> bool:
             """Whether the end of step `n` (1-based) evaluates, checkpoints or ends the run: those read the state
@@ -173,6 +174,8 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             m.update(comm)
             m["tokens_per_s"] = tokens_per_step / (now - last)
             m["mfu"] = mfu(flops_tok, m["tokens_per_s"], mesh.size, peak)
+            window[0] += 1
+            window[1] += now - last
             last = now
             if not math.isfinite(m["loss"]):
                 raise FloatingPointError(f"loss is {m['loss']} at step {n}; stopping (last checkpoint kept)")
@@ -186,7 +189,12 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             metrics_file.flush()
             bar.update(1)
             if n % cfg.logging.log_every == 0 or n == start + 1 or n == end or "val_loss" in m:
-                bar.write(format_line(n, total, m), file=sys.stdout)
+                # throughput on the line: over the steps since the previous line (a step's own reading is the time
+                # between the host seeing two steps end, which fetch-ahead can shift from one step to the next)
+                tps = tokens_per_step * window[0] / window[1]
+                line = {**m, "tokens_per_s": tps, "mfu": mfu(flops_tok, tps, mesh.size, peak)}
+                bar.write(format_line(n, total, line), file=sys.stdout)
+                window[:] = [0, 0.0]
             every = cfg.checkpoint.every
             if every and (n % every == 0 or n == end):
                 ckpt.save(n, state, loader)
