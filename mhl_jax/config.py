@@ -126,6 +126,8 @@ class LoggingConfig:
     log_every: int = 10  # print a progress line every this many steps
     progress_bar: bool = True  # show a tqdm bar
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None: known GPUs' bf16 datasheet figure
+    profile_start: int = 0  # > 0: a JAX profiler trace of steps profile_start .. + profile_steps - 1 in run_dir/profile
+    profile_steps: int = 3  # how many steps the trace covers (TensorBoard's profile plugin or Perfetto reads it)
 
 
 @dataclass
@@ -338,5 +340,9 @@ def validate(cfg: Config) -> None:
     _require(cfg.data.val_sequences >= 0, f"data.val_sequences={cfg.data.val_sequences}: must be >= 0")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every}: must be >= 1")
+    _require(0 <= cfg.logging.profile_start <= cfg.schedule.total_steps,
+             f"logging.profile_start={cfg.logging.profile_start}: must be a step of the run, 1 to schedule.total_steps="
+             f"{cfg.schedule.total_steps} (or 0: no profile)")
+    _require(cfg.logging.profile_steps >= 1, f"logging.profile_steps={cfg.logging.profile_steps}: must be >= 1")
     _require(cfg.logging.peak_tflops is None or cfg.logging.peak_tflops > 0,
              f"logging.peak_tflops={cfg.logging.peak_tflops}: must be positive (or null: the GPU's datasheet figure)")

@@ -133,3 +133,34 @@ def test_non_finite_loss_stops_before_a_checkpoint(tmp_path):
     assert [r["step"] for r in recs] == list(range(1, bad))
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, loop.model_fingerprint(cfg)) as ckpt:
         assert ckpt.all_steps() == list(range(2, bad, 2))
+
+
+def test_profile_traces_the_asked_steps(tmp_path, capsys):
+    """logging.profile_start / profile_steps: a JAX profiler trace in run_dir/profile from the dispatch of the first
+    asked step to the end of the last: the host dispatched the train step exactly that many times inside it (the
+    step after the last is dispatched only once the trace has ended); the run's losses are those of a run without."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    common = ["schedule.total_steps=6", "schedule.decay_steps=2", "schedule.warmup_steps=2", "model.n_layers=2",
+              "data.val_sequences=0"]
+    plain = [m["loss"] for m in train(tiny(tmp_path, *common, f"logging.run_dir={tmp_path / 'plain'}"))]
+    hist = train(tiny(tmp_path, *common, "logging.profile_start=2", "logging.profile_steps=3"))
+    assert [m["loss"] for m in hist] == plain
+    files = glob.glob(str(tmp_path / "run" / "profile" / "**" / "*.xplane.pb"), recursive=True)
+    assert len(files) == 1
+    calls = sorted((int(e.start_ns), int(e.start_ns) + int(e.duration_ns))
+                   for plane in ProfileData.from_file(files[0]).planes if plane.name.startswith("/host")
+                   for line in plane.lines for e in line.events if e.name.startswith("PjitFunction(train_step"))
+    outer = [c for i, c in enumerate(calls) if i == 0 or c[0] >= calls[i - 1][1]]  # nested TraceMe events once
+    assert len(outer) == 3, calls
+    assert "profiler trace of steps 2-4 written to" in capsys.readouterr().out
+
+
+def test_profile_start_outside_the_run_is_refused(tmp_path):
+    from mhl_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"logging.profile_start=50: must be a step of the run, 1 to "
+                                          r"schedule.total_steps=40"):
+        tiny(tmp_path, "logging.profile_start=50")

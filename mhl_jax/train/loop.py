@@ -156,12 +156,17 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                    dynamic_ncols=True)
         last = time.perf_counter()
         window = [0, 0.0]  # steps and training seconds since the last progress line
+        # the profiled steps (logging.profile_start): a trace from the dispatch of the first to the end of the last
+        prof_first = cfg.logging.profile_start if start < cfg.logging.profile_start <= end else 0
+        prof_last = min(prof_first + cfg.logging.profile_steps - 1, end) if prof_first else 0
+        prof_dir = run_dir / "profile"
+        tracing = [False]
 
         def needs_state(n: int) -> bool:
             """Whether the end of step `n` (1-based) evaluates, checkpoints or ends the run: those read the state
             of step `n` and must see its loss first, so its metrics are fetched before step n + 1 is dispatched."""
             every = cfg.checkpoint.every
-            return (n == end or bool(every and n % every == 0)
+            return (n == end or n == prof_last or bool(every and n % every == 0)
                     or bool(val is not None and cfg.data.eval_every and (n % cfg.data.eval_every == 0 or n == total)))
 
         def finish(n: int, m_device) -> None:
@@ -177,6 +182,11 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             window[0] += 1
             window[1] += now - last
             last = now
+            if tracing[0] and n == prof_last:  # the step is done (its metrics fetched): the trace ends here
+                jax.profiler.stop_trace()
+                tracing[0] = False
+                log(f"profiler trace of steps {prof_first}-{prof_last} written to {prof_dir} (TensorBoard's profile "
+                    "plugin or ui.perfetto.dev)")
             if not math.isfinite(m["loss"]):
                 raise FloatingPointError(f"loss is {m['loss']} at step {n}; stopping (last checkpoint kept)")
             if val is not None and cfg.data.eval_every and (n % cfg.data.eval_every == 0 or n == total):
@@ -206,6 +216,9 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         pending = None  # (step number, metrics on the device) not yet finished
         try:
             for step in range(start, end):
+                if step + 1 == prof_first:
+                    jax.profiler.start_trace(str(prof_dir))
+                    tracing[0] = True
                 batch = np.asarray(next(loader)).reshape(accum, -1, t + 1)
                 state, m_device = step_fn(state, jax.device_put(batch, batch_sharding))
                 if step == start:
@@ -217,6 +230,8 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                     pending = None
                     finish(step + 1, m_device)
         finally:
+            if tracing[0]:  # stopped early (an error): what was traced is still written
+                jax.profiler.stop_trace()
             bar.close()
             metrics_file.close()
         return history
