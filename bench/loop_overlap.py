@@ -115,6 +115,10 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="one more round per setting under the JAX profiler: the "
                     "step's device span and busy time and the idle time between steps (GPU)")
     args = ap.parse_args()
+    if args.steps <= 5:
+        ap.error(f"--steps {args.steps}: the median is over the steps after the first 5, so at least 6")
+    if args.trace and any(x.startswith("logging.profile_start=") for x in args.set):
+        ap.error("--trace runs the profiler itself: leave logging.profile_start out")
     runs = ([(Path(c).stem, c, []) for c in args.config] if args.config else DEFAULT_RUNS)
     out = open(args.out, "a") if args.out else None
     device, date = jax.devices()[0].device_kind, datetime.date.today().isoformat()

@@ -47,8 +47,8 @@ def losses(run_dir):
     return [(r["step"], r["loss"], r.get("val_loss")) for r in recs]
 
 
-def final_params(run_dir):
-    """Parameters of the newest checkpoint, read back through the library (flattened, as numpy)."""
+def final_params(run_dir, step=None):
+    """Parameters of the newest checkpoint (or of `step`'s), read back through the library (flattened, as numpy)."""
     import jax
     from flax import nnx
 
@@ -65,7 +65,7 @@ def final_params(run_dir):
     template = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": np.int32(0),
                 "rng": jax.random.key_data(jax.random.key(0))}
     ck = Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint, model_fingerprint(cfg))
-    step, state = ck.restore(template, None)
+    step, state = ck.restore(template, None, step=step)
     ck.close()
     return step, [np.asarray(x) for x in jax.tree.leaves(state)]
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mhl_jax.config import load_config
@@ -86,11 +87,15 @@ def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, cap
     """The loop dispatches step n + 1 before it fetches step n's metrics; evaluation and checkpoint steps are finished
     first, since they read the state of their own step. Against the loop that fetches every step's metrics before
     dispatching the next (FETCH_AHEAD False): the same records (losses, validation, load statistics), the same
-    progress lines and the same checkpoints. An evaluation run on the next step's state would change val_loss."""
+    progress lines and the same checkpoints, each holding its own step's state (its step counter, and every array
+    bitwise the other run's). An evaluation run on the next step's state would change val_loss; a checkpoint of it
+    would hold the next step's counter."""
+    from tests.test_resume import final_params
+
     from mhl_jax.train import loop
     from mhl_jax.train.checkpoint import Checkpointer
 
-    runs = {}
+    runs, arrays = {}, {}
     for ahead in (False, True):
         monkeypatch.setattr(loop, "FETCH_AHEAD", ahead)
         run_dir = tmp_path / f"ahead_{ahead}"
@@ -105,8 +110,14 @@ def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, cap
         lines = [[p for p in parts if "tok/s" not in p and "MFU" not in p] for parts in lines]
         with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, loop.model_fingerprint(cfg)) as ckpt:
             saved = ckpt.all_steps()
+        states = {n: final_params(run_dir, n)[1] for n in saved}
+        for n in saved:  # the state's step counter (its last leaf: the keys sort as biases, ..., rng, step) is n
+            assert states[n][-1].shape == () and int(states[n][-1]) == n
         runs[ahead] = (_records(run_dir), lines, saved, len(hist))
+        arrays[ahead] = states
     base, ahead = runs[False], runs[True]
+    for n in base[2]:
+        assert all(np.array_equal(x, y) for x, y in zip(arrays[False][n], arrays[True][n], strict=True))
     assert [r["step"] for r in base[0]] == list(range(1, 12))
     assert [r["step"] for r in base[0] if "val_loss" in r] == [4, 8, 11]
     assert base[2] == [5, 10, 11], base[2]

@@ -160,14 +160,22 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         prof_first = cfg.logging.profile_start if start < cfg.logging.profile_start <= end else 0
         prof_last = min(prof_first + cfg.logging.profile_steps - 1, end) if prof_first else 0
         prof_dir = run_dir / "profile"
+        if cfg.logging.profile_start and not prof_first:
+            log(f"no profile: logging.profile_start={cfg.logging.profile_start} is not among this run's steps "
+                f"{start + 1}-{end}")
         tracing = [False]
 
+        def evaluates(n: int) -> bool:
+            return bool(val is not None and cfg.data.eval_every and (n % cfg.data.eval_every == 0 or n == total))
+
+        def saves(n: int) -> bool:
+            return bool(cfg.checkpoint.every and (n % cfg.checkpoint.every == 0 or n == end))
+
         def needs_state(n: int) -> bool:
-            """Whether the end of step `n` (1-based) evaluates, checkpoints or ends the run: those read the state
-            of step `n` and must see its loss first, so its metrics are fetched before step n + 1 is dispatched."""
-            every = cfg.checkpoint.every
-            return (n == end or n == prof_last or bool(every and n % every == 0)
-                    or bool(val is not None and cfg.data.eval_every and (n % cfg.data.eval_every == 0 or n == total)))
+            """Whether the end of step `n` (1-based) evaluates, checkpoints, ends the run or the profile: those read
+            the state of step `n` (or its end) and must see its loss first, so its metrics are fetched before step
+            n + 1 is dispatched."""
+            return n == end or n == prof_last or evaluates(n) or saves(n)
 
         def finish(n: int, m_device) -> None:
             """Step `n`'s metrics fetched (waiting for the step), checked, logged; then its evaluation and
@@ -183,13 +191,13 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             window[1] += now - last
             last = now
             if tracing[0] and n == prof_last:  # the step is done (its metrics fetched): the trace ends here
-                jax.profiler.stop_trace()
                 tracing[0] = False
+                jax.profiler.stop_trace()
                 log(f"profiler trace of steps {prof_first}-{prof_last} written to {prof_dir} (TensorBoard's profile "
                     "plugin or ui.perfetto.dev)")
             if not math.isfinite(m["loss"]):
                 raise FloatingPointError(f"loss is {m['loss']} at step {n}; stopping (last checkpoint kept)")
-            if val is not None and cfg.data.eval_every and (n % cfg.data.eval_every == 0 or n == total):
+            if evaluates(n):
                 m["val_loss"] = evaluate(eval_fn, state, val, cfg.train.micro_batch * mesh.size, eval_sharding)
                 m["val_ppl"] = math.exp(min(m["val_loss"], 50.0))
                 tuned.commit()  # with the evaluation's too (a no-op once it has compiled)
@@ -205,8 +213,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                 line = {**m, "tokens_per_s": tps, "mfu": mfu(flops_tok, tps, mesh.size, peak)}
                 bar.write(format_line(n, total, line), file=sys.stdout)
                 window[:] = [0, 0.0]
-            every = cfg.checkpoint.every
-            if every and (n % every == 0 or n == end):
+            if saves(n):
                 ckpt.save(n, state, loader)
 
         # Step n + 1 is dispatched before step n's metrics are fetched (FETCH_AHEAD), so the device runs it
@@ -231,7 +238,11 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                     finish(step + 1, m_device)
         finally:
             if tracing[0]:  # stopped early (an error): what was traced is still written
-                jax.profiler.stop_trace()
+                tracing[0] = False
+                try:
+                    jax.profiler.stop_trace()
+                except Exception as e:  # never in place of the error that stopped the run
+                    log(f"the profiler trace could not be written: {type(e).__name__}: {e}")
             bar.close()
             metrics_file.close()
         return history
