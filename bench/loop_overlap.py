@@ -65,7 +65,8 @@ def step_windows(trace_dir: str, steps: int, skip: int = 5) -> dict:
             work += evs
             uploads += [e for e in evs if e[2].startswith("MemcpyH2D")]
     if len(set(uploads)) < steps or steps < skip + 3:
-        return {"trace_error": f"{len(uploads)} uploads on GPU 0 for {steps} steps in {len(files)} files; lines: {seen}"}
+        return {"trace_error": f"{len(uploads)} uploads on GPU 0 for {steps} steps in {len(files)} files; "
+                               f"lines: {seen}"}
     return windows(uploads, work, steps, skip)
 
 

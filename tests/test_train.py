@@ -90,10 +90,9 @@ def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, cap
     progress lines and the same checkpoints, each holding its own step's state (its step counter, and every array
     bitwise the other run's). An evaluation run on the next step's state would change val_loss; a checkpoint of it
     would hold the next step's counter."""
-    from tests.test_resume import final_params
-
     from mhl_jax.train import loop
     from mhl_jax.train.checkpoint import Checkpointer
+    from tests.test_resume import final_params
 
     runs, arrays = {}, {}
     for ahead in (False, True):

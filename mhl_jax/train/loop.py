@@ -33,7 +33,6 @@ from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
 from mhl_jax.train.step import jit_train_step, make_eval_step
 
-
 # Dispatch each step before fetching the previous step's metrics (False: fetch them first, the device idling while
 # the host logs and loads the next batch; kept for bench/loop_overlap.py's A/B).
 FETCH_AHEAD = True
