@@ -194,6 +194,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                 jax.profiler.stop_trace()
                 log(f"profiler trace of steps {prof_first}-{prof_last} written to {prof_dir} (TensorBoard's profile "
                     "plugin or ui.perfetto.dev)")
+                last = time.perf_counter()  # writing the trace is not training throughput
             if not math.isfinite(m["loss"]):
                 raise FloatingPointError(f"loss is {m['loss']} at step {n}; stopping (last checkpoint kept)")
             if evaluates(n):
@@ -214,6 +215,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                 window[:] = [0, 0.0]
             if saves(n):
                 ckpt.save(n, state, loader)
+                last = time.perf_counter()  # nor is saving a checkpoint
 
         # Step n + 1 is dispatched before step n's metrics are fetched (FETCH_AHEAD), so the device runs it
         # while the host waits for, checks and logs step n and loads the next batch: no idle gap between steps.
