@@ -1,5 +1,5 @@
 #!/bin/bash
-# One H100 call (~6 min) for what sessions 33-34 (2026-11-27) left unmeasured (bench/NOTES.md, "Next device session"):
+# One H100 call (~6 min): session 34's (2026-11-27) checks, all passed then (bench/NOTES.md, "Next device session"):
 #   test     tests/test_combine.py's GPU test of the packing metadata on Triton and the converting forward against the
 #            XLA paths, every gradient bitwise, also at 64-row packing blocks and de 256 where the converting forward
 #            runs 32-wide de chunks and the plain one 64 (session 33's tile; written after that session's device time
