@@ -18,9 +18,11 @@ bf16 compute, both small enough that the host's share of a step shows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -84,16 +86,62 @@ def windows(uploads: list[tuple], work: list[tuple], steps: int, skip: int) -> d
             "device_idle_ms_per_step": (wall - busy) / n}
 
 
-def run_once(config: str, overrides: list[str], steps: int, ahead: bool, run_dir: Path, trace: bool = False) -> dict:
-    """One train() run; with `trace`, under the JAX profiler, and the step's device windows added (step_windows)."""
+class HostClock:
+    """Host time per call of the loop's parts, by wrapping what `loop.train` calls: the jitted step (`jit_train_step`'s
+    result: the time for a call to return, i.e. the host's enqueue of the step), the metrics' fetch (`jax.device_get`:
+    waiting for the step and copying) and the loader's `next`. Installed for one run (`with HostClock() as clock`)."""
+
+    def __init__(self):
+        self.ms = {"dispatch": [], "fetch": [], "next_batch": []}
+
+    def _timed(self, name, fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            self.ms[name].append(1e3 * (time.perf_counter() - t0))
+            return out
+        return call
+
+    def __enter__(self):
+        clock = self
+        self._saved = (loop.jit_train_step, loop.make_train_loader, loop.jax.device_get)
+
+        def jit_step(*a, **k):
+            return clock._timed("dispatch", self._saved[0](*a, **k))
+
+        class Loader:  # the loader's iterator with its `next` timed (no checkpoints here: nothing else is used)
+            def __init__(self, it):
+                self.it = it
+
+            def __next__(self):
+                return clock._timed("next_batch", next)(self.it)
+
+        loop.jit_train_step = jit_step
+        loop.make_train_loader = lambda *a, **k: Loader(self._saved[1](*a, **k))
+        jax.device_get = self._timed("fetch", self._saved[2])
+        return self
+
+    def __exit__(self, *exc):
+        loop.jit_train_step, loop.make_train_loader, jax.device_get = self._saved
+
+    def medians(self, skip: int) -> dict:
+        return {f"host_{k}_ms": float(np.median(v[skip:])) for k, v in self.ms.items() if len(v) > skip}
+
+
+def run_once(config: str, overrides: list[str], steps: int, ahead: bool, run_dir: Path, trace: bool = False,
+             host_split: bool = False) -> dict:
+    """One train() run; with `trace`, under the JAX profiler, and the step's device windows added (step_windows); with
+    `host_split`, the host's time per call of the loop's parts (HostClock)."""
     loop.FETCH_AHEAD = ahead
     cfg = load_config(config, [f"schedule.total_steps={steps}", "schedule.warmup_steps=2", "schedule.decay_steps=2",
                                "data.val_sequences=0", "checkpoint.every=0", "logging.progress_bar=false",
                                f"logging.log_every={steps}", f"logging.run_dir={run_dir}", *overrides])
     if trace:
         jax.profiler.start_trace(str(run_dir / "trace"))
+    clock = HostClock() if host_split else contextlib.nullcontext()
     try:
-        hist = loop.train(cfg, log=lambda *a: None)
+        with clock:
+            hist = loop.train(cfg, log=lambda *a: None)
     finally:
         if trace:
             jax.profiler.stop_trace()
@@ -103,6 +151,8 @@ def run_once(config: str, overrides: list[str], steps: int, ahead: bool, run_dir
            "losses": [m["loss"] for m in hist]}
     if trace:
         res["trace"] = step_windows(str(run_dir / "trace"), steps)
+    if host_split:
+        res["trace"] = {**res.get("trace", {}), **clock.medians(5)}
     return res
 
 
@@ -113,6 +163,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--host-split", action="store_true", help="one more round per setting with the host's time per "
+                    "call of the loop's parts (dispatch, metrics fetch, next batch) recorded")
     ap.add_argument("--trace", action="store_true", help="one more round per setting under the JAX profiler: the "
                     "step's device span and busy time and the idle time between steps (GPU)")
     args = ap.parse_args()
@@ -127,16 +179,20 @@ def main() -> None:
     for name, config, overrides in runs:
         results = {False: [], True: []}
         with tempfile.TemporaryDirectory() as tmp:
-            for r in range(args.rounds + args.trace):
-                traced = r == args.rounds
+            extra = [("trace", args.trace), ("host_split", args.host_split)]
+            extra = [name for name, on in extra if on]
+            for r in range(args.rounds + len(extra)):
+                kind = extra[r - args.rounds] if r >= args.rounds else None
+                traced = kind is not None
                 for ahead in (False, True):
-                    res = run_once(config, overrides + args.set, args.steps, ahead, Path(tmp) / f"{r}_{ahead}", traced)
+                    res = run_once(config, overrides + args.set, args.steps, ahead, Path(tmp) / f"{r}_{ahead}",
+                                   kind == "trace", kind == "host_split")
                     if not traced:
                         results[ahead].append(res)
                     rec = {"bench": "loop_overlap", "impl": "fetch_ahead" if ahead else "fetch_first",
                            "device": device, "date": date,
                            "params": {"run": name, "config": config, "overrides": overrides + args.set,
-                                      "steps": args.steps, "round": r, "traced": traced},
+                                      "steps": args.steps, "round": r, "traced": kind},
                            "ms": res["step_ms"], "tokens_per_s": res["tokens_per_s"], "loss_last": res["losses"][-1],
                            **res.get("trace", {})}
                     emit(rec, out)

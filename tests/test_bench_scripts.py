@@ -345,3 +345,22 @@ def test_loop_overlap_windows_count_busy_and_idle_time_per_step():
     assert abs(r["wall_ms_per_step"] - 26 / 3) < 1e-9
     assert abs(r["device_busy_ms_per_step"] - 6.0) < 1e-9
     assert abs(r["device_idle_ms_per_step"] - 8 / 3) < 1e-9
+
+
+def test_loop_overlap_host_clock_times_the_loop_parts_and_restores_them():
+    """bench/loop_overlap.py's HostClock: inside, the loop's jitted step, loader and jax.device_get are timed
+    wrappers of the real ones (same results); outside, the originals are back."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.loop_overlap import HostClock
+    from mhl_jax.train import loop
+
+    saved = (loop.jit_train_step, loop.make_train_loader, jax.device_get)
+    with HostClock() as clock:
+        assert loop.jit_train_step is not saved[0] and jax.device_get is not saved[2]
+        for _ in range(3):
+            assert jax.device_get({"a": jnp.float32(2.0)}) == {"a": 2.0}
+    assert (loop.jit_train_step, loop.make_train_loader, jax.device_get) == saved
+    assert len(clock.ms["fetch"]) == 3 and clock.ms["dispatch"] == []
+    assert set(clock.medians(1)) == {"host_fetch_ms"}
