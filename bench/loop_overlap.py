@@ -1,6 +1,7 @@
 """The train loop's step period with and without fetch-ahead (mhl_jax/train/loop.py, FETCH_AHEAD).
 
     python bench/loop_overlap.py [--config FILE ...] [--steps 60] [--rounds 2] [--set key=value ...] [--out FILE]
+                                 [--trace] [--host-split]
 
 With fetch-ahead the loop dispatches step n + 1 before it fetches step n's metrics, so the device runs step n + 1
 while the host waits for, checks and logs step n and loads the next batch. Without it (the loop before session 34),
@@ -13,6 +14,9 @@ tokens_per_s) over the steps after the first 5, tokens/s, and the run's losses; 
 whether the two settings' losses are bitwise equal (they must be: the loop changes when the host waits, not what
 the device computes). Default configs: the built-in tiny MH-LatentMoE (`make train`'s) and the same at d 512 with
 bf16 compute, both small enough that the host's share of a step shows.
+
+--trace adds a round per setting under the JAX profiler (the device's busy and idle time per step, `step_windows`),
+--host-split one with the host's time per call of the loop's parts (`HostClock`); their lines carry `traced`.
 """
 
 from __future__ import annotations
