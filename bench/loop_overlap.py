@@ -52,26 +52,19 @@ def step_windows(trace_dir: str, steps: int, skip: int = 5) -> dict:
     the first steps left out) to the last kernel, the device's busy time per step (union of the intervals of every
     kernel and copy) and the wall time per step (`windows`); their difference is the device's idle time per step.
     On failure, what the trace held."""
-    import glob
+    from bench.profile_split import DERIVED_LINES, gpu0_lines
 
-    from jax.profiler import ProfileData
-
-    from bench.profile_split import DERIVED_LINES
-
-    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    files, lines = gpu0_lines(trace_dir)
     uploads, work, seen = [], [], {}
-    for plane in ProfileData.from_file(files[0]).planes if files else []:
-        if not plane.name.startswith("/device:GPU:0"):
+    for name, evs in lines:
+        seen[name] = len(evs)
+        if name.startswith(DERIVED_LINES):
             continue
-        for line in plane.lines:
-            evs = [(int(ev.start_ns), int(ev.start_ns) + int(ev.duration_ns), ev.name) for ev in line.events]
-            seen[line.name] = len(evs)
-            if line.name.startswith(DERIVED_LINES):
-                continue
-            work += evs
-            uploads += [e for e in evs if e[2].startswith("MemcpyH2D")]
+        evs = [(a, a + d, ev) for a, d, ev in evs]
+        work += evs
+        uploads += [e for e in evs if e[2].startswith("MemcpyH2D")]
     if len(set(uploads)) < steps or steps < skip + 3:
-        return {"trace_error": f"{len(uploads)} uploads on GPU 0 for {steps} steps in {len(files)} files; "
+        return {"trace_error": f"{len(uploads)} uploads on GPU 0 for {steps} steps in {files} files; "
                                f"lines: {seen}"}
     return windows(uploads, work, steps, skip)
 
@@ -183,8 +176,7 @@ def main() -> None:
     for name, config, overrides in runs:
         results = {False: [], True: []}
         with tempfile.TemporaryDirectory() as tmp:
-            extra = [("trace", args.trace), ("host_split", args.host_split)]
-            extra = [name for name, on in extra if on]
+            extra = [kind for kind, on in (("trace", args.trace), ("host_split", args.host_split)) if on]
             for r in range(args.rounds + len(extra)):
                 kind = extra[r - args.rounds] if r >= args.rounds else None
                 traced = kind is not None

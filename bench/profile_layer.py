@@ -69,13 +69,11 @@ def child(tokens: int, config: str, variant: str) -> None:
 def trace_events(fn, args, calls: int):
     """`calls` back-to-back calls of the warmed fn(*args) inside one JAX profiler trace -> (kernel events, "XLA Ops"
     events, the line names) of GPU 0; events (start ns, duration ns, name), sorted by start."""
-    import glob
     import tempfile
 
     import jax
-    from jax.profiler import ProfileData
 
-    from bench.profile_split import DERIVED_LINES
+    from bench.profile_split import DERIVED_LINES, gpu0_lines
 
     tmp = tempfile.mkdtemp(prefix="mhl_prof_")
     try:
@@ -84,18 +82,13 @@ def trace_events(fn, args, calls: int):
             out = fn(*args)
         jax.block_until_ready(out)
         jax.profiler.stop_trace()
-        files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
         events, ops, names = [], [], []
-        for plane in ProfileData.from_file(files[0]).planes if files else []:
-            if not plane.name.startswith("/device:GPU:0"):
-                continue
-            for line in plane.lines:
-                names.append(line.name)
-                evs = [(int(ev.start_ns), int(ev.duration_ns), ev.name) for ev in line.events]
-                if line.name == "XLA Ops":
-                    ops += evs
-                if not line.name.startswith(DERIVED_LINES):
-                    events += evs
+        for name, evs in gpu0_lines(tmp)[1]:
+            names.append(name)
+            if name == "XLA Ops":
+                ops += evs
+            if not name.startswith(DERIVED_LINES):
+                events += evs
         return sorted(events), sorted(ops), names
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

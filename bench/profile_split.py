@@ -35,6 +35,20 @@ def is_comm(name: str) -> bool:
     return any(m in n for m in COMM_MARKERS)
 
 
+def gpu0_lines(trace_dir: str) -> tuple[int, list[tuple[str, list[tuple[int, int, str]]]]]:
+    """A JAX profiler trace folder -> (the number of .xplane.pb files, GPU 0's lines as (line name, [(start ns,
+    duration ns, event name)])), from the first file; no lines without a file or a GPU plane."""
+    from jax.profiler import ProfileData
+
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    lines = []
+    for plane in ProfileData.from_file(files[0]).planes if files else []:
+        if plane.name.startswith("/device:GPU:0"):
+            lines += [(line.name, [(int(ev.start_ns), int(ev.duration_ns), ev.name) for ev in line.events])
+                      for line in plane.lines]
+    return len(files), lines
+
+
 def _union_ms(intervals: list[tuple[int, int]]) -> float:
     total, end = 0, None
     for s, e in sorted(intervals):

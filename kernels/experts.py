@@ -554,9 +554,9 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int, dw_form: s
     # vs 1.76 / 1.73, 1.75 / 1.79, 1.79 with `fwd`'s (64, 64, 4, 3); kernel alone 0.648 vs 0.712; at 768/4/256 (mean
     # 42.7) level to +0.03 ms: `fwd`'s kept there; results/layer-h100-2026-11-27-s33-{fwd-cast-tiles{,2},cast-tile-ab}
     # .jsonl). The plain forward keeps (64, 64, 4, 3): with 32-wide chunks the 2.2B step (mean 170) measured 0.309 vs
-    # 0.3055 s (train_scale-h100-2026-11-27-s33-fwd-e32-*.jsonl, two processes) with bitwise the same losses: on the
-    # GPU the chunk width leaves the products' k16 steps in the same order, so the two forwards should agree bitwise
-    # here too (no GPU test compares them at this tile: those that compare the two forwards run other shapes)
+    # 0.3055 s (train_scale-h100-2026-11-27-s33-fwd-e32-*.jsonl, two processes) with bitwise the same losses. The two
+    # forwards agree bitwise at this tile too (tests/test_combine.py's converting-forward GPU test, case 64-256-64-32,
+    # passed on an H100 2026-11-27, session 34)
     fwd_cast = Tile(bm, 32, 4, 3) if pack == 64 and de == 256 and mean >= CAST_E32_MIN_MEAN else None
     return ExpertsConfig(
         pack_block=pack,

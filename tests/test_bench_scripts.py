@@ -364,3 +364,26 @@ def test_loop_overlap_host_clock_times_the_loop_parts_and_restores_them():
     assert (loop.jit_train_step, loop.make_train_loader, jax.device_get) == saved
     assert len(clock.ms["fetch"]) == 3 and clock.ms["dispatch"] == []
     assert set(clock.medians(1)) == {"host_fetch_ms"}
+
+
+def test_gpu0_lines_reads_only_gpu_0s_lines(tmp_path, monkeypatch):
+    """bench/profile_split.py's `gpu0_lines` (read by profile_layer's trace and loop_overlap's step windows): from the
+    first .xplane.pb under the folder, the lines of the /device:GPU:0 plane only, events as (start, duration, name);
+    nothing without a file."""
+    from types import SimpleNamespace as NS
+
+    import jax.profiler
+
+    from bench.profile_split import gpu0_lines
+
+    assert gpu0_lines(str(tmp_path)) == (0, [])
+    (tmp_path / "plugins" / "profile" / "r").mkdir(parents=True)
+    (tmp_path / "plugins" / "profile" / "r" / "host.xplane.pb").write_bytes(b"")
+    ev = lambda s, d, n: NS(start_ns=s, duration_ns=d, name=n)  # noqa: E731
+    planes = [NS(name="/host:CPU", lines=[NS(name="python", events=[ev(1, 2, "host")])]),
+              NS(name="/device:GPU:0", lines=[NS(name="Stream #1(Compute)", events=[ev(10, 5, "k1"), ev(20, 1, "k2")]),
+                                              NS(name="XLA Ops", events=[ev(10, 5, "fusion")])]),
+              NS(name="/device:GPU:1", lines=[NS(name="Stream #1(Compute)", events=[ev(3, 3, "other")])])]
+    monkeypatch.setattr(jax.profiler.ProfileData, "from_file", staticmethod(lambda path: NS(planes=planes)))
+    assert gpu0_lines(str(tmp_path)) == (1, [("Stream #1(Compute)", [(10, 5, "k1"), (20, 1, "k2")]),
+                                             ("XLA Ops", [(10, 5, "fusion")])])

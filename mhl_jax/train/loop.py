@@ -158,7 +158,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         bar = tqdm(total=total, initial=start, disable=not cfg.logging.progress_bar, file=sys.stderr,
                    dynamic_ncols=True)
         last = time.perf_counter()
-        window = [0, 0.0]  # steps and training seconds since the last progress line
+        window_steps, window_s = 0, 0.0  # steps and training seconds since the last progress line
         # the profiled steps (logging.profile_start): a trace from the dispatch of the first to the end of the last
         prof_first = cfg.logging.profile_start if start < cfg.logging.profile_start <= end else 0
         prof_last = min(prof_first + cfg.logging.profile_steps - 1, end) if prof_first else 0
@@ -166,7 +166,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         if cfg.logging.profile_start and not prof_first:
             log(f"no profile: logging.profile_start={cfg.logging.profile_start} is not among this run's steps "
                 f"{start + 1}-{end}")
-        tracing = [False]
+        tracing = False
 
         def evaluates(n: int) -> bool:
             return bool(val is not None and cfg.data.eval_every and (n % cfg.data.eval_every == 0 or n == total))
@@ -183,18 +183,18 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         def finish(n: int, m_device) -> None:
             """Step `n`'s metrics fetched (waiting for the step), checked, logged; then its evaluation and
             checkpoint when due."""
-            nonlocal last
+            nonlocal last, window_steps, window_s, tracing
             m = packed.unpack(m_device) if packed else {k: float(v) for k, v in jax.device_get(m_device).items()}
             now = time.perf_counter()
             m["step"] = n
             m.update(comm)
             m["tokens_per_s"] = tokens_per_step / (now - last)
             m["mfu"] = mfu(flops_tok, m["tokens_per_s"], mesh.size, peak)
-            window[0] += 1
-            window[1] += now - last
+            window_steps += 1
+            window_s += now - last
             last = now
-            if tracing[0] and n == prof_last:  # the step is done (its metrics fetched): the trace ends here
-                tracing[0] = False
+            if tracing and n == prof_last:  # the step is done (its metrics fetched): the trace ends here
+                tracing = False
                 jax.profiler.stop_trace()
                 log(f"profiler trace of steps {prof_first}-{prof_last} written to {prof_dir} (TensorBoard's profile "
                     "plugin or ui.perfetto.dev)")
@@ -213,10 +213,10 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             if n % cfg.logging.log_every == 0 or n == start + 1 or n == end or "val_loss" in m:
                 # throughput on the line: over the steps since the previous line (a step's own reading is the time
                 # between the host seeing two steps end, which fetch-ahead can shift from one step to the next)
-                tps = tokens_per_step * window[0] / window[1]
+                tps = tokens_per_step * window_steps / window_s
                 line = {**m, "tokens_per_s": tps, "mfu": mfu(flops_tok, tps, mesh.size, peak)}
                 bar.write(format_line(n, total, line), file=sys.stdout)
-                window[:] = [0, 0.0]
+                window_steps, window_s = 0, 0.0
             if saves(n):
                 ckpt.save(n, state, loader)
                 last = time.perf_counter()  # nor is saving a checkpoint
@@ -230,20 +230,21 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             for step in range(start, end):
                 if step + 1 == prof_first:
                     jax.profiler.start_trace(str(prof_dir))
-                    tracing[0] = True
+                    tracing = True
                 batch = np.asarray(next(loader)).reshape(accum, -1, t + 1)
                 state, m_device = step_fn(state, jax.device_put(batch, batch_sharding))
                 if step == start:
                     tuned.commit()  # the step compiled: XLA's autotuning results in place
                 if pending is not None:
                     finish(*pending)
-                pending = (step + 1, m_device)
-                if not FETCH_AHEAD or needs_state(step + 1):
+                if FETCH_AHEAD and not needs_state(step + 1):
+                    pending = (step + 1, m_device)
+                else:
                     pending = None
                     finish(step + 1, m_device)
         finally:
-            if tracing[0]:  # stopped early (an error): what was traced is still written
-                tracing[0] = False
+            if tracing:  # stopped early (an error): what was traced is still written
+                tracing = False
                 try:
                     jax.profiler.stop_trace()
                 except Exception as e:  # never in place of the error that stopped the run
