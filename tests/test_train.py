@@ -174,19 +174,3 @@ def test_profile_start_outside_the_run_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"logging.profile_start=50: must be a step of the run, 1 to "
                                           r"schedule.total_steps=40"):
         tiny(tmp_path, "logging.profile_start=50")
-
-
-def test_packed_metrics_are_the_step_metrics_exactly(tmp_path, monkeypatch):
-    """The loop fetches the step's metrics as one stacked fp32 vector (PACK_METRICS): every record equals, bitwise,
-    that of fetching the dict of scalars one by one."""
-    from mhl_jax.train import loop
-
-    recs = {}
-    for pack in (False, True):
-        monkeypatch.setattr(loop, "PACK_METRICS", pack)
-        run_dir = tmp_path / f"pack_{pack}"
-        train(tiny(tmp_path, "schedule.total_steps=4", "schedule.decay_steps=1", "schedule.warmup_steps=1",
-                   "model.n_layers=2", "data.val_sequences=0", f"logging.run_dir={run_dir}"))
-        recs[pack] = _records(run_dir)
-    assert len(recs[True]) == 4 and "load_max/1" in recs[True][0]
-    assert recs[True] == recs[False]

@@ -31,14 +31,11 @@ from mhl_jax.train.checkpoint import Checkpointer
 from mhl_jax.train.metrics import device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
-from mhl_jax.train.step import PackedMetrics, jit_train_step, make_eval_step
+from mhl_jax.train.step import jit_train_step, make_eval_step
 
 # Dispatch each step before fetching the previous step's metrics (False: fetch them first, the device idling while
 # the host logs and loads the next batch; kept for bench/loop_overlap.py's A/B).
 FETCH_AHEAD = True
-# The step's metrics come back as one vector, one device-to-host copy (False: a dict of scalars, a copy each; the
-# A/B of bench/NOTES.md, Train loop)
-PACK_METRICS = True
 
 
 def model_fingerprint(cfg: Config) -> dict:
@@ -137,11 +134,10 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         schedule = make_schedule(cfg.optimizer, cfg.schedule)
         if tuned.load is not None:
             log(f"XLA autotuning results from {tuned.load}")
-        packed = PackedMetrics() if PACK_METRICS else None
         step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
                                  deterministic=cfg.train.xla_deterministic_ops,
                                  cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
-                                 autotune_options=tuned_options, packed=packed)
+                                 autotune_options=tuned_options)
         eval_fn = jax.jit(make_eval_step(graphdef), compiler_options=tuned_options or None)
         val = (load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences
                else None)
@@ -184,7 +180,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             """Step `n`'s metrics fetched (waiting for the step), checked, logged; then its evaluation and
             checkpoint when due."""
             nonlocal last, window_steps, window_s, tracing
-            m = packed.unpack(m_device) if packed else {k: float(v) for k, v in jax.device_get(m_device).items()}
+            m = {k: float(v) for k, v in jax.device_get(m_device).items()}
             now = time.perf_counter()
             m["step"] = n
             m.update(comm)

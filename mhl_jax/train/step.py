@@ -6,12 +6,10 @@ State is a plain dict pytree {params, opt_state, biases, step} so that it checkp
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -133,51 +131,18 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
     return train_step
 
 
-class PackedMetrics:
-    """The train step's metrics as one fp32 vector, fetched by one device-to-host copy instead of one per scalar (on
-    an H100 the dict of 13 scalars took 1.37 ms per step to fetch, most of it copies; the gain itself is not measured
-    yet: bench/NOTES.md, Train loop), and their names, recorded when the step is traced."""
-
-    def __init__(self) -> None:
-        self.names: list[str] | None = None
-
-    def wrap(self, step_fn: Callable) -> Callable:
-        @functools.wraps(step_fn)  # the same name in profiles and the compiled module (jit_train_step)
-        def packed_step(state, batch):
-            new_state, metrics = step_fn(state, batch)
-            names = sorted(metrics)
-            for k in names:
-                if metrics[k].shape != () or metrics[k].dtype != jnp.float32:
-                    raise TypeError(f"metric {k!r} is {metrics[k].dtype}{list(metrics[k].shape)}: PackedMetrics "
-                                    "stacks fp32 scalars only")
-            self.names = names
-            return new_state, jnp.stack([metrics[k] for k in names])
-
-        return packed_step
-
-    def unpack(self, vec: jax.Array) -> dict[str, float]:
-        """The fetched vector (waits for the step) -> {name: value}, each value the fp32 scalar's, exactly."""
-        if self.names is None:
-            raise RuntimeError("PackedMetrics.unpack before the step was traced")
-        return dict(zip(self.names, np.asarray(jax.device_get(vec)).tolist(), strict=True))
-
-
 def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gamma: float, schedule: Callable,
                    state_shardings, batch_sharding, donate: bool = False, deterministic: bool = False,
                    cudnn_attention: bool = False, compiler_options: dict | None = None,
-                   autotune_options: dict | None = None, packed: PackedMetrics | None = None) -> Callable:
+                   autotune_options: dict | None = None) -> Callable:
     """`make_train_step` under jit with the given shardings and `train_step_compiler_options`:
     the one way train.py and the benchmarks compile it. donate: donate the state (train.py; its buffers
     are reused for the new state). deterministic: train.xla_deterministic_ops. compiler_options: replaces
     those options (bench/train_2gpu.py and bench/determinism.py compare sets of them). autotune_options: added to
-    them (`mhl_jax.train.autotune.AutotuneFile.compiler_options`: XLA's autotuning results loaded / written).
-    packed: the metrics come back as `packed`'s one vector (train.py's loop) instead of a dict of scalars."""
+    them (`mhl_jax.train.autotune.AutotuneFile.compiler_options`: XLA's autotuning results loaded / written)."""
     options = train_step_compiler_options(deterministic, cudnn_attention) if compiler_options is None \
         else compiler_options
-    step = make_train_step(graphdef, tx, gamma, schedule)
-    if packed is not None:
-        step = packed.wrap(step)
-    return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+    return jax.jit(make_train_step(graphdef, tx, gamma, schedule), in_shardings=(state_shardings, batch_sharding),
                    out_shardings=(state_shardings, None), donate_argnums=0 if donate else (),
                    compiler_options={**options, **(autotune_options or {})})
 
