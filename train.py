@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", default=None, metavar="PATH",
                     help="checkpoint directory to resume from (default: the run directory's latest)")
     ap.add_argument("--stop-after", type=int, default=None, metavar="STEP",
-                    help="stop (with a checkpoint) after this optimizer step, as a preempted job would")
+                    help="stop after this optimizer step (with a checkpoint, unless checkpoint.every=0), as a "
+                         "preempted job would")
     args = ap.parse_args(argv)
 
     from mhl_jax.config import ConfigError, load_config

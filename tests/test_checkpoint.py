@@ -240,3 +240,25 @@ def test_kill_at_an_arbitrary_moment_of_async_saves(tmp_path):
     assert got_step == step
     assert_bitwise(got, make_state(step, big=1 << 20))
     ck.close()
+
+
+def test_close_waits_for_the_cleanup_of_leftover_temporary_directories(tmp_path):
+    """A step directory a killed save left unfinished (Orbax's temporary name) is gone once the Checkpointer that
+    opened the directory is closed: close waits for Orbax's background cleanup, which would otherwise still run at
+    interpreter exit (and print its thread's traceback there) in a run that stops at once."""
+    (tmp_path / "ck").mkdir()
+    left = tmp_path / "ck" / "7.orbax-checkpoint-tmp-123"
+    (left / "state").mkdir(parents=True)
+    (left / "state" / "x").write_bytes(b"partial")
+    for _ in range(3):
+        ck = Checkpointer(tmp_path / "ck", CheckpointConfig(async_save=True), FP)
+        ck.close()
+        assert not left.exists()
+        (left / "state").mkdir(parents=True)  # again for the next round
+
+
+def test_a_checkpoint_directory_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "ck").write_text("not a directory")
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .*ck' is a file; expected a directory"):
+        Checkpointer(tmp_path / "ck", CheckpointConfig(), FP)
+    assert (tmp_path / "ck").read_text() == "not a directory"

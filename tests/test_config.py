@@ -56,6 +56,9 @@ def test_overrides_are_typed():
     ("noequals", "expected the form key.sub=value"),
     ("model.d_model=[1", "override 'model.d_model=[1': the value '[1' is not valid YAML"),
     ("logging.peak_tflops=-1", "logging.peak_tflops=-1.0: must be positive"),
+    ("checkpoint.every=-1", "checkpoint.every=-1: must be >= 0 (0: no checkpoints)"),
+    ("data.eval_every=-5", "data.eval_every=-5: must be >= 0 (0: no validation)"),
+    ("data.tokenizer=gpt2", "data.tokenizer='gpt2' with data.source='builtin': the built-in corpus is byte-level"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as e:

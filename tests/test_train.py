@@ -134,9 +134,11 @@ def test_non_finite_loss_stops_before_a_checkpoint(tmp_path):
     cfg = tiny(tmp_path, "schedule.total_steps=12", "schedule.warmup_steps=1", "schedule.decay_steps=1",
                "optimizer.lr=1e30", "optimizer.grad_clip=null", "data.val_sequences=0", "checkpoint.every=2",
                "checkpoint.keep=20", "checkpoint.async_save=false", "model.n_layers=2")
-    with pytest.raises(FloatingPointError, match=r"loss is (nan|inf|-inf) at step (\d+)") as err:
+    with pytest.raises(FloatingPointError, match=r"(loss|gradient norm) is (nan|inf|-inf) at step (\d+)") as err:
         train(cfg)
-    bad = int(str(err.value).split(" at step ")[1].split(";")[0])  # 3 on the CPU: step 4 was already dispatched
+    # 2 on the CPU: step 2's gradient norm is nan while its loss is still finite (its state is not saved: the
+    # checkpoint of step 2 would hold non-finite parameters); step 3 was already dispatched
+    bad = int(str(err.value).split(" at step ")[1].split(";")[0])
     assert bad >= 2
     run_dir = tmp_path / "run"
     recs = _records(run_dir)
@@ -174,3 +176,105 @@ def test_profile_start_outside_the_run_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"logging.profile_start=50: must be a step of the run, 1 to "
                                           r"schedule.total_steps=40"):
         tiny(tmp_path, "logging.profile_start=50")
+
+
+def _dir_snapshot(path: Path) -> dict:
+    """Every file under `path` -> its bytes (what a refused run must leave as it was)."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("metric, what", [("grad_norm", "gradient norm"), ("loss", "loss")])
+def test_a_non_finite_metric_stops_before_its_record_and_checkpoint(tmp_path, monkeypatch, metric, what):
+    """A step whose loss or gradient norm is not finite (a non-finite gradient norm: its update has made the
+    parameters non-finite, even where its loss was still finite) stops the run naming the step: neither its record
+    nor its checkpoint is written, the steps before it are kept."""
+    import jax.numpy as jnp
+
+    from mhl_jax.train import loop
+    from mhl_jax.train.checkpoint import Checkpointer
+
+    real = loop.jit_train_step
+
+    def nan_norm_at_step_3(*args, **kwargs):
+        step_fn = real(*args, **kwargs)
+
+        def wrapped(state, batch):
+            new, m = step_fn(state, batch)
+            return new, {**m, metric: jnp.where(new["step"] == 3, jnp.nan, m[metric])}
+        return wrapped
+
+    monkeypatch.setattr(loop, "jit_train_step", nan_norm_at_step_3)
+    cfg = tiny(tmp_path, "schedule.total_steps=6", "schedule.warmup_steps=1", "schedule.decay_steps=1",
+               "data.val_sequences=0", "checkpoint.every=1", "checkpoint.keep=10", "model.n_layers=2")
+    with pytest.raises(FloatingPointError, match=rf"^{what} is nan at step 3; stopping"):
+        train(cfg)
+    run_dir = tmp_path / "run"
+    assert [r["step"] for r in _records(run_dir)] == [1, 2]
+    with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, loop.model_fingerprint(cfg)) as ckpt:
+        assert ckpt.all_steps() == [1, 2]
+
+
+def test_resuming_an_older_checkpoint_into_a_run_with_later_ones_is_refused_first(tmp_path):
+    """--resume of step 2 into the run directory that holds steps 2 and 4: refused before a step is trained, with the
+    later steps named; metrics, config and checkpoints left as they were. Into a fresh run directory it resumes."""
+    from mhl_jax.train.checkpoint import CheckpointError
+
+    common = ("schedule.total_steps=4", "schedule.warmup_steps=1", "schedule.decay_steps=1", "data.val_sequences=0",
+              "checkpoint.every=2", "checkpoint.keep=5", "checkpoint.async_save=false", "model.n_layers=2")
+    straight = train(tiny(tmp_path, *common))
+    run_dir = tmp_path / "run"
+    before = _dir_snapshot(run_dir)
+    with pytest.raises(CheckpointError, match=r"resuming step 2 .* already holds later checkpoints \(steps \[4\]\)"):
+        train(tiny(tmp_path, *common), resume=str(run_dir / "checkpoints" / "2"))
+    assert _dir_snapshot(run_dir) == before
+    other = tmp_path / "other"
+    resumed = train(tiny(tmp_path, *common, f"logging.run_dir={other}"), resume=str(run_dir / "checkpoints" / "2"))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in straight[2:]]
+
+
+def test_a_fresh_run_into_a_directory_with_an_earlier_runs_records_is_refused(tmp_path):
+    """No checkpoint to resume, but metrics.jsonl of an earlier run there: refused (its records would be dropped),
+    the directory left as it was."""
+    from mhl_jax.config import ConfigError
+
+    common = ("schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1", "data.val_sequences=0",
+              "model.n_layers=2")
+    train(tiny(tmp_path, *common))
+    run_dir = tmp_path / "run"
+    before = _dir_snapshot(run_dir)
+    assert len(_records(run_dir)) == 2
+    with pytest.raises(ConfigError, match=r"holds the metrics of an earlier run .*metrics.jsonl.* no checkpoint"):
+        train(tiny(tmp_path, *common))
+    assert _dir_snapshot(run_dir) == before
+
+
+def test_bad_run_directories_and_a_small_validation_set_are_refused_before_writing(tmp_path):
+    from mhl_jax.config import ConfigError
+    from mhl_jax.train.checkpoint import CheckpointError
+
+    small = ("schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1", "model.n_layers=2")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match=r"logging.run_dir=.*a_file' is a file; expected a directory"):
+        train(tiny(tmp_path, *small, f"logging.run_dir={a_file}"))
+    with pytest.raises(ConfigError, match=r"logging.run_dir=.*a_file/run' cannot be created"):
+        train(tiny(tmp_path, *small, f"logging.run_dir={a_file / 'run'}"))
+    assert a_file.read_text() == "x"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("y")
+    with pytest.raises(CheckpointError, match=r"checkpoints' is a file; expected a directory"):
+        train(tiny(tmp_path, *small, "checkpoint.every=1"))
+    assert _dir_snapshot(run_dir) == {"checkpoints": b"y"}
+    (run_dir / "checkpoints").unlink()
+    # tiny's micro-batch is 16 sequences on one device: 8 validation sequences make no evaluation batch
+    with pytest.raises(ConfigError, match=r"data.val_sequences=8 is fewer than one evaluation batch \(train.micro_batch"
+                                          r"=16 x 1 devices = 16\)"):
+        train(tiny(tmp_path, *small, "data.val_sequences=8", "data.eval_every=1", "checkpoint.every=1"))
+    assert _dir_snapshot(run_dir) == {}
+
+
+def test_nothing_to_train_says_where_the_run_starts(tmp_path):
+    lines = []
+    assert train(tiny(tmp_path, "model.n_layers=2"), stop_after=0, log=lines.append) == []
+    assert lines[-1] == "nothing to train: the run starts at step 0, and this run stops at --stop-after 0"

@@ -130,6 +130,9 @@ class Checkpointer:
         if cfg.keep < 1:
             raise CheckpointError(f"checkpoint.keep={cfg.keep}: must be >= 1")
         self.directory = Path(directory).expanduser().absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {str(self.directory)!r} is a file; expected a directory "
+                                  "(move the file away, or use another logging.run_dir)")
         self.cfg = cfg
         try:
             self.fingerprint = json.loads(json.dumps(fingerprint))  # as it will read back
@@ -170,7 +173,12 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Wait for writes and release Orbax's resources."""
+        """Wait for writes and for Orbax's cleanup of leftover temporary directories (started when the manager
+        opened the directory; `CheckpointManager.close` does not wait for it, and a process that exits while it
+        runs prints its thread's traceback), then release Orbax's resources."""
+        await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+        if await_cleanup is not None:
+            await_cleanup()
         self._manager.close()
 
     def __enter__(self) -> "Checkpointer":
@@ -179,6 +187,11 @@ class Checkpointer:
     def __exit__(self, *exc) -> None:
         self.wait()  # background writes committed, also when the run fails
         self.close()  # Orbax's threads released: no tracebacks from them at exit
+
+    def step_of(self, path: str | Path | None = None) -> int:
+        """The step `restore(path=path)` would restore (the latest here when path is None), read from the directory
+        names only; CheckpointError when there is none."""
+        return self._locate(None, path)[1]
 
     def _locate(self, step: int | None, path: str | Path | None) -> tuple[Path, int]:
         """(directory of step directories, step) to restore."""
@@ -247,7 +260,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {where}: its {what} cannot be read ({type(e).__name__}: {first}); the step directory is "
                 f"damaged or incomplete. Other steps there: {others or 'none'}; delete {where} to resume from the "
-                "latest of them, or pass --resume with one") from e
+                "latest of them") from e
 
     def restore(self, state_template: PyTree, data_iter: Any = None, step: int | None = None,
                 path: str | Path | None = None) -> tuple[int, PyTree]:
@@ -267,8 +280,9 @@ class Checkpointer:
         items = {STATE: ocp.args.StandardRestore(_nest([(n, _abstract(leaf)) for n, leaf in named]))}
         if data_iter is not None:
             if not (directory / str(step) / DATA).is_dir():
-                raise CheckpointError(f"checkpoint {where} holds no data-iterator state; it cannot resume the input "
-                                      "pipeline (pass data_iter=None to restore the arrays only)")
+                raise CheckpointError(f"checkpoint {where} holds no data-iterator state ({DATA}/), so the input "
+                                      "pipeline cannot resume where it stopped; it was not written by train.py, or its "
+                                      f"{DATA}/ directory was removed")
             items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
         restored = self._read(step, directory, ocp.args.Composite(**items), where, "/".join(items))[STATE]
         leaves = []

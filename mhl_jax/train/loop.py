@@ -27,7 +27,7 @@ from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
 from mhl_jax.train.autotune import autotune_file
-from mhl_jax.train.checkpoint import Checkpointer
+from mhl_jax.train.checkpoint import Checkpointer, CheckpointError
 from mhl_jax.train.metrics import device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
@@ -85,9 +85,17 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 def train(cfg: Config, resume: str | None = None, stop_after: int | None = None, log=print) -> list[dict]:
     """Train `cfg`; returns the per-step metric dicts of this process. `stop_after`: stop (with a
-    checkpoint) once that many optimizer steps are done in total, as a preempted job would."""
+    checkpoint unless checkpoint.every=0) once that many optimizer steps are done in total, as a preempted job
+    would. Bad input (a run directory that cannot hold the run, a checkpoint that does not fit it, a validation set
+    smaller than one evaluation batch) is refused before anything in the run directory is written."""
     run_dir = Path(cfg.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r} is a file; expected a directory (or a path to "
+                          "create)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r} cannot be created: {e}") from e
     counts = count_params(cfg)
     log(f"model {cfg.ffn.kind}: {counts.active / 1e6:.1f}M active / {counts.total / 1e6:.1f}M total parameters")
 
@@ -109,27 +117,48 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                                seed=cfg.train.seed,
                                vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                                process_count=jax.process_count())
+    val = (load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences
+           else None)
+    eval_batch = cfg.train.micro_batch * mesh.size
+    if val is not None and cfg.data.eval_every and len(val) < eval_batch:
+        raise ConfigError(f"data.val_sequences={len(val)} is fewer than one evaluation batch (train.micro_batch="
+                          f"{cfg.train.micro_batch} x {mesh.size} devices = {eval_batch}); raise it, or set "
+                          "data.eval_every=0 to train without validation")
     resume = resume or cfg.checkpoint.resume or None
     # XLA's autotuning results kept with the run (GPU); a bad setting is refused before anything is written
     tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(), jax.process_index())
     tuned_options = tuned.compiler_options()
     # closed on every way out (a refused restore too): Orbax's threads released, no tracebacks from them at exit
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
-        if resume or ckpt.latest_step() is not None:  # refused or unreadable: the run directory is left as it was
+        restoring = bool(resume) or ckpt.latest_step() is not None
+        records = run_dir / "metrics.jsonl"
+        if restoring:  # refused or unreadable: the run directory is left as it was
+            step = ckpt.step_of(resume)
+            later = [s for s in ckpt.all_steps() if s > step]
+            if later:  # Orbax would refuse this run's first save, and the metrics past the step would be dropped
+                raise CheckpointError(f"resuming step {step} ({resume}) into logging.run_dir="
+                                      f"{cfg.logging.run_dir!r}, which already holds later checkpoints (steps {later}):"
+                                      " this run's checkpoints and metrics would collide with them; resume into "
+                                      "another logging.run_dir, or delete those step directories first")
             start, state = ckpt.restore(state, loader, path=resume)
             state = jax.device_put(state, shardings)
             log(f"resumed from step {start} ({resume or ckpt.directory})")
+        elif records.exists() and records.stat().st_size > 0:
+            raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r} holds the metrics of an earlier run ({records})"
+                              " and no checkpoint to resume from; use another logging.run_dir, or delete that file "
+                              "to start over there")
         start = int(state["step"])
         total = cfg.schedule.total_steps
         end = total if stop_after is None else min(total, stop_after)
         if start >= end:
             why = (f"schedule.total_steps={total} (raise it to train on)" if end == total
                    else f"--stop-after {stop_after}")
-            log(f"nothing to train: the checkpoint is at step {start}, and this run stops at {why}")
+            at = f"the checkpoint is at step {start}" if restoring else f"the run starts at step {start}"
+            log(f"nothing to train: {at}, and this run stops at {why}")
             return []
         # the run's config, once it is known to fit the checkpoint it resumes (a refused run leaves the old one)
         write_atomic(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        truncate_metrics(run_dir / "metrics.jsonl", start)
+        truncate_metrics(records, start)
 
         schedule = make_schedule(cfg.optimizer, cfg.schedule)
         if tuned.load is not None:
@@ -139,8 +168,6 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                                  cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
                                  autotune_options=tuned_options)
         eval_fn = jax.jit(make_eval_step(graphdef), compiler_options=tuned_options or None)
-        val = (load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences
-               else None)
 
         flops_tok = train_flops_per_token(cfg)
         peak = device_peak_flops(cfg.logging.peak_tflops)
@@ -150,7 +177,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             log("all-to-all per device per MoE layer, each way: "
                 + ", ".join(f"{k.split('/')[1]} {v / 2**20:.2f} MiB" for k, v in comm.items()))
         history: list[dict] = []
-        metrics_file = open(run_dir / "metrics.jsonl", "a")
+        metrics_file = open(records, "a")
         bar = tqdm(total=total, initial=start, disable=not cfg.logging.progress_bar, file=sys.stderr,
                    dynamic_ncols=True)
         last = time.perf_counter()
@@ -195,10 +222,11 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                 log(f"profiler trace of steps {prof_first}-{prof_last} written to {prof_dir} (TensorBoard's profile "
                     "plugin or ui.perfetto.dev)")
                 last = time.perf_counter()  # writing the trace is not training throughput
-            if not math.isfinite(m["loss"]):
-                raise FloatingPointError(f"loss is {m['loss']} at step {n}; stopping (last checkpoint kept)")
+            for k, what in (("loss", "loss"), ("grad_norm", "gradient norm")):  # a non-finite gradient norm: the
+                if not math.isfinite(m[k]):  # step's update made the parameters non-finite; neither is saved
+                    raise FloatingPointError(f"{what} is {m[k]} at step {n}; stopping (last checkpoint kept)")
             if evaluates(n):
-                m["val_loss"] = evaluate(eval_fn, state, val, cfg.train.micro_batch * mesh.size, eval_sharding)
+                m["val_loss"] = evaluate(eval_fn, state, val, eval_batch, eval_sharding)
                 m["val_ppl"] = math.exp(min(m["val_loss"], 50.0))
                 tuned.commit()  # with the evaluation's too (a no-op once it has compiled)
                 last = time.perf_counter()  # evaluation time is not training throughput
