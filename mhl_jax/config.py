@@ -7,6 +7,7 @@ types and cross-field consistency, and raises `ConfigError` naming the offending
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -218,13 +219,11 @@ def parse_override(text: str) -> dict:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: bad key {key!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
     except yaml.YAMLError as e:
         reason = str(e).splitlines()[0]
         raise ConfigError(f"override {text!r}: the value {raw!r} is not valid YAML ({reason}); quote it or fix the "
                           "brackets") from e
-    if isinstance(value, str) and _looks_numeric(raw):
-        value = float(raw)  # YAML 1.1 reads '5e-4' as a string
     out: dict = {}
     cur = out
     parts = key.split(".")
@@ -234,20 +233,15 @@ def parse_override(text: str) -> dict:
     return out
 
 
-def _looks_numeric(raw: str) -> bool:
-    try:
-        float(raw)
-        return True
-    except ValueError:
-        return False
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2's floats: an unquoted 5e-4 or 1E3 is a number (YAML 1.1, PyYAML's default, reads them as
+    strings); a quoted "1.0" stays a string."""
 
 
-def _fix_yaml_floats(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _fix_yaml_floats(v) for k, v in data.items()}
-    if isinstance(data, str) and _looks_numeric(data) and any(c in data for c in "eE."):
-        return float(data)
-    return data
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
 
 
 def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
@@ -261,10 +255,10 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.load(p.read_text(), Loader=_Loader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
-        cfg = _merge(cfg, _fix_yaml_floats(data), "")
+        cfg = _merge(cfg, data, "")
     for text in overrides:
         cfg = _merge(cfg, parse_override(text), "")
     validate(cfg)
@@ -340,6 +334,9 @@ def validate(cfg: Config) -> None:
     _require(cfg.data.val_sequences >= 0, f"data.val_sequences={cfg.data.val_sequences}: must be >= 0")
     _require(cfg.data.eval_every >= 0, f"data.eval_every={cfg.data.eval_every}: must be >= 0 (0: no validation)")
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0: no checkpoints)")
+    _require(cfg.data.source != "builtin" or not (cfg.data.path or cfg.data.val_path),
+             f"data.path={cfg.data.path!r} / data.val_path={cfg.data.val_path!r} with data.source='builtin', which "
+             "reads the built-in corpus and no files: set data.source=bin (prepared .bin shards) or hf (text)")
     _require(cfg.data.source != "builtin" or cfg.data.tokenizer == "byte",
              f"data.tokenizer={cfg.data.tokenizer!r} with data.source='builtin': the built-in corpus is byte-level "
              "(data.tokenizer: byte); gpt2 tokenizes data.source='hf' text (and names how .bin shards were prepared)")

@@ -59,6 +59,7 @@ def test_overrides_are_typed():
     ("checkpoint.every=-1", "checkpoint.every=-1: must be >= 0 (0: no checkpoints)"),
     ("data.eval_every=-5", "data.eval_every=-5: must be >= 0 (0: no validation)"),
     ("data.tokenizer=gpt2", "data.tokenizer='gpt2' with data.source='builtin': the built-in corpus is byte-level"),
+    ("data.path=data/x", "data.path='data/x' / data.val_path='' with data.source='builtin', which reads the built-in"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -98,3 +99,15 @@ def test_micro_batch_that_does_not_divide_names_one_that_does():
         accumulation_steps(tiny, 6)
     with pytest.raises(ConfigError, match=r"micro_batch=4 x 5 devices = 20$"):  # no micro-batch fits 36 / 5
         accumulation_steps(tiny, 5)
+
+
+def test_yaml_numbers_and_quoted_strings(tmp_path):
+    """Unquoted 5e-4 / 1E3 are numbers (YAML 1.1 reads them as strings), in a file and in an override; a quoted
+    number stays a string (the run's name "1.0")."""
+    f = tmp_path / "c.yaml"
+    f.write_text('name: "1.0"\noptimizer:\n  lr: 5E-4\n')
+    cfg = load_config(str(f))
+    assert cfg.name == "1.0" and cfg.optimizer.lr == 5e-4
+    cfg = load_config(str(f), ['name="2.5"', "optimizer.lr=3e-4"])
+    assert cfg.name == "2.5" and cfg.optimizer.lr == 3e-4
+

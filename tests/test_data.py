@@ -105,6 +105,62 @@ def test_prepare_jsonl_text_column_and_refusals(tmp_path):
     assert not any((tmp_path / o).exists() for o in ("o2", "o3", "o4"))
 
 
+
+def test_prepare_leaves_out_as_it_was_when_it_fails(tmp_path):
+    """--out is a file: refused. A bad row halfway (after shards were cut) or input too short for --val-tokens,
+    with --overwrite: the error names the row, --out keeps its old shards, byte for byte, and no staging files."""
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(60)))
+    out = tmp_path / "out"
+    base = ["--tokenizer", "byte", "--out", str(out), "--shard-tokens", "2000", "--val-tokens", "500", "--no-progress"]
+    prepare_main(["--input", str(good), *base])
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert len(before) >= 3
+    bad = tmp_path / "bad.jsonl"  # 600 good rows (several shards' worth), then a null text
+    bad.write_text("".join(json.dumps({"text": f"row {i} " * 10}) + "\n" for i in range(600))
+                   + json.dumps({"text": None}) + "\n")
+    with pytest.raises(DataError, match=r"row 600 \(counting from 0.*of column 'text' holds NoneType"):
+        prepare_main(["--input", str(bad), *base, "--overwrite"])
+    (tmp_path / "short.txt").write_text("tiny")
+    with pytest.raises(DataError, match=r"fewer than --val-tokens=500"):
+        prepare_main(["--input", str(tmp_path / "short.txt"), *base, "--overwrite"])
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(DataError, match=r"--out .*a_file' is a file; expected a directory"):
+        prepare_main(["--input", str(good), "--tokenizer", "byte", "--out", str(a_file)])
+    assert a_file.read_text() == "x"
+
+
+def test_unreadable_local_files_and_split_names_are_data_errors(tmp_path):
+    """A malformed .jsonl and a split name for local files give DataError (one line from train.py), never the
+    reader's traceback or the training files read again as validation."""
+    kw = dict(seq_len=32, batch_size=4, seed=0, vocab_size=320)
+    (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "unterminated\n')
+    with pytest.raises(DataError, match=r"broken.jsonl.*(cannot read the files as json|reading failed)"):
+        make_train_loader(DataConfig(source="hf", path=str(tmp_path / "broken.jsonl")), **kw)
+    (tmp_path / "ok.jsonl").write_text("".join(json.dumps({"text": "some words " * 30}) + "\n" for _ in range(40)))
+    local = DataConfig(source="hf", path=str(tmp_path / "ok.jsonl"), val_sequences=2, read_threads=1)
+    with pytest.raises(DataError, match=r"data.val_path='validation' is not a local file.*local files"):
+        load_val_sequences(dataclasses.replace(local, val_path="validation"), seq_len=32, vocab_size=320)
+    with pytest.raises(DataError, match=r"data.hf_split='test' names a split of a Hugging Face dataset"):
+        make_train_loader(dataclasses.replace(local, hf_split="test"), **kw)
+
+
+def test_a_val_path_directory_without_val_names_gives_all_its_shards(shards, tmp_path):
+    d, streams, val = shards
+    vdir = tmp_path / "valdir"
+    vdir.mkdir()
+    write_shard(vdir / "shard_000.bin", val)
+    v = load_val_sequences(bin_cfg(d, val_path=str(vdir), val_sequences=3), seq_len=16, vocab_size=300)
+    assert all(tuple(r) in set(windows_of(val.tolist(), 16)) for r in v.tolist())
+    train_only = tmp_path / "trainonly"
+    train_only.mkdir()
+    write_shard(train_only / "train_000000.bin", streams[0])
+    with pytest.raises(DataError, match=r"holds no val .bin shards \(file names containing 'val'\)"):
+        load_val_sequences(bin_cfg(train_only, val_sequences=3), seq_len=16, vocab_size=300)
+
+
 # ----------------------------------------------------------------------------- shard errors
 
 

@@ -278,3 +278,20 @@ def test_nothing_to_train_says_where_the_run_starts(tmp_path):
     lines = []
     assert train(tiny(tmp_path, "model.n_layers=2"), stop_after=0, log=lines.append) == []
     assert lines[-1] == "nothing to train: the run starts at step 0, and this run stops at --stop-after 0"
+
+
+def test_no_validation_data_is_read_without_evaluation(tmp_path):
+    """data.eval_every=0: a shard directory without validation shards trains (nothing reads them); with
+    evaluation on, the missing shards are named."""
+    from mhl_jax.data import DataError
+    from mhl_jax.data.bin_shards import write_shard
+
+    d = tmp_path / "trainonly"
+    d.mkdir()
+    write_shard(d / "train_000000.bin", np.random.default_rng(0).integers(0, 256, 20000).astype(np.uint16))
+    small = ("schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1", "model.n_layers=2",
+             "data.source=bin", f"data.path={d}")
+    with pytest.raises(DataError, match=r"holds no val .bin shards"):
+        train(tiny(tmp_path, *small, f"logging.run_dir={tmp_path / 'a'}"))
+    hist = train(tiny(tmp_path, *small, "data.eval_every=0", f"logging.run_dir={tmp_path / 'b'}"))
+    assert [m["step"] for m in hist] == [1, 2] and all("val_loss" not in m for m in hist)

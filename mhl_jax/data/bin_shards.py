@@ -26,9 +26,10 @@ def resolve_shards(spec: str, what: str = "data.path", role: str | None = None) 
     """The sorted `.bin` files named by `spec`: a directory, a glob, or one file.
 
     In a directory, `role` ('train' or 'val') picks the files whose name contains it (prepare's
-    train_000000.bin/val_000000.bin, modded-nanogpt's fineweb_train_*/fineweb_val_*); for 'train'
-    a directory without such names gives all its *.bin. Raises DataError when the directory/glob/file
-    does not exist or names no shard.
+    train_000000.bin/val_000000.bin, modded-nanogpt's fineweb_train_*/fineweb_val_*); a directory without
+    such names gives all its *.bin, except that data.path's validation part needs val-named files (the
+    rest are its training shards). Raises DataError when the directory/glob/file does not exist or names
+    no shard.
     """
     if not spec:
         raise DataError(f"{what} is empty: expected a directory, glob or file of .bin shards")
@@ -37,10 +38,15 @@ def resolve_shards(spec: str, what: str = "data.path", role: str | None = None) 
         files = sorted(p.glob("*.bin"))
         if role is not None:
             named = [f for f in files if role in f.name]
-            files = named if named or role != "train" else [f for f in files if "val" not in f.name]
+            if named:
+                files = named
+            elif role == "train":
+                files = [f for f in files if "val" not in f.name]
+            elif what == "data.path":  # the validation shards beside the training ones: named so
+                files = []
         if not files:
-            kind = f"{role} " if role else ""
-            raise DataError(f"{what}={spec!r}: the directory holds no {kind}.bin shards")
+            kind = f"{role} .bin shards (file names containing {role!r})" if role else ".bin shards"
+            raise DataError(f"{what}={spec!r}: the directory holds no {kind}")
         return files
     if p.is_file():
         return [p]

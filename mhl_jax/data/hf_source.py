@@ -78,8 +78,19 @@ def _load_files(files: list[Path], *, split: str, streaming: bool, what: str):
         raise DataError(f"{what} mixes formats {sorted(builders)}; use files of one kind")
     builder = builders.pop()
     kwargs = {"sample_by": "document"} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files={split: [str(f) for f in files]}, split=split,
-                                 streaming=streaming, **kwargs)
+    try:
+        return datasets.load_dataset(builder, data_files={split: [str(f) for f in files]}, split=split,
+                                     streaming=streaming, **kwargs)
+    except Exception as e:
+        raise DataError(f"{what}: cannot read the files as {builder} ({_root_cause(e)})") from e
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost cause of a `datasets` error, as "Type: first line" (its own message is often generic)."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {first}"
 
 
 def _load(spec: str, *, hf_config: str, split: str, streaming: bool, what: str):
@@ -96,16 +107,27 @@ def _load(spec: str, *, hf_config: str, split: str, streaming: bool, what: str):
 
 
 def _texts(ds, text_column: str, what: str) -> Iterator[str]:
+    """The strings of `text_column`, row by row; bad rows and unreadable files raise DataError naming `what` (the
+    config key, or prepare's option, that named the data) and the row."""
+    flag = "--text-column" if what.startswith("--") else "data.text_column"
     columns = ds.column_names
     if columns is not None and text_column not in columns:
-        raise DataError(f"{what} has no text column {text_column!r} (data.text_column); columns: {columns}")
-    for batch in ds.iter(batch_size=1024):
-        if text_column not in batch:
-            raise DataError(f"{what} has no text column {text_column!r}; columns: {sorted(batch)}")
-        for text in batch[text_column]:
-            if not isinstance(text, str):
-                raise DataError(f"{what}: column {text_column!r} holds {type(text).__name__}, expected str")
-            yield text
+        raise DataError(f"{what} has no text column {text_column!r} ({flag}); columns: {columns}")
+    row = 0
+    try:
+        for batch in ds.iter(batch_size=1024):
+            if text_column not in batch:
+                raise DataError(f"{what} has no text column {text_column!r} ({flag}); columns: {sorted(batch)}")
+            for text in batch[text_column]:
+                if not isinstance(text, str):
+                    raise DataError(f"{what}: row {row} (counting from 0, over the files in name order) of column "
+                                    f"{text_column!r} holds {type(text).__name__}, expected str")
+                row += 1
+                yield text
+    except DataError:
+        raise
+    except Exception as e:  # a malformed or undecodable file met while reading (streaming)
+        raise DataError(f"{what}: reading failed after {row} rows ({_root_cause(e)})") from e
 
 
 def iter_documents(spec: str, *, hf_config: str = "", split: str = "train", text_column: str = "text",
@@ -133,6 +155,14 @@ def hf_tokens(spec: str, hf_config: str, split: str, text_column: str, tokenizer
 
 def hf_split(cfg, part: str) -> np.ndarray:
     """Tokens of the training part (`part='train'`) or the validation part (`'val'`) per DataConfig."""
+    if local_files(cfg.path, "data.path") is not None:  # local files have one split: split names do not apply
+        if cfg.hf_split != "train":
+            raise DataError(f"data.hf_split={cfg.hf_split!r} names a split of a Hugging Face dataset, but data.path="
+                            f"{cfg.path!r} is local files, which have one; leave data.hf_split as 'train'")
+        if cfg.val_path and local_files(cfg.val_path, "data.val_path") is None:
+            raise DataError(f"data.val_path={cfg.val_path!r} is not a local file, directory or glob (a split name "
+                            f"applies to a dataset name only), and data.path={cfg.path!r} is local files: name the "
+                            "validation files, or leave data.val_path empty to hold out data.val_fraction")
     train = hf_tokens(cfg.path, cfg.hf_config, cfg.hf_split, cfg.text_column, cfg.tokenizer, "data.path")
     if not cfg.val_path:
         return split_tail(train, cfg.val_fraction, f"data.path={cfg.path!r}")[0 if part == "train" else 1]

@@ -1,8 +1,9 @@
 """`python -m mhl_jax.data.prepare`: text (local files or a Hugging Face dataset) -> `.bin` shards.
 
 Writes val_000000.bin (the first --val-tokens tokens) and train_000000.bin, train_000001.bin, ...
-(--shard-tokens tokens each, the last one shorter) in the modded-nanogpt format, each shard
-atomically. Documents are EOT-separated (each one is preceded by EOT). Train with
+(--shard-tokens tokens each, the last one shorter) in the modded-nanogpt format, into a staging
+directory inside --out, moved into --out once the whole input is read (a failure leaves --out as it
+was; --overwrite replaces its shards only then). Documents are EOT-separated (each one is preceded by EOT). Train with
 `data.source=bin data.path=OUT` (the directory: train_* are trained on, val_* validate).
 
     python -m mhl_jax.data.prepare --input 'books/*.txt' --tokenizer byte --out data/books \\
@@ -14,6 +15,8 @@ atomically. Documents are EOT-separated (each one is preceded by EOT). Train wit
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,14 +97,33 @@ def _documents(args: argparse.Namespace) -> Iterator[str]:
                           text_column=args.text_column, streaming=args.streaming, what="--hf-dataset")
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    old = sorted(out.glob("train_*.bin")) + sorted(out.glob("val_*.bin"))
+def _shards_in(out: Path) -> list[Path]:
+    return sorted(out.glob("train_*.bin")) + sorted(out.glob("val_*.bin"))
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an --out that is a file, or that holds shards without --overwrite (before any input is read)."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {str(out)!r} is a file; expected a directory (made if absent)")
+    old = _shards_in(out) if out.is_dir() else []
     if old and not overwrite:
         raise DataError(f"--out {str(out)!r} already holds shards ({old[0].name}, ...); choose an empty directory "
                         "or pass --overwrite")
-    for f in old:
-        f.unlink()
+
+
+def _install(staging: Path, out: Path) -> None:
+    """Move the finished shards from `staging` into `out`, replacing the shards there (set aside first, deleted
+    once the new ones are in place)."""
+    aside = out / f".prepare-old-{os.getpid()}"
+    old = _shards_in(out)
+    if old:
+        aside.mkdir()
+        for f in old:
+            f.rename(aside / f.name)
+    for f in _shards_in(staging):
+        f.rename(out / f.name)
+    if old:
+        shutil.rmtree(aside)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -139,10 +161,18 @@ def prepare(args: argparse.Namespace) -> list[Path]:
         raise DataError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids; .bin shards store uint16 ids "
                         f"(< {MAX_VOCAB})")
     out = Path(args.out)
+    _check_out(out, args.overwrite)
     created = not out.exists()
-    _prepare_out(out, args.overwrite)
     try:
-        writer = ShardWriter(out, args.shard_tokens, args.val_tokens)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out {str(out)!r} cannot be created: {e}") from e
+    # the shards are written into a staging directory and moved into --out only once the whole input is read: a
+    # failure (bad input, a bad row halfway) leaves --out as it was, its old shards too
+    staging = out / f".prepare-{os.getpid()}"
+    try:
+        staging.mkdir()
+        writer = ShardWriter(staging, args.shard_tokens, args.val_tokens)
         with tqdm(desc=f"prepare {out}", unit="tok", unit_scale=True, disable=args.no_progress,
                   file=sys.stderr) as bar:
             for ids in iter_encoded(tok, _documents(args)):
@@ -150,11 +180,12 @@ def prepare(args: argparse.Namespace) -> list[Path]:
                 bar.update(len(ids))
                 bar.set_postfix(shards=len(writer.written), refresh=False)
         writer.close()
-    except BaseException:
+        _install(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a failed first run leaves no empty output directory behind
-        raise
-    return writer.written
+    return [out / f.name for f in writer.written]
 
 
 def main(argv: list[str] | None = None) -> list[Path]:

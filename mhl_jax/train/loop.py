@@ -117,13 +117,16 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                                seed=cfg.train.seed,
                                vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                                process_count=jax.process_count())
-    val = (load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size) if cfg.data.val_sequences
-           else None)
+    val = (load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size)
+           if cfg.data.val_sequences and cfg.data.eval_every else None)  # no validation data read without evaluation
     eval_batch = cfg.train.micro_batch * mesh.size
     if val is not None and cfg.data.eval_every and len(val) < eval_batch:
         raise ConfigError(f"data.val_sequences={len(val)} is fewer than one evaluation batch (train.micro_batch="
                           f"{cfg.train.micro_batch} x {mesh.size} devices = {eval_batch}); raise it, or set "
                           "data.eval_every=0 to train without validation")
+    if val is not None and len(val) % eval_batch:
+        log(f"validation: {len(val) // eval_batch * eval_batch} of data.val_sequences={len(val)} sequences (whole "
+            f"evaluation batches of {eval_batch})")
     resume = resume or cfg.checkpoint.resume or None
     # XLA's autotuning results kept with the run (GPU); a bad setting is refused before anything is written
     tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(), jax.process_index())
