@@ -301,8 +301,10 @@ def test_sharded_train_step_matches_single_device():
 def test_mesh_validation_errors():
     with pytest.raises(ConfigError, match="parallel.hp=4 does not divide the 6 devices"):
         make_mesh(small_cfg("mh_latent_moe", hp=4), jax.devices()[:6])
-    with pytest.raises(ConfigError, match=r"parallel.data=4 x parallel.ep=2 = 8 devices, but 4"):
+    with pytest.raises(ConfigError, match=r"parallel.data=4 x parallel.ep=2 = 8 devices, but the mesh has 4"):
         make_mesh(small_cfg("moe", ep=2, data=4), jax.devices()[:4])
+    with pytest.raises(ConfigError, match=r"parallel.ep=8 exceeds the 4 devices of the mesh"):
+        make_mesh(small_cfg("moe", ep=8), jax.devices()[:4])
     cfg = small_cfg("mh_latent_moe")
     cfg.parallel.hp = 8
     cfg.ffn.num_heads, cfg.ffn.head_dim = 4, 16

@@ -27,8 +27,11 @@ def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int]:
     inner = par.hp if axis == "hp" else par.ep
     if inner < 1 or num_devices < 1:
         raise ConfigError(f"parallel.{axis}={inner} on {num_devices} devices: both must be >= 1")
+    if inner > num_devices:
+        raise ConfigError(f"parallel.{axis}={inner} exceeds the {num_devices} devices of the mesh (parallel.devices="
+                          f"{par.devices}, -1: all visible)")
     if num_devices % inner:
-        raise ConfigError(f"parallel.{axis}={inner} does not divide the {num_devices} devices")
+        raise ConfigError(f"parallel.{axis}={inner} does not divide the {num_devices} devices of the mesh")
     if axis == "hp" and f.num_heads % inner:
         raise ConfigError(f"ffn.num_heads={f.num_heads} is not divisible by parallel.hp={inner}")
     if axis == "ep" and f.kind != "mlp" and f.num_experts % inner:
@@ -36,7 +39,8 @@ def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int]:
     data = num_devices // inner if par.data == -1 else par.data
     if data * inner != num_devices:
         raise ConfigError(f"parallel.data={par.data} x parallel.{axis}={inner} = {data * inner} "
-                          f"devices, but {num_devices} are present (use parallel.data=-1 to fill them)")
+                          f"devices, but the mesh has {num_devices} (parallel.devices={par.devices}, -1: all "
+                          "visible; parallel.data=-1 fills them)")
     return data, inner
 
 
