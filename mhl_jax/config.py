@@ -238,10 +238,15 @@ class _Loader(yaml.SafeLoader):
     strings); a quoted "1.0" stays a string."""
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+class _Dumper(yaml.SafeDumper):
+    """Writes what `_Loader` reads back the same: a string such as "1e3" is quoted."""
+
+
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."))
 
 
 def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
@@ -267,6 +272,11 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
 
 def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    """The config as YAML that `load_config` reads back to the same Config (a run's config.yaml)."""
+    return yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False)
 
 
 # ----------------------------------------------------------------------------- validation

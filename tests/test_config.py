@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mhl_jax.config import Config, ConfigError, load_config, parse_override
+from mhl_jax.config import Config, ConfigError, dump_config, load_config, parse_override
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
 PAPER = ["mlp_0.2b", "moe_ep_2.2b", "latent_moe_ep_2.2b", "mh_latent_moe_hp_2.2b", "mh_latent_moe_hp_g_2.2b",
@@ -108,6 +108,9 @@ def test_yaml_numbers_and_quoted_strings(tmp_path):
     f.write_text('name: "1.0"\noptimizer:\n  lr: 5E-4\n')
     cfg = load_config(str(f))
     assert cfg.name == "1.0" and cfg.optimizer.lr == 5e-4
-    cfg = load_config(str(f), ['name="2.5"', "optimizer.lr=3e-4"])
-    assert cfg.name == "2.5" and cfg.optimizer.lr == 3e-4
+    cfg = load_config(str(f), ['name="2.5e3"', "optimizer.lr=3e-4"])
+    assert cfg.name == "2.5e3" and cfg.optimizer.lr == 3e-4
+    saved = tmp_path / "saved.yaml"  # a run's config.yaml reads back the same
+    saved.write_text(dump_config(cfg))
+    assert load_config(str(saved)) == cfg
 

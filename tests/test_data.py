@@ -125,6 +125,10 @@ def test_prepare_leaves_out_as_it_was_when_it_fails(tmp_path):
     with pytest.raises(DataError, match=r"fewer than --val-tokens=500"):
         prepare_main(["--input", str(tmp_path / "short.txt"), *base, "--overwrite"])
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    (out / ".prepare-1").mkdir()  # a killed run's staging directory (same pid in a container): replaced
+    (out / ".prepare-1" / "train_000000.bin").write_bytes(b"partial")
+    prepare_main(["--input", str(good), *base, "--overwrite"])
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     with pytest.raises(DataError, match=r"--out .*a_file' is a file; expected a directory"):

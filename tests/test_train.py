@@ -204,14 +204,16 @@ def test_a_non_finite_metric_stops_before_its_record_and_checkpoint(tmp_path, mo
         return wrapped
 
     monkeypatch.setattr(loop, "jit_train_step", nan_norm_at_step_3)
+    # step 3 is not a checkpoint step: its metrics are read after step 4 was dispatched (fetch-ahead), and step 4
+    # is a checkpoint step, so the check must come before step 4's save
     cfg = tiny(tmp_path, "schedule.total_steps=6", "schedule.warmup_steps=1", "schedule.decay_steps=1",
-               "data.val_sequences=0", "checkpoint.every=1", "checkpoint.keep=10", "model.n_layers=2")
+               "data.val_sequences=0", "checkpoint.every=2", "checkpoint.keep=10", "model.n_layers=2")
     with pytest.raises(FloatingPointError, match=rf"^{what} is nan at step 3; stopping"):
         train(cfg)
     run_dir = tmp_path / "run"
     assert [r["step"] for r in _records(run_dir)] == [1, 2]
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, loop.model_fingerprint(cfg)) as ckpt:
-        assert ckpt.all_steps() == [1, 2]
+        assert ckpt.all_steps() == [2]
 
 
 def test_resuming_an_older_checkpoint_into_a_run_with_later_ones_is_refused_first(tmp_path):
@@ -232,20 +234,26 @@ def test_resuming_an_older_checkpoint_into_a_run_with_later_ones_is_refused_firs
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight[2:]]
 
 
-def test_a_fresh_run_into_a_directory_with_an_earlier_runs_records_is_refused(tmp_path):
-    """No checkpoint to resume, but metrics.jsonl of an earlier run there: refused (its records would be dropped),
-    the directory left as it was."""
+def test_a_fresh_run_over_an_earlier_runs_records(tmp_path):
+    """No checkpoint to resume, metrics.jsonl of an earlier launch there: the same config relaunched (a job killed
+    before its first checkpoint) starts over, its records replaced; another config is refused (its records would be
+    dropped), the directory left as it was."""
     from mhl_jax.config import ConfigError
 
     common = ("schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1", "data.val_sequences=0",
               "model.n_layers=2")
-    train(tiny(tmp_path, *common))
+    first = train(tiny(tmp_path, *common))
     run_dir = tmp_path / "run"
     before = _dir_snapshot(run_dir)
     assert len(_records(run_dir)) == 2
-    with pytest.raises(ConfigError, match=r"holds the metrics of an earlier run .*metrics.jsonl.* no checkpoint"):
-        train(tiny(tmp_path, *common))
+    with pytest.raises(ConfigError, match=r"holds the metrics of an earlier run .*metrics.jsonl.* with another config"):
+        train(tiny(tmp_path, *common, "optimizer.lr=1e-3"))
     assert _dir_snapshot(run_dir) == before
+    lines = []
+    again = train(tiny(tmp_path, *common), log=lines.append)
+    assert any("starting over from step 0" in line for line in lines)
+    assert [m["loss"] for m in again] == [m["loss"] for m in first]
+    assert [r["step"] for r in _records(run_dir)] == [1, 2]
 
 
 def test_bad_run_directories_and_a_small_validation_set_are_refused_before_writing(tmp_path):

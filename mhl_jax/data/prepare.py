@@ -15,9 +15,9 @@ was; --overwrite replaces its shards only then). Documents are EOT-separated (ea
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,10 +114,9 @@ def _check_out(out: Path, overwrite: bool) -> None:
 def _install(staging: Path, out: Path) -> None:
     """Move the finished shards from `staging` into `out`, replacing the shards there (set aside first, deleted
     once the new ones are in place)."""
-    aside = out / f".prepare-old-{os.getpid()}"
     old = _shards_in(out)
     if old:
-        aside.mkdir()
+        aside = Path(tempfile.mkdtemp(dir=out, prefix=".prepare-old-"))
         for f in old:
             f.rename(aside / f.name)
     for f in _shards_in(staging):
@@ -169,9 +168,10 @@ def prepare(args: argparse.Namespace) -> list[Path]:
         raise DataError(f"--out {str(out)!r} cannot be created: {e}") from e
     # the shards are written into a staging directory and moved into --out only once the whole input is read: a
     # failure (bad input, a bad row halfway) leaves --out as it was, its old shards too
-    staging = out / f".prepare-{os.getpid()}"
+    for left in out.glob(".prepare-*"):  # a killed run's staging or set-aside shards (one prepare per --out)
+        shutil.rmtree(left, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(dir=out, prefix=".prepare-"))
     try:
-        staging.mkdir()
         writer = ShardWriter(staging, args.shard_tokens, args.val_tokens)
         with tqdm(desc=f"prepare {out}", unit="tok", unit_scale=True, disable=args.no_progress,
                   file=sys.stderr) as bar:

@@ -11,13 +11,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from mhl_jax.config import Config, ConfigError, config_to_dict
+from mhl_jax.config import Config, ConfigError, config_to_dict, dump_config
 from mhl_jax.data import load_val_sequences, make_train_loader
 from mhl_jax.model.attention import attention_impl
 from mhl_jax.model.balancing import RouterBias
@@ -147,9 +146,15 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             state = jax.device_put(state, shardings)
             log(f"resumed from step {start} ({resume or ckpt.directory})")
         elif records.exists() and records.stat().st_size > 0:
-            raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r} holds the metrics of an earlier run ({records})"
-                              " and no checkpoint to resume from; use another logging.run_dir, or delete that file "
-                              "to start over there")
+            # no checkpoint yet: the same run relaunched (killed or preempted before its first checkpoint) starts
+            # over; another run's records are not dropped
+            saved = run_dir / "config.yaml"
+            if not (saved.is_file() and saved.read_text() == dump_config(cfg)):
+                raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r} holds the metrics of an earlier run "
+                                  f"({records}) with another config ({saved.name}) and no checkpoint to resume from;"
+                                  " use another logging.run_dir, or delete that file to start over there")
+            log(f"no checkpoint of this run's earlier launch in {run_dir}: starting over from step 0 (its records "
+                "are replaced)")
         start = int(state["step"])
         total = cfg.schedule.total_steps
         end = total if stop_after is None else min(total, stop_after)
@@ -160,7 +165,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             log(f"nothing to train: {at}, and this run stops at {why}")
             return []
         # the run's config, once it is known to fit the checkpoint it resumes (a refused run leaves the old one)
-        write_atomic(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        write_atomic(run_dir / "config.yaml", dump_config(cfg))
         truncate_metrics(records, start)
 
         schedule = make_schedule(cfg.optimizer, cfg.schedule)
