@@ -155,11 +155,12 @@ def hf_tokens(spec: str, hf_config: str, split: str, text_column: str, tokenizer
 
 def hf_split(cfg, part: str) -> np.ndarray:
     """Tokens of the training part (`part='train'`) or the validation part (`'val'`) per DataConfig."""
+    val_local = bool(cfg.val_path) and local_files(cfg.val_path, "data.val_path") is not None
     if local_files(cfg.path, "data.path") is not None:  # local files have one split: split names do not apply
         if cfg.hf_split != "train":
             raise DataError(f"data.hf_split={cfg.hf_split!r} names a split of a Hugging Face dataset, but data.path="
                             f"{cfg.path!r} is local files, which have one; leave data.hf_split as 'train'")
-        if cfg.val_path and local_files(cfg.val_path, "data.val_path") is None:
+        if cfg.val_path and not val_local:
             raise DataError(f"data.val_path={cfg.val_path!r} is not a local file, directory or glob (a split name "
                             f"applies to a dataset name only), and data.path={cfg.path!r} is local files: name the "
                             "validation files, or leave data.val_path empty to hold out data.val_fraction")
@@ -168,6 +169,6 @@ def hf_split(cfg, part: str) -> np.ndarray:
         return split_tail(train, cfg.val_fraction, f"data.path={cfg.path!r}")[0 if part == "train" else 1]
     if part == "train":
         return train
-    if local_files(cfg.val_path, "data.val_path") is not None:
+    if val_local:
         return hf_tokens(cfg.val_path, cfg.hf_config, "train", cfg.text_column, cfg.tokenizer, "data.val_path")
     return hf_tokens(cfg.path, cfg.hf_config, cfg.val_path, cfg.text_column, cfg.tokenizer, "data.val_path")

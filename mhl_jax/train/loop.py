@@ -56,14 +56,13 @@ def accumulation_steps(cfg: Config, num_devices: int) -> int:
 
 
 def evaluate(eval_fn, state: dict, val: np.ndarray, batch: int, sharding) -> float:
-    """Mean NLL over the fixed validation sequences (the last partial batch is dropped)."""
+    """Mean NLL over the fixed validation sequences (the last partial batch is dropped; `train` has refused fewer
+    sequences than one batch)."""
     total, count = 0.0, 0
     for i in range(0, len(val) - batch + 1, batch):
         tokens = jax.device_put(val[i:i + batch], sharding)
         total += float(eval_fn(state["params"], state["biases"], tokens))
         count += batch * (val.shape[1] - 1)
-    if count == 0:
-        raise ConfigError(f"data.val_sequences={len(val)} is fewer than one evaluation batch ({batch})")
     return total / count
 
 
@@ -119,7 +118,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     val = (load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size)
            if cfg.data.val_sequences and cfg.data.eval_every else None)  # no validation data read without evaluation
     eval_batch = cfg.train.micro_batch * mesh.size
-    if val is not None and cfg.data.eval_every and len(val) < eval_batch:
+    if val is not None and len(val) < eval_batch:
         raise ConfigError(f"data.val_sequences={len(val)} is fewer than one evaluation batch (train.micro_batch="
                           f"{cfg.train.micro_batch} x {mesh.size} devices = {eval_batch}); raise it, or set "
                           "data.eval_every=0 to train without validation")
@@ -200,7 +199,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         tracing = False
 
         def evaluates(n: int) -> bool:
-            return bool(val is not None and cfg.data.eval_every and (n % cfg.data.eval_every == 0 or n == total))
+            return val is not None and (n % cfg.data.eval_every == 0 or n == total)  # val: only with eval_every
 
         def saves(n: int) -> bool:
             return bool(cfg.checkpoint.every and (n % cfg.checkpoint.every == 0 or n == end))
