@@ -63,3 +63,83 @@ def test_head_logits_backward_runs_in_the_compute_dtype():
         assert a.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=0.05, atol=0.05 * float(
             jnp.max(jnp.abs(b))))
+
+
+def test_head_loss_chunks_match_the_whole_logits_loss():
+    """`head_loss` (the LM head's loss in chunks along T, the logits' gradient kept in the compute dtype) against
+    `cross_entropy` of `head_logits`' whole logits: in fp32 the same loss and gradients to fp32 rounding at every chunk
+    length (1 .. T); in bf16 the same loss to fp32 rounding (the logits are the same products) and gradients within
+    bf16 rounding; a cotangent other than 1 scales both gradients."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mhl_jax.model.gpt import cross_entropy, head_logits, head_loss
+
+    k = jax.random.split(jax.random.key(1), 3)
+    b, t, d, v = 3, 12, 32, 50
+    x, w = jax.random.normal(k[0], (b, t, d)), 0.3 * jax.random.normal(k[1], (d, v))
+    tgt = jax.random.randint(k[2], (b, t), 0, v)
+    plain = jax.value_and_grad(lambda x, w: cross_entropy(head_logits(x, w), tgt), (0, 1))
+    v0, g0 = plain(x, w)
+    for tc in (1, 2, 3, 4, 6, 12):
+        v1, g1 = jax.value_and_grad(lambda x, w: head_loss(x, w, tgt, tc), (0, 1))(x, w)
+        np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
+        assert float(head_loss(x, w, tgt, tc)) == float(v1)  # the primal (no gradient kept) is the same sum
+        for a, r in zip(g1, g0):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(r))))
+    g3 = jax.grad(lambda x, w: 3.0 * head_loss(x, w, tgt, 4), (0, 1))(x, w)
+    for a, r in zip(g3, g0):
+        np.testing.assert_allclose(np.asarray(a), 3.0 * np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    vb0, gb0 = plain(xb, wb)
+    vb1, gb1 = jax.value_and_grad(lambda x, w: head_loss(x, w, tgt, 4), (0, 1))(xb, wb)
+    np.testing.assert_allclose(float(vb1), float(vb0), rtol=1e-6)
+    for a, r in zip(gb1, gb0):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32), rtol=0.02,
+                                   atol=0.01 * float(jnp.max(jnp.abs(r.astype(jnp.float32)))))
+
+
+def test_head_loss_holds_no_whole_fp32_logits():
+    """The differentiated chunked loss's compiled temporaries stay below the whole-logits form's by more than one
+    (B, T, V) fp32 array: the form that keeps fp32 logits for the backward would not."""
+    import jax
+    import jax.numpy as jnp
+
+    from mhl_jax.model.gpt import cross_entropy, head_logits, head_loss
+
+    b, t, d, v = 4, 256, 64, 8192
+    args = (jnp.zeros((b, t, d), jnp.bfloat16), jnp.zeros((d, v), jnp.bfloat16), jnp.zeros((b, t), jnp.int32))
+
+    def temp(f):
+        return jax.jit(jax.value_and_grad(f, (0, 1))).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    plain = temp(lambda x, w, tg: cross_entropy(head_logits(x, w), tg))
+    chunked = temp(lambda x, w, tg: head_loss(x, w, tg, 32))
+    assert chunked < plain - b * t * v * 4, (chunked, plain)
+
+
+def test_loss_chunk_len_and_the_model_loss_forms():
+    """`loss_chunk_len`: the largest divisor of T with B x length <= the chunk's tokens (at least 1). `GPT.loss` with
+    HEAD_LOSS_CHUNK = 0 is `cross_entropy` of the model's logits exactly, and the chunked form agrees with it."""
+    import jax
+    import numpy as np
+
+    from mhl_jax.config import load_config
+    from mhl_jax.model import gpt
+
+    assert [gpt.loss_chunk_len(*a) for a in [(8, 2048, 4096), (16, 2048, 4096), (3, 7, 4096), (5, 2048, 4096),
+                                             (64, 2048, 16), (2, 12, 8)]] == [512, 256, 7, 512, 1, 4]
+    cfg = load_config("configs/tiny_mh_latent_moe.yaml", ["model.n_layers=3", "model.context=16"])
+    model = gpt.build_model(cfg)
+    tok = jax.random.randint(jax.random.key(0), (2, 17), 0, cfg.model.vocab_size)
+    ref = float(gpt.cross_entropy(model(tok[:, :-1])[0], tok[:, 1:]))
+    old = gpt.HEAD_LOSS_CHUNK
+    try:
+        gpt.HEAD_LOSS_CHUNK = 0
+        assert float(model.loss(tok[:, :-1], tok[:, 1:])[0]) == ref
+        gpt.HEAD_LOSS_CHUNK = 8  # chunks of 4 positions
+        np.testing.assert_allclose(float(model.loss(tok[:, :-1], tok[:, 1:])[0]), ref, rtol=1e-6)
+    finally:
+        gpt.HEAD_LOSS_CHUNK = old

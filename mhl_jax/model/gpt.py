@@ -7,6 +7,8 @@ softmax and loss are fp32.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -93,12 +95,12 @@ class GPT(nnx.Module):
             if isinstance(bank, ExpertBank):
                 yield i, bank, block.ffn.executor
 
-    def __call__(self, tokens: jax.Array, weights_cast: dict | None = None,
-                 grad_acc: dict | None = None) -> tuple[jax.Array, dict[int, jax.Array]]:
-        """tokens: (B, T) int32 -> logits (B, T, V) fp32, loads {layer index: (H, Ne) int32} per MoE layer.
-        weights_cast: `expert_weight_casts()`, made by the caller (None: each MoE layer casts its own). grad_acc:
-        {layer: (acc1, acc2)} for layers of `expert_grad_accumulation()`: the gradients of those layers' w1 / w2 come
-        back as acc + dW (not differentiated themselves)."""
+    def hidden(self, tokens: jax.Array, weights_cast: dict | None = None,
+               grad_acc: dict | None = None) -> tuple[jax.Array, dict[int, jax.Array]]:
+        """tokens: (B, T) int32 -> the final norm's output (B, T, d) in the compute dtype (the head's input), loads
+        {layer index: (H, Ne) int32} per MoE layer. weights_cast: `expert_weight_casts()`, made by the caller (None:
+        each MoE layer casts its own). grad_acc: {layer: (acc1, acc2)} for layers of `expert_grad_accumulation()`: the
+        gradients of those layers' w1 / w2 come back as acc + dW (not differentiated themselves)."""
         h = embed_lookup(self.embed[...], tokens)  # deterministic gradient (mhl_jax/ops/embed.py)
         loads = {}
         weights_cast, grad_acc = weights_cast or {}, grad_acc or {}
@@ -106,9 +108,24 @@ class GPT(nnx.Module):
             h, load = block(h, weights_cast.get(i), grad_acc.get(i))
             if load is not None:
                 loads[i] = load
-        x = self.norm_f(h).astype(self.dtype)
-        logits = head_logits(x, self.head[...].astype(self.dtype))
-        return logits, loads
+        return self.norm_f(h).astype(self.dtype), loads
+
+    def __call__(self, tokens: jax.Array, weights_cast: dict | None = None,
+                 grad_acc: dict | None = None) -> tuple[jax.Array, dict[int, jax.Array]]:
+        """tokens: (B, T) int32 -> logits (B, T, V) fp32, loads {layer index: (H, Ne) int32} per MoE layer
+        (`hidden`'s arguments)."""
+        x, loads = self.hidden(tokens, weights_cast, grad_acc)
+        return head_logits(x, self.head[...].astype(self.dtype)), loads
+
+    def loss(self, tokens: jax.Array, targets: jax.Array, weights_cast: dict | None = None,
+             grad_acc: dict | None = None) -> tuple[jax.Array, dict[int, jax.Array]]:
+        """Mean next-token NLL (fp32) of targets (B, T) after tokens (B, T), and the loads (`hidden`'s arguments):
+        `head_loss` in chunks of about HEAD_LOSS_CHUNK tokens (0: `cross_entropy` of the whole logits)."""
+        x, loads = self.hidden(tokens, weights_cast, grad_acc)
+        w = self.head[...].astype(self.dtype)
+        if HEAD_LOSS_CHUNK <= 0:
+            return cross_entropy(head_logits(x, w), targets), loads
+        return head_loss(x, w, targets, loss_chunk_len(x.shape[0], x.shape[1], HEAD_LOSS_CHUNK)), loads
 
 
 @jax.custom_vjp
@@ -142,6 +159,76 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.mean(lse - picked)
+
+
+# Tokens per chunk of the LM head's loss (`GPT.loss`): about this many tokens' logits exist at a time (fp32), and the
+# backward keeps the logits' gradient in the compute dtype instead of the logits in fp32. 0: the whole (B, T, V) fp32
+# logits and XLA's autodiff of `cross_entropy` (the form before 2026-11-27).
+HEAD_LOSS_CHUNK = 4096
+
+
+def loss_chunk_len(batch: int, seq: int, tokens: int) -> int:
+    """The chunk length along T for `head_loss`: the largest divisor of seq with batch * length <= tokens (at least
+    1), so every chunk holds about `tokens` tokens of all B sequences (the batch axis, which data parallelism shards,
+    stays whole)."""
+    best = 1
+    for c in range(1, seq + 1):
+        if seq % c == 0 and batch * c <= max(tokens, batch):
+            best = c
+    return best
+
+
+def _chunked(a: jax.Array, tc: int) -> jax.Array:
+    """(B, T, ...) -> (T / tc, B, tc, ...): the chunks along T as the leading axis."""
+    b, t = a.shape[:2]
+    return jnp.swapaxes(a.reshape(b, t // tc, tc, *a.shape[2:]), 0, 1)
+
+
+def _chunk_nll(xc: jax.Array, w: jax.Array, tc: jax.Array):
+    """One chunk's logits (fp32, from x and w in the compute dtype), their log-sum-exp and NLL per token."""
+    logits = jnp.einsum("btd,dv->btv", xc, w, preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+    return logits, lse, lse - picked
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, tc: int) -> jax.Array:
+    """Mean NLL (fp32) of targets (B, T) under the logits x (B, T, d) @ w (d, V) (both in the compute dtype, fp32
+    accumulation), computed in chunks of tc positions of every sequence (T % tc == 0): no (B, T, V) fp32 array. The
+    forward of the differentiated loss also makes each chunk's logits' gradient, (softmax - onehot) / (B T), and keeps
+    it in the compute dtype for the backward (what `head_logits`' backward casts the fp32 cotangent to); the backward
+    multiplies by the loss's cotangent after its two matmuls (1 in the train step: exact). Deterministic: fixed
+    chunks, fixed sums."""
+    return _head_loss_fwd(x, w, targets, tc, False)[0]
+
+
+def _head_loss_fwd(x, w, targets, tc, keep=True):
+    b, t = targets.shape
+    scale = 1.0 / (b * t)
+
+    def chunk(args):
+        xc, tgt = args
+        logits, lse, nll = _chunk_nll(xc, w, tgt)
+        if not keep:
+            return nll
+        d = jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(tgt, logits.shape[-1], dtype=jnp.float32)
+        return nll, (d * scale).astype(x.dtype)
+
+    out = jax.lax.map(chunk, (_chunked(x, tc), _chunked(targets, tc)))
+    nll, dlogits = out if keep else (out, None)
+    return jnp.sum(nll) * scale, (x, w, dlogits)
+
+
+def _head_loss_bwd(tc, res, g):
+    x, w, dlogits = res  # dlogits (T / tc, B, tc, V) in the compute dtype
+    dx = jnp.einsum("nbtv,dv->nbtd", dlogits, w, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("nbtd,nbtv->dv", _chunked(x, tc), dlogits, preferred_element_type=jnp.float32)
+    dx = jnp.swapaxes(dx, 0, 1).reshape(x.shape)
+    return (dx * g).astype(x.dtype), (dw * g).astype(w.dtype), None
+
+
+head_loss.defvjp(_head_loss_fwd, _head_loss_bwd)
 
 
 def build_model(cfg: Config, seed: int | None = None, executor: MoEExecutor | None = None,

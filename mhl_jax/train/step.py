@@ -14,7 +14,6 @@ import optax
 from flax import nnx
 
 from mhl_jax.model.balancing import load_stats, update_bias
-from mhl_jax.model.gpt import cross_entropy
 
 # XLA options for the compiled train step. `while-loop-all-reduce-code-motion` moves the data-parallel
 # all-reduce of a gradient out of the micro-batch loop and accumulates locally instead; on scatter-based
@@ -68,8 +67,7 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, biases: nnx.State, tokens
     `expert_weight_casts()` made outside (not differentiated: the fp32 weights in params get the gradients); grad_acc:
     {layer: (acc1, acc2)} running gradient sums of those layers' expert weights (`GPT.__call__`; not differentiated)."""
     model = nnx.merge(graphdef, params, biases)
-    logits, loads = model(tokens[:, :-1], weights_cast, grad_acc)
-    return cross_entropy(logits, tokens[:, 1:]), loads
+    return model.loss(tokens[:, :-1], tokens[:, 1:], weights_cast, grad_acc)
 
 
 def apply_balancing(biases: nnx.State, loads: dict[int, jax.Array], gamma: float) -> nnx.State:
