@@ -158,9 +158,12 @@ def _weight_casts_in(jaxpr, shapes) -> int:
 
 
 def _scan_bodies(jaxpr):
+    """The bodies of the outermost scans (the step's micro-batch loop; not the scans inside it, such as the LM head
+    loss's loop over chunks)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
             yield eqn.params["jaxpr"].jaxpr
+            continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from _scan_bodies(sub)
 

@@ -81,14 +81,17 @@ def test_head_loss_chunks_match_the_whole_logits_loss():
     x, w = jax.random.normal(k[0], (b, t, d)), 0.3 * jax.random.normal(k[1], (d, v))
     tgt = jax.random.randint(k[2], (b, t), 0, v)
     plain = jax.value_and_grad(lambda x, w: cross_entropy(head_logits(x, w), tgt), (0, 1))
-    v0, g0 = plain(x, w)
-    for tc in (1, 2, 3, 4, 6, 12):
-        v1, g1 = jax.value_and_grad(lambda x, w: head_loss(x, w, tgt, tc), (0, 1))(x, w)
-        np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
-        assert float(head_loss(x, w, tgt, tc)) == float(v1)  # the primal (no gradient kept) is the same sum
-        for a, r in zip(g1, g0):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(r))))
-    g3 = jax.grad(lambda x, w: 3.0 * head_loss(x, w, tgt, 4), (0, 1))(x, w)
+    with jax.default_matmul_precision("highest"):  # fp32 products on a GPU too (not TF32)
+        v0, g0 = plain(x, w)
+        for tc in (1, 2, 3, 4, 6, 12):
+            v1, g1 = jax.value_and_grad(lambda x, w: head_loss(x, w, tgt, tc), (0, 1))(x, w)
+            np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
+            # the primal (no gradient kept: evaluation) is the same sum; XLA may fuse it otherwise (GPU: last bits)
+            np.testing.assert_allclose(float(head_loss(x, w, tgt, tc)), float(v1), rtol=1e-6)
+            for a, r in zip(g1, g0):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5,
+                                           atol=1e-6 * float(jnp.max(jnp.abs(r))))
+        g3 = jax.grad(lambda x, w: 3.0 * head_loss(x, w, tgt, 4), (0, 1))(x, w)
     for a, r in zip(g3, g0):
         np.testing.assert_allclose(np.asarray(a), 3.0 * np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
@@ -102,8 +105,9 @@ def test_head_loss_chunks_match_the_whole_logits_loss():
 
 
 def test_head_loss_holds_no_whole_fp32_logits():
-    """The differentiated chunked loss's compiled temporaries stay below the whole-logits form's by more than one
-    (B, T, V) fp32 array: the form that keeps fp32 logits for the backward would not."""
+    """The differentiated chunked loss's compiled temporaries stay below the whole-logits form's by at least one
+    (B, T, V) array in the compute dtype (bf16): kept fp32 logits would not (the whole form holds them and a bf16
+    cotangent; XLA may add a copy of the kept bf16 gradient: 64 vs 32 MiB here on an H100, 82 vs 32 on the CPU)."""
     import jax
     import jax.numpy as jnp
 
@@ -116,8 +120,8 @@ def test_head_loss_holds_no_whole_fp32_logits():
         return jax.jit(jax.value_and_grad(f, (0, 1))).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
     plain = temp(lambda x, w, tg: cross_entropy(head_logits(x, w), tg))
-    chunked = temp(lambda x, w, tg: head_loss(x, w, tg, 32))
-    assert chunked < plain - b * t * v * 4, (chunked, plain)
+    chunked = temp(lambda x, w, tg: head_loss(x, w, tg, 8))
+    assert chunked <= plain - b * t * v * 2, (chunked, plain)
 
 
 def test_loss_chunk_len_and_the_model_loss_forms():
