@@ -84,7 +84,7 @@ def test_head_loss_chunks_match_the_whole_logits_loss():
     with jax.default_matmul_precision("highest"):  # fp32 products on a GPU too (not TF32)
         v0, g0 = plain(x, w)
         for tc in (1, 2, 3, 4, 6, 12):
-            v1, g1 = jax.value_and_grad(lambda x, w: head_loss(x, w, tgt, tc), (0, 1))(x, w)
+            v1, g1 = jax.value_and_grad(lambda x, w, tc=tc: head_loss(x, w, tgt, tc), (0, 1))(x, w)
             np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
             # the primal (no gradient kept: evaluation) is the same sum; XLA may fuse it otherwise (GPU: last bits)
             np.testing.assert_allclose(float(head_loss(x, w, tgt, tc)), float(v1), rtol=1e-6)
@@ -93,7 +93,8 @@ def test_head_loss_chunks_match_the_whole_logits_loss():
                                            atol=1e-6 * float(jnp.max(jnp.abs(r))))
         g3 = jax.grad(lambda x, w: 3.0 * head_loss(x, w, tgt, 4), (0, 1))(x, w)
     for a, r in zip(g3, g0):
-        np.testing.assert_allclose(np.asarray(a), 3.0 * np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+        np.testing.assert_allclose(np.asarray(a), 3.0 * np.asarray(r), rtol=1e-5,
+                                   atol=1e-5 * float(jnp.max(jnp.abs(r))))
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     vb0, gb0 = plain(xb, wb)
     vb1, gb1 = jax.value_and_grad(lambda x, w: head_loss(x, w, tgt, 4), (0, 1))(xb, wb)
