@@ -188,6 +188,8 @@ def _check_type(path: str, value: Any, tp: Any) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if value is None:  # YAML's null (e.g. --set data.path=null): the empty string is this field's "none"
+            raise ConfigError(f"{path}=None: expected a string; for none give the empty one (--set {path}=)")
         raise ConfigError(f"{path}={value!r}: expected a string")
     raise ConfigError(f"{path}: unsupported field type {tp}")
 
@@ -346,7 +348,8 @@ def validate(cfg: Config) -> None:
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0: no checkpoints)")
     _require(cfg.data.source != "builtin" or not (cfg.data.path or cfg.data.val_path),
              f"data.path={cfg.data.path!r} / data.val_path={cfg.data.val_path!r} with data.source='builtin', which "
-             "reads the built-in corpus and no files: set data.source=bin (prepared .bin shards) or hf (text)")
+             "reads the built-in corpus and no files: set data.source=bin (prepared .bin shards) or hf (text), or "
+             "empty them (--set data.path= --set data.val_path=) to train on the built-in corpus")
     _require(cfg.data.source != "builtin" or cfg.data.tokenizer == "byte",
              f"data.tokenizer={cfg.data.tokenizer!r} with data.source='builtin': the built-in corpus is byte-level "
              "(data.tokenizer: byte); gpt2 tokenizes data.source='hf' text (and names how .bin shards were prepared)")

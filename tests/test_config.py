@@ -60,6 +60,8 @@ def test_overrides_are_typed():
     ("data.eval_every=-5", "data.eval_every=-5: must be >= 0 (0: no validation)"),
     ("data.tokenizer=gpt2", "data.tokenizer='gpt2' with data.source='builtin': the built-in corpus is byte-level"),
     ("data.path=data/x", "data.path='data/x' / data.val_path='' with data.source='builtin', which reads the built-in"),
+    ("data.path=data/x", "or empty them (--set data.path= --set data.val_path=) to train on the built-in corpus"),
+    ("data.path=null", "data.path=None: expected a string; for none give the empty one (--set data.path=)"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as e:
