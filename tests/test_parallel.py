@@ -120,6 +120,18 @@ def test_head_parallel_matches_single_device(data, hp):
     assert_same(got, reference("mh_latent_moe"))
 
 
+@pytest.mark.parametrize("data,hp", [(1, 1), (2, 4)])
+def test_head_loss_chunks_under_sharding_match_single_device(monkeypatch, data, hp):
+    """The LM head's loss in several chunks (2 tokens per device: 16 chunks of one position on one device, 8 of two
+    positions on 8 devices) gives the single-device model's loss and gradients (whose 128 tokens make one chunk)."""
+    import mhl_jax.model.gpt as gpt
+
+    want = reference("mh_latent_moe")  # made (or cached) at the default chunk
+    monkeypatch.setattr(gpt, "HEAD_LOSS_CHUNK", 2)
+    cfg = small_cfg("mh_latent_moe", hp=hp, data=data)
+    assert_same(loss_grads(cfg, jax.devices()[:data * hp], repeat=2), want)
+
+
 @pytest.mark.parametrize("data,ep", [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4)])
 def test_expert_parallel_matches_single_device(data, ep):
     cfg = small_cfg("moe", ep=ep, data=data)

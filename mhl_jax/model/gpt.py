@@ -54,7 +54,7 @@ class Block(nnx.Module):
 
     def __call__(self, h: jax.Array, weights_cast=None, grad_acc=None) -> tuple[jax.Array, jax.Array | None]:
         """h: (B, T, d) fp32 residual stream -> updated h, expert load (H, Ne) or None. weights_cast, grad_acc: this
-        layer's entries of `GPT.__call__`'s (MoE layers only)."""
+        layer's entries of `GPT.hidden`'s (MoE layers only)."""
         h = h + self.attn(self.norm1(h).astype(self.dtype)).astype(jnp.float32)
         x = self.norm2(h).astype(self.dtype)
         y, load = self.ffn(x) if weights_cast is None and grad_acc is None else self.ffn(x, weights_cast, grad_acc)
@@ -72,6 +72,7 @@ class GPT(nnx.Module):
         self.norm_f = RMSNorm(m.d_model, m.norm_eps)
         self.head = normal_param(rngs, (m.d_model, m.vocab_size), m.init_std)
         self.dtype = jnp.dtype(m.compute_dtype)
+        self.batch_shards = 1 if mesh is None else mesh.size  # the batch is split over every device of the mesh
 
     def expert_weight_casts(self) -> dict[int, tuple[jax.Array, jax.Array]]:
         """{layer: (w1, w2) in the compute dtype} for the MoE layers whose executor reads the expert weights cast
@@ -120,12 +121,13 @@ class GPT(nnx.Module):
     def loss(self, tokens: jax.Array, targets: jax.Array, weights_cast: dict | None = None,
              grad_acc: dict | None = None) -> tuple[jax.Array, dict[int, jax.Array]]:
         """Mean next-token NLL (fp32) of targets (B, T) after tokens (B, T), and the loads (`hidden`'s arguments):
-        `head_loss` in chunks of about HEAD_LOSS_CHUNK tokens (0: `cross_entropy` of the whole logits)."""
+        `head_loss` in chunks of about HEAD_LOSS_CHUNK tokens per device (0: `cross_entropy` of the whole logits)."""
         x, loads = self.hidden(tokens, weights_cast, grad_acc)
         w = self.head[...].astype(self.dtype)
         if HEAD_LOSS_CHUNK <= 0:
             return cross_entropy(head_logits(x, w), targets), loads
-        return head_loss(x, w, targets, loss_chunk_len(x.shape[0], x.shape[1], HEAD_LOSS_CHUNK)), loads
+        per_device = max(1, x.shape[0] // self.batch_shards)  # under jit x is the whole batch
+        return head_loss(x, w, targets, loss_chunk_len(per_device, x.shape[1], HEAD_LOSS_CHUNK)), loads
 
 
 @jax.custom_vjp
@@ -161,16 +163,17 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(lse - picked)
 
 
-# Tokens per chunk of the LM head's loss (`GPT.loss`): about this many tokens' logits exist at a time (fp32), and the
-# backward keeps the logits' gradient in the compute dtype instead of the logits in fp32. 0: the whole (B, T, V) fp32
-# logits and XLA's autodiff of `cross_entropy` (the form before 2026-11-27).
+# Tokens per device in a chunk of the LM head's loss (`GPT.loss`): about this many tokens' logits exist at a time
+# (fp32), and the differentiated loss makes its two gradients chunk by chunk instead of keeping the (B, T, V) logits
+# or their gradient. 0: the whole (B, T, V) fp32 logits and XLA's autodiff of `cross_entropy` (the form before
+# 2026-11-27).
 HEAD_LOSS_CHUNK = 4096
 
 
 def loss_chunk_len(batch: int, seq: int, tokens: int) -> int:
     """The chunk length along T for `head_loss`: the largest divisor of seq with batch * length <= tokens (at least
-    1), so every chunk holds about `tokens` tokens of all B sequences (the batch axis, which data parallelism shards,
-    stays whole)."""
+    1), so every chunk holds about `tokens` tokens of all `batch` sequences (the batch axis, which data parallelism
+    shards, stays whole: pass the sequences per device)."""
     best = 1
     for c in range(1, seq + 1):
         if seq % c == 0 and batch * c <= max(tokens, batch):
@@ -195,37 +198,43 @@ def _chunk_nll(xc: jax.Array, w: jax.Array, tc: jax.Array):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, tc: int) -> jax.Array:
     """Mean NLL (fp32) of targets (B, T) under the logits x (B, T, d) @ w (d, V) (both in the compute dtype, fp32
-    accumulation), computed in chunks of tc positions of every sequence (T % tc == 0): no (B, T, V) fp32 array. The
-    forward of the differentiated loss also makes each chunk's logits' gradient, (softmax - onehot) / (B T), and keeps
-    it in the compute dtype for the backward (what `head_logits`' backward casts the fp32 cotangent to); the backward
-    multiplies by the loss's cotangent after its two matmuls (1 in the train step: exact). Deterministic: fixed
-    chunks, fixed sums."""
+    accumulation), computed in chunks of tc positions of every sequence (T % tc == 0): no (B, T, V) array.
+
+    Differentiated, the forward also makes the gradients, chunk by chunk: the chunk's logits' gradient (softmax -
+    onehot) / (B T), rounded to the compute dtype (what `head_logits`' backward casts the fp32 cotangent to), gives
+    the chunk's dx (the same matmul as there, rounded once to the compute dtype) and its term of dW, summed over the
+    chunks in order in fp32 and rounded once to w's dtype in the backward, which only multiplies both by the loss's
+    cotangent (1 in the train step: exact). It keeps dx and dW, not the logits. Deterministic: fixed chunks, fixed
+    order."""
     return _head_loss_fwd(x, w, targets, tc, False)[0]
 
 
-def _head_loss_fwd(x, w, targets, tc, keep=True):
+def _head_loss_fwd(x, w, targets, tc, grads=True):
+    if x.dtype != w.dtype or x.shape[:2] != targets.shape or x.shape[1] % tc:
+        raise ValueError(f"head_loss: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}, targets {targets.shape}, tc={tc}; "
+                         "expected x and w in one dtype, targets (B, T) as x's first axes and T a multiple of tc")
     b, t = targets.shape
     scale = 1.0 / (b * t)
+    xs, ts = _chunked(x, tc), _chunked(targets, tc)
+    if not grads:  # the loss alone (evaluation; the primal of the custom VJP)
+        nll = jax.lax.map(lambda a: _chunk_nll(a[0], w, a[1])[2], (xs, ts))
+        return jnp.sum(nll) * scale, None
 
-    def chunk(args):
+    def chunk(dw, args):
         xc, tgt = args
         logits, lse, nll = _chunk_nll(xc, w, tgt)
-        if not keep:
-            return nll
         d = jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(tgt, logits.shape[-1], dtype=jnp.float32)
-        return nll, (d * scale).astype(x.dtype)
+        d = (d * scale).astype(x.dtype)
+        dxc = jnp.einsum("btv,dv->btd", d, w, preferred_element_type=x.dtype)
+        return dw + jnp.einsum("btd,btv->dv", xc, d, preferred_element_type=jnp.float32), (nll, dxc)
 
-    out = jax.lax.map(chunk, (_chunked(x, tc), _chunked(targets, tc)))
-    nll, dlogits = out if keep else (out, None)
-    return jnp.sum(nll) * scale, (x, w, dlogits)
+    dw, (nll, dx) = jax.lax.scan(chunk, jnp.zeros(w.shape, jnp.float32), (xs, ts))
+    return jnp.sum(nll) * scale, (jnp.swapaxes(dx, 0, 1).reshape(x.shape), dw)
 
 
 def _head_loss_bwd(tc, res, g):
-    x, w, dlogits = res  # dlogits (T / tc, B, tc, V) in the compute dtype
-    dx = jnp.einsum("nbtv,dv->nbtd", dlogits, w, preferred_element_type=jnp.float32)
-    dw = jnp.einsum("nbtd,nbtv->dv", _chunked(x, tc), dlogits, preferred_element_type=jnp.float32)
-    dx = jnp.swapaxes(dx, 0, 1).reshape(x.shape)
-    return (dx * g).astype(x.dtype), (dw * g).astype(w.dtype), None
+    dx, dw = res  # dx in the compute dtype (x's and w's), dw fp32
+    return (dx.astype(jnp.float32) * g).astype(dx.dtype), (dw * g).astype(dx.dtype), None
 
 
 head_loss.defvjp(_head_loss_fwd, _head_loss_bwd)

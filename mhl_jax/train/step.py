@@ -65,7 +65,7 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, biases: nnx.State, tokens
             weights_cast: dict | None = None, grad_acc: dict | None = None):
     """tokens: (B, T + 1) int32 -> (mean NLL fp32, {layer: (H, Ne) int32 loads}). weights_cast: the model's
     `expert_weight_casts()` made outside (not differentiated: the fp32 weights in params get the gradients); grad_acc:
-    {layer: (acc1, acc2)} running gradient sums of those layers' expert weights (`GPT.__call__`; not differentiated)."""
+    {layer: (acc1, acc2)} running gradient sums of those layers' expert weights (`GPT.hidden`; not differentiated)."""
     model = nnx.merge(graphdef, params, biases)
     return model.loss(tokens[:, :-1], tokens[:, 1:], weights_cast, grad_acc)
 
