@@ -6,6 +6,8 @@ tolerance; loads exactly), and a whole sharded train step must match the single-
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,6 +132,33 @@ def test_head_loss_chunks_under_sharding_match_single_device(monkeypatch, data, 
     monkeypatch.setattr(gpt, "HEAD_LOSS_CHUNK", 2)
     cfg = small_cfg("mh_latent_moe", hp=hp, data=data)
     assert_same(loss_grads(cfg, jax.devices()[:data * hp], repeat=2), want)
+
+
+def test_head_loss_reduces_its_weight_gradient_once():
+    """With the batch split over 4 devices, the LM head loss's chunk loop keeps one dW sum per device: the compiled
+    gradient's loop bodies hold no all-reduce (summing over the whole batch inside the loop all-reduced every chunk's
+    (d, V) term), and the result is the single-device one."""
+    import re
+
+    from mhl_jax.model.gpt import head_loss
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((8, 64, 32), np.float32), rng.standard_normal((32, 256), np.float32)
+    t = rng.integers(0, 256, (8, 64)).astype(np.int32)
+    grad = jax.value_and_grad(lambda x, w, t, s: head_loss(x, w, t, 16, s), (0, 1))
+    want = jax.jit(functools.partial(grad, s=1))(x, w, t)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    args = (put(x, P("data")), put(w, P()), put(t, P("data")))
+    fn = jax.jit(functools.partial(grad, s=4))
+    hlo = fn.lower(*args).compile().as_text()
+    bodies = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo))
+    assert bodies
+    comps = {m.group(1): m.group(2) for m in re.finditer(r"\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S)}
+    assert all("all-reduce(" not in comps[b] for b in bodies), "an all-reduce inside the chunk loop"
+    assert "all-reduce(" in hlo  # the one after the loop
+    for a, r in zip(jax.tree.leaves(fn(*args)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("data,ep", [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4)])

@@ -127,7 +127,8 @@ class GPT(nnx.Module):
         if HEAD_LOSS_CHUNK <= 0:
             return cross_entropy(head_logits(x, w), targets), loads
         per_device = max(1, x.shape[0] // self.batch_shards)  # under jit x is the whole batch
-        return head_loss(x, w, targets, loss_chunk_len(per_device, x.shape[1], HEAD_LOSS_CHUNK)), loads
+        tc = loss_chunk_len(per_device, x.shape[1], HEAD_LOSS_CHUNK)
+        return head_loss(x, w, targets, tc, self.batch_shards if x.shape[0] % self.batch_shards == 0 else 1), loads
 
 
 @jax.custom_vjp
@@ -195,8 +196,8 @@ def _chunk_nll(xc: jax.Array, w: jax.Array, tc: jax.Array):
     return logits, lse, lse - picked
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, tc: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, tc: int, shards: int = 1) -> jax.Array:
     """Mean NLL (fp32) of targets (B, T) under the logits x (B, T, d) @ w (d, V) (both in the compute dtype, fp32
     accumulation), computed in chunks of tc positions of every sequence (T % tc == 0): no (B, T, V) array.
 
@@ -205,14 +206,20 @@ def head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, tc: int) -> jax.Ar
     the chunk's dx (the same matmul as there, rounded once to the compute dtype) and its term of dW, summed over the
     chunks in order in fp32 and rounded once to w's dtype in the backward, which only multiplies both by the loss's
     cotangent (1 in the train step: exact). It keeps dx and dW, not the logits. Deterministic: fixed chunks, fixed
-    order."""
-    return _head_loss_fwd(x, w, targets, tc, False)[0]
+    order.
+
+    shards: the devices the batch axis is split over (`GPT.batch_shards`). The chunk loop keeps one fp32 dW sum per
+    shard of the batch, (shards, d, V) split as the batch is, and adds them after the loop: a sum over the whole batch
+    inside the loop would make XLA all-reduce the (d, V) term of every chunk across the devices."""
+    return _head_loss_fwd(x, w, targets, tc, shards, False)[0]
 
 
-def _head_loss_fwd(x, w, targets, tc, grads=True):
-    if x.dtype != w.dtype or x.shape[:2] != targets.shape or x.shape[1] % tc:
-        raise ValueError(f"head_loss: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}, targets {targets.shape}, tc={tc}; "
-                         "expected x and w in one dtype, targets (B, T) as x's first axes and T a multiple of tc")
+def _head_loss_fwd(x, w, targets, tc, shards=1, grads=True):
+    if (x.dtype != w.dtype or x.shape[:2] != targets.shape or x.shape[1] % tc or shards < 1
+            or x.shape[0] % shards):
+        raise ValueError(f"head_loss: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}, targets {targets.shape}, tc={tc}, "
+                         f"shards={shards}; expected x and w in one dtype, targets (B, T) as x's first axes, T a "
+                         "multiple of tc and B of shards")
     b, t = targets.shape
     scale = 1.0 / (b * t)
     xs, ts = _chunked(x, tc), _chunked(targets, tc)
@@ -226,13 +233,15 @@ def _head_loss_fwd(x, w, targets, tc, grads=True):
         d = jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(tgt, logits.shape[-1], dtype=jnp.float32)
         d = (d * scale).astype(x.dtype)
         dxc = jnp.einsum("btv,dv->btd", d, w, preferred_element_type=x.dtype)
-        return dw + jnp.einsum("btd,btv->dv", xc, d, preferred_element_type=jnp.float32), (nll, dxc)
+        per_shard = lambda a: a.reshape(shards, b // shards, *a.shape[1:])  # noqa: E731
+        dw = dw + jnp.einsum("sbtd,sbtv->sdv", per_shard(xc), per_shard(d), preferred_element_type=jnp.float32)
+        return dw, (nll, dxc)
 
-    dw, (nll, dx) = jax.lax.scan(chunk, jnp.zeros(w.shape, jnp.float32), (xs, ts))
-    return jnp.sum(nll) * scale, (jnp.swapaxes(dx, 0, 1).reshape(x.shape), dw)
+    dw, (nll, dx) = jax.lax.scan(chunk, jnp.zeros((shards, *w.shape), jnp.float32), (xs, ts))
+    return jnp.sum(nll) * scale, (jnp.swapaxes(dx, 0, 1).reshape(x.shape), jnp.sum(dw, axis=0))
 
 
-def _head_loss_bwd(tc, res, g):
+def _head_loss_bwd(tc, shards, res, g):
     dx, dw = res  # dx in the compute dtype (x's and w's), dw fp32
     return (dx.astype(jnp.float32) * g).astype(dx.dtype), (dw * g).astype(dx.dtype), None
 
