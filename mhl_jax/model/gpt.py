@@ -126,9 +126,9 @@ class GPT(nnx.Module):
         w = self.head[...].astype(self.dtype)
         if HEAD_LOSS_CHUNK <= 0:
             return cross_entropy(head_logits(x, w), targets), loads
-        per_device = max(1, x.shape[0] // self.batch_shards)  # under jit x is the whole batch
-        tc = loss_chunk_len(per_device, x.shape[1], HEAD_LOSS_CHUNK)
-        return head_loss(x, w, targets, tc, self.batch_shards if x.shape[0] % self.batch_shards == 0 else 1), loads
+        shards = self.batch_shards if x.shape[0] % self.batch_shards == 0 else 1  # under jit x is the whole batch
+        tc = loss_chunk_len(x.shape[0] // shards, x.shape[1], HEAD_LOSS_CHUNK)
+        return head_loss(x, w, targets, tc, shards), loads
 
 
 @jax.custom_vjp
@@ -157,11 +157,15 @@ def _head_bwd(res, g):
 head_logits.defvjp(_head_fwd, _head_bwd)
 
 
+def _nll(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(log-sum-exp, negative log-likelihood) per position of fp32 logits (..., V) and int targets (...)."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse, lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """logits: (B, T, V) fp32; targets: (B, T) int32 -> mean negative log-likelihood (fp32)."""
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(lse - picked)
+    return jnp.mean(_nll(logits, targets)[1])
 
 
 # Tokens per device in a chunk of the LM head's loss (`GPT.loss`): about this many tokens' logits exist at a time
@@ -191,9 +195,7 @@ def _chunked(a: jax.Array, tc: int) -> jax.Array:
 def _chunk_nll(xc: jax.Array, w: jax.Array, tc: jax.Array):
     """One chunk's logits (fp32, from x and w in the compute dtype), their log-sum-exp and NLL per token."""
     logits = jnp.einsum("btd,dv->btv", xc, w, preferred_element_type=jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
-    return logits, lse, lse - picked
+    return (logits, *_nll(logits, tc))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
