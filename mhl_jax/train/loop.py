@@ -27,7 +27,7 @@ from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
 from mhl_jax.train.autotune import autotune_file
 from mhl_jax.train.checkpoint import Checkpointer, CheckpointError
-from mhl_jax.train.metrics import device_peak_flops, format_line, mfu
+from mhl_jax.train.metrics import StepClock, device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
 from mhl_jax.train.step import jit_train_step, make_eval_step
@@ -187,8 +187,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         metrics_file = open(records, "a")
         bar = tqdm(total=total, initial=start, disable=not cfg.logging.progress_bar, file=sys.stderr,
                    dynamic_ncols=True)
-        last = time.perf_counter()
-        window_steps, window_s = 0, 0.0  # steps and training seconds since the last progress line
+        clock = StepClock(tokens_per_step, time.perf_counter())
         # the profiled steps (logging.profile_start): a trace from the dispatch of the first to the end of the last
         prof_first = cfg.logging.profile_start if start < cfg.logging.profile_start <= end else 0
         prof_last = min(prof_first + cfg.logging.profile_steps - 1, end) if prof_first else 0
@@ -210,25 +209,21 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             n + 1 is dispatched."""
             return n == end or n == prof_last or evaluates(n) or saves(n)
 
-        def finish(n: int, m_device) -> None:
+        def finish(n: int, m_device, ahead: bool) -> None:
             """Step `n`'s metrics fetched (waiting for the step), checked, logged; then its evaluation and
-            checkpoint when due."""
-            nonlocal last, window_steps, window_s, tracing
+            checkpoint when due. `ahead`: step n + 1 was dispatched first (StepClock)."""
+            nonlocal tracing
             m = {k: float(v) for k, v in jax.device_get(m_device).items()}
-            now = time.perf_counter()
             m["step"] = n
             m.update(comm)
-            m["tokens_per_s"] = tokens_per_step / (now - last)
+            m["tokens_per_s"] = clock.finish(time.perf_counter(), ahead)
             m["mfu"] = mfu(flops_tok, m["tokens_per_s"], mesh.size, peak)
-            window_steps += 1
-            window_s += now - last
-            last = now
             if tracing and n == prof_last:  # the step is done (its metrics fetched): the trace ends here
                 tracing = False
                 jax.profiler.stop_trace()
                 log(f"profiler trace of steps {prof_first}-{prof_last} written to {prof_dir} (TensorBoard's profile "
                     "plugin or ui.perfetto.dev)")
-                last = time.perf_counter()  # writing the trace is not training throughput
+                clock.pause(time.perf_counter())  # writing the trace is not training throughput
             for k, what in (("loss", "loss"), ("grad_norm", "gradient norm")):  # a non-finite gradient norm: the
                 if not math.isfinite(m[k]):  # step's update made the parameters non-finite; neither is saved
                     raise FloatingPointError(f"{what} is {m[k]} at step {n}; stopping (last checkpoint kept)")
@@ -236,21 +231,18 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                 m["val_loss"] = evaluate(eval_fn, state, val, eval_batch, eval_sharding)
                 m["val_ppl"] = math.exp(min(m["val_loss"], 50.0))
                 tuned.commit()  # with the evaluation's too (a no-op once it has compiled)
-                last = time.perf_counter()  # evaluation time is not training throughput
+                clock.pause(time.perf_counter())  # evaluation time is not training throughput
             history.append(m)
             metrics_file.write(json.dumps(m) + "\n")
             metrics_file.flush()
             bar.update(1)
             if n % cfg.logging.log_every == 0 or n == start + 1 or n == end or "val_loss" in m:
-                # throughput on the line: over the steps since the previous line (a step's own reading is the time
-                # between the host seeing two steps end, which fetch-ahead can shift from one step to the next)
-                tps = tokens_per_step * window_steps / window_s
+                tps = clock.line()  # over the steps since the previous line
                 line = {**m, "tokens_per_s": tps, "mfu": mfu(flops_tok, tps, mesh.size, peak)}
                 bar.write(format_line(n, total, line), file=sys.stdout)
-                window_steps, window_s = 0, 0.0
             if saves(n):
                 ckpt.save(n, state, loader)
-                last = time.perf_counter()  # nor is saving a checkpoint
+                clock.pause(time.perf_counter())  # nor is saving a checkpoint
 
         # Step n + 1 is dispatched before step n's metrics are fetched (FETCH_AHEAD), so the device runs it
         # while the host waits for, checks and logs step n and loads the next batch: no idle gap between steps.
@@ -267,12 +259,12 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                 if step == start:
                     tuned.commit()  # the step compiled: XLA's autotuning results in place
                 if pending is not None:
-                    finish(*pending)
+                    finish(*pending, ahead=True)
                 if FETCH_AHEAD and not needs_state(step + 1):
                     pending = (step + 1, m_device)
                 else:
                     pending = None
-                    finish(step + 1, m_device)
+                    finish(step + 1, m_device, ahead=False)
         finally:
             if tracing:  # stopped early (an error): what was traced is still written
                 tracing = False
