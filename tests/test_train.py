@@ -110,8 +110,9 @@ def test_step_clock_counts_one_step_per_like_interval(lag, log_every):
     last) and the rest ahead: every step's rate and every progress line's but the first (compilation) is the
     device's 1000 tokens / 0.25 s (host time per call 2 ms), whether the dispatch returns at once (the CPU) or blocks
     until a full launch queue has `lag` seconds left (a large step on a GPU, where an ahead finish lands near the
-    next step's end). Counting every interval instead, the GPU-like timelines read up to ~8x the rate at a drained
-    step and half of it after an evaluation (the 2.2B run on 2026-11-27: 2065k and 138k tok/s around ~261k)."""
+    next step's end). Counting every interval instead, the GPU-like timelines read ~period / lag times the rate at
+    a drained step and about half of it after an evaluation (the 2.2B run on 2026-11-27: 2078k and 139k tok/s around
+    ~262k)."""
     kinds = [n not in (4, 5, 8, 11) for n in range(1, 12)]
     steps, lines = _simulate_clock(kinds, lag, log_every=log_every)
     true = 1000 / 0.25

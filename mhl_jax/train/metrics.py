@@ -29,10 +29,10 @@ class StepClock:
     """Tokens/s from the times at which the host finishes steps (fetches their metrics), robust to fetch-ahead.
 
     A step is finished either *ahead* (after the next step was dispatched) or *drained* (before: the steps that
-    evaluate, checkpoint or end the run). The two kinds see the device in different phases: on a GPU the dispatch of
-    a large step blocks once CUDA's launch queue is full, so an ahead finish of step n happens near the end of step
-    n + 1, while a drained one happens at the end of step n (measured: 2.2B MH-LatentMoE on an H100, 2026-11-27,
-    bench/NOTES.md "Progress-line throughput"). The interval between two finishes of one kind is one step; an
+    evaluate, checkpoint or end the run). The two kinds see the device in different phases: on a GPU the host's
+    dispatch of a large step returns only shortly before that step ends (~30 ms for the 2.2B MH-LatentMoE step on an
+    H100, 2026-11-27; CUDA's launch queue full, we infer: bench/NOTES.md "Progress-line throughput"), so an ahead
+    finish of step n happens near the end of step n + 1, while a drained one happens at the end of step n. The interval between two finishes of one kind is one step; an
     interval between kinds is not (it misses or adds up to a step), so it is left out of the rates: a step's own rate
     and a progress line's are taken over the like-kind intervals only, falling back to the latest such rate (or, before
     the first, to the raw interval, which then includes compilation).
