@@ -32,10 +32,11 @@ class StepClock:
     evaluate, checkpoint or end the run). The two kinds see the device in different phases: on a GPU the host's
     dispatch of a large step returns only shortly before that step ends (~30 ms for the 2.2B MH-LatentMoE step on an
     H100, 2026-11-27; CUDA's launch queue full, we infer: bench/NOTES.md "Progress-line throughput"), so an ahead
-    finish of step n happens near the end of step n + 1, while a drained one happens at the end of step n. The interval between two finishes of one kind is one step; an
-    interval between kinds is not (it misses or adds up to a step), so it is left out of the rates: a step's own rate
-    and a progress line's are taken over the like-kind intervals only, falling back to the latest such rate (or, before
-    the first, to the raw interval, which then includes compilation).
+    finish of step n happens near the end of step n + 1, while a drained one happens at the end of step n. The
+    interval between two finishes of one kind is one step; an interval between kinds is not (it misses or adds up to
+    a step), so it is left out of the rates: a step's own rate and a progress line's are taken over the like-kind
+    intervals only, falling back to the latest such rate (or, before the first, to the raw interval, which then
+    includes compilation).
 
     `pause(now)` marks time that is not training (evaluation, checkpoint, trace writing): the next interval starts
     there and keeps the kind of the step before it."""
