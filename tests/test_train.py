@@ -69,30 +69,34 @@ def _records(run_dir):
     return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in recs]
 
 
-def _simulate_clock(kinds, lag, period=0.25, compile_s=3.0, pause_s=0.7, host_s=0.002, log_every=1):
-    """StepClock fed by a simulated loop and device: step n runs `period` seconds (the first also compiles) once
-    the device is free and the host has begun its dispatch; the host's dispatch returns `lag` seconds before the step
-    ends (a full launch queue; None: at once), an ahead step is finished after the next step's dispatch, a drained
-    one right after its own (then `pause_s` of evaluation). Returns the steps' and the lines' rates."""
+def _simulate_clock(n_steps, drained, lag, log_every, evals=(), period=lambda n: 0.25, compile_s=3.0, pause_s=0.7,
+                    host_s=0.002):
+    """StepClock fed by a simulated train loop and device. The host compiles step 1 (`compile_s`) before it runs;
+    step n runs `period(n)` seconds on the device once the device is free and the host has begun its dispatch; the
+    dispatch returns `lag` seconds before the step ends (a full launch queue; None: at once). A step in `drained` is
+    finished right after its own dispatch (then `pause_s` of evaluation or checkpoint), any other after the next
+    step's dispatch, as the loop does; each call costs the host `host_s`. Lines as the loop prints them (every
+    `log_every` steps, the first, the last, the `evals`). Returns {step: reading} and {step: line rate}."""
     from mhl_jax.train.metrics import StepClock
 
     clock = StepClock(1000, 0.0)
-    t, free, pending, steps, lines = 0.0, 0.0, None, [], []
+    t, free, pending, ends, steps, lines = 0.0, 0.0, None, {}, {}, {}
 
     def done(n, at, ahead):
-        steps.append(clock.finish(at, ahead))
-        if n % log_every == 0 or n == 1 or not ahead:
-            lines.append(clock.line())
+        steps[n] = clock.finish(at, ahead)
+        if n % log_every == 0 or n == 1 or n == n_steps or n in evals:
+            lines[n] = clock.line()
 
-    ends = {}
-    for n, ahead in enumerate(kinds, 1):
-        ends[n] = max(free, t) + period + (compile_s if n == 1 else 0.0)
+    for n in range(1, n_steps + 1):
+        if n == 1:
+            t += compile_s
+        ends[n] = max(free, t) + period(n)
         free = ends[n]
         t = max(t + host_s, ends[n] - lag) if lag is not None else t + host_s
         if pending is not None:
             t = max(t, ends[pending]) + host_s
             done(pending, t, True)
-        if ahead:
+        if n not in drained:
             pending = n
         else:
             pending = None
@@ -103,23 +107,43 @@ def _simulate_clock(kinds, lag, period=0.25, compile_s=3.0, pause_s=0.7, host_s=
     return steps, lines
 
 
+RUNS = {  # n_steps, drained steps, evaluation steps
+    "eval_ckpt": (16, {4, 5, 8, 11, 16}, {4, 8, 16}),  # eval_every 4, checkpoint.every 5 (11: the run's stop)
+    "alternate": (16, set(range(2, 17, 2)), set(range(2, 17, 2))),  # eval_every 2
+    "profile_1": (16, {1, 16}, {16}),  # a profile of step 1 only
+}
+
+
 @pytest.mark.parametrize("lag", [None, 0.03, 0.2])
 @pytest.mark.parametrize("log_every", [1, 3])
-def test_step_clock_counts_one_step_per_like_interval(lag, log_every):
-    """StepClock against a simulated timeline with evaluation / checkpoint steps finished drained (4, 5, 8 and the
-    last) and the rest ahead: every step's rate and every progress line's but the first (compilation) is the
-    device's 1000 tokens / 0.25 s (host time per call 2 ms), whether the dispatch returns at once (the CPU) or blocks
-    until a full launch queue has `lag` seconds left (a large step on a GPU, where an ahead finish lands near the
-    next step's end). Counting every interval instead, the GPU-like timelines read ~period / lag times the rate at
-    a drained step and about half of it after an evaluation (the 2.2B run on 2026-11-27: 2078k and 139k tok/s around
-    ~262k)."""
-    kinds = [n not in (4, 5, 8, 11) for n in range(1, 12)]
-    steps, lines = _simulate_clock(kinds, lag, log_every=log_every)
-    true = 1000 / 0.25
-    assert steps[0] < 1000 / 3.0 and lines[0] == steps[0]  # the first step: compilation included
-    host = 4 * 0.002 / 0.25  # at most this much host time per interval in the no-lag simulation
-    for r in steps[1:] + lines[1:]:
-        assert true / (1 + host) - 1e-6 <= r <= true + 1e-6, (r, steps, lines)
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_step_clock_reads_the_device_rate(run, lag, log_every):
+    """StepClock against a simulated loop and device, steps of 0.25 s up to step 8 and 0.5 s after (1000 tokens
+    each), whether the host's dispatch returns at once (the CPU) or blocks until a full launch queue has `lag` seconds
+    left (a large step on a GPU: an ahead finish then lands near the next step's end). No reading is above the
+    fastest steps' rate; from step 3 every step's reading and line lies between the two rates; from step 12 (windows
+    wholly in the slow part) they are the slow rate. Counting every interval between finishes (the loop before
+    2026-11-27), the GPU-like timelines read ~period / lag times the rate at a drained step and about half of it after
+    an evaluation (the 2.2B run on 2026-11-27: 2078k and 139k tok/s around ~262k); a line window never reset would
+    reach back into the fast steps."""
+    n_steps, drained, evals = RUNS[run]
+    steps, lines = _simulate_clock(n_steps, drained, lag, log_every, evals, period=lambda n: 0.25 if n <= 8 else 0.5)
+    tol = 0.02  # the no-lag simulation's host time (2 ms a call) between a pause and the next step's start
+    assert steps[1] < 1000 / 3.0 and lines[1] == steps[1]  # the first step: compilation included
+    for n, r in [*steps.items(), *lines.items()]:
+        assert r <= 4000 * (1 + 1e-9), (n, r, steps, lines)
+        if n >= 3:
+            assert 2000 * (1 - tol) <= r, (n, r, steps, lines)
+        if n >= 12:
+            assert abs(r - 2000) <= 2000 * tol, (n, r, steps, lines)
+
+
+def test_step_clock_two_step_run_never_over_reads():
+    """A 2-step run (ahead, then drained at its end) on the GPU-like timeline: no span of one kind exists, so both
+    readings are the mean since the start (compilation included), below the device's rate, never the ~8x that the
+    interval between the two finishes alone gives."""
+    steps, lines = _simulate_clock(2, {2}, 0.03, 1)
+    assert all(r < 4000 for r in [*steps.values(), *lines.values()]), (steps, lines)
 
 
 def test_step_clock_without_fetch_ahead_counts_every_interval():
@@ -146,6 +170,10 @@ def _recording_clock(calls):
         def line(self):
             calls.append(("line", super().line()))
             return calls[-1][1]
+
+        def pause(self, now):
+            calls.append(("pause", None))
+            super().pause(now)
 
     return Recording
 
@@ -178,6 +206,12 @@ def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, cap
         # without fetch-ahead) and the lines show its window rates
         drained = [n for n in range(1, 12) if not ahead or n in (4, 5, 8, 10, 11)]
         assert [i + 1 for i, c in enumerate(c for c in calls if c[0] == "finish") if not c[1]] == drained
+        # the time of evaluations (4, 8, 11) and checkpoint saves (5, 10, 11) is left out: a pause after each
+        n, paused = 0, []
+        for c in calls:
+            n += c[0] == "finish"
+            paused += [n] if c[0] == "pause" else []
+        assert paused == [4, 5, 8, 10, 11, 11], paused
         shown = [float(next(p for p in parts if p.endswith("tok/s")).split("k")[0]) for parts in lines]
         assert shown == [round(c[1] / 1e3, 1) for c in calls if c[0] == "line"]
         lines = [[p for p in parts if "tok/s" not in p and "MFU" not in p] for parts in lines]

@@ -26,47 +26,56 @@ def mfu(flops_per_token: float, tokens_per_s: float, num_devices: int, peak: flo
 
 
 class StepClock:
-    """Tokens/s from the times at which the host finishes steps (fetches their metrics), robust to fetch-ahead.
+    """Tokens/s from the times at which the host finishes steps (fetches their metrics), with fetch-ahead.
 
     A step is finished either *ahead* (after the next step was dispatched) or *drained* (before: the steps that
-    evaluate, checkpoint or end the run). The two kinds see the device in different phases: on a GPU the host's
-    dispatch of a large step returns only shortly before that step ends (~30 ms for the 2.2B MH-LatentMoE step on an
-    H100, 2026-11-27; CUDA's launch queue full, we infer: bench/NOTES.md "Progress-line throughput"), so an ahead
-    finish of step n happens near the end of step n + 1, while a drained one happens at the end of step n. The
-    interval between two finishes of one kind is one step; an interval between kinds is not (it misses or adds up to
-    a step), so it is left out of the rates: a step's own rate and a progress line's are taken over the like-kind
-    intervals only, falling back to the latest such rate (or, before the first, to the raw interval, which then
-    includes compilation).
+    evaluate, checkpoint, end the run or end a profile). The two kinds see the device in different phases: on a GPU
+    the host's dispatch of a large step returns only shortly before that step ends (~30 ms for the 2.2B MH-LatentMoE
+    step on an H100, 2026-11-27; CUDA's launch queue full, we infer: bench/NOTES.md "Progress-line throughput"), so an
+    ahead finish of step n happens near the end of step n + 1, while a drained one happens at the end of step n.
+    Rates are therefore read over spans from one finish to the previous finish of the same kind, which hold whole
+    steps in either phase: the span's training time (pauses left out) over its steps. Only local spans are read (at
+    most one finish of the other kind between: 1 or 2 steps). A step's reading is its own span's, or else the latest
+    reading; a progress line's is over the spans that ended since the previous line. Before any span, the mean since
+    the start (which includes compilation).
 
-    `pause(now)` marks time that is not training (evaluation, checkpoint, trace writing): the next interval starts
-    there and keeps the kind of the step before it."""
+    `pause(now)` marks time that is not training (evaluation, checkpoint, trace writing): it is left out of the
+    spans."""
 
     def __init__(self, tokens_per_step: int, now: float):
         self.tokens = tokens_per_step
         self.last = now
-        self.kind: bool | None = None  # ahead (True) / drained (False) of the last finish; None before the first
-        self.window_steps, self.window_s = 0, 0.0  # like-kind intervals since the last progress line
-        self.latest: float | None = None  # the latest like-kind interval's rate
-        self.raw: float | None = None  # the latest interval's rate, whatever its kind
+        self.steps, self.train_s = 0, 0.0  # steps finished and training seconds since the start (pauses left out)
+        self.marks: dict[bool, tuple[int, float]] = {}  # kind (ahead) -> (steps, train_s) at its latest finish
+        self.window_steps, self.window_s = 0, 0.0  # the spans that ended since the previous line
+        self.latest: float | None = None  # the latest span's reading
+
+    def _mean(self) -> float:
+        return self.tokens * self.steps / max(self.train_s, 1e-9)
 
     def finish(self, now: float, ahead: bool) -> float:
-        """Step finished at `now` (`ahead`: after the next step's dispatch); returns its tokens/s estimate."""
-        dt = max(now - self.last, 1e-9)
-        self.raw = self.tokens / dt
-        if self.kind is not None and self.kind == ahead:
-            self.window_steps += 1
-            self.window_s += dt
-            self.latest = self.raw
-        self.kind, self.last = ahead, now
-        return self.latest if self.latest is not None else self.raw
+        """Step finished at `now` (`ahead`: after the next step's dispatch); returns its tokens/s reading."""
+        self.train_s += max(now - self.last, 0.0)
+        self.last = now
+        self.steps += 1
+        mark = self.marks.get(ahead)
+        self.marks[ahead] = (self.steps, self.train_s)
+        if mark is not None and self.steps - mark[0] <= 2:
+            steps, secs = self.steps - mark[0], max(self.train_s - mark[1], 1e-9)
+            self.window_steps += steps
+            self.window_s += secs
+            self.latest = self.tokens * steps / secs
+        return self.latest if self.latest is not None else self._mean()
 
     def pause(self, now: float) -> None:
         self.last = now
 
     def line(self) -> float:
-        """Tokens/s over the like-kind intervals since the previous call (the progress line's), then a new window."""
-        rate = self.tokens * self.window_steps / self.window_s if self.window_steps else (
-            self.latest if self.latest is not None else self.raw)
+        """Tokens/s for a progress line: over the spans that ended since the previous line."""
+        if self.window_steps:
+            rate = self.tokens * self.window_steps / self.window_s
+        else:
+            rate = self.latest if self.latest is not None else self._mean()
         self.window_steps, self.window_s = 0, 0.0
         return rate
 
