@@ -396,6 +396,28 @@ def test_nothing_to_train_says_where_the_run_starts(tmp_path):
     assert lines[-1] == "nothing to train: the run starts at step 0, and this run stops at --stop-after 0"
 
 
+def test_run_ends_with_a_summary_line(tmp_path):
+    """The last line of a run: its steps, throughput, last loss and validation, and where records and checkpoints
+    are; a run stopped by --stop-after says so, and how it continues."""
+    lines = []
+    cfg = tiny(tmp_path, "model.n_layers=2", "schedule.total_steps=12", "schedule.decay_steps=2", "data.eval_every=5",
+               "checkpoint.every=4", "checkpoint.async_save=false")
+    hist = train(cfg, stop_after=8, log=lines.append)
+    run = tmp_path / "run"
+    val = [m for m in hist if "val_loss" in m][-1]
+    assert val["step"] == 5
+    assert lines[-1].startswith("stopped after step 8 (--stop-after; the same command without it continues from the "
+                                "checkpoint): steps 1-8 of 12 in "), lines[-1]
+    assert (f"| loss {hist[-1]['loss']:.4f} | val_loss {val['val_loss']:.4f} val_ppl {val['val_ppl']:.2f} (step 5) | "
+            f"records {run / 'metrics.jsonl'} | checkpoints {run / 'checkpoints'}") in lines[-1], lines[-1]
+    assert " tok/s" in lines[-1]
+    hist = train(cfg, log=lines.append)  # resumed from step 8 to the end
+    val = hist[-1]
+    assert hist[0]["step"] == 9 and val["step"] == 12 and "val_loss" in val
+    assert lines[-1].startswith("done: steps 9-12 of 12 in "), lines[-1]
+    assert f"val_loss {val['val_loss']:.4f} val_ppl {val['val_ppl']:.2f} (step 12)" in lines[-1], lines[-1]
+
+
 def test_no_validation_data_is_read_without_evaluation(tmp_path):
     """data.eval_every=0: a shard directory without validation shards trains (nothing reads them); with
     evaluation on, the missing shards are named."""

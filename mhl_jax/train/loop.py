@@ -66,6 +66,25 @@ def evaluate(eval_fn, state: dict, val: np.ndarray, batch: int, sharding) -> flo
     return total / count
 
 
+def run_summary(history: list[dict], start: int, end: int, total: int, wall_s: float, tokens_per_s: float,
+                mfu_value: float | None, records: Path, ckpt_dir: Path | None) -> str:
+    """The line printed when a run's steps are done: steps, wall time, throughput, the last loss and validation, and
+    where the records and checkpoints are."""
+    last = history[-1]
+    parts = [f"steps {start + 1}-{end} of {total} in {wall_s:.0f} s",
+             f"{tokens_per_s / 1e3:.1f}k tok/s" + (f", MFU {100 * mfu_value:.1f}%" if mfu_value is not None else ""),
+             f"loss {last['loss']:.4f}"]
+    val = [m for m in history if "val_loss" in m]
+    if val:
+        parts.append(f"val_loss {val[-1]['val_loss']:.4f} val_ppl {val[-1]['val_ppl']:.2f} (step {val[-1]['step']})")
+    parts.append(f"records {records}")
+    if ckpt_dir is not None:
+        parts.append(f"checkpoints {ckpt_dir}")
+    head = "done" if end == total else f"stopped after step {end} (--stop-after" + (
+        "; the same command without it continues from the checkpoint)" if ckpt_dir is not None else ")")
+    return f"{head}: " + " | ".join(parts)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename: readers see the old or the new file whole."""
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -187,7 +206,8 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         metrics_file = open(records, "a")
         bar = tqdm(total=total, initial=start, disable=not cfg.logging.progress_bar, file=sys.stderr,
                    dynamic_ncols=True)
-        clock = StepClock(tokens_per_step, time.perf_counter())
+        t_start = time.perf_counter()
+        clock = StepClock(tokens_per_step, t_start)
         # the profiled steps (logging.profile_start): a trace from the dispatch of the first to the end of the last
         prof_first = cfg.logging.profile_start if start < cfg.logging.profile_start <= end else 0
         prof_last = min(prof_first + cfg.logging.profile_steps - 1, end) if prof_first else 0
@@ -265,6 +285,9 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                 else:
                     pending = None
                     finish(step + 1, m_device, ahead=False)
+            log(run_summary(history, start, end, total, time.perf_counter() - t_start, clock.overall(),
+                            mfu(flops_tok, clock.overall(), mesh.size, peak), records,
+                            ckpt.directory if cfg.checkpoint.every else None))
         finally:
             if tracing:  # stopped early (an error): what was traced is still written
                 tracing = False

@@ -48,6 +48,7 @@ class StepClock:
         self.steps, self.train_s = 0, 0.0  # steps finished and training seconds since the start (pauses left out)
         self.marks: dict[bool, tuple[int, float]] = {}  # kind (ahead) -> (steps, train_s) at its latest finish
         self.window_steps, self.window_s = 0, 0.0  # the spans that ended since the previous line
+        self.run_steps, self.run_s = 0, 0.0  # all spans read
         self.latest: float | None = None  # the latest span's reading
 
     def _mean(self) -> float:
@@ -64,6 +65,8 @@ class StepClock:
             steps, secs = self.steps - mark[0], max(self.train_s - mark[1], 1e-9)
             self.window_steps += steps
             self.window_s += secs
+            self.run_steps += steps
+            self.run_s += secs
             self.latest = self.tokens * steps / secs
         return self.latest if self.latest is not None else self._mean()
 
@@ -78,6 +81,10 @@ class StepClock:
             rate = self.latest if self.latest is not None else self._mean()
         self.window_steps, self.window_s = 0, 0.0
         return rate
+
+    def overall(self) -> float:
+        """Tokens/s over every span read so far (the run's summary); before any, the mean since the start."""
+        return self.tokens * self.run_steps / self.run_s if self.run_steps else self._mean()
 
 
 def format_line(step: int, total: int, m: dict) -> str:
