@@ -287,7 +287,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                     finish(step + 1, m_device, ahead=False)
             log(run_summary(history, start, end, total, time.perf_counter() - t_start, clock.overall(),
                             mfu(flops_tok, clock.overall(), mesh.size, peak), records,
-                            ckpt.directory if cfg.checkpoint.every else None))
+                            run_dir / "checkpoints" if cfg.checkpoint.every else None))
         finally:
             if tracing:  # stopped early (an error): what was traced is still written
                 tracing = False
