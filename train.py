@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop after this optimizer step (with a checkpoint, unless checkpoint.every=0), as a "
                          "preempted job would")
     args = ap.parse_args(argv)
+    if args.stop_after is not None and args.stop_after < 0:
+        ap.error(f"--stop-after {args.stop_after}: must be a step number >= 0")
 
     from mhl_jax.config import ConfigError, load_config
 

@@ -262,3 +262,23 @@ def test_a_checkpoint_directory_that_is_a_file_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"checkpoint directory .*ck' is a file; expected a directory"):
         Checkpointer(tmp_path / "ck", CheckpointConfig(), FP)
     assert (tmp_path / "ck").read_text() == "not a directory"
+
+
+def test_closed_loop_callbacks_are_dropped_after_a_failed_restore(monkeypatch):
+    """After a failed restore only RuntimeError('Event loop is closed') from tensorstore's late callbacks is dropped
+    from sys.unraisablehook; any other unraisable exception still reaches the hook that was there before (once, even
+    if the filter is installed twice)."""
+    import sys
+    import types
+
+    from mhl_jax.train.checkpoint import _quiet_closed_loop_callbacks
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    _quiet_closed_loop_callbacks()
+    _quiet_closed_loop_callbacks()
+    closed, other, loop_other = (RuntimeError("Event loop is closed"), ValueError("x"),
+                                 RuntimeError("Event loop is running"))
+    for exc in (closed, other, loop_other):
+        sys.unraisablehook(types.SimpleNamespace(exc_value=exc))
+    assert seen == [other, loop_other]

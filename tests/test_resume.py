@@ -8,6 +8,7 @@ checkpoint resumes exactly.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,6 +158,14 @@ def test_refused_or_damaged_checkpoint_and_nothing_to_train(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "checkpoint error:" in r.stderr and "/checkpoints/4: its state" in r.stderr and "[2]" in r.stderr
     assert (d / "config.yaml").read_text() == before
+    # step 4 deleted as advised, and step 2's data directory gone: tensorstore's reads still in flight then called
+    # back into Orbax's closed event loop, 2-20 tracebacks under the error line before 2026-11-27
+    shutil.rmtree(d / "checkpoints" / "4")
+    shutil.rmtree(d / "checkpoints" / "2" / "state" / "d")
+    r = go(common(d))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "/checkpoints/2: its state" in r.stderr, r.stderr
+    assert "no other steps there; delete" in r.stderr and "to start the run over" in r.stderr, r.stderr
 
 
 @pytest.mark.gpu

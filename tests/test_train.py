@@ -1,5 +1,6 @@
 """End to end on CPU: the tiny default trains and its loss falls; the CLI rejects bad configs."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -397,8 +398,10 @@ def test_nothing_to_train_says_where_the_run_starts(tmp_path):
 
 
 def test_run_ends_with_a_summary_line(tmp_path):
-    """The last line of a run: its steps, throughput, last loss and validation, and where records and checkpoints
-    are; a run stopped by --stop-after says so, and how it continues."""
+    """The last line of a run: its steps, steady-state throughput, last loss and validation, and where records and
+    checkpoints are; a run stopped by --stop-after says how it continues, and that advice works: followed literally
+    after an explicit resume too (where rerunning with --resume would be refused: the directory then holds a later
+    checkpoint). A resumed run whose settings changed names them and keeps the earlier config.yaml."""
     lines = []
     cfg = tiny(tmp_path, "model.n_layers=2", "schedule.total_steps=12", "schedule.decay_steps=2", "data.eval_every=5",
                "checkpoint.every=4", "checkpoint.async_save=false")
@@ -406,16 +409,51 @@ def test_run_ends_with_a_summary_line(tmp_path):
     run = tmp_path / "run"
     val = [m for m in hist if "val_loss" in m][-1]
     assert val["step"] == 5
-    assert lines[-1].startswith("stopped after step 8 (--stop-after; the same command without it continues from the "
-                                "checkpoint): steps 1-8 of 12 in "), lines[-1]
+    assert lines[-1].startswith("stopped after step 8 (--stop-after; to continue, run the same command without "
+                                "--stop-after): steps 1-8 of 12 in "), lines[-1]
+    assert " tok/s (compilation, evaluation and saves left out) | " in lines[-1], lines[-1]
     assert (f"| loss {hist[-1]['loss']:.4f} | val_loss {val['val_loss']:.4f} val_ppl {val['val_ppl']:.2f} (step 5) | "
             f"records {run / 'metrics.jsonl'} | checkpoints {run / 'checkpoints'}") in lines[-1], lines[-1]
-    assert " tok/s" in lines[-1]
-    hist = train(cfg, log=lines.append)  # resumed from step 8 to the end
+
+    # resumed explicitly from step 4 into another directory, with a changed learning rate, and stopped at 6
+    other = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), [
+        *[f"{k}={v}" for k, v in (("model.n_layers", 2), ("schedule.total_steps", 12), ("schedule.decay_steps", 2),
+                                  ("data.eval_every", 5), ("checkpoint.every", 4), ("checkpoint.async_save", False))],
+        "model.context=64", "data.val_sequences=16", "logging.progress_bar=false", "logging.log_every=20",
+        "schedule.warmup_steps=5", "parallel.devices=1", f"logging.run_dir={tmp_path / 'other'}"])
+    train(other, resume=str(run / "checkpoints" / "4"), stop_after=6, log=lines.append)
+    assert lines[-1].startswith("stopped after step 6 (--stop-after; to continue, run the same command without "
+                                "--stop-after and without --resume / checkpoint.resume: the run directory's latest "
+                                "checkpoint is resumed): steps 5-6 of 12 in "), lines[-1]
+    hist = train(other, log=lines.append)  # as advised: no resume, no stop
+    assert hist[0]["step"] == 7 and lines[-1].startswith("done: steps 7-12 of 12 in "), lines[-1]
+
+    changed = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, lr=1e-4))
+    hist = train(changed, log=lines.append)  # resumed from step 8 to the end, with another learning rate
+    assert f"resuming with changed settings: optimizer.lr: {cfg.optimizer.lr!r} -> 0.0001 (the earlier config.yaml " \
+           "is kept as config-until-step8.yaml)" in lines, lines
+    assert load_config(str(run / "config-until-step8.yaml")) == cfg
+    assert load_config(str(run / "config.yaml")) == changed
     val = hist[-1]
     assert hist[0]["step"] == 9 and val["step"] == 12 and "val_loss" in val
     assert lines[-1].startswith("done: steps 9-12 of 12 in "), lines[-1]
     assert f"val_loss {val['val_loss']:.4f} val_ppl {val['val_ppl']:.2f} (step 12)" in lines[-1], lines[-1]
+
+
+def test_a_refused_run_leaves_no_directory_it_created(tmp_path):
+    """Bad input found after the run directory was made (here data shards that do not exist): the directories this
+    run created are removed again; an existing directory is left as it was."""
+    from mhl_jax.data import DataError
+
+    bad = ("data.source=bin", f"data.path={tmp_path / 'no_shards'}")
+    fresh = tmp_path / "new" / "run"
+    with pytest.raises(DataError, match="no_shards"):
+        train(tiny(tmp_path, f"logging.run_dir={fresh}", *bad))
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(DataError, match="no_shards"):
+        train(tiny(tmp_path, f"logging.run_dir={tmp_path / 'kept'}", *bad))
+    assert (tmp_path / "kept").is_dir()
 
 
 def test_no_validation_data_is_read_without_evaluation(tmp_path):

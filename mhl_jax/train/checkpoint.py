@@ -19,6 +19,7 @@ the background; the iterator state is captured synchronously.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,25 @@ def _describe(leaf: Any) -> list:
     else:
         x = _storable(leaf)
     return [list(x.shape), str(np.dtype(x.dtype))]
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """After a failed restore, the reads still in flight finish on tensorstore's threads and call back into Orbax's
+    asyncio loop, which is closed by then: each callback's RuntimeError('Event loop is closed') reaches
+    sys.unraisablehook and printed a traceback under the one-line error (2-20 of them). Those, and only those, are
+    dropped from now on; every other unraisable exception goes to the hook before."""
+    prev = sys.unraisablehook
+    if getattr(prev, "_drops_closed_loop", False):
+        return
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        prev(unraisable)
+
+    hook._drops_closed_loop = True
+    sys.unraisablehook = hook
 
 
 def _flat_dict(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -255,12 +275,14 @@ class Checkpointer:
         except CheckpointError:
             raise
         except Exception as e:
+            _quiet_closed_loop_callbacks()
             others = sorted(int(c.name) for c in directory.iterdir() if c.name.isdigit() and int(c.name) != step)
             first = (str(e).strip().splitlines() or [""])[0][:300]
+            advice = (f"other steps there: {others}; delete {where} to resume from the latest of them" if others
+                      else f"no other steps there; delete {where} to start the run over")
             raise CheckpointError(
                 f"checkpoint {where}: its {what} cannot be read ({type(e).__name__}: {first}); the step directory is "
-                f"damaged or incomplete. Other steps there: {others or 'none'}; delete {where} to resume from the "
-                "latest of them") from e
+                f"damaged or incomplete; {advice}") from e
 
     def restore(self, state_template: PyTree, data_iter: Any = None, step: int | None = None,
                 path: str | Path | None = None) -> tuple[int, PyTree]:

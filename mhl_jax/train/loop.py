@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -67,12 +68,15 @@ def evaluate(eval_fn, state: dict, val: np.ndarray, batch: int, sharding) -> flo
 
 
 def run_summary(history: list[dict], start: int, end: int, total: int, wall_s: float, tokens_per_s: float,
-                mfu_value: float | None, records: Path, ckpt_dir: Path | None) -> str:
-    """The line printed when a run's steps are done: steps, wall time, throughput, the last loss and validation, and
-    where the records and checkpoints are."""
+                steady: bool, mfu_value: float | None, records: Path, ckpt_dir: Path | None,
+                explicit_resume: bool = False) -> str:
+    """The line printed when a run's steps are done: steps, wall time, steady-state throughput (`steady` False: no
+    span between like finishes, so the mean since the start, compilation included), the last loss and validation,
+    where the records and checkpoints are, and after --stop-after how the run continues."""
     last = history[-1]
+    rate = f"{tokens_per_s / 1e3:.1f}k tok/s" + (f", MFU {100 * mfu_value:.1f}%" if mfu_value is not None else "")
     parts = [f"steps {start + 1}-{end} of {total} in {wall_s:.0f} s",
-             f"{tokens_per_s / 1e3:.1f}k tok/s" + (f", MFU {100 * mfu_value:.1f}%" if mfu_value is not None else ""),
+             rate + (" (compilation, evaluation and saves left out)" if steady else " (compilation included)"),
              f"loss {last['loss']:.4f}"]
     val = [m for m in history if "val_loss" in m]
     if val:
@@ -80,9 +84,28 @@ def run_summary(history: list[dict], start: int, end: int, total: int, wall_s: f
     parts.append(f"records {records}")
     if ckpt_dir is not None:
         parts.append(f"checkpoints {ckpt_dir}")
-    head = "done" if end == total else f"stopped after step {end} (--stop-after" + (
-        "; the same command without it continues from the checkpoint)" if ckpt_dir is not None else ")")
+    if end == total:
+        head = "done"
+    elif ckpt_dir is None:
+        head = f"stopped after step {end} (--stop-after; checkpoint.every=0, so no checkpoint of it was saved)"
+    else:
+        head = (f"stopped after step {end} (--stop-after; to continue, run the same command without --stop-after"
+                + (" and without --resume / checkpoint.resume: the run directory's latest checkpoint is resumed)"
+                   if explicit_resume else ")"))
     return f"{head}: " + " | ".join(parts)
+
+
+def config_changes(old: dict, new: dict) -> str:
+    """'key: old -> new; ...' over the leaves of two config dicts that differ ('' when none)."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(old), flat(new)
+    return "; ".join(f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+                     for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>"))
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -104,8 +127,23 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     """Train `cfg`; returns the per-step metric dicts of this process. `stop_after`: stop (with a
     checkpoint unless checkpoint.every=0) once that many optimizer steps are done in total, as a preempted job
     would. Bad input (a run directory that cannot hold the run, a checkpoint that does not fit it, a validation set
-    smaller than one evaluation batch) is refused before anything in the run directory is written."""
+    smaller than one evaluation batch) is refused before anything in the run directory is written; directories
+    this call created are removed again if the run stops before its config.yaml is written and they are empty."""
     run_dir = Path(cfg.logging.run_dir)
+    created = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
+    try:
+        return _train(cfg, run_dir, resume, stop_after, log)
+    except BaseException:
+        if created and not (run_dir / "config.yaml").exists():
+            for d in [run_dir / "checkpoints", *created]:
+                try:
+                    d.rmdir()  # only if empty
+                except OSError:
+                    pass
+        raise
+
+
+def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | None, log) -> list[dict]:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r} is a file; expected a directory (or a path to "
                           "create)")
@@ -182,8 +220,16 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
             at = f"the checkpoint is at step {start}" if restoring else f"the run starts at step {start}"
             log(f"nothing to train: {at}, and this run stops at {why}")
             return []
-        # the run's config, once it is known to fit the checkpoint it resumes (a refused run leaves the old one)
-        write_atomic(run_dir / "config.yaml", dump_config(cfg))
+        # the run's config, once it is known to fit the checkpoint it resumes (a refused run leaves the old one); a
+        # resumed run whose settings changed keeps the earlier config beside it and names the changes
+        saved = run_dir / "config.yaml"
+        if restoring and saved.is_file() and saved.read_text() != dump_config(cfg):
+            changes = config_changes(yaml.safe_load(saved.read_text()) or {}, config_to_dict(cfg))
+            if changes:
+                kept = run_dir / f"config-until-step{start}.yaml"
+                write_atomic(kept, saved.read_text())
+                log(f"resuming with changed settings: {changes} (the earlier config.yaml is kept as {kept.name})")
+        write_atomic(saved, dump_config(cfg))
         truncate_metrics(records, start)
 
         schedule = make_schedule(cfg.optimizer, cfg.schedule)
@@ -246,7 +292,10 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                 clock.pause(time.perf_counter())  # writing the trace is not training throughput
             for k, what in (("loss", "loss"), ("grad_norm", "gradient norm")):  # a non-finite gradient norm: the
                 if not math.isfinite(m[k]):  # step's update made the parameters non-finite; neither is saved
-                    raise FloatingPointError(f"{what} is {m[k]} at step {n}; stopping (last checkpoint kept)")
+                    kept = ckpt.latest_step()
+                    raise FloatingPointError(f"{what} is {m[k]} at step {n}; stopping (" + (
+                        f"the last checkpoint, step {kept}, is kept)" if kept is not None
+                        else "no checkpoint was written)"))
             if evaluates(n):
                 m["val_loss"] = evaluate(eval_fn, state, val, eval_batch, eval_sharding)
                 m["val_ppl"] = math.exp(min(m["val_loss"], 50.0))
@@ -285,9 +334,6 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                 else:
                     pending = None
                     finish(step + 1, m_device, ahead=False)
-            log(run_summary(history, start, end, total, time.perf_counter() - t_start, clock.overall(),
-                            mfu(flops_tok, clock.overall(), mesh.size, peak), records,
-                            run_dir / "checkpoints" if cfg.checkpoint.every else None))
         finally:
             if tracing:  # stopped early (an error): what was traced is still written
                 tracing = False
@@ -297,4 +343,8 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                     log(f"the profiler trace could not be written: {type(e).__name__}: {e}")
             bar.close()
             metrics_file.close()
+        rate, steady = clock.overall()
+        log(run_summary(history, start, end, total, time.perf_counter() - t_start, rate, steady,
+                        mfu(flops_tok, rate, mesh.size, peak), records,
+                        run_dir / "checkpoints" if cfg.checkpoint.every else None, explicit_resume=bool(resume)))
         return history

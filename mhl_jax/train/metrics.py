@@ -82,9 +82,12 @@ class StepClock:
         self.window_steps, self.window_s = 0, 0.0
         return rate
 
-    def overall(self) -> float:
-        """Tokens/s over every span read so far (the run's summary); before any, the mean since the start."""
-        return self.tokens * self.run_steps / self.run_s if self.run_steps else self._mean()
+    def overall(self) -> tuple[float, bool]:
+        """(tokens/s, steady): over every span read so far (the run's summary), steady True; before any span, the
+        mean since the start (compilation included), steady False."""
+        if self.run_steps:
+            return self.tokens * self.run_steps / self.run_s, True
+        return self._mean(), False
 
 
 def format_line(step: int, total: int, m: dict) -> str:
