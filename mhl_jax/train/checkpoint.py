@@ -109,10 +109,10 @@ def _describe(leaf: Any) -> list:
 
 
 def _quiet_closed_loop_callbacks() -> None:
-    """After a failed restore, the reads still in flight finish on tensorstore's threads and call back into Orbax's
+    """When a restore fails, the reads still in flight finish on tensorstore's threads and call back into Orbax's
     asyncio loop, which is closed by then: each callback's RuntimeError('Event loop is closed') reaches
-    sys.unraisablehook and printed a traceback under the one-line error (2-20 of them). Those, and only those, are
-    dropped from now on; every other unraisable exception goes to the hook before."""
+    sys.unraisablehook and printed a traceback around the one-line error (2-20 of them, some before it). Those, and
+    only those, are dropped from the first restore on; every other unraisable exception goes to the hook before."""
     prev = sys.unraisablehook
     if getattr(prev, "_drops_closed_loop", False):
         return
@@ -270,12 +270,12 @@ class Checkpointer:
     def _read(self, step: int, directory: Path, args: Any, where: str, what: str) -> Any:
         """Orbax's restore of `args`; a damaged or incomplete step directory raises CheckpointError naming it and the
         other steps there (Orbax's own error, often buried under its threads' tracebacks, is chained)."""
+        _quiet_closed_loop_callbacks()  # before: a failing restore's late reads can call back while it still runs
         try:
             return self._manager.restore(step, directory=directory, args=args)
         except CheckpointError:
             raise
         except Exception as e:
-            _quiet_closed_loop_callbacks()
             others = sorted(int(c.name) for c in directory.iterdir() if c.name.isdigit() and int(c.name) != step)
             first = (str(e).strip().splitlines() or [""])[0][:300]
             advice = (f"other steps there: {others}; delete {where} to resume from the latest of them" if others
