@@ -136,6 +136,14 @@ def _flat_dict(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def changed_leaves(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """[(dotted key, old value, new value)] over the leaves of two nested dicts that differ, sorted by key; a leaf
+    missing on one side reads '<absent>'."""
+    a, b = _flat_dict(old), _flat_dict(new)
+    return [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b))
+            if a.get(k, "<absent>") != b.get(k, "<absent>")]
+
+
 # ----------------------------------------------------------------------------- the checkpointer
 
 
@@ -247,11 +255,9 @@ class Checkpointer:
     def _check_meta(self, meta: dict, named: list[tuple[tuple[str, ...], Any]], where: str) -> None:
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {where}: layout version {meta.get('format')!r}, expected {FORMAT}")
-        theirs, ours = _flat_dict(meta.get("fingerprint", {})), _flat_dict(self.fingerprint)
-        diff = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k, "<absent>") != ours.get(k, "<absent>")]
+        diff = changed_leaves(meta.get("fingerprint", {}), self.fingerprint)
         if diff:
-            lines = "; ".join(f"{k}: checkpoint {theirs.get(k, '<absent>')!r}, this run {ours.get(k, '<absent>')!r}"
-                              for k in diff)
+            lines = "; ".join(f"{k}: checkpoint {theirs!r}, this run {ours!r}" for k, theirs, ours in diff)
             raise CheckpointError(f"checkpoint {where} was written by a different model config ({lines})")
         saved = {tuple(names): (shape, dtype) for names, shape, dtype in meta["leaves"]}
         wanted = {names: tuple(_describe(leaf)) for names, leaf in named}

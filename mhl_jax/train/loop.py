@@ -27,7 +27,7 @@ from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
 from mhl_jax.train.autotune import autotune_file
-from mhl_jax.train.checkpoint import Checkpointer, CheckpointError
+from mhl_jax.train.checkpoint import Checkpointer, CheckpointError, changed_leaves
 from mhl_jax.train.metrics import StepClock, device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
@@ -97,15 +97,7 @@ def run_summary(history: list[dict], start: int, end: int, total: int, wall_s: f
 
 def config_changes(old: dict, new: dict) -> str:
     """'key: old -> new; ...' over the leaves of two config dicts that differ ('' when none)."""
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    a, b = flat(old), flat(new)
-    return "; ".join(f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
-                     for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>"))
+    return "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed_leaves(old, new))
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -222,14 +214,14 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
             return []
         # the run's config, once it is known to fit the checkpoint it resumes (a refused run leaves the old one); a
         # resumed run whose settings changed keeps the earlier config beside it and names the changes
-        saved = run_dir / "config.yaml"
-        if restoring and saved.is_file() and saved.read_text() != dump_config(cfg):
-            changes = config_changes(yaml.safe_load(saved.read_text()) or {}, config_to_dict(cfg))
-            if changes:
-                kept = run_dir / f"config-until-step{start}.yaml"
-                write_atomic(kept, saved.read_text())
-                log(f"resuming with changed settings: {changes} (the earlier config.yaml is kept as {kept.name})")
-        write_atomic(saved, dump_config(cfg))
+        saved, text = run_dir / "config.yaml", dump_config(cfg)
+        before = saved.read_text() if restoring and saved.is_file() else text
+        changes = config_changes(yaml.safe_load(before) or {}, config_to_dict(cfg)) if before != text else ""
+        if changes:
+            kept = run_dir / f"config-until-step{start}.yaml"
+            write_atomic(kept, before)
+            log(f"resuming with changed settings: {changes} (the earlier config.yaml is kept as {kept.name})")
+        write_atomic(saved, text)
         truncate_metrics(records, start)
 
         schedule = make_schedule(cfg.optimizer, cfg.schedule)
