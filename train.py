@@ -1,6 +1,9 @@
 """Train a model: `python train.py [--config configs/X.yaml] [--set key.sub=value ...] [--resume PATH]`.
 
 With no arguments it trains the tiny Multi-Head LatentMoE on the built-in corpus (CPU, 2-3 minutes).
+Several processes (hosts) in one run: start the same command once per process with `--coordinator HOST:PORT
+--num-processes N --process-id I` (or MHL_COORDINATOR / MHL_NUM_PROCESSES / MHL_PROCESS_ID), or with
+`--distributed-auto` under SLURM / Open MPI / Kubernetes.
 """
 
 from __future__ import annotations
@@ -21,17 +24,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                     help="stop after this optimizer step (with a checkpoint, unless checkpoint.every=0), as a "
                          "preempted job would")
+    dist = ap.add_argument_group("several processes (one per host, or per GPU); every process runs the same command")
+    dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                      help="process 0's host and a free port, the same for every process (env MHL_COORDINATOR)")
+    dist.add_argument("--num-processes", default=None, metavar="N", help="processes in the run (env MHL_NUM_PROCESSES)")
+    dist.add_argument("--process-id", default=None, metavar="I", help="this process, 0 to N-1 (env MHL_PROCESS_ID)")
+    dist.add_argument("--local-device-ids", default=None, metavar="IDS",
+                      help="this process's GPUs, e.g. 0,1 (default: every GPU it sees)")
+    dist.add_argument("--distributed-auto", action="store_true",
+                      help="take the processes from the cluster (SLURM, Open MPI, Kubernetes) through jax.distributed")
     args = ap.parse_args(argv)
     if args.stop_after is not None and args.stop_after < 0:
         ap.error(f"--stop-after {args.stop_after}: must be a step number >= 0")
 
     from mhl_jax.config import ConfigError, load_config
+    from mhl_jax.train.distributed import initialize, parse_launch
 
     try:
+        launch = parse_launch(args.coordinator, args.num_processes, args.process_id, args.local_device_ids,
+                              args.distributed_auto)
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    initialize(launch)
     from mhl_jax.data import DataError
     from mhl_jax.train.checkpoint import CheckpointError
     from mhl_jax.train.loop import train

@@ -8,7 +8,8 @@ One checkpoint is a step directory `<directory>/<step>/` with three Orbax items:
 - `meta`: JSON with the step, the fingerprint (model + FFN config) and the table of leaves, checked
   before any array is read, so a checkpoint of another model fails with the keys that differ;
 - `data`: the Grain iterator state (`grain.checkpoint.CheckpointSave/CheckpointRestore`, one JSON
-  file per JAX process, so restore needs the same process count).
+  file per JAX process); a run of another process count restores it when every process saved the same
+  state (train.py's loader, where every process reads the whole global batch).
 Orbax writes each checkpoint into a temporary directory and renames it when complete, so a process
 killed in the middle of a save leaves the previous checkpoint as the latest one; leftover temporary
 directories are removed when the next `Checkpointer` opens the directory. With `async_save`, arrays
@@ -142,6 +143,30 @@ def changed_leaves(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     a, b = _flat_dict(old), _flat_dict(new)
     return [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b))
             if a.get(k, "<absent>") != b.get(k, "<absent>")]
+
+
+def _shared_data_state(data_dir: Path, where: str) -> dict | None:
+    """The iterator state to restore by hand when the checkpoint was written by another number of processes than
+    this run has (Grain's handler reads only `process_<i>-of-<n>.json` of this run's own count): the state saved by
+    every process, which must be one and the same (train.py's loader: every process reads the whole global batch).
+    None when this process's own file is there (Grain's handler restores it)."""
+    index, count = jax.process_index(), jax.process_count()
+    if (data_dir / f"process_{index}-of-{count}.json").is_file():
+        return None
+    files = sorted(data_dir.glob("process_*-of-*.json"))
+    if not files:
+        raise CheckpointError(f"checkpoint {where}: {DATA}/ holds no iterator state file (process_<i>-of-<n>.json); "
+                              "the step directory is damaged or incomplete")
+    states = {f.name: f.read_text() for f in files}
+    if len(set(states.values())) != 1:
+        raise CheckpointError(f"checkpoint {where} was written by {len(files)} processes whose input pipelines "
+                              f"stood at different positions ({', '.join(states)}), so it cannot resume in a run of "
+                              f"{count} process(es); resume it with {len(files)} processes")
+    try:
+        return json.loads(next(iter(states.values())))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint {where}: {files[0]} is not JSON ({e}); the step directory is damaged or "
+                              "incomplete") from e
 
 
 # ----------------------------------------------------------------------------- the checkpointer
@@ -306,13 +331,20 @@ class Checkpointer:
         meta = self._read(step, directory, meta_args, where, META)
         self._check_meta(meta[META], named, where)
         items = {STATE: ocp.args.StandardRestore(_nest([(n, _abstract(leaf)) for n, leaf in named]))}
+        shared = None  # the iterator state when another process count wrote it (_shared_data_state)
         if data_iter is not None:
             if not (directory / str(step) / DATA).is_dir():
                 raise CheckpointError(f"checkpoint {where} holds no data-iterator state ({DATA}/), so the input "
                                       "pipeline cannot resume where it stopped; it was not written by train.py, or its "
                                       f"{DATA}/ directory was removed")
-            items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
+            shared = _shared_data_state(directory / str(step) / DATA, where)
+            if shared is None:
+                items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
         restored = self._read(step, directory, ocp.args.Composite(**items), where, "/".join(items))[STATE]
+        if shared is not None:
+            data_iter.set_state(shared)
+            if hasattr(data_iter, "start_prefetch"):  # as Grain's own restore does
+                data_iter.start_prefetch()
         leaves = []
         for names, leaf in named:
             value = _lookup(restored, names)

@@ -28,6 +28,7 @@ from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
 from mhl_jax.train.autotune import autotune_file
 from mhl_jax.train.checkpoint import Checkpointer, CheckpointError, changed_leaves
+from mhl_jax.train.distributed import global_array, is_lead, sync
 from mhl_jax.train.metrics import StepClock, device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
@@ -61,7 +62,7 @@ def evaluate(eval_fn, state: dict, val: np.ndarray, batch: int, sharding) -> flo
     sequences than one batch)."""
     total, count = 0.0, 0
     for i in range(0, len(val) - batch + 1, batch):
-        tokens = jax.device_put(val[i:i + batch], sharding)
+        tokens = global_array(val[i:i + batch], sharding)
         total += float(eval_fn(state["params"], state["biases"], tokens))
         count += batch * (val.shape[1] - 1)
     return total / count
@@ -120,13 +121,16 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     checkpoint unless checkpoint.every=0) once that many optimizer steps are done in total, as a preempted job
     would. Bad input (a run directory that cannot hold the run, a checkpoint that does not fit it, a validation set
     smaller than one evaluation batch) is refused before anything in the run directory is written; directories
-    this call created are removed again if the run stops before its config.yaml is written and they are empty."""
+    this call created are removed again if the run stops before its config.yaml is written and they are empty.
+    With several processes (mhl_jax.train.distributed) every process calls this; process 0 alone logs and writes
+    the run directory's files."""
     run_dir = Path(cfg.logging.run_dir)
     created = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
+    lead = is_lead()
     try:
-        return _train(cfg, run_dir, resume, stop_after, log)
+        return _train(cfg, run_dir, resume, stop_after, log if lead else _quiet, lead)
     except BaseException:
-        if created and not (run_dir / "config.yaml").exists():
+        if lead and created and not (run_dir / "config.yaml").exists():
             for d in [run_dir / "checkpoints", *created]:
                 try:
                     d.rmdir()  # only if empty
@@ -135,7 +139,11 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         raise
 
 
-def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | None, log) -> list[dict]:
+def _quiet(*args, **kwargs) -> None:
+    """The log of processes other than 0."""
+
+
+def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | None, log, lead: bool) -> list[dict]:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r} is a file; expected a directory (or a path to "
                           "create)")
@@ -160,10 +168,10 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     eval_sharding = NamedSharding(mesh, P(*batch_spec(mesh)[1:]))
 
-    loader = make_train_loader(cfg.data, seq_len=t, batch_size=cfg.train.global_batch // jax.process_count(),
-                               seed=cfg.train.seed,
-                               vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
-                               process_count=jax.process_count())
+    # every process reads the whole global batch and places its own rows (global_array): the batches, and so the
+    # losses, do not depend on how the devices are split into processes
+    loader = make_train_loader(cfg.data, seq_len=t, batch_size=cfg.train.global_batch, seed=cfg.train.seed,
+                               vocab_size=cfg.model.vocab_size)
     val = (load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size)
            if cfg.data.val_sequences and cfg.data.eval_every else None)  # no validation data read without evaluation
     eval_batch = cfg.train.micro_batch * mesh.size
@@ -203,6 +211,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                                   " use another logging.run_dir, or delete that file to start over there")
             log(f"no checkpoint of this run's earlier launch in {run_dir}: starting over from step 0 (its records "
                 "are replaced)")
+        sync("run checks done")  # every process has read the run directory before process 0 writes to it
         start = int(state["step"])
         total = cfg.schedule.total_steps
         end = total if stop_after is None else min(total, stop_after)
@@ -219,10 +228,12 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         changes = config_changes(yaml.safe_load(before) or {}, config_to_dict(cfg)) if before != text else ""
         if changes:
             kept = run_dir / f"config-until-step{start}.yaml"
-            write_atomic(kept, before)
+            if lead:
+                write_atomic(kept, before)
             log(f"resuming with changed settings: {changes} (the earlier config.yaml is kept as {kept.name})")
-        write_atomic(saved, text)
-        truncate_metrics(records, start)
+        if lead:
+            write_atomic(saved, text)
+            truncate_metrics(records, start)
 
         schedule = make_schedule(cfg.optimizer, cfg.schedule)
         if tuned.load is not None:
@@ -241,16 +252,16 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
             log("all-to-all per device per MoE layer, each way: "
                 + ", ".join(f"{k.split('/')[1]} {v / 2**20:.2f} MiB" for k, v in comm.items()))
         history: list[dict] = []
-        metrics_file = open(records, "a")
-        bar = tqdm(total=total, initial=start, disable=not cfg.logging.progress_bar, file=sys.stderr,
+        metrics_file = open(records, "a") if lead else None
+        bar = tqdm(total=total, initial=start, disable=not (cfg.logging.progress_bar and lead), file=sys.stderr,
                    dynamic_ncols=True)
         t_start = time.perf_counter()
         clock = StepClock(tokens_per_step, t_start)
         # the profiled steps (logging.profile_start): a trace from the dispatch of the first to the end of the last
-        prof_first = cfg.logging.profile_start if start < cfg.logging.profile_start <= end else 0
+        prof_first = cfg.logging.profile_start if lead and start < cfg.logging.profile_start <= end else 0
         prof_last = min(prof_first + cfg.logging.profile_steps - 1, end) if prof_first else 0
         prof_dir = run_dir / "profile"
-        if cfg.logging.profile_start and not prof_first:
+        if cfg.logging.profile_start and not prof_first and lead:
             log(f"no profile: logging.profile_start={cfg.logging.profile_start} is not among this run's steps "
                 f"{start + 1}-{end}")
         tracing = False
@@ -294,10 +305,11 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                 tuned.commit()  # with the evaluation's too (a no-op once it has compiled)
                 clock.pause(time.perf_counter())  # evaluation time is not training throughput
             history.append(m)
-            metrics_file.write(json.dumps(m) + "\n")
-            metrics_file.flush()
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(m) + "\n")
+                metrics_file.flush()
             bar.update(1)
-            if n % cfg.logging.log_every == 0 or n == start + 1 or n == end or "val_loss" in m:
+            if lead and (n % cfg.logging.log_every == 0 or n == start + 1 or n == end or "val_loss" in m):
                 tps = clock.line()  # over the steps since the previous line
                 line = {**m, "tokens_per_s": tps, "mfu": mfu(flops_tok, tps, mesh.size, peak)}
                 bar.write(format_line(n, total, line), file=sys.stdout)
@@ -316,7 +328,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                     jax.profiler.start_trace(str(prof_dir))
                     tracing = True
                 batch = np.asarray(next(loader)).reshape(accum, -1, t + 1)
-                state, m_device = step_fn(state, jax.device_put(batch, batch_sharding))
+                state, m_device = step_fn(state, global_array(batch, batch_sharding))
                 if step == start:
                     tuned.commit()  # the step compiled: XLA's autotuning results in place
                 if pending is not None:
@@ -334,7 +346,8 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                 except Exception as e:  # never in place of the error that stopped the run
                     log(f"the profiler trace could not be written: {type(e).__name__}: {e}")
             bar.close()
-            metrics_file.close()
+            if metrics_file is not None:
+                metrics_file.close()
         rate, steady = clock.overall()
         log(run_summary(history, start, end, total, time.perf_counter() - t_start, rate, steady,
                         mfu(flops_tok, rate, mesh.size, peak), records,

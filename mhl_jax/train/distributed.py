@@ -1,0 +1,116 @@
+"""Several JAX processes in one run (one per host, or one per GPU of a host): `jax.distributed` set up from
+train.py's options, and the helpers the loop uses so that every process runs the same steps.
+
+A run of P processes is one program on one mesh: every process builds the same model, reads the same global batch
+(B x (T + 1) tokens per step, e.g. 1 MiB at B 256, T 2048 in int16: cheap beside a step) and hands the devices its
+own rows of it, so a run's losses do not depend on how its devices are split into processes. Process 0 alone writes
+the run directory's files (config.yaml, metrics.jsonl, the progress line); Orbax writes each process's shards of a
+checkpoint, so `logging.run_dir` must be on a filesystem every process sees (one host: any directory).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from mhl_jax.config import ConfigError
+
+ENV = {"coordinator": "MHL_COORDINATOR", "num_processes": "MHL_NUM_PROCESSES", "process_id": "MHL_PROCESS_ID"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this process joins the run: `num_processes` 1 means a single process (nothing to set up)."""
+
+    coordinator: str | None = None  # "host:port" of process 0's coordination service
+    num_processes: int = 1
+    process_id: int = 0
+    local_device_ids: tuple[int, ...] | None = None  # this process's GPUs (None: all it sees)
+    auto: bool = False  # cluster auto-detection (SLURM, Open MPI, Kubernetes) by jax.distributed
+
+
+def _int(name: str, value) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r}: expected an integer") from None
+
+
+def parse_launch(coordinator: str | None = None, num_processes=None, process_id=None, local_device_ids=None,
+                 auto: bool = False, env: dict | None = None) -> Launch:
+    """The Launch from train.py's options, each defaulting to its MHL_* environment variable (ENV). Raises
+    ConfigError naming the value for a half-given or inconsistent set."""
+    env = os.environ if env is None else env
+    coordinator = coordinator if coordinator is not None else env.get(ENV["coordinator"])
+    num_processes = num_processes if num_processes is not None else env.get(ENV["num_processes"])
+    process_id = process_id if process_id is not None else env.get(ENV["process_id"])
+    ids = None
+    if local_device_ids not in (None, ""):
+        ids = tuple(_int("--local-device-ids", i) for i in str(local_device_ids).split(","))
+        if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+            raise ConfigError(f"--local-device-ids={local_device_ids!r}: expected distinct device numbers >= 0, "
+                              "e.g. 0,1")
+    if auto:
+        if coordinator is not None or num_processes is not None or process_id is not None:
+            raise ConfigError("--distributed-auto takes the coordinator, process count and id from the cluster "
+                              f"(SLURM, Open MPI, Kubernetes); got also coordinator={coordinator!r}, num_processes="
+                              f"{num_processes!r}, process_id={process_id!r} (options or {', '.join(ENV.values())})")
+        return Launch(local_device_ids=ids, auto=True)
+    given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
+    if all(v is None for v in given.values()):
+        if ids is not None:
+            raise ConfigError("--local-device-ids is for runs of several processes; give --coordinator, "
+                              "--num-processes and --process-id too (or use CUDA_VISIBLE_DEVICES)")
+        return Launch()
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise ConfigError(f"a run of several processes needs --coordinator, --num-processes and --process-id (or "
+                          f"{', '.join(ENV.values())}); missing: {', '.join(missing)}")
+    n, i = _int("--num-processes", num_processes), _int("--process-id", process_id)
+    if n < 1 or not 0 <= i < n:
+        raise ConfigError(f"--num-processes={n} --process-id={i}: need num_processes >= 1 and 0 <= process_id < "
+                          "num_processes")
+    host, _, port = str(coordinator).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--coordinator={coordinator!r}: expected HOST:PORT of process 0's host, e.g. "
+                          "node0:12355 or localhost:12355")
+    return Launch(coordinator=str(coordinator), num_processes=n, process_id=i, local_device_ids=ids)
+
+
+def initialize(launch: Launch, timeout_s: int = 300) -> None:
+    """Join the run (before anything else touches JAX's devices). A single-process launch does nothing. On CPU the
+    processes' collectives go through gloo."""
+    if launch.num_processes == 1 and not launch.auto:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU backend reads it
+    ids = list(launch.local_device_ids) if launch.local_device_ids is not None else None
+    if launch.auto:
+        jax.distributed.initialize(local_device_ids=ids, initialization_timeout=timeout_s)
+    else:
+        jax.distributed.initialize(launch.coordinator, num_processes=launch.num_processes,
+                                   process_id=launch.process_id, local_device_ids=ids,
+                                   initialization_timeout=timeout_s)
+
+
+def is_lead() -> bool:
+    """Whether this process writes the run's files and prints (process 0)."""
+    return jax.process_index() == 0
+
+
+def sync(name: str) -> None:
+    """Every process waits here until all have arrived (a no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def global_array(x: np.ndarray, sharding) -> jax.Array:
+    """The global array `x` (the same on every process) placed with `sharding`: each process transfers only the
+    slices its own devices hold."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
