@@ -1,0 +1,143 @@
+"""Runs of several JAX processes (mhl_jax.train.distributed): train.py's launch options, and on the CPU two processes
+of two host devices each (gloo collectives) against one process of four devices: the same losses and parameters,
+exact resume, a checkpoint resumed by another process count, one set of records."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mhl_jax.config import ConfigError
+from mhl_jax.train.checkpoint import CheckpointError, _shared_data_state
+from mhl_jax.train.distributed import ENV, Launch, parse_launch
+from tests.test_resume import common, final_params, losses
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- launch options
+
+
+def test_launch_options_and_environment():
+    assert parse_launch(env={}) == Launch()
+    got = parse_launch("node0:12355", "4", "3", "0,1", env={})
+    assert got == Launch("node0:12355", 4, 3, (0, 1))
+    env = {ENV["coordinator"]: "localhost:9000", ENV["num_processes"]: "2", ENV["process_id"]: "1"}
+    assert parse_launch(env=env) == Launch("localhost:9000", 2, 1)
+    assert parse_launch(process_id=0, env=env).process_id == 0  # an option wins over its variable
+    assert parse_launch(auto=True, env={}) == Launch(auto=True)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(coordinator="h:1", num_processes=2), "missing: --process-id"),
+    (dict(num_processes=2, process_id=0), "missing: --coordinator"),
+    (dict(coordinator="h:1", num_processes=2, process_id=2), "--num-processes=2 --process-id=2"),
+    (dict(coordinator="h:1", num_processes=0, process_id=0), "--num-processes=0"),
+    (dict(coordinator="h:1", num_processes="two", process_id=0), "--num-processes='two': expected an integer"),
+    (dict(coordinator="node0", num_processes=2, process_id=0), "--coordinator='node0': expected HOST:PORT"),
+    (dict(coordinator="node0:99999", num_processes=2, process_id=0), "--coordinator='node0:99999'"),
+    (dict(local_device_ids="0,1"), "--local-device-ids is for runs of several processes"),
+    (dict(coordinator="h:1", num_processes=2, process_id=0, local_device_ids="0,0"), "distinct device numbers"),
+    (dict(auto=True, num_processes=2), "--distributed-auto takes the coordinator"),
+])
+def test_bad_launch_options_are_named(kw, match):
+    with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("+", r"\+")):
+        parse_launch(env={}, **kw)
+
+
+def test_cli_refuses_bad_launch_before_starting():
+    r = subprocess.run([sys.executable, "train.py", "--coordinator", "localhost:1", "--num-processes", "2",
+                        "--process-id", "5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "config error: --num-processes=2 --process-id=5" in r.stderr, r.stderr[-2000:]
+
+
+def test_data_state_of_another_process_count(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    with pytest.raises(CheckpointError, match="holds no iterator state file"):
+        _shared_data_state(d, "ck/2")
+    for i in range(2):
+        (d / f"process_{i}-of-2.json").write_text(json.dumps({"next_index": 3}))
+    assert _shared_data_state(d, "ck/2") == {"next_index": 3}  # this test process is 1 of 1
+    (d / "process_1-of-2.json").write_text(json.dumps({"next_index": 5}))
+    with pytest.raises(CheckpointError, match="different positions .*resume it with 2 processes"):
+        _shared_data_state(d, "ck/2")
+    (d / "process_0-of-1.json").write_text(json.dumps({"next_index": 7}))
+    assert _shared_data_state(d, "ck/2") is None  # its own file: Grain's handler restores it
+
+
+# ----------------------------------------------------------------------------- two processes on the CPU
+
+
+def _args(run_dir, *extra):
+    return [*common(run_dir), "--set", "schedule.total_steps=4", "--set", "train.micro_batch=1",
+            "--set", "parallel.hp=4", *extra]
+
+
+def _env(devices: int) -> dict:
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+            "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _one_process(args):
+    r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, env=_env(4),
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _two_processes(args) -> list[str]:
+    """Both processes of a run (2 host devices each); their stdout."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "train.py", *args, "--coordinator", f"localhost:{port}",
+                               "--num-processes", "2", "--process-id", str(i)], cwd=ROOT, env=_env(2),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            p.kill()
+    return outs
+
+
+def _assert_close(a, b):
+    assert [s for s, *_ in a] == [s for s, *_ in b]
+    for (_, la, va), (_, lb, vb) in zip(a, b):
+        assert la == pytest.approx(lb, rel=1e-5) and (va is None) == (vb is None)
+        assert va is None or va == pytest.approx(vb, rel=1e-5)
+
+
+def test_two_processes_train_as_one(tmp_path):
+    two, moved, one = tmp_path / "two", tmp_path / "moved", tmp_path / "one"
+    outs = _two_processes(_args(two, "--stop-after", "2"))  # checkpoint at step 2
+    assert "step 2/4" in outs[0] and "step " not in outs[1]  # process 0 alone prints
+    shutil.copytree(two, moved)
+    _two_processes(_args(two))  # resumes step 2 with two processes
+    _one_process(_args(one))  # four devices in one process, straight through
+    _one_process(_args(moved))  # the two processes' checkpoint of step 2, resumed by one process
+
+    ref = losses(one)
+    assert len(ref) == 4 and ref[-1][2] is not None
+    _assert_close(losses(two), ref)  # one record per step: process 1 writes none
+    _assert_close(losses(moved), ref)
+    assert (two / "checkpoints" / "2" / "data" / "process_1-of-2.json").is_file()
+    for other in (two, moved):
+        (sa, la), (sb, lb) = final_params(other), final_params(one)
+        assert sa == sb == 4 and len(la) == len(lb)
+        for x, y in zip(la, lb):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
