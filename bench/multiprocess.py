@@ -37,7 +37,8 @@ def launch(config: str, sets: list[str], steps: int, processes: int, gpus: int, 
     args = [sys.executable, "train.py", "--config", config, *sum((["--set", s] for s in sets), []),
             "--set", f"schedule.total_steps={steps}", "--set", "schedule.warmup_steps=2",
             "--set", "schedule.decay_steps=2", "--set", "checkpoint.every=0", "--set", "data.eval_every=0",
-            "--set", "logging.progress_bar=false", "--set", "logging.log_every=1", "--set", f"logging.run_dir={run_dir}"]
+            "--set", "logging.progress_bar=false", "--set", "logging.log_every=1",
+            "--set", f"logging.run_dir={run_dir}"]
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     if processes == 1:
         procs = [subprocess.Popen(args, cwd=ROOT, env=env)]
