@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--stop-after {args.stop_after}: must be a step number >= 0")
 
     from mhl_jax.config import ConfigError, load_config
-    from mhl_jax.train.distributed import initialize, parse_launch
+    from mhl_jax.train.distributed import initialize, parse_launch, shutdown
 
     try:
         launch = parse_launch(args.coordinator, args.num_processes, args.process_id, args.local_device_ids,
@@ -58,11 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         kind = next(n for c, n in ((ConfigError, "config"), (DataError, "data"), (CheckpointError, "checkpoint"))
                     if isinstance(e, c))
         print(f"{kind} error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except FloatingPointError as e:  # a diverged loss: the last checkpoint is kept
         print(f"training stopped: {e}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    else:
+        code = 0
+    shutdown(launch)  # these ends are reached by every process of a run alike
+    return code
 
 
 if __name__ == "__main__":

@@ -246,24 +246,6 @@ def test_batches_are_windows_shuffled_per_epoch_and_deterministic(shards):
     assert rows[:n] != all_windows  # shuffled at all
 
 
-def test_two_processes_get_disjoint_sequences(shards):
-    d, streams, _ = shards
-    T = 16
-    all_windows = windows_of(streams[0], T) + windows_of(streams[1], T)
-    seen = []
-    for p in range(2):
-        it = make_train_loader(bin_cfg(d), seq_len=T, batch_size=1, seed=3, vocab_size=320, process_index=p,
-                               process_count=2)
-        per = (len(all_windows) + 1 - p) // 2  # the slice p::2 of the windows
-        seen.append([tuple(int(x) for x in next(it)[0]) for _ in range(per)])
-    assert len(set(seen[0])) == len(seen[0]) and len(set(seen[1])) == len(seen[1])
-    assert not set(seen[0]) & set(seen[1])
-    assert sorted(seen[0] + seen[1]) == sorted(all_windows)
-    with pytest.raises(DataError, match="process_index=2, process_count=2"):
-        make_train_loader(bin_cfg(d), seq_len=T, batch_size=1, seed=3, vocab_size=320, process_index=2,
-                          process_count=2)
-
-
 @pytest.mark.parametrize("workers", [0, 1])
 def test_iterator_state_restores_the_same_batches(shards, workers):
     d, _, _ = shards

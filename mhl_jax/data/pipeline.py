@@ -1,8 +1,8 @@
-"""The Grain input pipeline: training batches (endless, shuffled, sharded, prefetched, checkpointable)
-and the fixed validation sequences, from any of the three sources of `DataConfig.source`.
+"""The Grain input pipeline: training batches (endless, shuffled, prefetched, checkpointable) and the fixed
+validation sequences, from any of the three sources of `DataConfig.source`.
 
-Training order: windows (see windows.py) -> this process's slice [process_index::process_count]
--> a shuffle seeded from `seed`, different (and deterministic) in every epoch -> endless repeat ->
+Training order: windows (see windows.py) -> a shuffle seeded from `seed`, different (and deterministic) in every
+epoch -> endless repeat ->
 batches of `batch_size` -> threads read ahead `prefetch` batches (and `worker_count` processes,
 when > 0). The iterator's position is its whole state: `get_state()` / `set_state()`, saved and
 restored with Orbax through `grain.checkpoint.CheckpointSave/CheckpointRestore` (checkpoint.py).
@@ -83,28 +83,23 @@ def _absl_flags_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
-def make_train_loader(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int, vocab_size: int,
-                      process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
-    """An endless, checkpointable iterator of this process's training batches.
+def make_train_loader(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
+                      vocab_size: int) -> grain.DatasetIterator:
+    """An endless, checkpointable iterator of training batches.
 
-    Each `next()` gives (batch_size, seq_len + 1) int32 token windows: batch_size is per process
-    (with several JAX processes pass global_batch // process_count). Same arguments, same batches;
-    processes see disjoint windows. Save/restore its position with `get_state()`/`set_state()` or
-    through `Checkpointer` (which uses Grain's Orbax handler).
+    Each `next()` gives (batch_size, seq_len + 1) int32 token windows. Same arguments, same batches: the processes
+    of a run of several build the same iterator of global batches, and each places its own rows of them
+    (mhl_jax.train.distributed). Save/restore its position with `get_state()`/`set_state()` or through
+    `Checkpointer` (which uses Grain's Orbax handler).
     """
     if batch_size < 1:
         raise DataError(f"batch_size={batch_size}: must be >= 1")
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise DataError(f"process_index={process_index}, process_count={process_count}: need 0 <= index < count")
     if cfg.prefetch < 0 or cfg.worker_count < 0 or cfg.read_threads < 1:
         raise DataError(f"data.prefetch={cfg.prefetch}, data.worker_count={cfg.worker_count}: must be >= 0; "
                         f"data.read_threads={cfg.read_threads}: must be >= 1")
     windows = source_windows(cfg, "train", seq_len=seq_len, vocab_size=vocab_size)
-    ds = grain.MapDataset.source(windows)[process_index::process_count]
-    if len(ds) == 0:
-        raise DataError(f"{windows.name}: {len(windows)} training sequences cannot be split over "
-                        f"{process_count} processes (process {process_index} gets none)")
-    ds = ds.shuffle(seed=shuffle_seed(seed)).repeat(None).batch(batch_size, drop_remainder=True)
+    ds = grain.MapDataset.source(windows).shuffle(seed=shuffle_seed(seed))
+    ds = ds.repeat(None).batch(batch_size, drop_remainder=True)
     read = grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.prefetch)
     it_ds = ds.to_iter_dataset(read)
     if cfg.worker_count > 0:

@@ -95,6 +95,13 @@ def initialize(launch: Launch, timeout_s: int = 300) -> None:
                                    initialization_timeout=timeout_s)
 
 
+def shutdown(launch: Launch) -> None:
+    """Leave the run together: every process waits for the others before the coordination service (process 0's)
+    goes away, so no process logs a lost connection at exit. A no-op for a single process."""
+    if launch.num_processes > 1 or launch.auto:
+        jax.distributed.shutdown()
+
+
 def is_lead() -> bool:
     """Whether this process writes the run's files and prints (process 0)."""
     return jax.process_index() == 0
