@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--stop-after {args.stop_after}: must be a step number >= 0")
 
     from mhl_jax.config import ConfigError, load_config
-    from mhl_jax.train.distributed import initialize, parse_launch, shutdown
+    from mhl_jax.train.distributed import check_same_run, initialize, parse_launch, shutdown, yaml_options
 
     try:
         launch = parse_launch(args.coordinator, args.num_processes, args.process_id, args.local_device_ids,
@@ -48,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     initialize(launch)
+    from mhl_jax.config import dump_config
+
+    try:  # every process of a run must run the same command
+        check_same_run(dump_config(cfg) + yaml_options(resume=args.resume, stop_after=args.stop_after))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        shutdown(launch)
+        return 2
     from mhl_jax.data import DataError
     from mhl_jax.train.checkpoint import CheckpointError
     from mhl_jax.train.loop import train

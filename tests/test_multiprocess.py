@@ -175,3 +175,23 @@ def test_two_processes_train_as_one(tmp_path):
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_two_processes_train_as_one(tmp_path):
     _two_processes_train_as_one(tmp_path, Machine(gpu=True), rel=1e-4)
+
+
+def test_processes_started_with_different_commands_are_refused(tmp_path):
+    """Process 1 with another learning rate: both stop before anything is written, process 1 naming the key."""
+    port = _free_port()
+    machine = Machine(gpu=False)
+    procs = [subprocess.Popen([sys.executable, "train.py", *machine.args(tmp_path / "run"),
+                               *(["--set", "optimizer.lr=1e-3"] if i else []), "--coordinator", f"localhost:{port}",
+                               "--num-processes", "2", "--process-id", str(i)], cwd=ROOT, env=machine.env(2),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert "config error: process(es) [1] were started with another run than process 0" in errs[0], errs[0][-2000:]
+    assert ("config error: process 1 was started with another run than process 0 (optimizer.lr: process 0 0.003, "
+            "this process 0.001)") in errs[1], errs[1][-2000:]
+    assert not (tmp_path / "run").exists()

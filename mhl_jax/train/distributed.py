@@ -11,6 +11,7 @@ checkpoint, so `logging.run_dir` must be on a filesystem every process sees (one
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import jax
@@ -87,6 +88,10 @@ def initialize(launch: Launch, timeout_s: int = 300) -> None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU backend reads it
     ids = list(launch.local_device_ids) if launch.local_device_ids is not None else None
+    who = ("this process (cluster auto-detection)" if launch.auto else
+           f"process {launch.process_id} of {launch.num_processes}")
+    print(f"{who}: joining the run at {launch.coordinator or 'the cluster coordinator'}, waiting up to {timeout_s} s "
+          "for the others", file=sys.stderr, flush=True)
     if launch.auto:
         jax.distributed.initialize(local_device_ids=ids, initialization_timeout=timeout_s)
     else:
@@ -100,6 +105,43 @@ def shutdown(launch: Launch) -> None:
     goes away, so no process logs a lost connection at exit. A no-op for a single process."""
     if launch.num_processes > 1 or launch.auto:
         jax.distributed.shutdown()
+
+
+def yaml_options(**options) -> str:
+    """train.py's options besides the config, as YAML to append to the config's dump for `check_same_run`."""
+    import yaml
+
+    return yaml.safe_dump({"command_line": options})
+
+
+def check_same_run(text: str) -> None:
+    """Every process must run the same command (config, overrides, resume and stop options): `text` (the resolved
+    config and those options) is compared with process 0's, and on any difference every process raises ConfigError
+    (a process that differs names the keys) instead of running mismatched steps. A no-op with one process."""
+    if jax.process_count() == 1:
+        return
+    import yaml
+    from jax.experimental import multihost_utils as mh
+
+    from mhl_jax.train.checkpoint import changed_leaves
+
+    mine = np.frombuffer(text.encode(), np.uint8)
+    n = int(mh.broadcast_one_to_all(np.int32(mine.size)))
+    buf = np.zeros(max(n, 1), np.uint8)
+    if is_lead():
+        buf[:n] = mine
+    lead = bytes(np.asarray(mh.broadcast_one_to_all(buf))[:n]).decode()
+    differs = np.asarray(mh.process_allgather(np.int32(lead != text))).reshape(-1)
+    if not differs.any():
+        return
+    others = [int(i) for i in np.flatnonzero(differs)]
+    if lead != text:
+        keys = "; ".join(f"{k}: process 0 {a!r}, this process {b!r}"
+                         for k, a, b in changed_leaves(yaml.safe_load(lead) or {}, yaml.safe_load(text) or {}))
+        raise ConfigError(f"process {jax.process_index()} was started with another run than process 0 ({keys}); "
+                          "start every process with the same command")
+    raise ConfigError(f"process(es) {others} were started with another run than process 0 (their errors name the "
+                      "keys); start every process with the same command")
 
 
 def is_lead() -> bool:
