@@ -92,9 +92,11 @@ class Machine:
         self.gpu = gpu
         self.devices = 2 if gpu else 4
 
-    def args(self, run_dir, *extra):
-        return [*common(run_dir), "--set", "schedule.total_steps=4", "--set", "train.micro_batch=1",
-                "--set", f"parallel.hp={self.devices}", *extra]
+    def args(self, run_dir, *extra, moe: bool = False):
+        """The tiny MH-LatentMoE over all devices with hp (moe: the tiny MoE with ep), 4 steps."""
+        model = ["--config", "configs/tiny_moe.yaml", "--set", f"parallel.ep={self.devices}"] if moe else \
+            ["--set", f"parallel.hp={self.devices}"]
+        return [*common(run_dir), "--set", "schedule.total_steps=4", "--set", "train.micro_batch=1", *model, *extra]
 
     def env(self, devices: int) -> dict:
         env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
@@ -171,10 +173,31 @@ def test_two_processes_train_as_one(tmp_path):
     _two_processes_train_as_one(tmp_path, Machine(gpu=False), rel=1e-5)
 
 
+def _expert_parallel_as_one(tmp_path, machine: Machine, rel: float):
+    """The tiny MoE with its experts split over both processes' devices (ep): the dispatch and the combine cross
+    processes."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    machine.two_processes(machine.args(two, moe=True))
+    machine.one_process(machine.args(one, moe=True))
+    ref = losses(one)
+    assert len(ref) == 4
+    _assert_close(losses(two), ref, rel)
+
+
+def test_two_processes_expert_parallel_as_one(tmp_path):
+    _expert_parallel_as_one(tmp_path, Machine(gpu=False), rel=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_two_processes_train_as_one(tmp_path):
     _two_processes_train_as_one(tmp_path, Machine(gpu=True), rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+def test_gpu_two_processes_expert_parallel_as_one(tmp_path):
+    _expert_parallel_as_one(tmp_path, Machine(gpu=True), rel=1e-4)
 
 
 def test_processes_started_with_different_commands_are_refused(tmp_path):
