@@ -218,3 +218,28 @@ def test_processes_started_with_different_commands_are_refused(tmp_path):
     assert ("config error: process 1 was started with another run than process 0 (optimizer.lr: process 0 0.003, "
             "this process 0.001)") in errs[1], errs[1][-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_directory_the_processes_do_not_share_is_refused(tmp_path):
+    """A relative logging.run_dir from two working directories (as on two hosts' own disks): both processes stop with
+    status 2, naming the process that does not see process 0's files, and leave no directory behind."""
+    port = _free_port()
+    machine = Machine(gpu=False)
+    args = [str(ROOT / "configs/tiny_mh_latent_moe.yaml") if a == "configs/tiny_mh_latent_moe.yaml" else a
+            for a in machine.args("runs/x")]
+    cwds = [tmp_path / "host0", tmp_path / "host1"]
+    procs = []
+    for i, cwd in enumerate(cwds):
+        cwd.mkdir()
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, "--coordinator",
+                                       f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)], cwd=cwd,
+                                      env=machine.env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    for err in errs:
+        assert "config error: logging.run_dir='runs/x': process(es) [1] do not see process 0's files" in err, err[-2000:]
+    assert [sorted(c.iterdir()) for c in cwds] == [[], []]

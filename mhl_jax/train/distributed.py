@@ -144,6 +144,32 @@ def check_same_run(text: str) -> None:
                       "keys); start every process with the same command")
 
 
+def check_shared_directory(path) -> None:
+    """With several processes, `path` (the run directory) must be one directory that every process sees: process 0
+    writes a probe file there and every process looks for it. ConfigError naming the processes that miss it (each
+    host's own disk, or a relative path from different working directories). A no-op with one process."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils as mh
+
+    token = int(mh.broadcast_one_to_all(np.int32(np.random.SeedSequence().entropy % 2**31 if is_lead() else 0)))
+    probe = path / f".process-probe-{token}"
+    if is_lead():
+        probe.write_text(str(token))
+    sync("probe written")
+    sees = probe.is_file() and probe.read_text() == str(token)
+    seen = np.asarray(mh.process_allgather(np.int32(sees))).reshape(-1)
+    sync("probe read")
+    if is_lead():
+        probe.unlink(missing_ok=True)
+    if not seen.all():
+        missing = [int(i) for i in np.flatnonzero(seen == 0)]
+        raise ConfigError(f"logging.run_dir={str(path)!r}: process(es) {missing} do not see process 0's files there "
+                          "(a directory on each host's own disk, or a relative path from different working "
+                          "directories); a run of several processes needs one directory that every process sees (a "
+                          "shared filesystem): its checkpoints are written by all of them")
+
+
 def is_lead() -> bool:
     """Whether this process writes the run's files and prints (process 0)."""
     return jax.process_index() == 0

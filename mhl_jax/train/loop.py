@@ -28,7 +28,7 @@ from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
 from mhl_jax.train.autotune import autotune_file
 from mhl_jax.train.checkpoint import Checkpointer, CheckpointError, changed_leaves
-from mhl_jax.train.distributed import global_array, is_lead, sync
+from mhl_jax.train.distributed import check_shared_directory, global_array, is_lead, sync
 from mhl_jax.train.metrics import StepClock, device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
@@ -130,7 +130,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     try:
         return _train(cfg, run_dir, resume, stop_after, log if lead else _quiet, lead)
     except BaseException:
-        if lead and created and not (run_dir / "config.yaml").exists():
+        if created and not (run_dir / "config.yaml").exists():  # each process: what it created
             for d in [run_dir / "checkpoints", *created]:
                 try:
                     d.rmdir()  # only if empty
@@ -151,6 +151,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r} cannot be created: {e}") from e
+    check_shared_directory(run_dir)
     counts = count_params(cfg)
     log(f"model {cfg.ffn.kind}: {counts.active / 1e6:.1f}M active / {counts.total / 1e6:.1f}M total parameters")
 
