@@ -241,5 +241,6 @@ def test_a_run_directory_the_processes_do_not_share_is_refused(tmp_path):
             p.kill()
     assert [p.returncode for p in procs] == [2, 2], errs
     for err in errs:
-        assert "config error: logging.run_dir='runs/x': process(es) [1] do not see process 0's files" in err, err[-2000:]
+        want = "config error: logging.run_dir='runs/x': process(es) [1] do not see process 0's files"
+        assert want in err, err[-2000:]
     assert [sorted(c.iterdir()) for c in cwds] == [[], []]
