@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    initialize(launch)
+    try:
+        initialize(launch)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     from mhl_jax.config import dump_config
 
     try:  # every process of a run must run the same command

@@ -41,8 +41,23 @@ def test_auto_later_process_loads_and_rewrites(tmp_path):
     assert a.load == a.path and a.write
     assert a.compiler_options() == {"xla_gpu_load_autotune_results_from": str(a.path),
                                     "xla_gpu_dump_autotune_results_to": str(a.tmp)}
-    b = autotune_file("auto", tmp_path, process_index=1)  # other processes of a multi-process run only read
-    assert b.load == b.path and not b.write and "xla_gpu_dump_autotune_results_to" not in b.compiler_options()
+
+
+
+def test_each_process_of_a_run_keeps_its_own_file(tmp_path):
+    (tmp_path / DEFAULT_NAME).write_text(RESULTS)
+    b = autotune_file("auto", tmp_path, process_index=1)  # no file of its own yet: process 0's is loaded
+    assert b.path == (tmp_path / "xla_autotune.process1.txt").resolve() and b.write
+    assert b.load == (tmp_path / DEFAULT_NAME).resolve()
+    assert b.compiler_options()["xla_gpu_dump_autotune_results_to"] == str(b.tmp) and b.tmp.name.startswith(
+        "xla_autotune.process1.")
+    b.path.write_text(RESULTS)  # written by the first launch's process 1
+    assert autotune_file("auto", tmp_path, process_index=1).load == b.path  # a resumed process 1: its own
+    assert autotune_file("auto", tmp_path, process_index=0).load == (tmp_path / DEFAULT_NAME).resolve()
+    other = tmp_path / "other"
+    other.mkdir()
+    c = autotune_file("auto", other, resume=str(tmp_path / "checkpoints" / "4"), process_index=1)
+    assert c.load == b.path  # resuming another run's checkpoint: that run's process 1 file
 
 
 def test_resume_from_another_run_loads_its_file(tmp_path):
@@ -132,7 +147,7 @@ def test_gpu_compiler_options_write_and_load_autotuning(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert tuned.commit() and tuned.path.read_text().startswith("entries {")
     strict = {"xla_gpu_require_complete_aot_autotune_results": True}
-    loaded = autotune_file(str(tmp_path / "tuned.txt"), tmp_path, process_index=1)  # load only
+    loaded = autotune_file(str(tmp_path / "tuned.txt"), tmp_path, process_index=1)  # process 1: loads process 0's
     r = probe({**loaded.compiler_options(), **strict})
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
     r = probe(strict)

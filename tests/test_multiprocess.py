@@ -45,6 +45,7 @@ def test_launch_options_and_environment():
     (dict(coordinator="node0:99999", num_processes=2, process_id=0), "--coordinator='node0:99999'"),
     (dict(local_device_ids="0,1"), "--local-device-ids is for runs of several processes"),
     (dict(coordinator="h:1", num_processes=2, process_id=0, local_device_ids="0,0"), "distinct device numbers"),
+    (dict(coordinator="h:1", num_processes=1, process_id=0, local_device_ids="0"), "CUDA_VISIBLE_DEVICES"),
     (dict(auto=True, num_processes=2), "--distributed-auto takes the coordinator"),
 ])
 def test_bad_launch_options_are_named(kw, match):
@@ -58,6 +59,44 @@ def test_cli_refuses_bad_launch_before_starting():
     assert r.returncode == 2 and "config error: --num-processes=2 --process-id=5" in r.stderr, r.stderr[-2000:]
 
 
+def test_mesh_lists_devices_process_by_process(monkeypatch):
+    """With several processes the mesh takes the devices by (process, id) whatever their order, so the hp axis stays
+    inside a process and each process holds a contiguous range of the batch rows."""
+    from dataclasses import dataclass
+
+    import jax
+
+    from mhl_jax.config import load_config
+    from mhl_jax.parallel.mesh import make_mesh
+
+    @dataclass(frozen=True)
+    class Dev:
+        id: int
+        process_index: int
+
+    devs = [Dev(i, p) for i, p in ((4, 1), (0, 0), (5, 1), (1, 0), (6, 1), (2, 0), (7, 1), (3, 0))]
+    cfg = load_config("configs/tiny_mh_latent_moe.yaml", ["parallel.hp=4", "train.micro_batch=2"])
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr("mhl_jax.parallel.mesh.Mesh", lambda arr, names: (arr, names))
+    arr, names = make_mesh(cfg, devs)
+    assert names == ("data", "hp") and [[d.id for d in row] for row in arr] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    monkeypatch.setattr(jax, "devices", lambda: devs)
+    with pytest.raises(ConfigError, match="parallel.devices=4 with 2 processes"):
+        make_mesh(load_config("configs/tiny_mh_latent_moe.yaml", ["parallel.hp=4", "parallel.devices=4"]))
+
+
+def test_a_metrics_line_cut_short_is_dropped_on_resume(tmp_path):
+    from mhl_jax.train.loop import truncate_metrics
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    truncate_metrics(f, 2)
+    assert f.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+    f.write_text('{"step": 1, "loss": 2.0}\n{"st\n{"step": 2, "loss": 1.5}\n')
+    with pytest.raises(ConfigError, match="line 2 is not a metrics record"):
+        truncate_metrics(f, 2)
+
+
 def test_data_state_of_another_process_count(tmp_path):
     d = tmp_path / "data"
     d.mkdir()
@@ -66,6 +105,9 @@ def test_data_state_of_another_process_count(tmp_path):
     for i in range(2):
         (d / f"process_{i}-of-2.json").write_text(json.dumps({"next_index": 3}))
     assert _shared_data_state(d, "ck/2") == {"next_index": 3}  # this test process is 1 of 1
+    (d / "process_1-of-2.json").unlink()
+    with pytest.raises(CheckpointError, match="not one per process"):  # a file missing
+        _shared_data_state(d, "ck/2")
     (d / "process_1-of-2.json").write_text(json.dumps({"next_index": 5}))
     with pytest.raises(CheckpointError, match="different positions .*resume it with 2 processes"):
         _shared_data_state(d, "ck/2")
@@ -244,3 +286,24 @@ def test_a_run_directory_the_processes_do_not_share_is_refused(tmp_path):
         want = "config error: logging.run_dir='runs/x': process(es) [1] do not see process 0's files"
         assert want in err, err[-2000:]
     assert [sorted(c.iterdir()) for c in cwds] == [[], []]
+
+
+def test_a_write_failing_on_process_0_stops_every_process(tmp_path):
+    """config.yaml a directory: process 0's write fails; both processes stop with status 2 (the other is not left
+    waiting in the first step)."""
+    run = tmp_path / "run"
+    (run / "config.yaml").mkdir(parents=True)
+    port = _free_port()
+    machine = Machine(gpu=False)
+    procs = [subprocess.Popen([sys.executable, "train.py", *machine.args(run), "--coordinator", f"localhost:{port}",
+                               "--num-processes", "2", "--process-id", str(i)], cwd=ROOT, env=machine.env(2),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert "config error: logging.run_dir=" in errs[0] and "cannot write the run's files" in errs[0], errs[0][-2000:]
+    assert "config error: stopping: process(es) [0] failed to write the run directory's files" in errs[1], \
+        errs[1][-2000:]

@@ -60,15 +60,15 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
         want = cfg.parallel.devices
         if want > len(devices):
             raise ConfigError(f"parallel.devices={want} but only {len(devices)} devices are visible")
-        if jax.process_count() > 1:
-            if want not in (-1, len(devices)):
-                raise ConfigError(f"parallel.devices={want} with {jax.process_count()} processes: a run of several "
-                                  f"processes uses all {len(devices)} of their devices (-1)")
-            # process by process, so that the inner (hp / ep) axis stays inside a process (a host's NVLink) when
-            # it fits there, and each process holds a contiguous range of the batch rows
-            devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+        if jax.process_count() > 1 and want not in (-1, len(devices)):
+            raise ConfigError(f"parallel.devices={want} with {jax.process_count()} processes: a run of several "
+                              f"processes uses all {len(devices)} of their devices (-1)")
         devices = devices if want == -1 else devices[:want]
     devices = list(devices)
+    if jax.process_count() > 1:
+        # process by process, so that the inner (hp / ep) axis stays inside a process (a host's NVLink) when it fits
+        # there, and each process holds a contiguous range of the batch rows
+        devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     shape = mesh_shape(cfg, len(devices))
     check_batch(cfg.train.global_batch, len(devices))
     return Mesh(np.asarray(devices).reshape(shape), ("data", model_axis(cfg)))

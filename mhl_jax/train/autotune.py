@@ -12,7 +12,10 @@ writes XLA's results there once its step and evaluation are compiled (through a 
 killed run never leaves half a file); a later process of the run (a resume) loads them before it compiles, so it gets
 the kernels the first one had and continues bitwise as if never stopped (and writes the file again, with whatever it
 had to tune that the file lacked, e.g. an evaluation step the first process never reached). A run that resumes from
-another run's checkpoint (`--resume <run>/checkpoints/<step>`) loads that run's file when its own has none. Only on
+another run's checkpoint (`--resume <run>/checkpoints/<step>`) loads that run's file when its own has none. In a run
+of several processes each keeps its own file (process i > 0: `xla_autotune.process<i>.txt`, beside process 0's), since
+each tunes its own compile; a process without its own file (the run resumed with more processes) loads process 0's.
+Only on
 GPUs: XLA's CPU compiler does not autotune. XLA looks results up by GPU model and computation: a file made on another
 GPU model should leave XLA tuning afresh (not tried here).
 """
@@ -30,8 +33,8 @@ _TEXT_SUFFIXES = (".txt", ".textproto", ".prototxt", ".pbtxt")
 
 @dataclass(frozen=True)
 class AutotuneFile:
-    """Where a run keeps XLA's autotuning results. path None: off; load: the file read before compiling (None: tune
-    afresh); write: whether this process writes `path` (through `tmp`; process 0 of the run)."""
+    """Where a process keeps XLA's autotuning results. path None: off; load: the file read before compiling (None:
+    tune afresh); write: whether this process writes `path` (through `tmp`)."""
 
     path: Path | None = None
     load: Path | None = None
@@ -70,6 +73,11 @@ def _looks_like_results(path: Path) -> bool:
     return not head or head.startswith((b"entries", b"version", b"results"))
 
 
+def _own(path: Path, process_index: int) -> Path:
+    """Process `process_index`'s file of a run whose process 0 keeps `path`."""
+    return path if process_index == 0 else path.with_name(f"{path.stem}.process{process_index}{path.suffix}")
+
+
 def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backend: str = "gpu",
                   process_index: int = 0) -> AutotuneFile:
     """Resolve `train.xla_autotune_file` for this process (module docstring). Raises ConfigError naming the value when
@@ -86,12 +94,13 @@ def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backen
         if not path.parent.is_dir():
             raise ConfigError(f"train.xla_autotune_file={setting!r}: directory {path.parent} does not exist; "
                               "expected 'auto', '' (off) or a file path in an existing directory")
-    load = path if path.is_file() else None
-    if load is None and setting == "auto" and resume:
+    candidates = [_own(path, process_index), path]  # this process's own file, else process 0's
+    if setting == "auto" and resume:
         r = Path(resume).expanduser().resolve()
         # <run>/checkpoints/<step> or <run>/checkpoints
-        load = next((c for c in (r.parent.parent / DEFAULT_NAME, r.parent / DEFAULT_NAME) if c.is_file()), None)
+        candidates += [_own(d / DEFAULT_NAME, i) for d in (r.parent.parent, r.parent) for i in (process_index, 0)]
+    load = next((c for c in candidates if c.is_file()), None)
     if load is not None and not _looks_like_results(load):
         raise ConfigError(f"train.xla_autotune_file={setting!r}: {load} is not a file of XLA autotuning results; "
                           "delete it (XLA then tunes afresh and writes a new one) or set train.xla_autotune_file=''")
-    return AutotuneFile(path=path, load=load, write=process_index == 0)
+    return AutotuneFile(path=_own(path, process_index), load=load, write=True)

@@ -2,7 +2,7 @@
 train.py's options, and the helpers the loop uses so that every process runs the same steps.
 
 A run of P processes is one program on one mesh: every process builds the same model, reads the same global batch
-(B x (T + 1) tokens per step, e.g. 1 MiB at B 256, T 2048 in int16: cheap beside a step) and hands the devices its
+(B x (T + 1) int32 tokens per step, e.g. 2 MiB at B 256, T 2048: cheap beside a step) and hands the devices its
 own rows of it, so a run's losses do not depend on how its devices are split into processes. Process 0 alone writes
 the run directory's files (config.yaml, metrics.jsonl, the progress line); Orbax writes each process's shards of a
 checkpoint, so `logging.run_dir` must be on a filesystem every process sees (one host: any directory).
@@ -74,6 +74,9 @@ def parse_launch(coordinator: str | None = None, num_processes=None, process_id=
     if n < 1 or not 0 <= i < n:
         raise ConfigError(f"--num-processes={n} --process-id={i}: need num_processes >= 1 and 0 <= process_id < "
                           "num_processes")
+    if n == 1 and ids is not None:
+        raise ConfigError(f"--local-device-ids={local_device_ids!r} with --num-processes=1: a single process uses "
+                          "every GPU it sees; choose them with CUDA_VISIBLE_DEVICES")
     host, _, port = str(coordinator).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--coordinator={coordinator!r}: expected HOST:PORT of process 0's host, e.g. "
@@ -92,12 +95,19 @@ def initialize(launch: Launch, timeout_s: int = 300) -> None:
            f"process {launch.process_id} of {launch.num_processes}")
     print(f"{who}: joining the run at {launch.coordinator or 'the cluster coordinator'}, waiting up to {timeout_s} s "
           "for the others", file=sys.stderr, flush=True)
-    if launch.auto:
-        jax.distributed.initialize(local_device_ids=ids, initialization_timeout=timeout_s)
-    else:
-        jax.distributed.initialize(launch.coordinator, num_processes=launch.num_processes,
-                                   process_id=launch.process_id, local_device_ids=ids,
-                                   initialization_timeout=timeout_s)
+    try:
+        if launch.auto:
+            jax.distributed.initialize(local_device_ids=ids, initialization_timeout=timeout_s)
+        else:
+            jax.distributed.initialize(launch.coordinator, num_processes=launch.num_processes,
+                                       process_id=launch.process_id, local_device_ids=ids,
+                                       initialization_timeout=timeout_s)
+    except Exception as e:  # the others never came (or another error): one line, not the service's traceback
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(f"{who} could not join the run at {launch.coordinator or 'the cluster coordinator'} "
+                          f"({type(e).__name__}: {first}); start every process within {timeout_s} s with the same "
+                          "--coordinator and --num-processes, each with its own --process-id (a process that "
+                          "stopped at its own config error never joins)") from e
 
 
 def shutdown(launch: Launch) -> None:
@@ -154,20 +164,42 @@ def check_shared_directory(path) -> None:
 
     token = int(mh.broadcast_one_to_all(np.int32(np.random.SeedSequence().entropy % 2**31 if is_lead() else 0)))
     probe = path / f".process-probe-{token}"
+    failed = None
     if is_lead():
-        probe.write_text(str(token))
+        try:
+            probe.write_text(str(token))
+        except OSError as e:  # the others still meet below, and all stop
+            failed = e
     sync("probe written")
     sees = probe.is_file() and probe.read_text() == str(token)
     seen = np.asarray(mh.process_allgather(np.int32(sees))).reshape(-1)
     sync("probe read")
     if is_lead():
         probe.unlink(missing_ok=True)
+    if failed is not None:
+        raise ConfigError(f"logging.run_dir={str(path)!r}: process 0 cannot write there ({failed})") from failed
+    if not seen[0]:
+        raise ConfigError(f"logging.run_dir={str(path)!r}: process 0 could not write there (its error says why)")
     if not seen.all():
         missing = [int(i) for i in np.flatnonzero(seen == 0)]
         raise ConfigError(f"logging.run_dir={str(path)!r}: process(es) {missing} do not see process 0's files there "
                           "(a directory on each host's own disk, or a relative path from different working "
                           "directories); a run of several processes needs one directory that every process sees (a "
                           "shared filesystem): its checkpoints are written by all of them")
+
+
+def agree(ok: bool, what: str) -> None:
+    """After a step that may fail on some processes only (process 0's writes): every process learns whether all
+    succeeded; a process that succeeded while another failed raises ConfigError (the failed one raises its own error
+    after this), so no process is left waiting in the next collective. A no-op with one process."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils as mh
+
+    flags = np.asarray(mh.process_allgather(np.int32(ok))).reshape(-1)
+    if ok and not flags.all():
+        raise ConfigError(f"stopping: process(es) {[int(i) for i in np.flatnonzero(flags == 0)]} failed {what} "
+                          "(their own errors say why)")
 
 
 def is_lead() -> bool:

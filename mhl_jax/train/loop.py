@@ -28,7 +28,7 @@ from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
 from mhl_jax.train.autotune import autotune_file
 from mhl_jax.train.checkpoint import Checkpointer, CheckpointError, changed_leaves
-from mhl_jax.train.distributed import check_shared_directory, global_array, is_lead, sync
+from mhl_jax.train.distributed import agree, check_shared_directory, global_array, is_lead, sync
 from mhl_jax.train.metrics import StepClock, device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
@@ -109,10 +109,23 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Drop records past `step` (written by a run killed after its last checkpoint), atomically."""
+    """Drop records past `step` (written by a run killed after its last checkpoint), atomically; a last line cut
+    short (the run killed while writing it) goes too. ConfigError for a malformed line before the last."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = []
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+            n = rec["step"]
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            if i == len(lines) - 1:
+                break
+            raise ConfigError(f"{path}: line {i + 1} is not a metrics record ({type(e).__name__}: {e}); remove it, "
+                              "or the file") from e
+        if n <= step:
+            keep.append(line)
     write_atomic(path, "".join(line + "\n" for line in keep))
 
 
@@ -227,14 +240,25 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         saved, text = run_dir / "config.yaml", dump_config(cfg)
         before = saved.read_text() if restoring and saved.is_file() else text
         changes = config_changes(yaml.safe_load(before) or {}, config_to_dict(cfg)) if before != text else ""
+        kept = run_dir / f"config-until-step{start}.yaml"
+        metrics_file, failed = None, None
+        if lead:  # the others wait in `agree` below: a failure here stops every process, not only this one
+            try:
+                if changes:
+                    write_atomic(kept, before)
+                write_atomic(saved, text)
+                truncate_metrics(records, start)
+                metrics_file = open(records, "a")
+            except (OSError, ConfigError) as e:
+                failed = e
+        agree(failed is None, "to write the run directory's files")
+        if isinstance(failed, OSError):
+            raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r}: cannot write the run's files ({failed})") \
+                from failed
+        if failed is not None:
+            raise failed
         if changes:
-            kept = run_dir / f"config-until-step{start}.yaml"
-            if lead:
-                write_atomic(kept, before)
             log(f"resuming with changed settings: {changes} (the earlier config.yaml is kept as {kept.name})")
-        if lead:
-            write_atomic(saved, text)
-            truncate_metrics(records, start)
 
         schedule = make_schedule(cfg.optimizer, cfg.schedule)
         if tuned.load is not None:
@@ -253,7 +277,6 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
             log("all-to-all per device per MoE layer, each way: "
                 + ", ".join(f"{k.split('/')[1]} {v / 2**20:.2f} MiB" for k, v in comm.items()))
         history: list[dict] = []
-        metrics_file = open(records, "a") if lead else None
         bar = tqdm(total=total, initial=start, disable=not (cfg.logging.progress_bar and lead), file=sys.stderr,
                    dynamic_ncols=True)
         t_start = time.perf_counter()
