@@ -202,6 +202,16 @@ def agree(ok: bool, what: str) -> None:
                           "(their own errors say why)")
 
 
+def xla_options(backend: str) -> dict:
+    """XLA options for the run's compiles with several processes on GPUs: XLA's ragged all-to-all (Expert Parallel's
+    dispatch and combine) runs as its own kernel of peer stores between the devices of one process, and between
+    processes refuses to run unless its NCCL send / recv form is allowed (measured on 2 H200s, one process per GPU:
+    `RaggedAllToAll fallback to NCCL is not allowed`)."""
+    if backend == "gpu" and jax.process_count() > 1:
+        return {"xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback": True}
+    return {}
+
+
 def is_lead() -> bool:
     """Whether this process writes the run's files and prints (process 0)."""
     return jax.process_index() == 0

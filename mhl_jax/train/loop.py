@@ -28,7 +28,7 @@ from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
 from mhl_jax.train.autotune import autotune_file
 from mhl_jax.train.checkpoint import Checkpointer, CheckpointError, changed_leaves
-from mhl_jax.train.distributed import agree, check_shared_directory, global_array, is_lead, sync
+from mhl_jax.train.distributed import agree, check_shared_directory, global_array, is_lead, sync, xla_options
 from mhl_jax.train.metrics import StepClock, device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
@@ -199,7 +199,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
     resume = resume or cfg.checkpoint.resume or None
     # XLA's autotuning results kept with the run (GPU); a bad setting is refused before anything is written
     tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(), jax.process_index())
-    tuned_options = tuned.compiler_options()
+    tuned_options = {**tuned.compiler_options(), **xla_options(jax.default_backend())}
     # closed on every way out (a refused restore too): Orbax's threads released, no tracebacks from them at exit
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
         restoring = bool(resume) or ckpt.latest_step() is not None
