@@ -60,7 +60,8 @@ class ParallelConfig:
     data: int = -1  # data-parallel size; -1 fills the devices left after hp/ep
     hp: int = 1  # head-parallel size (mh_latent_moe only); must divide num_heads
     ep: int = 1  # expert-parallel size (moe, latent_moe only); must divide num_experts
-    ep_impl: Literal["auto", "ragged", "padded"] = "auto"  # EP exchange: ragged on GPU, padded on CPU
+    # EP exchange: auto = ragged on GPU, padded on CPU and where an ep group spans several processes
+    ep_impl: Literal["auto", "ragged", "padded"] = "auto"
 
 
 @dataclass

@@ -85,6 +85,31 @@ def test_mesh_lists_devices_process_by_process(monkeypatch):
         make_mesh(load_config("configs/tiny_mh_latent_moe.yaml", ["parallel.hp=4", "parallel.devices=4"]))
 
 
+def test_expert_parallel_across_processes_takes_the_padded_exchange(monkeypatch):
+    from dataclasses import dataclass
+
+    import jax
+
+    from mhl_jax.parallel import expert_parallel as ep
+
+    @dataclass(frozen=True)
+    class Dev:
+        id: int
+        process_index: int
+
+    class FakeMesh:
+        def __init__(self, rows):
+            self.devices = np.asarray([[Dev(i, p) for i, p in row] for row in rows], dtype=object)
+
+    within = FakeMesh([[(0, 0), (1, 0)], [(2, 1), (3, 1)]])  # ep groups inside a process (data spans them)
+    across = FakeMesh([[(0, 0), (1, 1)]])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert [ep.resolve_ep_impl("auto", m) for m in (None, within, across)] == ["ragged", "ragged", "padded"]
+    assert ep.resolve_ep_impl("ragged", across) == "ragged"  # as asked (XLA's NCCL fallback: xla_options)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert ep.resolve_ep_impl("auto", within) == "padded"
+
+
 def test_a_metrics_line_cut_short_is_dropped_on_resume(tmp_path):
     from mhl_jax.train.loop import truncate_metrics
 

@@ -69,12 +69,20 @@ def make_plan(counts: jax.Array, me: jax.Array) -> ExchangePlan:
                         remote_send_offsets=_exclusive_cumsum(counts, axis=1)[:, me])
 
 
-def resolve_ep_impl(ep_impl: str) -> str:
-    """'auto' -> 'ragged' on GPU (ragged_all_to_all), 'padded' elsewhere (XLA:CPU lacks it)."""
+def ep_crosses_processes(mesh: Mesh | None) -> bool:
+    """Whether some `ep` group of the mesh holds devices of more than one process."""
+    return mesh is not None and any(len({d.process_index for d in row}) > 1 for row in mesh.devices)
+
+
+def resolve_ep_impl(ep_impl: str, mesh: Mesh | None = None) -> str:
+    """'auto' -> 'ragged' on GPU (ragged_all_to_all), 'padded' elsewhere (XLA:CPU lacks it) and where an ep group
+    spans processes: there XLA's ragged exchange falls back to NCCL send / recv, and the MoE 2.2B step at ep 2, one
+    process per H200, ran at 135k tokens/s ragged against 202k padded (one process of both: 263k ragged, 199k padded;
+    bench/NOTES.md, Several processes)."""
     if ep_impl not in EP_IMPLS:
         raise ValueError(f"parallel.ep_impl={ep_impl!r}: expected one of {list(EP_IMPLS)}")
     if ep_impl == "auto":
-        return "ragged" if jax.default_backend() == "gpu" else "padded"
+        return "ragged" if jax.default_backend() == "gpu" and not ep_crosses_processes(mesh) else "padded"
     return ep_impl
 
 
@@ -295,7 +303,7 @@ class ExpertParallelMoE:
             raise ValueError(f"ExpertParallelMoE: mesh axes must be ('data', 'ep'), got {mesh.axis_names}")
         self.mesh = mesh
         self.impl = impl
-        self.ep_impl = resolve_ep_impl(ep_impl)
+        self.ep_impl = resolve_ep_impl(ep_impl, mesh)
         self.check_vma = check_vma  # off: custom kernels (jax-triton calls) carry no varying-axes rules
 
     @property
