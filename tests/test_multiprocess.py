@@ -180,26 +180,31 @@ class Machine:
                            env=self.env(self.devices), timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
 
-    def two_processes(self, args) -> list[str]:
-        """Both processes of a run (half the devices each); their stdout."""
+    def run_two(self, args_of, cwd_of=lambda i: ROOT) -> list[tuple[int, str, str]]:
+        """Both processes of a run (half the devices each), process i with `args_of(i)` in `cwd_of(i)`:
+        [(exit status, stdout, stderr)]."""
         port = _free_port()
         per = self.devices // 2
         procs = []
         for i in range(2):
             own = ["--local-device-ids", ",".join(str(i * per + j) for j in range(per))] if self.gpu else []
-            procs.append(subprocess.Popen([sys.executable, "train.py", *args, "--coordinator", f"localhost:{port}",
-                                           "--num-processes", "2", "--process-id", str(i), *own], cwd=ROOT,
-                                          env=self.env(per), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outs = []
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args_of(i), "--coordinator",
+                                           f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), *own],
+                                          cwd=cwd_of(i), env=self.env(per), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
         try:
-            for p in procs:
-                out, err = p.communicate(timeout=600)
-                assert p.returncode == 0, err[-3000:]
-                outs.append(out)
+            outs = [p.communicate(timeout=600) for p in procs]
+            return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
         finally:
             for p in procs:
                 p.kill()
-        return outs
+
+    def two_processes(self, args) -> list[str]:
+        """Both processes of a run that must succeed; their stdout."""
+        runs = self.run_two(lambda i: args)
+        for code, _, err in runs:
+            assert code == 0, err[-3000:]
+        return [out for _, out, _ in runs]
 
 
 def _free_port() -> int:
@@ -269,18 +274,10 @@ def test_gpu_two_processes_expert_parallel_as_one(tmp_path):
 
 def test_processes_started_with_different_commands_are_refused(tmp_path):
     """Process 1 with another learning rate: both stop before anything is written, process 1 naming the key."""
-    port = _free_port()
     machine = Machine(gpu=False)
-    procs = [subprocess.Popen([sys.executable, "train.py", *machine.args(tmp_path / "run"),
-                               *(["--set", "optimizer.lr=1e-3"] if i else []), "--coordinator", f"localhost:{port}",
-                               "--num-processes", "2", "--process-id", str(i)], cwd=ROOT, env=machine.env(2),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        errs = [p.communicate(timeout=300)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [2, 2], errs
+    runs = machine.run_two(lambda i: [*machine.args(tmp_path / "run"), *(["--set", "optimizer.lr=1e-3"] if i else [])])
+    codes, errs = [c for c, _, _ in runs], [e for _, _, e in runs]
+    assert codes == [2, 2], errs
     assert "config error: process(es) [1] were started with another run than process 0" in errs[0], errs[0][-2000:]
     assert ("config error: process 1 was started with another run than process 0 (optimizer.lr: process 0 0.003, "
             "this process 0.001)") in errs[1], errs[1][-2000:]
@@ -290,23 +287,15 @@ def test_processes_started_with_different_commands_are_refused(tmp_path):
 def test_a_run_directory_the_processes_do_not_share_is_refused(tmp_path):
     """A relative logging.run_dir from two working directories (as on two hosts' own disks): both processes stop with
     status 2, naming the process that does not see process 0's files, and leave no directory behind."""
-    port = _free_port()
     machine = Machine(gpu=False)
     args = [str(ROOT / "configs/tiny_mh_latent_moe.yaml") if a == "configs/tiny_mh_latent_moe.yaml" else a
             for a in machine.args("runs/x")]
     cwds = [tmp_path / "host0", tmp_path / "host1"]
-    procs = []
-    for i, cwd in enumerate(cwds):
+    for cwd in cwds:
         cwd.mkdir()
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, "--coordinator",
-                                       f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)], cwd=cwd,
-                                      env=machine.env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        errs = [p.communicate(timeout=300)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [2, 2], errs
+    runs = machine.run_two(lambda i: args, cwd_of=lambda i: cwds[i])
+    codes, errs = [c for c, _, _ in runs], [e for _, _, e in runs]
+    assert codes == [2, 2], errs
     for err in errs:
         want = "config error: logging.run_dir='runs/x': process(es) [1] do not see process 0's files"
         assert want in err, err[-2000:]
@@ -318,17 +307,10 @@ def test_a_write_failing_on_process_0_stops_every_process(tmp_path):
     waiting in the first step)."""
     run = tmp_path / "run"
     (run / "config.yaml").mkdir(parents=True)
-    port = _free_port()
     machine = Machine(gpu=False)
-    procs = [subprocess.Popen([sys.executable, "train.py", *machine.args(run), "--coordinator", f"localhost:{port}",
-                               "--num-processes", "2", "--process-id", str(i)], cwd=ROOT, env=machine.env(2),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        errs = [p.communicate(timeout=300)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [2, 2], errs
+    runs = machine.run_two(lambda i: machine.args(run))
+    codes, errs = [c for c, _, _ in runs], [e for _, _, e in runs]
+    assert codes == [2, 2], errs
     assert "config error: logging.run_dir=" in errs[0] and "cannot write the run's files" in errs[0], errs[0][-2000:]
     assert "config error: stopping: process(es) [0] failed to write the run directory's files" in errs[1], \
         errs[1][-2000:]
