@@ -314,3 +314,45 @@ def test_a_write_failing_on_process_0_stops_every_process(tmp_path):
     assert "config error: logging.run_dir=" in errs[0] and "cannot write the run's files" in errs[0], errs[0][-2000:]
     assert "config error: stopping: process(es) [0] failed to write the run directory's files" in errs[1], \
         errs[1][-2000:]
+
+
+def test_coordinator_port_in_use_is_refused_at_once(tmp_path):
+    machine = Machine(gpu=False)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run([sys.executable, "train.py", *machine.args(tmp_path / "run"), "--coordinator",
+                            f"localhost:{port}", "--num-processes", "2", "--process-id", "0"], cwd=ROOT,
+                           env=machine.env(2), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"port {port} is already in use on process 0's host" in r.stderr, r.stderr[-2000:]
+
+
+def test_stopping_one_process_ends_it_at_once(tmp_path):
+    """Ctrl-C (SIGINT) on process 1 mid-run: it leaves at once with status 130 and says so (JAX's exit would wait at
+    its shutdown barrier); SIGTERM on process 0: it ends at once (JAX's preemption service, which caught SIGTERM, is
+    off)."""
+    import signal
+    import time
+
+    machine = Machine(gpu=False)
+    log = [tmp_path / f"p{i}.txt" for i in range(2)]
+    port = _free_port()
+    args = machine.args(tmp_path / "run", "--set", "schedule.total_steps=400", "--set", "checkpoint.every=0",
+                        "--set", "data.eval_every=0", "--set", "logging.log_every=1")
+    procs = [subprocess.Popen([sys.executable, "train.py", *args, "--coordinator", f"localhost:{port}",
+                               "--num-processes", "2", "--process-id", str(i)], cwd=ROOT, env=machine.env(2),
+                              stdout=open(log[i], "w"), stderr=subprocess.STDOUT) for i in range(2)]
+    try:
+        deadline = time.time() + 300
+        while "step 3/400" not in log[0].read_text():
+            assert time.time() < deadline and procs[0].poll() is None, log[0].read_text()[-2000:]
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGINT)
+        assert procs[1].wait(timeout=20) == 130
+        assert "interrupted: this process leaves the run now" in log[1].read_text()
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=20) == -signal.SIGTERM
+    finally:
+        for p in procs:
+            p.kill()

@@ -90,11 +90,19 @@ def initialize(launch: Launch, timeout_s: int = 300) -> None:
     if launch.num_processes == 1 and not launch.auto:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU backend reads it
+    # JAX's preemption service (unused here) catches SIGTERM, so a scheduler's or kill's SIGTERM left the process
+    # running (2 CPU processes, 2026-11-27): without it SIGTERM ends the process as in a single-process run
+    try:
+        jax.config.update("jax_enable_preemption_service", False)
+    except AttributeError:  # a JAX without that service
+        pass
+    if not launch.auto and launch.process_id == 0:
+        _check_port_free(launch.coordinator)
     ids = list(launch.local_device_ids) if launch.local_device_ids is not None else None
     who = ("this process (cluster auto-detection)" if launch.auto else
            f"process {launch.process_id} of {launch.num_processes}")
     print(f"{who}: joining the run at {launch.coordinator or 'the cluster coordinator'}, waiting up to {timeout_s} s "
-          "for the others", file=sys.stderr, flush=True)
+          "for the others (if one never comes, JAX then aborts this process)", file=sys.stderr, flush=True)
     try:
         if launch.auto:
             jax.distributed.initialize(local_device_ids=ids, initialization_timeout=timeout_s)
@@ -102,12 +110,29 @@ def initialize(launch: Launch, timeout_s: int = 300) -> None:
             jax.distributed.initialize(launch.coordinator, num_processes=launch.num_processes,
                                        process_id=launch.process_id, local_device_ids=ids,
                                        initialization_timeout=timeout_s)
-    except Exception as e:  # the others never came (or another error): one line, not the service's traceback
+    except Exception as e:  # an error JAX raises (a timeout instead aborts the process: README)
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ConfigError(f"{who} could not join the run at {launch.coordinator or 'the cluster coordinator'} "
-                          f"({type(e).__name__}: {first}); start every process within {timeout_s} s with the same "
-                          "--coordinator and --num-processes, each with its own --process-id (a process that "
-                          "stopped at its own config error never joins)") from e
+        if launch.auto:
+            raise ConfigError(f"--distributed-auto found no cluster to join ({type(e).__name__}: {first}); it "
+                              "takes the processes from SLURM, Open MPI or Kubernetes; elsewhere give --coordinator, "
+                              "--num-processes and --process-id instead") from e
+        raise ConfigError(f"{who} could not join the run at {launch.coordinator} ({type(e).__name__}: {first})") \
+            from e
+
+
+def _check_port_free(coordinator: str) -> None:
+    """Process 0 hosts the coordination service on the coordinator's port: a port already taken made it crash with
+    a segmentation fault (2 CPU processes, 2026-11-27), so it is refused first, naming the port."""
+    import socket
+
+    port = int(coordinator.rpartition(":")[2])
+    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's connections do not count
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise ConfigError(f"--coordinator={coordinator!r}: port {port} is already in use on process 0's host "
+                              f"({e.strerror}); choose a free port (the same one for every process)") from e
 
 
 def shutdown(launch: Launch) -> None:
