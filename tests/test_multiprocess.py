@@ -356,3 +356,12 @@ def test_stopping_one_process_ends_it_at_once(tmp_path):
     finally:
         for p in procs:
             p.kill()
+
+
+def test_distributed_auto_without_a_cluster_says_so(tmp_path):
+    env = {k: v for k, v in Machine(gpu=False).env(2).items() if not k.startswith(("SLURM_", "OMPI_", "KUBERNETES_"))}
+    r = subprocess.run([sys.executable, "train.py", *Machine(gpu=False).args(tmp_path / "run"), "--distributed-auto"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "config error: --distributed-auto found no cluster to join" in r.stderr, \
+        r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
