@@ -9,7 +9,6 @@ Several processes (hosts) in one run: start the same command once per process wi
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 DEFAULT_CONFIG = "configs/tiny_mh_latent_moe.yaml"
@@ -75,14 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as e:  # a diverged loss: the last checkpoint is kept
         print(f"training stopped: {e}", file=sys.stderr)
         code = 1
-    except KeyboardInterrupt:
-        if launch.num_processes == 1 and not launch.auto:
-            raise
-        # one process of a run stopped: leave at once; JAX's exit would wait up to 300 s for the others at its
-        # shutdown barrier, while they wait for this one in the next collective
-        print("interrupted: this process leaves the run now; the others stop when they miss it (JAX's heartbeat, "
-              "~100 s)", file=sys.stderr, flush=True)
-        os._exit(130)
+
     else:
         code = 0
     shutdown(launch)  # these ends are reached by every process of a run alike

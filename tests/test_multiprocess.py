@@ -329,9 +329,9 @@ def test_coordinator_port_in_use_is_refused_at_once(tmp_path):
 
 
 def test_stopping_one_process_ends_it_at_once(tmp_path):
-    """Ctrl-C (SIGINT) on process 1 mid-run: it leaves at once with status 130 and says so (JAX's exit would wait at
-    its shutdown barrier); SIGTERM on process 0: it ends at once (JAX's preemption service, which caught SIGTERM, is
-    off)."""
+    """Ctrl-C (SIGINT) on process 1 mid-run, then SIGTERM on process 0: each ends at once (SIGINT's default action:
+    as a KeyboardInterrupt JAX's exit waited up to 300 s at its shutdown barrier; SIGTERM: JAX's preemption service,
+    which caught it, is off)."""
     import signal
     import time
 
@@ -349,8 +349,7 @@ def test_stopping_one_process_ends_it_at_once(tmp_path):
             assert time.time() < deadline and procs[0].poll() is None, log[0].read_text()[-2000:]
             time.sleep(0.5)
         procs[1].send_signal(signal.SIGINT)
-        assert procs[1].wait(timeout=20) == 130
-        assert "interrupted: this process leaves the run now" in log[1].read_text()
+        assert procs[1].wait(timeout=20) == -signal.SIGINT
         procs[0].send_signal(signal.SIGTERM)
         assert procs[0].wait(timeout=20) == -signal.SIGTERM
     finally:

@@ -11,6 +11,7 @@ checkpoint, so `logging.run_dir` must be on a filesystem every process sees (one
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -96,6 +97,9 @@ def initialize(launch: Launch, timeout_s: int = 300) -> None:
         jax.config.update("jax_enable_preemption_service", False)
     except AttributeError:  # a JAX without that service
         pass
+    # Ctrl-C likewise ends the process at once: as Python's KeyboardInterrupt it could wait in a blocked call, and
+    # JAX's exit then waits up to 300 s at its shutdown barrier for the others, which wait for this process
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if not launch.auto and launch.process_id == 0:
         _check_port_free(launch.coordinator)
     ids = list(launch.local_device_ids) if launch.local_device_ids is not None else None
