@@ -37,25 +37,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_after is not None and args.stop_after < 0:
         ap.error(f"--stop-after {args.stop_after}: must be a step number >= 0")
 
-    from mhl_jax.config import ConfigError, load_config
-    from mhl_jax.train.distributed import check_same_run, initialize, parse_launch, shutdown, yaml_options
+    from mhl_jax.config import ConfigError, config_to_dict, load_config
+    from mhl_jax.train.distributed import check_same_run, initialize, parse_launch, shutdown
 
     try:
         launch = parse_launch(args.coordinator, args.num_processes, args.process_id, args.local_device_ids,
                               args.distributed_auto)
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    try:
         initialize(launch)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from mhl_jax.config import dump_config
-
     try:  # every process of a run must run the same command
-        check_same_run(dump_config(cfg) + yaml_options(resume=args.resume, stop_after=args.stop_after))
+        check_same_run({**config_to_dict(cfg),
+                        "command_line": {"resume": args.resume, "stop_after": args.stop_after}})
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         shutdown(launch)
@@ -74,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as e:  # a diverged loss: the last checkpoint is kept
         print(f"training stopped: {e}", file=sys.stderr)
         code = 1
-
     else:
         code = 0
     shutdown(launch)  # these ends are reached by every process of a run alike

@@ -34,11 +34,15 @@ _TEXT_SUFFIXES = (".txt", ".textproto", ".prototxt", ".pbtxt")
 @dataclass(frozen=True)
 class AutotuneFile:
     """Where a process keeps XLA's autotuning results. path None: off; load: the file read before compiling (None:
-    tune afresh); write: whether this process writes `path` (through `tmp`)."""
+    tune afresh)."""
 
     path: Path | None = None
     load: Path | None = None
-    write: bool = False
+
+    @property
+    def write(self) -> bool:
+        """Whether this process writes `path` (through `tmp`): whenever it is on (each process its own file)."""
+        return self.path is not None
 
     @property
     def tmp(self) -> Path | None:
@@ -103,4 +107,4 @@ def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backen
     if load is not None and not _looks_like_results(load):
         raise ConfigError(f"train.xla_autotune_file={setting!r}: {load} is not a file of XLA autotuning results; "
                           "delete it (XLA then tunes afresh and writes a new one) or set train.xla_autotune_file=''")
-    return AutotuneFile(path=_own(path, process_index), load=load, write=True)
+    return AutotuneFile(path=_own(path, process_index), load=load)

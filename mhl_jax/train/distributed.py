@@ -10,6 +10,7 @@ checkpoint, so `logging.run_dir` must be on a filesystem every process sees (one
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -146,37 +147,36 @@ def shutdown(launch: Launch) -> None:
         jax.distributed.shutdown()
 
 
-def yaml_options(**options) -> str:
-    """train.py's options besides the config, as YAML to append to the config's dump for `check_same_run`."""
-    import yaml
+def _failed(ok: bool) -> list[int]:
+    """The processes whose `ok` is False (an all-gather of one flag per process; every process gets the list)."""
+    from jax.experimental import multihost_utils as mh
 
-    return yaml.safe_dump({"command_line": options})
+    return [int(i) for i in np.flatnonzero(np.asarray(mh.process_allgather(np.int32(ok))).reshape(-1) == 0)]
 
 
-def check_same_run(text: str) -> None:
-    """Every process must run the same command (config, overrides, resume and stop options): `text` (the resolved
-    config and those options) is compared with process 0's, and on any difference every process raises ConfigError
-    (a process that differs names the keys) instead of running mismatched steps. A no-op with one process."""
+def check_same_run(run: dict) -> None:
+    """Every process must run the same command (config, overrides, resume and stop options): `run` (a nested dict of
+    them) is compared with process 0's, and on any difference every process raises ConfigError (a process that
+    differs names the keys) instead of running mismatched steps. A no-op with one process."""
     if jax.process_count() == 1:
         return
-    import yaml
     from jax.experimental import multihost_utils as mh
 
     from mhl_jax.train.checkpoint import changed_leaves
 
+    text = json.dumps(run, sort_keys=True, default=str)
     mine = np.frombuffer(text.encode(), np.uint8)
     n = int(mh.broadcast_one_to_all(np.int32(mine.size)))
     buf = np.zeros(max(n, 1), np.uint8)
     if is_lead():
         buf[:n] = mine
     lead = bytes(np.asarray(mh.broadcast_one_to_all(buf))[:n]).decode()
-    differs = np.asarray(mh.process_allgather(np.int32(lead != text))).reshape(-1)
-    if not differs.any():
+    others = _failed(lead == text)
+    if not others:
         return
-    others = [int(i) for i in np.flatnonzero(differs)]
     if lead != text:
         keys = "; ".join(f"{k}: process 0 {a!r}, this process {b!r}"
-                         for k, a, b in changed_leaves(yaml.safe_load(lead) or {}, yaml.safe_load(text) or {}))
+                         for k, a, b in changed_leaves(json.loads(lead), json.loads(text)))
         raise ConfigError(f"process {jax.process_index()} was started with another run than process 0 ({keys}); "
                           "start every process with the same command")
     raise ConfigError(f"process(es) {others} were started with another run than process 0 (their errors name the "
@@ -200,17 +200,15 @@ def check_shared_directory(path) -> None:
         except OSError as e:  # the others still meet below, and all stop
             failed = e
     sync("probe written")
-    sees = probe.is_file() and probe.read_text() == str(token)
-    seen = np.asarray(mh.process_allgather(np.int32(sees))).reshape(-1)
+    missing = _failed(probe.is_file() and probe.read_text() == str(token))
     sync("probe read")
     if is_lead():
         probe.unlink(missing_ok=True)
     if failed is not None:
         raise ConfigError(f"logging.run_dir={str(path)!r}: process 0 cannot write there ({failed})") from failed
-    if not seen[0]:
+    if 0 in missing:
         raise ConfigError(f"logging.run_dir={str(path)!r}: process 0 could not write there (its error says why)")
-    if not seen.all():
-        missing = [int(i) for i in np.flatnonzero(seen == 0)]
+    if missing:
         raise ConfigError(f"logging.run_dir={str(path)!r}: process(es) {missing} do not see process 0's files there "
                           "(a directory on each host's own disk, or a relative path from different working "
                           "directories); a run of several processes needs one directory that every process sees (a "
@@ -223,12 +221,9 @@ def agree(ok: bool, what: str) -> None:
     after this), so no process is left waiting in the next collective. A no-op with one process."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils as mh
-
-    flags = np.asarray(mh.process_allgather(np.int32(ok))).reshape(-1)
-    if ok and not flags.all():
-        raise ConfigError(f"stopping: process(es) {[int(i) for i in np.flatnonzero(flags == 0)]} failed {what} "
-                          "(their own errors say why)")
+    failed = _failed(ok)
+    if ok and failed:
+        raise ConfigError(f"stopping: process(es) {failed} failed {what} (their own errors say why)")
 
 
 def xla_options(backend: str) -> dict:

@@ -199,7 +199,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
     resume = resume or cfg.checkpoint.resume or None
     # XLA's autotuning results kept with the run (GPU); a bad setting is refused before anything is written
     tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(), jax.process_index())
-    tuned_options = {**tuned.compiler_options(), **xla_options(jax.default_backend())}
+    compile_options = {**tuned.compiler_options(), **xla_options(jax.default_backend())}
     # closed on every way out (a refused restore too): Orbax's threads released, no tracebacks from them at exit
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
         restoring = bool(resume) or ckpt.latest_step() is not None
@@ -266,8 +266,8 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
                                  deterministic=cfg.train.xla_deterministic_ops,
                                  cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
-                                 autotune_options=tuned_options)
-        eval_fn = jax.jit(make_eval_step(graphdef), compiler_options=tuned_options or None)
+                                 autotune_options=compile_options)
+        eval_fn = jax.jit(make_eval_step(graphdef), compiler_options=compile_options or None)
 
         flops_tok = train_flops_per_token(cfg)
         peak = device_peak_flops(cfg.logging.peak_tflops)
