@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from mhl_jax.data import DataError
     from mhl_jax.train.checkpoint import CheckpointError
     from mhl_jax.train.loop import train
+    from mhl_jax.train.memory import DeviceMemoryError
 
     try:
         train(cfg, resume=args.resume, stop_after=args.stop_after)
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                     if isinstance(e, c))
         print(f"{kind} error: {e}", file=sys.stderr)
         code = 2
-    except FloatingPointError as e:  # a diverged loss: the last checkpoint is kept
+    except (FloatingPointError, DeviceMemoryError) as e:  # diverged, or out of memory: the last checkpoint is kept
         print(f"training stopped: {e}", file=sys.stderr)
         code = 1
     else:

@@ -9,10 +9,8 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import yaml
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
@@ -20,18 +18,27 @@ from tqdm import tqdm
 from mhl_jax.config import Config, ConfigError, config_to_dict, dump_config
 from mhl_jax.data import load_val_sequences, make_train_loader
 from mhl_jax.model.attention import attention_impl
-from mhl_jax.model.balancing import RouterBias
-from mhl_jax.model.gpt import build_model
 from mhl_jax.model.params import count_params, train_flops_per_token
-from mhl_jax.parallel.executors import make_executor
-from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
+from mhl_jax.parallel.mesh import batch_spec, make_mesh
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
 from mhl_jax.train.autotune import autotune_file
 from mhl_jax.train.checkpoint import Checkpointer, CheckpointError, changed_leaves
 from mhl_jax.train.distributed import agree, check_shared_directory, global_array, is_lead, sync, xla_options
+from mhl_jax.train.memory import (
+    GIB,
+    DeviceMemoryError,
+    check_fits,
+    describe,
+    device_limit,
+    is_out_of_memory,
+    out_of_memory_message,
+    peak_in_use,
+    step_memory,
+)
 from mhl_jax.train.metrics import StepClock, device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
+from mhl_jax.train.state import init_state
 from mhl_jax.train.step import jit_train_step, make_eval_step
 
 # Dispatch each step before fetching the previous step's metrics (False: fetch them first, the device idling while
@@ -70,10 +77,11 @@ def evaluate(eval_fn, state: dict, val: np.ndarray, batch: int, sharding) -> flo
 
 def run_summary(history: list[dict], start: int, end: int, total: int, wall_s: float, tokens_per_s: float,
                 steady: bool, mfu_value: float | None, records: Path, ckpt_dir: Path | None,
-                explicit_resume: bool = False) -> str:
+                explicit_resume: bool = False, peak_bytes: int | None = None) -> str:
     """The line printed when a run's steps are done: steps, wall time, steady-state throughput (`steady` False: no
     span between like finishes, so the mean since the start, compilation included), the last loss and validation,
-    where the records and checkpoints are, and after --stop-after how the run continues."""
+    where the records and checkpoints are, and after --stop-after how the run continues. `peak_bytes`: the devices'
+    measured memory peak (GPUs)."""
     last = history[-1]
     rate = f"{tokens_per_s / 1e3:.1f}k tok/s" + (f", MFU {100 * mfu_value:.1f}%" if mfu_value is not None else "")
     parts = [f"steps {start + 1}-{end} of {total} in {wall_s:.0f} s",
@@ -82,6 +90,8 @@ def run_summary(history: list[dict], start: int, end: int, total: int, wall_s: f
     val = [m for m in history if "val_loss" in m]
     if val:
         parts.append(f"val_loss {val[-1]['val_loss']:.4f} val_ppl {val[-1]['val_ppl']:.2f} (step {val[-1]['step']})")
+    if peak_bytes is not None:
+        parts.append(f"peak device memory {peak_bytes / GIB:.2f} GiB")
     parts.append(f"records {records}")
     if ckpt_dir is not None:
         parts.append(f"checkpoints {ckpt_dir}")
@@ -140,15 +150,18 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     run_dir = Path(cfg.logging.run_dir)
     created = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
     lead = is_lead()
+    notes = {}  # what _train learned before an error: the step's memory estimate
     try:
-        return _train(cfg, run_dir, resume, stop_after, log if lead else _quiet, lead)
-    except BaseException:
+        return _train(cfg, run_dir, resume, stop_after, log if lead else _quiet, lead, notes)
+    except BaseException as e:
         if created and not (run_dir / "config.yaml").exists():  # each process: what it created
             for d in [run_dir / "checkpoints", *created]:
                 try:
                     d.rmdir()  # only if empty
                 except OSError:
                     pass
+        if isinstance(e, Exception) and is_out_of_memory(e):  # XLA's error (and its allocator's dump) as one line
+            raise DeviceMemoryError(out_of_memory_message(e, notes.get("memory"))) from e
         raise
 
 
@@ -156,7 +169,8 @@ def _quiet(*args, **kwargs) -> None:
     """The log of processes other than 0."""
 
 
-def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | None, log, lead: bool) -> list[dict]:
+def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | None, log, lead: bool,
+           notes: dict) -> list[dict]:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r} is a file; expected a directory (or a path to "
                           "create)")
@@ -171,14 +185,8 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
     mesh = make_mesh(cfg)
     accum = accumulation_steps(cfg, mesh.size)
     t = cfg.model.context
-    model = build_model(cfg, executor=make_executor(cfg, mesh), mesh=mesh)
-    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
-    del model
     tx = make_optimizer(cfg)
-    state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0),
-             "rng": jax.random.key_data(jax.random.key(cfg.train.seed))}
-    shardings = state_shardings(cfg, mesh, state)
-    state = jax.device_put(state, shardings)
+    graphdef, state, shardings = init_state(cfg, mesh, tx)  # each device creates only its own shards
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     eval_sharding = NamedSharding(mesh, P(*batch_spec(mesh)[1:]))
 
@@ -235,6 +243,30 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
             at = f"the checkpoint is at step {start}" if restoring else f"the run starts at step {start}"
             log(f"nothing to train: {at}, and this run stops at {why}")
             return []
+        # the step compiled ahead of its first run, so that one that cannot fit the devices is refused here, before
+        # anything in the run directory is written
+        schedule = make_schedule(cfg.optimizer, cfg.schedule)
+        if tuned.load is not None:
+            log(f"XLA autotuning results from {tuned.load}")
+        step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
+                                 deterministic=cfg.train.xla_deterministic_ops,
+                                 cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
+                                 autotune_options=compile_options)
+        batch_shape = jax.ShapeDtypeStruct((accum, cfg.train.global_batch // accum, t + 1), np.int32,
+                                           sharding=batch_sharding)
+        # (the step's calls below reuse this compilation: jit caches it)
+        memory, failed = step_memory(step_fn.lower(state, batch_shape).compile()), None
+        notes["memory"] = memory
+        if memory is not None:
+            limit = device_limit(jax.local_devices())
+            log(describe(memory, limit))
+            try:
+                check_fits(memory, limit, cfg, mesh.size)
+            except ConfigError as e:
+                failed = e
+        agree(failed is None, "the memory check")
+        if failed is not None:
+            raise failed
         # the run's config, once it is known to fit the checkpoint it resumes (a refused run leaves the old one); a
         # resumed run whose settings changed keeps the earlier config beside it and names the changes
         saved, text = run_dir / "config.yaml", dump_config(cfg)
@@ -260,13 +292,6 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         if changes:
             log(f"resuming with changed settings: {changes} (the earlier config.yaml is kept as {kept.name})")
 
-        schedule = make_schedule(cfg.optimizer, cfg.schedule)
-        if tuned.load is not None:
-            log(f"XLA autotuning results from {tuned.load}")
-        step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
-                                 deterministic=cfg.train.xla_deterministic_ops,
-                                 cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
-                                 autotune_options=compile_options)
         eval_fn = jax.jit(make_eval_step(graphdef), compiler_options=compile_options or None)
 
         flops_tok = train_flops_per_token(cfg)
@@ -375,5 +400,6 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         rate, steady = clock.overall()
         log(run_summary(history, start, end, total, time.perf_counter() - t_start, rate, steady,
                         mfu(flops_tok, rate, mesh.size, peak), records,
-                        run_dir / "checkpoints" if cfg.checkpoint.every else None, explicit_resume=bool(resume)))
+                        run_dir / "checkpoints" if cfg.checkpoint.every else None, explicit_resume=bool(resume),
+                        peak_bytes=peak_in_use(jax.local_devices())))
         return history

@@ -1,0 +1,150 @@
+"""Device memory of a run: how the train state is created, and which configs fit how many GPUs (JSON lines out).
+
+    python bench/memory.py init --config configs/mh_latent_moe_hp_4.2b.yaml --set parallel.hp=2 [--out FILE]
+    python bench/memory.py fit --config configs/mh_latent_moe_hp_4.2b.yaml [--set key=value ...] [--steps 4]
+
+init: the state (parameters, AdamW moments, biases) created two ways, each in a fresh process over every visible GPU:
+`eager`, as train.py built it until 2026-11-27 (the whole model and its optimizer state on the first GPU, then
+placed: `jax.device_put`), and `sharded`, `mhl_jax.train.state.init_state` (created under jit in its shardings).
+Per mode: the largest per-GPU peak (`peak_bytes_in_use`), the time, or the error (out of memory).
+
+fit: `train.py` with the config for `--steps` steps (built-in byte corpus, global batch 32, no evaluation or
+checkpoint) in a fresh process with JAX's default allocator settings (as a user runs it, unless the environment sets
+XLA_PYTHON_CLIENT_*): its memory line (XLA's estimate and the limit), its refusal if it has one, the measured peak
+and the steady-state tokens/s from the summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BUILTIN = ["data.source=builtin", "data.path=", "data.val_path=", "data.tokenizer=byte", "data.eval_every=0",
+           "checkpoint.every=0", "train.global_batch=32", "logging.progress_bar=false", "logging.log_every=1",
+           "schedule.warmup_steps=1", "schedule.decay_steps=1"]
+
+
+def create(config: str, sets: list[str], mode: str) -> dict:
+    """One mode of `init`, in this process."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mhl_jax.config import load_config
+    from mhl_jax.model.balancing import RouterBias
+    from mhl_jax.model.gpt import build_model
+    from mhl_jax.parallel.executors import make_executor
+    from mhl_jax.parallel.mesh import make_mesh, state_shardings
+    from mhl_jax.train.memory import GIB, is_out_of_memory, peak_in_use
+    from mhl_jax.train.optimizer import make_optimizer
+    from mhl_jax.train.state import init_state
+
+    cfg = load_config(config, sets)
+    mesh = make_mesh(cfg)
+    tx = make_optimizer(cfg)
+    t0 = time.perf_counter()
+    rec = {"mode": mode, "devices": mesh.size, "mesh": dict(mesh.shape)}
+    try:
+        if mode == "eager":
+            model = build_model(cfg, executor=make_executor(cfg, mesh), mesh=mesh)
+            _, params, biases = nnx.split(model, nnx.Param, RouterBias)
+            del model
+            state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0),
+                     "rng": jax.random.key_data(jax.random.key(cfg.train.seed))}
+            state = jax.device_put(state, state_shardings(cfg, mesh, state))
+        else:
+            _, state, _ = init_state(cfg, mesh, tx)
+        jax.block_until_ready(state)
+        rec["state_gib_total"] = sum(a.nbytes for a in jax.tree.leaves(state)) / GIB
+        rec["ok"] = True
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        rec.update(ok=False, error=str(e).splitlines()[0][:300])
+    rec["s"] = time.perf_counter() - t0
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / GIB for d in jax.local_devices()]
+    rec["peak_gib_per_device"] = [round(p, 2) for p in peaks]
+    rec["peak_gib_max"] = (peak_in_use(jax.local_devices()) or 0) / GIB
+    rec["limit_gib"] = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0) / GIB
+    return rec
+
+
+def fit(config: str, sets: list[str], steps: int) -> dict:
+    """One `fit` run: train.py in a fresh process, its lines read back."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [sys.executable, "train.py", "--config", config,
+                *sum((["--set", s] for s in [*BUILTIN, f"schedule.total_steps={steps}", *sets,
+                                             f"logging.run_dir={tmp}/run"]), [])]
+        t0 = time.perf_counter()
+        r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    out = r.stdout + r.stderr
+    rec = {"config": Path(config).name, "sets": sets, "steps": steps, "exit": r.returncode,
+           "wall_s": round(time.perf_counter() - t0, 1)}
+    m = re.search(r"train step memory per device \(XLA's estimate\): ([\d.]+) GiB = state and batch ([\d.]+) \+ "
+                  r"activations and other temporaries ([\d.]+).*?(?:of ([\d.]+) GiB that JAX may allocate on each "
+                  r"(.+))?$", out, re.M)
+    if m:
+        rec.update(estimate_gib=float(m[1]), state_gib=float(m[2]), temporaries_gib=float(m[3]),
+                   limit_gib=float(m[4]) if m[4] else None, device=m[5])
+    m = re.search(r"peak device memory ([\d.]+) GiB", out)
+    rec["peak_gib"] = float(m[1]) if m else None
+    m = re.search(r"\| ([\d.]+)k tok/s", out.splitlines()[-1] if out.strip() else "")
+    rec["tokens_per_s"] = float(m[1]) * 1e3 if m and r.returncode == 0 else None
+    errors = [line for line in out.splitlines() if re.match(r"(config error|training stopped|\w+Error)", line)]
+    rec["error"] = errors[-1][:600] if errors else None
+    if r.returncode not in (0, 1, 2):
+        rec["tail"] = out[-1500:]
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["init", "fit", "_create"])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--mode", choices=["eager", "sharded"], default="sharded", help="(_create only)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.what == "_create":
+        print("RESULT " + json.dumps(create(args.config, args.sets, args.mode)), flush=True)
+        return
+    gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                          text=True).stdout.split("\n")
+    gpus = [g.strip() for g in gpus if g.strip()] or ["cpu"]
+    date = datetime.date.today().isoformat()
+    slug = gpus[0].lower().replace(" ", "-") + (f"-x{len(gpus)}" if len(gpus) > 1 else "")
+    out = Path(args.out or ROOT / "bench" / "results" / f"memory-{slug}-{date}.jsonl")
+    base = {"bench": f"memory_{args.what}", "device": f"{len(gpus)} x {gpus[0]}", "date": date,
+            "config": Path(args.config).name, "sets": args.sets,
+            "env": {k: v for k, v in os.environ.items() if k.startswith("XLA_PYTHON_CLIENT")}}
+    recs = []
+    if args.what == "init":
+        for mode in ("eager", "sharded"):
+            r = subprocess.run([sys.executable, __file__, "_create", "--config", args.config, "--mode", mode,
+                                *sum((["--set", s] for s in args.sets), [])], cwd=ROOT, capture_output=True,
+                               text=True)
+            line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+            recs.append({**base, **(json.loads(line[7:]) if line else
+                                    {"mode": mode, "ok": False, "exit": r.returncode, "tail": r.stderr[-1500:]})})
+    else:
+        recs.append({**base, **fit(args.config, args.sets, args.steps)})
+    with open(out, "a") as f:
+        for rec in recs:
+            print(json.dumps(rec), flush=True)
+            f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()

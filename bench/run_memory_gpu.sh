@@ -1,0 +1,45 @@
+#!/bin/bash
+# Device memory (session 39, 2026-11-27): the GPU tests of tests/test_memory.py, the allocator's limit under JAX's
+# defaults, and bench/memory.py: which paper configs fit one GPU (train.py's memory line, its refusal or the
+# measured peak) and, on 2 GPUs, the state created eagerly vs in its shardings (4.2B at hp = 2) and that run's
+# steps. Argument: one (1 GPU: tests, limits, the 2.2B at micro-batch 16 and 32), one42 (1 GPU: the 4.2B configs),
+# two (2 GPUs).
+set -o pipefail
+OUT=${OUT:-/tmp/memory_out}
+source "$(dirname "$0")/gpu_stage.sh"
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
+R="$OUT/memory.jsonl"
+U="env -u XLA_PYTHON_CLIENT_PREALLOCATE"  # JAX's default allocator settings, as a user runs train.py
+LIMIT_PY="import jax, json, os; d = jax.local_devices()[0]; s = d.memory_stats(); print(json.dumps({'bench': \
+'memory_limit', 'preallocate': os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE', 'default'), 'jax': jax.__version__, \
+'device': d.device_kind, 'bytes_limit_gib': s['bytes_limit'] / 2**30, 'bytes_in_use_gib': s['bytes_in_use'] / 2**30}))"
+limits() {
+  $U python3 -c "$LIMIT_PY" | tee -a "$R"
+  python3 -c "$LIMIT_PY" | tee -a "$R"
+}
+case "${1:-one}" in
+one)
+  limits
+  stage tests 300 python3 -m pytest -q -rs tests/test_memory.py -m gpu
+  stage fit-2.2b-mb16 200 $U python3 bench/memory.py fit --config configs/mh_latent_moe_hp_2.2b.yaml \
+      --set train.micro_batch=16 --out "$R"
+  stage fit-2.2b-mb32 200 $U python3 bench/memory.py fit --config configs/mh_latent_moe_hp_2.2b.yaml \
+      --set train.micro_batch=32 --set train.global_batch=64 --out "$R"
+  ;;
+one42)
+  stage tests 300 python3 -m pytest -q -rs tests/test_memory.py -m gpu
+  stage fit-2.2b-mb32-accum 200 $U python3 bench/memory.py fit --config configs/mh_latent_moe_hp_2.2b.yaml \
+      --set train.micro_batch=32 --set train.global_batch=64 --out "$R"
+  stage fit-4.2b 200 $U python3 bench/memory.py fit --config configs/mh_latent_moe_hp_4.2b.yaml --out "$R"
+  stage fit-4.2b-moe 200 $U python3 bench/memory.py fit --config configs/moe_ep_4.2b.yaml --out "$R"
+  ;;
+two)
+  limits
+  stage tests 300 python3 -m pytest -q -rs tests/test_memory.py -m gpu
+  stage init-4.2b-hp2 300 $U python3 bench/memory.py init --config configs/mh_latent_moe_hp_4.2b.yaml \
+      --set parallel.hp=2 --out "$R"
+  stage fit-4.2b-hp2 240 $U python3 bench/memory.py fit --config configs/mh_latent_moe_hp_4.2b.yaml \
+      --set parallel.hp=2 --steps 6 --out "$R"
+  ;;
+esac
+echo "total $(( $(date +%s) - t0 )) s" | tee -a "$LOG"

@@ -1,0 +1,189 @@
+"""The train state created in its shardings, and the train step's memory check (mhl_jax.train.state / memory)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mhl_jax.config import ConfigError, load_config
+from mhl_jax.model.balancing import RouterBias
+from mhl_jax.model.gpt import build_model
+from mhl_jax.parallel.executors import make_executor
+from mhl_jax.parallel.mesh import make_mesh, state_shardings
+from mhl_jax.train import loop
+from mhl_jax.train.memory import (
+    GIB,
+    DeviceMemoryError,
+    StepMemory,
+    check_fits,
+    describe,
+    device_limit,
+    is_out_of_memory,
+    out_of_memory_message,
+    step_memory,
+)
+from mhl_jax.train.optimizer import make_optimizer
+from mhl_jax.train.state import init_state, state_creator
+from tests.test_train import ROOT, tiny
+
+
+def _eager_state(cfg, mesh, tx):
+    """The state as train.py built it before: the whole model eagerly on the default device, then placed."""
+    model = build_model(cfg, executor=make_executor(cfg, mesh), mesh=mesh)
+    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+    state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0),
+             "rng": jax.random.key_data(jax.random.key(cfg.train.seed))}
+    return graphdef, state
+
+
+@pytest.mark.parametrize("config, axis", [("tiny_mh_latent_moe", "hp"), ("tiny_moe", "ep")])
+def test_state_created_in_its_shardings_is_bitwise_the_eager_one(config, axis):
+    cfg = load_config(str(ROOT / f"configs/{config}.yaml"), [f"parallel.{axis}=4", "parallel.devices=4",
+                                                             "train.global_batch=8", "train.micro_batch=2"])
+    mesh = make_mesh(cfg)
+    tx = make_optimizer(cfg)
+    graphdef, state, shardings = init_state(cfg, mesh, tx)
+    ref_graphdef, ref = _eager_state(cfg, mesh, tx)
+    assert str(graphdef) == str(ref_graphdef)  # (their executors are two objects: == compares identity)
+    leaves, ref_leaves = jax.tree.leaves(state), jax.tree.leaves(ref)
+    assert len(leaves) == len(ref_leaves) > 50
+    for a, b in zip(leaves, ref_leaves):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # every leaf is placed as state_shardings says, and the expert weights really are split: each device holds 1/4
+    want = state_shardings(cfg, mesh, ref)
+    for a, s in zip(leaves, jax.tree.leaves(want, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))):
+        assert a.sharding == s
+    assert jax.tree.structure(shardings) == jax.tree.structure(want)
+    experts = [a for p, a in jax.tree_util.tree_leaves_with_path(state["params"])
+               if "experts" in jax.tree_util.keystr(p)]
+    assert experts
+    for a in experts:
+        assert {sh.data.size for sh in a.addressable_shards} == {a.size // 4}
+
+
+def test_state_creation_holds_only_each_devices_share():
+    """The creating program's buffers per device (XLA's analysis): that device's shards and almost nothing else, not
+    the whole model that the eager build put on the first device."""
+    cfg = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), ["parallel.hp=4", "parallel.devices=4",
+                                                                      "train.global_batch=8", "train.micro_batch=2"])
+    mesh = make_mesh(cfg)
+    _, create, _ = state_creator(cfg, mesh, make_optimizer(cfg))
+    state = create()
+    whole = sum(a.nbytes for a in jax.tree.leaves(state))
+    share = sum(sh.data.nbytes for a in jax.tree.leaves(state) for sh in a.addressable_shards
+                if sh.device == mesh.devices.flat[0])
+    assert share < 0.6 * whole  # the experts (split 4 ways) are about half of the tiny model
+    m = step_memory(create.lower().compile())
+    assert 0 <= m.outputs - share < 4096  # (and the output tuple's table of pointers)
+    assert m.outputs + m.temporaries < 0.9 * whole  # the eager build held `whole` there, then the share as well
+
+
+def _memory(arguments=0.0, temporaries=0.0, outputs=0.0, aliased=0.0) -> StepMemory:
+    return StepMemory(int(arguments * GIB), int(outputs * GIB), int(temporaries * GIB), int(aliased * GIB))
+
+
+def test_check_fits_names_the_figures_and_what_to_change():
+    cfg = load_config(str(ROOT / "configs/mh_latent_moe_hp_4.2b.yaml"))
+    m = _memory(arguments=51.0, temporaries=20.0, outputs=51.0, aliased=51.0)
+    check_fits(m, (int(80 * GIB), "H100"), cfg, 1)  # fits: nothing raised
+    check_fits(m, None, cfg, 1)  # no limit known (CPU): nothing checked
+    with pytest.raises(ConfigError) as e:
+        check_fits(m, (int(60 * GIB), "NVIDIA H100 80GB HBM3"), cfg, 1)
+    text = str(e.value)
+    for part in ("71.00 GiB per device on 1 device(s)", "state and batch 51.00 GiB", "temporaries 20.00 GiB",
+                 "60.00 GiB that JAX may allocate on each NVIDIA H100 80GB HBM3", "parallel.hp (now 1",
+                 "train.micro_batch (now 4", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        assert part in text, (part, text)
+    with pytest.raises(ConfigError) as e:  # the state alone does not fit: a smaller micro-batch cannot help
+        check_fits(m, (int(40 * GIB), "H100"), cfg, 1)
+    assert "micro_batch" not in str(e.value) and "parallel.hp" in str(e.value)
+    moe = load_config(str(ROOT / "configs/moe_ep_2.2b.yaml"))
+    with pytest.raises(ConfigError, match=r"parallel.ep \(now 1"):
+        check_fits(m, (int(60 * GIB), "H100"), moe, 1)
+
+
+def test_describe_and_out_of_memory_lines():
+    m = _memory(arguments=26.0, temporaries=17.5, outputs=26.0, aliased=26.0)
+    assert describe(m, None) == ("train step memory per device (XLA's estimate): 43.50 GiB = state and batch 26.00 "
+                                 "+ activations and other temporaries 17.50")
+    assert describe(m, (int(60 * GIB), "H100")).endswith(", of 60.00 GiB that JAX may allocate on each H100")
+    err = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.\nBFC allocator dump ...")
+    assert is_out_of_memory(err) and not is_out_of_memory(RuntimeError("INTERNAL: something else"))
+    line = out_of_memory_message(err, m)
+    assert "\n" not in line and "estimated at 43.50 GiB per device" in line and "trying to allocate 1.00GiB" in line
+
+
+def test_step_memory_reads_xla_analysis():
+    f = jax.jit(lambda x: (x @ x.T).sum(), donate_argnums=())
+    m = step_memory(f.lower(jax.ShapeDtypeStruct((256, 512), jnp.float32)).compile())
+    assert m is not None and m.arguments == 256 * 512 * 4 and m.total >= m.arguments
+
+
+def test_train_refuses_a_step_over_the_device_limit_before_writing(tmp_path, monkeypatch, capsys):
+    """A limit below the step's estimate (as a GPU reports one; the CPU reports none): refused with the figures named,
+    before the run directory gets any file; above it, the run goes on and logs the estimate."""
+    cfg = tiny(tmp_path, "schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1")
+    seen = {}
+
+    def fake_limit(devices):
+        seen["devices"] = list(devices)
+        return seen["limit"], "FakeGPU 1GB"
+
+    monkeypatch.setattr(loop, "device_limit", fake_limit)
+    seen["limit"] = int(0.05 * GIB)  # above the state (0.02 GiB), below the step (0.13)
+    with pytest.raises(ConfigError) as e:
+        loop.train(cfg)
+    assert "more than the 0.05 GiB that JAX may allocate on each FakeGPU 1GB" in str(e.value)
+    assert f"train.micro_batch (now {cfg.train.micro_batch};" in str(e.value)
+    assert not (tmp_path / "run").exists()  # the directory this run created is gone again: nothing written
+    assert seen["devices"] == jax.local_devices()
+    seen["limit"] = 64 * GIB
+    hist = loop.train(cfg)
+    assert [m["step"] for m in hist] == [1, 2]
+    out = capsys.readouterr().out
+    lines = [s for s in out.splitlines() if s.startswith("train step memory per device")]
+    assert len(lines) == 2 and lines[0].endswith("of 0.05 GiB that JAX may allocate on each FakeGPU 1GB")
+    assert lines[1].endswith("of 64.00 GiB that JAX may allocate on each FakeGPU 1GB")
+
+
+@pytest.mark.gpu
+def test_gpu_state_bitwise_the_eager_one_and_the_memory_line(tmp_path, capsys):
+    """On one GPU: the jitted creation gives the eager build's values (the GPU's own sampler and scaling), the memory
+    line names the device's real limit and the summary its measured peak."""
+    cfg = tiny(tmp_path, "schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1")
+    mesh = make_mesh(cfg)
+    tx = make_optimizer(cfg)
+    _, state, _ = init_state(cfg, mesh, tx)
+    _, ref = _eager_state(cfg, mesh, tx)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    loop.train(cfg)
+    out = capsys.readouterr().out
+    limit = device_limit(jax.local_devices())
+    assert limit is not None and limit[0] > 8 * GIB
+    assert f"of {limit[0] / GIB:.2f} GiB that JAX may allocate on each {limit[1]}" in out
+    assert "peak device memory" in out.splitlines()[-1]
+
+
+@pytest.mark.gpu
+def test_gpu_running_out_of_memory_is_one_line(tmp_path):
+    """A run that fits the limit but not the memory left (the test's arrays hold the rest): DeviceMemoryError with one
+    line, not XLA's allocator dump; no metrics are written."""
+    cfg = tiny(tmp_path, "schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1")
+    hogs, n = [], 2 * GIB  # the device filled in chunks, halved down to 4 MiB once one is refused
+    while n >= 4 * 2**20:
+        try:
+            hogs.append(jnp.ones((n // 4,), jnp.float32).block_until_ready())
+        except jax.errors.JaxRuntimeError:
+            n //= 2
+    del hogs[-6:]  # ~24 MiB free again: the tiny state's 0.02 GiB may fit, the step's 0.04 GiB does not
+    try:
+        with pytest.raises(DeviceMemoryError) as e:
+            loop.train(cfg)
+    finally:
+        del hogs
+    text = str(e.value)
+    assert "\n" not in text and text.startswith("out of memory on the device") and "micro_batch" in text
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
