@@ -273,7 +273,8 @@ def test_profile_traces_the_asked_steps(tmp_path, capsys):
     assert len(files) == 1
     calls = sorted((int(e.start_ns), int(e.start_ns) + int(e.duration_ns))
                    for plane in ProfileData.from_file(files[0]).planes if plane.name.startswith("/host")
-                   for line in plane.lines for e in line.events if e.name in ("PjitFunction(train_step)", "PjitFunction(jit(train_step))"))
+                   for line in plane.lines for e in line.events
+                   if e.name in ("PjitFunction(train_step)", "PjitFunction(jit(train_step))"))
     outer = [c for i, c in enumerate(calls) if i == 0 or c[0] >= calls[i - 1][1]]  # nested TraceMe events once
     assert len(outer) == 3, calls
     assert "profiler trace of steps 2-4 written to" in capsys.readouterr().out
