@@ -168,22 +168,35 @@ def test_gpu_state_bitwise_the_eager_one_and_the_memory_line(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-def test_gpu_running_out_of_memory_is_one_line(tmp_path):
-    """A run that fits the limit but not the memory left (the test's arrays hold the rest): DeviceMemoryError with one
-    line, not XLA's allocator dump; no metrics are written."""
+def test_gpu_running_out_of_memory_is_one_line(tmp_path, monkeypatch):
+    """A step that passed the check but finds too little memory (the test's arrays take what is left once the state
+    is created and the step compiled): DeviceMemoryError with one line that names the estimate, not XLA's allocator
+    dump; no metrics are written."""
     cfg = tiny(tmp_path, "schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1")
-    hogs, n = [], 2 * GIB  # the device filled in chunks, halved down to 4 MiB once one is refused
-    while n >= 4 * 2**20:
-        try:
-            hogs.append(jnp.ones((n // 4,), jnp.float32).block_until_ready())
-        except jax.errors.JaxRuntimeError:
-            n //= 2
-    del hogs[-6:]  # ~24 MiB free again: the tiny state's 0.02 GiB may fit, the step's 0.04 GiB does not
+    hogs = []
+
+    def fill_after(compiled):
+        m = step_memory(compiled)
+        stats = jax.local_devices()[0].memory_stats()
+        left, size = stats["bytes_limit"] - stats["bytes_in_use"], GIB
+        while size >= 2**20:  # the free memory taken in chunks of 1 GiB, then of halves, down to 1 MiB
+            if left >= size + 2**20:
+                try:
+                    hogs.append(jnp.ones((size // 4,), jnp.float32).block_until_ready())
+                    left -= size
+                    continue
+                except jax.errors.JaxRuntimeError:
+                    pass
+            size //= 2
+        return m
+
+    monkeypatch.setattr(loop, "step_memory", fill_after)
     try:
         with pytest.raises(DeviceMemoryError) as e:
             loop.train(cfg)
     finally:
-        del hogs
+        hogs.clear()
     text = str(e.value)
-    assert "\n" not in text and text.startswith("out of memory on the device") and "micro_batch" in text
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert "\n" not in text and text.startswith("out of memory on the device (the step was estimated at 0.0")
+    assert "micro_batch" in text
+    assert not (tmp_path / "run" / "metrics.jsonl").read_text()
