@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                     help="stop after this optimizer step (with a checkpoint, unless checkpoint.every=0), as a "
                          "preempted job would")
+    ap.add_argument("--check", action="store_true",
+                    help="compile the train step, print its memory per device against what the devices allow, and "
+                         "exit (status 0 if it fits, 2 if not); no state is created, nothing is written")
     dist = ap.add_argument_group("several processes (one per host, or per GPU); every process runs the same command")
     dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                       help="process 0's host and a free port, the same for every process (env MHL_COORDINATOR)")
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:  # every process of a run must run the same command
         check_same_run({**config_to_dict(cfg),
-                        "command_line": {"resume": args.resume, "stop_after": args.stop_after}})
+                        "command_line": {"resume": args.resume, "stop_after": args.stop_after, "check": args.check}})
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         shutdown(launch)
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from mhl_jax.train.memory import DeviceMemoryError
 
     try:
-        train(cfg, resume=args.resume, stop_after=args.stop_after)
+        train(cfg, resume=args.resume, stop_after=args.stop_after, check=args.check)
     except (ConfigError, DataError, CheckpointError) as e:  # bad input found once the run is set up: no traceback
         kind = next(n for c, n in ((ConfigError, "config"), (DataError, "data"), (CheckpointError, "checkpoint"))
                     if isinstance(e, c))

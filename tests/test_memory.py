@@ -200,3 +200,48 @@ def test_gpu_running_out_of_memory_is_one_line(tmp_path, monkeypatch):
     assert "\n" not in text and text.startswith("out of memory on the device (the step was estimated at 0.0")
     assert "micro_batch" in text
     assert not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_check_compiles_reports_and_writes_nothing(tmp_path):
+    """train.py --check: the memory line and the verdict, status 0, no run directory left behind."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "a" / "run"
+    r = subprocess.run([sys.executable, "train.py", "--check", "--set", f"logging.run_dir={run}"], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})  # one CPU device
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "train step memory per device (XLA's estimate)" in r.stdout
+    assert "check done: the train step compiles (no device limit to check it against here); nothing was written" \
+        in r.stdout
+    assert not (tmp_path / "a").exists()
+
+
+def test_check_of_a_run_with_checkpoints_changes_nothing(tmp_path, monkeypatch, capsys):
+    """--check in a run directory that holds a checkpoint: says where the run would resume, reads no state and leaves
+    every file as it was; over a (fake) device limit it is refused like the run itself."""
+    from tests.test_train import _dir_snapshot
+
+    cfg = tiny(tmp_path, "schedule.total_steps=4", "schedule.warmup_steps=1", "schedule.decay_steps=1",
+               "checkpoint.every=2", "data.val_sequences=0")
+    loop.train(cfg, stop_after=2)
+    before = _dir_snapshot(tmp_path / "run")
+    monkeypatch.setattr(loop.Checkpointer, "restore", lambda *a, **k: pytest.fail("--check restored the state"))
+    monkeypatch.setattr(loop, "state_creator", _no_create(loop.state_creator))
+    capsys.readouterr()
+    assert loop.train(cfg, check=True) == []
+    out = capsys.readouterr().out
+    assert "check done: the train step compiles" in out and "the run would resume from step 2" in out
+    monkeypatch.setattr(loop, "device_limit", lambda devices: (1000, "FakeGPU"))
+    with pytest.raises(ConfigError, match="more than the 0.00 GiB that JAX may allocate on each FakeGPU"):
+        loop.train(cfg, check=True)
+    assert _dir_snapshot(tmp_path / "run") == before
+
+
+def _no_create(real):
+    """state_creator whose `create` fails the test if called."""
+    def wrapped(*args, **kwargs):
+        graphdef, _, abstract = real(*args, **kwargs)
+        return graphdef, lambda: pytest.fail("--check created the state"), abstract
+    return wrapped

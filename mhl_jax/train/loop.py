@@ -38,7 +38,7 @@ from mhl_jax.train.memory import (
 from mhl_jax.train.metrics import StepClock, device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
-from mhl_jax.train.state import init_state
+from mhl_jax.train.state import shardings_of, state_creator
 from mhl_jax.train.step import jit_train_step, make_eval_step
 
 # Dispatch each step before fetching the previous step's metrics (False: fetch them first, the device idling while
@@ -139,30 +139,39 @@ def truncate_metrics(path: Path, step: int) -> None:
     write_atomic(path, "".join(line + "\n" for line in keep))
 
 
-def train(cfg: Config, resume: str | None = None, stop_after: int | None = None, log=print) -> list[dict]:
+def train(cfg: Config, resume: str | None = None, stop_after: int | None = None, log=print,
+          check: bool = False) -> list[dict]:
     """Train `cfg`; returns the per-step metric dicts of this process. `stop_after`: stop (with a
     checkpoint unless checkpoint.every=0) once that many optimizer steps are done in total, as a preempted job
     would. Bad input (a run directory that cannot hold the run, a checkpoint that does not fit it, a validation set
     smaller than one evaluation batch) is refused before anything in the run directory is written; directories
     this call created are removed again if the run stops before its config.yaml is written and they are empty.
     With several processes (mhl_jax.train.distributed) every process calls this; process 0 alone logs and writes
-    the run directory's files."""
+    the run directory's files. `check`: stop once the train step is compiled and its memory checked (train.py
+    --check): no state is created or restored, nothing is written, the directories the call created are removed."""
     run_dir = Path(cfg.logging.run_dir)
     created = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
     lead = is_lead()
     notes = {}  # what _train learned before an error: the step's memory estimate
-    try:
-        return _train(cfg, run_dir, resume, stop_after, log if lead else _quiet, lead, notes)
-    except BaseException as e:
+
+    def remove_created() -> None:
         if created and not (run_dir / "config.yaml").exists():  # each process: what it created
             for d in [run_dir / "checkpoints", *created]:
                 try:
                     d.rmdir()  # only if empty
                 except OSError:
                     pass
+
+    try:
+        history = _train(cfg, run_dir, resume, stop_after, log if lead else _quiet, lead, notes, check)
+    except BaseException as e:
+        remove_created()
         if isinstance(e, Exception) and is_out_of_memory(e):  # XLA's error (and its allocator's dump) as one line
             raise DeviceMemoryError(out_of_memory_message(e, notes.get("memory"))) from e
         raise
+    if check:
+        remove_created()
+    return history
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -170,7 +179,7 @@ def _quiet(*args, **kwargs) -> None:
 
 
 def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | None, log, lead: bool,
-           notes: dict) -> list[dict]:
+           notes: dict, check: bool) -> list[dict]:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r} is a file; expected a directory (or a path to "
                           "create)")
@@ -186,7 +195,9 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
     accum = accumulation_steps(cfg, mesh.size)
     t = cfg.model.context
     tx = make_optimizer(cfg)
-    graphdef, state, shardings = init_state(cfg, mesh, tx)  # each device creates only its own shards
+    # the state is created (each device its own shards) or restored only once the step is known to fit (below)
+    graphdef, create_state, abstract = state_creator(cfg, mesh, tx)
+    shardings = shardings_of(abstract)
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     eval_sharding = NamedSharding(mesh, P(*batch_spec(mesh)[1:]))
 
@@ -220,9 +231,10 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                                       f"{cfg.logging.run_dir!r}, which already holds later checkpoints (steps {later}):"
                                       " this run's checkpoints and metrics would collide with them; resume into "
                                       "another logging.run_dir, or delete those step directories first")
-            start, state = ckpt.restore(state, loader, path=resume)
-            state = jax.device_put(state, shardings)
-            log(f"resumed from step {start} ({resume or ckpt.directory})")
+            start = step
+            if not check:  # into the state's shardings: nothing is created first
+                start, state = ckpt.restore(abstract, loader, path=resume)
+                log(f"resumed from step {start} ({resume or ckpt.directory})")
         elif records.exists() and records.stat().st_size > 0:
             # no checkpoint yet: the same run relaunched (killed or preempted before its first checkpoint) starts
             # over; another run's records are not dropped
@@ -233,8 +245,9 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                                   " use another logging.run_dir, or delete that file to start over there")
             log(f"no checkpoint of this run's earlier launch in {run_dir}: starting over from step 0 (its records "
                 "are replaced)")
+        else:
+            start = 0
         sync("run checks done")  # every process has read the run directory before process 0 writes to it
-        start = int(state["step"])
         total = cfg.schedule.total_steps
         end = total if stop_after is None else min(total, stop_after)
         if start >= end:
@@ -255,7 +268,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         batch_shape = jax.ShapeDtypeStruct((accum, cfg.train.global_batch // accum, t + 1), np.int32,
                                            sharding=batch_sharding)
         # (the step's calls below reuse this compilation: jit caches it)
-        memory, failed = step_memory(step_fn.lower(state, batch_shape).compile()), None
+        memory, failed, limit = step_memory(step_fn.lower(abstract, batch_shape).compile()), None, None
         notes["memory"] = memory
         if memory is not None:
             limit = device_limit(jax.local_devices())
@@ -267,6 +280,13 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         agree(failed is None, "the memory check")
         if failed is not None:
             raise failed
+        if check:
+            log("check done: " + ("the train step fits the devices" if memory is not None and limit is not None else
+                                  "the train step compiles (no device limit to check it against here)")
+                + (f"; the run would resume from step {start}" if restoring else "") + "; nothing was written")
+            return []
+        if not restoring:
+            state = create_state()
         # the run's config, once it is known to fit the checkpoint it resumes (a refused run leaves the old one); a
         # resumed run whose settings changed keeps the earlier config beside it and names the changes
         saved, text = run_dir / "config.yaml", dump_config(cfg)

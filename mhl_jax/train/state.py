@@ -23,12 +23,19 @@ from mhl_jax.parallel.mesh import state_shardings
 
 def init_state(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation):
     """(graphdef, state, shardings): the model's graph, the step-0 state placed with `shardings`, and those."""
-    graphdef, create, shardings = state_creator(cfg, mesh, tx)
-    return graphdef, create(), shardings
+    graphdef, create, abstract = state_creator(cfg, mesh, tx)
+    return graphdef, create(), shardings_of(abstract)
+
+
+def shardings_of(abstract):
+    """The shardings of a state's leaves (arrays or ShapeDtypeStructs)."""
+    return jax.tree.map(lambda a: a.sharding, abstract)
 
 
 def state_creator(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation):
-    """(graphdef, create, shardings): `create()` (jitted, no arguments) returns the step-0 state in `shardings`."""
+    """(graphdef, create, abstract): `create()` (jitted, no arguments) returns the step-0 state, whose leaves'
+    shapes, dtypes and shardings `abstract` gives (ShapeDtypeStructs: to compile the step, or restore a checkpoint
+    into, without creating the state)."""
     executor = make_executor(cfg, mesh)
     graph = {}
 
@@ -38,5 +45,8 @@ def state_creator(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation):
         return {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0),
                 "rng": jax.random.key_data(jax.random.key(cfg.train.seed))}
 
-    shardings = state_shardings(cfg, mesh, jax.eval_shape(create))
-    return graph["def"], jax.jit(create, out_shardings=shardings), shardings
+    shapes = jax.eval_shape(create)
+    shardings = state_shardings(cfg, mesh, shapes)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=a.weak_type),
+                            shapes, shardings)
+    return graph["def"], jax.jit(create, out_shardings=shardings), abstract
