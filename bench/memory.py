@@ -93,10 +93,10 @@ def fit(config: str, sets: list[str], steps: int) -> dict:
            "wall_s": round(time.perf_counter() - t0, 1)}
     m = re.search(r"train step memory per device \(XLA's estimate\): ([\d.]+) GiB = state and batch ([\d.]+) \+ "
                   r"activations and other temporaries ([\d.]+).*?(?:of ([\d.]+) GiB that JAX may allocate on each "
-                  r"(.+))?$", out, re.M)
+                  r"(.+?)(?: \(its allocator's limit.*)?)?$", out, re.M)
     if m:
         rec.update(estimate_gib=float(m[1]), state_gib=float(m[2]), temporaries_gib=float(m[3]),
-                   limit_gib=float(m[4]) if m[4] else None, device=m[5])
+                   limit_gib=float(m[4]) if m[4] else None, limit_device=m[5])
     m = re.search(r"peak device memory ([\d.]+) GiB", out)
     rec["peak_gib"] = float(m[1]) if m else None
     m = re.search(r"\| ([\d.]+)k tok/s", out.splitlines()[-1] if out.strip() else "")

@@ -108,11 +108,110 @@ def test_describe_and_out_of_memory_lines():
     m = _memory(arguments=26.0, temporaries=17.5, outputs=26.0, aliased=26.0)
     assert describe(m, None) == ("train step memory per device (XLA's estimate): 43.50 GiB = state and batch 26.00 "
                                  "+ activations and other temporaries 17.50")
-    assert describe(m, (int(60 * GIB), "H100")).endswith(", of 60.00 GiB that JAX may allocate on each H100")
-    err = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.\nBFC allocator dump ...")
-    assert is_out_of_memory(err) and not is_out_of_memory(RuntimeError("INTERNAL: something else"))
-    line = out_of_memory_message(err, m)
-    assert "\n" not in line and "estimated at 43.50 GiB per device" in line and "trying to allocate 1.00GiB" in line
+    assert describe(m, (int(60 * GIB), "H100")).endswith(
+        ", of 60.00 GiB that JAX may allocate on each H100 (its allocator's limit: XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    err = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.\nBFC ...")
+    assert is_out_of_memory(err)
+    assert not is_out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: something else"))
+    assert not is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory"))  # not XLA's
+    assert not is_out_of_memory(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: too many open streams"))
+    line = out_of_memory_message(err, m, "training")
+    assert line == ("out of memory on the device while training; the train step was estimated at 43.50 GiB per "
+                    "device: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB. (a smaller "
+                    "train.micro_batch or more devices, parallel.hp / parallel.ep, lower the step's memory; memory "
+                    "other processes hold on the device counts too)")
+    assert out_of_memory_message(err, None, "creating the state").startswith(
+        "out of memory on the device while creating the state: RESOURCE_EXHAUSTED")
+
+
+def test_check_fits_hints_only_what_can_help():
+    cfg = load_config(str(ROOT / "configs/mh_latent_moe_hp_2.2b.yaml"), ["train.micro_batch=1"])
+    with pytest.raises(ConfigError) as e:  # micro-batch 1 already: not suggested again
+        check_fits(_memory(arguments=26.0, temporaries=40.0), (int(60 * GIB), "H100"), cfg, 1)
+    assert "micro_batch" not in str(e.value) and "parallel.hp (now 1" in str(e.value)
+
+
+class _FakeDevice:
+    device_kind = "FakeGPU"
+
+    def __init__(self, limit, peak):
+        self.stats = {"bytes_limit": limit, "peak_bytes_in_use": peak}
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_device_limit_is_the_smallest_and_peak_the_largest():
+    from mhl_jax.train.memory import peak_in_use
+
+    devices = [_FakeDevice(80, 5), _FakeDevice(60, 9), _FakeDevice(70, 7)]
+    assert device_limit(devices) == (60, "FakeGPU")
+    assert peak_in_use(devices) == 9
+    assert device_limit(jax.devices("cpu")) is None and peak_in_use(jax.devices("cpu")) is None
+
+
+def test_out_of_memory_in_a_step_is_one_line_naming_the_estimate(tmp_path, monkeypatch, capsys):
+    """XLA's out-of-memory error at step 2 (raised by a wrapped step: the CPU has no device limit to run into):
+    DeviceMemoryError naming the phase and the step's estimate; any other runtime error passes through as it is;
+    the summary line gives the devices' peak where the platform reports one."""
+    real = loop.jit_train_step
+    calls = []
+
+    def failing_at_step_2(error):
+        def make(*args, **kwargs):
+            step_fn = real(*args, **kwargs)
+
+            def wrapped(state, batch):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise error
+                return step_fn(state, batch)
+            wrapped.lower = step_fn.lower
+            return wrapped
+        return make
+
+    cfg = tiny(tmp_path, "schedule.total_steps=3", "schedule.warmup_steps=1", "schedule.decay_steps=1",
+               "data.val_sequences=0")
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB.\nmore")
+    monkeypatch.setattr(loop, "jit_train_step", failing_at_step_2(oom))
+    with pytest.raises(DeviceMemoryError) as e:
+        loop.train(cfg)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith("out of memory on the device while training; the train step was "
+                                                 "estimated at 0.")
+    assert "trying to allocate 2.00GiB." in text and e.value.__cause__ is oom
+    calls.clear()
+    other = jax.errors.JaxRuntimeError("INTERNAL: a kernel failed")
+    monkeypatch.setattr(loop, "jit_train_step", failing_at_step_2(other))
+    with pytest.raises(jax.errors.JaxRuntimeError) as e:
+        loop.train(tiny(tmp_path, "schedule.total_steps=3", "schedule.warmup_steps=1", "schedule.decay_steps=1",
+                        "data.val_sequences=0", f"logging.run_dir={tmp_path / 'other'}"))
+    assert e.value is other
+    monkeypatch.setattr(loop, "jit_train_step", real)
+    monkeypatch.setattr(loop, "peak_in_use", lambda devices: 3 * GIB)
+    capsys.readouterr()
+    loop.train(tiny(tmp_path, "schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1",
+                    "data.val_sequences=0", f"logging.run_dir={tmp_path / 'third'}"))
+    assert "| peak device memory 3.00 GiB |" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_refused_run_removes_xla_autotuning_dump(tmp_path, monkeypatch):
+    """On a GPU XLA dumps its autotuning results while it compiles the step (into the run directory): a refused run
+    removes that dump, so the directory it created goes too."""
+    from mhl_jax.train.autotune import AutotuneFile
+
+    cfg = tiny(tmp_path, "schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1")
+    tuned = AutotuneFile(path=tmp_path / "run" / "xla_autotune.txt")
+    monkeypatch.setattr(loop, "autotune_file", lambda *a, **k: tuned)
+
+    def limit_after_dump(devices):  # called after the compile: where XLA has written its dump on a GPU
+        tuned.tmp.write_text("entries {}\n")
+        return 1000, "FakeGPU"
+
+    monkeypatch.setattr(loop, "device_limit", limit_after_dump)
+    with pytest.raises(ConfigError, match="FakeGPU"):
+        loop.train(cfg)
+    assert not (tmp_path / "run").exists()
 
 
 def test_step_memory_reads_xla_analysis():
@@ -144,8 +243,8 @@ def test_train_refuses_a_step_over_the_device_limit_before_writing(tmp_path, mon
     assert [m["step"] for m in hist] == [1, 2]
     out = capsys.readouterr().out
     lines = [s for s in out.splitlines() if s.startswith("train step memory per device")]
-    assert len(lines) == 2 and lines[0].endswith("of 0.05 GiB that JAX may allocate on each FakeGPU 1GB")
-    assert lines[1].endswith("of 64.00 GiB that JAX may allocate on each FakeGPU 1GB")
+    assert len(lines) == 2 and "of 0.05 GiB that JAX may allocate on each FakeGPU 1GB (" in lines[0]
+    assert "of 64.00 GiB that JAX may allocate on each FakeGPU 1GB (" in lines[1]
 
 
 @pytest.mark.gpu
@@ -197,7 +296,8 @@ def test_gpu_running_out_of_memory_is_one_line(tmp_path, monkeypatch):
     finally:
         hogs.clear()
     text = str(e.value)
-    assert "\n" not in text and text.startswith("out of memory on the device (the step was estimated at 0.0")
+    assert "\n" not in text
+    assert text.startswith("out of memory on the device while training; the train step was estimated at 0.0")
     assert "micro_batch" in text
     assert not (tmp_path / "run" / "metrics.jsonl").read_text()
 

@@ -58,6 +58,11 @@ class AutotuneFile:
             opts["xla_gpu_dump_autotune_results_to"] = str(self.tmp)
         return opts
 
+    def discard(self) -> None:
+        """Remove XLA's dump of a run that stops before committing it (a refused run leaves its directory as it was)."""
+        if self.write and self.tmp.exists():
+            self.tmp.unlink()
+
     def commit(self) -> bool:
         """After a compile: move XLA's dump into place (a rename: readers see the old or the new file whole). True
         when a dump was there."""

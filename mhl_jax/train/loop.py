@@ -152,9 +152,11 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     run_dir = Path(cfg.logging.run_dir)
     created = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
     lead = is_lead()
-    notes = {}  # what _train learned before an error: the step's memory estimate
+    notes = {"phase": "setting up"}  # what _train learned before an error: its phase, the step's memory estimate
 
     def remove_created() -> None:
+        if "autotune" in notes:
+            notes["autotune"].discard()
         if created and not (run_dir / "config.yaml").exists():  # each process: what it created
             for d in [run_dir / "checkpoints", *created]:
                 try:
@@ -167,7 +169,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     except BaseException as e:
         remove_created()
         if isinstance(e, Exception) and is_out_of_memory(e):  # XLA's error (and its allocator's dump) as one line
-            raise DeviceMemoryError(out_of_memory_message(e, notes.get("memory"))) from e
+            raise DeviceMemoryError(out_of_memory_message(e, notes.get("memory"), notes["phase"])) from e
         raise
     if check:
         remove_created()
@@ -219,6 +221,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
     # XLA's autotuning results kept with the run (GPU); a bad setting is refused before anything is written
     tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(), jax.process_index())
     compile_options = {**tuned.compiler_options(), **xla_options(jax.default_backend())}
+    notes["autotune"] = tuned
     # closed on every way out (a refused restore too): Orbax's threads released, no tracebacks from them at exit
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
         restoring = bool(resume) or ckpt.latest_step() is not None
@@ -233,6 +236,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                                       "another logging.run_dir, or delete those step directories first")
             start = step
             if not check:  # into the state's shardings: nothing is created first
+                notes["phase"] = "restoring the checkpoint"
                 start, state = ckpt.restore(abstract, loader, path=resume)
                 log(f"resumed from step {start} ({resume or ckpt.directory})")
         elif records.exists() and records.stat().st_size > 0:
@@ -267,16 +271,19 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                                  autotune_options=compile_options)
         batch_shape = jax.ShapeDtypeStruct((accum, cfg.train.global_batch // accum, t + 1), np.int32,
                                            sharding=batch_sharding)
-        # (the step's calls below reuse this compilation: jit caches it)
-        memory, failed, limit = step_memory(step_fn.lower(abstract, batch_shape).compile()), None, None
-        notes["memory"] = memory
-        if memory is not None:
-            limit = device_limit(jax.local_devices())
-            log(describe(memory, limit))
-            try:
+        # (the step's calls below reuse this compilation: jit caches it); a failure on one process is raised after
+        # `agree`, so that the others do not wait for it in the next collective
+        notes["phase"] = "compiling the train step"
+        memory, failed, limit = None, None, None
+        try:
+            memory = step_memory(step_fn.lower(abstract, batch_shape).compile())
+            notes["memory"] = memory
+            if memory is not None:
+                limit = device_limit(jax.local_devices())
+                log(describe(memory, limit))
                 check_fits(memory, limit, cfg, mesh.size)
-            except ConfigError as e:
-                failed = e
+        except Exception as e:
+            failed = e
         agree(failed is None, "the memory check")
         if failed is not None:
             raise failed
@@ -286,6 +293,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                 + (f"; the run would resume from step {start}" if restoring else "") + "; nothing was written")
             return []
         if not restoring:
+            notes["phase"] = "creating the state"
             state = create_state()
         # the run's config, once it is known to fit the checkpoint it resumes (a refused run leaves the old one); a
         # resumed run whose settings changed keeps the earlier config beside it and names the changes
@@ -369,7 +377,9 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                         f"the last checkpoint, step {kept}, is kept)" if kept is not None
                         else "no checkpoint was written)"))
             if evaluates(n):
+                notes["phase"] = f"the evaluation at step {n}"
                 m["val_loss"] = evaluate(eval_fn, state, val, eval_batch, eval_sharding)
+                notes["phase"] = "training"
                 m["val_ppl"] = math.exp(min(m["val_loss"], 50.0))
                 tuned.commit()  # with the evaluation's too (a no-op once it has compiled)
                 clock.pause(time.perf_counter())  # evaluation time is not training throughput
@@ -391,6 +401,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         # A step whose end reads the state (evaluation, checkpoint, the last step) is finished before the next
         # is dispatched. A non-finite loss at step n stops the run one step later, before any checkpoint.
         pending = None  # (step number, metrics on the device) not yet finished
+        notes["phase"] = "training"
         try:
             for step in range(start, end):
                 if step + 1 == prof_first:

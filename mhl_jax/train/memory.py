@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
+
 from mhl_jax.config import Config, ConfigError
 
 GIB = 2**30
@@ -69,7 +71,8 @@ def describe(m: StepMemory, limit: tuple[int, str] | None) -> str:
             + (f" + outputs not written in place {(m.outputs - m.aliased) / GIB:.2f}"
                if m.outputs - m.aliased >= 0.005 * GIB else ""))
     if limit is not None:
-        text += f", of {limit[0] / GIB:.2f} GiB that JAX may allocate on each {limit[1]}"
+        text += (f", of {limit[0] / GIB:.2f} GiB that JAX may allocate on each {limit[1]} (its allocator's limit: "
+                 "XLA_PYTHON_CLIENT_MEM_FRACTION)")
     return text
 
 
@@ -85,7 +88,7 @@ def check_fits(m: StepMemory, limit: tuple[int, str] | None, cfg: Config, device
     if cfg.ffn.kind != "mlp":
         hints.append(f"more devices with a larger parallel.{axis} (now {inner}: it splits the expert weights and "
                      "their optimizer state)")
-    if state_fits:
+    if state_fits and cfg.train.micro_batch > 1:
         hints.append(f"a smaller train.micro_batch (now {cfg.train.micro_batch}; the activations scale with it)")
     hints.append("a higher allocation limit if the device has more memory (XLA_PYTHON_CLIENT_MEM_FRACTION, e.g. 0.95)")
     raise ConfigError(f"the train step needs {m.total / GIB:.2f} GiB per device on {devices} device(s) (XLA's "
@@ -95,17 +98,19 @@ def check_fits(m: StepMemory, limit: tuple[int, str] | None, cfg: Config, device
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is XLA's out-of-memory error."""
+    """Whether `e` is XLA's out-of-memory error (a JaxRuntimeError saying RESOURCE_EXHAUSTED: out of memory)."""
     text = str(e)
-    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+    return (isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in text
+            and "out of memory" in text.lower())
 
 
-def out_of_memory_message(e: BaseException, estimate: StepMemory | None) -> str:
-    """One line for an out-of-memory error: XLA's first line and the estimate the run started with."""
+def out_of_memory_message(e: BaseException, estimate: StepMemory | None, phase: str) -> str:
+    """One line for an out-of-memory error: what the run was doing, the step's estimate and XLA's first line."""
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-    est = f" (the step was estimated at {estimate.total / GIB:.2f} GiB per device)" if estimate is not None else ""
-    return (f"out of memory on the device{est}: {first[:300]}; a smaller train.micro_batch or more devices (parallel."
-            "hp / parallel.ep) lower it")
+    est = f"; the train step was estimated at {estimate.total / GIB:.2f} GiB per device" if estimate is not None else ""
+    return (f"out of memory on the device while {phase}{est}: {first[:300]} (a smaller train.micro_batch or more "
+            "devices, parallel.hp / parallel.ep, lower the step's memory; memory other processes hold on the device "
+            "counts too)")
 
 
 class DeviceMemoryError(RuntimeError):
