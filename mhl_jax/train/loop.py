@@ -226,6 +226,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
         restoring = bool(resume) or ckpt.latest_step() is not None
         records = run_dir / "metrics.jsonl"
+        start = 0  # a fresh run's (or a relaunched one's, below, that never saved a checkpoint)
         if restoring:  # refused or unreadable: the run directory is left as it was
             step = ckpt.step_of(resume)
             later = [s for s in ckpt.all_steps() if s > step]
@@ -249,8 +250,6 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                                   " use another logging.run_dir, or delete that file to start over there")
             log(f"no checkpoint of this run's earlier launch in {run_dir}: starting over from step 0 (its records "
                 "are replaced)")
-        else:
-            start = 0
         sync("run checks done")  # every process has read the run directory before process 0 writes to it
         total = cfg.schedule.total_steps
         end = total if stop_after is None else min(total, stop_after)
