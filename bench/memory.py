@@ -35,18 +35,30 @@ BUILTIN = ["data.source=builtin", "data.path=", "data.val_path=", "data.tokenize
            "schedule.warmup_steps=1", "schedule.decay_steps=1"]
 
 
-def create(config: str, sets: list[str], mode: str) -> dict:
-    """One mode of `init`, in this process."""
+def eager_state(cfg, mesh, tx):
+    """(graphdef, state): the state as train.py built it until 2026-11-27, the whole model and its optimizer state
+    eagerly on the default device (not yet placed). The baseline of `init`, and tests/test_memory.py's reference."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from mhl_jax.config import load_config
     from mhl_jax.model.balancing import RouterBias
     from mhl_jax.model.gpt import build_model
     from mhl_jax.parallel.executors import make_executor
+
+    model = build_model(cfg, executor=make_executor(cfg, mesh), mesh=mesh)
+    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+    return graphdef, {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0),
+                      "rng": jax.random.key_data(jax.random.key(cfg.train.seed))}
+
+
+def create(config: str, sets: list[str], mode: str) -> dict:
+    """One mode of `init`, in this process."""
+    import jax
+
+    from mhl_jax.config import load_config
     from mhl_jax.parallel.mesh import make_mesh, state_shardings
-    from mhl_jax.train.memory import GIB, is_out_of_memory, peak_in_use
+    from mhl_jax.train.memory import GIB, device_limit, is_out_of_memory, peak_in_use
     from mhl_jax.train.optimizer import make_optimizer
     from mhl_jax.train.state import init_state
 
@@ -57,11 +69,7 @@ def create(config: str, sets: list[str], mode: str) -> dict:
     rec = {"mode": mode, "devices": mesh.size, "mesh": dict(mesh.shape)}
     try:
         if mode == "eager":
-            model = build_model(cfg, executor=make_executor(cfg, mesh), mesh=mesh)
-            _, params, biases = nnx.split(model, nnx.Param, RouterBias)
-            del model
-            state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0),
-                     "rng": jax.random.key_data(jax.random.key(cfg.train.seed))}
+            _, state = eager_state(cfg, mesh, tx)
             state = jax.device_put(state, state_shardings(cfg, mesh, state))
         else:
             _, state, _ = init_state(cfg, mesh, tx)
@@ -73,10 +81,10 @@ def create(config: str, sets: list[str], mode: str) -> dict:
             raise
         rec.update(ok=False, error=str(e).splitlines()[0][:300])
     rec["s"] = time.perf_counter() - t0
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / GIB for d in jax.local_devices()]
-    rec["peak_gib_per_device"] = [round(p, 2) for p in peaks]
-    rec["peak_gib_max"] = (peak_in_use(jax.local_devices()) or 0) / GIB
-    rec["limit_gib"] = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0) / GIB
+    devices = jax.local_devices()
+    rec["peak_gib_per_device"] = [round((peak_in_use([d]) or 0) / GIB, 2) for d in devices]
+    rec["peak_gib_max"] = (peak_in_use(devices) or 0) / GIB
+    rec["limit_gib"] = (device_limit(devices) or (0,))[0] / GIB
     return rec
 
 
@@ -120,8 +128,11 @@ def main() -> None:
     if args.what == "_create":
         print("RESULT " + json.dumps(create(args.config, args.sets, args.mode)), flush=True)
         return
-    gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                          text=True).stdout.split("\n")
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True).stdout.split("\n")
+    except FileNotFoundError:  # no NVIDIA driver: the CPU
+        gpus = []
     gpus = [g.strip() for g in gpus if g.strip()] or ["cpu"]
     date = datetime.date.today().isoformat()
     slug = gpus[0].lower().replace(" ", "-") + (f"-x{len(gpus)}" if len(gpus) > 1 else "")

@@ -17,29 +17,30 @@ limits() {
   $U python3 -c "$LIMIT_PY" | tee -a "$R"
   python3 -c "$LIMIT_PY" | tee -a "$R"
 }
+bench() {  # bench NAME LIMIT init|fit --config FILE [--set ...]: bench/memory.py under JAX's default allocator
+  local name=$1 limit=$2; shift 2
+  stage "$name" "$limit" $U python3 bench/memory.py "$@" --out "$R"
+}
+tests() {
+  stage tests 300 python3 -m pytest -q -rs tests/test_memory.py -m gpu
+}
 case "${1:-one}" in
 one)
   limits
-  stage tests 300 python3 -m pytest -q -rs tests/test_memory.py -m gpu
-  stage fit-2.2b-mb16 200 $U python3 bench/memory.py fit --config configs/mh_latent_moe_hp_2.2b.yaml \
-      --set train.micro_batch=16 --out "$R"
-  stage fit-2.2b-mb32 200 $U python3 bench/memory.py fit --config configs/mh_latent_moe_hp_2.2b.yaml \
-      --set train.micro_batch=32 --set train.global_batch=64 --out "$R"
+  tests
+  bench fit-2.2b-mb16 200 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set train.micro_batch=16
+  bench fit-2.2b-mb32 200 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set train.micro_batch=32 \
+      --set train.global_batch=64
   ;;
 one42)
-  stage tests 300 python3 -m pytest -q -rs tests/test_memory.py -m gpu
-  stage fit-2.2b-mb32-accum 200 $U python3 bench/memory.py fit --config configs/mh_latent_moe_hp_2.2b.yaml \
-      --set train.micro_batch=32 --set train.global_batch=64 --out "$R"
-  stage fit-4.2b 200 $U python3 bench/memory.py fit --config configs/mh_latent_moe_hp_4.2b.yaml --out "$R"
-  stage fit-4.2b-moe 200 $U python3 bench/memory.py fit --config configs/moe_ep_4.2b.yaml --out "$R"
+  bench fit-4.2b 200 fit --config configs/mh_latent_moe_hp_4.2b.yaml
+  bench fit-4.2b-moe 200 fit --config configs/moe_ep_4.2b.yaml
   ;;
 two)
   limits
-  stage tests 300 python3 -m pytest -q -rs tests/test_memory.py -m gpu
-  stage init-4.2b-hp2 300 $U python3 bench/memory.py init --config configs/mh_latent_moe_hp_4.2b.yaml \
-      --set parallel.hp=2 --out "$R"
-  stage fit-4.2b-hp2 240 $U python3 bench/memory.py fit --config configs/mh_latent_moe_hp_4.2b.yaml \
-      --set parallel.hp=2 --steps 6 --out "$R"
+  tests
+  bench init-4.2b-hp2 300 init --config configs/mh_latent_moe_hp_4.2b.yaml --set parallel.hp=2
+  bench fit-4.2b-hp2 240 fit --config configs/mh_latent_moe_hp_4.2b.yaml --set parallel.hp=2 --steps 6
   ;;
 esac
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$LOG"

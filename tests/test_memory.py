@@ -4,12 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+from bench.memory import eager_state
 from mhl_jax.config import ConfigError, load_config
-from mhl_jax.model.balancing import RouterBias
-from mhl_jax.model.gpt import build_model
-from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import make_mesh, state_shardings
 from mhl_jax.train import loop
 from mhl_jax.train.memory import (
@@ -28,15 +25,6 @@ from mhl_jax.train.state import init_state, state_creator
 from tests.test_train import ROOT, tiny
 
 
-def _eager_state(cfg, mesh, tx):
-    """The state as train.py built it before: the whole model eagerly on the default device, then placed."""
-    model = build_model(cfg, executor=make_executor(cfg, mesh), mesh=mesh)
-    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
-    state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0),
-             "rng": jax.random.key_data(jax.random.key(cfg.train.seed))}
-    return graphdef, state
-
-
 @pytest.mark.parametrize("config, axis", [("tiny_mh_latent_moe", "hp"), ("tiny_moe", "ep")])
 def test_state_created_in_its_shardings_is_bitwise_the_eager_one(config, axis):
     cfg = load_config(str(ROOT / f"configs/{config}.yaml"), [f"parallel.{axis}=4", "parallel.devices=4",
@@ -44,7 +32,7 @@ def test_state_created_in_its_shardings_is_bitwise_the_eager_one(config, axis):
     mesh = make_mesh(cfg)
     tx = make_optimizer(cfg)
     graphdef, state, shardings = init_state(cfg, mesh, tx)
-    ref_graphdef, ref = _eager_state(cfg, mesh, tx)
+    ref_graphdef, ref = eager_state(cfg, mesh, tx)
     assert str(graphdef) == str(ref_graphdef)  # (their executors are two objects: == compares identity)
     leaves, ref_leaves = jax.tree.leaves(state), jax.tree.leaves(ref)
     assert len(leaves) == len(ref_leaves) > 50
@@ -255,7 +243,7 @@ def test_gpu_state_bitwise_the_eager_one_and_the_memory_line(tmp_path, capsys):
     mesh = make_mesh(cfg)
     tx = make_optimizer(cfg)
     _, state, _ = init_state(cfg, mesh, tx)
-    _, ref = _eager_state(cfg, mesh, tx)
+    _, ref = eager_state(cfg, mesh, tx)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     loop.train(cfg)

@@ -43,14 +43,18 @@ def step_memory(compiled) -> StepMemory | None:
                       int(a.alias_size_in_bytes))
 
 
+def _stats(device) -> dict:
+    """The allocator's figures of `device` ({} where the platform reports none)."""
+    return (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}
+
+
 def device_limit(devices) -> tuple[int, str] | None:
     """(bytes, device kind): the smallest allocation limit of `devices` (this process's), as JAX's allocator reports
     it (`memory_stats()['bytes_limit']`: on GPUs by default a fraction of the memory, XLA_PYTHON_CLIENT_MEM_FRACTION);
     None where the platform reports none (the CPU)."""
     best = None
     for d in devices:
-        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
-        limit = (stats or {}).get("bytes_limit")
+        limit = _stats(d).get("bytes_limit")
         if limit and (best is None or limit < best[0]):
             best = (int(limit), d.device_kind)
     return best
@@ -59,8 +63,7 @@ def device_limit(devices) -> tuple[int, str] | None:
 def peak_in_use(devices) -> int | None:
     """The largest `peak_bytes_in_use` over `devices` (the allocator's high-water mark of this process); None on
     platforms that report none."""
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices if hasattr(d, "memory_stats")]
-    peaks = [p for p in peaks if p]
+    peaks = [p for p in (_stats(d).get("peak_bytes_in_use") for d in devices) if p]
     return max(peaks) if peaks else None
 
 
