@@ -88,23 +88,28 @@ def create(config: str, sets: list[str], mode: str) -> dict:
     return rec
 
 
-def fit(config: str, sets: list[str], steps: int) -> dict:
-    """One `fit` run: train.py in a fresh process, its lines read back."""
+def fit(config: str, sets: list[str], steps: int, check: bool = False) -> dict:
+    """One `fit` run: train.py in a fresh process (with `--check`: only its memory check), its lines read back."""
     with tempfile.TemporaryDirectory() as tmp:
         args = [sys.executable, "train.py", "--config", config,
                 *sum((["--set", s] for s in [*BUILTIN, f"schedule.total_steps={steps}", *sets,
-                                             f"logging.run_dir={tmp}/run"]), [])]
+                                             f"logging.run_dir={tmp}/run"]), []), *(["--check"] if check else [])]
         t0 = time.perf_counter()
-        r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+        r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "JAX_LOG_COMPILES": "1"})
+        written = sorted(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*"))
     out = r.stdout + r.stderr
-    rec = {"config": Path(config).name, "sets": sets, "steps": steps, "exit": r.returncode,
+    rec = {"config": Path(config).name, "sets": sets, "steps": steps, "check": check, "exit": r.returncode,
            "wall_s": round(time.perf_counter() - t0, 1)}
+    if check:
+        rec["written"] = written  # --check writes nothing
     m = re.search(r"train step memory per device \(XLA's estimate\): ([\d.]+) GiB = state and batch ([\d.]+) \+ "
                   r"activations and other temporaries ([\d.]+).*?(?:of ([\d.]+) GiB that JAX may allocate on each "
                   r"(.+?)(?: \(its allocator's limit.*)?)?$", out, re.M)
     if m:
         rec.update(estimate_gib=float(m[1]), state_gib=float(m[2]), temporaries_gib=float(m[3]),
                    limit_gib=float(m[4]) if m[4] else None, limit_device=m[5])
+    rec["train_step_compiles"] = len(re.findall(r"Compiling jit\(train_step\)", out))
     m = re.search(r"peak device memory ([\d.]+) GiB", out)
     rec["peak_gib"] = float(m[1]) if m else None
     m = re.search(r"\| ([\d.]+)k tok/s", out.splitlines()[-1] if out.strip() else "")
@@ -123,6 +128,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--mode", choices=["eager", "sharded"], default="sharded", help="(_create only)")
+    ap.add_argument("--check", action="store_true", help="(fit only) train.py --check: the memory line alone")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.what == "_create":
@@ -150,7 +156,7 @@ def main() -> None:
             recs.append({**base, **(json.loads(line[7:]) if line else
                                     {"mode": mode, "ok": False, "exit": r.returncode, "tail": r.stderr[-1500:]})})
     else:
-        recs.append({**base, **fit(args.config, args.sets, args.steps)})
+        recs.append({**base, **fit(args.config, args.sets, args.steps, args.check)})
     with open(out, "a") as f:
         for rec in recs:
             print(json.dumps(rec), flush=True)

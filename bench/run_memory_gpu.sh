@@ -28,6 +28,8 @@ case "${1:-one}" in
 one)
   limits
   tests
+  bench check-2.2b 200 fit --check --config configs/mh_latent_moe_hp_2.2b.yaml --set train.micro_batch=16
+  bench check-4.2b 200 fit --check --config configs/mh_latent_moe_hp_4.2b.yaml
   bench fit-2.2b-mb16 200 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set train.micro_batch=16
   bench fit-2.2b-mb32 200 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set train.micro_batch=32 \
       --set train.global_batch=64
