@@ -112,7 +112,7 @@ def fit(config: str, sets: list[str], steps: int, check: bool = False) -> dict:
     rec["train_step_compiles"] = len(re.findall(r"Compiling jit\(train_step\)", out))
     m = re.search(r"peak device memory ([\d.]+) GiB", out)
     rec["peak_gib"] = float(m[1]) if m else None
-    m = re.search(r"\| ([\d.]+)k tok/s", out.splitlines()[-1] if out.strip() else "")
+    m = re.search(r"^done: .*?\| ([\d.]+)k tok/s", out, re.M)  # the summary line (JAX's compile log may follow)
     rec["tokens_per_s"] = float(m[1]) * 1e3 if m and r.returncode == 0 else None
     errors = [line for line in out.splitlines() if re.match(r"(config error|training stopped|\w+Error)", line)]
     rec["error"] = errors[-1][:600] if errors else None
