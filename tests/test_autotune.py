@@ -60,6 +60,28 @@ def test_each_process_of_a_run_keeps_its_own_file(tmp_path):
     assert c.load == b.path  # resuming another run's checkpoint: that run's process 1 file
 
 
+def test_several_processes_dump_through_names_of_each_launch(tmp_path):
+    """A run of several processes: every launch's dump name (a compile option, so part of JAX's persistent cache key)
+    is new, so that no process of a relaunch takes its step from the cache while another compiles (module docstring);
+    one process keeps its fixed name. A commit removes killed launches' dumps of the same file, not other files'."""
+    one = [autotune_file("auto", tmp_path) for _ in range(2)]
+    assert one[0].compiler_options() == one[1].compiler_options() and one[0].tmp.name == "xla_autotune.partial.txt"
+    for i in (0, 1):
+        a, b = (autotune_file("auto", tmp_path, process_index=i, process_count=2) for _ in range(2))
+        assert a.path == b.path and a.tmp != b.tmp and a.tmp.parent == a.path.parent and a.tmp.suffix == ".txt"
+        assert a.tmp.name.startswith(f"{a.path.stem}.partial-")
+        assert a.compiler_options()["xla_gpu_dump_autotune_results_to"] != \
+            b.compiler_options()["xla_gpu_dump_autotune_results_to"]
+    a, killed = (autotune_file("auto", tmp_path, process_index=0, process_count=2) for _ in range(2))
+    other = autotune_file("auto", tmp_path, process_index=1, process_count=2)
+    killed.tmp.write_text(RESULTS)  # a launch killed between XLA's dump and the rename
+    other.tmp.write_text(RESULTS)  # process 1's, in flight
+    a.tmp.write_text(RESULTS)
+    assert a.commit() is True and a.path.read_text() == RESULTS
+    assert not killed.tmp.exists() and other.tmp.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([a.path.name, other.tmp.name])
+
+
 def test_resume_from_another_run_loads_its_file(tmp_path):
     src, new = tmp_path / "src", tmp_path / "new"
     (src / "checkpoints" / "6").mkdir(parents=True)

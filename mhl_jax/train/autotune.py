@@ -15,13 +15,24 @@ had to tune that the file lacked, e.g. an evaluation step the first process neve
 another run's checkpoint (`--resume <run>/checkpoints/<step>`) loads that run's file when its own has none. In a run
 of several processes each keeps its own file (process i > 0: `xla_autotune.process<i>.txt`, beside process 0's), since
 each tunes its own compile; a process without its own file (the run resumed with more processes) loads process 0's.
-Only on
-GPUs: XLA's CPU compiler does not autotune. XLA looks results up by GPU model and computation: a file made on another
-GPU model should leave XLA tuning afresh (not tried here).
+
+In a run of several processes each launch dumps through a file name of its own (`<name>.partial-<token><ext>`), so
+that the processes' compile options never repeat. The paths are part of the key of JAX's persistent compilation cache
+(JAX_COMPILATION_CACHE_DIR), which only process 0 writes; on GPUs JAX leaves the device assignment out of the key so
+that every process finds process 0's entry. With per-process paths repeated, a relaunched run's process 0 found its
+step there while process 1 (its key never written) compiled alone, and XLA's autotuning, shared out among the
+processes, waits for every process (2 H200s, 2026-11-27: a GPU test whose launches repeat options timed out twice
+with the cache on, at 400 and 330 s; its launches ran in ~30 s each without it). Unique names make every process
+compile.
+A run of one process keeps the fixed name, so its relaunches may use the cache.
+
+Only on GPUs: XLA's CPU compiler does not autotune. XLA looks results up by GPU model and computation: a file made on
+another GPU model should leave XLA tuning afresh (not tried here).
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +49,7 @@ class AutotuneFile:
 
     path: Path | None = None
     load: Path | None = None
+    launch: str = ""  # a token that makes this launch's dump name its own (several processes; module docstring)
 
     @property
     def write(self) -> bool:
@@ -47,7 +59,10 @@ class AutotuneFile:
     @property
     def tmp(self) -> Path | None:
         """XLA's dump target: beside `path`, with its extension (which sets the text or binary form)."""
-        return None if self.path is None else self.path.with_name(f"{self.path.stem}.partial{self.path.suffix}")
+        if self.path is None:
+            return None
+        return self.path.with_name(f"{self.path.stem}.partial{'-' + self.launch if self.launch else ''}"
+                                   f"{self.path.suffix}")
 
     def compiler_options(self) -> dict:
         """XLA options for the jitted step and evaluation (empty when off)."""
@@ -69,6 +84,8 @@ class AutotuneFile:
         if not self.write or not self.tmp.exists():
             return False
         self.tmp.replace(self.path)
+        for stale in self.path.parent.glob(f"{self.path.stem}.partial-*{self.path.suffix}"):  # killed launches'
+            stale.unlink(missing_ok=True)
         return True
 
 
@@ -88,7 +105,7 @@ def _own(path: Path, process_index: int) -> Path:
 
 
 def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backend: str = "gpu",
-                  process_index: int = 0) -> AutotuneFile:
+                  process_index: int = 0, process_count: int = 1) -> AutotuneFile:
     """Resolve `train.xla_autotune_file` for this process (module docstring). Raises ConfigError naming the value when
     the file's directory is missing or the file to load is not XLA autotuning results."""
     if backend != "gpu" or setting == "":
@@ -112,4 +129,5 @@ def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backen
     if load is not None and not _looks_like_results(load):
         raise ConfigError(f"train.xla_autotune_file={setting!r}: {load} is not a file of XLA autotuning results; "
                           "delete it (XLA then tunes afresh and writes a new one) or set train.xla_autotune_file=''")
-    return AutotuneFile(path=_own(path, process_index), load=load)
+    return AutotuneFile(path=_own(path, process_index), load=load,
+                        launch=secrets.token_hex(6) if process_count > 1 else "")

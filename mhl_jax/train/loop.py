@@ -219,7 +219,8 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
             f"evaluation batches of {eval_batch})")
     resume = resume or cfg.checkpoint.resume or None
     # XLA's autotuning results kept with the run (GPU); a bad setting is refused before anything is written
-    tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(), jax.process_index())
+    tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(), jax.process_index(),
+                          jax.process_count())
     compile_options = {**tuned.compiler_options(), **xla_options(jax.default_backend())}
     notes["autotune"] = tuned
     # closed on every way out (a refused restore too): Orbax's threads released, no tracebacks from them at exit
