@@ -2,6 +2,7 @@
 
     python bench/memory.py init --config configs/mh_latent_moe_hp_4.2b.yaml --set parallel.hp=2 [--out FILE]
     python bench/memory.py fit --config configs/mh_latent_moe_hp_4.2b.yaml [--set key=value ...] [--steps 4]
+    python bench/memory.py state --config configs/mh_latent_moe_hp_4.2b.yaml --devices 8 [--set parallel.hp=2 ...]
 
 init: the state (parameters, AdamW moments, biases) created two ways, each in a fresh process over every visible GPU:
 `eager`, as train.py built it until 2026-11-27 (the whole model and its optimizer state on the first GPU, then
@@ -12,6 +13,11 @@ fit: `train.py` with the config for `--steps` steps (built-in byte corpus, globa
 checkpoint) in a fresh process with JAX's default allocator settings (as a user runs it, unless the environment sets
 XLA_PYTHON_CLIENT_*): its memory line (XLA's estimate and the limit), its refusal if it has one, the measured peak
 and the steady-state tokens/s from the summary line.
+
+state: the train state's bytes on one device (the largest share), counted from its shapes and shardings on
+`--devices` CPU host devices (no GPU, nothing created or compiled), with parallel.shard_optimizer off and on: the
+parameters, AdamW's moments and the rest. A floor of the step's memory (XLA adds the gradients, activations and
+temporaries); the GPU runs' "state and batch" figure is this plus the batch.
 """
 
 from __future__ import annotations
@@ -88,6 +94,39 @@ def create(config: str, sets: list[str], mode: str) -> dict:
     return rec
 
 
+def state_bytes(config: str, sets: list[str]) -> list[dict]:
+    """`state`, in this process (its host devices set by the caller): per shard_optimizer setting, the bytes one
+    device holds of each part of the state (the device holding the most)."""
+    import jax
+    import numpy as np
+
+    from mhl_jax.config import load_config
+    from mhl_jax.parallel.mesh import make_mesh
+    from mhl_jax.train.memory import GIB
+    from mhl_jax.train.optimizer import make_optimizer
+    from mhl_jax.train.state import state_creator
+
+    recs = []
+    for on in (False, True):
+        cfg = load_config(config, [*sets, f"parallel.shard_optimizer={str(on).lower()}"])
+        mesh = make_mesh(cfg)
+        abstract = state_creator(cfg, mesh, make_optimizer(cfg))[2]
+        parts = {}
+        for part in ("params", "opt_state"):
+            per_device = {d: 0 for d in mesh.devices.flat}
+            for a in jax.tree.leaves(abstract[part]):
+                shard = int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+                for d in a.sharding.device_set:
+                    per_device[d] += shard
+            parts[part] = max(per_device.values())
+        total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
+        recs.append({"shard_optimizer": on, "devices": mesh.size, "mesh": dict(mesh.shape),
+                     "state_gib_total": round(total / GIB, 2), "params_gib_per_device": round(parts["params"] / GIB, 2),
+                     "moments_gib_per_device": round(parts["opt_state"] / GIB, 2),
+                     "state_gib_per_device": round((parts["params"] + parts["opt_state"]) / GIB, 2)})
+    return recs
+
+
 def fit(config: str, sets: list[str], steps: int, check: bool = False) -> dict:
     """One `fit` run: train.py in a fresh process (with `--check`: only its memory check), its lines read back."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,16 +162,20 @@ def fit(config: str, sets: list[str], steps: int, check: bool = False) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["init", "fit", "_create"])
+    ap.add_argument("what", choices=["init", "fit", "state", "_create", "_state"])
     ap.add_argument("--config", required=True)
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--devices", type=int, default=8, help="(state only) CPU host devices of the mesh")
     ap.add_argument("--mode", choices=["eager", "sharded"], default="sharded", help="(_create only)")
     ap.add_argument("--check", action="store_true", help="(fit only) train.py --check: the memory line alone")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.what == "_create":
         print("RESULT " + json.dumps(create(args.config, args.sets, args.mode)), flush=True)
+        return
+    if args.what == "_state":
+        print("RESULT " + json.dumps(state_bytes(args.config, args.sets)), flush=True)
         return
     try:
         gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -155,6 +198,17 @@ def main() -> None:
             line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
             recs.append({**base, **(json.loads(line[7:]) if line else
                                     {"mode": mode, "ok": False, "exit": r.returncode, "tail": r.stderr[-1500:]})})
+    elif args.what == "state":  # in a child process with that many host devices
+        env = {**os.environ, "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
+        r = subprocess.run([sys.executable, __file__, "_state", "--config", args.config,
+                            *sum((["--set", s] for s in [f"parallel.devices={args.devices}", *args.sets]), [])],
+                           cwd=ROOT, capture_output=True, text=True, env=env)
+        line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            raise SystemExit(f"state failed (exit {r.returncode}): {r.stderr[-1500:]}")
+        base["device"] = "cpu (counted, nothing allocated)"
+        recs += [{**base, **rec} for rec in json.loads(line[7:])]
     else:
         recs.append({**base, **fit(args.config, args.sets, args.steps, args.check)})
     with open(out, "a") as f:

@@ -3,7 +3,7 @@
 # defaults, and bench/memory.py: which paper configs fit one GPU (train.py's memory line, its refusal or the
 # measured peak) and, on 2 GPUs, the state created eagerly vs in its shardings (4.2B at hp = 2) and that run's
 # steps. Argument: one (1 GPU: tests, limits, the 2.2B at micro-batch 16 and 32), one42 (1 GPU: the 4.2B configs),
-# two (2 GPUs).
+# two (2 GPUs), two_so (2 GPUs: parallel.shard_optimizer, data-parallel 2.2B off / on and the 4.2B on).
 set -o pipefail
 OUT=${OUT:-/tmp/memory_out}
 source "$(dirname "$0")/gpu_stage.sh"
@@ -43,6 +43,14 @@ two)
   tests
   bench init-4.2b-hp2 300 init --config configs/mh_latent_moe_hp_4.2b.yaml --set parallel.hp=2
   bench fit-4.2b-hp2 240 fit --config configs/mh_latent_moe_hp_4.2b.yaml --set parallel.hp=2 --steps 6
+  ;;
+two_so)  # parallel.shard_optimizer (session 40; CPU-counted state per GPU 24.68 -> 16.45 GiB at data 2)
+  stage tests-so 300 python3 -m pytest -q -rs tests/test_shard_optimizer.py tests/test_memory.py -m gpu
+  bench fit-2.2b-data2 240 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set parallel.hp=1 --steps 8
+  bench fit-2.2b-data2-so 240 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set parallel.hp=1 --steps 8 \
+      --set parallel.shard_optimizer=true
+  bench fit-4.2b-data2-so 240 fit --config configs/mh_latent_moe_hp_4.2b.yaml --set parallel.hp=1 --steps 8 \
+      --set parallel.shard_optimizer=true
   ;;
 esac
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$LOG"

@@ -62,6 +62,10 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel size (moe, latent_moe only); must divide num_experts
     # EP exchange: auto = ragged on GPU, padded on CPU and where an ep group spans several processes
     ep_impl: Literal["auto", "ragged", "padded"] = "auto"
+    # Split AdamW's moments (2/3 of the fp32 state) over the devices that hold copies of their parameter (ZeRO stage
+    # 1): every device updates its slice, and XLA exchanges the gradients and updated parameters for it. Saves the
+    # moments' bytes x (1 - 1 / copies) per device; mhl_jax/parallel/mesh.py (spread_over_copies).
+    shard_optimizer: bool = False
 
 
 @dataclass

@@ -117,6 +117,13 @@ def test_check_fits_hints_only_what_can_help():
     with pytest.raises(ConfigError) as e:  # micro-batch 1 already: not suggested again
         check_fits(_memory(arguments=26.0, temporaries=40.0), (int(60 * GIB), "H100"), cfg, 1)
     assert "micro_batch" not in str(e.value) and "parallel.hp (now 1" in str(e.value)
+    assert "shard_optimizer" not in str(e.value)  # one device: no copies to split
+    with pytest.raises(ConfigError, match=r"parallel.shard_optimizer=true \(it splits AdamW's moments"):
+        check_fits(_memory(arguments=26.0, temporaries=40.0), (int(60 * GIB), "H100"), cfg, 2)
+    on = load_config(str(ROOT / "configs/mh_latent_moe_hp_2.2b.yaml"), ["parallel.shard_optimizer=true"])
+    with pytest.raises(ConfigError) as e:  # already on
+        check_fits(_memory(arguments=26.0, temporaries=40.0), (int(60 * GIB), "H100"), on, 2)
+    assert "shard_optimizer" not in str(e.value)
 
 
 class _FakeDevice:

@@ -101,8 +101,26 @@ def expert_leaf_spec(cfg: Config, name: str, ndim: int) -> P | None:
     return P(*spec)
 
 
+def spread_over_copies(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """`spec` with the mesh axes that hold copies of the leaf (size > 1, not in `spec`) added to one of its unsplit
+    dims: all of them together on the largest dim they divide, else the first such axis alone; `spec` unchanged when
+    no dim divides (the leaf stays copied there)."""
+    used = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None}
+    free = [a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1]
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for axes in ([tuple(free)] if len(free) > 1 else []) + [(a,) for a in free]:
+        n = int(np.prod([mesh.shape[a] for a in axes]))
+        for d in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+            if entries[d] is None and shape[d] % n == 0:
+                entries[d] = axes if len(axes) > 1 else axes[0]
+                return P(*entries)
+    return spec
+
+
 def state_shardings(cfg: Config, mesh: Mesh, state):
-    """NamedShardings for a pytree whose expert leaves sit under a path '... experts/<name>'."""
+    """NamedShardings for a pytree whose expert leaves sit under a path '... experts/<name>'; with
+    parallel.shard_optimizer, the leaves under 'opt_state' (AdamW's moments; not its scalar count) spread over their
+    copies too (`spread_over_copies`)."""
 
     def one(path, leaf):
         keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
@@ -110,6 +128,9 @@ def state_shardings(cfg: Config, mesh: Mesh, state):
         spec = None
         if len(keys) >= 2 and keys[-2] == "experts" and hasattr(leaf, "ndim"):
             spec = expert_leaf_spec(cfg, keys[-1], leaf.ndim)
-        return NamedSharding(mesh, spec or P())
+        spec = spec or P()
+        if cfg.parallel.shard_optimizer and keys and keys[0] == "opt_state" and getattr(leaf, "ndim", 0) > 0:
+            spec = spread_over_copies(spec, leaf.shape, mesh)
+        return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, state)

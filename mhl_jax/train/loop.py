@@ -268,7 +268,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
                                  deterministic=cfg.train.xla_deterministic_ops,
                                  cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
-                                 autotune_options=compile_options)
+                                 autotune_options=compile_options, pin_grads=cfg.parallel.shard_optimizer)
         batch_shape = jax.ShapeDtypeStruct((accum, cfg.train.global_batch // accum, t + 1), np.int32,
                                            sharding=batch_sharding)
         # (the step's calls below reuse this compilation: jit caches it); a failure on one process is raised after

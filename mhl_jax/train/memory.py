@@ -91,6 +91,9 @@ def check_fits(m: StepMemory, limit: tuple[int, str] | None, cfg: Config, device
     if cfg.ffn.kind != "mlp":
         hints.append(f"more devices with a larger parallel.{axis} (now {inner}: it splits the expert weights and "
                      "their optimizer state)")
+    if devices > 1 and not cfg.parallel.shard_optimizer:
+        hints.append("parallel.shard_optimizer=true (it splits AdamW's moments, 2/3 of the fp32 state, over the "
+                     "devices that now hold copies of them)")
     if state_fits and cfg.train.micro_batch > 1:
         hints.append(f"a smaller train.micro_batch (now {cfg.train.micro_batch}; the activations scale with it)")
     hints.append("a higher allocation limit if the device has more memory (XLA_PYTHON_CLIENT_MEM_FRACTION, e.g. 0.95)")
