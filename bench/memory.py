@@ -98,11 +98,10 @@ def state_bytes(config: str, sets: list[str]) -> list[dict]:
     """`state`, in this process (its host devices set by the caller): per shard_optimizer setting, the bytes one
     device holds of each part of the state (the device holding the most)."""
     import jax
-    import numpy as np
 
     from mhl_jax.config import load_config
     from mhl_jax.parallel.mesh import make_mesh
-    from mhl_jax.train.memory import GIB
+    from mhl_jax.train.memory import GIB, per_device_bytes
     from mhl_jax.train.optimizer import make_optimizer
     from mhl_jax.train.state import state_creator
 
@@ -111,14 +110,7 @@ def state_bytes(config: str, sets: list[str]) -> list[dict]:
         cfg = load_config(config, [*sets, f"parallel.shard_optimizer={str(on).lower()}"])
         mesh = make_mesh(cfg)
         abstract = state_creator(cfg, mesh, make_optimizer(cfg))[2]
-        parts = {}
-        for part in ("params", "opt_state"):
-            per_device = {d: 0 for d in mesh.devices.flat}
-            for a in jax.tree.leaves(abstract[part]):
-                shard = int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
-                for d in a.sharding.device_set:
-                    per_device[d] += shard
-            parts[part] = max(per_device.values())
+        parts = {part: per_device_bytes(abstract[part]) for part in ("params", "opt_state")}
         total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
         recs.append({"shard_optimizer": on, "devices": mesh.size, "mesh": dict(mesh.shape),
                      "state_gib_total": round(total / GIB, 2), "params_gib_per_device": round(parts["params"] / GIB, 2),

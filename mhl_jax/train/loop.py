@@ -38,7 +38,7 @@ from mhl_jax.train.memory import (
 from mhl_jax.train.metrics import StepClock, device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
-from mhl_jax.train.state import shardings_of, state_creator
+from mhl_jax.train.state import shard_optimizer_saving, shardings_of, state_creator
 from mhl_jax.train.step import jit_train_step, make_eval_step
 
 # Dispatch each step before fetching the previous step's metrics (False: fetch them first, the device idling while
@@ -281,7 +281,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
             if memory is not None:
                 limit = device_limit(jax.local_devices())
                 log(describe(memory, limit))
-                check_fits(memory, limit, cfg, mesh.size)
+                check_fits(memory, limit, cfg, mesh.size, shard_optimizer_saving(cfg, mesh, abstract))
         except Exception as e:
             failed = e
         agree(failed is None, "the memory check")

@@ -79,9 +79,23 @@ def describe(m: StepMemory, limit: tuple[int, str] | None) -> str:
     return text
 
 
-def check_fits(m: StepMemory, limit: tuple[int, str] | None, cfg: Config, devices: int) -> None:
+def per_device_bytes(tree) -> int:
+    """Bytes of a pytree of arrays or ShapeDtypeStructs (with shardings) on the device that holds the most of it."""
+    held: dict = {}
+    for a in jax.tree.leaves(tree):
+        shard = a.dtype.itemsize
+        for n in a.sharding.shard_shape(a.shape):
+            shard *= n
+        for d in a.sharding.device_set:
+            held[d] = held.get(d, 0) + shard
+    return max(held.values(), default=0)
+
+
+def check_fits(m: StepMemory, limit: tuple[int, str] | None, cfg: Config, devices: int,
+               shard_saving: int = 0) -> None:
     """ConfigError when the step cannot fit the limit (it would run out of memory at its first run), naming the
-    figures and what to change."""
+    figures and what to change. shard_saving: the bytes per device that parallel.shard_optimizer would save
+    (`mhl_jax.train.state.shard_optimizer_saving`; 0: none, or it is on)."""
     if limit is None or m.total <= limit[0]:
         return
     axis = "hp" if cfg.ffn.kind == "mh_latent_moe" else "ep"
@@ -91,9 +105,9 @@ def check_fits(m: StepMemory, limit: tuple[int, str] | None, cfg: Config, device
     if cfg.ffn.kind != "mlp":
         hints.append(f"more devices with a larger parallel.{axis} (now {inner}: it splits the expert weights and "
                      "their optimizer state)")
-    if devices > 1 and not cfg.parallel.shard_optimizer:
-        hints.append("parallel.shard_optimizer=true (it splits AdamW's moments, 2/3 of the fp32 state, over the "
-                     "devices that now hold copies of them)")
+    if shard_saving > 0:
+        hints.append(f"parallel.shard_optimizer=true ({shard_saving / GIB:.2f} GiB less per device: it splits AdamW's "
+                     "moments over the devices that now hold copies of them)")
     if state_fits and cfg.train.micro_batch > 1:
         hints.append(f"a smaller train.micro_batch (now {cfg.train.micro_batch}; the activations scale with it)")
     hints.append("a higher allocation limit if the device has more memory (XLA_PYTHON_CLIENT_MEM_FRACTION, e.g. 0.95)")

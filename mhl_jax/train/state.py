@@ -8,6 +8,8 @@ of the eager build (`mhl_jax.model.init.normal_param`; tests/test_memory.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -19,12 +21,24 @@ from mhl_jax.model.balancing import RouterBias
 from mhl_jax.model.gpt import build_model
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import state_shardings
+from mhl_jax.train.memory import per_device_bytes
 
 
 def init_state(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation):
     """(graphdef, state, shardings): the model's graph, the step-0 state placed with `shardings`, and those."""
     graphdef, create, abstract = state_creator(cfg, mesh, tx)
     return graphdef, create(), shardings_of(abstract)
+
+
+def shard_optimizer_saving(cfg: Config, mesh: Mesh, abstract) -> int:
+    """Bytes per device that parallel.shard_optimizer would save this state (the device holding the most of the
+    optimizer state, before and after; 0 when it is on already)."""
+    if cfg.parallel.shard_optimizer:
+        return 0
+    on = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, shard_optimizer=True))
+    split = state_shardings(on, mesh, abstract)["opt_state"]
+    moved = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract["opt_state"], split)
+    return per_device_bytes(abstract["opt_state"]) - per_device_bytes(moved)
 
 
 def shardings_of(abstract):
