@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
                               args.distributed_auto)
         cfg = load_config(args.config, args.overrides)
         initialize(launch)
+        import jax
+
+        from mhl_jax.train.autotune import guard_persistent_cache
+
+        if (off := guard_persistent_cache(cfg.train.xla_autotune_file)) and jax.process_index() == 0:
+            print(off, flush=True)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

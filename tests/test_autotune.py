@@ -4,12 +4,18 @@ CPU: the resolution of the setting, the errors, and the rename that puts XLA's d
 (a resumed GPU process continuing bitwise) is tests/test_resume.py's GPU case.
 """
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from mhl_jax.config import ConfigError
-from mhl_jax.train.autotune import DEFAULT_NAME, AutotuneFile, autotune_file
+from mhl_jax.train.autotune import DEFAULT_NAME, AutotuneFile, autotune_file, persistent_cache_off_reason
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # the head of a file jaxlib 0.11.2 wrote on an H100 (bench/results/autotune-h100-2026-11-27.log's run a)
 RESULTS = ('entries {\n  key {\n    target {\n      device: "699b92c0fb30cb16"\n      hlo_fingerprint: '
@@ -58,28 +64,6 @@ def test_each_process_of_a_run_keeps_its_own_file(tmp_path):
     other.mkdir()
     c = autotune_file("auto", other, resume=str(tmp_path / "checkpoints" / "4"), process_index=1)
     assert c.load == b.path  # resuming another run's checkpoint: that run's process 1 file
-
-
-def test_several_processes_dump_through_names_of_each_launch(tmp_path):
-    """A run of several processes: every launch's dump name (a compile option, so part of JAX's persistent cache key)
-    is new, so that no process of a relaunch takes its step from the cache while another compiles (module docstring);
-    one process keeps its fixed name. A commit removes killed launches' dumps of the same file, not other files'."""
-    one = [autotune_file("auto", tmp_path) for _ in range(2)]
-    assert one[0].compiler_options() == one[1].compiler_options() and one[0].tmp.name == "xla_autotune.partial.txt"
-    for i in (0, 1):
-        a, b = (autotune_file("auto", tmp_path, process_index=i, process_count=2) for _ in range(2))
-        assert a.path == b.path and a.tmp != b.tmp and a.tmp.parent == a.path.parent and a.tmp.suffix == ".txt"
-        assert a.tmp.name.startswith(f"{a.path.stem}.partial-")
-        assert a.compiler_options()["xla_gpu_dump_autotune_results_to"] != \
-            b.compiler_options()["xla_gpu_dump_autotune_results_to"]
-    a, killed = (autotune_file("auto", tmp_path, process_index=0, process_count=2) for _ in range(2))
-    other = autotune_file("auto", tmp_path, process_index=1, process_count=2)
-    killed.tmp.write_text(RESULTS)  # a launch killed between XLA's dump and the rename
-    other.tmp.write_text(RESULTS)  # process 1's, in flight
-    a.tmp.write_text(RESULTS)
-    assert a.commit() is True and a.path.read_text() == RESULTS
-    assert not killed.tmp.exists() and other.tmp.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([a.path.name, other.tmp.name])
 
 
 def test_resume_from_another_run_loads_its_file(tmp_path):
@@ -174,3 +158,43 @@ def test_gpu_compiler_options_write_and_load_autotuning(tmp_path):
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
     r = probe(strict)
     assert r.returncode != 0 and "autotun" in r.stderr.lower(), (r.returncode, r.stderr[-2000:])
+
+
+def test_persistent_cache_off_only_for_several_gpu_processes_with_the_file():
+    reason = persistent_cache_off_reason("auto", "gpu", 2, "/cache")
+    assert reason is not None and "/cache" in reason and "2 processes" in reason and "'auto'" in reason
+    assert persistent_cache_off_reason("/x/tuned.txt", "gpu", 4, "/cache") is not None
+    for args in (("", "gpu", 2, "/cache"),  # the file off: the processes' keys are equal
+                 ("auto", "cpu", 2, "/cache"),  # no autotuning
+                 ("auto", "gpu", 1, "/cache"),  # one process: nothing shared
+                 ("auto", "gpu", 2, None), ("auto", "gpu", 2, "")):  # no cache
+        assert persistent_cache_off_reason(*args) is None, args
+
+
+_GUARD = """
+import json, sys
+from pathlib import Path
+import jax, jax.numpy as jnp
+from mhl_jax.train import autotune
+cache = Path(sys.argv[1])
+x = jnp.ones(8)
+jax.jit(lambda x: jnp.sin(x) * 2).lower(x).compile()  # compiled with the cache on: entries written
+before = len(list(cache.iterdir()))
+autotune.persistent_cache_off_reason = lambda *a: "off"  # as on GPUs with several processes
+reason = autotune.guard_persistent_cache("auto")
+jax.jit(lambda x: jnp.cos(x) * 3).lower(x).compile()
+print(json.dumps({"before": before, "after": len(list(cache.iterdir())), "reason": reason}))
+"""
+
+
+def test_guard_turns_the_cache_off_after_a_first_compile(tmp_path):
+    """JAX decides once whether to use its persistent cache; the guard holds even after a compile used it."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    r = subprocess.run([sys.executable, "-c", _GUARD, str(cache)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["before"] >= 1 and out["after"] == out["before"] and out["reason"] == "off", out

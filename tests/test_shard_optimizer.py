@@ -15,7 +15,7 @@ from mhl_jax.config import load_config
 from mhl_jax.parallel.mesh import make_mesh, spread_over_copies
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.state import state_creator
-from tests.test_multiprocess import Machine, _gpus
+from tests.test_multiprocess import Machine, _gpus, _two_processes_train_as_one
 from tests.test_resume import ROOT, final_params, losses
 
 
@@ -29,10 +29,13 @@ def test_spread_over_copies_puts_the_copies_on_a_dim_they_divide():
     assert spread_over_copies(P(), (16, 6), m) == P(both, None)  # all 8 copies on the largest dim they divide
     assert spread_over_copies(P(), (6, 16), m) == P(None, both)
     assert spread_over_copies(P(), (12, 16, 8), m) == P(None, both, None)
-    assert spread_over_copies(P(), (6, 4), m) == P("data", None)  # 8 divides neither: the first axis alone
-    assert spread_over_copies(P(), (3, 4), m) == P(None, "data")
+    assert spread_over_copies(P(), (6, 4), m) == P("data", "hp")  # 8 divides neither: each axis on a dim of its own
+    assert spread_over_copies(P(), (4, 6), m) == P("hp", "data")
+    assert spread_over_copies(P(), (3, 4), m) == P(None, "hp")  # data divides nothing left: 4 copies split
+    assert spread_over_copies(P(), (3, 2), m) == P(None, "data")
     assert spread_over_copies(P(), (3, 5), m) == P()  # nothing divides: stays copied
     assert spread_over_copies(P("hp", None), (4, 6), m) == P("hp", "data")  # hp splits it already: data is left
+    assert spread_over_copies(P("hp", None), (4, 8), m) == P("hp", "data")  # not hp twice, though 8 is larger
     assert spread_over_copies(P(None, "hp"), (6, 8), m) == P("data", "hp")
     assert spread_over_copies(P("hp"), (8, 6), m) == P("hp", "data")  # a short spec is padded
     assert spread_over_copies(P(("data", "hp")), (8,), m) == P(("data", "hp"))  # no copies
@@ -114,3 +117,9 @@ def test_training_with_split_moments_is_training_with_copied_ones(tmp_path):
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_training_with_split_moments_is_training_with_copied_ones(tmp_path):
     _split_as_copied(tmp_path, Machine(gpu=True), rel=1e-4)
+
+
+def test_two_processes_with_split_moments_train_as_one(tmp_path):
+    """The moments split over devices of two processes (2 CPU processes x 2 devices, hp 4): the losses and final
+    state as one process of the 4 devices, also across a checkpoint resumed by one process."""
+    _two_processes_train_as_one(tmp_path, Machine(gpu=False), 1e-5, "--set", "parallel.shard_optimizer=true")

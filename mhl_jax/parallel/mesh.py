@@ -102,19 +102,25 @@ def expert_leaf_spec(cfg: Config, name: str, ndim: int) -> P | None:
 
 
 def spread_over_copies(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """`spec` with the mesh axes that hold copies of the leaf (size > 1, not in `spec`) added to one of its unsplit
-    dims: all of them together on the largest dim they divide, else the first such axis alone; `spec` unchanged when
-    no dim divides (the leaf stays copied there)."""
+    """`spec` with the mesh axes that hold copies of the leaf (size > 1, not in `spec`) added to its unsplit dims: all
+    of them together on the largest dim they divide; else each alone (the largest axis first) on the largest unsplit
+    dim it divides; an axis that divides none leaves the leaf copied over it."""
     used = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None}
     free = [a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1]
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    for axes in ([tuple(free)] if len(free) > 1 else []) + [(a,) for a in free]:
-        n = int(np.prod([mesh.shape[a] for a in axes]))
-        for d in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
-            if entries[d] is None and shape[d] % n == 0:
-                entries[d] = axes if len(axes) > 1 else axes[0]
-                return P(*entries)
-    return spec
+    by_size = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
+    together = int(np.prod([mesh.shape[a] for a in free]))
+    if len(free) > 1:
+        d = next((d for d in by_size if entries[d] is None and shape[d] % together == 0), None)
+        if d is not None:
+            entries[d] = tuple(free)
+            return P(*entries)
+    added = False
+    for a in sorted(free, key=lambda a: -mesh.shape[a]):
+        d = next((d for d in by_size if entries[d] is None and shape[d] % mesh.shape[a] == 0), None)
+        if d is not None:
+            entries[d], added = a, True
+    return P(*entries) if added else spec
 
 
 def state_shardings(cfg: Config, mesh: Mesh, state):

@@ -15,24 +15,23 @@ had to tune that the file lacked, e.g. an evaluation step the first process neve
 another run's checkpoint (`--resume <run>/checkpoints/<step>`) loads that run's file when its own has none. In a run
 of several processes each keeps its own file (process i > 0: `xla_autotune.process<i>.txt`, beside process 0's), since
 each tunes its own compile; a process without its own file (the run resumed with more processes) loads process 0's.
+Only on
+GPUs: XLA's CPU compiler does not autotune. XLA looks results up by GPU model and computation: a file made on another
+GPU model should leave XLA tuning afresh (not tried here).
 
-In a run of several processes each launch dumps through a file name of its own (`<name>.partial-<token><ext>`), so
-that the processes' compile options never repeat. The paths are part of the key of JAX's persistent compilation cache
-(JAX_COMPILATION_CACHE_DIR), which only process 0 writes; on GPUs JAX leaves the device assignment out of the key so
-that every process finds process 0's entry. With per-process paths repeated, a relaunched run's process 0 found its
-step there while process 1 (its key never written) compiled alone, and XLA's autotuning, shared out among the
-processes, waits for every process (2 H200s, 2026-11-27: a GPU test whose launches repeat options timed out twice
-with the cache on, at 400 and 330 s; its launches ran in ~30 s each without it). Unique names make every process
-compile.
-A run of one process keeps the fixed name, so its relaunches may use the cache.
-
-Only on GPUs: XLA's CPU compiler does not autotune. XLA looks results up by GPU model and computation: a file made on
-another GPU model should leave XLA tuning afresh (not tried here).
+A run of several processes on GPUs with the file on compiles without JAX's persistent compilation cache
+(JAX_COMPILATION_CACHE_DIR; `guard_persistent_cache`). The file paths are compile options, so part of the
+cache's key, and they differ between processes; only process 0 writes the cache. So process 1 never finds an entry,
+while process 0 finds its own when a relaunch repeats its options; it then skips the compile that XLA's GEMM
+autotuning, shared out among a run's processes, needs from every process, and process 1 waits for it for good (2
+H200s, 2026-11-27: a GPU test relaunching a run of two processes with the cache on timed out twice, at 400 and 330 s;
+its launches ran in ~30 s each without the cache. On the CPU a probe showed the keys: a second launch's process 0
+hit the cache, process 1 never did). With the file off the processes' keys are equal on GPUs (JAX leaves the device
+assignment out of them), and the cache is left on.
 """
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +48,6 @@ class AutotuneFile:
 
     path: Path | None = None
     load: Path | None = None
-    launch: str = ""  # a token that makes this launch's dump name its own (several processes; module docstring)
 
     @property
     def write(self) -> bool:
@@ -59,10 +57,7 @@ class AutotuneFile:
     @property
     def tmp(self) -> Path | None:
         """XLA's dump target: beside `path`, with its extension (which sets the text or binary form)."""
-        if self.path is None:
-            return None
-        return self.path.with_name(f"{self.path.stem}.partial{'-' + self.launch if self.launch else ''}"
-                                   f"{self.path.suffix}")
+        return None if self.path is None else self.path.with_name(f"{self.path.stem}.partial{self.path.suffix}")
 
     def compiler_options(self) -> dict:
         """XLA options for the jitted step and evaluation (empty when off)."""
@@ -84,8 +79,6 @@ class AutotuneFile:
         if not self.write or not self.tmp.exists():
             return False
         self.tmp.replace(self.path)
-        for stale in self.path.parent.glob(f"{self.path.stem}.partial-*{self.path.suffix}"):  # killed launches'
-            stale.unlink(missing_ok=True)
         return True
 
 
@@ -104,8 +97,33 @@ def _own(path: Path, process_index: int) -> Path:
     return path if process_index == 0 else path.with_name(f"{path.stem}.process{process_index}{path.suffix}")
 
 
+def persistent_cache_off_reason(setting: str, backend: str, process_count: int, cache_dir: str | None) -> str | None:
+    """Why this run must compile without JAX's persistent compilation cache (module docstring), or None: a run of
+    several processes on GPUs with the autotuning file on and a cache directory set."""
+    if backend != "gpu" or setting == "" or process_count < 2 or not cache_dir:
+        return None
+    return (f"JAX's persistent compilation cache ({cache_dir}) is off in this run of {process_count} processes: with "
+            f"train.xla_autotune_file={setting!r} each process compiles with options of its own, so the others could "
+            "never use process 0's entries, and a relaunch where process 0 alone found its step there would wait "
+            "forever in XLA's shared autotuning (README: several processes)")
+
+
+def guard_persistent_cache(setting: str) -> str | None:
+    """Turn JAX's persistent compilation cache off for this process when `persistent_cache_off_reason` says so (after
+    jax.distributed is initialized; it holds even if something was compiled before); returns the reason."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    reason = persistent_cache_off_reason(setting, jax.default_backend(), jax.process_count(),
+                                         jax.config.jax_compilation_cache_dir)
+    if reason is not None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()  # JAX decides whether to use it once, at the first compile
+    return reason
+
+
 def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backend: str = "gpu",
-                  process_index: int = 0, process_count: int = 1) -> AutotuneFile:
+                  process_index: int = 0) -> AutotuneFile:
     """Resolve `train.xla_autotune_file` for this process (module docstring). Raises ConfigError naming the value when
     the file's directory is missing or the file to load is not XLA autotuning results."""
     if backend != "gpu" or setting == "":
@@ -129,5 +147,4 @@ def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backen
     if load is not None and not _looks_like_results(load):
         raise ConfigError(f"train.xla_autotune_file={setting!r}: {load} is not a file of XLA autotuning results; "
                           "delete it (XLA then tunes afresh and writes a new one) or set train.xla_autotune_file=''")
-    return AutotuneFile(path=_own(path, process_index), load=load,
-                        launch=secrets.token_hex(6) if process_count > 1 else "")
+    return AutotuneFile(path=_own(path, process_index), load=load)

@@ -219,8 +219,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
             f"evaluation batches of {eval_batch})")
     resume = resume or cfg.checkpoint.resume or None
     # XLA's autotuning results kept with the run (GPU); a bad setting is refused before anything is written
-    tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(), jax.process_index(),
-                          jax.process_count())
+    tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(), jax.process_index())
     compile_options = {**tuned.compiler_options(), **xla_options(jax.default_backend())}
     notes["autotune"] = tuned
     # closed on every way out (a refused restore too): Orbax's threads released, no tracebacks from them at exit
@@ -268,7 +267,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         step_fn = jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, shardings, batch_sharding, donate=True,
                                  deterministic=cfg.train.xla_deterministic_ops,
                                  cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
-                                 autotune_options=compile_options, pin_grads=cfg.parallel.shard_optimizer)
+                                 autotune_options=compile_options)
         batch_shape = jax.ShapeDtypeStruct((accum, cfg.train.global_batch // accum, t + 1), np.int32,
                                            sharding=batch_sharding)
         # (the step's calls below reuse this compilation: jit caches it); a failure on one process is raised after

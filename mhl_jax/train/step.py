@@ -80,12 +80,7 @@ def apply_balancing(biases: nnx.State, loads: dict[int, jax.Array], gamma: float
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gamma: float,
-                    schedule: Callable, grad_shardings=None) -> Callable:
-    """grad_shardings: where the micro-batch loop keeps the gradient sums (the parameters' shardings, given when the
-    optimizer state is split otherwise: parallel.shard_optimizer), so that XLA does not move the loop's sums to the
-    moments' layout; None: XLA's choice."""
-    pin = (lambda t: jax.lax.with_sharding_constraint(t, grad_shardings)) if grad_shardings is not None else \
-        (lambda t: t)
+                    schedule: Callable) -> Callable:
     grad_fn = jax.value_and_grad(lambda p, b, t, c, a: loss_fn(graphdef, p, b, t, c, a), has_aux=True)
 
     def train_step(state: dict[str, Any], batch: jax.Array):
@@ -112,12 +107,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
             loadsum = {i: loadsum[i] + loads[i] for i in loadsum}
             return (gsum, lsum + loss, loadsum), None
 
-        zeros = pin(jax.tree.map(jnp.zeros_like, params))
+        zeros = jax.tree.map(jnp.zeros_like, params)
         _, load_shapes = jax.eval_shape(lambda: loss_fn(graphdef, params, biases, batch[0]))
         load0 = {i: jnp.zeros(s.shape, s.dtype) for i, s in load_shapes.items()}
         (gsum, lsum, loads), _ = jax.lax.scan(micro, (zeros, jnp.float32(0.0), load0), batch)
         accum = batch.shape[0]
-        grads = jax.tree.map(lambda g: g / accum, pin(gsum))
+        grads = jax.tree.map(lambda g: g / accum, gsum)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {
             **state,  # carried unchanged: the rng key data
@@ -137,18 +132,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
 def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gamma: float, schedule: Callable,
                    state_shardings, batch_sharding, donate: bool = False, deterministic: bool = False,
                    cudnn_attention: bool = False, compiler_options: dict | None = None,
-                   autotune_options: dict | None = None, pin_grads: bool = False) -> Callable:
+                   autotune_options: dict | None = None) -> Callable:
     """`make_train_step` under jit with the given shardings and `train_step_compiler_options`:
     the one way train.py and the benchmarks compile it. donate: donate the state (train.py; its buffers
     are reused for the new state). deterministic: train.xla_deterministic_ops. compiler_options: replaces
     those options (bench/train_2gpu.py and bench/determinism.py compare sets of them). autotune_options: added to
-    them (`mhl_jax.train.autotune.AutotuneFile.compiler_options`: XLA's autotuning results loaded / written).
-    pin_grads: keep the gradient sums in the parameters' shardings (`make_train_step`'s grad_shardings; train.py sets
-    it with parallel.shard_optimizer)."""
+    them (`mhl_jax.train.autotune.AutotuneFile.compiler_options`: XLA's autotuning results loaded / written)."""
     options = train_step_compiler_options(deterministic, cudnn_attention) if compiler_options is None \
         else compiler_options
-    step = make_train_step(graphdef, tx, gamma, schedule, state_shardings["params"] if pin_grads else None)
-    return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+    return jax.jit(make_train_step(graphdef, tx, gamma, schedule), in_shardings=(state_shardings, batch_sharding),
                    out_shardings=(state_shardings, None), donate_argnums=0 if donate else (),
                    compiler_options={**options, **(autotune_options or {})})
 
