@@ -323,6 +323,15 @@ def test_check_compiles_reports_and_writes_nothing(tmp_path):
     assert "check done: the train step compiles (no device limit to check it against here); nothing was written" \
         in r.stdout
     assert not (tmp_path / "a").exists()
+    assert "shard_optimizer" not in r.stdout  # one device: nothing to split
+    r = subprocess.run([sys.executable, "train.py", "--check", "--set", f"logging.run_dir={run}", "--set",
+                        "parallel.devices=2", "--set", "train.micro_batch=8"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next((x for x in r.stdout.splitlines() if "shard_optimizer" in x), "")
+    assert line.startswith("parallel.shard_optimizer=true would hold ") and " MiB less per device (AdamW's" in line, \
+        r.stdout
+    assert not (tmp_path / "a").exists()
 
 
 def test_check_of_a_run_with_checkpoints_changes_nothing(tmp_path, monkeypatch, capsys):

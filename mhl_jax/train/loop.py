@@ -280,7 +280,12 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
             if memory is not None:
                 limit = device_limit(jax.local_devices())
                 log(describe(memory, limit))
-                check_fits(memory, limit, cfg, mesh.size, shard_optimizer_saving(cfg, mesh, abstract))
+                saving = shard_optimizer_saving(cfg, mesh, abstract)
+                if saving > 0:
+                    amount = f"{saving / GIB:.2f} GiB" if saving >= GIB // 10 else f"{saving / 2**20:.1f} MiB"
+                    log(f"parallel.shard_optimizer=true would hold {amount} less per device (AdamW's moments split "
+                        "over the devices that hold copies of them)")
+                check_fits(memory, limit, cfg, mesh.size, saving)
         except Exception as e:
             failed = e
         agree(failed is None, "the memory check")
