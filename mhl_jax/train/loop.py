@@ -27,6 +27,7 @@ from mhl_jax.train.distributed import agree, check_shared_directory, global_arra
 from mhl_jax.train.memory import (
     GIB,
     DeviceMemoryError,
+    amount,
     check_fits,
     describe,
     device_limit,
@@ -282,9 +283,8 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                 log(describe(memory, limit))
                 saving = shard_optimizer_saving(cfg, mesh, abstract)
                 if saving > 0:
-                    amount = f"{saving / GIB:.2f} GiB" if saving >= GIB // 10 else f"{saving / 2**20:.1f} MiB"
-                    log(f"parallel.shard_optimizer=true would hold {amount} less per device (AdamW's moments split "
-                        "over the devices that hold copies of them)")
+                    log(f"parallel.shard_optimizer=true would hold {amount(saving)} less per device (AdamW's moments "
+                        "split over the devices that hold copies of them)")
                 check_fits(memory, limit, cfg, mesh.size, saving)
         except Exception as e:
             failed = e

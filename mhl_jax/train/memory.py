@@ -79,6 +79,11 @@ def describe(m: StepMemory, limit: tuple[int, str] | None) -> str:
     return text
 
 
+def amount(nbytes: int) -> str:
+    """A byte count as the memory lines print it: GiB from 0.1 GiB up, MiB below."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def per_device_bytes(tree) -> int:
     """Bytes of a pytree of arrays or ShapeDtypeStructs (with shardings) on the device that holds the most of it."""
     held: dict = {}
@@ -106,7 +111,7 @@ def check_fits(m: StepMemory, limit: tuple[int, str] | None, cfg: Config, device
         hints.append(f"more devices with a larger parallel.{axis} (now {inner}: it splits the expert weights and "
                      "their optimizer state)")
     if shard_saving > 0:
-        hints.append(f"parallel.shard_optimizer=true ({shard_saving / GIB:.2f} GiB less per device: it splits AdamW's "
+        hints.append(f"parallel.shard_optimizer=true ({amount(shard_saving)} less per device: it splits AdamW's "
                      "moments over the devices that now hold copies of them)")
     if state_fits and cfg.train.micro_batch > 1:
         hints.append(f"a smaller train.micro_batch (now {cfg.train.micro_batch}; the activations scale with it)")
