@@ -8,8 +8,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e ".[kernels,data,dev]"
+	$(VENV)/bin/pip install -q --no-cache-dir --upgrade pip
+	$(VENV)/bin/pip install -q --no-cache-dir -e ".[kernels,data,dev]"
 	touch $(STAMP)
 
 setup: $(STAMP)
