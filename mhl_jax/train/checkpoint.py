@@ -19,7 +19,9 @@ the background; the iterator state is captured synchronously.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -128,6 +130,20 @@ def _quiet_closed_loop_callbacks() -> None:
     sys.unraisablehook = hook
 
 
+@contextlib.contextmanager
+def _absl_quiet(prefix: str):
+    """Drop absl log records starting with `prefix` while the block runs."""
+    def drop(record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(prefix)
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 def _flat_dict(d: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(d, dict):
         return {prefix.rstrip("."): d}
@@ -183,7 +199,10 @@ class Checkpointer:
     restoring a checkpoint whose fingerprint differs raises CheckpointError naming the keys.
     """
 
-    def __init__(self, directory: str | Path, cfg: CheckpointConfig, fingerprint: dict) -> None:
+    def __init__(self, directory: str | Path, cfg: CheckpointConfig, fingerprint: dict,
+                 read_only: bool = False) -> None:
+        """`read_only`: only restore (`restore_parts` included): the directory must exist, and nothing in it is
+        created, deleted or cleaned up, so a run that is writing checkpoints there is not disturbed."""
         if cfg.keep < 1:
             raise CheckpointError(f"checkpoint.keep={cfg.keep}: must be >= 1")
         self.directory = Path(directory).expanduser().absolute()
@@ -195,9 +214,21 @@ class Checkpointer:
             self.fingerprint = json.loads(json.dumps(fingerprint))  # as it will read back
         except TypeError as e:
             raise CheckpointError(f"the checkpoint fingerprint must be JSON-able: {e}") from e
-        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
-                                               create=True, cleanup_tmp_directories=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self.read_only = read_only
+        if read_only:
+            if not self.directory.is_dir():
+                raise CheckpointError(f"no checkpoint directory {str(self.directory)!r}")
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
+                                                   save_interval_steps=0, cleanup_tmp_directories=False,
+                                                   enable_async_checkpointing=False)
+            # the state item read through the PyTree handler, which can restore a part of the saved tree
+            handlers = {STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+            with _absl_quiet("Given directory is read only"):  # Orbax's warning for what was asked of it
+                self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        else:
+            options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
+                                                   create=True, cleanup_tmp_directories=True)
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
@@ -211,6 +242,8 @@ class Checkpointer:
         """Write checkpoint `step` of `state` (any pytree of jax/numpy arrays, typed PRNG keys
         included) and the position of `data_iter` (a Grain DatasetIterator; None: no data item).
         Returns once the arrays are on the host when async (call `wait()` to wait for the files)."""
+        if self.read_only:
+            raise CheckpointError(f"cannot save into {str(self.directory)!r}: opened read-only")
         named, _ = _named_leaves(state)
         meta = {"format": FORMAT, "step": int(step), "fingerprint": self.fingerprint,
                 "leaves": [[list(names), *_describe(leaf)] for names, leaf in named],
@@ -281,7 +314,10 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint of step {step} in {str(path)!r}; steps there: {steps}")
         return p, int(step)
 
-    def _check_meta(self, meta: dict, named: list[tuple[tuple[str, ...], Any]], where: str) -> None:
+    def _check_meta(self, meta: dict, named: list[tuple[tuple[str, ...], Any]], where: str,
+                    partial: bool = False) -> None:
+        """The checkpoint's layout version, fingerprint and leaves against `named` (`partial`: named may be a part
+        of the saved leaves)."""
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {where}: layout version {meta.get('format')!r}, expected {FORMAT}")
         diff = changed_leaves(meta.get("fingerprint", {}), self.fingerprint)
@@ -291,7 +327,7 @@ class Checkpointer:
         saved = {tuple(names): (shape, dtype) for names, shape, dtype in meta["leaves"]}
         wanted = {names: tuple(_describe(leaf)) for names, leaf in named}
         missing = [n for n in wanted if n not in saved]
-        extra = [n for n in saved if n not in wanted]
+        extra = [] if partial else [n for n in saved if n not in wanted]
         if missing or extra:
             show = lambda ns: ", ".join("/".join(n) for n in ns[:4]) + (" ..." if len(ns) > 4 else "")
             raise CheckpointError(f"checkpoint {where} holds a different state layout: "
@@ -349,14 +385,37 @@ class Checkpointer:
             data_iter.set_state(shared)
             if hasattr(data_iter, "start_prefetch"):  # as Grain's own restore does
                 data_iter.start_prefetch()
+        return int(meta[META]["step"]), self._unflatten(restored, named, treedef, meta[META], where)
+
+    @staticmethod
+    def _unflatten(restored: dict, named: list, treedef: Any, meta: dict, where: str) -> PyTree:
+        """The template's structure filled with the restored values (typed PRNG keys rewrapped)."""
         leaves = []
         for names, leaf in named:
             value = _lookup(restored, names)
             if _is_prng_key(leaf):
-                impl = meta[META]["key_impls"].get("/".join(names))
+                impl = meta["key_impls"].get("/".join(names))
                 if impl is None:
                     raise CheckpointError(f"checkpoint {where}: leaf {'/'.join(names)} was saved as raw key data, "
                                           "the template asks for a typed PRNG key")
                 value = jax.random.wrap_key_data(value, impl=impl)
             leaves.append(value)
-        return int(meta[META]["step"]), jax.tree_util.tree_unflatten(treedef, leaves)
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def restore_parts(self, template: dict, step: int | None = None,
+                      path: str | Path | None = None) -> tuple[int, dict]:
+        """(step, parts): only the top-level parts of the saved state that `template` names (e.g. {"params": ...,
+        "biases": ...}: a model without its optimizer state, which is never read), with the template's structure,
+        dtypes and shardings. Needs a read-only Checkpointer. `step` and `path` as in `restore`."""
+        if not self.read_only:
+            raise CheckpointError("restore_parts needs a Checkpointer opened with read_only=True")
+        directory, step = self._locate(step, path)
+        where = str(directory / str(step))
+        named, treedef = _named_leaves(template)
+        meta = self._read(step, directory, ocp.args.Composite(**{META: ocp.args.JsonRestore()}), where, META)
+        self._check_meta(meta[META], named, where, partial=True)
+        tree = _nest([(n, _abstract(leaf)) for n, leaf in named])
+        args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                                      partial_restore=True)
+        restored = self._read(step, directory, ocp.args.Composite(**{STATE: args}), where, STATE)[STATE]
+        return int(meta[META]["step"]), self._unflatten(restored, named, treedef, meta[META], where)

@@ -1,0 +1,256 @@
+"""Use a trained run's checkpoint: its validation loss, and text sampled from it.
+
+    python -m mhl_jax.infer evaluate RUN_DIR [--step N] [--set data.val_sequences=256 ...]
+    python -m mhl_jax.infer generate RUN_DIR --prompt "Once upon a time" [--max-new-tokens 200]
+                                     [--temperature 0.8] [--top-k 50] [--num-samples 4] [--seed 0]
+
+RUN_DIR is a `logging.run_dir` written by train.py: its `config.yaml` gives the model, data and mesh, and its
+`checkpoints/` the weights (the latest, or `--step N`, or `--checkpoint PATH`). `--set key=value` overrides the saved
+config as in train.py (another validation set, micro-batch, mesh or kernels; a change to the model itself is refused
+by the checkpoint's fingerprint). Only the parameters and balancing biases are read (not the optimizer state), and
+nothing in RUN_DIR is written or cleaned up: both are safe while the run is still training there.
+
+`evaluate` computes the mean next-token NLL over the config's fixed validation sequences exactly as the train loop
+does (the same sequences, batches and step function: at a step where the run evaluated, the same `val_loss` as its
+metrics.jsonl). `generate` samples continuations of a prompt: each new token is read from a forward pass over a
+fixed window of `model.context` tokens (the prompt and the tokens so far, padded at the end; causal attention and
+dropless routing make the padding invisible to the real tokens), so one compilation serves the whole sample and a
+sample longer than the context slides its window. There is no KV cache: each token costs one forward pass over the
+window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mhl_jax.config import Config, ConfigError, load_config
+from mhl_jax.data import DataError, load_val_sequences
+from mhl_jax.data.tokenizers import get_tokenizer
+from mhl_jax.model.gpt import head_logits
+from mhl_jax.parallel.mesh import batch_spec, make_mesh
+from mhl_jax.train.checkpoint import Checkpointer, CheckpointError
+from mhl_jax.train.loop import evaluate, model_fingerprint
+from mhl_jax.train.optimizer import make_optimizer
+from mhl_jax.train.state import state_creator
+from mhl_jax.train.step import make_eval_step
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A checkpoint's model, placed on the config's mesh."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    biases: nnx.State
+    step: int
+
+
+def load_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), step: int | None = None,
+             checkpoint: str | Path | None = None) -> Loaded:
+    """The model of run `run_dir` (its config.yaml with `overrides`) at checkpoint `step` (default: the latest) of
+    its checkpoints/ directory, or at the explicit `checkpoint` path (a step directory or a directory of them)."""
+    run = Path(run_dir).expanduser()
+    if not run.is_dir():
+        raise ConfigError(f"run directory {str(run_dir)!r} does not exist (expected a logging.run_dir written by "
+                          "train.py)")
+    saved = run / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"run directory {str(run_dir)!r} holds no config.yaml; expected a logging.run_dir written "
+                          "by train.py")
+    cfg = load_config(str(saved), overrides)
+    mesh = make_mesh(cfg)
+    graphdef, _, abstract = state_creator(cfg, mesh, make_optimizer(cfg))  # shapes only: nothing is created
+    where = Path(checkpoint).expanduser() if checkpoint is not None else run / "checkpoints"
+    if checkpoint is None and not where.is_dir():
+        raise CheckpointError(f"run directory {str(run_dir)!r} holds no checkpoints/ directory (did the run save "
+                              "one? checkpoint.every)")
+    with Checkpointer(where if checkpoint is None else where.parent, cfg.checkpoint, model_fingerprint(cfg),
+                      read_only=True) as ckpt:
+        at, parts = ckpt.restore_parts({"params": abstract["params"], "biases": abstract["biases"]}, step=step,
+                                       path=checkpoint)
+    return Loaded(cfg, mesh, graphdef, parts["params"], parts["biases"], at)
+
+
+def evaluate_run(loaded: Loaded) -> dict:
+    """The validation loss of `loaded` over its config's validation sequences, as the train loop computes it."""
+    cfg, mesh = loaded.cfg, loaded.mesh
+    t = cfg.model.context
+    if cfg.data.val_sequences <= 0:
+        raise ConfigError(f"data.val_sequences={cfg.data.val_sequences}: nothing to evaluate; set it > 0")
+    val = load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size)
+    batch = cfg.train.micro_batch * mesh.size  # the train loop's evaluation batch
+    if len(val) < batch:
+        batch = len(val) // mesh.size * mesh.size
+        if batch == 0:
+            raise ConfigError(f"data.val_sequences={len(val)} is fewer than the {mesh.size} devices of the mesh")
+    used = len(val) // batch * batch
+    eval_fn = jax.jit(make_eval_step(loaded.graphdef))
+    nll = evaluate(eval_fn, {"params": loaded.params, "biases": loaded.biases}, val, batch,
+                   NamedSharding(mesh, P(*batch_spec(mesh)[1:])))
+    return {"step": loaded.step, "val_loss": nll, "val_ppl": math.exp(nll), "sequences": used,
+            "tokens": used * t, "context": t}
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, vocab: int) -> jax.Array:
+    """Next ids (B,) from fp32 logits (B, V): ids >= `vocab` (the embedding's padding past the tokenizer's ids) never;
+    temperature 0 takes the most likely id; otherwise a draw from softmax(logits / temperature) over the `top_k`
+    most likely ids (0: all)."""
+    ids = jnp.arange(logits.shape[-1])
+    logits = jnp.where(ids < vocab, logits, -jnp.inf)
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _next_logits(graphdef, params, biases, tokens, last):
+    """tokens (B, T) int32, last (B,) the index of each row's last real token -> fp32 logits (B, V) of the token
+    after it."""
+    model = nnx.merge(graphdef, params, biases)
+    x, _ = model.hidden(tokens)
+    xl = jnp.take_along_axis(x, last[:, None, None], axis=1)  # (B, 1, d)
+    return head_logits(xl, model.head[...].astype(model.dtype))[:, 0]
+
+
+def _next_ids(graphdef, temperature, top_k, vocab, params, biases, tokens, last, key):
+    return sample_logits(_next_logits(graphdef, params, biases, tokens, last), key, temperature, top_k, vocab)
+
+
+def _windows(loaded: Loaded, seqs: list[list[int]]) -> tuple[jax.Array, jax.Array]:
+    """The model's input for the next token of each sequence: (tokens (B, T), last (B,)) with B a multiple of the
+    mesh's devices (rows past len(seqs) repeat the first), each row the sequence's last T tokens padded at the end."""
+    t, mesh = loaded.cfg.model.context, loaded.mesh
+    padded = -(-len(seqs) // mesh.size) * mesh.size  # the batch is split over every device
+    window = np.zeros((padded, t), np.int32)
+    last = np.zeros(padded, np.int32)
+    for r in range(padded):
+        w = seqs[r if r < len(seqs) else 0][-t:]
+        window[r, :len(w)] = w
+        last[r] = len(w) - 1
+    rows = tuple(mesh.axis_names)
+    return (jax.device_put(window, NamedSharding(mesh, P(rows, None))),
+            jax.device_put(last, NamedSharding(mesh, P(rows))))
+
+
+def next_logits(loaded: Loaded, seqs: list[list[int]]) -> np.ndarray:
+    """fp32 logits (len(seqs), V) of the token after each sequence (of at least one id), as `generate` reads them."""
+    tokens, last = _windows(loaded, seqs)
+    return np.asarray(jax.jit(partial(_next_logits, loaded.graphdef))(loaded.params, loaded.biases, tokens,
+                                                                       last))[:len(seqs)]
+
+
+def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, seed: int = 0, vocab: int | None = None, stop: int | None = None) -> list[list[int]]:
+    """Continue each prompt (token ids, at least one each) by up to `max_new_tokens` ids, sampled as
+    `sample_logits` says; a row ends early at the id `stop` (kept in its output). Returns the new ids of each row.
+    The same seed gives the same ids."""
+    if temperature < 0:
+        raise ConfigError(f"temperature={temperature}: must be >= 0 (0: the most likely token)")
+    if top_k < 0:
+        raise ConfigError(f"top_k={top_k}: must be >= 0 (0: no cut)")
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    if any(len(p) == 0 for p in prompts):
+        raise ConfigError("every prompt needs at least one token")
+    vocab = loaded.cfg.model.vocab_size if vocab is None else vocab
+    rows = len(prompts)
+    seqs = [list(p) for p in prompts]
+    step = jax.jit(partial(_next_ids, loaded.graphdef, float(temperature), int(top_k), int(vocab)))
+    key = jax.random.key(seed)
+    out: list[list[int]] = [[] for _ in range(rows)]
+    done = np.zeros(rows, bool)
+    for i in range(max_new_tokens):
+        ids = np.asarray(step(loaded.params, loaded.biases, *_windows(loaded, seqs), jax.random.fold_in(key, i)))
+        for r in range(rows):
+            seqs[r].append(int(ids[r]))
+            if not done[r]:
+                out[r].append(int(ids[r]))
+                done[r] = stop is not None and int(ids[r]) == stop
+        if done.all():
+            break
+    return out
+
+
+def _generate_cli(loaded: Loaded, args) -> None:
+    cfg = loaded.cfg
+    tok = get_tokenizer(cfg.data.tokenizer)
+    text = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    # documents are trained as [EOT] + text: a prompt starts a document the same way
+    prompt = [tok.eot] + [int(i) for i in tok.encode(text)]
+    outs = generate(loaded, [prompt] * args.num_samples, args.max_new_tokens, args.temperature, args.top_k,
+                    args.seed, vocab=tok.vocab_size, stop=None if args.no_stop_at_eot else tok.eot)
+    for n, ids in enumerate(outs):
+        body = tok.decode([i for i in ids if i != tok.eot])
+        if args.json:
+            print(json.dumps({"step": loaded.step, "sample": n, "prompt": text, "text": body, "ids": ids}))
+        else:
+            ended = " (end of text)" if ids and ids[-1] == tok.eot else ""
+            print(f"--- sample {n + 1}/{args.num_samples} (step {loaded.step}, {len(ids)} tokens{ended}) ---")
+            print(text + body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mhl_jax.infer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("run_dir", metavar="RUN_DIR", help="a logging.run_dir written by train.py")
+    common.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the latest)")
+    common.add_argument("--checkpoint", default=None, metavar="PATH",
+                        help="a checkpoint elsewhere: a step directory, or a directory of them (its latest)")
+    common.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of the run's config.yaml (repeatable)")
+    common.add_argument("--json", action="store_true", help="print JSON lines instead of text")
+    sub.add_parser("evaluate", parents=[common], help="validation loss and perplexity of a checkpoint")
+    g = sub.add_parser("generate", parents=[common], help="sample text from a checkpoint")
+    g.add_argument("--prompt", default="", help="the text to continue (default: empty, a new document)")
+    g.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token")
+    g.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
+    g.add_argument("--num-samples", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-stop-at-eot", action="store_true", help="go on past the end-of-text token")
+    args = ap.parse_args(argv)
+    if args.command == "generate" and args.num_samples < 1:
+        ap.error(f"--num-samples {args.num_samples}: must be >= 1")
+    try:
+        loaded = load_run(args.run_dir, args.overrides, args.step, args.checkpoint)
+        if args.command == "evaluate":
+            r = evaluate_run(loaded)
+            print(json.dumps(r) if args.json else
+                  f"step {r['step']}: val_loss {r['val_loss']:.4f} val_ppl {r['val_ppl']:.2f} ({r['sequences']} "
+                  f"validation sequences of {r['context']} tokens)")
+        else:
+            _generate_cli(loaded, args)
+    except (ConfigError, DataError, CheckpointError) as e:
+        kind = next(n for c, n in ((ConfigError, "config"), (DataError, "data"), (CheckpointError, "checkpoint"))
+                    if isinstance(e, c))
+        print(f"{kind} error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""`python -m mhl_jax.infer`: a checkpoint's validation loss and text sampled from it.
+
+Evaluation is checked against the train loop's own records at the steps it evaluated; generation against an
+independent forward pass of the model over the unpadded sequence at every new token (GPT.__call__ on the tokens so
+far, the last `context` of them), and the sampler's rules on logits made up for it.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mhl_jax.config import ConfigError, load_config
+from mhl_jax.infer import evaluate_run, generate, load_run, main, next_logits, sample_logits
+from mhl_jax.train.checkpoint import Checkpointer
+from mhl_jax.train.loop import model_fingerprint, train
+from mhl_jax.train.optimizer import make_optimizer
+from mhl_jax.train.state import state_creator
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTEXT = 32
+TOKENIZER_VOCAB = 257  # byte tokenizer; the tiny model's embedding has 320 rows
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny MH-LatentMoE run of 60 steps on one device, checkpoints and evaluations at steps 30 and 60."""
+    d = tmp_path_factory.mktemp("infer") / "run"
+    cfg = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), [
+        "schedule.total_steps=60", "schedule.warmup_steps=5", "schedule.decay_steps=10", "model.n_layers=2",
+        f"model.context={CONTEXT}", "train.global_batch=8", "train.micro_batch=4", "data.val_sequences=12",
+        "data.eval_every=30", "checkpoint.every=30", "checkpoint.async_save=false", "logging.progress_bar=false",
+        f"logging.run_dir={d}", "parallel.devices=1"])
+    train(cfg, log=lambda *a, **k: None)
+    return d
+
+
+def records(run_dir):
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_evaluate_gives_the_train_loops_validation_loss(run_dir):
+    recs = records(run_dir)
+    for step in (30, 60):
+        r = evaluate_run(load_run(run_dir, step=step))
+        assert r["step"] == step
+        assert r["val_loss"] == recs[step]["val_loss"]  # same sequences, batches and step function: bitwise
+        assert r["val_ppl"] == pytest.approx(np.exp(recs[step]["val_loss"]), rel=1e-12)
+        assert (r["sequences"], r["context"]) == (12, CONTEXT)  # 3 batches of train.micro_batch = 4
+    assert evaluate_run(load_run(run_dir))["step"] == 60  # the latest by default
+
+
+def test_evaluate_on_another_mesh_and_validation_set(run_dir):
+    base = evaluate_run(load_run(run_dir, ["data.val_sequences=8"]))
+    two = evaluate_run(load_run(run_dir, ["data.val_sequences=8", "parallel.devices=2", "parallel.hp=2"]))
+    assert base["sequences"] == two["sequences"] == 8  # 2 batches of 4, 1 of 4 x 2 devices
+    assert two["val_loss"] == pytest.approx(base["val_loss"], rel=1e-5)
+    other = evaluate_run(load_run(run_dir, ["data.val_sequences=4", "train.micro_batch=2"]))
+    assert other["sequences"] == 4 and abs(other["val_loss"] - base["val_loss"]) > 1e-6  # another set, another loss
+
+
+def test_load_reads_the_saved_parameters_and_biases(run_dir):
+    cfg = load_config(str(run_dir / "config.yaml"))
+    loaded = load_run(run_dir, step=30)
+    _, _, abstract = state_creator(cfg, loaded.mesh, make_optimizer(cfg))
+    with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
+        _, full = ckpt.restore(abstract, step=30)
+    for ours, theirs in ((loaded.params, full["params"]), (loaded.biases, full["biases"])):
+        a, b = jax.tree.leaves(ours), jax.tree.leaves(theirs)
+        assert len(a) == len(b) > 0
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype and x.sharding == y.sharding
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert any(float(jnp.abs(b).max()) > 0 for b in jax.tree.leaves(loaded.biases))  # trained, not the initial 0s
+
+
+def reference_logits(loaded, prompt, out):
+    """fp32 logits (len(out), TOKENIZER_VOCAB) of each of `out`'s tokens given what precedes it (the last CONTEXT
+    tokens), from the model's own forward over unpadded windows of the real tokens: one window of the first CONTEXT
+    tokens serves every step it covers (the model is causal), then one window per step that slides."""
+    model = nnx.merge(loaded.graphdef, loaded.params, loaded.biases)
+    forward = jax.jit(lambda toks: model(toks)[0][0])
+    full = list(prompt) + list(out)
+    head = np.asarray(forward(jnp.asarray([full[:CONTEXT]], jnp.int32)))
+    rows = []
+    for i in range(len(out)):
+        n = len(prompt) + i  # tokens before out[i]
+        if n <= CONTEXT:
+            rows.append(head[n - 1])
+        else:
+            rows.append(np.asarray(forward(jnp.asarray([full[n - CONTEXT:n]], jnp.int32)))[-1])
+    return np.stack(rows)[:, :TOKENIZER_VOCAB]
+
+
+TEXT = list(b"The function returns the value of the object, or raises an exception if it is not found.")
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_next_token_logits_are_the_unpadded_forwards(run_dir, devices):
+    """generate's padded, batched windows give the logits of the model's own forward over the real tokens only."""
+    loaded = load_run(run_dir, [f"parallel.devices={devices}", f"parallel.hp={devices}"])
+    one = load_run(run_dir)  # the reference runs on one device (Head Parallel splits a batch's tokens evenly)
+    model = nnx.merge(one.graphdef, one.params, one.biases)
+    forward = jax.jit(lambda toks: model(toks)[0][0, -1])
+    # within the context; one short of it; longer than it (the window slides); 3 rows padded to 4 on 2 devices
+    seqs = [[256] + TEXT[:3], [256] + TEXT[:30], [256] + TEXT[:45]]
+    ours = next_logits(loaded, seqs)
+    assert ours.shape == (3, 320) and ours.dtype == np.float32
+    for seq, row in zip(seqs, ours):
+        ref = np.asarray(forward(jnp.asarray([seq[-CONTEXT:]], jnp.int32)))
+        np.testing.assert_allclose(row, ref, rtol=1e-5, atol=1e-5)
+    assert np.abs(ours[0] - ours[1]).max() > 1e-2  # the rows differ: each reads its own last token
+
+
+def test_greedy_generation_takes_the_most_likely_tokens(run_dir):
+    loaded = load_run(run_dir)
+    prompts = [[256] + TEXT[:3], [256] + TEXT[:30]]  # the second slides past the context after two tokens
+    outs = generate(loaded, prompts, max_new_tokens=9, temperature=0, vocab=TOKENIZER_VOCAB)
+    assert [len(o) for o in outs] == [9, 9]
+    for prompt, out in zip(prompts, outs):
+        for tok, ref in zip(out, reference_logits(loaded, prompt, out)):
+            assert ref[tok] >= ref.max() - 1e-5 * max(1.0, abs(ref.max())), (tok, int(ref.argmax()))
+
+
+def test_sampling_stays_in_the_top_k_and_repeats_with_its_seed(run_dir):
+    loaded = load_run(run_dir)
+    prompt = [256, 84, 104, 101, 32]
+    kw = dict(max_new_tokens=12, temperature=2.0, top_k=3, vocab=TOKENIZER_VOCAB)
+    a = generate(loaded, [prompt, prompt, prompt], seed=1, **kw)  # 3 rows on a 1-device mesh
+    assert a == generate(loaded, [prompt, prompt, prompt], seed=1, **kw)
+    assert a != generate(loaded, [prompt, prompt, prompt], seed=2, **kw)
+    assert len({tuple(o) for o in a}) > 1  # each row draws its own tokens
+    for out in a:
+        for tok, ref in zip(out, reference_logits(loaded, prompt, out)):
+            kth = np.sort(ref)[-3]
+            assert ref[tok] >= kth - 1e-5 * max(1.0, abs(kth)), (tok, np.argsort(ref)[-3:])
+
+
+def test_generation_stops_at_the_stop_token_and_pads_rows_over_the_mesh(run_dir):
+    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
+    prompt = [256, 84, 104, 101]
+    greedy = generate(loaded, [prompt], max_new_tokens=8, temperature=0, vocab=TOKENIZER_VOCAB)[0]
+    stop = greedy[3]
+    first = greedy.index(stop)
+    three = generate(loaded, [prompt] * 3, max_new_tokens=8, temperature=0, vocab=TOKENIZER_VOCAB, stop=stop)
+    assert three == [greedy[:first + 1]] * 3  # 3 rows padded to 4 on 2 devices; each ends at its first stop
+
+
+def test_sampler_rules():
+    logits = jnp.asarray([[0.0, 1.0, 2.0, 3.0, 50.0, 50.0]] * 256, jnp.float32)  # ids 4, 5 past the vocab
+    key = jax.random.key(0)
+    assert set(np.asarray(sample_logits(logits, key, 0.0, 0, 4)).tolist()) == {3}
+    drawn = np.asarray(sample_logits(logits, key, 1.0, 0, 4))
+    assert drawn.max() < 4 and len(set(drawn.tolist())) >= 3
+    assert set(np.asarray(sample_logits(logits, key, 1.0, 2, 4)).tolist()) == {2, 3}
+    assert set(np.asarray(sample_logits(logits, key, 1.0, 2, 6)).tolist()) == {4, 5}
+    assert set(np.asarray(sample_logits(logits, key, 100.0, 1, 4)).tolist()) == {3}
+    with pytest.raises(ConfigError, match="temperature=-1"):
+        generate(None, [[1]], 1, temperature=-1)
+
+
+def test_cli_evaluate_and_generate(run_dir, capsys):
+    assert main(["evaluate", str(run_dir), "--step", "30", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["step"] == 30 and out["val_loss"] == records(run_dir)[30]["val_loss"]
+    assert main(["generate", str(run_dir), "--prompt", "The ", "--num-samples", "2", "--max-new-tokens", "5",
+                 "--temperature", "0", "--no-stop-at-eot", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert len(lines) == 2 and lines[0]["ids"] == lines[1]["ids"] and len(lines[0]["ids"]) == 5
+    assert all(i < TOKENIZER_VOCAB for i in lines[0]["ids"])
+    assert main(["generate", str(run_dir), "--prompt", "The ", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("The ")
+
+
+@pytest.mark.parametrize("argv, err", [
+    (["evaluate", "{tmp}/nowhere"], "config error: run directory '{tmp}/nowhere' does not exist"),
+    (["evaluate", "{run}", "--step", "40"], "checkpoint error: no checkpoint of step 40 in"),
+    (["evaluate", "{run}", "--set", "model.d_model=64"], "was written by a different model config (model.d_model"),
+    (["evaluate", "{run}", "--set", "data.val_sequences=0"], "config error: data.val_sequences=0: nothing to"),
+    (["generate", "{run}", "--temperature", "-1"], "config error: temperature=-1.0: must be >= 0"),
+    (["evaluate", "{run}", "--checkpoint", "{tmp}"], "is not a checkpoint: expected a step directory"),
+])
+def test_cli_bad_input_is_named(run_dir, tmp_path, capsys, argv, err):
+    fill = lambda s: s.format(tmp=tmp_path, run=run_dir)
+    assert main([fill(a) for a in argv]) == 2
+    assert fill(err) in capsys.readouterr().err
+
+
+def test_reading_leaves_the_run_directory_alone(run_dir):
+    """Safe beside a run still training there: nothing written, no leftover temporary directory cleaned up."""
+    leftover = run_dir / "checkpoints" / "90.orbax-checkpoint-tmp-1234"
+    leftover.mkdir()
+    try:
+        before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+        evaluate_run(load_run(run_dir))
+        load_run(run_dir, checkpoint=run_dir / "checkpoints" / "30")
+        assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    finally:
+        os.rmdir(leftover)
+
