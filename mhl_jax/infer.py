@@ -17,6 +17,10 @@ fixed window of `model.context` tokens (the prompt and the tokens so far, padded
 dropless routing make the padding invisible to the real tokens), so one compilation serves the whole sample and a
 sample longer than the context slides its window. There is no KV cache: each token costs one forward pass over the
 window.
+
+One process: the command runs over the devices this process sees (for a checkpoint of a run of several hosts, set
+`--set parallel.devices=...` and the mesh to what one host holds). On GPUs it compiles with the run's XLA autotuning
+results (`<RUN_DIR>/xla_autotune.txt`, read only) when they are there, as the run's own resumed processes do.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from mhl_jax.data import DataError, load_val_sequences
 from mhl_jax.data.tokenizers import get_tokenizer
 from mhl_jax.model.gpt import head_logits
 from mhl_jax.parallel.mesh import batch_spec, make_mesh
+from mhl_jax.train.autotune import autotune_file
 from mhl_jax.train.checkpoint import Checkpointer, CheckpointError
 from mhl_jax.train.loop import evaluate, model_fingerprint
 from mhl_jax.train.optimizer import make_optimizer
@@ -58,12 +63,11 @@ class Loaded:
     params: nnx.State
     biases: nnx.State
     step: int
+    compiler_options: dict = dataclasses.field(default_factory=dict)  # the run's autotuning results (GPU)
 
 
-def load_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), step: int | None = None,
-             checkpoint: str | Path | None = None) -> Loaded:
-    """The model of run `run_dir` (its config.yaml with `overrides`) at checkpoint `step` (default: the latest) of
-    its checkpoints/ directory, or at the explicit `checkpoint` path (a step directory or a directory of them)."""
+def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config of run `run_dir` (its config.yaml) with `overrides`."""
     run = Path(run_dir).expanduser()
     if not run.is_dir():
         raise ConfigError(f"run directory {str(run_dir)!r} does not exist (expected a logging.run_dir written by "
@@ -72,18 +76,36 @@ def load_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), s
     if not saved.is_file():
         raise ConfigError(f"run directory {str(run_dir)!r} holds no config.yaml; expected a logging.run_dir written "
                           "by train.py")
-    cfg = load_config(str(saved), overrides)
+    return load_config(str(saved), overrides)
+
+
+def load_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), step: int | None = None,
+             checkpoint: str | Path | None = None) -> Loaded:
+    """The model of run `run_dir` (its config.yaml with `overrides`) at checkpoint `step` (default: the latest) of
+    its checkpoints/ directory, or at the explicit `checkpoint` path (a step directory or a directory of them)."""
+    if jax.process_count() > 1:
+        raise ConfigError(f"mhl_jax.infer runs as one process; this is one of {jax.process_count()}")
+    run = Path(run_dir).expanduser()
+    cfg = run_config(run_dir, overrides)
     mesh = make_mesh(cfg)
     graphdef, _, abstract = state_creator(cfg, mesh, make_optimizer(cfg))  # shapes only: nothing is created
-    where = Path(checkpoint).expanduser() if checkpoint is not None else run / "checkpoints"
-    if checkpoint is None and not where.is_dir():
-        raise CheckpointError(f"run directory {str(run_dir)!r} holds no checkpoints/ directory (did the run save "
-                              "one? checkpoint.every)")
-    with Checkpointer(where if checkpoint is None else where.parent, cfg.checkpoint, model_fingerprint(cfg),
-                      read_only=True) as ckpt:
+    if checkpoint is not None:
+        where = Path(checkpoint).expanduser()
+        if not where.is_dir():
+            raise CheckpointError(f"checkpoint path {str(checkpoint)!r} does not exist (or is not a directory)")
+        directory = where.parent
+    else:
+        directory = run / "checkpoints"
+        if not directory.is_dir():
+            raise CheckpointError(f"run directory {str(run_dir)!r} holds no checkpoints/ directory (did the run save "
+                                  "one? checkpoint.every)")
+    with Checkpointer(directory, cfg.checkpoint, model_fingerprint(cfg), read_only=True) as ckpt:
         at, parts = ckpt.restore_parts({"params": abstract["params"], "biases": abstract["biases"]}, step=step,
                                        path=checkpoint)
-    return Loaded(cfg, mesh, graphdef, parts["params"], parts["biases"], at)
+    # the run's XLA autotuning results, loaded (never written): the kernels its own processes compiled with
+    tuned = autotune_file(cfg.train.xla_autotune_file, run.resolve(), None, jax.default_backend())
+    options = {"xla_gpu_load_autotune_results_from": str(tuned.load)} if tuned.load is not None else {}
+    return Loaded(cfg, mesh, graphdef, parts["params"], parts["biases"], at, options)
 
 
 def evaluate_run(loaded: Loaded) -> dict:
@@ -94,16 +116,16 @@ def evaluate_run(loaded: Loaded) -> dict:
         raise ConfigError(f"data.val_sequences={cfg.data.val_sequences}: nothing to evaluate; set it > 0")
     val = load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size)
     batch = cfg.train.micro_batch * mesh.size  # the train loop's evaluation batch
-    if len(val) < batch:
+    if len(val) < batch:  # (the train loop refuses this; here a smaller batch does, and the result says so)
         batch = len(val) // mesh.size * mesh.size
         if batch == 0:
             raise ConfigError(f"data.val_sequences={len(val)} is fewer than the {mesh.size} devices of the mesh")
     used = len(val) // batch * batch
-    eval_fn = jax.jit(make_eval_step(loaded.graphdef))
+    eval_fn = jax.jit(make_eval_step(loaded.graphdef), compiler_options=loaded.compiler_options or None)
     nll = evaluate(eval_fn, {"params": loaded.params, "biases": loaded.biases}, val, batch,
                    NamedSharding(mesh, P(*batch_spec(mesh)[1:])))
     return {"step": loaded.step, "val_loss": nll, "val_ppl": math.exp(nll), "sequences": used,
-            "tokens": used * t, "context": t}
+            "tokens": used * t, "context": t, "batch": batch}
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, vocab: int) -> jax.Array:
@@ -114,10 +136,12 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: 
     logits = jnp.where(ids < vocab, logits, -jnp.inf)
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    # shifted so that the largest is 0: a tiny temperature gives -inf for the others, never inf - inf
+    logits = (logits - logits.max(axis=-1, keepdims=True)) / temperature
+    if 0 < top_k < logits.shape[-1]:  # exactly k ids, ties at the k-th value broken as lax.top_k does
+        keep = jax.lax.top_k(logits, top_k)[1]
+        kept = jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], keep].set(True)
+        logits = jnp.where(kept, logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
@@ -153,8 +177,8 @@ def _windows(loaded: Loaded, seqs: list[list[int]]) -> tuple[jax.Array, jax.Arra
 def next_logits(loaded: Loaded, seqs: list[list[int]]) -> np.ndarray:
     """fp32 logits (len(seqs), V) of the token after each sequence (of at least one id), as `generate` reads them."""
     tokens, last = _windows(loaded, seqs)
-    return np.asarray(jax.jit(partial(_next_logits, loaded.graphdef))(loaded.params, loaded.biases, tokens,
-                                                                       last))[:len(seqs)]
+    fn = jax.jit(partial(_next_logits, loaded.graphdef), compiler_options=loaded.compiler_options or None)
+    return np.asarray(fn(loaded.params, loaded.biases, tokens, last))[:len(seqs)]
 
 
 def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
@@ -162,8 +186,8 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
     """Continue each prompt (token ids, at least one each) by up to `max_new_tokens` ids, sampled as
     `sample_logits` says; a row ends early at the id `stop` (kept in its output). Returns the new ids of each row.
     The same seed gives the same ids."""
-    if temperature < 0:
-        raise ConfigError(f"temperature={temperature}: must be >= 0 (0: the most likely token)")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"temperature={temperature}: must be a number >= 0 (0: the most likely token)")
     if top_k < 0:
         raise ConfigError(f"top_k={top_k}: must be >= 0 (0: no cut)")
     if max_new_tokens < 0:
@@ -173,7 +197,8 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
     vocab = loaded.cfg.model.vocab_size if vocab is None else vocab
     rows = len(prompts)
     seqs = [list(p) for p in prompts]
-    step = jax.jit(partial(_next_ids, loaded.graphdef, float(temperature), int(top_k), int(vocab)))
+    step = jax.jit(partial(_next_ids, loaded.graphdef, float(temperature), int(top_k), int(vocab)),
+                   compiler_options=loaded.compiler_options or None)
     key = jax.random.key(seed)
     out: list[list[int]] = [[] for _ in range(rows)]
     done = np.zeros(rows, bool)
@@ -189,21 +214,48 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
     return out
 
 
-def _generate_cli(loaded: Loaded, args) -> None:
-    cfg = loaded.cfg
+EOT_MARK = "<|endoftext|>"
+
+
+def _read_prompt(args) -> str:
+    if args.prompt_file is None:
+        return args.prompt
+    try:
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e})") from e
+    except OSError as e:
+        raise DataError(f"--prompt-file {args.prompt_file!r} cannot be read ({e.strerror or e})") from e
+
+
+def _generate_cli(args) -> None:
+    cfg = run_config(args.run_dir, args.overrides)  # the tokenizer and prompt checked before the weights are read
     tok = get_tokenizer(cfg.data.tokenizer)
-    text = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    text = _read_prompt(args)
     # documents are trained as [EOT] + text: a prompt starts a document the same way
     prompt = [tok.eot] + [int(i) for i in tok.encode(text)]
+    if len(prompt) > cfg.model.context:
+        print(f"note: the prompt is {len(prompt)} tokens (with the end-of-text token before it), more than "
+              f"model.context={cfg.model.context}: the model sees the last {cfg.model.context}", file=sys.stderr)
+    loaded = load_run(args.run_dir, args.overrides, args.step, args.checkpoint)
     outs = generate(loaded, [prompt] * args.num_samples, args.max_new_tokens, args.temperature, args.top_k,
                     args.seed, vocab=tok.vocab_size, stop=None if args.no_stop_at_eot else tok.eot)
     for n, ids in enumerate(outs):
-        body = tok.decode([i for i in ids if i != tok.eot])
+        ended = bool(ids) and ids[-1] == tok.eot and not args.no_stop_at_eot
+        pieces, piece = [], []
+        for i in ids[:-1] if ended else ids:  # documents after an end-of-text token shown after a marker
+            if i == tok.eot:
+                pieces.append(tok.decode(piece))
+                piece = []
+            else:
+                piece.append(i)
+        body = EOT_MARK.join([*pieces, tok.decode(piece)])
         if args.json:
-            print(json.dumps({"step": loaded.step, "sample": n, "prompt": text, "text": body, "ids": ids}))
+            print(json.dumps({"step": loaded.step, "sample": n, "prompt": text, "text": body, "ids": ids,
+                              "temperature": args.temperature, "top_k": args.top_k, "seed": args.seed}))
         else:
-            ended = " (end of text)" if ids and ids[-1] == tok.eot else ""
-            print(f"--- sample {n + 1}/{args.num_samples} (step {loaded.step}, {len(ids)} tokens{ended}) ---")
+            print(f"--- sample {n + 1}/{args.num_samples} (step {loaded.step}, {len(ids)} tokens"
+                  f"{', end of text' if ended else ''}) ---")
             print(text + body)
 
 
@@ -221,26 +273,35 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--json", action="store_true", help="print JSON lines instead of text")
     sub.add_parser("evaluate", parents=[common], help="validation loss and perplexity of a checkpoint")
     g = sub.add_parser("generate", parents=[common], help="sample text from a checkpoint")
-    g.add_argument("--prompt", default="", help="the text to continue (default: empty, a new document)")
-    g.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default="", help="the text to continue (default: empty, a new document)")
+    src.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE (UTF-8)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token")
-    g.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
+    g.add_argument("--top-k", type=int, default=50,
+                   help="sample among the k most likely tokens (0, or k past the vocabulary: all)")
     g.add_argument("--num-samples", type=int, default=1)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-stop-at-eot", action="store_true", help="go on past the end-of-text token")
+    g.add_argument("--no-stop-at-eot", action="store_true",
+                   help=f"go on past the end-of-text token (shown as {EOT_MARK})")
     args = ap.parse_args(argv)
-    if args.command == "generate" and args.num_samples < 1:
-        ap.error(f"--num-samples {args.num_samples}: must be >= 1")
+    if args.command == "generate":
+        if args.num_samples < 1:
+            ap.error(f"--num-samples {args.num_samples}: must be >= 1")
+        if args.max_new_tokens < 0:
+            ap.error(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
+        if not (math.isfinite(args.temperature) and args.temperature >= 0):
+            ap.error(f"--temperature {args.temperature}: must be a number >= 0 (0: the most likely token)")
+        if args.top_k < 0:
+            ap.error(f"--top-k {args.top_k}: must be >= 0 (0: no cut)")
     try:
-        loaded = load_run(args.run_dir, args.overrides, args.step, args.checkpoint)
         if args.command == "evaluate":
-            r = evaluate_run(loaded)
+            r = evaluate_run(load_run(args.run_dir, args.overrides, args.step, args.checkpoint))
             print(json.dumps(r) if args.json else
                   f"step {r['step']}: val_loss {r['val_loss']:.4f} val_ppl {r['val_ppl']:.2f} ({r['sequences']} "
-                  f"validation sequences of {r['context']} tokens)")
+                  f"validation sequences of {r['context']} tokens, in batches of {r['batch']})")
         else:
-            _generate_cli(loaded, args)
+            _generate_cli(args)
     except (ConfigError, DataError, CheckpointError) as e:
         kind = next(n for c, n in ((ConfigError, "config"), (DataError, "data"), (CheckpointError, "checkpoint"))
                     if isinstance(e, c))

@@ -160,8 +160,22 @@ def test_sampler_rules():
     assert set(np.asarray(sample_logits(logits, key, 1.0, 2, 4)).tolist()) == {2, 3}
     assert set(np.asarray(sample_logits(logits, key, 1.0, 2, 6)).tolist()) == {4, 5}
     assert set(np.asarray(sample_logits(logits, key, 100.0, 1, 4)).tolist()) == {3}
-    with pytest.raises(ConfigError, match="temperature=-1"):
-        generate(None, [[1]], 1, temperature=-1)
+    assert set(np.asarray(sample_logits(logits, key, 1e-39, 0, 4)).tolist()) == {3}  # a tiny temperature: greedy
+    ties = jnp.asarray([[0.0, 5.0, 5.0, 5.0, 1.0]] * 256, jnp.float32)
+    assert len(set(np.asarray(sample_logits(ties, key, 1.0, 1, 5)).tolist())) == 1  # top-k keeps exactly k ids
+    assert set(np.asarray(sample_logits(ties, key, 1.0, 2, 5)).tolist()) < {1, 2, 3}
+    assert len(set(np.asarray(sample_logits(ties, key, 1.0, 2, 5)).tolist())) == 2
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="temperature="):
+            generate(None, [[1]], 1, temperature=bad)
+
+
+def test_generation_draws_only_ids_of_the_tokenizer(run_dir):
+    loaded = load_run(run_dir)
+    outs = generate(loaded, [[256, 84]] * 4, max_new_tokens=8, temperature=1.0, top_k=0, vocab=2)
+    assert {i for o in outs for i in o} <= {0, 1}
+    free = generate(loaded, [[256, 84]] * 4, max_new_tokens=8, temperature=1.0, top_k=0)
+    assert not {i for o in free for i in o} <= {0, 1}
 
 
 def test_cli_evaluate_and_generate(run_dir, capsys):
@@ -172,6 +186,7 @@ def test_cli_evaluate_and_generate(run_dir, capsys):
                  "--temperature", "0", "--no-stop-at-eot", "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert len(lines) == 2 and lines[0]["ids"] == lines[1]["ids"] and len(lines[0]["ids"]) == 5
+    assert (lines[0]["temperature"], lines[0]["top_k"], lines[0]["seed"]) == (0.0, 50, 0)
     assert all(i < TOKENIZER_VOCAB for i in lines[0]["ids"])
     assert main(["generate", str(run_dir), "--prompt", "The ", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("The ")
@@ -182,12 +197,23 @@ def test_cli_evaluate_and_generate(run_dir, capsys):
     (["evaluate", "{run}", "--step", "40"], "checkpoint error: no checkpoint of step 40 in"),
     (["evaluate", "{run}", "--set", "model.d_model=64"], "was written by a different model config (model.d_model"),
     (["evaluate", "{run}", "--set", "data.val_sequences=0"], "config error: data.val_sequences=0: nothing to"),
-    (["generate", "{run}", "--temperature", "-1"], "config error: temperature=-1.0: must be >= 0"),
     (["evaluate", "{run}", "--checkpoint", "{tmp}"], "is not a checkpoint: expected a step directory"),
+    (["evaluate", "{run}", "--checkpoint", "{tmp}/a/b/30"], "checkpoint path '{tmp}/a/b/30' does not exist"),
+    (["generate", "{run}", "--prompt-file", "{tmp}/latin1.txt"], "--prompt-file '{tmp}/latin1.txt' is not UTF-8"),
+    (["generate", "{run}", "--prompt-file", "{tmp}/none.txt"], "--prompt-file '{tmp}/none.txt' cannot be read"),
+    (["generate", "{run}", "--temperature", "-1"], "--temperature -1.0: must be a number >= 0"),
+    (["generate", "{run}", "--temperature", "nan"], "--temperature nan: must be a number >= 0"),
+    (["generate", "{run}", "--max-new-tokens", "-1"], "--max-new-tokens -1: must be >= 0"),
+    (["generate", "{run}", "--prompt", "a", "--prompt-file", "x"], "not allowed with argument"),
 ])
 def test_cli_bad_input_is_named(run_dir, tmp_path, capsys, argv, err):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     fill = lambda s: s.format(tmp=tmp_path, run=run_dir)
-    assert main([fill(a) for a in argv]) == 2
+    try:
+        code = main([fill(a) for a in argv])
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    assert code == 2
     assert fill(err) in capsys.readouterr().err
 
 

@@ -349,8 +349,12 @@ class Checkpointer:
         except Exception as e:
             others = sorted(int(c.name) for c in directory.iterdir() if c.name.isdigit() and int(c.name) != step)
             first = (str(e).strip().splitlines() or [""])[0][:300]
-            advice = (f"other steps there: {others}; delete {where} to resume from the latest of them" if others
-                      else f"no other steps there; delete {where} to start the run over")
+            if self.read_only:  # beside a run that may be rotating its checkpoints out (checkpoint.keep)
+                advice = (f"it may have been removed by the run writing there while it was read; steps there now: "
+                          f"{others}; pick one of them")
+            else:
+                advice = (f"other steps there: {others}; delete {where} to resume from the latest of them" if others
+                          else f"no other steps there; delete {where} to start the run over")
             raise CheckpointError(
                 f"checkpoint {where}: its {what} cannot be read ({type(e).__name__}: {first}); the step directory is "
                 f"damaged or incomplete; {advice}") from e
