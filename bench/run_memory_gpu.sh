@@ -3,7 +3,8 @@
 # defaults, and bench/memory.py: which paper configs fit one GPU (train.py's memory line, its refusal or the
 # measured peak) and, on 2 GPUs, the state created eagerly vs in its shardings (4.2B at hp = 2) and that run's
 # steps. Argument: one (1 GPU: tests, limits, the 2.2B at micro-batch 16 and 32), one42 (1 GPU: the 4.2B configs),
-# two (2 GPUs), two_so (2 GPUs: parallel.shard_optimizer, data-parallel 2.2B off / on and the 4.2B on).
+# two (2 GPUs), two_so (2 GPUs: parallel.shard_optimizer, data-parallel 2.2B off / on and the 4.2B on), remat (1 GPU:
+# model.remat=block against none).
 set -o pipefail
 OUT=${OUT:-/tmp/memory_out}
 source "$(dirname "$0")/gpu_stage.sh"
@@ -51,6 +52,16 @@ two_so)  # parallel.shard_optimizer (session 40; CPU-counted state per GPU 24.68
       --set parallel.shard_optimizer=true
   bench fit-4.2b-data2-so 240 fit --config configs/mh_latent_moe_hp_4.2b.yaml --set parallel.hp=1 --steps 8 \
       --set parallel.shard_optimizer=true
+  ;;
+remat)  # model.remat=block (session 41, not yet measured): tests, the 2.2B at micro-batch 16 none / block (the
+  # baseline rerun in this call), micro-batch 32 block, the 4.2B --check with block
+  stage tests-remat 300 python3 -m pytest -q -rs tests/test_remat.py -m gpu
+  bench fit-2.2b-mb16 200 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set train.micro_batch=16
+  bench fit-2.2b-mb16-remat 200 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set train.micro_batch=16 \
+      --set model.remat=block
+  bench fit-2.2b-mb32-remat 200 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set train.micro_batch=32 \
+      --set train.global_batch=64 --set model.remat=block
+  bench check-4.2b-remat 200 fit --check --config configs/mh_latent_moe_hp_4.2b.yaml --set model.remat=block
   ;;
 esac
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$LOG"

@@ -36,6 +36,9 @@ class ModelConfig:
     # auto: pallas on GPU (Pallas flash attention, bitwise repeatable), xla elsewhere; cudnn: ~5% faster per 2.2B step
     # on an H100, but its backward is not repeatable at 2048 tokens
     attention_impl: Literal["auto", "cudnn", "xla", "pallas"] = "auto"
+    # activation checkpointing: "block" keeps only each block's input for the backward and recomputes the rest of
+    # the block there (less activation memory, one more forward pass); "none" keeps what autodiff keeps
+    remat: Literal["none", "block"] = "none"
 
 
 @dataclass

@@ -82,11 +82,15 @@ def test_check_fits_names_the_figures_and_what_to_change():
     text = str(e.value)
     for part in ("71.00 GiB per device on 1 device(s)", "state and batch 51.00 GiB", "temporaries 20.00 GiB",
                  "60.00 GiB that JAX may allocate on each NVIDIA H100 80GB HBM3", "parallel.hp (now 1",
-                 "train.micro_batch (now 4", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+                 "train.micro_batch (now 4", "model.remat=block", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
         assert part in text, (part, text)
     with pytest.raises(ConfigError) as e:  # the state alone does not fit: a smaller micro-batch cannot help
         check_fits(m, (int(40 * GIB), "H100"), cfg, 1)
-    assert "micro_batch" not in str(e.value) and "parallel.hp" in str(e.value)
+    assert "micro_batch" not in str(e.value) and "remat" not in str(e.value) and "parallel.hp" in str(e.value)
+    remat = load_config(str(ROOT / "configs/mh_latent_moe_hp_4.2b.yaml"), ["model.remat=block"])
+    with pytest.raises(ConfigError) as e:  # on already: not suggested
+        check_fits(m, (int(60 * GIB), "H100"), remat, 1)
+    assert "remat" not in str(e.value) and "micro_batch" in str(e.value)
     moe = load_config(str(ROOT / "configs/moe_ep_2.2b.yaml"))
     with pytest.raises(ConfigError, match=r"parallel.ep \(now 1"):
         check_fits(m, (int(60 * GIB), "H100"), moe, 1)

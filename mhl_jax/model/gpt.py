@@ -73,6 +73,7 @@ class GPT(nnx.Module):
         self.head = normal_param(rngs, (m.d_model, m.vocab_size), m.init_std)
         self.dtype = jnp.dtype(m.compute_dtype)
         self.batch_shards = 1 if mesh is None else mesh.size  # the batch is split over every device of the mesh
+        self.remat = m.remat
 
     def expert_weight_casts(self) -> dict[int, tuple[jax.Array, jax.Array]]:
         """{layer: (w1, w2) in the compute dtype} for the MoE layers whose executor reads the expert weights cast
@@ -105,8 +106,9 @@ class GPT(nnx.Module):
         h = embed_lookup(self.embed[...], tokens)  # deterministic gradient (mhl_jax/ops/embed.py)
         loads = {}
         weights_cast, grad_acc = weights_cast or {}, grad_acc or {}
+        call = _remat_block if self.remat == "block" else _call_block
         for i, block in enumerate(self.blocks):
-            h, load = block(h, weights_cast.get(i), grad_acc.get(i))
+            h, load = call(block, h, weights_cast.get(i), grad_acc.get(i))
             if load is not None:
                 loads[i] = load
         return self.norm_f(h).astype(self.dtype), loads
@@ -129,6 +131,22 @@ class GPT(nnx.Module):
         shards = self.batch_shards if x.shape[0] % self.batch_shards == 0 else 1  # under jit x is the whole batch
         tc = loss_chunk_len(x.shape[0] // shards, x.shape[1], HEAD_LOSS_CHUNK)
         return head_loss(x, w, targets, tc, shards), loads
+
+
+def _call_block(block: Block, h: jax.Array, weights_cast, grad_acc):
+    return block(h, weights_cast, grad_acc)
+
+
+def _remat_block(block: Block, h: jax.Array, weights_cast, grad_acc):
+    """model.remat = "block": the backward keeps the block's inputs and recomputes its forward from them. The block
+    goes in as (graph, state), functionally: the forward changes no variable (nnx.remat would write the state back
+    into variables of the enclosing trace, which nnx refuses here)."""
+    graph, state = nnx.split(block)
+
+    def run(state, h, weights_cast, grad_acc):
+        return _call_block(nnx.merge(graph, state), h, weights_cast, grad_acc)
+
+    return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(state, h, weights_cast, grad_acc)
 
 
 @jax.custom_vjp

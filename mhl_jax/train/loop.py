@@ -51,7 +51,7 @@ def model_fingerprint(cfg: Config) -> dict:
     """What a checkpoint must agree on to be restored into this run."""
     d = config_to_dict(cfg)
     ffn = {k: v for k, v in d["ffn"].items() if k not in ("kernels", "balance_gamma")}
-    model = {k: v for k, v in d["model"].items() if k not in ("attention_impl", "compute_dtype")}
+    model = {k: v for k, v in d["model"].items() if k not in ("attention_impl", "compute_dtype", "remat")}
     return {"model": model, "ffn": ffn}
 
 

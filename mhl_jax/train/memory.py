@@ -115,6 +115,9 @@ def check_fits(m: StepMemory, limit: tuple[int, str] | None, cfg: Config, device
                      "moments over the devices that now hold copies of them)")
     if state_fits and cfg.train.micro_batch > 1:
         hints.append(f"a smaller train.micro_batch (now {cfg.train.micro_batch}; the activations scale with it)")
+    if state_fits and cfg.model.remat == "none":
+        hints.append("model.remat=block (the backward keeps only each block's input and recomputes the block: fewer "
+                     "activations kept, one more forward pass)")
     hints.append("a higher allocation limit if the device has more memory (XLA_PYTHON_CLIENT_MEM_FRACTION, e.g. 0.95)")
     raise ConfigError(f"the train step needs {m.total / GIB:.2f} GiB per device on {devices} device(s) (XLA's "
                       f"estimate: state and batch {m.arguments / GIB:.2f} GiB, activations and other temporaries "

@@ -1,0 +1,107 @@
+"""`model.remat`: activation checkpointing per block.
+
+"block" must give the step of "none" (the same new state and metrics; the backward recomputes each block's forward
+from its input, so only the order of some fp32 sums may differ) on the paths the GPU runs: the fused Triton MoE core
+(emulated on the CPU: the same custom_vjp, packing and in-place gradient sums), under Head Parallel, and the dense
+and MoE models. The step's program must hold one rematerialised region per block, and a checkpoint must restore
+across the switch.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import mhl_jax.train.step as step_mod
+from mhl_jax.model.balancing import RouterBias
+from mhl_jax.model.gpt import build_model
+from mhl_jax.model.moe_core import LocalMoE
+from mhl_jax.ops.kernels_select import resolve_kernels
+from mhl_jax.parallel.executors import make_executor
+from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
+from mhl_jax.train.loop import model_fingerprint
+from mhl_jax.train.optimizer import make_optimizer
+from mhl_jax.train.schedule import make_schedule
+from tests.test_kernels_in_model import emulated, small, tokens  # noqa: F401  (emulated: a fixture)
+
+
+def _remat_regions(jaxpr) -> int:
+    """Rematerialised regions (jax.checkpoint) in a jaxpr, nested ones included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name in ("remat", "checkpoint", "remat2")
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _remat_regions(sub)
+    return n
+
+
+def _step(cfg, triton: bool):
+    """(new state, metrics) of one train step of 2 micro-batches, and the step's jaxpr."""
+    mesh = make_mesh(cfg) if cfg.parallel.devices > 1 else None
+    executor = LocalMoE(resolve_kernels(cfg.ffn.kernels)) if mesh is None else make_executor(cfg, mesh)
+    if triton:
+        executor.impl = "triton"  # what ffn.kernels=auto resolves to on a GPU (emulated on the CPU)
+    graphdef, params, biases = nnx.split(build_model(cfg, executor=executor), nnx.Param, RouterBias)
+    tx = make_optimizer(cfg)
+    state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0)}
+    batch = jnp.stack([tokens(cfg, 4), tokens(cfg, 4)[::-1]])
+    step = step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule))
+    jaxpr = jax.make_jaxpr(step)(state, batch).jaxpr
+    if mesh is None:
+        out = jax.jit(step)(state, batch)
+    else:
+        sh, bsh = state_shardings(cfg, mesh, state), NamedSharding(mesh, batch_spec(mesh))
+        out = step_mod.jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule),
+                                      sh, bsh)(jax.device_put(state, sh), jax.device_put(batch, bsh))
+    return jax.device_get(out), jaxpr
+
+
+@pytest.mark.parametrize("kind, devices, triton", [
+    ("mh_latent_moe", 1, True), ("mh_latent_moe", 2, True), ("moe", 1, True), ("mlp", 1, False),
+    ("mh_latent_moe", 1, False)])
+def test_block_remat_gives_the_same_step(emulated, kind, devices, triton):  # noqa: F811
+    extra = (("ffn.latent_dim=64", "ffn.head_dim=16", f"parallel.hp={devices}") if kind == "mh_latent_moe" else ())
+    base = small(kind, *extra, "model.compute_dtype=bfloat16", "ffn.num_experts=12", "ffn.expert_hidden=32",
+                 f"parallel.devices={devices}", "model.n_layers=3")
+    outs = {}
+    for remat in ("none", "block"):
+        cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, remat=remat))
+        outs[remat], jaxpr = _step(cfg, triton)
+        assert _remat_regions(jaxpr) == (0 if remat == "none" else cfg.model.n_layers), remat
+    (s0, m0), (s1, m1) = outs["none"], outs["block"]
+    assert float(m0["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-6)
+    for a, b in zip(jax.tree.leaves((s0, m0)), jax.tree.leaves((s1, m1))):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind in "iub":  # step counter, expert loads: exact
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_remat_is_not_part_of_the_checkpoint_fingerprint():
+    a = small("mh_latent_moe")
+    b = dataclasses.replace(a, model=dataclasses.replace(a.model, remat="block"))
+    assert model_fingerprint(a) == model_fingerprint(b)  # a run resumes with remat switched
+    c = dataclasses.replace(a, model=dataclasses.replace(a.model, d_model=32))
+    assert model_fingerprint(a) != model_fingerprint(c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mh_latent_moe", "moe"])
+def test_gpu_block_remat_gives_the_same_step(kind):
+    """On a GPU with the real Triton kernels (ffn.kernels=auto), bf16 compute."""
+    extra = ("ffn.latent_dim=64", "ffn.head_dim=16") if kind == "mh_latent_moe" else ()
+    base = small(kind, *extra, "model.compute_dtype=bfloat16", "ffn.num_experts=12", "ffn.expert_hidden=32",
+                 "parallel.devices=1", "model.n_layers=3", "model.context=128", "ffn.kernels=auto")
+    outs = []
+    for remat in ("none", "block"):
+        cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, remat=remat))
+        outs.append(_step(cfg, triton=False)[0])  # "auto" resolves to the Triton kernels on a GPU
+    (s0, m0), (s1, m1) = outs
+    assert float(m0["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(s0["params"]), jax.tree.leaves(s1["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
