@@ -4,7 +4,7 @@
 # measured peak) and, on 2 GPUs, the state created eagerly vs in its shardings (4.2B at hp = 2) and that run's
 # steps. Argument: one (1 GPU: tests, limits, the 2.2B at micro-batch 16 and 32), one42 (1 GPU: the 4.2B configs),
 # two (2 GPUs), two_so (2 GPUs: parallel.shard_optimizer, data-parallel 2.2B off / on and the 4.2B on), remat (1 GPU:
-# model.remat=block against none).
+# model.remat=block against none), moments (1 GPU: the 4.2B with bf16 AdamW moments).
 set -o pipefail
 OUT=${OUT:-/tmp/memory_out}
 source "$(dirname "$0")/gpu_stage.sh"
@@ -62,6 +62,16 @@ remat)  # model.remat=block (session 41, not yet measured): tests, the 2.2B at m
   bench fit-2.2b-mb32-remat 200 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set train.micro_batch=32 \
       --set train.global_batch=64 --set model.remat=block
   bench check-4.2b-remat 200 fit --check --config configs/mh_latent_moe_hp_4.2b.yaml --set model.remat=block
+  ;;
+moments)  # optimizer.moment_dtype=bfloat16 (session 41, not yet measured; counted state 47.22 -> 31.48 GiB): the
+  # 4.2B configs on one GPU (predicted 74.49 -> ~58.8 GiB for MH-LatentMoE, 75.44 -> ~59.8 for MoE), with remat too
+  bench check-4.2b-bf16m 200 fit --check --config configs/mh_latent_moe_hp_4.2b.yaml \
+      --set optimizer.moment_dtype=bfloat16
+  bench fit-4.2b-bf16m 300 fit --config configs/mh_latent_moe_hp_4.2b.yaml --set optimizer.moment_dtype=bfloat16
+  bench fit-4.2b-bf16m-remat 300 fit --config configs/mh_latent_moe_hp_4.2b.yaml \
+      --set optimizer.moment_dtype=bfloat16 --set model.remat=block
+  bench check-4.2b-moe-bf16m-remat 200 fit --check --config configs/moe_ep_4.2b.yaml \
+      --set optimizer.moment_dtype=bfloat16 --set model.remat=block
   ;;
 esac
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$LOG"

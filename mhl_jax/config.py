@@ -79,6 +79,9 @@ class OptimizerConfig:
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.1  # decoupled weight decay, applied to matrices only (not norms)
     grad_clip: Optional[float] = 1.0  # global grad-norm clip; None disables it
+    # dtype AdamW's moments are stored in between steps (the update itself runs in fp32): bfloat16 halves their
+    # memory (8 -> 4 bytes per parameter for the two), rounding them to bf16 after every step
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclass

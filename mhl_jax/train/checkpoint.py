@@ -335,8 +335,11 @@ class Checkpointer:
                                   f"{len(extra)} not in this run ({show(extra)})")
         for names, (shape, dtype) in wanted.items():
             if [list(saved[names][0]), saved[names][1]] != [shape, dtype]:
+                hint = (f" (the optimizer's moments: set optimizer.moment_dtype={saved[names][1]} as the run that "
+                        "wrote it had)" if names[0] == "opt_state" and list(saved[names][0]) == list(shape)
+                        and {saved[names][1], dtype} == {"float32", "bfloat16"} else "")
                 raise CheckpointError(f"checkpoint {where}: leaf {'/'.join(names)} is {saved[names][1]}"
-                                      f"{tuple(saved[names][0])}, this run expects {dtype}{tuple(shape)}")
+                                      f"{tuple(saved[names][0])}, this run expects {dtype}{tuple(shape)}{hint}")
 
     def _read(self, step: int, directory: Path, args: Any, where: str, what: str) -> Any:
         """Orbax's restore of `args`; a damaged or incomplete step directory raises CheckpointError naming it and the

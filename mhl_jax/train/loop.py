@@ -39,7 +39,7 @@ from mhl_jax.train.memory import (
 from mhl_jax.train.metrics import StepClock, device_peak_flops, format_line, mfu
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
-from mhl_jax.train.state import shard_optimizer_saving, shardings_of, state_creator
+from mhl_jax.train.state import moment_dtype_saving, shard_optimizer_saving, shardings_of, state_creator
 from mhl_jax.train.step import jit_train_step, make_eval_step
 
 # Dispatch each step before fetching the previous step's metrics (False: fetch them first, the device idling while
@@ -285,7 +285,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                 if saving > 0:
                     log(f"parallel.shard_optimizer=true would hold {amount(saving)} less per device (AdamW's moments "
                         "split over the devices that hold copies of them)")
-                check_fits(memory, limit, cfg, mesh.size, saving)
+                check_fits(memory, limit, cfg, mesh.size, saving, moment_dtype_saving(cfg, abstract))
         except Exception as e:
             failed = e
         agree(failed is None, "the memory check")

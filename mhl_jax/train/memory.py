@@ -97,10 +97,11 @@ def per_device_bytes(tree) -> int:
 
 
 def check_fits(m: StepMemory, limit: tuple[int, str] | None, cfg: Config, devices: int,
-               shard_saving: int = 0) -> None:
+               shard_saving: int = 0, moment_saving: int = 0) -> None:
     """ConfigError when the step cannot fit the limit (it would run out of memory at its first run), naming the
     figures and what to change. shard_saving: the bytes per device that parallel.shard_optimizer would save
-    (`mhl_jax.train.state.shard_optimizer_saving`; 0: none, or it is on)."""
+    (`mhl_jax.train.state.shard_optimizer_saving`; 0: none, or it is on); moment_saving: those that
+    optimizer.moment_dtype=bfloat16 would (`mhl_jax.train.state.moment_dtype_saving`)."""
     if limit is None or m.total <= limit[0]:
         return
     axis = "hp" if cfg.ffn.kind == "mh_latent_moe" else "ep"
@@ -113,6 +114,9 @@ def check_fits(m: StepMemory, limit: tuple[int, str] | None, cfg: Config, device
     if shard_saving > 0:
         hints.append(f"parallel.shard_optimizer=true ({amount(shard_saving)} less per device: it splits AdamW's "
                      "moments over the devices that now hold copies of them)")
+    if moment_saving > 0:
+        hints.append(f"optimizer.moment_dtype=bfloat16 ({amount(moment_saving)} less per device: AdamW's moments "
+                     "stored in bf16 between steps)")
     if state_fits and cfg.train.micro_batch > 1:
         hints.append(f"a smaller train.micro_batch (now {cfg.train.micro_batch}; the activations scale with it)")
     if state_fits and cfg.model.remat == "none":

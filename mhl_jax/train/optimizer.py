@@ -1,8 +1,10 @@
-"""AdamW (decoupled weight decay on matrices only) with global grad-norm clipping."""
+"""AdamW (decoupled weight decay on matrices only) with global grad-norm clipping; its moments optionally stored in
+bf16 between steps."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from mhl_jax.config import Config
@@ -14,10 +16,31 @@ def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def _floats_as(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def stored_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """`tx` whose state's floating-point arrays (AdamW's moments) are kept in `dtype` between updates: each update
+    widens them to fp32, runs `tx`'s own update, and rounds the new state to `dtype` (to nearest even). `tx` itself
+    for float32."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return tx
+
+    def init(params):
+        return _floats_as(tx.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = tx.update(updates, _floats_as(state, jnp.float32), params)
+        return updates, _floats_as(state, dtype)
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     o = cfg.optimizer
     adamw = optax.adamw(make_schedule(o, cfg.schedule), b1=o.beta1, b2=o.beta2, eps=o.eps,
                         weight_decay=o.weight_decay, mask=decay_mask)
-    if o.grad_clip is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw)
+    tx = adamw if o.grad_clip is None else optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw)
+    return stored_in(tx, o.moment_dtype)

@@ -41,6 +41,15 @@ def shard_optimizer_saving(cfg: Config, mesh: Mesh, abstract) -> int:
     return per_device_bytes(abstract["opt_state"]) - per_device_bytes(moved)
 
 
+def moment_dtype_saving(cfg: Config, abstract) -> int:
+    """Bytes per device that optimizer.moment_dtype=bfloat16 would save this state (half of AdamW's fp32 moments on
+    the device holding the most of them; 0 when they are bf16 already)."""
+    if cfg.optimizer.moment_dtype != "float32":
+        return 0
+    moments = [a for a in jax.tree.leaves(abstract["opt_state"]) if jnp.issubdtype(a.dtype, jnp.floating)]
+    return per_device_bytes(moments) // 2
+
+
 def shardings_of(abstract):
     """The shardings of a state's leaves (arrays or ShapeDtypeStructs)."""
     return jax.tree.map(lambda a: a.sharding, abstract)
