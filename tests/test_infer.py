@@ -229,3 +229,29 @@ def test_reading_leaves_the_run_directory_alone(run_dir):
     finally:
         os.rmdir(leftover)
 
+
+
+@pytest.mark.gpu
+def test_gpu_evaluate_gives_the_record_and_generate_reads_the_unpadded_logits(tmp_path):
+    """On a GPU (Triton MoE kernels, Pallas attention, bf16): the evaluation, with the run's autotuning results
+    loaded, repeats the run's own val_loss bitwise; the padded windows' logits are the unpadded forward's."""
+    d = tmp_path / "run"
+    cfg = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), [
+        "schedule.total_steps=20", "schedule.warmup_steps=5", "schedule.decay_steps=5", "model.context=128",
+        "model.compute_dtype=bfloat16", "train.global_batch=8", "train.micro_batch=8", "data.val_sequences=16",
+        "data.eval_every=20", "checkpoint.every=20", "checkpoint.async_save=false", "logging.progress_bar=false",
+        f"logging.run_dir={d}", "parallel.devices=1"])
+    train(cfg, log=lambda *a, **k: None)
+    assert (d / "xla_autotune.txt").is_file()
+    loaded = load_run(d)
+    assert loaded.compiler_options == {"xla_gpu_load_autotune_results_from": str((d / "xla_autotune.txt").resolve())}
+    assert evaluate_run(loaded)["val_loss"] == records(d)[20]["val_loss"]
+    model = nnx.merge(loaded.graphdef, loaded.params, loaded.biases)
+    forward = jax.jit(lambda toks: model(toks)[0][0, -1])
+    text = list(b"The function returns the value of the object, or raises an exception if it is not found. ") * 2
+    seqs = [[256] + text[:3], [256] + text[:127], [256] + text[:150]]
+    for seq, row in zip(seqs, next_logits(loaded, seqs)):
+        np.testing.assert_allclose(row, np.asarray(forward(jnp.asarray([seq[-128:]], jnp.int32))), rtol=2e-2,
+                                   atol=2e-2)
+    outs = generate(loaded, seqs, max_new_tokens=16, temperature=0.8, top_k=20, vocab=TOKENIZER_VOCAB)
+    assert [len(o) for o in outs] == [16] * 3 and max(max(o) for o in outs) < TOKENIZER_VOCAB
