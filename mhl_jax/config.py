@@ -87,8 +87,11 @@ class OptimizerConfig:
 @dataclass
 class ScheduleConfig:
     warmup_steps: int = 8000  # linear warmup from 0 to the peak LR
-    decay_steps: int = 2000  # linear decay to 0 over the last steps
+    decay_steps: int = 2000  # decay to final_lr_ratio x the peak over the last steps
     total_steps: int = 15000  # optimizer steps in the run (10B tokens / 0.66M per step ~ 15k)
+    decay: Literal["linear", "cosine"] = "linear"  # the decay's shape (linear: the paper's trapezoid); a classic
+    # cosine schedule is decay=cosine with decay_steps = total_steps - warmup_steps
+    final_lr_ratio: float = 0.0  # the LR the decay ends at, as a fraction of the peak
 
 
 @dataclass
@@ -349,6 +352,7 @@ def validate(cfg: Config) -> None:
     _require(s.warmup_steps + s.decay_steps <= s.total_steps,
              f"schedule.warmup_steps={s.warmup_steps} + decay_steps={s.decay_steps} "
              f"exceeds schedule.total_steps={s.total_steps}")
+    _require(0.0 <= s.final_lr_ratio <= 1.0, f"schedule.final_lr_ratio={s.final_lr_ratio}: must be in [0, 1]")
     o = cfg.optimizer
     _require(o.lr > 0, f"optimizer.lr={o.lr}: must be positive")
     _require(o.grad_clip is None or o.grad_clip > 0, f"optimizer.grad_clip={o.grad_clip}: must be positive or null")

@@ -28,3 +28,43 @@ def test_monotone_pieces():
 def test_decay_mask_skips_norms():
     params = {"norm": {"scale": jnp.ones(4)}, "w": jnp.ones((4, 4)), "experts": jnp.ones((2, 3, 4, 4))}
     assert decay_mask(params) == {"norm": {"scale": False}, "w": True, "experts": True}
+
+
+def _reference(step, peak, warmup, decay, total, shape, r):
+    """The schedule in float64, written from its definition."""
+    up = min(1.0, (step + 1) / warmup) if warmup else 1.0
+    d = min(1.0, max(0.0, (total - step) / decay)) if decay else 1.0
+    f = d if shape == "linear" else (1 - np.cos(np.pi * d)) / 2
+    return peak * min(up, r + (1 - r) * f if decay else 1.0)
+
+
+@pytest.mark.parametrize("shape, r", [("linear", 0.0), ("linear", 0.1), ("cosine", 0.0), ("cosine", 0.1)])
+def test_decay_shapes_and_final_ratio(shape, r):
+    warmup, decay, total = 10, 40, 100
+    lr = np.array([float(trapezoidal(s, 2.0, warmup, decay, total, shape, r)) for s in range(total + 1)])
+    ref = np.array([_reference(s, 2.0, warmup, decay, total, shape, r) for s in range(total + 1)])
+    np.testing.assert_allclose(lr, ref, rtol=1e-6, atol=1e-7)
+    assert np.all(lr[9:61] == 2.0) and np.all(np.diff(lr[60:]) < 0)  # constant until total - decay, then falls
+    assert lr[-1] == pytest.approx(2.0 * r, abs=1e-7)
+    if shape == "cosine":  # half way down the decay: half way to the final LR; flat at both ends
+        assert lr[80] == pytest.approx(2.0 * (r + (1 - r) / 2), rel=1e-6)
+        assert lr[60] - lr[61] < lr[80] - lr[81] and lr[99] - lr[100] < lr[80] - lr[81]
+
+
+def test_linear_decay_to_zero_is_the_paper_trapezoid_bitwise():
+    import jax
+
+    old = jax.jit(lambda s: 5e-4 * jnp.minimum(jnp.minimum(1.0, (s + 1.0) / 8000),
+                                              jnp.clip((15000 - s) / 2000, 0.0, 1.0)))
+    new = jax.jit(lambda s: trapezoidal(s, 5e-4, 8000, 2000, 15000))
+    steps = jnp.arange(0, 15001, dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(old)(steps)), np.asarray(jax.vmap(new)(steps)))
+
+
+def test_final_ratio_is_checked():
+    from mhl_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"schedule.final_lr_ratio=1.5: must be in \[0, 1\]"):
+        load_config(None, ["schedule.final_lr_ratio=1.5"])
+    with pytest.raises(ConfigError, match="schedule.decay"):
+        load_config(None, ["schedule.decay=exponential"])
