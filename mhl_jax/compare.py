@@ -1,0 +1,184 @@
+"""Compare training runs: a table of where each run stands, and optionally their loss curves.
+
+    python -m mhl_jax.compare runs/mlp runs/moe runs/mh_latent_moe [--smooth 20] [--plot curves.png] [--json]
+
+Each RUN_DIR is a `logging.run_dir` written by train.py; only its `config.yaml` and `metrics.jsonl` are read (a run
+still training can be compared). Per run: the model (ffn.kind, active / total parameters, counted from the config's
+shapes), the last step and the tokens seen by then (steps x train.global_batch x model.context), the training loss
+averaged over the last `--smooth` recorded steps, the last validation loss and perplexity and their step, the median
+tokens/s and MFU over the records after the first (which includes compilation), and the largest expert load relative
+to uniform at the last step (1.00: perfect balance; MoE runs only). `--plot FILE` draws the training loss (a moving
+average over `--smooth` steps) and the validation loss against tokens seen, one line per run (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from mhl_jax.config import Config, ConfigError, load_config
+
+
+def read_run(run_dir: str | Path) -> tuple[Config, list[dict]]:
+    """(config, metric records in step order) of a run directory."""
+    run = Path(run_dir).expanduser()
+    if not run.is_dir():
+        raise ConfigError(f"run directory {str(run_dir)!r} does not exist (expected a logging.run_dir written by "
+                          "train.py)")
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"run directory {str(run_dir)!r} holds no config.yaml; expected a logging.run_dir written "
+                          "by train.py")
+    cfg = load_config(str(run / "config.yaml"))
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"run directory {str(run_dir)!r} holds no metrics.jsonl (has the run taken a step yet?)")
+    records = []
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines):  # the last record, being written as we read: left out
+                break
+            raise ConfigError(f"{path}: line {n} is not JSON ({e.msg})") from e
+        if not isinstance(r, dict) or "step" not in r or "loss" not in r:
+            raise ConfigError(f"{path}: line {n} is not a train.py metrics record (no step / loss)")
+        records.append(r)
+    if not records:
+        raise ConfigError(f"{path} holds no records yet")
+    records.sort(key=lambda r: r["step"])
+    return cfg, records
+
+
+def summarize(run_dir: str | Path, smooth: int = 20) -> dict:
+    """One run's row of the table (module docstring)."""
+    from mhl_jax.model.params import count_params
+
+    cfg, recs = read_run(run_dir)
+    counts = count_params(cfg)
+    last = recs[-1]
+    tail = recs[-smooth:]
+    vals = [r for r in recs if r.get("val_loss") is not None]
+    steady = recs[1:] or recs
+    rates = [r["tokens_per_s"] for r in steady if r.get("tokens_per_s")]
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    loads = [v for k, v in last.items() if k.startswith("load_max/")]
+    return {
+        "run": str(run_dir), "name": cfg.name, "kind": cfg.ffn.kind, "active_params": counts.active,
+        "total_params": counts.total, "step": last["step"], "total_steps": cfg.schedule.total_steps,
+        "tokens": last["step"] * cfg.train.global_batch * cfg.model.context,
+        "loss": sum(r["loss"] for r in tail) / len(tail), "loss_steps": len(tail),
+        "val_loss": vals[-1]["val_loss"] if vals else None, "val_ppl": vals[-1].get("val_ppl") if vals else None,
+        "val_step": vals[-1]["step"] if vals else None,
+        "tokens_per_s": statistics.median(rates) if rates else None, "mfu": statistics.median(mfus) if mfus else None,
+        "load_max": max(loads) if loads else None,
+    }
+
+
+def _count(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a Markdown table."""
+    head = ["run", "model", "params (active / total)", "step", "tokens", "loss", "val_loss (step)", "val_ppl",
+            "tokens/s", "MFU", "max load"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        val = f"{r['val_loss']:.4f} ({r['val_step']})" if r["val_loss"] is not None else "-"
+        lines.append("| " + " | ".join([
+            r["run"], f"{r['kind']} ({r['name']})", f"{_count(r['active_params'])} / {_count(r['total_params'])}",
+            f"{r['step']}/{r['total_steps']}", _count(r["tokens"]),
+            f"{r['loss']:.4f}" + (f" (mean of {r['loss_steps']})" if r["loss_steps"] > 1 else ""), val,
+            f"{r['val_ppl']:.2f}" if r["val_ppl"] is not None else "-",
+            _count(r["tokens_per_s"]) if r["tokens_per_s"] else "-",
+            f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-",
+            f"{r['load_max']:.2f}" if r["load_max"] is not None else "-"]) + " |")
+    return "\n".join(lines)
+
+
+def moving_average(xs: list[float], n: int) -> list[float]:
+    """The mean of each value and the up to n - 1 before it."""
+    out, total = [], 0.0
+    for i, x in enumerate(xs):
+        total += x
+        if i >= n:
+            total -= xs[i - n]
+        out.append(total / min(i + 1, n))
+    return out
+
+
+def plot(run_dirs: list[str], path: str | Path, smooth: int = 20) -> None:
+    """Training loss (moving average) and validation loss against tokens seen, one line per run, into `path`."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ConfigError("--plot needs matplotlib (pip install matplotlib)") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in run_dirs:
+        cfg, recs = read_run(run)
+        per_step = cfg.train.global_batch * cfg.model.context
+        label = f"{Path(run).name} ({cfg.ffn.kind})"
+        line, = ax_t.plot([r["step"] * per_step for r in recs],
+                          moving_average([r["loss"] for r in recs], smooth), label=label)
+        vals = [r for r in recs if r.get("val_loss") is not None]
+        if vals:
+            ax_v.plot([r["step"] * per_step for r in vals], [r["val_loss"] for r in vals], "o-", label=label,
+                      color=line.get_color())
+    for ax, title in ((ax_t, f"training loss (moving average of {smooth} steps)"), (ax_v, "validation loss")):
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("loss (nats / token)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise ConfigError(f"--plot {str(path)!r}: cannot write it ({e.strerror or e})") from e
+    finally:
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mhl_jax.compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="logging.run_dir of a train.py run")
+    ap.add_argument("--smooth", type=int, default=20, help="steps averaged for the loss (default 20)")
+    ap.add_argument("--plot", default=None, metavar="FILE", help="write the loss curves to FILE (e.g. curves.png)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line per run instead of the table")
+    args = ap.parse_args(argv)
+    if args.smooth < 1:
+        ap.error(f"--smooth {args.smooth}: must be >= 1")
+    try:
+        rows = [summarize(r, args.smooth) for r in args.runs]
+        if args.plot:
+            plot(args.runs, args.plot, args.smooth)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        for r in rows:
+            print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                              for k, v in r.items()}))
+    else:
+        print(table(rows))
+    if args.plot:
+        print(f"curves: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
