@@ -4,11 +4,13 @@
 
 Each RUN_DIR is a `logging.run_dir` written by train.py; only its `config.yaml` and `metrics.jsonl` are read (a run
 still training can be compared). Per run: the model (ffn.kind, active / total parameters, counted from the config's
-shapes), the last step and the tokens seen by then (steps x train.global_batch x model.context), the training loss
-averaged over the last `--smooth` recorded steps, the last validation loss and perplexity and their step, the median
-tokens/s and MFU over the records after the first (which includes compilation), and the largest expert load relative
-to uniform at the last step (1.00: perfect balance; MoE runs only). `--plot FILE` draws the training loss (a moving
-average over `--smooth` steps) and the validation loss against tokens seen, one line per run (needs matplotlib).
+shapes), the last step and the tokens seen by then (each step's train.global_batch x model.context, from the configs
+a resumed run with changed settings kept), the training loss averaged over the last `--smooth` recorded steps, the
+last validation loss and perplexity and their step, the median tokens/s and MFU over the records after the first
+(which includes compilation; a resumed launch's first records include its own, which the median mostly leaves out),
+and the largest expert load relative to uniform at the last step (1.00: perfect balance; MoE runs only). `--plot
+FILE` draws the training loss (a moving average over `--smooth` steps) and the validation loss against tokens seen,
+one line per run (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -23,8 +25,19 @@ from pathlib import Path
 from mhl_jax.config import Config, ConfigError, load_config
 
 
-def read_run(run_dir: str | Path) -> tuple[Config, list[dict]]:
-    """(config, metric records in step order) of a run directory."""
+def _load(path: Path, run_dir) -> Config:
+    if not path.read_text().strip():
+        raise ConfigError(f"run {str(run_dir)!r}: {path.name} is empty")
+    try:
+        return load_config(str(path))
+    except ConfigError as e:
+        raise ConfigError(f"run {str(run_dir)!r}: {path.name}: {e}") from e
+
+
+def read_run(run_dir: str | Path) -> tuple[Config, list[dict], list[tuple[int, Config]]]:
+    """(config, metric records in step order (the last record of a step, should one repeat), earlier configs): the
+    earlier configs are those a resumed run with changed settings kept (`config-until-stepN.yaml`, the config of steps
+    up to N), as (N, config) in step order."""
     run = Path(run_dir).expanduser()
     if not run.is_dir():
         raise ConfigError(f"run directory {str(run_dir)!r} does not exist (expected a logging.run_dir written by "
@@ -32,12 +45,16 @@ def read_run(run_dir: str | Path) -> tuple[Config, list[dict]]:
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"run directory {str(run_dir)!r} holds no config.yaml; expected a logging.run_dir written "
                           "by train.py")
-    cfg = load_config(str(run / "config.yaml"))
+    cfg = _load(run / "config.yaml", run_dir)
+    earlier = sorted((int(p.stem[len("config-until-step"):]), _load(p, run_dir))
+                     for p in run.glob("config-until-step*.yaml") if p.stem[len("config-until-step"):].isdigit())
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"run directory {str(run_dir)!r} holds no metrics.jsonl (has the run taken a step yet?)")
-    records = []
     lines = path.read_text().splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    by_step = {}
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -47,20 +64,32 @@ def read_run(run_dir: str | Path) -> tuple[Config, list[dict]]:
             if n == len(lines):  # the last record, being written as we read: left out
                 break
             raise ConfigError(f"{path}: line {n} is not JSON ({e.msg})") from e
-        if not isinstance(r, dict) or "step" not in r or "loss" not in r:
-            raise ConfigError(f"{path}: line {n} is not a train.py metrics record (no step / loss)")
-        records.append(r)
-    if not records:
+        if not (isinstance(r, dict) and isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float))
+                and math.isfinite(r["loss"])):
+            raise ConfigError(f"{path}: line {n} is not a train.py metrics record (an integer step and a finite loss "
+                              "expected)")
+        by_step[r["step"]] = r
+    if not by_step:
         raise ConfigError(f"{path} holds no records yet")
-    records.sort(key=lambda r: r["step"])
-    return cfg, records
+    return cfg, [by_step[k] for k in sorted(by_step)], earlier
+
+
+def tokens_through(step: int, cfg: Config, earlier: list[tuple[int, Config]]) -> int:
+    """Tokens trained on by the end of `step`, each step at the global batch and context of its own config."""
+    total, done = 0, 0
+    for until, c in [*earlier, (step, cfg)]:
+        upto = min(until, step)
+        if upto > done:
+            total += (upto - done) * c.train.global_batch * c.model.context
+            done = upto
+    return total
 
 
 def summarize(run_dir: str | Path, smooth: int = 20) -> dict:
     """One run's row of the table (module docstring)."""
     from mhl_jax.model.params import count_params
 
-    cfg, recs = read_run(run_dir)
+    cfg, recs, earlier = read_run(run_dir)
     counts = count_params(cfg)
     last = recs[-1]
     tail = recs[-smooth:]
@@ -72,7 +101,7 @@ def summarize(run_dir: str | Path, smooth: int = 20) -> dict:
     return {
         "run": str(run_dir), "name": cfg.name, "kind": cfg.ffn.kind, "active_params": counts.active,
         "total_params": counts.total, "step": last["step"], "total_steps": cfg.schedule.total_steps,
-        "tokens": last["step"] * cfg.train.global_batch * cfg.model.context,
+        "tokens": tokens_through(last["step"], cfg, earlier),
         "loss": sum(r["loss"] for r in tail) / len(tail), "loss_steps": len(tail),
         "val_loss": vals[-1]["val_loss"] if vals else None, "val_ppl": vals[-1].get("val_ppl") if vals else None,
         "val_step": vals[-1]["step"] if vals else None,
@@ -127,15 +156,14 @@ def plot(run_dirs: list[str], path: str | Path, smooth: int = 20) -> None:
 
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
     for run in run_dirs:
-        cfg, recs = read_run(run)
-        per_step = cfg.train.global_batch * cfg.model.context
+        cfg, recs, earlier = read_run(run)
         label = f"{Path(run).name} ({cfg.ffn.kind})"
-        line, = ax_t.plot([r["step"] * per_step for r in recs],
+        line, = ax_t.plot([tokens_through(r["step"], cfg, earlier) for r in recs],
                           moving_average([r["loss"] for r in recs], smooth), label=label)
         vals = [r for r in recs if r.get("val_loss") is not None]
         if vals:
-            ax_v.plot([r["step"] * per_step for r in vals], [r["val_loss"] for r in vals], "o-", label=label,
-                      color=line.get_color())
+            ax_v.plot([tokens_through(r["step"], cfg, earlier) for r in vals], [r["val_loss"] for r in vals], "o-",
+                      label=label, color=line.get_color())
     for ax, title in ((ax_t, f"training loss (moving average of {smooth} steps)"), (ax_v, "validation loss")):
         ax.set_xlabel("tokens")
         ax.set_ylabel("loss (nats / token)")

@@ -91,7 +91,8 @@ class ScheduleConfig:
     total_steps: int = 15000  # optimizer steps in the run (10B tokens / 0.66M per step ~ 15k)
     decay: Literal["linear", "cosine"] = "linear"  # the decay's shape (linear: the paper's trapezoid); a classic
     # cosine schedule is decay=cosine with decay_steps = total_steps - warmup_steps
-    final_lr_ratio: float = 0.0  # the LR the decay ends at, as a fraction of the peak
+    final_lr_ratio: float = 0.0  # where the decay heads, as a fraction of the peak: the LR at step total_steps (the
+    # last step trains at final + (1 - final) / decay_steps of the peak, as the trapezoid's last step at 1 / decay_steps)
 
 
 @dataclass
@@ -353,6 +354,9 @@ def validate(cfg: Config) -> None:
              f"schedule.warmup_steps={s.warmup_steps} + decay_steps={s.decay_steps} "
              f"exceeds schedule.total_steps={s.total_steps}")
     _require(0.0 <= s.final_lr_ratio <= 1.0, f"schedule.final_lr_ratio={s.final_lr_ratio}: must be in [0, 1]")
+    _require(s.decay_steps > 0 or (s.final_lr_ratio == 0.0 and s.decay == "linear"),
+             f"schedule.decay={s.decay!r}, final_lr_ratio={s.final_lr_ratio} shape the decay, and "
+             "schedule.decay_steps=0 has none; set decay_steps > 0 (or leave them at linear / 0)")
     o = cfg.optimizer
     _require(o.lr > 0, f"optimizer.lr={o.lr}: must be positive")
     _require(o.grad_clip is None or o.grad_clip > 0, f"optimizer.grad_clip={o.grad_clip}: must be positive or null")

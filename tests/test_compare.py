@@ -55,6 +55,22 @@ def test_dense_run_without_validation(tmp_path):
     assert r["active_params"] == r["total_params"]
 
 
+def test_resumed_run_with_a_changed_batch_and_a_repeated_step(tmp_path):
+    d = tmp_path / "r"
+    cfg = make_run(d, "moe", [5.0, 4.0, 3.0, 2.0, 1.0], [1.0] * 5, {})
+    before = load_config(str(d / "config.yaml"), ["train.global_batch=4", "train.micro_batch=4"])
+    (d / "config-until-step2.yaml").write_text(dump_config(before))  # steps 1-2 ran at global batch 4
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "loss": 0.5, "tokens_per_s": 1.0}) + "\n\n\n")  # step 5 again, the last kept
+    r = summarize(d, smooth=2)
+    per = cfg.model.context
+    assert r["tokens"] == (2 * 4 + 3 * cfg.train.global_batch) * per
+    assert r["step"] == 5 and r["loss"] == pytest.approx((2.0 + 0.5) / 2)
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo\n\n')  # cut short, then blank lines: left out
+    assert summarize(d)["step"] == 5
+
+
 def test_moving_average():
     assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
     assert moving_average([1.0, 2.0, 3.0], 1) == [1.0, 2.0, 3.0]
@@ -85,16 +101,25 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     ("nometrics", "holds no metrics.jsonl"),
     ("badline", "metrics.jsonl: line 1 is not JSON"),
     ("notrecord", "metrics.jsonl: line 1 is not a train.py metrics record"),
+    ("stringstep", "metrics.jsonl: line 1 is not a train.py metrics record (an integer step and a finite loss"),
+    ("nullloss", "metrics.jsonl: line 1 is not a train.py metrics record"),
+    ("emptyconfig", "run '{d}': config.yaml is empty"),
+    ("badconfig", "run '{d}': config.yaml: "),
 ])
 def test_bad_runs_are_named(tmp_path, capsys, setup, err):
     d = tmp_path / "r"
     if setup is not None:
         d.mkdir()
-    if setup in ("nometrics", "badline", "notrecord"):
+    if setup in ("nometrics", "badline", "notrecord", "stringstep", "nullloss"):
         (d / "config.yaml").write_text(dump_config(load_config(None)))
-    if setup == "badline":
-        (d / "metrics.jsonl").write_text('{"step": 1,\n{"step": 2, "loss": 1.0}\n')
-    if setup == "notrecord":
-        (d / "metrics.jsonl").write_text('[1, 2]\n')
+    records = {"badline": '{"step": 1,\n{"step": 2, "loss": 1.0}\n', "notrecord": '[1, 2]\n',
+               "stringstep": '{"step": "1", "loss": 1.0}\n{"step": 2, "loss": 1.0}\n',
+               "nullloss": '{"step": 1, "loss": null}\n{"step": 2, "loss": 1.0}\n'}
+    if setup in records:
+        (d / "metrics.jsonl").write_text(records[setup])
+    if setup == "emptyconfig":
+        (d / "config.yaml").write_text("\n")
+    if setup == "badconfig":
+        (d / "config.yaml").write_text("model:\n  foo: 1\n")
     assert main([str(d)]) == 2
     assert err.format(d=d) in capsys.readouterr().err

@@ -17,7 +17,7 @@ from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.train.checkpoint import CheckpointError
 from mhl_jax.train.loop import train
 from mhl_jax.train.memory import GIB, check_fits, per_device_bytes
-from mhl_jax.train.optimizer import _floats_as, make_optimizer, stored_in
+from mhl_jax.train.optimizer import make_optimizer, stored_in
 from mhl_jax.train.state import moment_dtype_saving, state_creator
 from tests.test_memory import _memory
 
@@ -26,6 +26,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _cfg(*extra):
     return load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), list(extra))
+
+
+def _floats_as(tree, dtype):
+    """Every floating-point leaf cast (our optimizer's only float leaves are the moments)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def test_only_the_moments_are_stored_in_bf16():
+    import optax
+
+    tx = stored_in(optax.inject_hyperparams(optax.adamw)(learning_rate=0.1, weight_decay=0.01), "bfloat16")
+    params = {"w": jnp.ones((4, 3))}
+    state = tx.init(params)
+    _, state = tx.update(params, state, params)
+    inner = state.inner_state[0]
+    assert inner.mu["w"].dtype == inner.nu["w"].dtype == jnp.bfloat16
+    assert {jnp.dtype(v.dtype) for v in state.hyperparams.values()} == {jnp.dtype(jnp.float32)}  # left alone
 
 
 def test_float32_moments_are_optax_adamw_itself():

@@ -82,6 +82,27 @@ def test_block_remat_gives_the_same_step(emulated, kind, devices, triton):  # no
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("kind", ["mlp", "mh_latent_moe"])
+def test_block_remat_keeps_only_the_blocks_inputs(kind):
+    """What autodiff keeps for the backward (the residuals of jax.vjp of the loss): with "block", the parameters, each
+    block's fp32 input (B x T x d) and a few arrays of that size for the LM head's loss; with "none", every block's
+    activations too (attention scores, MoE packing, ...)."""
+    from mhl_jax.train.step import loss_fn
+
+    kept = {}
+    for remat in ("none", "block"):
+        cfg = small(kind, f"model.remat={remat}", "model.context=128", "model.n_layers=3", "parallel.devices=1")
+        graphdef, params, biases = nnx.split(build_model(cfg), nnx.Param, RouterBias)
+        toks = tokens(cfg, 8)
+        vjp = jax.jit(lambda p, g=graphdef, b=biases, t=toks: jax.vjp(lambda q: loss_fn(g, q, b, t)[0], p)[1])(
+            params)  # the backward's closure: its leaves are what the forward kept
+        kept[remat] = sum(x.nbytes for x in jax.tree.leaves(vjp))
+    block_input = 8 * 128 * cfg.model.d_model * 4
+    params_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert kept["block"] <= params_bytes + (cfg.model.n_layers + 4) * block_input, kept
+    assert kept["none"] >= 5 * kept["block"], kept
+
+
 def test_remat_is_not_part_of_the_checkpoint_fingerprint():
     a = small("mh_latent_moe")
     b = dataclasses.replace(a, model=dataclasses.replace(a.model, remat="block"))

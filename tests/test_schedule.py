@@ -68,3 +68,7 @@ def test_final_ratio_is_checked():
         load_config(None, ["schedule.final_lr_ratio=1.5"])
     with pytest.raises(ConfigError, match="schedule.decay"):
         load_config(None, ["schedule.decay=exponential"])
+    for shaped in ("schedule.final_lr_ratio=0.1", "schedule.decay=cosine"):  # no decay to shape: refused, not ignored
+        with pytest.raises(ConfigError, match="schedule.decay_steps=0 has none"):
+            load_config(None, ["schedule.decay_steps=0", shaped])
+    load_config(None, ["schedule.decay_steps=0"])

@@ -16,24 +16,31 @@ def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def _floats_as(tree, dtype):
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+def _moments_as(state, dtype):
+    """`state` with the moments (mu, nu) of every Adam state in it cast to `dtype`; nothing else changes."""
+    def cast(node):
+        if isinstance(node, optax.ScaleByAdamState):
+            return node._replace(mu=jax.tree.map(lambda x: x.astype(dtype), node.mu),
+                                 nu=jax.tree.map(lambda x: x.astype(dtype), node.nu))
+        return node
+
+    return jax.tree.map(cast, state, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
 
 
 def stored_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
-    """`tx` whose state's floating-point arrays (AdamW's moments) are kept in `dtype` between updates: each update
-    widens them to fp32, runs `tx`'s own update, and rounds the new state to `dtype` (to nearest even). `tx` itself
-    for float32."""
+    """`tx` whose Adam moments are kept in `dtype` between updates: each update widens them to fp32, runs `tx`'s own
+    update, and rounds the new moments to `dtype` (to nearest even); the rest of the state is left as `tx` keeps it.
+    `tx` itself for float32."""
     dtype = jnp.dtype(dtype)
     if dtype == jnp.float32:
         return tx
 
     def init(params):
-        return _floats_as(tx.init(params), dtype)
+        return _moments_as(tx.init(params), dtype)
 
     def update(updates, state, params=None):
-        updates, state = tx.update(updates, _floats_as(state, jnp.float32), params)
-        return updates, _floats_as(state, dtype)
+        updates, state = tx.update(updates, _moments_as(state, jnp.float32), params)
+        return updates, _moments_as(state, dtype)
 
     return optax.GradientTransformation(init, update)
 
