@@ -91,8 +91,9 @@ class ScheduleConfig:
     total_steps: int = 15000  # optimizer steps in the run (10B tokens / 0.66M per step ~ 15k)
     decay: Literal["linear", "cosine"] = "linear"  # the decay's shape (linear: the paper's trapezoid); a classic
     # cosine schedule is decay=cosine with decay_steps = total_steps - warmup_steps
-    final_lr_ratio: float = 0.0  # where the decay heads, as a fraction of the peak: the LR at step total_steps (the
-    # last step trains at final + (1 - final) / decay_steps of the peak, as the trapezoid's last step at 1 / decay_steps)
+    # where the decay heads, as a fraction of the peak: the LR at step total_steps (the last step trains at
+    # final + (1 - final) / decay_steps of the peak, as the trapezoid's last step at 1 / decay_steps)
+    final_lr_ratio: float = 0.0
 
 
 @dataclass
