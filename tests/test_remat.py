@@ -2,7 +2,7 @@
 
 "block" must give the step of "none" (the same new state and metrics; the backward recomputes each block's forward
 from its input, so only the order of some fp32 sums may differ) on the paths the GPU runs: the fused Triton MoE core
-(emulated on the CPU: the same custom_vjp, packing and in-place gradient sums), under Head Parallel, and the dense
+(emulated on the CPU: the same custom_vjp, packing and in-place gradient sums), under Head and Expert Parallel, and the dense
 and MoE models. The step's program must hold one rematerialised region per block, and a checkpoint must restore
 across the switch.
 """
@@ -61,10 +61,11 @@ def _step(cfg, triton: bool):
 
 
 @pytest.mark.parametrize("kind, devices, triton", [
-    ("mh_latent_moe", 1, True), ("mh_latent_moe", 2, True), ("moe", 1, True), ("mlp", 1, False),
+    ("mh_latent_moe", 1, True), ("mh_latent_moe", 2, True), ("moe", 1, True), ("moe", 2, True), ("mlp", 1, False),
     ("mh_latent_moe", 1, False)])
 def test_block_remat_gives_the_same_step(emulated, kind, devices, triton):  # noqa: F811
-    extra = (("ffn.latent_dim=64", "ffn.head_dim=16", f"parallel.hp={devices}") if kind == "mh_latent_moe" else ())
+    extra = (("ffn.latent_dim=64", "ffn.head_dim=16", f"parallel.hp={devices}") if kind == "mh_latent_moe" else
+             (f"parallel.ep={devices}",) if kind == "moe" else ())
     base = small(kind, *extra, "model.compute_dtype=bfloat16", "ffn.num_experts=12", "ffn.expert_hidden=32",
                  f"parallel.devices={devices}", "model.n_layers=3")
     outs = {}
