@@ -2,7 +2,7 @@
 
 "block" must give the step of "none" (the same new state and metrics; the backward recomputes each block's forward
 from its input, so only the order of some fp32 sums may differ) on the paths the GPU runs: the fused Triton MoE core
-(emulated on the CPU: the same custom_vjp, packing and in-place gradient sums), under Head and Expert Parallel, and the dense
+(emulated on the CPU: the same custom_vjp, packing and in-place gradient sums), under Head and Expert Parallel, the dense
 and MoE models. The step's program must hold one rematerialised region per block, and a checkpoint must restore
 across the switch.
 """
