@@ -1,10 +1,10 @@
 """`model.remat`: activation checkpointing per block.
 
 "block" must give the step of "none" (the same new state and metrics; the backward recomputes each block's forward
-from its input, so only the order of some fp32 sums may differ) on the paths the GPU runs: the fused Triton MoE core
-(emulated on the CPU: the same custom_vjp, packing and in-place gradient sums), under Head and Expert Parallel, the dense
-and MoE models. The step's program must hold one rematerialised region per block, and a checkpoint must restore
-across the switch.
+from its input, so only the order of some fp32 sums may differ) on the paths the GPU runs: the fused Triton MoE
+core (emulated on the CPU: the same custom_vjp, packing and in-place gradient sums), under Head and Expert Parallel,
+the dense and MoE models. The step's program must hold one rematerialised region per block, the forward must keep
+only the blocks' inputs, and a checkpoint must restore across the switch.
 """
 
 import dataclasses
