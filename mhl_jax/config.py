@@ -145,6 +145,7 @@ class LoggingConfig:
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None: known GPUs' bf16 datasheet figure
     profile_start: int = 0  # > 0: a JAX profiler trace of steps profile_start .. + profile_steps - 1 in run_dir/profile
     profile_steps: int = 3  # how many steps the trace covers (TensorBoard's profile plugin or Perfetto reads it)
+    tensorboard: bool = False  # also write every step's metrics as TensorBoard scalars to run_dir/tensorboard
 
 
 @dataclass

@@ -473,3 +473,56 @@ def test_no_validation_data_is_read_without_evaluation(tmp_path):
         train(tiny(tmp_path, *small, f"logging.run_dir={tmp_path / 'a'}"))
     hist = train(tiny(tmp_path, *small, "data.eval_every=0", f"logging.run_dir={tmp_path / 'b'}"))
     assert [m["step"] for m in hist] == [1, 2] and all("val_loss" not in m for m in hist)
+
+
+def _tensorboard_scalars(directory):
+    """{(tag, step): value} from the TFRecord event files in `directory` (read here, frame by frame)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = {}
+    for f in sorted(Path(directory).glob("events.out.tfevents.*")):
+        data = f.read_bytes()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4  # length, its crc, the record, its crc
+            for v in event.summary.value:
+                out[(v.tag, event.step)] = v.simple_value
+    return out
+
+
+def test_tensorboard_scalars_are_the_records(tmp_path):
+    hist = train(tiny(tmp_path, "schedule.total_steps=20", "logging.tensorboard=true", "logging.log_every=100"),
+                 log=lambda *a, **k: None)
+    board = _tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    want = {}
+    for m in hist:
+        for k, v in m.items():
+            if k != "step" and isinstance(v, (int, float)):
+                tag = "val/" + k[4:] if k.startswith("val_") else k if "/" in k else "train/" + k
+                want[(tag, m["step"])] = v
+    assert ("val/loss", 20) in want and ("load_max/1", 1) in want and ("train/loss", 20) in want
+    assert set(board) == set(want)
+    for key, v in want.items():
+        assert board[key] == pytest.approx(v, rel=1e-6, abs=1e-30), key  # float32 in the event files
+
+
+def test_tensorboard_without_its_package_is_refused_first(tmp_path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_tensorboardx(name, *args, **kwargs):
+        if name == "tensorboardX":
+            raise ImportError("no tensorboardX here")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboardx)
+    from mhl_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="logging.tensorboard=true needs the tensorboardX package"):
+        train(tiny(tmp_path, "logging.tensorboard=true"), log=lambda *a, **k: None)
+    assert not (tmp_path / "run").exists()  # nothing written, the directory it created removed

@@ -36,7 +36,7 @@ from mhl_jax.train.memory import (
     peak_in_use,
     step_memory,
 )
-from mhl_jax.train.metrics import StepClock, device_peak_flops, format_line, mfu
+from mhl_jax.train.metrics import StepClock, TensorBoardLog, device_peak_flops, format_line, mfu, require_tensorboard
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
 from mhl_jax.train.state import moment_dtype_saving, shard_optimizer_saving, shardings_of, state_creator
@@ -191,6 +191,8 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
     except OSError as e:
         raise ConfigError(f"logging.run_dir={cfg.logging.run_dir!r} cannot be created: {e}") from e
     check_shared_directory(run_dir)
+    if cfg.logging.tensorboard and not check:
+        require_tensorboard()  # before anything is written
     counts = count_params(cfg)
     log(f"model {cfg.ffn.kind}: {counts.active / 1e6:.1f}M active / {counts.total / 1e6:.1f}M total parameters")
 
@@ -305,7 +307,7 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
         before = saved.read_text() if restoring and saved.is_file() else text
         changes = config_changes(yaml.safe_load(before) or {}, config_to_dict(cfg)) if before != text else ""
         kept = run_dir / f"config-until-step{start}.yaml"
-        metrics_file, failed = None, None
+        metrics_file, board, failed = None, None, None
         if lead:  # the others wait in `agree` below: a failure here stops every process, not only this one
             try:
                 if changes:
@@ -313,6 +315,8 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                 write_atomic(saved, text)
                 truncate_metrics(records, start)
                 metrics_file = open(records, "a")
+                if cfg.logging.tensorboard:
+                    board = TensorBoardLog(run_dir / "tensorboard")
             except (OSError, ConfigError) as e:
                 failed = e
         agree(failed is None, "to write the run directory's files")
@@ -391,6 +395,8 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
             if metrics_file is not None:
                 metrics_file.write(json.dumps(m) + "\n")
                 metrics_file.flush()
+            if board is not None:
+                board.write(m)
             bar.update(1)
             if lead and (n % cfg.logging.log_every == 0 or n == start + 1 or n == end or "val_loss" in m):
                 tps = clock.line()  # over the steps since the previous line
@@ -432,6 +438,8 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
             bar.close()
             if metrics_file is not None:
                 metrics_file.close()
+            if board is not None:
+                board.close()
         rate, steady = clock.overall()
         log(run_summary(history, start, end, total, time.perf_counter() - t_start, rate, steady,
                         mfu(flops_tok, rate, mesh.size, peak), records,

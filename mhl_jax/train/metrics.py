@@ -103,3 +103,40 @@ def format_line(step: int, total: int, m: dict) -> str:
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f} val_ppl {m['val_ppl']:.2f}")
     return " | ".join(parts)
+
+
+def tensorboard_tag(key: str) -> str:
+    """The TensorBoard tag of a metrics record's key: val_loss -> val/loss, load_max/3 -> load_max/3 (grouped by
+    TensorBoard at the slash), the rest under train/."""
+    if key.startswith("val_"):
+        return "val/" + key[len("val_"):]
+    return key if "/" in key else "train/" + key
+
+
+def require_tensorboard():
+    """The tensorboardX module, or a ConfigError saying how to get it (checked before a run writes anything)."""
+    from mhl_jax.config import ConfigError
+
+    try:
+        import tensorboardX
+    except ImportError as e:
+        raise ConfigError("logging.tensorboard=true needs the tensorboardX package (pip install tensorboardX, or "
+                          "pip install -e '.[tensorboard]')") from e
+    return tensorboardX
+
+
+class TensorBoardLog:
+    """Every step's numeric metrics as TensorBoard scalars (event files under `directory`, one per launch: a resumed
+    run adds a file, and TensorBoard shows the steps it repeats from both)."""
+
+    def __init__(self, directory) -> None:
+        self._writer = require_tensorboard().SummaryWriter(str(directory), flush_secs=10)
+
+    def write(self, record: dict) -> None:
+        step = int(record["step"])
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(tensorboard_tag(key), float(value), step)
+
+    def close(self) -> None:
+        self._writer.close()
