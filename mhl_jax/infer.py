@@ -128,10 +128,12 @@ def evaluate_run(loaded: Loaded) -> dict:
             "tokens": used * t, "context": t, "batch": batch}
 
 
-def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, vocab: int) -> jax.Array:
+def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, vocab: int,
+                  top_p: float = 1.0) -> jax.Array:
     """Next ids (B,) from fp32 logits (B, V): ids >= `vocab` (the embedding's padding past the tokenizer's ids) never;
     temperature 0 takes the most likely id; otherwise a draw from softmax(logits / temperature) over the `top_k`
-    most likely ids (0: all)."""
+    most likely ids (0: all), and of those over the fewest most likely whose probability reaches `top_p` (nucleus
+    sampling; 1: all)."""
     ids = jnp.arange(logits.shape[-1])
     logits = jnp.where(ids < vocab, logits, -jnp.inf)
     if temperature == 0:
@@ -141,6 +143,13 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: 
     if 0 < top_k < logits.shape[-1]:  # exactly k ids, ties at the k-th value broken as lax.top_k does
         keep = jax.lax.top_k(logits, top_k)[1]
         kept = jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], keep].set(True)
+        logits = jnp.where(kept, logits, -jnp.inf)
+    if top_p < 1.0:  # an id stays if the ids more likely than it hold less than top_p (the most likely always stays)
+        order = jnp.argsort(-logits, axis=-1, stable=True)
+        probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        rows = jnp.arange(logits.shape[0])[:, None]
+        kept = jnp.zeros(logits.shape, bool).at[rows, order].set(before < top_p)
         logits = jnp.where(kept, logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
@@ -154,8 +163,8 @@ def _next_logits(graphdef, params, biases, tokens, last):
     return head_logits(xl, model.head[...].astype(model.dtype))[:, 0]
 
 
-def _next_ids(graphdef, temperature, top_k, vocab, params, biases, tokens, last, key):
-    return sample_logits(_next_logits(graphdef, params, biases, tokens, last), key, temperature, top_k, vocab)
+def _next_ids(graphdef, temperature, top_k, vocab, top_p, params, biases, tokens, last, key):
+    return sample_logits(_next_logits(graphdef, params, biases, tokens, last), key, temperature, top_k, vocab, top_p)
 
 
 def _windows(loaded: Loaded, seqs: list[list[int]]) -> tuple[jax.Array, jax.Array]:
@@ -182,7 +191,8 @@ def next_logits(loaded: Loaded, seqs: list[list[int]]) -> np.ndarray:
 
 
 def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0, vocab: int | None = None, stop: int | None = None) -> list[list[int]]:
+             top_k: int = 0, seed: int = 0, vocab: int | None = None, stop: int | None = None,
+             top_p: float = 1.0) -> list[list[int]]:
     """Continue each prompt (token ids, at least one each) by up to `max_new_tokens` ids, sampled as
     `sample_logits` says; a row ends early at the id `stop` (kept in its output). Returns the new ids of each row.
     The same seed gives the same ids."""
@@ -190,6 +200,8 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
         raise ConfigError(f"temperature={temperature}: must be a number >= 0 (0: the most likely token)")
     if top_k < 0:
         raise ConfigError(f"top_k={top_k}: must be >= 0 (0: no cut)")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"top_p={top_p}: must be in (0, 1] (1: no cut)")
     if max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     if any(len(p) == 0 for p in prompts):
@@ -197,7 +209,7 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
     vocab = loaded.cfg.model.vocab_size if vocab is None else vocab
     rows = len(prompts)
     seqs = [list(p) for p in prompts]
-    step = jax.jit(partial(_next_ids, loaded.graphdef, float(temperature), int(top_k), int(vocab)),
+    step = jax.jit(partial(_next_ids, loaded.graphdef, float(temperature), int(top_k), int(vocab), float(top_p)),
                    compiler_options=loaded.compiler_options or None)
     key = jax.random.key(seed)
     out: list[list[int]] = [[] for _ in range(rows)]
@@ -239,7 +251,7 @@ def _generate_cli(args) -> None:
               f"model.context={cfg.model.context}: the model sees the last {cfg.model.context}", file=sys.stderr)
     loaded = load_run(args.run_dir, args.overrides, args.step, args.checkpoint)
     outs = generate(loaded, [prompt] * args.num_samples, args.max_new_tokens, args.temperature, args.top_k,
-                    args.seed, vocab=tok.vocab_size, stop=None if args.no_stop_at_eot else tok.eot)
+                    args.seed, vocab=tok.vocab_size, stop=None if args.no_stop_at_eot else tok.eot, top_p=args.top_p)
     for n, ids in enumerate(outs):
         ended = bool(ids) and ids[-1] == tok.eot and not args.no_stop_at_eot
         pieces, piece = [], []
@@ -252,7 +264,8 @@ def _generate_cli(args) -> None:
         body = EOT_MARK.join([*pieces, tok.decode(piece)])
         if args.json:
             print(json.dumps({"step": loaded.step, "sample": n, "prompt": text, "text": body, "ids": ids,
-                              "temperature": args.temperature, "top_k": args.top_k, "seed": args.seed}))
+                              "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                              "seed": args.seed}))
         else:
             print(f"--- sample {n + 1}/{args.num_samples} (step {loaded.step}, {len(ids)} tokens"
                   f"{', end of text' if ended else ''}) ---")
@@ -280,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token")
     g.add_argument("--top-k", type=int, default=50,
                    help="sample among the k most likely tokens (0, or k past the vocabulary: all)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="then among the fewest most likely tokens whose probability reaches p (1: all)")
     g.add_argument("--num-samples", type=int, default=1)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-stop-at-eot", action="store_true",
@@ -294,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--temperature {args.temperature}: must be a number >= 0 (0: the most likely token)")
         if args.top_k < 0:
             ap.error(f"--top-k {args.top_k}: must be >= 0 (0: no cut)")
+        if not 0 < args.top_p <= 1:
+            ap.error(f"--top-p {args.top_p}: must be in (0, 1] (1: no cut)")
     try:
         if args.command == "evaluate":
             r = evaluate_run(load_run(args.run_dir, args.overrides, args.step, args.checkpoint))

@@ -168,6 +168,14 @@ def test_sampler_rules():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="temperature="):
             generate(None, [[1]], 1, temperature=bad)
+    # nucleus: probabilities 0.5, 0.3, 0.15, 0.05 (in shuffled id order); ids stay while those before hold < p
+    probs = jnp.asarray([[0.15, 0.5, 0.05, 0.3]] * 512, jnp.float32)
+    nucleus = lambda p, k=0: set(np.asarray(sample_logits(jnp.log(probs), key, 1.0, k, 4, p)).tolist())  # noqa: E731
+    assert nucleus(0.49) == {1} and nucleus(0.51) == {1, 3} and nucleus(0.79) == {1, 3}  # away from the sums
+    assert nucleus(0.81) == {0, 1, 3} and nucleus(1.0) == {0, 1, 2, 3} and nucleus(0.99, k=2) == {1, 3}
+    assert nucleus(1e-6) == {1}  # the most likely always stays
+    with pytest.raises(ConfigError, match=r"top_p=0: must be in \(0, 1\]"):
+        generate(None, [[1]], 1, top_p=0)
 
 
 def test_generation_draws_only_ids_of_the_tokenizer(run_dir):
@@ -186,7 +194,7 @@ def test_cli_evaluate_and_generate(run_dir, capsys):
                  "--temperature", "0", "--no-stop-at-eot", "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert len(lines) == 2 and lines[0]["ids"] == lines[1]["ids"] and len(lines[0]["ids"]) == 5
-    assert (lines[0]["temperature"], lines[0]["top_k"], lines[0]["seed"]) == (0.0, 50, 0)
+    assert (lines[0]["temperature"], lines[0]["top_k"], lines[0]["top_p"], lines[0]["seed"]) == (0.0, 50, 1.0, 0)
     assert all(i < TOKENIZER_VOCAB for i in lines[0]["ids"])
     assert main(["generate", str(run_dir), "--prompt", "The ", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("The ")
@@ -204,6 +212,7 @@ def test_cli_evaluate_and_generate(run_dir, capsys):
     (["generate", "{run}", "--temperature", "-1"], "--temperature -1.0: must be a number >= 0"),
     (["generate", "{run}", "--temperature", "nan"], "--temperature nan: must be a number >= 0"),
     (["generate", "{run}", "--max-new-tokens", "-1"], "--max-new-tokens -1: must be >= 0"),
+    (["generate", "{run}", "--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
     (["generate", "{run}", "--prompt", "a", "--prompt-file", "x"], "not allowed with argument"),
 ])
 def test_cli_bad_input_is_named(run_dir, tmp_path, capsys, argv, err):
