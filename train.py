@@ -4,6 +4,9 @@ With no arguments it trains the tiny Multi-Head LatentMoE on the built-in corpus
 Several processes (hosts) in one run: start the same command once per process with `--coordinator HOST:PORT
 --num-processes N --process-id I` (or MHL_COORDINATOR / MHL_NUM_PROCESSES / MHL_PROCESS_ID), or with
 `--distributed-auto` under SLURM / Open MPI / Kubernetes.
+
+Afterwards: `python -m mhl_jax.infer evaluate|generate RUN_DIR` (a checkpoint's validation loss, text sampled from it)
+and `python -m mhl_jax.compare RUN_DIR ...` (a table of runs and their loss curves).
 """
 
 from __future__ import annotations
