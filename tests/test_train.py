@@ -39,6 +39,18 @@ def test_tiny_run_loss_falls_and_logs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "active" in out and "total parameters" in out
     assert "loss" in out and "tok/s" in out and "load max/min L1" in out
+    progress = [line for line in out.splitlines() if line.startswith("step ")]
+    assert progress and all(("ETA " in line) == (not line.startswith("step 40/")) for line in progress[1:]), progress
+    assert "ETA" not in progress[-1]  # the last step: nothing left
+
+
+def test_progress_line_durations():
+    from mhl_jax.train.metrics import duration, format_line
+
+    assert [duration(x) for x in (0, 44.6, 192, 3720, 7200, 183600)] == ["0s", "45s", "3m12s", "1h02m", "2h00m",
+                                                                          "2d03h"]
+    m = {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "eta_s": 75}
+    assert format_line(3, 10, m) == "step 3/10 | loss 2.0000 | lr 1.00e-03 | gnorm 0.500 | 1.0k tok/s | ETA 1m15s"
 
 
 def test_cli_rejects_bad_config_with_named_error():

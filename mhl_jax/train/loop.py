@@ -400,7 +400,9 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
             bar.update(1)
             if lead and (n % cfg.logging.log_every == 0 or n == start + 1 or n == end or "val_loss" in m):
                 tps = clock.line()  # over the steps since the previous line
-                line = {**m, "tokens_per_s": tps, "mfu": mfu(flops_tok, tps, mesh.size, peak)}
+                rate, steady = clock.overall()  # the steps left at the run's rate so far (evaluations, saves apart)
+                eta = (end - n) * tokens_per_step / rate if steady and rate > 0 and n < end else None
+                line = {**m, "tokens_per_s": tps, "mfu": mfu(flops_tok, tps, mesh.size, peak), "eta_s": eta}
                 bar.write(format_line(n, total, line), file=sys.stdout)
             if saves(n):
                 ckpt.save(n, state, loader)

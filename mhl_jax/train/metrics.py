@@ -90,12 +90,27 @@ class StepClock:
         return self._mean(), False
 
 
+def duration(seconds: float) -> str:
+    """45s, 3m12s, 1h02m, 2d03h."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 def format_line(step: int, total: int, m: dict) -> str:
-    """One progress line: loss, lr, grad norm, tokens/s, MFU, expert load (max/min vs uniform) per layer."""
+    """One progress line: loss, lr, grad norm, tokens/s, MFU, the training time left (`eta_s`, when given), expert
+    load (max/min vs uniform) per layer."""
     parts = [f"step {step}/{total}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}", f"gnorm {m['grad_norm']:.3f}",
              f"{m['tokens_per_s'] / 1e3:.1f}k tok/s"]
     if m.get("mfu") is not None:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if m.get("eta_s") is not None:
+        parts.append(f"ETA {duration(m['eta_s'])}")
     layers = sorted(int(k.split("/")[1]) for k in m if k.startswith("load_max/"))
     if layers:
         loads = " ".join(f"L{i} {m[f'load_max/{i}']:.2f}/{m[f'load_min/{i}']:.2f}" for i in layers)
