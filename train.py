@@ -67,17 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         shutdown(launch)
         return 2
-    from mhl_jax.data import DataError
-    from mhl_jax.train.checkpoint import CheckpointError
-    from mhl_jax.train.loop import train
+    from mhl_jax.train.loop import INPUT_ERRORS, input_error_line, train
     from mhl_jax.train.memory import DeviceMemoryError
 
     try:
         train(cfg, resume=args.resume, stop_after=args.stop_after, check=args.check)
-    except (ConfigError, DataError, CheckpointError) as e:  # bad input found once the run is set up: no traceback
-        kind = next(n for c, n in ((ConfigError, "config"), (DataError, "data"), (CheckpointError, "checkpoint"))
-                    if isinstance(e, c))
-        print(f"{kind} error: {e}", file=sys.stderr)
+    except INPUT_ERRORS as e:  # bad input found once the run is set up: no traceback
+        print(input_error_line(e), file=sys.stderr)
         code = 2
     except (FloatingPointError, DeviceMemoryError) as e:  # diverged, or out of memory: the last checkpoint is kept
         print(f"training stopped: {e}", file=sys.stderr)

@@ -47,7 +47,7 @@ from mhl_jax.model.gpt import head_logits
 from mhl_jax.parallel.mesh import batch_spec, make_mesh
 from mhl_jax.train.autotune import autotune_file
 from mhl_jax.train.checkpoint import Checkpointer, CheckpointError
-from mhl_jax.train.loop import evaluate, model_fingerprint
+from mhl_jax.train.loop import INPUT_ERRORS, evaluate, input_error_line, model_fingerprint
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.state import state_creator
 from mhl_jax.train.step import make_eval_step
@@ -80,13 +80,14 @@ def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ())
 
 
 def load_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), step: int | None = None,
-             checkpoint: str | Path | None = None) -> Loaded:
-    """The model of run `run_dir` (its config.yaml with `overrides`) at checkpoint `step` (default: the latest) of
-    its checkpoints/ directory, or at the explicit `checkpoint` path (a step directory or a directory of them)."""
+             checkpoint: str | Path | None = None, cfg: Config | None = None) -> Loaded:
+    """The model of run `run_dir` (its config.yaml with `overrides`, or `cfg` as `run_config` read it already) at
+    checkpoint `step` (default: the latest) of its checkpoints/ directory, or at the explicit `checkpoint` path (a
+    step directory or a directory of them)."""
     if jax.process_count() > 1:
         raise ConfigError(f"mhl_jax.infer runs as one process; this is one of {jax.process_count()}")
     run = Path(run_dir).expanduser()
-    cfg = run_config(run_dir, overrides)
+    cfg = run_config(run_dir, overrides) if cfg is None else cfg
     mesh = make_mesh(cfg)
     graphdef, _, abstract = state_creator(cfg, mesh, make_optimizer(cfg))  # shapes only: nothing is created
     if checkpoint is not None:
@@ -249,7 +250,7 @@ def _generate_cli(args) -> None:
     if len(prompt) > cfg.model.context:
         print(f"note: the prompt is {len(prompt)} tokens (with the end-of-text token before it), more than "
               f"model.context={cfg.model.context}: the model sees the last {cfg.model.context}", file=sys.stderr)
-    loaded = load_run(args.run_dir, args.overrides, args.step, args.checkpoint)
+    loaded = load_run(args.run_dir, args.overrides, args.step, args.checkpoint, cfg)
     outs = generate(loaded, [prompt] * args.num_samples, args.max_new_tokens, args.temperature, args.top_k,
                     args.seed, vocab=tok.vocab_size, stop=None if args.no_stop_at_eot else tok.eot, top_p=args.top_p)
     for n, ids in enumerate(outs):
@@ -319,10 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"validation sequences of {r['context']} tokens, in batches of {r['batch']})")
         else:
             _generate_cli(args)
-    except (ConfigError, DataError, CheckpointError) as e:
-        kind = next(n for c, n in ((ConfigError, "config"), (DataError, "data"), (CheckpointError, "checkpoint"))
-                    if isinstance(e, c))
-        print(f"{kind} error: {e}", file=sys.stderr)
+    except INPUT_ERRORS as e:
+        print(input_error_line(e), file=sys.stderr)
         return 2
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)

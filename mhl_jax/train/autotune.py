@@ -15,9 +15,8 @@ had to tune that the file lacked, e.g. an evaluation step the first process neve
 another run's checkpoint (`--resume <run>/checkpoints/<step>`) loads that run's file when its own has none. In a run
 of several processes each keeps its own file (process i > 0: `xla_autotune.process<i>.txt`, beside process 0's), since
 each tunes its own compile; a process without its own file (the run resumed with more processes) loads process 0's.
-Only on
-GPUs: XLA's CPU compiler does not autotune. XLA looks results up by GPU model and computation: a file made on another
-GPU model should leave XLA tuning afresh (not tried here).
+Only on GPUs: XLA's CPU compiler does not autotune. XLA looks results up by GPU model and computation: a file made on
+another GPU model should leave XLA tuning afresh (not tried here).
 
 A run of several processes on GPUs with the file on compiles without JAX's persistent compilation cache
 (JAX_COMPILATION_CACHE_DIR; `guard_persistent_cache`). The file paths are compile options, so part of the

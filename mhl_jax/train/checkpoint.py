@@ -371,12 +371,7 @@ class Checkpointer:
         Grain DatasetIterator built like the saved one; its position is set in place (None: skip).
         """
         self.wait()
-        directory, step = self._locate(step, path)
-        where = str(directory / str(step))
-        named, treedef = _named_leaves(state_template)
-        meta_args = ocp.args.Composite(**{META: ocp.args.JsonRestore()})
-        meta = self._read(step, directory, meta_args, where, META)
-        self._check_meta(meta[META], named, where)
+        directory, step, where, named, treedef, meta = self._checked(state_template, step, path, partial=False)
         items = {STATE: ocp.args.StandardRestore(_nest([(n, _abstract(leaf)) for n, leaf in named]))}
         shared = None  # the iterator state when another process count wrote it (_shared_data_state)
         if data_iter is not None:
@@ -392,7 +387,17 @@ class Checkpointer:
             data_iter.set_state(shared)
             if hasattr(data_iter, "start_prefetch"):  # as Grain's own restore does
                 data_iter.start_prefetch()
-        return int(meta[META]["step"]), self._unflatten(restored, named, treedef, meta[META], where)
+        return int(meta["step"]), self._unflatten(restored, named, treedef, meta, where)
+
+    def _checked(self, template: PyTree, step: int | None, path: str | Path | None, partial: bool):
+        """(directory, step, where, named leaves, treedef, meta) of the checkpoint to restore into `template`, its
+        meta item read and checked against the template (`_check_meta`) before any array is read."""
+        directory, step = self._locate(step, path)
+        where = str(directory / str(step))
+        named, treedef = _named_leaves(template)
+        meta = self._read(step, directory, ocp.args.Composite(**{META: ocp.args.JsonRestore()}), where, META)[META]
+        self._check_meta(meta, named, where, partial=partial)
+        return directory, step, where, named, treedef, meta
 
     @staticmethod
     def _unflatten(restored: dict, named: list, treedef: Any, meta: dict, where: str) -> PyTree:
@@ -416,13 +421,9 @@ class Checkpointer:
         dtypes and shardings. Needs a read-only Checkpointer. `step` and `path` as in `restore`."""
         if not self.read_only:
             raise CheckpointError("restore_parts needs a Checkpointer opened with read_only=True")
-        directory, step = self._locate(step, path)
-        where = str(directory / str(step))
-        named, treedef = _named_leaves(template)
-        meta = self._read(step, directory, ocp.args.Composite(**{META: ocp.args.JsonRestore()}), where, META)
-        self._check_meta(meta[META], named, where, partial=True)
+        directory, step, where, named, treedef, meta = self._checked(template, step, path, partial=True)
         tree = _nest([(n, _abstract(leaf)) for n, leaf in named])
         args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
                                       partial_restore=True)
         restored = self._read(step, directory, ocp.args.Composite(**{STATE: args}), where, STATE)[STATE]
-        return int(meta[META]["step"]), self._unflatten(restored, named, treedef, meta[META], where)
+        return int(meta["step"]), self._unflatten(restored, named, treedef, meta, where)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from mhl_jax.config import Config, ConfigError, config_to_dict, dump_config
-from mhl_jax.data import load_val_sequences, make_train_loader
+from mhl_jax.data import DataError, load_val_sequences, make_train_loader
 from mhl_jax.model.attention import attention_impl
 from mhl_jax.model.params import count_params, train_flops_per_token
 from mhl_jax.parallel.mesh import batch_spec, make_mesh
@@ -45,6 +45,16 @@ from mhl_jax.train.step import jit_train_step, make_eval_step
 # Dispatch each step before fetching the previous step's metrics (False: fetch them first, the device idling while
 # the host logs and loads the next batch; kept for bench/loop_overlap.py's A/B).
 FETCH_AHEAD = True
+
+
+# Bad input found once a run is set up (config, data files, checkpoints): one line and status 2, no traceback
+INPUT_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+def input_error_line(e: Exception) -> str:
+    """`config error: ...`, `data error: ...` or `checkpoint error: ...` for one of INPUT_ERRORS."""
+    kind = next(n for c, n in zip(INPUT_ERRORS, ("config", "data", "checkpoint")) if isinstance(e, c))
+    return f"{kind} error: {e}"
 
 
 def model_fingerprint(cfg: Config) -> dict:

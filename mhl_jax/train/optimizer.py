@@ -27,6 +27,13 @@ def _moments_as(state, dtype):
     return jax.tree.map(cast, state, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
 
 
+def adam_moments(state) -> list:
+    """The moment arrays (mu, nu) of every Adam state in an optimizer state (arrays or ShapeDtypeStructs)."""
+    found = [n for n in jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
+             if isinstance(n, optax.ScaleByAdamState)]
+    return jax.tree.leaves([(n.mu, n.nu) for n in found])
+
+
 def stored_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
     """`tx` whose Adam moments are kept in `dtype` between updates: each update widens them to fp32, runs `tx`'s own
     update, and rounds the new moments to `dtype` (to nearest even); the rest of the state is left as `tx` keeps it.

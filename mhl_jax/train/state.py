@@ -22,6 +22,7 @@ from mhl_jax.model.gpt import build_model
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import state_shardings
 from mhl_jax.train.memory import per_device_bytes
+from mhl_jax.train.optimizer import adam_moments
 
 
 def init_state(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation):
@@ -46,8 +47,7 @@ def moment_dtype_saving(cfg: Config, abstract) -> int:
     the device holding the most of them; 0 when they are bf16 already)."""
     if cfg.optimizer.moment_dtype != "float32":
         return 0
-    moments = [a for a in jax.tree.leaves(abstract["opt_state"]) if jnp.issubdtype(a.dtype, jnp.floating)]
-    return per_device_bytes(moments) // 2
+    return per_device_bytes(adam_moments(abstract["opt_state"])) // 2
 
 
 def shardings_of(abstract):
