@@ -114,16 +114,28 @@ def test_remat_is_not_part_of_the_checkpoint_fingerprint():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["mh_latent_moe", "moe"])
-def test_gpu_block_remat_gives_the_same_step(kind):
-    """On a GPU with the real Triton kernels (ffn.kernels=auto), bf16 compute."""
+def test_gpu_block_remat_gives_the_same_gradients(kind):
+    """On a GPU with the real Triton kernels (ffn.kernels=auto), bf16 compute: the same loss and expert loads, and
+    gradients equal up to bf16 rounding. Here XLA may compile the recomputed forward with other fusions or GEMM
+    algorithms than the first one, so a bf16 activation can differ by an ulp (session 42 on an H100: 48 of 24576
+    expert-weight entries off by up to 2.8e-4 after one Adam step, whose first update is about lr * sign(g), so
+    near-zero gradients flip it): compared here are the gradients themselves, by relative norm per leaf."""
+    from tests.test_kernels_in_model import loss_and_grads
+
     extra = ("ffn.latent_dim=64", "ffn.head_dim=16") if kind == "mh_latent_moe" else ()
     base = small(kind, *extra, "model.compute_dtype=bfloat16", "ffn.num_experts=12", "ffn.expert_hidden=32",
                  "parallel.devices=1", "model.n_layers=3", "model.context=128", "ffn.kernels=auto")
+    t = tokens(base, 4)
     outs = []
     for remat in ("none", "block"):
         cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, remat=remat))
-        outs.append(_step(cfg, triton=False)[0])  # "auto" resolves to the Triton kernels on a GPU
-    (s0, m0), (s1, m1) = outs
-    assert float(m0["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
-    for a, b in zip(jax.tree.leaves(s0["params"]), jax.tree.leaves(s1["params"])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        outs.append(loss_and_grads(cfg, LocalMoE(resolve_kernels(cfg.ffn.kernels)), t))
+    (l0, loads0, g0), (l1, loads1, g1) = outs
+    assert float(l0) == pytest.approx(float(l1), rel=1e-5)
+    for i in loads0:
+        np.testing.assert_array_equal(np.asarray(loads0[i]), np.asarray(loads1[i]))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g0), jax.tree.leaves(g1)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a) > 0, path
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(a), (jax.tree_util.keystr(path),
+                                                                   np.linalg.norm(a - b) / np.linalg.norm(a))

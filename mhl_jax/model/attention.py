@@ -40,17 +40,25 @@ PALLAS_CONFIG = dict(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64, bl
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool | None = None,
                      config: dict | None = None) -> jax.Array:
     """Causal flash attention of (B, T, nh, hd) q, k, v by `jax.experimental.pallas.ops.gpu.attention.mha` with
-    `config` (None: PALLAS_CONFIG), tiles capped at T (interpret: the Pallas interpreter; None: where there is no GPU,
-    i.e. in the CPU tests)."""
+    `config` (None: PALLAS_CONFIG) (interpret: the Pallas interpreter; None: where there is no GPU, i.e. in the CPU
+    tests). A T that is not a multiple of the largest tile is zero-padded at the end to one, and the output cut back:
+    under the causal mask no real query sees a padded key, and the padded queries' outputs (cut) get no gradient, so
+    the result is the unpadded attention's. Tiles capped at a short T instead (the earlier way) gave wrong outputs on
+    an H100 at T = 4 (Triton's dot needs tiles of at least 16; session 42), and T = 100 was refused."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     cfg = dict(PALLAS_CONFIG if config is None else config)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    blocks = pallas_mha.BlockSizes(**{n: min(b, q.shape[1]) for n, b in cfg.items()})
-    return pallas_mha.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=blocks,
-                          num_warps=warps, num_stages=stages, interpret=interpret)
+    t, tile = q.shape[1], max(cfg.values())
+    pad = -t % tile
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    o = pallas_mha.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True,
+                       block_sizes=pallas_mha.BlockSizes(**cfg), num_warps=warps, num_stages=stages,
+                       interpret=interpret)
+    return o[:, :t] if pad else o
 
 
 def sharded_pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh | None) -> jax.Array:
