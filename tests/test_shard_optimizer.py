@@ -103,7 +103,21 @@ def _split_as_copied(tmp_path, machine, rel):
         s1, leaves = final_params(other)
         assert s0 == s1 == 4 and len(leaves) == len(ref_leaves)
         for x, y in zip(leaves, ref_leaves):
-            np.testing.assert_allclose(x, y, rtol=10 * rel, atol=rel / 10)
+            if machine.gpu:
+                _assert_close_but_flips(np.asarray(x), np.asarray(y), rtol=10 * rel, atol=rel / 10)
+            else:
+                np.testing.assert_allclose(x, y, rtol=10 * rel, atol=rel / 10)
+
+
+def _assert_close_but_flips(x, y, rtol, atol, lr=3e-3):
+    """On 2 GPUs the split moments' step is another program (the update on slices, then gathers), and XLA may sum the
+    gradients over the devices in another order there; AdamW's first updates (about lr * sign(g)) turn that rounding
+    in a near-zero gradient into a different update (session 42, 2 H200s: 2 of 49152 entries of one leaf off by 1.5%,
+    6.2e-5 = 0.02 lr). Allowed: a few such entries (at most 1 in 1000 per leaf, each off by at most 0.1 lr of the tiny
+    config's 3e-3); wrong moments move most entries."""
+    off = np.abs(x - y) > atol + rtol * np.abs(y)
+    assert off.mean() <= 1e-3, (off.sum(), off.size)
+    assert np.abs(x - y).max() <= 0.1 * lr, np.abs(x - y).max()
 
 
 def test_training_with_split_moments_is_training_with_copied_ones(tmp_path):
