@@ -12,11 +12,11 @@ nothing in RUN_DIR is written or cleaned up: both are safe while the run is stil
 
 `evaluate` computes the mean next-token NLL over the config's fixed validation sequences exactly as the train loop
 does (the same sequences, batches and step function: at a step where the run evaluated, the same `val_loss` as its
-metrics.jsonl). `generate` samples continuations of a prompt: each new token is read from a forward pass over a
-fixed window of `model.context` tokens (the prompt and the tokens so far, padded at the end; causal attention and
-dropless routing make the padding invisible to the real tokens), so one compilation serves the whole sample and a
-sample longer than the context slides its window. There is no KV cache: each token costs one forward pass over the
-window.
+metrics.jsonl). `generate` samples continuations of a prompt: one forward pass over a fixed window of
+`model.context` tokens (the prompt, padded at the end; causal attention and dropless routing make the padding
+invisible to the real tokens) fills a KV cache, and each new token is then one decoding step against it. A sample
+longer than the context slides its window: from there each token is a forward pass over the window
+(`--no-kv-cache`: every token so).
 
 One process: the command runs over the devices this process sees (for a checkpoint of a run of several hosts, set
 `--set parallel.devices=...` and the mesh to what one host holds). On GPUs it compiles with the run's XLA autotuning
@@ -168,6 +168,29 @@ def _next_ids(graphdef, temperature, top_k, vocab, top_p, params, biases, tokens
     return sample_logits(_next_logits(graphdef, params, biases, tokens, last), key, temperature, top_k, vocab, top_p)
 
 
+def _prefill_logits(graphdef, params, biases, tokens, last):
+    """`_next_logits` that also returns the KV caches of the windows' positions (`GPT.prefill`)."""
+    model = nnx.merge(graphdef, params, biases)
+    x, caches = model.prefill(tokens)
+    xl = jnp.take_along_axis(x, last[:, None, None], axis=1)
+    return head_logits(xl, model.head[...].astype(model.dtype))[:, 0], caches
+
+
+def _decode_logits(graphdef, params, biases, caches, tokens, pos):
+    """fp32 logits (B, V) of the token after tokens (B,) at positions pos, and the caches with them (`GPT.decode`)."""
+    model = nnx.merge(graphdef, params, biases)
+    x, caches = model.decode(tokens, pos, caches)
+    return head_logits(x[:, None], model.head[...].astype(model.dtype))[:, 0], caches
+
+
+def _sampled(fn, temperature, top_k, vocab, top_p):
+    """fn(graphdef, params, biases, ...) -> (logits, caches) made to draw: (graphdef, ..., key) -> (ids, caches)."""
+    def draw(graphdef, *args):
+        logits, caches = fn(graphdef, *args[:-1])
+        return sample_logits(logits, args[-1], temperature, top_k, vocab, top_p), caches
+    return draw
+
+
 def _windows(loaded: Loaded, seqs: list[list[int]]) -> tuple[jax.Array, jax.Array]:
     """The model's input for the next token of each sequence: (tokens (B, T), last (B,)) with B a multiple of the
     mesh's devices (rows past len(seqs) repeat the first), each row the sequence's last T tokens padded at the end."""
@@ -193,10 +216,16 @@ def next_logits(loaded: Loaded, seqs: list[list[int]]) -> np.ndarray:
 
 def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, seed: int = 0, vocab: int | None = None, stop: int | None = None,
-             top_p: float = 1.0) -> list[list[int]]:
+             top_p: float = 1.0, kv_cache: bool = True) -> list[list[int]]:
     """Continue each prompt (token ids, at least one each) by up to `max_new_tokens` ids, sampled as
     `sample_logits` says; a row ends early at the id `stop` (kept in its output). Returns the new ids of each row.
-    The same seed gives the same ids."""
+    The same seed gives the same ids.
+
+    Each token's logits are those of the model over the sequence's last `model.context` tokens. kv_cache: while
+    every sequence fits the context, one forward over the padded windows fills a KV cache (`GPT.prefill`) and each
+    later token is one decoding step against it (`GPT.decode`); once a sequence outgrows the context (its window
+    slides, so every position's rotary angle changes), and with kv_cache False, each token is a forward over the
+    windows."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ConfigError(f"temperature={temperature}: must be a number >= 0 (0: the most likely token)")
     if top_k < 0:
@@ -210,13 +239,29 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
     vocab = loaded.cfg.model.vocab_size if vocab is None else vocab
     rows = len(prompts)
     seqs = [list(p) for p in prompts]
-    step = jax.jit(partial(_next_ids, loaded.graphdef, float(temperature), int(top_k), int(vocab), float(top_p)),
-                   compiler_options=loaded.compiler_options or None)
+    opts = loaded.compiler_options or None
+    sampler = (float(temperature), int(top_k), int(vocab), float(top_p))
+    step = jax.jit(partial(_next_ids, loaded.graphdef, *sampler), compiler_options=opts)
+    prefill = jax.jit(partial(_sampled(_prefill_logits, *sampler), loaded.graphdef), compiler_options=opts)
+    decode = jax.jit(partial(_sampled(_decode_logits, *sampler), loaded.graphdef), compiler_options=opts,
+                     donate_argnums=(2,))  # the caches, updated in place
     key = jax.random.key(seed)
     out: list[list[int]] = [[] for _ in range(rows)]
     done = np.zeros(rows, bool)
+    caches, t, mesh = None, loaded.cfg.model.context, loaded.mesh
     for i in range(max_new_tokens):
-        ids = np.asarray(step(loaded.params, loaded.biases, *_windows(loaded, seqs), jax.random.fold_in(key, i)))
+        k = jax.random.fold_in(key, i)
+        if not kv_cache or max(map(len, seqs)) > t:  # a window slides: no cache
+            ids = step(loaded.params, loaded.biases, *_windows(loaded, seqs), k)
+        elif caches is None:
+            ids, caches = prefill(loaded.params, loaded.biases, *_windows(loaded, seqs), k)
+        else:  # the last token of each row (padding rows: the first row's), at its position
+            padded = [seqs[r if r < rows else 0] for r in range(-(-rows // mesh.size) * mesh.size)]
+            sh = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+            last = jax.device_put(np.asarray([s[-1] for s in padded], np.int32), sh)
+            pos = jax.device_put(np.asarray([len(s) - 1 for s in padded], np.int32), sh)
+            ids, caches = decode(loaded.params, loaded.biases, caches, last, pos, k)
+        ids = np.asarray(ids)
         for r in range(rows):
             seqs[r].append(int(ids[r]))
             if not done[r]:
@@ -252,7 +297,8 @@ def _generate_cli(args) -> None:
               f"model.context={cfg.model.context}: the model sees the last {cfg.model.context}", file=sys.stderr)
     loaded = load_run(args.run_dir, args.overrides, args.step, args.checkpoint, cfg)
     outs = generate(loaded, [prompt] * args.num_samples, args.max_new_tokens, args.temperature, args.top_k,
-                    args.seed, vocab=tok.vocab_size, stop=None if args.no_stop_at_eot else tok.eot, top_p=args.top_p)
+                    args.seed, vocab=tok.vocab_size, stop=None if args.no_stop_at_eot else tok.eot, top_p=args.top_p,
+                    kv_cache=not args.no_kv_cache)
     for n, ids in enumerate(outs):
         ended = bool(ids) and ids[-1] == tok.eot and not args.no_stop_at_eot
         pieces, piece = [], []
@@ -298,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="then among the fewest most likely tokens whose probability reaches p (1: all)")
     g.add_argument("--num-samples", type=int, default=1)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-kv-cache", action="store_true",
+                   help="read every token from a forward over the whole window (slower; the same tokens up to "
+                        "rounding)")
     g.add_argument("--no-stop-at-eot", action="store_true",
                    help=f"go on past the end-of-text token (shown as {EOT_MARK})")
     args = ap.parse_args(argv)

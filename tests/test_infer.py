@@ -7,6 +7,7 @@ far, the last `context` of them), and the sampler's rules on logits made up for 
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -14,7 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from mhl_jax import infer as infer_mod
 from mhl_jax.config import ConfigError, load_config
 from mhl_jax.infer import evaluate_run, generate, load_run, main, next_logits, sample_logits
 from mhl_jax.train.checkpoint import Checkpointer
@@ -117,6 +121,60 @@ def test_next_token_logits_are_the_unpadded_forwards(run_dir, devices):
     assert np.abs(ours[0] - ours[1]).max() > 1e-2  # the rows differ: each reads its own last token
 
 
+def cached_logits(loaded, seqs, steps):
+    """Logits (steps + 1, len(seqs), V) through the KV cache: `_prefill_logits` over the padded windows of `seqs`,
+    then `steps` decoding steps, each feeding every row the next byte of TEXT after it (so the rows stay real text),
+    and the sequences at each of those points."""
+    seqs = [list(q) for q in seqs]
+    prefill = jax.jit(partial(infer_mod._prefill_logits, loaded.graphdef))
+    decode = jax.jit(partial(infer_mod._decode_logits, loaded.graphdef))
+    logits, caches = prefill(loaded.params, loaded.biases, *infer_mod._windows(loaded, seqs))
+    out, seen = [np.asarray(logits)[:len(seqs)]], [[list(q) for q in seqs]]
+    padded = -(-len(seqs) // loaded.mesh.size) * loaded.mesh.size
+    sh = NamedSharding(loaded.mesh, P(tuple(loaded.mesh.axis_names)))
+    for _ in range(steps):
+        for q in seqs:
+            q.append(TEXT[len(q) - 1])  # q = [256] + TEXT[:n]: its next byte
+        rows = [seqs[r if r < len(seqs) else 0] for r in range(padded)]
+        toks = jax.device_put(np.asarray([q[-1] for q in rows], np.int32), sh)
+        pos = jax.device_put(np.asarray([len(q) - 1 for q in rows], np.int32), sh)
+        logits, caches = decode(loaded.params, loaded.biases, caches, toks, pos)
+        out.append(np.asarray(logits)[:len(seqs)])
+        seen.append([list(q) for q in seqs])
+    return np.stack(out), seen
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_kv_cache_decoding_gives_the_forwards_logits(run_dir, devices):
+    """A KV cache filled by one forward over the padded windows, then one decoding step per token: at every step
+    each row's logits are the model's own forward over that row's real tokens (rows of 4, 21 and 11 tokens, up to
+    the full context; 3 rows padded to 4 on 2 devices at hp = 2)."""
+    loaded = load_run(run_dir, [f"parallel.devices={devices}", f"parallel.hp={devices}"])
+    one = load_run(run_dir)
+    model = nnx.merge(one.graphdef, one.params, one.biases)
+    forward = jax.jit(lambda toks: model(toks)[0][0, -1])
+    seqs = [[256] + TEXT[:3], [256] + TEXT[:20], [256] + TEXT[:10]]
+    steps = CONTEXT - 21  # the longest row reaches the context
+    logits, seen = cached_logits(loaded, seqs, steps)
+    assert logits.shape == (steps + 1, 3, 320)
+    for step in range(steps + 1):
+        for r, seq in enumerate(seen[step]):
+            ref = np.asarray(forward(jnp.asarray([seq], jnp.int32)))
+            np.testing.assert_allclose(logits[step, r], ref, rtol=2e-5, atol=2e-5, err_msg=f"step {step} row {r}")
+    assert len(seen[-1][1]) == CONTEXT
+
+
+def test_kv_cache_generation_is_generation_without_it(run_dir):
+    """The same ids with and without the cache: greedy and sampled (the same seed), 2 rows on a 2-device mesh, one
+    of which outgrows the context half-way (from there each token is a forward over sliding windows)."""
+    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
+    prompts = [[256] + TEXT[:3], [256] + TEXT[:26]]  # the second reaches the context after 6 new tokens
+    for kw in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        a = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, **kw)
+        b = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, kv_cache=False, **kw)
+        assert a == b and [len(o) for o in a] == [12, 12], kw
+
+
 def test_greedy_generation_takes_the_most_likely_tokens(run_dir):
     loaded = load_run(run_dir)
     prompts = [[256] + TEXT[:3], [256] + TEXT[:30]]  # the second slides past the context after two tokens
@@ -196,6 +254,9 @@ def test_cli_evaluate_and_generate(run_dir, capsys):
     assert len(lines) == 2 and lines[0]["ids"] == lines[1]["ids"] and len(lines[0]["ids"]) == 5
     assert (lines[0]["temperature"], lines[0]["top_k"], lines[0]["top_p"], lines[0]["seed"]) == (0.0, 50, 1.0, 0)
     assert all(i < TOKENIZER_VOCAB for i in lines[0]["ids"])
+    assert main(["generate", str(run_dir), "--prompt", "The ", "--max-new-tokens", "5", "--temperature", "0",
+                 "--no-stop-at-eot", "--json", "--no-kv-cache"]) == 0
+    assert json.loads(capsys.readouterr().out.strip())["ids"] == lines[0]["ids"]
     assert main(["generate", str(run_dir), "--prompt", "The ", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("The ")
 
@@ -243,7 +304,8 @@ def test_reading_leaves_the_run_directory_alone(run_dir):
 @pytest.mark.gpu
 def test_gpu_evaluate_gives_the_record_and_generate_reads_the_unpadded_logits(tmp_path):
     """On a GPU (Triton MoE kernels, Pallas attention, bf16): the evaluation, with the run's autotuning results
-    loaded, repeats the run's own val_loss bitwise; the padded windows' logits are the unpadded forward's."""
+    loaded, repeats the run's own val_loss bitwise; the padded windows' logits, and the KV cache's decoding steps',
+    are the unpadded forward's."""
     d = tmp_path / "run"
     cfg = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), [
         "schedule.total_steps=20", "schedule.warmup_steps=5", "schedule.decay_steps=5", "model.context=128",
@@ -264,3 +326,9 @@ def test_gpu_evaluate_gives_the_record_and_generate_reads_the_unpadded_logits(tm
                                    atol=2e-2)
     outs = generate(loaded, seqs, max_new_tokens=16, temperature=0.8, top_k=20, vocab=TOKENIZER_VOCAB)
     assert [len(o) for o in outs] == [16] * 3 and max(max(o) for o in outs) < TOKENIZER_VOCAB
+    # the KV cache's decoding steps (XLA attention over the cache, the Triton MoE kernels on one token per row)
+    logits, seen = cached_logits(loaded, [[256] + TEXT[:3], [256] + TEXT[:40]], steps=8)
+    for step in range(9):
+        for r, seq in enumerate(seen[step]):
+            ref = np.asarray(forward(jnp.asarray([seq], jnp.int32)))
+            np.testing.assert_allclose(logits[step, r], ref, rtol=2e-2, atol=2e-2, err_msg=f"step {step} row {r}")

@@ -11,19 +11,22 @@ from jax.sharding import PartitionSpec as P
 from mhl_jax.model.init import normal_param
 
 
-def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin: (T, head_dim // 2) fp32 for positions 0..T-1."""
+def rope_tables(seq_len: int | jax.Array, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: (T, head_dim // 2) fp32 for positions 0..T-1 (seq_len an int), or (..., head_dim // 2) for the
+    positions in an int array (the same values as the table's rows at them)."""
     inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    ang = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    pos = jnp.arange(seq_len) if isinstance(seq_len, int) else seq_len
+    ang = pos.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(ang), jnp.sin(ang)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: (B, T, nh, hd); rotate the two halves of each head (GPT-NeoX layout), in fp32."""
+    """x: (B, T, nh, hd); cos, sin: (T, hd // 2), or (B, T, hd // 2) for positions of each row; rotate the two halves
+    of each head (GPT-NeoX layout), in fp32."""
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = x32[..., :half], x32[..., half:]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = (cos[None, :, None, :], sin[None, :, None, :]) if cos.ndim == 2 else (cos[:, :, None], sin[:, :, None])
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
 
 
@@ -82,21 +85,42 @@ def attention_impl(choice: str) -> str:
     return choice
 
 
-def causal_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, n_heads: int, head_dim: int,
-                     rope_base: float, impl: str, mesh: Mesh | None = None) -> jax.Array:
-    """x: (B, T, d) compute dtype; w_qkv: (d, 3, nh, hd); w_o: (nh, hd, d) -> (B, T, d) compute dtype. mesh: the
-    device mesh the batch is split over (pallas only)."""
-    b, t, _ = x.shape
-    dt = x.dtype
-    qkv = jnp.einsum("btd,dsnh->btsnh", x, w_qkv.astype(dt))
+def _qkv(x: jax.Array, w_qkv: jax.Array, head_dim: int, rope_base: float, positions: jax.Array | None = None):
+    """x: (B, T, d) -> q, k, v (B, T, nh, hd) in x's dtype, q and k rotated for positions 0..T-1 (None) or for
+    `positions` (B, T)."""
+    qkv = jnp.einsum("btd,dsnh->btsnh", x, w_qkv.astype(x.dtype))
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    cos, sin = rope_tables(t, head_dim, rope_base)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cos, sin = rope_tables(x.shape[1] if positions is None else positions, head_dim, rope_base)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def causal_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, n_heads: int, head_dim: int,
+                     rope_base: float, impl: str, mesh: Mesh | None = None,
+                     keep_kv: bool = False) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """x: (B, T, d) compute dtype; w_qkv: (d, 3, nh, hd); w_o: (nh, hd, d) -> (B, T, d) compute dtype. mesh: the
+    device mesh the batch is split over (pallas only). keep_kv: also return the rotated keys and the values (B, T, nh,
+    hd), a KV cache of the T positions (`decode_attention`)."""
+    q, k, v = _qkv(x, w_qkv, head_dim, rope_base)
     if impl == "pallas":
         o = sharded_pallas_attention(q, k, v, mesh)
     else:
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-    return jnp.einsum("btnh,nhd->btd", o, w_o.astype(dt))
+    o = jnp.einsum("btnh,nhd->btd", o, w_o.astype(x.dtype))
+    return (o, (k, v)) if keep_kv else o
+
+
+def decode_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, head_dim: int, rope_base: float,
+                     cache: tuple[jax.Array, jax.Array], pos: jax.Array):
+    """One new token per row against a KV cache: x (B, 1, d) compute dtype at positions pos (B,) int32; cache: keys
+    and values (B, Tc, nh, hd) of the positions before (entries at pos and after are ignored) -> (output (B, 1, d),
+    the cache with this token's key and value written at pos). The token attends to positions 0..pos (XLA's
+    attention with that mask: one query per row, nothing for a flash kernel to tile)."""
+    q, k, v = _qkv(x, w_qkv, head_dim, rope_base, pos[:, None])
+    rows = jnp.arange(x.shape[0])
+    kc, vc = cache[0].at[rows, pos].set(k[:, 0]), cache[1].at[rows, pos].set(v[:, 0])
+    mask = (jnp.arange(kc.shape[1])[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1 head, 1 query, Tc)
+    o = jax.nn.dot_product_attention(q, kc, vc, mask=mask, implementation="xla")
+    return jnp.einsum("btnh,nhd->btd", o, w_o.astype(x.dtype)), (kc, vc)
 
 
 class Attention(nnx.Module):
@@ -108,6 +132,11 @@ class Attention(nnx.Module):
         self.n_heads, self.head_dim, self.rope_base, self.impl = n_heads, head_dim, rope_base, impl
         self.mesh = mesh
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, keep_kv: bool = False):
+        """x (B, T, d) -> (B, T, d); keep_kv: and the KV cache of the T positions (`causal_attention`)."""
         return causal_attention(x, self.w_qkv[...], self.w_o[...], self.n_heads, self.head_dim,
-                                self.rope_base, attention_impl(self.impl), self.mesh)
+                                self.rope_base, attention_impl(self.impl), self.mesh, keep_kv)
+
+    def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array):
+        """One token per row at pos against the cache (`decode_attention`)."""
+        return decode_attention(x, self.w_qkv[...], self.w_o[...], self.head_dim, self.rope_base, cache, pos)

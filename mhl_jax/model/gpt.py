@@ -60,6 +60,20 @@ class Block(nnx.Module):
         y, load = self.ffn(x) if weights_cast is None and grad_acc is None else self.ffn(x, weights_cast, grad_acc)
         return h + y.astype(jnp.float32), load
 
+    def prefill(self, h: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """`__call__` (no gradients) that also returns this layer's KV cache of the T positions."""
+        a, kv = self.attn(self.norm1(h).astype(self.dtype), keep_kv=True)
+        return self._ffn_residual(h + a.astype(jnp.float32)), kv
+
+    def decode(self, h: jax.Array, cache: tuple[jax.Array, jax.Array],
+               pos: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """h: (B, 1, d) fp32, one token per row at positions pos (B,), against this layer's cache -> (h, cache)."""
+        a, cache = self.attn.decode(self.norm1(h).astype(self.dtype), cache, pos)
+        return self._ffn_residual(h + a.astype(jnp.float32)), cache
+
+    def _ffn_residual(self, h: jax.Array) -> jax.Array:
+        return h + self.ffn(self.norm2(h).astype(self.dtype))[0].astype(jnp.float32)
+
 
 class GPT(nnx.Module):
     def __init__(self, cfg: Config, rngs: nnx.Rngs, executor: MoEExecutor | None = None, mesh: Mesh | None = None):
@@ -112,6 +126,29 @@ class GPT(nnx.Module):
             if load is not None:
                 loads[i] = load
         return self.norm_f(h).astype(self.dtype), loads
+
+    def prefill(self, tokens: jax.Array) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        """tokens: (B, T) int32 -> `hidden`'s output (B, T, d) and each layer's KV cache (keys, values (B, T, nh, hd)
+        in the compute dtype) for `decode` (generation; no gradients, no loads)."""
+        h = embed_lookup(self.embed[...], tokens)
+        caches = []
+        for block in self.blocks:
+            h, kv = block.prefill(h)
+            caches.append(kv)
+        return self.norm_f(h).astype(self.dtype), caches
+
+    def decode(self, tokens: jax.Array, pos: jax.Array,
+               caches: list[tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        """One token per row: tokens (B,) int32 at positions pos (B,) (each < the caches' length), after the
+        positions before pos in `caches` -> `hidden`'s output for them (B, d) and the caches with them written in.
+        The same as `hidden` over each row's tokens 0..pos up to rounding: the MoE layers route each token alone
+        (dropless), so a token's output never depends on the others in its batch."""
+        h = embed_lookup(self.embed[...], tokens[:, None])
+        out = []
+        for block, cache in zip(self.blocks, caches):
+            h, cache = block.decode(h, cache, pos)
+            out.append(cache)
+        return self.norm_f(h).astype(self.dtype)[:, 0], out
 
     def __call__(self, tokens: jax.Array, weights_cast: dict | None = None,
                  grad_acc: dict | None = None) -> tuple[jax.Array, dict[int, jax.Array]]:
