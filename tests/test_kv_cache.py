@@ -5,7 +5,7 @@ cut at a different length each (the rest padded with id 0), then one decoding st
 logits at those positions: the rotary angle of each row's own position, the mask over the cache, the new key and
 value written where they belong, and MoE layers that route one token per row alone (dropless). Here on random
 weights through the reference experts and through the Triton path's emulation (its custom VJPs, packing and
-metadata at 3 tokens a call; the kernels themselves run on a GPU: tests/test_infer.py's GPU test).
+metadata at 2 tokens a call and device; the kernels themselves run on a GPU: tests/test_infer.py's GPU test).
 """
 
 import jax
@@ -17,6 +17,8 @@ from flax import nnx
 from mhl_jax.model.balancing import RouterBias
 from mhl_jax.model.gpt import build_model, head_logits
 from mhl_jax.model.moe_core import LocalMoE
+from mhl_jax.parallel.executors import make_executor
+from mhl_jax.parallel.mesh import make_mesh
 from tests.test_kernels_in_model import emulated, small  # noqa: F401  (emulated: a fixture)
 
 
@@ -24,16 +26,25 @@ def _logits(model, x):
     return head_logits(x, model.head[...].astype(model.dtype))
 
 
-@pytest.mark.parametrize("kind, impl", [("mlp", "reference"), ("moe", "reference"), ("moe", "triton"),
-                                        ("mh_latent_moe", "reference"), ("mh_latent_moe", "triton")])
-def test_decoding_steps_give_the_forwards_logits(emulated, kind, impl):  # noqa: F811
-    extra = ("ffn.latent_dim=64", "ffn.head_dim=16") if kind == "mh_latent_moe" else ()
-    cfg = small(kind, *extra, "parallel.devices=1", "model.compute_dtype=float32")
-    graphdef, params, biases = nnx.split(build_model(cfg, executor=LocalMoE(impl)), nnx.Param, RouterBias)
+@pytest.mark.parametrize("kind, impl, devices", [
+    ("mlp", "reference", 1), ("moe", "reference", 1), ("moe", "triton", 1), ("mh_latent_moe", "reference", 1),
+    ("mh_latent_moe", "triton", 1), ("moe", "triton", 2), ("mh_latent_moe", "triton", 2)])
+def test_decoding_steps_give_the_forwards_logits(emulated, kind, impl, devices):  # noqa: F811
+    """On 2 devices: Expert Parallel (ep = 2) or Head Parallel (hp = 2), the rows split over the devices."""
+    extra = (("ffn.latent_dim=64", "ffn.head_dim=16", f"parallel.hp={devices}") if kind == "mh_latent_moe" else
+             (f"parallel.ep={devices}",) if kind == "moe" else ())
+    cfg = small(kind, *extra, f"parallel.devices={devices}", "model.compute_dtype=float32")
+    if devices == 1:
+        executor, mesh = LocalMoE(impl), None
+    else:
+        mesh = make_mesh(cfg)
+        executor = make_executor(cfg, mesh)
+        executor.impl = impl
+    graphdef, params, biases = nnx.split(build_model(cfg, executor=executor, mesh=mesh), nnx.Param, RouterBias)
     biases = jax.tree.map(lambda b: b + jnp.linspace(-0.3, 0.3, b.shape[-1]), biases)  # bias in play
-    t = cfg.model.context
-    rows = jnp.asarray(np.random.default_rng(1).integers(1, 257, (3, t)), jnp.int32)
-    lengths = np.array([1, 7, 12])  # each row's prefix in the cache
+    t, b = cfg.model.context, 2 * devices
+    rows = jnp.asarray(np.random.default_rng(1).integers(1, 257, (b, t)), jnp.int32)
+    lengths = np.array([1, 7, 12, 5][:b])  # each row's prefix in the cache
 
     @jax.jit
     def forward(p, b, toks):
@@ -57,9 +68,9 @@ def test_decoding_steps_give_the_forwards_logits(emulated, kind, impl):  # noqa:
     got, caches = prefill(params, biases, cut)
     for r, n in enumerate(lengths):  # the prefill's own logits at each row's last real token
         np.testing.assert_allclose(np.asarray(got)[r, n - 1], want[r, n - 1], rtol=1e-5, atol=1e-5)
-    assert caches[0][0].shape == (3, t, cfg.model.n_heads, cfg.model.head_dim)
+    assert caches[0][0].shape == (b, t, cfg.model.n_heads, cfg.model.head_dim)
     for step in range(t - lengths.max()):
         pos = lengths + step
-        logits, caches = decode(params, biases, caches, rows[np.arange(3), pos], jnp.asarray(pos, jnp.int32))
-        np.testing.assert_allclose(np.asarray(logits), want[np.arange(3), pos], rtol=1e-5, atol=1e-5,
+        logits, caches = decode(params, biases, caches, rows[np.arange(b), pos], jnp.asarray(pos, jnp.int32))
+        np.testing.assert_allclose(np.asarray(logits), want[np.arange(b), pos], rtol=1e-5, atol=1e-5,
                                    err_msg=f"step {step}")
