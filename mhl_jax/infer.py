@@ -176,10 +176,16 @@ def _prefill_logits(graphdef, params, biases, tokens, last):
     return head_logits(xl, model.head[...].astype(model.dtype))[:, 0], caches
 
 
-def _decode_logits(graphdef, params, biases, caches, tokens, pos):
-    """fp32 logits (B, V) of the token after tokens (B,) at positions pos, and the caches with them (`GPT.decode`)."""
+def _weight_casts(graphdef, params, biases):
+    """The expert weights in the compute dtype where the MoE layers read them cast (`GPT.expert_weight_casts`)."""
+    return nnx.merge(graphdef, params, biases).expert_weight_casts()
+
+
+def _decode_logits(graphdef, params, biases, casts, caches, tokens, pos):
+    """fp32 logits (B, V) of the token after tokens (B,) at positions pos, and the caches with them (`GPT.decode`;
+    casts: `_weight_casts`)."""
     model = nnx.merge(graphdef, params, biases)
-    x, caches = model.decode(tokens, pos, caches)
+    x, caches = model.decode(tokens, pos, caches, casts)
     return head_logits(x[:, None], model.head[...].astype(model.dtype))[:, 0], caches
 
 
@@ -244,7 +250,7 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
     step = jax.jit(partial(_next_ids, loaded.graphdef, *sampler), compiler_options=opts)
     prefill = jax.jit(partial(_sampled(_prefill_logits, *sampler), loaded.graphdef), compiler_options=opts)
     decode = jax.jit(partial(_sampled(_decode_logits, *sampler), loaded.graphdef), compiler_options=opts,
-                     donate_argnums=(2,))  # the caches, updated in place
+                     donate_argnums=(3,))  # the caches, updated in place
     key = jax.random.key(seed)
     out: list[list[int]] = [[] for _ in range(rows)]
     done = np.zeros(rows, bool)
@@ -255,12 +261,13 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
             ids = step(loaded.params, loaded.biases, *_windows(loaded, seqs), k)
         elif caches is None:
             ids, caches = prefill(loaded.params, loaded.biases, *_windows(loaded, seqs), k)
+            casts = jax.jit(partial(_weight_casts, loaded.graphdef))(loaded.params, loaded.biases)
         else:  # the last token of each row (padding rows: the first row's), at its position
             padded = [seqs[r if r < rows else 0] for r in range(-(-rows // mesh.size) * mesh.size)]
             sh = NamedSharding(mesh, P(tuple(mesh.axis_names)))
             last = jax.device_put(np.asarray([s[-1] for s in padded], np.int32), sh)
             pos = jax.device_put(np.asarray([len(s) - 1 for s in padded], np.int32), sh)
-            ids, caches = decode(loaded.params, loaded.biases, caches, last, pos, k)
+            ids, caches = decode(loaded.params, loaded.biases, casts, caches, last, pos, k)
         ids = np.asarray(ids)
         for r in range(rows):
             seqs[r].append(int(ids[r]))

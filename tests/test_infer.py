@@ -129,6 +129,7 @@ def cached_logits(loaded, seqs, steps):
     prefill = jax.jit(partial(infer_mod._prefill_logits, loaded.graphdef))
     decode = jax.jit(partial(infer_mod._decode_logits, loaded.graphdef))
     logits, caches = prefill(loaded.params, loaded.biases, *infer_mod._windows(loaded, seqs))
+    casts = jax.jit(partial(infer_mod._weight_casts, loaded.graphdef))(loaded.params, loaded.biases)
     out, seen = [np.asarray(logits)[:len(seqs)]], [[list(q) for q in seqs]]
     padded = -(-len(seqs) // loaded.mesh.size) * loaded.mesh.size
     sh = NamedSharding(loaded.mesh, P(tuple(loaded.mesh.axis_names)))
@@ -138,7 +139,7 @@ def cached_logits(loaded, seqs, steps):
         rows = [seqs[r if r < len(seqs) else 0] for r in range(padded)]
         toks = jax.device_put(np.asarray([q[-1] for q in rows], np.int32), sh)
         pos = jax.device_put(np.asarray([len(q) - 1 for q in rows], np.int32), sh)
-        logits, caches = decode(loaded.params, loaded.biases, caches, toks, pos)
+        logits, caches = decode(loaded.params, loaded.biases, casts, caches, toks, pos)
         out.append(np.asarray(logits)[:len(seqs)])
         seen.append([list(q) for q in seqs])
     return np.stack(out), seen

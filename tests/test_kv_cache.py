@@ -74,3 +74,31 @@ def test_decoding_steps_give_the_forwards_logits(emulated, kind, impl, devices):
         logits, caches = decode(params, biases, caches, rows[np.arange(b), pos], jnp.asarray(pos, jnp.int32))
         np.testing.assert_allclose(np.asarray(logits), want[np.arange(b), pos], rtol=1e-5, atol=1e-5,
                                    err_msg=f"step {step}")
+
+
+@pytest.mark.parametrize("kind", ["moe", "mh_latent_moe"])
+def test_decoding_with_the_expert_weights_cast_once(emulated, kind):  # noqa: F811
+    """bf16 compute on the Triton path: the expert weights cast once for all the steps (`GPT.expert_weight_casts`,
+    as generate passes them) give each step bitwise the logits of the layers casting their own."""
+    extra = ("ffn.latent_dim=64", "ffn.head_dim=16") if kind == "mh_latent_moe" else ()
+    cfg = small(kind, *extra, "parallel.devices=1", "model.compute_dtype=bfloat16")
+    graphdef, params, biases = nnx.split(build_model(cfg, executor=LocalMoE("triton")), nnx.Param, RouterBias)
+    casts = jax.jit(lambda p, b: nnx.merge(graphdef, p, b).expert_weight_casts())(params, biases)
+    assert sorted(casts) == [i for i in range(cfg.model.n_layers) if i >= cfg.ffn.stem_layers]
+    rows = jnp.asarray(np.random.default_rng(2).integers(1, 257, (2, cfg.model.context)), jnp.int32)
+
+    @jax.jit
+    def run(p, b, c):
+        model = nnx.merge(graphdef, p, b)
+        _, caches = model.prefill(jnp.where(jnp.arange(rows.shape[1]) < 3, rows, 0))
+        out = []
+        for pos in range(3, 6):
+            x, caches = model.decode(rows[:, pos], jnp.full((2,), pos, jnp.int32), caches, c)
+            out.append(x)
+        return jnp.stack(out)
+
+    a, b = np.asarray(run(params, biases, casts)), np.asarray(run(params, biases, None))
+    np.testing.assert_array_equal(a, b)
+    assert np.isfinite(a.astype(np.float32)).all()
+    doubled = jax.tree.map(lambda w: w * 2, casts)  # the steps read the casts passed, not the weights
+    assert not np.array_equal(np.asarray(run(params, biases, doubled)), a)

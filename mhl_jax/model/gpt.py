@@ -65,14 +65,17 @@ class Block(nnx.Module):
         a, kv = self.attn(self.norm1(h).astype(self.dtype), keep_kv=True)
         return self._ffn_residual(h + a.astype(jnp.float32)), kv
 
-    def decode(self, h: jax.Array, cache: tuple[jax.Array, jax.Array],
-               pos: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """h: (B, 1, d) fp32, one token per row at positions pos (B,), against this layer's cache -> (h, cache)."""
+    def decode(self, h: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array,
+               weights_cast=None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """h: (B, 1, d) fp32, one token per row at positions pos (B,), against this layer's cache -> (h, cache).
+        weights_cast: this layer's entry of `GPT.expert_weight_casts()` (None: the layer casts its own)."""
         a, cache = self.attn.decode(self.norm1(h).astype(self.dtype), cache, pos)
-        return self._ffn_residual(h + a.astype(jnp.float32)), cache
+        return self._ffn_residual(h + a.astype(jnp.float32), weights_cast), cache
 
-    def _ffn_residual(self, h: jax.Array) -> jax.Array:
-        return h + self.ffn(self.norm2(h).astype(self.dtype))[0].astype(jnp.float32)
+    def _ffn_residual(self, h: jax.Array, weights_cast=None) -> jax.Array:
+        x = self.norm2(h).astype(self.dtype)
+        y = self.ffn(x)[0] if weights_cast is None else self.ffn(x, weights_cast)[0]
+        return h + y.astype(jnp.float32)
 
 
 class GPT(nnx.Module):
@@ -137,16 +140,17 @@ class GPT(nnx.Module):
             caches.append(kv)
         return self.norm_f(h).astype(self.dtype), caches
 
-    def decode(self, tokens: jax.Array, pos: jax.Array,
-               caches: list[tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+    def decode(self, tokens: jax.Array, pos: jax.Array, caches: list[tuple[jax.Array, jax.Array]],
+               weights_cast: dict | None = None) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
         """One token per row: tokens (B,) int32 at positions pos (B,) (each < the caches' length), after the
         positions before pos in `caches` -> `hidden`'s output for them (B, d) and the caches with them written in.
         The same as `hidden` over each row's tokens 0..pos up to rounding: the MoE layers route each token alone
-        (dropless), so a token's output never depends on the others in its batch."""
+        (dropless), so a token's output never depends on the others in its batch. weights_cast:
+        `expert_weight_casts()`, made once for all the steps (None: each step casts the expert weights again)."""
         h = embed_lookup(self.embed[...], tokens[:, None])
-        out = []
-        for block, cache in zip(self.blocks, caches):
-            h, cache = block.decode(h, cache, pos)
+        out, weights_cast = [], weights_cast or {}
+        for i, (block, cache) in enumerate(zip(self.blocks, caches)):
+            h, cache = block.decode(h, cache, pos, weights_cast.get(i))
             out.append(cache)
         return self.norm_f(h).astype(self.dtype)[:, 0], out
 
