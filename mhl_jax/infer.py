@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -197,6 +198,19 @@ def _sampled(fn, temperature, top_k, vocab, top_p):
     return draw
 
 
+@functools.lru_cache(maxsize=8)
+def _generation_fns(graphdef, temperature, top_k, vocab, top_p, options: tuple):
+    """generate's jitted functions (step over windows, prefill, decode, the expert weight casts) for one model and
+    sampler, kept for later calls of the same (a notebook's, the tests'), so that they compile once."""
+    opts = dict(options) or None
+    sampler = (temperature, top_k, vocab, top_p)
+    return (jax.jit(partial(_next_ids, graphdef, *sampler), compiler_options=opts),
+            jax.jit(partial(_sampled(_prefill_logits, *sampler), graphdef), compiler_options=opts),
+            jax.jit(partial(_sampled(_decode_logits, *sampler), graphdef), compiler_options=opts,
+                    donate_argnums=(3,)),  # the caches, updated in place
+            jax.jit(partial(_weight_casts, graphdef), compiler_options=opts))
+
+
 def _windows(loaded: Loaded, seqs: list[list[int]]) -> tuple[jax.Array, jax.Array]:
     """The model's input for the next token of each sequence: (tokens (B, T), last (B,)) with B a multiple of the
     mesh's devices (rows past len(seqs) repeat the first), each row the sequence's last T tokens padded at the end."""
@@ -245,12 +259,8 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
     vocab = loaded.cfg.model.vocab_size if vocab is None else vocab
     rows = len(prompts)
     seqs = [list(p) for p in prompts]
-    opts = loaded.compiler_options or None
-    sampler = (float(temperature), int(top_k), int(vocab), float(top_p))
-    step = jax.jit(partial(_next_ids, loaded.graphdef, *sampler), compiler_options=opts)
-    prefill = jax.jit(partial(_sampled(_prefill_logits, *sampler), loaded.graphdef), compiler_options=opts)
-    decode = jax.jit(partial(_sampled(_decode_logits, *sampler), loaded.graphdef), compiler_options=opts,
-                     donate_argnums=(3,))  # the caches, updated in place
+    step, prefill, decode, cast = _generation_fns(loaded.graphdef, float(temperature), int(top_k), int(vocab),
+                                                  float(top_p), tuple(sorted((loaded.compiler_options or {}).items())))
     key = jax.random.key(seed)
     out: list[list[int]] = [[] for _ in range(rows)]
     done = np.zeros(rows, bool)
@@ -261,7 +271,7 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
             ids = step(loaded.params, loaded.biases, *_windows(loaded, seqs), k)
         elif caches is None:
             ids, caches = prefill(loaded.params, loaded.biases, *_windows(loaded, seqs), k)
-            casts = jax.jit(partial(_weight_casts, loaded.graphdef))(loaded.params, loaded.biases)
+            casts = cast(loaded.params, loaded.biases)
         else:  # the last token of each row (padding rows: the first row's), at its position
             padded = [seqs[r if r < rows else 0] for r in range(-(-rows // mesh.size) * mesh.size)]
             sh = NamedSharding(mesh, P(tuple(mesh.axis_names)))
