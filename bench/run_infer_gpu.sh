@@ -1,8 +1,9 @@
 #!/bin/bash
-# mhl_jax.infer on one GPU (session 41, 2026-11-28; written without device time, not yet run): its GPU test (the
-# evaluation bitwise the run's own val_loss with the run's autotuning results; padded windows' logits against the
-# unpadded forward, bf16), then the 2.2B MH-LatentMoE: 4 steps on the built-in corpus with a checkpoint (~25 GiB on
-# disk), `evaluate` against the run's record at step 4, and `generate` of 4 x 128 tokens, each timed.
+# mhl_jax.infer on one GPU (session 41, 2026-11-28; run in session 42, when the KV cache's parts were added, not yet
+# run): its GPU test (the evaluation bitwise the run's own val_loss with the run's autotuning results; padded windows'
+# and the KV cache's logits against the unpadded forward, bf16), then the 2.2B MH-LatentMoE: 4 steps on the built-in
+# corpus with a checkpoint (~25 GiB on disk), `evaluate` against the run's record at step 4, `generate` of 4 x 128
+# tokens with and without the KV cache, each timed, and bench/generate.py (per-token times, compiles left out).
 set -o pipefail
 OUT=${OUT:-/tmp/infer_out}
 source "$(dirname "$0")/gpu_stage.sh"
@@ -19,4 +20,7 @@ print('record val_loss', repr(r.get('val_loss')))" | tee -a "$LOG"
 stage evaluate-2.2b 300 bash -c "time python3 -m mhl_jax.infer evaluate $RUN --json"
 stage generate-2.2b 300 bash -c "time python3 -m mhl_jax.infer generate $RUN --prompt 'The ' --num-samples 4 \
     --max-new-tokens 128 --json"
+stage generate-2.2b-no-cache 300 bash -c "time python3 -m mhl_jax.infer generate $RUN --prompt 'The ' --num-samples 4 \
+    --max-new-tokens 128 --json --no-kv-cache"
+stage generate-2.2b-timed 300 python3 bench/generate.py $RUN --rows 1 4 16 --tokens 128
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
