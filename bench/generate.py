@@ -25,6 +25,11 @@ def main() -> None:
     loaded = load_run(args.run_dir)
     dev = jax.local_devices()[0]
     prompt = [256] + list(b"The ")  # byte-tokenizer ids: end-of-text, then the prompt
+    tokens = min(args.tokens, loaded.cfg.model.context - len(prompt))  # all within the context: cached throughout
+    if tokens < args.tokens:
+        print(f"--tokens {args.tokens} cut to {tokens}: past model.context={loaded.cfg.model.context} the window "
+              f"slides and tokens run without the cache")
+    args.tokens = tokens
     for rows in args.rows:
         ids = {}
         for kv in (False, True):  # the baseline first

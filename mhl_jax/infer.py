@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import sys
@@ -65,6 +64,8 @@ class Loaded:
     biases: nnx.State
     step: int
     compiler_options: dict = dataclasses.field(default_factory=dict)  # the run's autotuning results (GPU)
+    # generate's jitted functions per sampler (`_generation_fns`): they compile once for this model's calls
+    jitted: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -198,17 +199,29 @@ def _sampled(fn, temperature, top_k, vocab, top_p):
     return draw
 
 
-@functools.lru_cache(maxsize=8)
-def _generation_fns(graphdef, temperature, top_k, vocab, top_p, options: tuple):
-    """generate's jitted functions (step over windows, prefill, decode, the expert weight casts) for one model and
-    sampler, kept for later calls of the same (a notebook's, the tests'), so that they compile once."""
-    opts = dict(options) or None
-    sampler = (temperature, top_k, vocab, top_p)
-    return (jax.jit(partial(_next_ids, graphdef, *sampler), compiler_options=opts),
+def _generation_fns(loaded: Loaded, sampler: tuple):
+    """generate's jitted functions (step over windows, prefill, decode, the expert weight casts) for `loaded`'s model
+    and a sampler (temperature, top_k, vocab, top_p), kept in `loaded.jitted` for later calls with the same (a
+    notebook's, the tests'), so that they compile once; they go with `loaded`."""
+    if sampler not in loaded.jitted:
+        graphdef, opts = loaded.graphdef, loaded.compiler_options or None
+        loaded.jitted[sampler] = (
+            jax.jit(partial(_next_ids, graphdef, *sampler), compiler_options=opts),
             jax.jit(partial(_sampled(_prefill_logits, *sampler), graphdef), compiler_options=opts),
             jax.jit(partial(_sampled(_decode_logits, *sampler), graphdef), compiler_options=opts,
                     donate_argnums=(3,)),  # the caches, updated in place
             jax.jit(partial(_weight_casts, graphdef), compiler_options=opts))
+    return loaded.jitted[sampler]
+
+
+def _decode_inputs(loaded: Loaded, seqs: list[list[int]]) -> tuple[jax.Array, jax.Array]:
+    """A decoding step's input: (tokens (B,), positions (B,)), each row's last token and its index, rows padded to a
+    multiple of the mesh's devices as `_windows` pads them (rows past len(seqs) repeat the first)."""
+    mesh = loaded.mesh
+    rows = [seqs[r if r < len(seqs) else 0] for r in range(-(-len(seqs) // mesh.size) * mesh.size)]
+    sh = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    return (jax.device_put(np.asarray([q[-1] for q in rows], np.int32), sh),
+            jax.device_put(np.asarray([len(q) - 1 for q in rows], np.int32), sh))
 
 
 def _windows(loaded: Loaded, seqs: list[list[int]]) -> tuple[jax.Array, jax.Array]:
@@ -259,25 +272,23 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
     vocab = loaded.cfg.model.vocab_size if vocab is None else vocab
     rows = len(prompts)
     seqs = [list(p) for p in prompts]
-    step, prefill, decode, cast = _generation_fns(loaded.graphdef, float(temperature), int(top_k), int(vocab),
-                                                  float(top_p), tuple(sorted((loaded.compiler_options or {}).items())))
+    step, prefill, decode, cast = _generation_fns(loaded, (float(temperature), int(top_k), int(vocab), float(top_p)))
     key = jax.random.key(seed)
     out: list[list[int]] = [[] for _ in range(rows)]
     done = np.zeros(rows, bool)
-    caches, t, mesh = None, loaded.cfg.model.context, loaded.mesh
+    caches = casts = None
+    t = loaded.cfg.model.context
     for i in range(max_new_tokens):
         k = jax.random.fold_in(key, i)
-        if not kv_cache or max(map(len, seqs)) > t:  # a window slides: no cache
+        longest = max(map(len, seqs))
+        if not kv_cache or longest > t or (caches is None and longest == t):  # a window slides (now or next): none
+            caches = casts = None  # freed
             ids = step(loaded.params, loaded.biases, *_windows(loaded, seqs), k)
         elif caches is None:
             ids, caches = prefill(loaded.params, loaded.biases, *_windows(loaded, seqs), k)
             casts = cast(loaded.params, loaded.biases)
-        else:  # the last token of each row (padding rows: the first row's), at its position
-            padded = [seqs[r if r < rows else 0] for r in range(-(-rows // mesh.size) * mesh.size)]
-            sh = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-            last = jax.device_put(np.asarray([s[-1] for s in padded], np.int32), sh)
-            pos = jax.device_put(np.asarray([len(s) - 1 for s in padded], np.int32), sh)
-            ids, caches = decode(loaded.params, loaded.biases, casts, caches, last, pos, k)
+        else:
+            ids, caches = decode(loaded.params, loaded.biases, casts, caches, *_decode_inputs(loaded, seqs), k)
         ids = np.asarray(ids)
         for r in range(rows):
             seqs[r].append(int(ids[r]))

@@ -15,8 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from mhl_jax import infer as infer_mod
 from mhl_jax.config import ConfigError, load_config
@@ -131,14 +129,11 @@ def cached_logits(loaded, seqs, steps):
     logits, caches = prefill(loaded.params, loaded.biases, *infer_mod._windows(loaded, seqs))
     casts = jax.jit(partial(infer_mod._weight_casts, loaded.graphdef))(loaded.params, loaded.biases)
     out, seen = [np.asarray(logits)[:len(seqs)]], [[list(q) for q in seqs]]
-    padded = -(-len(seqs) // loaded.mesh.size) * loaded.mesh.size
-    sh = NamedSharding(loaded.mesh, P(tuple(loaded.mesh.axis_names)))
     for _ in range(steps):
         for q in seqs:
             q.append(TEXT[len(q) - 1])  # q = [256] + TEXT[:n]: its next byte
-        rows = [seqs[r if r < len(seqs) else 0] for r in range(padded)]
-        toks = jax.device_put(np.asarray([q[-1] for q in rows], np.int32), sh)
-        pos = jax.device_put(np.asarray([len(q) - 1 for q in rows], np.int32), sh)
+        toks, pos = infer_mod._decode_inputs(loaded, seqs)  # generate's own: rows padded over the mesh
+        assert [int(p) for p in pos][:len(seqs)] == [len(q) - 1 for q in seqs]
         logits, caches = decode(loaded.params, loaded.biases, casts, caches, toks, pos)
         out.append(np.asarray(logits)[:len(seqs)])
         seen.append([list(q) for q in seqs])
@@ -166,14 +161,18 @@ def test_kv_cache_decoding_gives_the_forwards_logits(run_dir, devices):
 
 
 def test_kv_cache_generation_is_generation_without_it(run_dir):
-    """The same ids with and without the cache: greedy and sampled (the same seed), 2 rows on a 2-device mesh, one
-    of which outgrows the context half-way (from there each token is a forward over sliding windows)."""
+    """The same ids with and without the cache: greedy and sampled (the same seed), 3 rows padded to 4 on a 2-device
+    mesh, one of which outgrows the context half-way (from there each token is a forward over sliding windows); and
+    a prompt of exactly the context (it slides from its second token: no cache is made)."""
     loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
-    prompts = [[256] + TEXT[:3], [256] + TEXT[:26]]  # the second reaches the context after 6 new tokens
+    prompts = [[256] + TEXT[:3], [256] + TEXT[:26], [256] + TEXT[10:15]]  # the second fills the context after 6
     for kw in (dict(temperature=0), dict(temperature=1.0, seed=3)):
         a = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, **kw)
         b = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, kv_cache=False, **kw)
-        assert a == b and [len(o) for o in a] == [12, 12], kw
+        assert a == b and [len(o) for o in a] == [12, 12, 12], kw
+        assert kw["temperature"] == 0 or len(set(map(tuple, a))) == 3, kw  # sampled: each row its own draws
+    full = [[256] + TEXT[:CONTEXT - 1]]
+    assert generate(loaded, full, 3, temperature=0) == generate(loaded, full, 3, temperature=0, kv_cache=False)
 
 
 def test_greedy_generation_takes_the_most_likely_tokens(run_dir):

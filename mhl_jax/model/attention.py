@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -15,7 +17,7 @@ def rope_tables(seq_len: int | jax.Array, head_dim: int, base: float) -> tuple[j
     """cos, sin: (T, head_dim // 2) fp32 for positions 0..T-1 (seq_len an int), or (..., head_dim // 2) for the
     positions in an int array (the same values as the table's rows at them)."""
     inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    pos = jnp.arange(seq_len) if isinstance(seq_len, int) else seq_len
+    pos = jnp.arange(seq_len) if jnp.ndim(seq_len) == 0 else jnp.asarray(seq_len)
     ang = pos.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(ang), jnp.sin(ang)
 
@@ -44,7 +46,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool |
                      config: dict | None = None) -> jax.Array:
     """Causal flash attention of (B, T, nh, hd) q, k, v by `jax.experimental.pallas.ops.gpu.attention.mha` with
     `config` (None: PALLAS_CONFIG) (interpret: the Pallas interpreter; None: where there is no GPU, i.e. in the CPU
-    tests). A T that is not a multiple of the largest tile is zero-padded at the end to one, and the output cut back:
+    tests). A T that is not a multiple of every tile is zero-padded at the end to one, and the output cut back:
     under the causal mask no real query sees a padded key, and the padded queries' outputs (cut) get no gradient, so
     the result is the unpadded attention's. Tiles capped at a short T instead (the earlier way) gave wrong outputs on
     an H100 at T = 4 (Triton's dot needs tiles of at least 16; session 42), and T = 100 was refused."""
@@ -54,7 +56,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool |
         interpret = jax.default_backend() != "gpu"
     cfg = dict(PALLAS_CONFIG if config is None else config)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    t, tile = q.shape[1], max(cfg.values())
+    t, tile = q.shape[1], math.lcm(*cfg.values())  # a whole number of every tile
     pad = -t % tile
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
@@ -113,8 +115,9 @@ def decode_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, head_dim: i
                      cache: tuple[jax.Array, jax.Array], pos: jax.Array):
     """One new token per row against a KV cache: x (B, 1, d) compute dtype at positions pos (B,) int32; cache: keys
     and values (B, Tc, nh, hd) of the positions before (entries at pos and after are ignored) -> (output (B, 1, d),
-    the cache with this token's key and value written at pos). The token attends to positions 0..pos (XLA's
-    attention with that mask: one query per row, nothing for a flash kernel to tile)."""
+    the cache with this token's key and value written at pos). The token attends to positions 0..pos (XLA's attention
+    with that mask: one query per row, nothing for a flash kernel to tile). Each pos must be in [0, Tc): nothing
+    checks it here (out of range, the write is dropped and the mask lets the token see the whole cache)."""
     q, k, v = _qkv(x, w_qkv, head_dim, rope_base, pos[:, None])
     rows = jnp.arange(x.shape[0])
     kc, vc = cache[0].at[rows, pos].set(k[:, 0]), cache[1].at[rows, pos].set(v[:, 0])
