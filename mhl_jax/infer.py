@@ -161,8 +161,12 @@ def _next_logits(graphdef, params, biases, tokens, last):
     """tokens (B, T) int32, last (B,) the index of each row's last real token -> fp32 logits (B, V) of the token
     after it."""
     model = nnx.merge(graphdef, params, biases)
-    x, _ = model.hidden(tokens)
-    xl = jnp.take_along_axis(x, last[:, None, None], axis=1)  # (B, 1, d)
+    return _at(model, model.hidden(tokens)[0], last)
+
+
+def _at(model, x: jax.Array, last: jax.Array | None = None) -> jax.Array:
+    """fp32 logits (B, V) of the head over x (B, T, d) at each row's position `last` (B,), or over x (B, d)."""
+    xl = x[:, None] if last is None else jnp.take_along_axis(x, last[:, None, None], axis=1)  # (B, 1, d)
     return head_logits(xl, model.head[...].astype(model.dtype))[:, 0]
 
 
@@ -174,8 +178,7 @@ def _prefill_logits(graphdef, params, biases, tokens, last):
     """`_next_logits` that also returns the KV caches of the windows' positions (`GPT.prefill`)."""
     model = nnx.merge(graphdef, params, biases)
     x, caches = model.prefill(tokens)
-    xl = jnp.take_along_axis(x, last[:, None, None], axis=1)
-    return head_logits(xl, model.head[...].astype(model.dtype))[:, 0], caches
+    return _at(model, x, last), caches
 
 
 def _weight_casts(graphdef, params, biases):
@@ -188,7 +191,7 @@ def _decode_logits(graphdef, params, biases, casts, caches, tokens, pos):
     casts: `_weight_casts`)."""
     model = nnx.merge(graphdef, params, biases)
     x, caches = model.decode(tokens, pos, caches, casts)
-    return head_logits(x[:, None], model.head[...].astype(model.dtype))[:, 0], caches
+    return _at(model, x), caches
 
 
 def _sampled(fn, temperature, top_k, vocab, top_p):
@@ -217,22 +220,26 @@ def _generation_fns(loaded: Loaded, sampler: tuple):
 def _decode_inputs(loaded: Loaded, seqs: list[list[int]]) -> tuple[jax.Array, jax.Array]:
     """A decoding step's input: (tokens (B,), positions (B,)), each row's last token and its index, rows padded to a
     multiple of the mesh's devices as `_windows` pads them (rows past len(seqs) repeat the first)."""
-    mesh = loaded.mesh
-    rows = [seqs[r if r < len(seqs) else 0] for r in range(-(-len(seqs) // mesh.size) * mesh.size)]
-    sh = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    rows, sh = _padded(loaded, seqs), NamedSharding(loaded.mesh, P(tuple(loaded.mesh.axis_names)))
     return (jax.device_put(np.asarray([q[-1] for q in rows], np.int32), sh),
             jax.device_put(np.asarray([len(q) - 1 for q in rows], np.int32), sh))
+
+
+def _padded(loaded: Loaded, seqs: list[list[int]]) -> list[list[int]]:
+    """`seqs` and copies of the first, to a multiple of the mesh's devices (the batch is split over every device)."""
+    n = -(-len(seqs) // loaded.mesh.size) * loaded.mesh.size
+    return [seqs[r if r < len(seqs) else 0] for r in range(n)]
 
 
 def _windows(loaded: Loaded, seqs: list[list[int]]) -> tuple[jax.Array, jax.Array]:
     """The model's input for the next token of each sequence: (tokens (B, T), last (B,)) with B a multiple of the
     mesh's devices (rows past len(seqs) repeat the first), each row the sequence's last T tokens padded at the end."""
     t, mesh = loaded.cfg.model.context, loaded.mesh
-    padded = -(-len(seqs) // mesh.size) * mesh.size  # the batch is split over every device
-    window = np.zeros((padded, t), np.int32)
-    last = np.zeros(padded, np.int32)
-    for r in range(padded):
-        w = seqs[r if r < len(seqs) else 0][-t:]
+    padded = _padded(loaded, seqs)
+    window = np.zeros((len(padded), t), np.int32)
+    last = np.zeros(len(padded), np.int32)
+    for r, seq in enumerate(padded):
+        w = seq[-t:]
         window[r, :len(w)] = w
         last[r] = len(w) - 1
     rows = tuple(mesh.axis_names)

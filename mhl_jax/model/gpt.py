@@ -56,26 +56,25 @@ class Block(nnx.Module):
         """h: (B, T, d) fp32 residual stream -> updated h, expert load (H, Ne) or None. weights_cast, grad_acc: this
         layer's entries of `GPT.hidden`'s (MoE layers only)."""
         h = h + self.attn(self.norm1(h).astype(self.dtype)).astype(jnp.float32)
-        x = self.norm2(h).astype(self.dtype)
-        y, load = self.ffn(x) if weights_cast is None and grad_acc is None else self.ffn(x, weights_cast, grad_acc)
-        return h + y.astype(jnp.float32), load
+        return self._ffn_residual(h, weights_cast, grad_acc)
 
     def prefill(self, h: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """`__call__` (no gradients) that also returns this layer's KV cache of the T positions."""
         a, kv = self.attn(self.norm1(h).astype(self.dtype), keep_kv=True)
-        return self._ffn_residual(h + a.astype(jnp.float32)), kv
+        return self._ffn_residual(h + a.astype(jnp.float32))[0], kv
 
     def decode(self, h: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array,
                weights_cast=None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """h: (B, 1, d) fp32, one token per row at positions pos (B,), against this layer's cache -> (h, cache).
         weights_cast: this layer's entry of `GPT.expert_weight_casts()` (None: the layer casts its own)."""
         a, cache = self.attn.decode(self.norm1(h).astype(self.dtype), cache, pos)
-        return self._ffn_residual(h + a.astype(jnp.float32), weights_cast), cache
+        return self._ffn_residual(h + a.astype(jnp.float32), weights_cast)[0], cache
 
-    def _ffn_residual(self, h: jax.Array, weights_cast=None) -> jax.Array:
+    def _ffn_residual(self, h: jax.Array, weights_cast=None, grad_acc=None) -> tuple[jax.Array, jax.Array | None]:
+        """h + ffn(norm2(h)), and the expert load (`__call__`'s)."""
         x = self.norm2(h).astype(self.dtype)
-        y = self.ffn(x)[0] if weights_cast is None else self.ffn(x, weights_cast)[0]
-        return h + y.astype(jnp.float32)
+        y, load = self.ffn(x) if weights_cast is None and grad_acc is None else self.ffn(x, weights_cast, grad_acc)
+        return h + y.astype(jnp.float32), load
 
 
 class GPT(nnx.Module):
