@@ -194,6 +194,32 @@ def _decode_logits(graphdef, params, biases, casts, caches, tokens, pos):
     return _at(model, x), caches
 
 
+# Decoding steps per call of generate's jitted decoding loop (`_decode_loop`): the steps run on the device one after
+# another, with no return to Python between them; one compile serves any count up to it.
+DECODE_CHUNK = 32
+
+
+def _decode_loop(graphdef, sampler, chunk, params, biases, casts, caches, tokens, pos, key, first, count, stop, done):
+    """Up to `count` (<= chunk) decoding steps (`_decode_logits`) in one device loop: from tokens (B,) at positions
+    pos (B,), each step draws the next ids (B,) with key folded with its token index (first, first + 1, ...:
+    generate's keys) and feeds them back at pos + 1. Stops early once every row is done (done (B,) bool at the start;
+    a row is done once it draws `stop`; -1: never). Returns (ids (B, chunk) int32, of which the first `steps` columns
+    were drawn, the caches with those steps written in, steps)."""
+    def cond(state):
+        return (state[0] < count) & ~jnp.all(state[5])
+
+    def body(state):
+        j, tok, p, caches, ids, done = state
+        logits, caches = _decode_logits(graphdef, params, biases, casts, caches, tok, p)
+        new = sample_logits(logits, jax.random.fold_in(key, first + j), *sampler)
+        ids = jax.lax.dynamic_update_slice_in_dim(ids, new[:, None], j, axis=1)
+        return j + 1, new, p + 1, caches, ids, done | (new == stop)
+
+    ids = jnp.zeros((tokens.shape[0], chunk), jnp.int32)
+    steps, _, _, caches, ids, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), tokens, pos, caches, ids, done))
+    return ids, caches, steps
+
+
 def _sampled(fn, temperature, top_k, vocab, top_p):
     """fn(graphdef, params, biases, ...) -> (logits, caches) made to draw: (graphdef, ..., key) -> (ids, caches)."""
     def draw(graphdef, *args):
@@ -203,18 +229,18 @@ def _sampled(fn, temperature, top_k, vocab, top_p):
 
 
 def _generation_fns(loaded: Loaded, sampler: tuple):
-    """generate's jitted functions (step over windows, prefill, decode, the expert weight casts) for `loaded`'s model
-    and a sampler (temperature, top_k, vocab, top_p), kept in `loaded.jitted` for later calls with the same (a
-    notebook's, the tests'), so that they compile once; they go with `loaded`."""
-    if sampler not in loaded.jitted:
+    """generate's jitted functions (step over windows, prefill, the decoding loop, the expert weight casts) for
+    `loaded`'s model, a sampler (temperature, top_k, vocab, top_p) and DECODE_CHUNK, kept in `loaded.jitted` for later
+    calls with the same (a notebook's, the tests'), so that they compile once; they go with `loaded`."""
+    if (sampler, DECODE_CHUNK) not in loaded.jitted:
         graphdef, opts = loaded.graphdef, loaded.compiler_options or None
-        loaded.jitted[sampler] = (
+        loaded.jitted[sampler, DECODE_CHUNK] = (
             jax.jit(partial(_next_ids, graphdef, *sampler), compiler_options=opts),
             jax.jit(partial(_sampled(_prefill_logits, *sampler), graphdef), compiler_options=opts),
-            jax.jit(partial(_sampled(_decode_logits, *sampler), graphdef), compiler_options=opts,
+            jax.jit(partial(_decode_loop, graphdef, sampler, DECODE_CHUNK), compiler_options=opts,
                     donate_argnums=(3,)),  # the caches, updated in place
             jax.jit(partial(_weight_casts, graphdef), compiler_options=opts))
-    return loaded.jitted[sampler]
+    return loaded.jitted[sampler, DECODE_CHUNK]
 
 
 def _decode_inputs(loaded: Loaded, seqs: list[list[int]]) -> tuple[jax.Array, jax.Array]:
@@ -285,25 +311,34 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
     done = np.zeros(rows, bool)
     caches = casts = None
     t = loaded.cfg.model.context
-    for i in range(max_new_tokens):
-        k = jax.random.fold_in(key, i)
+    i = 0
+    while i < max_new_tokens and not done.all():
         longest = max(map(len, seqs))
         if not kv_cache or longest > t or (caches is None and longest == t):  # a window slides (now or next): none
             caches = casts = None  # freed
-            ids = step(loaded.params, loaded.biases, *_windows(loaded, seqs), k)
+            ids = np.asarray(step(loaded.params, loaded.biases, *_windows(loaded, seqs), jax.random.fold_in(key, i)))
+            ids = ids[:, None]
         elif caches is None:
-            ids, caches = prefill(loaded.params, loaded.biases, *_windows(loaded, seqs), k)
+            ids, caches = prefill(loaded.params, loaded.biases, *_windows(loaded, seqs), jax.random.fold_in(key, i))
+            ids = np.asarray(ids)[:, None]
             casts = cast(loaded.params, loaded.biases)
-        else:
-            ids, caches = decode(loaded.params, loaded.biases, casts, caches, *_decode_inputs(loaded, seqs), k)
-        ids = np.asarray(ids)
-        for r in range(rows):
-            seqs[r].append(int(ids[r]))
-            if not done[r]:
-                out[r].append(int(ids[r]))
-                done[r] = stop is not None and int(ids[r]) == stop
-        if done.all():
-            break
+        else:  # decoding steps while the longest sequence still fits the cache, DECODE_CHUNK at most per call
+            count = min(max_new_tokens - i, t - longest + 1, DECODE_CHUNK)
+            tokens, pos = _decode_inputs(loaded, seqs)
+            held = np.ones(tokens.shape[0], bool)  # done at the start; the rows past len(seqs) never hold the loop up
+            held[:rows] = done
+            ids, caches, steps = decode(loaded.params, loaded.biases, casts, caches, tokens, pos, key, i, count,
+                                        -1 if stop is None else stop, held)
+            ids = np.asarray(ids)[:, :int(steps)]
+        for column in ids[:rows].T:
+            for r in range(rows):
+                seqs[r].append(int(column[r]))
+                if not done[r]:
+                    out[r].append(int(column[r]))
+                    done[r] = stop is not None and int(column[r]) == stop
+            i += 1
+            if done.all():
+                break
     return out
 
 

@@ -160,10 +160,14 @@ def test_kv_cache_decoding_gives_the_forwards_logits(run_dir, devices):
     assert len(seen[-1][1]) == CONTEXT
 
 
-def test_kv_cache_generation_is_generation_without_it(run_dir):
+@pytest.mark.parametrize("chunk", [1, 4, 32])
+def test_kv_cache_generation_is_generation_without_it(run_dir, monkeypatch, chunk):
     """The same ids with and without the cache: greedy and sampled (the same seed), 3 rows padded to 4 on a 2-device
-    mesh, one of which outgrows the context half-way (from there each token is a forward over sliding windows); and
-    a prompt of exactly the context (it slides from its second token: no cache is made)."""
+    mesh, one of which outgrows the context half-way (from there each token is a forward over sliding windows); a
+    stop token that ends one row while the others go on; and a prompt of exactly the context (it slides from its
+    second token: no cache is made). chunk: decoding steps per call of the device loop (a chunk cut at the context
+    and by the stop too)."""
+    monkeypatch.setattr(infer_mod, "DECODE_CHUNK", chunk)
     loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
     prompts = [[256] + TEXT[:3], [256] + TEXT[:26], [256] + TEXT[10:15]]  # the second fills the context after 6
     for kw in (dict(temperature=0), dict(temperature=1.0, seed=3)):
@@ -171,6 +175,11 @@ def test_kv_cache_generation_is_generation_without_it(run_dir):
         b = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, kv_cache=False, **kw)
         assert a == b and [len(o) for o in a] == [12, 12, 12], kw
         assert kw["temperature"] == 0 or len(set(map(tuple, a))) == 3, kw  # sampled: each row its own draws
+    stop = a[0][2]  # the sampled first row's third id
+    a = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, temperature=1.0, seed=3, stop=stop)
+    b = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, temperature=1.0, seed=3, stop=stop,
+                 kv_cache=False)
+    assert a == b and a[0][-1] == stop and len(a[0]) <= 3 and max(map(len, a)) > 3, (stop, a)
     full = [[256] + TEXT[:CONTEXT - 1]]
     assert generate(loaded, full, 3, temperature=0) == generate(loaded, full, 3, temperature=0, kv_cache=False)
 
