@@ -102,3 +102,21 @@ def test_decoding_with_the_expert_weights_cast_once(emulated, kind):  # noqa: F8
     assert np.isfinite(a.astype(np.float32)).all()
     doubled = jax.tree.map(lambda w: w * 2, casts)  # the steps read the casts passed, not the weights
     assert not np.array_equal(np.asarray(run(params, biases, doubled)), a)
+
+
+def test_decoding_positions_out_of_the_cache_are_refused():
+    """Known positions (an eager call) outside the caches, or not one per row, are an error naming them; under jit
+    the caller keeps them in range."""
+    cfg = small("mh_latent_moe", "ffn.latent_dim=64", "ffn.head_dim=16")
+    model = build_model(cfg, executor=LocalMoE("reference"))
+    t = cfg.model.context
+    _, caches = model.prefill(jnp.ones((2, t), jnp.int32))
+    toks = jnp.ones((2,), jnp.int32)
+    for pos, msg in ((jnp.asarray([3, t], jnp.int32), f"must be in \\[0, {t}\\).*row 1 is {t}"),
+                     (jnp.asarray([-1, 0], jnp.int32), "row 0 is -1"),
+                     (jnp.asarray([1, 2, 3], jnp.int32), "shape \\(2,\\)"),
+                     (jnp.asarray([1.0, 2.0]), "expected integer positions")):
+        with pytest.raises(ValueError, match=msg):
+            model.decode(toks, pos, caches)
+    x, _ = model.decode(toks, jnp.asarray([0, t - 1], jnp.int32), caches)  # the ends of the range are fine
+    assert x.shape == (2, cfg.model.d_model)

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -75,6 +76,23 @@ class Block(nnx.Module):
         x = self.norm2(h).astype(self.dtype)
         y, load = self.ffn(x) if weights_cast is None and grad_acc is None else self.ffn(x, weights_cast, grad_acc)
         return h + y.astype(jnp.float32), load
+
+
+def check_positions(pos, tokens_shape: tuple[int, ...], length: int) -> None:
+    """`GPT.decode`'s positions, where they are known (not under jit: there its callers keep them in range, as
+    `mhl_jax.infer.generate` does): one per row, each in [0, length) of the caches. Out of range, the cache write
+    would be dropped and the mask would show the token the whole cache, silently."""
+    try:
+        p = np.asarray(pos)
+    except jax.errors.TracerArrayConversionError:
+        return
+    if p.shape != tuple(tokens_shape) or not np.issubdtype(p.dtype, np.integer):
+        raise ValueError(f"GPT.decode: pos {p.dtype} {p.shape}: expected integer positions of shape {tokens_shape}, "
+                         "one per row of tokens")
+    bad = (p < 0) | (p >= length)
+    if bad.any():
+        raise ValueError(f"GPT.decode: pos {p.tolist()}: each must be in [0, {length}), the caches' length "
+                         f"(row {int(np.argmax(bad))} is {int(p[np.argmax(bad)])})")
 
 
 class GPT(nnx.Module):
@@ -146,6 +164,7 @@ class GPT(nnx.Module):
         The same as `hidden` over each row's tokens 0..pos up to rounding: the MoE layers route each token alone
         (dropless), so a token's output never depends on the others in its batch. weights_cast:
         `expert_weight_casts()`, made once for all the steps (None: each step casts the expert weights again)."""
+        check_positions(pos, tokens.shape, caches[0][0].shape[1] if caches else 0)
         h = embed_lookup(self.embed[...], tokens[:, None])
         out, weights_cast = [], weights_cast or {}
         for i, (block, cache) in enumerate(zip(self.blocks, caches)):
