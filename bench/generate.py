@@ -29,6 +29,7 @@ def initialised(config: str, sets: list[str]) -> infer.Loaded:
     mesh = make_mesh(cfg)
     graphdef, create, _ = state_creator(cfg, mesh, make_optimizer(cfg))
     state = create()
+    del state["opt_state"]  # (AdamW's moments: not needed here)
     return infer.Loaded(cfg, mesh, graphdef, state["params"], state["biases"], 0)
 
 
@@ -44,7 +45,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if (args.run_dir is None) == (args.config is None):
-        ap.error("give RUN_DIR or --config, not both")
+        ap.error("give exactly one of RUN_DIR and --config")
+    if min(args.chunks) < 1:
+        ap.error(f"--chunks {args.chunks}: each must be >= 1 (decoding steps per call)")
     loaded = infer.load_run(args.run_dir, args.sets) if args.config is None else initialised(args.config, args.sets)
     dev = jax.local_devices()[0]
     prompt = [256] + list(b"The ")  # byte-tokenizer ids: end-of-text, then the prompt

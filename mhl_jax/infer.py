@@ -291,7 +291,7 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
     every sequence fits the context, one forward over the padded windows fills a KV cache (`GPT.prefill`) and each
     later token is one decoding step against it (`GPT.decode`); once a sequence outgrows the context (its window
     slides, so every position's rotary angle changes), and with kv_cache False, each token is a forward over the
-    windows."""
+    windows. No prompts: no rows, [] back."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ConfigError(f"temperature={temperature}: must be a number >= 0 (0: the most likely token)")
     if top_k < 0:
@@ -303,6 +303,8 @@ def generate(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, temp
     if any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token")
     vocab = loaded.cfg.model.vocab_size if vocab is None else vocab
+    if stop is not None and not 0 <= stop < vocab:
+        raise ConfigError(f"stop={stop}: must be an id in [0, {vocab}) (one that can be drawn), or None")
     rows = len(prompts)
     seqs = [list(p) for p in prompts]
     step, prefill, decode, cast = _generation_fns(loaded, (float(temperature), int(top_k), int(vocab), float(top_p)))

@@ -160,6 +160,22 @@ def test_kv_cache_decoding_gives_the_forwards_logits(run_dir, devices):
     assert len(seen[-1][1]) == CONTEXT
 
 
+def recording_decodes(loaded, monkeypatch, calls):
+    """Make generate's decoding loops (`_decode_loop`, jitted as generate jits it) append each call's (positions of the
+    real and padded rows, count, steps run) to `calls`."""
+    real = infer_mod._generation_fns
+
+    def fns(loaded_, sampler):
+        step, prefill, decode, cast = real(loaded_, sampler)
+
+        def recorded(*args):
+            ids, caches, steps = decode(*args)
+            calls.append((np.asarray(args[5]).tolist(), int(args[8]), int(steps)))
+            return ids, caches, steps
+        return step, prefill, recorded, cast
+    monkeypatch.setattr(infer_mod, "_generation_fns", fns)
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 32])
 def test_kv_cache_generation_is_generation_without_it(run_dir, monkeypatch, chunk):
     """The same ids with and without the cache: greedy and sampled (the same seed), 3 rows padded to 4 on a 2-device
@@ -171,7 +187,14 @@ def test_kv_cache_generation_is_generation_without_it(run_dir, monkeypatch, chun
     loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
     prompts = [[256] + TEXT[:3], [256] + TEXT[:26], [256] + TEXT[10:15]]  # the second fills the context after 6
     for kw in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        calls = []
+        recording_decodes(loaded, monkeypatch, calls)
         a = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, **kw)
+        # the decoding steps: tokens 1..5 (token 0 from the prefill), the second row's positions 27..31, in calls of
+        # up to `chunk` steps; each writes the cache only below the context (the ids alone may not show a step past
+        # it: the tiny model's most likely ids barely move there)
+        assert sum(n for *_, n in calls) == 5 and all(n == c <= chunk for _, c, n in calls), calls
+        assert max(max(p) + c for p, c, _ in calls) == CONTEXT, calls  # the last write at CONTEXT - 1
         b = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, kv_cache=False, **kw)
         assert a == b and [len(o) for o in a] == [12, 12, 12], kw
         assert kw["temperature"] == 0 or len(set(map(tuple, a))) == 3, kw  # sampled: each row its own draws
@@ -216,6 +239,24 @@ def test_generation_stops_at_the_stop_token_and_pads_rows_over_the_mesh(run_dir)
     first = greedy.index(stop)
     three = generate(loaded, [prompt] * 3, max_new_tokens=8, temperature=0, vocab=TOKENIZER_VOCAB, stop=stop)
     assert three == [greedy[:first + 1]] * 3  # 3 rows padded to 4 on 2 devices; each ends at its first stop
+    with pytest.raises(ConfigError, match=r"stop=257: must be an id in \[0, 257\)"):
+        generate(loaded, [prompt], 3, vocab=TOKENIZER_VOCAB, stop=TOKENIZER_VOCAB)
+
+
+def test_decoding_loop_ends_when_the_real_rows_are_done(run_dir, monkeypatch):
+    """One sampled row on 2 devices (padded with a second row that draws its own ids): the device loop stops at the
+    step that draws the stop id, not at the call's count, and never starts for a row already done."""
+    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
+    prompt = [256] + TEXT[:5]
+    kw = dict(max_new_tokens=12, temperature=1.0, seed=5, vocab=TOKENIZER_VOCAB)
+    free = generate(loaded, [prompt], **kw)[0]
+    stop = free[3]
+    first = free.index(stop)
+    assert first >= 1, free  # drawn by a decoding step (token 0 is the prefill's)
+    calls = []
+    recording_decodes(loaded, monkeypatch, calls)
+    assert generate(loaded, [prompt], stop=stop, **kw) == [free[:first + 1]]
+    assert calls == [([len(prompt)] * 2, 11, first)], calls  # steps 1..first of 11 allowed, one call
 
 
 def test_sampler_rules():

@@ -112,7 +112,7 @@ def test_decoding_positions_out_of_the_cache_are_refused():
     t = cfg.model.context
     _, caches = model.prefill(jnp.ones((2, t), jnp.int32))
     toks = jnp.ones((2,), jnp.int32)
-    for pos, msg in ((jnp.asarray([3, t], jnp.int32), f"must be in \\[0, {t}\\).*row 1 is {t}"),
+    for pos, msg in ((jnp.asarray([3, t], jnp.int32), f"row 1 is {t} \\(1 of 2 rows.*must be in \\[0, {t}\\)"),
                      (jnp.asarray([-1, 0], jnp.int32), "row 0 is -1"),
                      (jnp.asarray([1, 2, 3], jnp.int32), "shape \\(2,\\)"),
                      (jnp.asarray([1.0, 2.0]), "expected integer positions")):

@@ -91,8 +91,9 @@ def check_positions(pos, tokens_shape: tuple[int, ...], length: int) -> None:
                          "one per row of tokens")
     bad = (p < 0) | (p >= length)
     if bad.any():
-        raise ValueError(f"GPT.decode: pos {p.tolist()}: each must be in [0, {length}), the caches' length "
-                         f"(row {int(np.argmax(bad))} is {int(p[np.argmax(bad)])})")
+        row = int(np.argmax(bad))
+        raise ValueError(f"GPT.decode: pos of row {row} is {int(p[row])} ({int(bad.sum())} of {p.size} rows out of "
+                         f"range): each must be in [0, {length}), the caches' length")
 
 
 class GPT(nnx.Module):
