@@ -78,6 +78,12 @@ def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ())
     if not saved.is_file():
         raise ConfigError(f"run directory {str(run_dir)!r} holds no config.yaml; expected a logging.run_dir written "
                           "by train.py")
+    pairs = [[part.strip() for part in o.split("=", 1)] for o in overrides if "=" in o]
+    micro = [value for key, value in pairs if key == "train.micro_batch"]
+    if micro and micro[-1].isdigit() and all(key != "train.global_batch" for key, _ in pairs):
+        # the evaluation's batch is micro_batch x devices and the run's global batch means nothing here; the config
+        # must still be consistent (global a multiple of micro), so it gets a global batch of one micro-batch
+        overrides = [*overrides, f"train.global_batch={micro[-1]}"]
     return load_config(str(saved), overrides)
 
 
@@ -128,7 +134,7 @@ def evaluate_run(loaded: Loaded) -> dict:
     nll = evaluate(eval_fn, {"params": loaded.params, "biases": loaded.biases}, val, batch,
                    NamedSharding(mesh, P(*batch_spec(mesh)[1:])))
     return {"step": loaded.step, "val_loss": nll, "val_ppl": math.exp(nll), "sequences": used,
-            "tokens": used * t, "context": t, "batch": batch}
+            "sequences_left_out": len(val) - used, "tokens": used * t, "context": t, "batch": batch}
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, vocab: int,
@@ -383,8 +389,9 @@ def _generate_cli(args) -> None:
         body = EOT_MARK.join([*pieces, tok.decode(piece)])
         if args.json:
             print(json.dumps({"step": loaded.step, "sample": n, "prompt": text, "text": body, "ids": ids,
-                              "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                              "seed": args.seed}))
+                              "ended_at_eot": ended, "temperature": args.temperature, "top_k": args.top_k,
+                              "top_p": args.top_p, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+                              "kv_cache": not args.no_kv_cache, "stop_at_eot": not args.no_stop_at_eot}))
         else:
             print(f"--- sample {n + 1}/{args.num_samples} (step {loaded.step}, {len(ids)} tokens"
                   f"{', end of text' if ended else ''}) ---")
@@ -424,21 +431,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command == "generate":
         if args.num_samples < 1:
-            ap.error(f"--num-samples {args.num_samples}: must be >= 1")
+            g.error(f"--num-samples {args.num_samples}: must be >= 1")
         if args.max_new_tokens < 0:
-            ap.error(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
+            g.error(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
         if not (math.isfinite(args.temperature) and args.temperature >= 0):
-            ap.error(f"--temperature {args.temperature}: must be a number >= 0 (0: the most likely token)")
+            g.error(f"--temperature {args.temperature}: must be a number >= 0 (0: the most likely token)")
         if args.top_k < 0:
-            ap.error(f"--top-k {args.top_k}: must be >= 0 (0: no cut)")
+            g.error(f"--top-k {args.top_k}: must be >= 0 (0: no cut)")
         if not 0 < args.top_p <= 1:
-            ap.error(f"--top-p {args.top_p}: must be in (0, 1] (1: no cut)")
+            g.error(f"--top-p {args.top_p}: must be in (0, 1] (1: no cut)")
     try:
         if args.command == "evaluate":
             r = evaluate_run(load_run(args.run_dir, args.overrides, args.step, args.checkpoint))
+            left = (f"; {r['sequences_left_out']} more left out: not a whole batch" if r["sequences_left_out"]
+                    else "")
             print(json.dumps(r) if args.json else
                   f"step {r['step']}: val_loss {r['val_loss']:.4f} val_ppl {r['val_ppl']:.2f} ({r['sequences']} "
-                  f"validation sequences of {r['context']} tokens, in batches of {r['batch']})")
+                  f"validation sequences of {r['context']} tokens, in batches of {r['batch']}{left})")
         else:
             _generate_cli(args)
     except INPUT_ERRORS as e:

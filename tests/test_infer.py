@@ -64,6 +64,14 @@ def test_evaluate_on_another_mesh_and_validation_set(run_dir):
     assert two["val_loss"] == pytest.approx(base["val_loss"], rel=1e-5)
     other = evaluate_run(load_run(run_dir, ["data.val_sequences=4", "train.micro_batch=2"]))
     assert other["sequences"] == 4 and abs(other["val_loss"] - base["val_loss"]) > 1e-6  # another set, another loss
+    # a micro-batch the run's global batch (8) does not divide: the evaluation needs none; 2 of 10 left out, said so
+    wide = evaluate_run(load_run(run_dir, ["data.val_sequences=10", "train.micro_batch=8"]))
+    narrow = evaluate_run(load_run(run_dir, ["data.val_sequences=10"]))  # batches of 4: the same first 8 sequences
+    assert (wide["batch"], wide["sequences"], wide["sequences_left_out"]) == (8, 8, 2)
+    assert (narrow["batch"], narrow["sequences"], narrow["sequences_left_out"]) == (4, 8, 2)
+    assert wide["val_loss"] == pytest.approx(narrow["val_loss"], rel=1e-5)
+    with pytest.raises(ConfigError, match="train.global_batch=8 is not a multiple of train.micro_batch=3"):
+        load_run(run_dir, ["train.micro_batch=3", "train.global_batch=8"])  # an explicit global batch is kept
 
 
 def test_load_reads_the_saved_parameters_and_biases(run_dir):
@@ -298,11 +306,16 @@ def test_cli_evaluate_and_generate(run_dir, capsys):
     assert main(["evaluate", str(run_dir), "--step", "30", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["step"] == 30 and out["val_loss"] == records(run_dir)[30]["val_loss"]
+    assert main(["evaluate", str(run_dir), "--set", "data.val_sequences=10"]) == 0
+    assert "(8 validation sequences of 32 tokens, in batches of 4; 2 more left out: not a whole batch)" in \
+        capsys.readouterr().out
     assert main(["generate", str(run_dir), "--prompt", "The ", "--num-samples", "2", "--max-new-tokens", "5",
                  "--temperature", "0", "--no-stop-at-eot", "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert len(lines) == 2 and lines[0]["ids"] == lines[1]["ids"] and len(lines[0]["ids"]) == 5
     assert (lines[0]["temperature"], lines[0]["top_k"], lines[0]["top_p"], lines[0]["seed"]) == (0.0, 50, 1.0, 0)
+    assert (lines[0]["max_new_tokens"], lines[0]["kv_cache"], lines[0]["stop_at_eot"], lines[0]["ended_at_eot"]) == (
+        5, True, False, False)
     assert all(i < TOKENIZER_VOCAB for i in lines[0]["ids"])
     assert main(["generate", str(run_dir), "--prompt", "The ", "--max-new-tokens", "5", "--temperature", "0",
                  "--no-stop-at-eot", "--json", "--no-kv-cache"]) == 0
@@ -325,6 +338,14 @@ def test_cli_evaluate_and_generate(run_dir, capsys):
     (["generate", "{run}", "--max-new-tokens", "-1"], "--max-new-tokens -1: must be >= 0"),
     (["generate", "{run}", "--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
     (["generate", "{run}", "--prompt", "a", "--prompt-file", "x"], "not allowed with argument"),
+    (["generate", "{run}", "--num-samples", "0"], "usage: python -m mhl_jax.infer generate"),  # the subcommand's
+    (["generate", "{run}", "--set", "model.attention_impl=cudnn"], "config error: model.attention_impl='cudnn' needs a "
+     "GPU JAX backend"),
+    (["generate", "{run}", "--set", "ffn.kernels=triton"], "config error: ffn.kernels='triton' needs a GPU"),
+    (["evaluate", "{run}", "--set", "parallel.devices=9"], "config error: parallel.devices=9 but 8 devices are "
+     "visible; on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count=9 makes 9 of them"),  # conftest: 8
+    (["evaluate", "{run}", "--checkpoint", "{run}/checkpoints/30", "--step", "60"], "holds step 30, not the step 60 "
+     "asked for"),
 ])
 def test_cli_bad_input_is_named(run_dir, tmp_path, capsys, argv, err):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))

@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from mhl_jax.config import ConfigError
 from mhl_jax.model.init import normal_param
 
 
@@ -81,9 +82,12 @@ def sharded_pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mes
 
 
 def attention_impl(choice: str) -> str:
-    """'auto' -> pallas on GPU (bitwise repeatable; cudnn's backward is not), xla elsewhere."""
+    """'auto' -> pallas on GPU (bitwise repeatable; cudnn's backward is not), xla elsewhere. 'cudnn' needs a GPU."""
     if choice == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if choice == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"model.attention_impl='cudnn' needs a GPU JAX backend; backend is "
+                          f"{jax.default_backend()!r}. Use model.attention_impl=auto, xla or pallas.")
     return choice
 
 

@@ -8,6 +8,8 @@ from types import ModuleType
 
 import jax
 
+from mhl_jax.config import ConfigError
+
 
 def import_jax_triton() -> ModuleType:
     """Import jax_triton and undo its side effect: its import sets TRITON_CACHE_DIR="" for the whole
@@ -61,8 +63,8 @@ def resolve_kernels(choice: str) -> str:
         return "reference"
     if choice == "triton":
         if not triton_available():
-            raise RuntimeError("ffn.kernels='triton' needs a GPU JAX backend and jax-triton; "
-                               f"backend is {jax.default_backend()!r}. Use ffn.kernels=auto or reference.")
+            raise ConfigError("ffn.kernels='triton' needs a GPU JAX backend and jax-triton; "
+                              f"backend is {jax.default_backend()!r}. Use ffn.kernels=auto or reference.")
         return "triton"
     if choice == "auto":
         return "triton" if triton_available() else "reference"

@@ -59,7 +59,10 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
         devices = list(jax.devices())
         want = cfg.parallel.devices
         if want > len(devices):
-            raise ConfigError(f"parallel.devices={want} but only {len(devices)} devices are visible")
+            cpu = (f"; on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count={want} makes {want} of them"
+                   if jax.default_backend() == "cpu" else "")
+            seen = f"{len(devices)} device" + ("s are" if len(devices) > 1 else " is")
+            raise ConfigError(f"parallel.devices={want} but {seen} visible{cpu}")
         if jax.process_count() > 1 and want not in (-1, len(devices)):
             raise ConfigError(f"parallel.devices={want} with {jax.process_count()} processes: a run of several "
                               f"processes uses all {len(devices)} of their devices (-1)")

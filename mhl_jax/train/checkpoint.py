@@ -301,7 +301,8 @@ class Checkpointer:
             if not p.name.isdigit():
                 raise CheckpointError(f"checkpoint path {str(path)!r}: a step directory must be named by its step")
             if step is not None and step != int(p.name):
-                raise CheckpointError(f"checkpoint path {str(path)!r} is step {p.name}, not step={step}")
+                raise CheckpointError(f"checkpoint path {str(path)!r} holds step {p.name}, not the step {step} asked "
+                                      "for")
             return p.parent, int(p.name)
         steps = sorted(int(c.name) for c in p.iterdir()
                        if c.name.isdigit() and (c / META).is_dir() and (c / STATE).is_dir())
