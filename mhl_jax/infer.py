@@ -235,18 +235,21 @@ def _sampled(fn, temperature, top_k, vocab, top_p):
 
 
 def _generation_fns(loaded: Loaded, sampler: tuple):
-    """generate's jitted functions (step over windows, prefill, the decoding loop, the expert weight casts) for
-    `loaded`'s model, a sampler (temperature, top_k, vocab, top_p) and DECODE_CHUNK, kept in `loaded.jitted` for later
-    calls with the same (a notebook's, the tests'), so that they compile once; they go with `loaded`."""
-    if (sampler, DECODE_CHUNK) not in loaded.jitted:
-        graphdef, opts = loaded.graphdef, loaded.compiler_options or None
-        loaded.jitted[sampler, DECODE_CHUNK] = (
+    """generate's jitted functions (step over windows, prefill, the decoding loop of DECODE_CHUNK steps, the expert
+    weight casts) for `loaded`'s model and a sampler (temperature, top_k, vocab, top_p), kept in `loaded.jitted` for
+    later calls with the same (a notebook's, the tests'), so that they compile once; they go with `loaded`. Only the
+    decoding loop depends on DECODE_CHUNK."""
+    graphdef, opts = loaded.graphdef, loaded.compiler_options or None
+    if sampler not in loaded.jitted:
+        loaded.jitted[sampler] = (
             jax.jit(partial(_next_ids, graphdef, *sampler), compiler_options=opts),
             jax.jit(partial(_sampled(_prefill_logits, *sampler), graphdef), compiler_options=opts),
-            jax.jit(partial(_decode_loop, graphdef, sampler, DECODE_CHUNK), compiler_options=opts,
-                    donate_argnums=(3,)),  # the caches, updated in place
             jax.jit(partial(_weight_casts, graphdef), compiler_options=opts))
-    return loaded.jitted[sampler, DECODE_CHUNK]
+    if (sampler, DECODE_CHUNK) not in loaded.jitted:
+        loaded.jitted[sampler, DECODE_CHUNK] = jax.jit(partial(_decode_loop, graphdef, sampler, DECODE_CHUNK),
+                                                       compiler_options=opts, donate_argnums=(3,))  # the caches
+    step, prefill, cast = loaded.jitted[sampler]
+    return step, prefill, loaded.jitted[sampler, DECODE_CHUNK], cast
 
 
 def _decode_inputs(loaded: Loaded, seqs: list[list[int]]) -> tuple[jax.Array, jax.Array]:
