@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--stop-after {args.stop_after}: must be a step number >= 0")
 
     from mhl_jax.config import ConfigError, config_to_dict, load_config
-    from mhl_jax.train.distributed import check_same_run, initialize, parse_launch, shutdown
+    from mhl_jax.runtime.distributed import check_same_run, initialize, parse_launch, shutdown
 
     try:
         launch = parse_launch(args.coordinator, args.num_processes, args.process_id, args.local_device_ids,
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         initialize(launch)
         import jax
 
-        from mhl_jax.train.autotune import guard_persistent_cache
+        from mhl_jax.runtime.autotune import guard_persistent_cache
 
         if (off := guard_persistent_cache(cfg.train.xla_autotune_file)) and jax.process_index() == 0:
             print(off, flush=True)
@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         shutdown(launch)
         return 2
+    from mhl_jax.runtime.memory import DeviceMemoryError
     from mhl_jax.train.loop import INPUT_ERRORS, input_error_line, train
-    from mhl_jax.train.memory import DeviceMemoryError
 
     try:
         train(cfg, resume=args.resume, stop_after=args.stop_after, check=args.check)

@@ -268,7 +268,7 @@ def bench_hp_layer(args, device: str, date: str, emit) -> None:
 def check_ep_layer(emit) -> None:
     """EP layer on all devices (ragged on GPU, padded) vs the local layer on one: values, gradients,
     loads; ragged run twice must be bitwise identical."""
-    from mhl_jax.model.moe_core import moe_heads
+    from mhl_jax.moe.core import moe_heads
     from mhl_jax.parallel.expert_parallel import ExpertParallelMoE
 
     devs = jax.devices()

@@ -1,4 +1,4 @@
-"""The backward's dX combine with the softmax's backward and the router's dX folded in (`kernels/combine.py`), the
+"""The backward's dX combine with the softmax's backward and the router's dX folded in (`kernels/triton/combine.py`), the
 kernel alone, at each of TILES, beside its parts apart in one process: the same kernel without the router term (the
 experts' combine) and the router's dX kernel (`router_bwd_dx_kernel`, its default tile). do_bench medians, 3
 rotating input sets; packed rows in a random order (every gather row random), no slot empty (as in the layer).
@@ -31,8 +31,8 @@ def bench_shape(n: int, ne: int, k: int, parts: int, base: dict, outf) -> None:
     from triton.testing import do_bench
 
     from bench.timing import emit
-    from kernels.combine import CombineTiles, dx_combine_torch
-    from kernels.router import router_bwd_dx_kernel, router_tiles
+    from kernels.triton.combine import CombineTiles, dx_combine_torch
+    from kernels.triton.router import router_bwd_dx_kernel, router_tiles
 
     dev = "cuda"
     r, m = n * H, n * H * k

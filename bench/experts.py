@@ -10,13 +10,13 @@ Inputs: x (N, Nh, dh) bf16, uniform random routing (k distinct experts per sub-t
 (fp32), bf16 weights (all implementations get and return the same dtypes). Each implementation
 includes its own packing (sort by (head, expert)) and the gate-weighted combine.
 
-impls: ours = JAX + jax-triton (mhl_jax/ops/experts_triton.py), once per --variants name
+impls: ours = JAX + jax-triton (mhl_jax/moe/gpu/experts.py), once per --variants name
 (`experts_triton.VARIANTS`; each later variant's output and gradients are compared with the first's:
 `rel_vs_first`); ours_torch = the same kernels from
-torch; ours_grouped = our grouped-GEMM Triton kernels in JAX (mhl_jax/ops/experts_grouped.py, hidden
+torch; ours_grouped = our grouped-GEMM Triton kernels in JAX (mhl_jax/moe/gpu/grouped.py, hidden
 activations written to HBM); grouped_mm = torch._grouped_mm (cuBLAS/CUTLASS grouped GEMM) with autograd; ragged_mgpu =
 JAX Pallas Mosaic-GPU ragged_dot (+ transposed_ragged_dot for dW) in a custom_vjp; flex = the
-oracle (kernels/flex_reference.py, torch.compile'd FlexAttention).
+oracle (kernels/torch/flex_oracle.py, torch.compile'd FlexAttention).
 Output: one JSON line per (impl, shape) per DESIGN §8, a table last.
 """
 
@@ -76,7 +76,7 @@ def jax_fns(ffn):
 
 
 def ours_jax(variant: str = "v2", dwt_tile=None):
-    from mhl_jax.ops.experts_triton import expert_ffn_triton, variant_config
+    from mhl_jax.moe.gpu.experts import expert_ffn_triton, variant_config
 
     def ffn(x, idx, g, w1, w2):
         cfg = variant_config(variant, idx.size, w1.shape[0] * w1.shape[1], x.shape[2], w1.shape[3], dwt_tile)
@@ -86,9 +86,9 @@ def ours_jax(variant: str = "v2", dwt_tile=None):
 
 
 def ours_grouped_jax():
-    """Our grouped-GEMM Triton kernels (mhl_jax/ops/experts_grouped.py: hidden activations in HBM), the
+    """Our grouped-GEMM Triton kernels (mhl_jax/moe/gpu/grouped.py: hidden activations in HBM), the
     path `ffn.kernels=triton` takes for experts wider than 128."""
-    from mhl_jax.ops.experts_grouped import expert_ffn_grouped
+    from mhl_jax.moe.gpu.grouped import expert_ffn_grouped
 
     return jax_fns(lambda x, idx, g, w1, w2: expert_ffn_grouped(x, idx, g, w1, w2)[0])
 
@@ -105,7 +105,7 @@ def rel_diffs(a, b) -> list[float]:
 
 
 def parse_tile(text: str | None):
-    from kernels.experts import Tile
+    from kernels.triton.experts import Tile
 
     return Tile(*(int(v) for v in text.split(","))) if text else None
 
@@ -167,12 +167,12 @@ def torch_fns(impl: str):
     import torch
     import torch.nn.functional as F
 
-    from kernels.torch_experts import pack_torch, triton_expert_ffn
+    from kernels.torch.experts import pack_torch, triton_expert_ffn
 
     if impl == "ours_torch":
         ffn = triton_expert_ffn
     elif impl == "flex":
-        from kernels.flex_reference import flex_expert_ffn
+        from kernels.torch.flex_oracle import flex_expert_ffn
 
         ffn = flex_expert_ffn
     elif impl == "grouped_mm":
@@ -264,8 +264,8 @@ def sweep(tokens: int, ne: int, de: int, pack_block: int, device: str, date: str
     import torch
     from triton.testing import do_bench
 
-    from kernels.experts import ExpertsConfig, Tile
-    from kernels.torch_experts import experts_bwd, experts_fwd, pack_bwd_rows, pack_torch
+    from kernels.torch.experts import experts_bwd, experts_fwd, pack_bwd_rows, pack_torch
+    from kernels.triton.experts import ExpertsConfig, Tile
 
     x, idx, g, w1, w2, wy = (torch.from_dlpack(a).clone() for a in make_inputs(0, tokens, ne, de))
     pk = pack_torch(idx.long(), ne, pack_block)
@@ -360,7 +360,7 @@ def main() -> None:
 
     import torch
 
-    from mhl_jax.ops.kernels_select import import_jax_triton
+    from mhl_jax.moe.plan import import_jax_triton
 
     try:
         import_jax_triton()  # also keeps TRITON_CACHE_DIR usable for torch.compile after it

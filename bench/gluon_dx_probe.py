@@ -1,5 +1,5 @@
 """Probe (measured, not kept): the dX expert kernel (with the gate gradients) warp-specialised in Gluon, in
-the structure of the kept forward (`kernels/gluon_experts.py`): a producer warp group gathers X and dy rows
+the structure of the kept forward (`kernels/gluon/experts.py`): a producer warp group gathers X and dy rows
 of each 128-row block (XB buffers) and streams W1 / W2 chunks (32 wide) through an NS-slot ring (with
 NS = de / 32 a block of the same group reuses them); two consumer warp groups take the 64-row halves. Per
 chunk: H = X W1_j, dA' = dy W2_j^T, the gate gradient partial sum over de of A * dA', dH = g dA' gelu'(H),
@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
-from kernels.gluon_experts import (  # noqa: E402
+from kernels.gluon.experts import (  # noqa: E402
     _copy_layout,
     _gelu_and_grad,
     _store_rows,
@@ -193,8 +193,8 @@ def probe_shape(tokens: int, ne: int, k: int, de: int, nh: int = 8, dh: int = 12
     from triton.testing import do_bench
 
     from bench.kernel_tiles import expert_weights, input_set, rotating
-    from kernels.experts import default_config
-    from kernels.torch_experts import experts_dx
+    from kernels.torch.experts import experts_dx
+    from kernels.triton.experts import default_config
 
     g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de, fuse_bwd=False)

@@ -1,4 +1,4 @@
-"""The warp-specialised Gluon expert kernels (`kernels/gluon_experts.py`) against the Triton ones on the same
+"""The warp-specialised Gluon expert kernels (`kernels/gluon/experts.py`) against the Triton ones on the same
 packed inputs, in one process, each kernel alone (do_bench, CUDA events, 3 rotating input sets; top-k routing
 uniform at random, or with --routing layer as uneven as bench/layer.py's: `bench.kernel_tiles.input_set`). Hopper only.
 
@@ -14,7 +14,7 @@ same Triton dW kernel. bwd: the warp-specialised fused backward (weight gradient
 per 128 de, summed for the comparison) at each of BWD_OPTIONS vs the fused Triton kernel (de 128) or the split
 backward default_config picks (the dX kernel and the Gluon or Triton dW kernel), output buffers allocated once (rel
 over dW1, dW2 and the dX rows and gate gradients of routed rows). router: the warp-specialised Gluon router forward
-(kernels/gluon_router.py) at each of ROUTER_OPTIONS vs `router_fwd_kernel` at its default tiles (bf16x3, 8 heads; de
+(kernels/gluon/router.py) at each of ROUTER_OPTIONS vs `router_fwd_kernel` at its default tiles (bf16x3, 8 heads; de
 is ignored; rel: the fraction of indices that differ from the Triton kernel's, max_abs: the values' largest
 difference). router_cast: the Gluon router forward with two consumers, without the caster warp group and with it
 (casting two fp32 arrays of 8 x Ne x 128 x de elements, the layer's w1 / w2, to bf16; and a 64th of them), and
@@ -80,14 +80,14 @@ def run_shape(kind: str, tokens: int, ne: int, k: int, de: int, date: str, devic
     import torch
 
     from bench.kernel_tiles import launch
-    from kernels.experts import Tile, default_config
-    from kernels.gluon_experts import (
+    from kernels.gluon.experts import (
         DW_WS_BLOCK_M,
         dw_ws_supported,
         gluon_experts_dw_ws,
         gluon_experts_fwd_ws,
         ws_supported,
     )
+    from kernels.triton.experts import Tile, default_config
 
     if kind == "router":
         return run_router(tokens, ne, k, date, device, outf, nh, dh, router_options=probe_options)
@@ -162,9 +162,9 @@ def run_bwd(tokens: int, ne: int, k: int, de: int, date: str, device: str, outf,
     alone)."""
     import torch
 
-    from kernels.experts import default_config
-    from kernels.gluon_experts import bwd_ws_supported, gluon_experts_bwd_ws, gluon_experts_dw_ws
-    from kernels.torch_experts import experts_dw, experts_dx
+    from kernels.gluon.experts import bwd_ws_supported, gluon_experts_bwd_ws, gluon_experts_dw_ws
+    from kernels.torch.experts import experts_dw, experts_dx
+    from kernels.triton.experts import default_config
 
     g = torch.Generator(device="cuda").manual_seed(0)
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
@@ -217,7 +217,7 @@ def _router_sets(tokens: int, ne: int, nh: int, dh: int, cast_de: int | None = N
     nh x ne x dh x cast_de elements to cast)."""
     import torch
 
-    from kernels.torch_router import split_bf16
+    from kernels.torch.router import split_bf16
 
     g = torch.Generator(device="cuda").manual_seed(0)
     sets = []
@@ -235,8 +235,8 @@ def run_router(tokens: int, ne: int, k: int, date: str, device: str, outf, nh: i
     """The router forward: Triton kernel (default tiles) and the Gluon one at ROUTER_OPTIONS, same inputs."""
     from triton.testing import do_bench
 
-    from kernels.gluon_router import gluon_router_fwd_ws, ws_router_supported
-    from kernels.torch_router import router_fwd
+    from kernels.gluon.router import gluon_router_fwd_ws, ws_router_supported
+    from kernels.torch.router import router_fwd
 
     sets = _router_sets(tokens, ne, nh, dh)
     kernels = {"triton": lambda s: router_fwd(s[0], s[1], s[3], k)}
@@ -265,7 +265,7 @@ def run_router_cast(tokens: int, ne: int, k: int, de: int, date: str, device: st
     import torch
     from triton.testing import do_bench
 
-    from kernels.gluon_router import gluon_router_fwd_ws
+    from kernels.gluon.router import gluon_router_fwd_ws
 
     sets = _router_sets(tokens, ne, nh, dh, cast_de=de)
     kernels = {"gluon_ws_nc2": lambda s: gluon_router_fwd_ws(s[0], s[2], s[3], k, nc=2),

@@ -42,7 +42,7 @@ POINTER_TYPES = {"gates_ptr": "*fp32", "dgate_ptr": "*fp32", "dw1_ptr": "*fp32",
 def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: int, dh: int = 128, de: int = 256,
            k: int = 4, pack_block: int = 128) -> dict:
     """Compile kernel `kind` (fwd | dx | dwt, the model's launch options) and read ptxas' report."""
-    import kernels.experts as ke
+    import kernels.triton.experts as ke
 
     fn = {"fwd": ke.expert_fwd_kernel, "dx": ke.expert_dx_kernel, "dwt": ke.expert_dwt_kernel,
           "dw": ke.expert_dw_kernel}[kind]
@@ -57,7 +57,7 @@ def report(kind: str, block_m: int, block_e: int, num_warps: int, num_stages: in
 def report_router(block_n: int, block_e: int, num_warps: int, num_stages: int, select: int, row_tiles: int = 1,
                   dh: int = 128, ne: int = 768, k: int = 8, heads: int = 8, tokens: int = 81920) -> dict:
     """Compile the router forward (bf16x3 weights, as the model launches it) and read ptxas' report."""
-    import kernels.router as kr
+    import kernels.triton.router as kr
 
     kp = max(2, kr.next_pow2(k))
     consts = dict(N=tokens, H=heads, DH=dh, DHP=kr.next_pow2(dh), NE=ne, K=k, KP=kp, PARTS=3, PRECISION="ieee",
@@ -93,13 +93,13 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
 
 def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128,
               thr: int | None = None) -> dict:
-    """Compile a warp-specialised Gluon kernel (kernels/gluon_experts.py: `fwd_ws` the forward, `dw_ws` the weight
-    gradients, `bwd_ws` the fused backward, `bwd_xw` the same with the dX warp group; kernels/gluon_router.py:
+    """Compile a warp-specialised Gluon kernel (kernels/gluon/experts.py: `fwd_ws` the forward, `dw_ws` the weight
+    gradients, `bwd_ws` the fused backward, `bwd_xw` the same with the dX warp group; kernels/gluon/router.py:
     `router_ws` the router forward, Ne = de; thr: its threshold selection's round limit, 0 networks only, None the
     kernel's default) as the JAX binding does
-    (mhl_jax.ops.gluon_bridge) and read ptxas' report (registers: the kernel's launch limit, maxnreg)."""
-    import kernels.gluon_experts as ge
-    from mhl_jax.ops.gluon_bridge import compile_gluon
+    (mhl_jax.moe.gpu.gluon) and read ptxas' report (registers: the kernel's launch limit, maxnreg)."""
+    import kernels.gluon.experts as ge
+    from mhl_jax.moe.gpu.gluon import compile_gluon
 
     if kind == "fwd_ws":
         fn, consts = ge.gluon_expert_fwd_ws_kernel, ge.ws_constexprs(k, dh, de, 8 * 384, 4096, pack_block)
@@ -114,7 +114,7 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
         fn, consts = ge.gluon_expert_bwd_xw_kernel, ge.bwd_xw_constexprs(k, dh, de, pack_block)
         tile = [ge.DW_WS_BLOCK_M, 128, 16, ge.BWD_XW_STAGES]
     elif kind in ("router_ws", "router_ws_cast"):  # the router forward at 81920 tokens x 8 heads, Ne = de, bf16x3
-        import kernels.gluon_router as gr  # _cast: with the caster warp group (two consumers; the layer's expert
+        import kernels.gluon.router as gr  # _cast: with the caster warp group (two consumers; the layer's expert
         # weights at de 128: 8 x Ne x 128 x 128 elements each)
 
         cast = kind == "router_ws_cast"

@@ -37,14 +37,14 @@ def launch(kind: str, cfg, s, w1, w2, k: int):
     """One launch of kernel `kind` (tile from cfg) on input set s = (x, dy, gates, packing); its outputs."""
     import torch
 
-    from kernels.torch_experts import experts_dw, experts_dx, experts_fwd
+    from kernels.torch.experts import experts_dw, experts_dx, experts_fwd
 
     x, dy, gates, pk = s
     if kind == "fwd":
         return (experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg),)
     if kind == "fwd_cast":  # the converting forward on fp32 masters (w1 / w2 here: fp32; its launcher also zero-fills
         # the two bf16 copies it returns, as many bytes again as the copies: every tile pays that alike)
-        from kernels.torch_experts import experts_fwd_cast
+        from kernels.torch.experts import experts_fwd_cast
 
         return experts_fwd_cast(x, pk, w1, w2, k, cfg)
     if kind == "dx":  # as the binding runs it: with the gate gradients (DGATES)
@@ -69,7 +69,7 @@ def input_set(tokens: int, ne: int, k: int, pack_block: int, g, nh: int = 8, dh:
     variation)."""
     import torch
 
-    from kernels.torch_experts import pack_torch
+    from kernels.torch.experts import pack_torch
 
     if routing not in ROUTINGS:
         raise ValueError(f"input_set: routing={routing!r}, expected one of {ROUTINGS}")
@@ -130,7 +130,7 @@ def main() -> None:
     import torch
     from triton.testing import do_bench
 
-    from kernels.experts import ExpertsConfig, Tile, default_config
+    from kernels.triton.experts import ExpertsConfig, Tile, default_config
 
     nh, dh, k, ne, de = 8, 128, args.k, args.ne, args.de
     dev = "cuda"

@@ -19,7 +19,7 @@ W_in, W_out, router scores and experts; our backward's recomputation is not coun
 ~800 TFLOP/s measured bf16 rate. Memory: XLA's buffer assignment of the compiled step
 (arguments + outputs + temporaries = the step's peak), beside the authors' torch peak.
 
---variants: expert configs of the triton path (`mhl_jax.ops.experts_triton.VARIANTS`, "v2" = the
+--variants: expert configs of the triton path (`mhl_jax.moe.gpu.experts.VARIANTS`, "v2" = the
 measured default; "fwd_tile:M,E,W,S" the default with that Triton forward tile) or LAYER_VARIANTS (a switch of the
 MoE core flipped, e.g. "apart_dx"), one record each; a
 variant that fails is recorded and the next one runs.
@@ -70,12 +70,12 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
     in the layer)."""
     if variant is None:
         return None
-    from mhl_jax.ops.experts_triton import variant_config
+    from mhl_jax.moe.gpu.experts import variant_config
 
     if variant.startswith("fwd_tile:"):
         from dataclasses import replace
 
-        from kernels.experts import Tile
+        from kernels.triton.experts import Tile
 
         cfg = variant_config("default", tokens * NH * k, NH * ne, DH, de)
         tile = Tile(*(int(v) for v in variant.split(":", 1)[1].split(",")))
@@ -85,7 +85,7 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 
 # Layer-level variants: the default experts with a switch of the MoE core flipped while the layer is traced.
 # "triton_router_fwd": the Triton router forward where the default runs the warp-specialised Gluon one
-# (kernels.router.WS_MAX_K = 0); "apart_dx": the router's and the experts' ops apart, their dx added by XLA, instead
+# (kernels.triton.router.WS_MAX_K = 0); "apart_dx": the router's and the experts' ops apart, their dx added by XLA, instead
 # of one custom_vjp whose dx comes out of one combine kernel (moe_core.FUSE_ROUTER_DX = False: the default until the
 # 2026-11-25 session 20); "xla_combine": the forward's combine of the expert output rows by XLA instead of the Triton
 # kernel (experts_triton.OUT_COMBINE_KERNEL = False: the default until the 2026-11-26 session 23); "fwd_all_heads":
@@ -102,7 +102,7 @@ def expert_cfg(variant: str | None, tokens: int, ne: int, k: int, de: int, dwt_t
 # the 2026-11-26 session 28); "fwd_pad_halves": the Gluon forward computing (and zeroing) the padding-only second halves
 # of packing blocks too (experts_triton.FWD_SKIP_PADDING = False: as until the 2026-11-26 session 29);
 # "router_dw_lanes": the router's dW partial kernel with a (SUB, DHP) accumulator at SUB 64, 4 warps, instead of its
-# row sums at SUB 128, 2 warps (kernels.router.DW_ROWSUM = False: as until the 2026-11-26 session 29); "xla_meta": the
+# row sums at SUB 128, 2 warps (kernels.triton.router.DW_ROWSUM = False: as until the 2026-11-26 session 29); "xla_meta": the
 # per-group block arrays of the expert op and the router's dW blocks by XLA's scans instead of Triton launches
 # (packing_triton.META_KERNELS = False: as until the 2026-11-27 session 32); "xla_cast": the expert weights cast by
 # XLA before the Triton forward instead of converted in its loads (experts_triton.FWD_CASTS_WEIGHTS = False: as until
@@ -118,13 +118,13 @@ def layer_switches(variant: str | None):
     covers the layer's forward only: jax.grad traces a custom_vjp's backward after the forward has returned, so a
     switch read only by a backward rule must be read in the forward and carried into the residuals (as
     experts_triton.BWD_SKIP_PADDING is, by `packed_meta`); else the variant's backward runs the default."""
-    import kernels.gluon_router as gr
-    import kernels.packing as kp
-    import kernels.router as kr
-    import mhl_jax.model.moe_core as mc
-    import mhl_jax.ops.experts_triton as et
-    import mhl_jax.ops.packing_triton as pt
-    import mhl_jax.ops.router as ro
+    import kernels.gluon.router as gr
+    import kernels.triton.packing as kp
+    import kernels.triton.router as kr
+    import mhl_jax.moe.core as mc
+    import mhl_jax.moe.gpu.experts as et
+    import mhl_jax.moe.gpu.packing as pt
+    import mhl_jax.moe.router as ro
 
     switches = {  # variant -> the (module, attribute, value) it sets
         "triton_router_fwd": [(kr, "WS_MAX_K", 0)],
@@ -162,9 +162,9 @@ def layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None, switc
 
 
 def _layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None):
-    from mhl_jax.model.moe_core import moe_heads
-    from mhl_jax.ops.experts import expert_ffn
-    from mhl_jax.ops.router import route_topk
+    from mhl_jax.moe.core import moe_heads
+    from mhl_jax.moe.experts import expert_ffn
+    from mhl_jax.moe.router import route_topk
 
     n = x.shape[0]
     sub = jnp.dot(x, params["w_in"].astype(x.dtype)).reshape(n, NH, DH)
@@ -181,9 +181,9 @@ def _layer(params, x, k: int, expert_impl: str, router_impl: str, cfg=None):
 
 def breakdown(params, xs, k: int, router_impl: str, cfg, ms_layer: float) -> dict:
     """Each part of the layer alone under jit (same shapes, inputs from the layer's own forward)."""
-    from mhl_jax.ops import packing as pk
-    from mhl_jax.ops.experts_triton import expert_ffn_triton
-    from mhl_jax.ops.router import route_topk
+    from mhl_jax.moe import packing as pk
+    from mhl_jax.moe.gpu.experts import expert_ffn_triton
+    from mhl_jax.moe.router import route_topk
 
     ne = params["w1"].shape[1]
     subs = [jnp.dot(x, params["w_in"].astype(x.dtype)).reshape(x.shape[0], NH, DH) for x in xs]
@@ -227,7 +227,7 @@ def breakdown(params, xs, k: int, router_impl: str, cfg, ms_layer: float) -> dic
     out["dense_fwd_bwd"] = time_jax(jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2))),
                                     [(params["w_in"], params["w_out"], x) for x in xs])
     if router_impl == "triton":  # router + experts as the layer runs them: one packing for both
-        from mhl_jax.model.moe_core import moe_heads
+        from mhl_jax.moe.core import moe_heads
 
         def moe_loss(s, w_r, g_w1, g_w2):
             y, _ = moe_heads(s, s, w_r, params["bias"], g_w1, g_w2, k, "triton", cfg=cfg)
@@ -257,7 +257,7 @@ def resolve_router(choice: str) -> str:
     if choice != "auto":
         return choice
     try:
-        import mhl_jax.ops.router_triton  # noqa: F401
+        import mhl_jax.moe.gpu.router  # noqa: F401
     except Exception:
         return "reference"
     return "triton"
@@ -298,7 +298,7 @@ def main() -> None:
         ap.error(f"--inner {' '.join(map(str, args.inner))}: expected calls per batch >= 1")
     dwt_tile = None
     if args.dwt_tile:
-        from kernels.experts import Tile
+        from kernels.triton.experts import Tile
 
         dwt_tile = Tile(*(int(v) for v in args.dwt_tile.split(",")))
 

@@ -43,7 +43,7 @@ BUILTIN = ["data.source=builtin", "data.path=", "data.val_path=", "data.tokenize
 
 def eager_state(cfg, mesh, tx):
     """(graphdef, state): the state as train.py built it until 2026-11-27, the whole model and its optimizer state
-    eagerly on the default device (not yet placed). The baseline of `init`, and tests/test_memory.py's reference."""
+    eagerly on the default device (not yet placed). The baseline of `init`, and tests/unit/test_memory.py's reference."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -64,7 +64,7 @@ def create(config: str, sets: list[str], mode: str) -> dict:
 
     from mhl_jax.config import load_config
     from mhl_jax.parallel.mesh import make_mesh, state_shardings
-    from mhl_jax.train.memory import GIB, device_limit, is_out_of_memory, peak_in_use
+    from mhl_jax.runtime.memory import GIB, device_limit, is_out_of_memory, peak_in_use
     from mhl_jax.train.optimizer import make_optimizer
     from mhl_jax.train.state import init_state
 
@@ -101,7 +101,7 @@ def state_bytes(config: str, sets: list[str]) -> list[dict]:
 
     from mhl_jax.config import load_config
     from mhl_jax.parallel.mesh import make_mesh
-    from mhl_jax.train.memory import GIB, per_device_bytes
+    from mhl_jax.runtime.memory import GIB, per_device_bytes
     from mhl_jax.train.optimizer import make_optimizer
     from mhl_jax.train.state import state_creator
 

@@ -1,4 +1,4 @@
-"""The Triton packing (`mhl_jax.ops.packing_triton.pack_triton`) alone at the layer's shapes, chunk sizes side by
+"""The Triton packing (`mhl_jax.moe.gpu.packing.pack_triton`) alone at the layer's shapes, chunk sizes side by
 side in one process: time per call and each launch's device time (JAX profiler trace).
 
     python bench/pack.py [--tokens 81920] [--configs 384/4 768/8 1536/8] [--chunks 1024 2048 4096]
@@ -7,7 +7,7 @@ side in one process: time per call and each launch's device time (JAX profiler t
 idx (N, 8, k): each row's k experts drawn without replacement (uniform scores, lax.top_k), the packing block of the
 layer's default expert config. One JSON line per (shape, chunk, scatter warps): `ms` (bench.timing.time_jax),
 `kernels_ms` (launch name -> ms per call, from a trace of 5 calls) and whether the outputs equal the default's
-(kernels.packing.PACK_CHUNK, PACK_SORT_WARPS).
+(kernels.triton.packing.PACK_CHUNK, PACK_SORT_WARPS).
 """
 
 from __future__ import annotations
@@ -44,15 +44,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[81920])
     ap.add_argument("--configs", nargs="+", default=["384/4", "768/8", "1536/8"], help="Ne/k")
     ap.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--sort-warps", type=int, nargs="+", default=[], help="kernels.packing.PACK_SORT_WARPS values")
-    ap.add_argument("--offsets-eb", type=int, nargs="+", default=[], help="kernels.packing.PACK_OFFSETS_EB values")
+    ap.add_argument("--sort-warps", type=int, nargs="+", default=[], help="kernels.triton.packing.PACK_SORT_WARPS values")
+    ap.add_argument("--offsets-eb", type=int, nargs="+", default=[], help="kernels.triton.packing.PACK_OFFSETS_EB values")
     ap.add_argument("--de", type=int, default=128, help="expert width for the default config's packing block")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import kernels.packing as kp
-    from kernels.packing import PACK_CHUNK
-    from mhl_jax.ops.experts_triton import resolve_config
-    from mhl_jax.ops.packing_triton import pack_triton
+    import kernels.triton.packing as kp
+    from kernels.triton.packing import PACK_CHUNK
+    from mhl_jax.moe.gpu.experts import resolve_config
+    from mhl_jax.moe.gpu.packing import pack_triton
 
     outf = open(args.out, "a") if args.out else None
     date, device = datetime.date.today().isoformat(), jax.devices()[0].device_kind

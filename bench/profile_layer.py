@@ -164,10 +164,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 81920])
     ap.add_argument("--configs", nargs="+", default=["384/4/256"])
-    from mhl_jax.ops.experts_triton import VARIANTS
+    from mhl_jax.moe.gpu.experts import VARIANTS
 
     ap.add_argument("--variants", nargs="+", default=["default"], choices=VARIANTS,
-                    help="expert configs (mhl_jax.ops.experts_triton.VARIANTS; default = the binding's default)")
+                    help="expert configs (mhl_jax.moe.gpu.experts.VARIANTS; default = the binding's default)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds per (tokens, config, variant) under ncu (compiling under ncu is slow: two "

@@ -34,8 +34,8 @@ def child(kernel: str, tokens: int, ne: int, k: int, de: int) -> None:
     import torch
 
     from bench.kernel_tiles import expert_weights, input_set
-    from kernels.experts import default_config
-    from kernels.gluon_experts import gluon_experts_bwd_ws, gluon_experts_dw_ws, gluon_experts_fwd_ws
+    from kernels.gluon.experts import gluon_experts_bwd_ws, gluon_experts_dw_ws, gluon_experts_fwd_ws
+    from kernels.triton.experts import default_config
 
     nh, dh = 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -39,16 +39,16 @@ def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
     import torch
 
     from bench.kernel_tiles import expert_weights, input_set, launch
-    from kernels.experts import default_config
-    from kernels.gluon_experts import (
+    from kernels.gluon.experts import (
         bwd_ws_supported,
         gluon_experts_bwd_ws,
         gluon_experts_dw_ws,
         gluon_experts_fwd_ws,
         ws_supported,
     )
-    from kernels.gluon_router import gluon_router_fwd_ws, ws_router_supported
-    from kernels.torch_router import router_fwd, split_bf16
+    from kernels.gluon.router import gluon_router_fwd_ws, ws_router_supported
+    from kernels.torch.router import router_fwd, split_bf16
+    from kernels.triton.experts import default_config
 
     nh, dh = 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)

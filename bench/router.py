@@ -12,7 +12,7 @@ input sets rotated); fwd+bwd = value and gradients of sum(values * dv) w.r.t. x 
              tiles for the nearest swept Ne. Also times the backward's parts.
 --precision  index agreement with a float64 top-k for each dot precision (ieee, tf32, tf32x3,
              bf16x3, bf16x2) and for a cuBLAS fp32 matmul, plus each precision's forward time.
-On Hopper the JAX "ours" forward is the warp-specialised Gluon kernel (kernels/gluon_router.py) at k <= 8, which
+On Hopper the JAX "ours" forward is the warp-specialised Gluon kernel (kernels/gluon/router.py) at k <= 8, which
 the swept Triton tiles do not change; the torch launcher and --sweep time the Triton kernel.
 Peak memory: JAX: the compiled executable's arguments + outputs + temporaries (memory_analysis);
 torch: max_memory_allocated over one fwd+bwd, inputs included (the authors' convention).
@@ -107,8 +107,8 @@ def jax_peak_gib(jitted, *args) -> float:
 # ------------------------------------------------------------------------------------------- impls
 
 def jax_fns(impl: str, k: int, tiles=None):
-    from mhl_jax.ops.router import route_topk_reference
-    from mhl_jax.ops.router_triton import route_topk_triton
+    from mhl_jax.moe.gpu.router import route_topk_triton
+    from mhl_jax.moe.router import route_topk_reference
 
     if impl == "ours":
         backend = "emulate" if DRY else "triton"
@@ -138,8 +138,8 @@ def sweep(tokens: int, nes: list[int], k: int, device: str, date: str, outf, fwd
 def sweep_one(tokens: int, ne: int, k: int, device: str, date: str, outf, fwd_only: bool = False):
     import torch
 
-    from kernels import torch_router as ktr
-    from kernels.router import router_tiles
+    from kernels.torch import router as ktr
+    from kernels.triton.router import router_tiles
 
     x, w, b, dv = (to_torch(a) for a in make_inputs(100 + ne, tokens, ne, k))
     res = []
@@ -184,8 +184,8 @@ def sweep_one(tokens: int, ne: int, k: int, device: str, date: str, outf, fwd_on
 
 def time_meta(idx, ne: int, device: str, date: str, outf) -> None:
     """The JAX backward's slot sort + block metadata alone: flat / per-head uint32 key sort vs stable argsort."""
-    from kernels.router import router_tiles
-    from mhl_jax.ops.router_triton import dw_metadata
+    from kernels.triton.router import router_tiles
+    from mhl_jax.moe.gpu.router import dw_metadata
 
     n, h, k = idx.shape
     for sort, bounds in (("flat", "scatter"), ("packed", "scatter"), ("packed", "search"), ("argsort", "scatter")):
@@ -208,7 +208,7 @@ def precision_one(tokens: int, ne: int, k: int, device: str, date: str, outf, ti
     """Fraction of (token, head) rows whose ordered top-k indices equal a float64 top-k's."""
     import torch
 
-    from kernels import torch_router as ktr
+    from kernels.torch import router as ktr
 
     x, w, b, _ = (to_torch(a) for a in make_inputs(200 + ne, tokens, ne, k))
     ref_idx, gap = [], []
@@ -250,7 +250,7 @@ def bench_one(impl: str, sets, n: int, ne: int, k: int, tiles, device: str, date
     """One (impl, Ne) measurement: fwd and fwd+bwd time, peak memory."""
     import torch
 
-    from kernels import torch_router as ktr
+    from kernels.torch import router as ktr
 
     fwd_flop = 2.0 * n * NH * DH * ne
     floor_bytes = n * NH * DH * 2 + n * NH * k * 8 + NH * DH * ne * 4  # x in, (vals, idx) out, W_r once
@@ -340,14 +340,14 @@ def main() -> None:
 
     import torch
 
-    from mhl_jax.ops.kernels_select import import_jax_triton
+    from mhl_jax.moe.plan import import_jax_triton
 
     try:
         import_jax_triton()  # also keeps TRITON_CACHE_DIR usable for torch.compile after it
     except ImportError:
         pass
-    from kernels.router import router_tiles
-    from mhl_jax.ops.router import route_topk_reference
+    from kernels.triton.router import router_tiles
+    from mhl_jax.moe.router import route_topk_reference
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()

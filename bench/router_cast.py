@@ -1,5 +1,5 @@
 """The layer (bench/layer.py) with the expert weights cast by the router's Gluon kernel (its caster warp group,
-`mhl_jax.model.moe_core.ROUTER_CASTS_WEIGHTS`) against the XLA cast, in one process: every gradient compared
+`mhl_jax.moe.core.ROUTER_CASTS_WEIGHTS`) against the XLA cast, in one process: every gradient compared
 bitwise, then fwd+bwd timed (bench.timing.time_jax) for both. The caster is forced on at every token count
 (moe_core.ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = 0); `rule` says whether the default would run it at that shape.
 
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["1536/8/128", "768/8/128"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import mhl_jax.model.moe_core as mc
+    import mhl_jax.moe.core as mc
     from bench.layer import DH, D, init_params, layer
 
     outf = open(args.out, "a") if args.out else None

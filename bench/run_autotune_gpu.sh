@@ -1,6 +1,6 @@
 #!/bin/bash
 # One single-GPU call (~5 min on an H100): train.xla_autotune_file across fresh processes.
-#   tests: tests/test_resume.py's GPU case (train.py stopped and resumed in fresh processes, bitwise)
+#   tests: tests/e2e/test_resume.py's GPU case (train.py stopped and resumed in fresh processes, bitwise)
 #   a:     the 2.2B MH-LatentMoE step (bench/train_scale.py), writing XLA's autotuning results to $OUT/tuned.txt
 #   b:     the same in a fresh process, loading them -> losses bitwise a's?
 #   c:     the same in a fresh process without them (the control: does a fresh tune differ here?)
@@ -9,7 +9,7 @@ set -o pipefail
 OUT=${OUT:-/tmp/autotune_out}
 source "$(dirname "$0")/gpu_stage.sh"
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$LOG"
-stage tests "${T_TESTS:-200}" env -u JAX_COMPILATION_CACHE_DIR python3 -m pytest -q -rA tests/test_resume.py -k gpu \
+stage tests "${T_TESTS:-200}" env -u JAX_COMPILATION_CACHE_DIR python3 -m pytest -q -rA tests/e2e/test_resume.py -k gpu \
     -p no:cacheprovider
 run() {  # run NAME [--set ...]
     local name=$1; shift

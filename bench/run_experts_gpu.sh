@@ -24,8 +24,8 @@ python3 -c "import jax, triton, torch; print('jax', jax.__version__, 'triton', t
 SHAPE="--tokens 81920 --ne 384 --de 256"
 if python3 -c "import pytest" 2>/dev/null; then
     echo "=== [$(( $(date +%s) - t0 )) s] tests" | tee -a "$LOG"
-    timeout -k 10 "${T_TESTS:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_experts_kernel.py \
-        tests/test_experts_grouped.py tests/test_gpu_train.py > "$OUT/tests.log" 2>&1
+    timeout -k 10 "${T_TESTS:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/kernels/test_experts_kernel.py \
+        tests/kernels/test_experts_grouped.py tests/e2e/test_gpu_train.py > "$OUT/tests.log" 2>&1
     echo "tests rc=$?" | tee -a "$LOG"; tail -n 15 "$OUT/tests.log" | tee -a "$LOG"
 else
     echo "pytest is not installed here: GPU tests skipped" | tee "$OUT/tests.log" | tee -a "$LOG"

@@ -21,9 +21,9 @@ CONFIGS80K=${CONFIGS80K:-384/4/256 768/8/128 768/4/256 1536/8/128}
 
 gpu0() {
     export CUDA_VISIBLE_DEVICES=0
-    stage tests "${T_TESTS:-230}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_combine.py \
-        'tests/test_router_kernel.py::test_gpu_moe_heads_one_packing_vs_separate_ops' \
-        'tests/test_gpu_train.py::test_train_steps_bitwise_repeatable_on_one_gpu[triton-cudnn-bfloat16]' \
+    stage tests "${T_TESTS:-230}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/kernels/test_combine.py \
+        'tests/kernels/test_router_kernel.py::test_gpu_moe_heads_one_packing_vs_separate_ops' \
+        'tests/e2e/test_gpu_train.py::test_train_steps_bitwise_repeatable_on_one_gpu[triton-cudnn-bfloat16]' \
         > $OUT/tests.log 2>&1; rc=\$?; grep -E '^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error' $OUT/tests.log \
         | tail -n 40; exit \$rc"
     stage combine "${T_COMBINE:-120}" python3 bench/combine.py --out "$OUT/combine.jsonl"

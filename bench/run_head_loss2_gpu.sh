@@ -4,7 +4,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/head_loss_out}
 source "$(dirname "$0")/gpu_stage.sh"
-stage tests 240 python3 -m pytest -q tests/test_params.py tests/test_resume.py -k "head_loss or loss_chunk or gpu"
+stage tests 240 python3 -m pytest -q tests/unit/test_params.py tests/e2e/test_resume.py -k "head_loss or loss_chunk or gpu"
 for cfg in mh_latent_moe_hp_2.2b moe_ep_2.2b; do
   for mb in 16 8; do
     stage "$cfg-mb$mb" 150 python3 bench/train_scale.py --config configs/$cfg.yaml --devices 1 --steps 5 \

@@ -6,7 +6,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/head_loss_out}
 source "$(dirname "$0")/gpu_stage.sh"
-stage tests 330 python3 -m pytest -q -rs tests/test_params.py tests/test_gpu_train.py tests/test_resume.py \
+stage tests 330 python3 -m pytest -q -rs tests/unit/test_params.py tests/e2e/test_gpu_train.py tests/e2e/test_resume.py \
     -k "head_loss or loss_chunk or gpu"
 for mb in 16 8; do
   stage "mb$mb" 100 python3 bench/train_scale.py --config configs/mh_latent_moe_hp_2.2b.yaml --devices 1 --steps 5 \

@@ -23,5 +23,5 @@ run mb8-whole 8 0
 run mb8-chunk2 8 4096
 run mb16-chunk 16 4096
 run mb16-whole 16 0
-stage tests 200 python3 -m pytest -q -x tests/test_gpu_train.py tests/test_params.py
+stage tests 200 python3 -m pytest -q -x tests/e2e/test_gpu_train.py tests/unit/test_params.py
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$LOG"

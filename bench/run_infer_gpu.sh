@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/infer_out}
 source "$(dirname "$0")/gpu_stage.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
 RUN=/tmp/infer_run_2.2b
-stage tests 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_infer.py -m gpu
+stage tests 300 python3 -m pytest -q -rs -p no:cacheprovider tests/e2e/test_infer.py -m gpu
 stage train-2.2b 400 python3 train.py --config configs/mh_latent_moe_hp_2.2b.yaml --set data.source=builtin \
     --set data.path= --set data.val_path= --set data.tokenizer=byte --set data.val_fraction=0.1 \
     --set data.val_sequences=16 --set train.micro_batch=16 --set schedule.total_steps=4 --set schedule.warmup_steps=1 \

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device memory (session 39, 2026-11-27): the GPU tests of tests/test_memory.py, the allocator's limit under JAX's
+# Device memory (session 39, 2026-11-27): the GPU tests of tests/unit/test_memory.py, the allocator's limit under JAX's
 # defaults, and bench/memory.py: which paper configs fit one GPU (train.py's memory line, its refusal or the
 # measured peak) and, on 2 GPUs, the state created eagerly vs in its shardings (4.2B at hp = 2) and that run's
 # steps. Argument: one (1 GPU: tests, limits, the 2.2B at micro-batch 16 and 32), one42 (1 GPU: the 4.2B configs),
@@ -23,7 +23,7 @@ bench() {  # bench NAME LIMIT init|fit --config FILE [--set ...]: bench/memory.p
   stage "$name" "$limit" $U python3 bench/memory.py "$@" --out "$R"
 }
 tests() {
-  stage tests 300 python3 -m pytest -q -rs tests/test_memory.py -m gpu
+  stage tests 300 python3 -m pytest -q -rs tests/unit/test_memory.py -m gpu
 }
 case "${1:-one}" in
 one)
@@ -46,7 +46,7 @@ two)
   bench fit-4.2b-hp2 240 fit --config configs/mh_latent_moe_hp_4.2b.yaml --set parallel.hp=2 --steps 6
   ;;
 two_so)  # parallel.shard_optimizer (session 40; CPU-counted state per GPU 24.68 -> 16.45 GiB at data 2)
-  stage tests-so 300 python3 -m pytest -q -rs tests/test_shard_optimizer.py tests/test_memory.py -m gpu
+  stage tests-so 300 python3 -m pytest -q -rs tests/parallel/test_shard_optimizer.py tests/unit/test_memory.py -m gpu
   bench fit-2.2b-data2 240 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set parallel.hp=1 --steps 8
   bench fit-2.2b-data2-so 240 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set parallel.hp=1 --steps 8 \
       --set parallel.shard_optimizer=true
@@ -55,7 +55,7 @@ two_so)  # parallel.shard_optimizer (session 40; CPU-counted state per GPU 24.68
   ;;
 remat)  # model.remat=block (session 41, not yet measured): tests, the 2.2B at micro-batch 16 none / block (the
   # baseline rerun in this call), micro-batch 32 block, the 4.2B --check with block
-  stage tests-remat 300 python3 -m pytest -q -rs tests/test_remat.py -m gpu
+  stage tests-remat 300 python3 -m pytest -q -rs tests/unit/test_remat.py -m gpu
   bench fit-2.2b-mb16 200 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set train.micro_batch=16
   bench fit-2.2b-mb16-remat 200 fit --config configs/mh_latent_moe_hp_2.2b.yaml --set train.micro_batch=16 \
       --set model.remat=block

@@ -6,7 +6,7 @@
 # p2|p2check: GPUs 0,1: bench/a2a.py at P=2 (+ EP layer check, 1-vs-2-GPU training losses, in-layer HP cost);
 #        meanwhile GPUs 2,3: the tiny MH-LatentMoE trained with Triton kernels under Head Parallel (hp=2).
 # p2train: GPUs 0,1 (nvidia-h200-x2 is enough, ~4 min): bench/train_2gpu.py with each set of XLA options
-#        (OPTS, default "none det nopass default"), then with WITH_TEST=1 the GPU pytest tests/test_gpu_train.py.
+#        (OPTS, default "none det nopass default"), then with WITH_TEST=1 the GPU pytest tests/e2e/test_gpu_train.py.
 # p4:    all 4 GPUs: bench/a2a.py at P=4 with the in-layer HP cost.
 # scale: bench/train_scale.py, the 2.2B configs on 1, 2 and 4 GPUs (loss check, tokens/s, memory, comm split).
 #        MoE / LatentMoE with the grouped-GEMM experts: ... scale --config configs/moe_ep_2.2b.yaml \
@@ -55,7 +55,7 @@ p2train)
     echo "train_2gpu exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
     cut -c1-900 "$OUT/train_2gpu.jsonl"
     [ -n "$WITH_TEST" ] && CUDA_VISIBLE_DEVICES=0,1 timeout ${T_TEST:-150} python3 -m pytest -q -m gpu \
-        -p no:cacheprovider -rA tests/test_gpu_train.py 2>&1 | tail -5
+        -p no:cacheprovider -rA tests/e2e/test_gpu_train.py 2>&1 | tail -5
     ;;
 p4)
     timeout 540 python3 bench/a2a.py --hp-layer --repeats 10 --ep-impls padded ragged --date "$DATE" \

@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/multiprocess_out}
 source "$(dirname "$0")/gpu_stage.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
 if [ "${1:-all}" = "tests" ] || [ "${1:-all}" = "all" ] || [ "${1:-all}" = "tests+moe" ]; then
-  stage tests 420 python3 -m pytest -q -rs tests/test_multiprocess.py tests/test_autotune.py tests/test_resume.py -m gpu
+  stage tests 420 python3 -m pytest -q -rs tests/parallel/test_multiprocess.py tests/unit/test_autotune.py tests/e2e/test_resume.py -m gpu
 fi
 if [ "${1:-all}" = "bench" ] || [ "${1:-all}" = "all" ]; then
   stage tps 420 python3 bench/multiprocess.py --config configs/mh_latent_moe_hp_2.2b.yaml --processes 1 2 --steps 10 \

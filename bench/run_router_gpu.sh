@@ -15,7 +15,7 @@ t0=$(date +%s)
 if python3 -c "import pytest" 2>/dev/null; then
     # ROUTER_TEST_K: optional pytest -k expression to run a subset
     python3 -m pytest -q -m gpu -p no:cacheprovider -s ${ROUTER_TEST_K:+-k "$ROUTER_TEST_K"} \
-        tests/test_router_kernel.py 2>&1 | tee "$OUT/router_gpu_tests.log"
+        tests/kernels/test_router_kernel.py 2>&1 | tee "$OUT/router_gpu_tests.log"
 else
     echo "pytest is not installed here: GPU tests skipped" | tee "$OUT/router_gpu_tests.log"
 fi

@@ -2,7 +2,7 @@
 # One single-GPU call (~2-3 min on an H100): the 1-GPU 2.2B MH-LatentMoE train step at micro-batch 8 with the code as
 # it is, then with one module attribute set for the baseline (A_B="module.attribute=python value", required), each in
 # its own process on the same machine (bench/train_scale.py). Session 21's head A/B was this with the plain einsum as
-# `mhl_jax.model.gpt.head_logits` (the command in bench/NOTES.md), followed by tests/test_gpu_train.py.
+# `mhl_jax.model.gpt.head_logits` (the command in bench/NOTES.md), followed by tests/e2e/test_gpu_train.py.
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/run_step_ab_gpu.sh
 set -o pipefail

@@ -8,7 +8,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/tests_out}
 source "$(dirname "$0")/gpu_stage.sh"
-FILES=${*:-tests/test_experts_kernel.py tests/test_experts_grouped.py tests/test_gpu_train.py}
+FILES=${*:-tests/kernels/test_experts_kernel.py tests/kernels/test_experts_grouped.py tests/e2e/test_gpu_train.py}
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$LOG"
 stage tests "${T_TESTS:-540}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -rA --durations=15 $FILES \
     > $OUT/tests.log 2>&1; rc=\$?; grep -E '^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|slowest|s call' \

@@ -6,7 +6,7 @@
 # Stages (each under `timeout`; limits T_LAYER T_WIDE T_TESTS T_SCALE in s):
 #   layer  bench/layer.py with --breakdown at 8192 and 81920 tokens (the packing without cumsum / searchsorted)
 #   wide   bench/wide_experts.py: fused kernels (dh = 128 tiles / wide tiles) vs grouped at dh 256 (+ dh 128)
-#   tests  tests/test_gpu_train.py: bitwise-repeatable train steps, incl. the d = 256 MoE on Triton kernels
+#   tests  tests/e2e/test_gpu_train.py: bitwise-repeatable train steps, incl. the d = 256 MoE on Triton kernels
 #   scale  bench/train_scale.py: MoE and LatentMoE 2.2B on one GPU with ffn.kernels=auto (grouped experts)
 # Files in $OUT: run.log, layer.jsonl, wide.jsonl, tests.log, train_scale.jsonl.
 set -o pipefail
@@ -17,7 +17,7 @@ stage layer "${T_LAYER:-120}" bash -c "python3 bench/layer.py --tokens 8192 --co
     --variants default --breakdown --out $OUT/layer.jsonl; python3 bench/layer.py --tokens 81920 --configs 384/4/256 \
     --router triton --variants default --breakdown --out $OUT/layer.jsonl"
 stage wide "${T_WIDE:-170}" python3 bench/wide_experts.py --child-timeout 40 --out "$OUT/wide.jsonl"
-stage tests "${T_TESTS:-120}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_gpu_train.py \
+stage tests "${T_TESTS:-120}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/e2e/test_gpu_train.py \
     > $OUT/tests.log 2>&1; rc=\$?; tail -n 20 $OUT/tests.log; exit \$rc"
 for cfg in moe_ep_2.2b latent_moe_ep_2.2b; do
     stage "scale_$cfg" "${T_SCALE:-90}" python3 bench/train_scale.py --config configs/$cfg.yaml --devices 1 \

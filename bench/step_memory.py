@@ -12,7 +12,7 @@ a shape that would not fit a GPU is found before device time is spent on it.
 
 --kernels reference: the pure-JAX ops (what runs on CPU). standin: the GPU path's ops as opaque
 host callbacks with the outputs of the real ones and no temporaries: the grouped-GEMM expert launches
-(`mhl_jax/ops/experts_grouped.py`, experts wider than MAX_TRITON_EXPERT_WIDTH: MoE and LatentMoE at
+(`mhl_jax/moe/gpu/grouped.py`, experts wider than MAX_TRITON_EXPERT_WIDTH: MoE and LatentMoE at
 d_model 1024; their routers are the reference there anyway) and, for Expert Parallel,
 `lax.ragged_all_to_all` (XLA:CPU has none) with ep_impl ragged, as on a GPU. The fused kernels of
 MH-LatentMoE have no stand-ins.
@@ -47,8 +47,8 @@ from bench.train_scale import DEFAULT_SETS, GIB, compiled_gib, run_config, state
 from mhl_jax.config import Config  # noqa: E402
 from mhl_jax.model.balancing import RouterBias  # noqa: E402
 from mhl_jax.model.gpt import build_model  # noqa: E402
-from mhl_jax.ops.kernels_select import triton_expert_path  # noqa: E402
-from mhl_jax.ops.router import MAX_TRITON_ROUTER_WIDTH  # noqa: E402
+from mhl_jax.moe.plan import triton_expert_path  # noqa: E402
+from mhl_jax.moe.router import MAX_TRITON_ROUTER_WIDTH  # noqa: E402
 from mhl_jax.parallel.executors import make_executor  # noqa: E402
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings  # noqa: E402
 from mhl_jax.train.loop import accumulation_steps  # noqa: E402
@@ -106,8 +106,8 @@ def _group_blocks_standin(group_sizes, block, num_blocks=None):
 def standin_ops():
     """Within: the grouped experts' Triton launches (and the packing metadata's), and lax.ragged_all_to_all are the
     stand-ins."""
-    from mhl_jax.ops import experts_grouped as eg
-    from mhl_jax.ops import packing_triton as pt
+    from mhl_jax.moe.gpu import grouped as eg
+    from mhl_jax.moe.gpu import packing as pt
 
     saved = eg._rows_triton, eg._wgrad_triton, jax.lax.ragged_all_to_all, pt.group_blocks_triton
     eg._rows_triton, eg._wgrad_triton, jax.lax.ragged_all_to_all = _rows_standin, _wgrad_standin, _ragged_standin

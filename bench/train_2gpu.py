@@ -16,7 +16,7 @@ xla_gpu_exclude_nondeterministic_ops), `nopass` (only the `while-loop-all-reduce
 bench/NOTES.md, "Correctness on the GPUs", says what each gave.
 --gamma sets the balancing bias step (default 0: off). With it on, one routing flip at a near-tie
 changes an integer load by one and a bias by a whole gamma, so small differences can grow; the
-balancing itself is checked on CPU (tests/test_parallel.py, loads exactly equal).
+balancing itself is checked on CPU (tests/parallel/test_parallel.py, loads exactly equal).
 """
 
 from __future__ import annotations

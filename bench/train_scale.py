@@ -86,7 +86,7 @@ from mhl_jax.model.gpt import build_model  # noqa: E402
 from mhl_jax.model.params import train_flops_per_token  # noqa: E402
 from mhl_jax.parallel.executors import make_executor  # noqa: E402
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, mesh_shape, model_axis, state_shardings  # noqa: E402
-from mhl_jax.train.autotune import autotune_file  # noqa: E402
+from mhl_jax.runtime.autotune import autotune_file  # noqa: E402
 from mhl_jax.train.loop import accumulation_steps  # noqa: E402
 from mhl_jax.train.metrics import device_peak_flops, mfu  # noqa: E402
 from mhl_jax.train.optimizer import make_optimizer  # noqa: E402

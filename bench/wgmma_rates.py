@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
-from kernels.gluon_experts import _wgmma_layout  # noqa: E402
+from kernels.gluon.experts import _wgmma_layout  # noqa: E402
 
 
 @gluon.jit
@@ -84,7 +84,7 @@ def compile_case(n: int, k: int, wg: int, a_reg: int) -> dict:
     import re
 
     from bench.kernel_report import ptxas_sass
-    from mhl_jax.ops.gluon_bridge import compile_gluon
+    from mhl_jax.moe.gpu.gluon import compile_gluon
 
     sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32"}
     c = consts(n, k, wg, a_reg, 16)

@@ -1,5 +1,5 @@
 """Experts wider than dh = 128 on Triton: the fused IO-aware kernels (with the dh = 128 tiles, and with
-the wide tiles `kernels.experts.default_config` now picks above 128) against the grouped-GEMM kernels.
+the wide tiles `kernels.triton.experts.default_config` now picks above 128) against the grouped-GEMM kernels.
 Decides which path `ffn.kernels=triton` takes for 128 < dh <= 256 (`kernels_select.MAX_TRITON_EXPERT_WIDTH`).
 
     python bench/wide_experts.py [--out FILE] [--child-timeout 90]
@@ -40,9 +40,9 @@ def child(path: str, tokens: int, heads: int, dh: int, ne: int, de: int) -> dict
 
     from bench.experts import make_inputs
     from bench.timing import time_jax
-    from kernels.experts import default_config
-    from mhl_jax.ops.experts_grouped import expert_ffn_grouped
-    from mhl_jax.ops.experts_triton import expert_ffn_triton
+    from kernels.triton.experts import default_config
+    from mhl_jax.moe.gpu.experts import expert_ffn_triton
+    from mhl_jax.moe.gpu.grouped import expert_ffn_grouped
 
     x, idx, gates, w1, w2, wy = make_inputs(0, tokens, ne, de, nh=heads, dh=dh, k=K)
     slots, groups = tokens * heads * K, heads * ne

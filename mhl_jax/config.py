@@ -107,7 +107,7 @@ class TrainConfig:
     xla_deterministic_ops: bool = False
     # GPU: XLA's autotuning results kept with the run, so a resumed process compiles the kernels the first one
     # picked and the losses continue bitwise ("auto": <run_dir>/xla_autotune.txt; "": off, every process tunes
-    # afresh; else a file path). mhl_jax/train/autotune.py.
+    # afresh; else a file path). mhl_jax/runtime/autotune.py.
     xla_autotune_file: str = "auto"
 
 

@@ -45,7 +45,7 @@ from mhl_jax.data import DataError, load_val_sequences
 from mhl_jax.data.tokenizers import get_tokenizer
 from mhl_jax.model.gpt import head_logits
 from mhl_jax.parallel.mesh import batch_spec, make_mesh
-from mhl_jax.train.autotune import autotune_file
+from mhl_jax.runtime.autotune import autotune_file
 from mhl_jax.train.checkpoint import Checkpointer, CheckpointError
 from mhl_jax.train.loop import INPUT_ERRORS, evaluate, input_error_line, model_fingerprint
 from mhl_jax.train.optimizer import make_optimizer

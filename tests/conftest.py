@@ -7,7 +7,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Without a GPU the Triton kernels run under the interpreter. Set it here, before any test module
 # imports a kernel module: @triton.jit decorates at import, so the first importer decides (running
-# tests/test_kernels_in_model.py before tests/test_router_kernel.py in one process failed otherwise).
+# tests/kernels/test_kernels_in_model.py before tests/kernels/test_router_kernel.py in one process failed otherwise).
 if os.environ.get("MHL_TEST_GPU") != "1" and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -89,7 +89,7 @@ def make_train_loader(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: i
 
     Each `next()` gives (batch_size, seq_len + 1) int32 token windows. Same arguments, same batches: the processes
     of a run of several build the same iterator of global batches, and each places its own rows of them
-    (mhl_jax.train.distributed). Save/restore its position with `get_state()`/`set_state()` or through
+    (mhl_jax.runtime.distributed). Save/restore its position with `get_state()`/`set_state()` or through
     `Checkpointer` (which uses Grain's Orbax handler).
     """
     if batch_size < 1:

@@ -16,14 +16,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mhl_jax.config import Config
+from mhl_jax.gather import embed_lookup
 from mhl_jax.model.attention import Attention
 from mhl_jax.model.init import normal_param, residual_std
 from mhl_jax.model.mlp import MLP
 from mhl_jax.model.moe import ExpertBank, LatentMoE, MHLatentMoE, MoE
-from mhl_jax.model.moe_core import LocalMoE, MoEExecutor
 from mhl_jax.model.norms import RMSNorm
-from mhl_jax.ops.embed import embed_lookup
-from mhl_jax.ops.kernels_select import resolve_kernels
+from mhl_jax.moe.core import LocalMoE, MoEExecutor
+from mhl_jax.moe.plan import resolve_kernels
 
 
 def make_ffn(cfg: Config, layer: int, rngs: nnx.Rngs, executor: MoEExecutor) -> nnx.Module:
@@ -138,7 +138,7 @@ class GPT(nnx.Module):
         {layer index: (H, Ne) int32} per MoE layer. weights_cast: `expert_weight_casts()`, made by the caller (None:
         each MoE layer casts its own). grad_acc: {layer: (acc1, acc2)} for layers of `expert_grad_accumulation()`: the
         gradients of those layers' w1 / w2 come back as acc + dW (not differentiated themselves)."""
-        h = embed_lookup(self.embed[...], tokens)  # deterministic gradient (mhl_jax/ops/embed.py)
+        h = embed_lookup(self.embed[...], tokens)  # deterministic gradient (mhl_jax/gather.py)
         loads = {}
         weights_cast, grad_acc = weights_cast or {}, grad_acc or {}
         call = _remat_block if self.remat == "block" else _call_block

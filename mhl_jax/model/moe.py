@@ -15,7 +15,7 @@ from flax import nnx
 
 from mhl_jax.model.balancing import RouterBias
 from mhl_jax.model.init import normal_param
-from mhl_jax.model.moe_core import LocalMoE, MoEExecutor
+from mhl_jax.moe.core import LocalMoE, MoEExecutor
 
 
 class ExpertBank(nnx.Module):

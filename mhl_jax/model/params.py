@@ -20,7 +20,7 @@ class ParamCount(NamedTuple):
 
 def count_params(cfg: Config) -> ParamCount:
     from mhl_jax.model.gpt import build_model
-    from mhl_jax.model.moe_core import LocalMoE
+    from mhl_jax.moe.core import LocalMoE
 
     abstract = nnx.eval_shape(lambda: build_model(cfg, executor=LocalMoE("reference")))
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))

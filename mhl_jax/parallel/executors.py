@@ -5,8 +5,8 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from mhl_jax.config import Config
-from mhl_jax.model.moe_core import LocalMoE, MoEExecutor
-from mhl_jax.ops.kernels_select import resolve_kernels
+from mhl_jax.moe.core import LocalMoE, MoEExecutor
+from mhl_jax.moe.plan import resolve_kernels
 
 
 def make_executor(cfg: Config, mesh: Mesh) -> MoEExecutor:

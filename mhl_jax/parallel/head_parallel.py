@@ -32,7 +32,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mhl_jax.model.moe_core import accumulates_in_place, moe_heads, reads_weights_cast
+from mhl_jax.moe.core import accumulates_in_place, moe_heads, reads_weights_cast
 
 
 def to_local_heads(x: jax.Array, axis: str = "hp") -> jax.Array:

@@ -21,10 +21,9 @@ from mhl_jax.model.attention import attention_impl
 from mhl_jax.model.params import count_params, train_flops_per_token
 from mhl_jax.parallel.mesh import batch_spec, make_mesh
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
-from mhl_jax.train.autotune import autotune_file
-from mhl_jax.train.checkpoint import Checkpointer, CheckpointError, changed_leaves
-from mhl_jax.train.distributed import agree, check_shared_directory, global_array, is_lead, sync, xla_options
-from mhl_jax.train.memory import (
+from mhl_jax.runtime.autotune import autotune_file
+from mhl_jax.runtime.distributed import agree, check_shared_directory, global_array, is_lead, sync, xla_options
+from mhl_jax.runtime.memory import (
     GIB,
     DeviceMemoryError,
     amount,
@@ -36,6 +35,7 @@ from mhl_jax.train.memory import (
     peak_in_use,
     step_memory,
 )
+from mhl_jax.train.checkpoint import Checkpointer, CheckpointError, changed_leaves
 from mhl_jax.train.metrics import StepClock, TensorBoardLog, device_peak_flops, format_line, mfu, require_tensorboard
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
@@ -157,7 +157,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     would. Bad input (a run directory that cannot hold the run, a checkpoint that does not fit it, a validation set
     smaller than one evaluation batch) is refused before anything in the run directory is written; directories
     this call created are removed again if the run stops before its config.yaml is written and they are empty.
-    With several processes (mhl_jax.train.distributed) every process calls this; process 0 alone logs and writes
+    With several processes (mhl_jax.runtime.distributed) every process calls this; process 0 alone logs and writes
     the run directory's files. `check`: stop once the train step is compiled and its memory checked (train.py
     --check): no state is created or restored, nothing is written, the directories the call created are removed."""
     run_dir = Path(cfg.logging.run_dir)

@@ -3,7 +3,7 @@
 The state is built under jit with each leaf's sharding as the output sharding, so every device computes and holds
 only its own shards: built eagerly, the whole model and its optimizer state would first sit on one device and then
 be copied out (a 4.2B model's 51 GB of fp32 state on the first GPU, plus its shard). The values are bitwise those
-of the eager build (`mhl_jax.model.init.normal_param`; tests/test_memory.py).
+of the eager build (`mhl_jax.model.init.normal_param`; tests/unit/test_memory.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mhl_jax.model.balancing import RouterBias
 from mhl_jax.model.gpt import build_model
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import state_shardings
-from mhl_jax.train.memory import per_device_bytes
+from mhl_jax.runtime.memory import per_device_bytes
 from mhl_jax.train.optimizer import adam_moments
 
 

@@ -18,13 +18,13 @@ from mhl_jax.model.balancing import load_stats, update_bias
 # XLA options for the compiled train step. `while-loop-all-reduce-code-motion` moves the data-parallel
 # all-reduce of a gradient out of the micro-batch loop and accumulates locally instead; on scatter-based
 # accumulations it miscompiles (openxla/xla#49143, fixed after jaxlib 0.11.2). Our embedding gradient is
-# no longer a scatter-add (mhl_jax/ops/embed.py), and on 2 x H200 (2026-11-23, bench/train_2gpu.py) 1 vs
+# no longer a scatter-add (mhl_jax/gather.py), and on 2 x H200 (2026-11-23, bench/train_2gpu.py) 1 vs
 # 2 GPUs agreed to 1e-6 over 5 steps with the pass on or off; it stays off as a guard against that bug
 # (cost: one all-reduce per micro-batch instead of one per step, bench/NOTES.md).
 TRAIN_STEP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-all-reduce-code-motion"}
 # XLA GPU lowers a float scatter-add with repeated indices to atomics (two runs of a step differed in the
 # last bits, H100, 2026-11-23, bench/determinism.py). Every such gradient in our step has a scatter-free
-# form instead (the embedding, the pure-JAX expert path's gathers: mhl_jax/ops/embed.py; Triton kernels:
+# form instead (the embedding, the pure-JAX expert path's gathers: mhl_jax/gather.py; Triton kernels:
 # no atomics). This option would make XLA replace any other one, but it is opt-in
 # (train.xla_deterministic_ops): on 2 x H200 it changed the fp32 gradient norm of a small MH-LatentMoE
 # by 1.8e-5 relative (to 9e-8 without it, against the CPU) and put 1 vs 2 GPUs 3e-4 apart after 5 steps;
@@ -43,7 +43,7 @@ def train_step_compiler_options(deterministic: bool = False, cudnn_attention: bo
 # The train step casts the expert weights to the compute dtype once per step, before its micro-batch loop, where the
 # MoE executor reads them cast (`GPT.expert_weight_casts`); False: every micro-batch's MoE op casts them again (XLA
 # did not hoist those casts out of the loop). The gradients are bitwise the same either way (where the converting
-# forward has a chunk width of its own, the GPU sums in the same order: `kernels.experts.default_config`'s fwd_cast).
+# forward has a chunk width of its own, the GPU sums in the same order: `kernels.triton.experts.default_config`'s fwd_cast).
 CAST_EXPERT_WEIGHTS_ONCE = True
 # Where the expert backward adds into the gradient sums in place (`GPT.expert_grad_accumulation`: the fused Triton core,
 # fp32 weights, no data parallelism in the MoE executor), the micro-batch loop hands it the running sums of those expert
@@ -137,7 +137,7 @@ def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gam
     the one way train.py and the benchmarks compile it. donate: donate the state (train.py; its buffers
     are reused for the new state). deterministic: train.xla_deterministic_ops. compiler_options: replaces
     those options (bench/train_2gpu.py and bench/determinism.py compare sets of them). autotune_options: added to
-    them (`mhl_jax.train.autotune.AutotuneFile.compiler_options`: XLA's autotuning results loaded / written)."""
+    them (`mhl_jax.runtime.autotune.AutotuneFile.compiler_options`: XLA's autotuning results loaded / written)."""
     options = train_step_compiler_options(deterministic, cudnn_attention) if compiler_options is None \
         else compiler_options
     return jax.jit(make_train_step(graphdef, tx, gamma, schedule), in_shardings=(state_shardings, batch_sharding),

@@ -1,0 +1,95 @@
+"""The packing (`mhl_jax.moe.packing.pack`) as Triton kernels (`kernels/triton/packing.py`) bound through
+jax-triton: `pack(..., method="triton")`. Five launches (the plan `kernels.triton.packing.pack_launches`, which
+the torch launcher runs too), integer-only (integer atomic adds for the chunk histograms at >= 1024 bins:
+order-free counts), the same arrays as the JAX methods (checked
+under the Triton interpreter against them in tests/kernels/test_packing.py; the binding itself needs a GPU)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels.triton.packing import PACK_CHUNK, PACK_RESULT, cut_launches, group_blocks_launch, pack_launches
+from mhl_jax.moe.plan import import_jax_triton
+
+# The expert op's and the router's per-group block arrays (first block, count; the router's dW blocks) cut from a
+# packing by Triton launches (`group_blocks_triton`) where the kernels run on Triton: one or two launches in place of
+# ~5 (experts) and ~15 (router dW) small XLA kernels of log-depth scans over the groups. False: XLA's scans
+# (`packing.group_blocks`, `router_triton._cut_groups`) everywhere (bench/layer.py variant "xla_meta").
+META_KERNELS = True
+
+
+def pack_triton(idx: jax.Array, num_experts: int, block: int, chunk: int = PACK_CHUNK):
+    """idx (N, H, k) int32 (-1 = empty slot) -> `Packing` (row_slot, slot_row, block_group, group_sizes,
+    num_blocks), equal to `pack(idx, num_experts, block)`.
+
+    Integer in, integer out: nothing to differentiate, but under jax.grad the indices (outputs of the
+    router's custom_vjp) carry zero tangents and jax-triton's call has no JVP rule ("triton_call does
+    not support automatic differentiation", H100, 2026-11-23), so the launches sit in a custom_vjp
+    whose backward returns no cotangent."""
+    return _integer_launches(functools.partial(_launch, num_experts=num_experts, block=block, chunk=chunk), idx)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _integer_launches(launch, ints: jax.Array):
+    """launch(ints): integer launches on one integer array, under a custom_vjp whose backward gives no cotangent
+    (jax-triton's call has no JVP rule: `pack_triton`)."""
+    return launch(ints)
+
+
+def _integer_launches_fwd(launch, ints):
+    return launch(ints), None
+
+
+def _integer_launches_bwd(launch, res, cts):
+    return (None,)
+
+
+_integer_launches.defvjp(_integer_launches_fwd, _integer_launches_bwd)
+
+
+def _launch(idx: jax.Array, *, num_experts: int, block: int, chunk: int):
+    from mhl_jax.moe.packing import Packing, padded_rows
+
+    n, h, k = idx.shape
+    p = padded_rows(n * h * k, h * num_experts, block)
+    bufs = run_launches(pack_launches(n, h, k, num_experts, block, p, chunk), {"idx": idx.astype(jnp.int32)})
+    row_slot, slot_row, block_group, sizes, nblocks = (bufs[name] for name in PACK_RESULT)
+    return Packing(row_slot, slot_row, block_group, sizes, nblocks.reshape(()))
+
+
+def run_launches(launches, bufs: dict) -> dict:
+    """Run `kernels.triton.packing.Launch`es in order through jax-triton on the named int32 buffers `bufs` (inputs; each
+    launch adds its outputs): the buffers at the end."""
+    jt = import_jax_triton()
+    bufs = dict(bufs)
+    for launch in launches:
+        names = [name for name, _ in launch.outputs]
+        shapes = dict(launch.outputs)
+        bufs.update({name: jnp.full(shapes[name], value, jnp.int32) for name, value in launch.fill})
+        outs = jt.triton_call(
+            *[bufs[name] for name in launch.inputs], kernel=launch.kernel,
+            out_shape=[jax.ShapeDtypeStruct(shape, jnp.int32) for _, shape in launch.outputs], grid=launch.grid,
+            num_warps=launch.num_warps,
+            input_output_aliases={launch.inputs.index(name): names.index(name) for name, _ in launch.fill} or None,
+            **launch.meta)
+        bufs.update(zip(names, outs))
+    return bufs
+
+
+def group_blocks_triton(group_sizes: jax.Array, block: int, num_blocks: int | None = None):
+    """group_sizes (G,) int32 cut into blocks of at most `block` rows, group after group, in one or two launches
+    (`kernels.triton.packing.cut_launches`): (first block, block count, first row) of each group (G,) int32, as
+    `packing.group_blocks` (and first block * block); with num_blocks (a static bound on the blocks) also each
+    block's group (num_blocks,), -1 past the used blocks. Integer only (no cotangent, as `pack_triton`)."""
+    return _integer_launches(functools.partial(_cut_launch, block=block, num_blocks=num_blocks), group_sizes)
+
+
+def _cut_launch(sizes: jax.Array, *, block: int, num_blocks: int | None):
+    g = sizes.shape[0]
+    launches = [group_blocks_launch(g, block)] if num_blocks is None else cut_launches(g, block, num_blocks)
+    bufs = run_launches(launches, {"sizes": sizes.astype(jnp.int32)})
+    out = (bufs["gstart"], bufs["gcount"], bufs["pstart"])
+    return out if num_blocks is None else out + (bufs["block_group"],)

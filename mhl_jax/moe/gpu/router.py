@@ -1,0 +1,401 @@
+"""The IO-aware router on Triton (paper Alg. 1/2, kernels in `kernels/triton/router.py`), bound into JAX with
+jax-triton under one `jax.custom_vjp`.
+
+    x (N, H, dh) bf16, w_r (H, dh, Ne) fp32, bias (H, Ne) fp32
+    -> values (N, H, k) fp32 (selected raw scores), indices (N, H, k) int32
+
+Same contract as `route_topk_reference` (selection = top-k of scores + bias, ties to the lower
+index; values are the raw scores; bias gets no gradient).
+
+forward   split W_r into bf16 terms (precision "bf16x3": exact products, fp32 accumulation) ->
+          one kernel streams W_r blocks and keeps a running top-k on chip; writes only (N, H, k). On Hopper
+          the warp-specialised Gluon kernel (kernels/gluon/router.py: sorting networks, same outputs to the
+          bit) where it takes the shape, else the Triton one (`use_fwd_gluon`).
+backward  dx: k gathered rows of W_r^T per token (fixed order). dW_r: slots sorted per head by expert
+          (one uint32 radix sort of (expert << bits | slot) keys), cut into blocks of one
+          (head, expert) each; a kernel sums each block in order, another sums each expert's blocks
+          in order. No float atomics anywhere: gradients are bitwise reproducible.
+          With `pack=` (the model's path, `moe_core.moe_heads_triton`) the forward also packs the indices
+          for the expert op, and the dW_r blocks are cut from that packing: one slot sort per layer.
+
+Memory: O(N k + H Ne dh); nothing of size N x Ne exists. Works under jit and inside shard_map (use
+it there: under plain jit jax-triton gathers sharded inputs). `backend="emulate"` runs the same
+custom_vjp and metadata with pure-JAX stand-ins for the kernels, so the plumbing is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kernels.triton.router import RouterTiles, check_router_args, dw_num_blocks, next_pow2, router_tiles, weight_parts
+from mhl_jax.moe import packing as pk
+from mhl_jax.moe.gpu import gluon as gluon_bridge
+from mhl_jax.moe.gpu import packing as packing_triton
+from mhl_jax.moe.packing import prefix_scan
+from mhl_jax.moe.plan import import_jax_triton
+from mhl_jax.moe.router import check_router_shapes, route_topk_reference
+
+
+class Static(NamedTuple):
+    k: int
+    precision: str  # see kernels.triton.router.PRECISIONS
+    tiles: RouterTiles
+    backend: str  # "triton" | "emulate"
+    sort: str  # "flat" | "packed" (uint32 keys, when they fit) | "argsort" (stable argsort): dw_metadata
+    pack: tuple[int, str] | None = None  # (row block, method): also return the experts' packing of idx
+    meta_kernels: bool = False  # dW blocks cut from the packing by Triton launches (packing_triton.META_KERNELS)
+
+
+class DwMeta(NamedTuple):
+    """Expert-sorted slot layout for the dW kernels (all int32; G = H * Ne groups, NB blocks)."""
+
+    order: jax.Array  # (H * N * k,) per head, local slots n * k + j sorted by expert (stable); from a
+    # packing (`dw_metadata_from_packing`): (P,) the packed rows' local slots, or with global_slots the packing's
+    # row_slot itself (global slots (n * H + h) * k + j: the dW kernel's GLOBAL_SLOTS); padding rows never read
+    block_group: jax.Array  # (NB,) group h * Ne + e of each block, -1 past the used blocks
+    group_start: jax.Array  # (G,) first position of the group in `order`
+    group_bstart: jax.Array  # (G,) first block of the group
+    group_size: jax.Array  # (G,) slots of the group (the expert load of that head)
+    group_nblk: jax.Array  # (G,) blocks of the group
+
+
+def split_bf16(w: jax.Array, parts: int) -> jax.Array:
+    """w fp32 (...) -> (parts, ...) bf16, w ~= sum of the parts (exact for parts=3, normal values).
+
+    The truncation is done on the bits, not through an f32 -> bf16 -> f32 round trip, which XLA may
+    fold away (xla_allow_excess_precision) and silently leave a zero residual."""
+    out, r = [], w.astype(jnp.float32)
+    for q in range(parts):
+        if q == parts - 1:
+            out.append(r.astype(jnp.bfloat16))
+            break
+        bits = jax.lax.bitcast_convert_type(r, jnp.uint32) & jnp.uint32(0xFFFF0000)
+        hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        out.append(hi.astype(jnp.bfloat16))
+        r = r - hi
+    return jnp.stack(out)
+
+
+def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "flat", bounds: str = "scatter") -> DwMeta:
+    """idx (N, H, k) int32 -> DwMeta with blocks of at most `block` slots (static shapes).
+
+    sort: "flat" (one sort of all heads' uint32 keys ((head * Ne + expert) << bits | slot)), "packed"
+    (per head, a batched sort of (expert << bits | slot)), each when its key fits in 32 bits (else the
+    next one), or "argsort" (stable argsort per head). The batched per-head sort of XLA took 0.71-0.76 ms
+    of the router's backward at 81920 tokens (H100); in the packing the same change from a per-head to a
+    flat key sort halved its time (1.01 -> 0.51 ms). bounds: "scatter" (run starts scattered by expert,
+    prefix scans) or "search" (jnp.searchsorted). All variants give identical arrays."""
+    n, h, k = idx.shape
+    mh = n * k
+    e = jnp.swapaxes(idx, 0, 1).reshape(h, mh).astype(jnp.int32)  # (H, N*k): local slot n * k + j
+    bits_m, bits_e = max(1, (mh - 1).bit_length()), max(1, (ne - 1).bit_length())
+    bits_g = max(1, (h * ne - 1).bit_length())
+    if sort == "flat" and bits_m + bits_g <= 32:
+        heads_col = jnp.arange(h, dtype=jnp.uint32)[:, None]
+        key = ((heads_col * ne + e.astype(jnp.uint32)) << bits_m) | jnp.arange(mh, dtype=jnp.uint32)[None]
+        sk = jnp.sort(key.reshape(h * mh)).reshape(h, mh)  # head-major: each row is its head's sort
+        order = (sk & jnp.uint32((1 << bits_m) - 1)).astype(jnp.int32)
+        se = (sk >> bits_m).astype(jnp.int32) - jnp.arange(h, dtype=jnp.int32)[:, None] * ne
+    elif sort in ("flat", "packed") and bits_m + bits_e <= 32:
+        key = (e.astype(jnp.uint32) << bits_m) | jnp.arange(mh, dtype=jnp.uint32)[None]
+        sk = jnp.sort(key, axis=-1)  # keys are unique: plain sort == stable sort by expert
+        order = (sk & jnp.uint32((1 << bits_m) - 1)).astype(jnp.int32)
+        se = (sk >> bits_m).astype(jnp.int32)
+    elif sort in ("flat", "packed", "argsort"):
+        order = jnp.argsort(e, axis=-1, stable=True).astype(jnp.int32)
+        se = jnp.take_along_axis(e, order, axis=-1)
+    else:
+        raise ValueError(f"router sort={sort!r}, expected 'flat', 'packed' or 'argsort'")
+    heads = jnp.arange(h, dtype=jnp.int32)[:, None]
+    nb = dw_num_blocks(n * h * k, h * ne, block)
+    if bounds == "search":
+        run0 = jax.vmap(lambda s: jnp.searchsorted(s, jnp.arange(ne + 1, dtype=jnp.int32), side="left"))(se)
+    elif bounds == "scatter":
+        # first position of each run of equal experts, scattered by expert (the other positions are
+        # dropped, not sent to a dump cell: no atomic contention); a reverse running min then gives
+        # an empty expert the next expert's start
+        pos = jnp.arange(mh, dtype=jnp.int32)[None]
+        is_start = jnp.concatenate([jnp.ones((h, 1), bool), se[:, 1:] != se[:, :-1]], axis=1)
+        first = jnp.full((h, ne + 1), mh, jnp.int32).at[heads, jnp.where(is_start, se, ne + 1)].min(
+            pos, mode="drop")
+        run0 = prefix_scan(jnp.minimum, first, axis=1, reverse=True)
+    else:
+        raise ValueError(f"router bounds={bounds!r}, expected 'scatter' or 'search'")
+    run0 = run0.astype(jnp.int32)  # (H, Ne + 1): start of each expert's run within its head
+    size = (run0[:, 1:] - run0[:, :-1]).reshape(-1)
+    start = (run0[:, :-1] + heads * mh).reshape(-1)
+    return _cut_groups(order.reshape(-1), start, size, block, nb, search=bounds == "search")
+
+
+def _cut_groups(order, start, size, block: int, nb: int, search: bool = False) -> DwMeta:
+    """DwMeta for groups whose slots lie contiguous in `order` from `start` (G,), `size` (G,) long: each
+    group cut into blocks of at most `block` slots, blocks numbered group after group (nb: static bound)."""
+    nblk = (size + block - 1) // block
+    cum = prefix_scan(jnp.add, nblk)
+    bstart = cum - nblk
+    blocks = jnp.arange(nb, dtype=jnp.int32)
+    if search:
+        bg = jnp.searchsorted(cum, blocks, side="right").astype(jnp.int32)
+    else:  # mark each non-empty group's first block with the group, carry the mark forward
+        g_ids = jnp.arange(size.shape[0], dtype=jnp.int32)
+        marks = jnp.full((nb,), -1, jnp.int32).at[jnp.where(nblk > 0, bstart, nb)].max(g_ids, mode="drop")
+        bg = prefix_scan(jnp.maximum, marks)
+    bg = jnp.where(blocks < cum[-1], bg, -1)
+    return DwMeta(order, bg, start, bstart, size, nblk)
+
+
+def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, pack_block: int, block: int,
+                             global_slots: bool = False) -> DwMeta:
+    """The dW layout taken from the experts' packing of the same indices (no sort of its own).
+
+    The packing holds each (head, expert) group's slots in the same stable order as `dw_metadata`'s sort,
+    contiguous from the group's first padded row (its padding follows its last slot). So `order` is the
+    packed rows' local slots n * k + j (padding rows are never read: a block stops at its group's size)
+    and the groups are cut into dW blocks of at most `block` slots exactly as `dw_metadata` cuts them:
+    the same partial sums, so the same dW_r to the bit. Elementwise work and scans over the G groups.
+
+    global_slots (GPU, jax-triton): `order` is the packing's row_slot as it is (global slots (n * H + h) * k + j,
+    which the dW kernel reads with GLOBAL_SLOTS) and the group scans run as three Triton launches
+    (`packing_triton.group_blocks_triton`) instead of ~15 small XLA kernels and a pass over the rows; the same
+    blocks."""
+    n_slots, g = packing.slot_row.shape[0], packing.group_sizes.shape[0]
+    nb = dw_num_blocks(n_slots, g, block)
+    if global_slots:
+        _, _, start = packing_triton.group_blocks_triton(packing.group_sizes, pack_block)
+        bstart, nblk, _, bg = packing_triton.group_blocks_triton(packing.group_sizes, block, nb)
+        return DwMeta(packing.row_slot, bg, start, bstart, packing.group_sizes, nblk)
+    s = packing.row_slot
+    local = jnp.where(s >= 0, s // (heads * k) * k + s % k, 0).astype(jnp.int32)
+    first_block, _ = pk.group_blocks(packing.group_sizes, pack_block)
+    return _cut_groups(local, first_block * pack_block, packing.group_sizes, block, nb)
+
+
+def _dhp(dh: int) -> int:
+    return max(16, next_pow2(dh))
+
+
+# ----------------------------------------------------------------------------- kernel calls (Triton)
+
+def use_fwd_gluon(st: Static, dtype, dh: int, ne: int) -> bool:
+    """Whether the forward runs on the warp-specialised Gluon kernel (kernels/gluon/router.py): tiles.ws, bf16 x and
+    W_r terms, a Hopper GPU, a shape the kernel takes; else the Triton kernel."""
+    from kernels.gluon.router import ws_router_supported
+    from kernels.triton.router import ws_wanted
+
+    return bool(ws_wanted(st.tiles, st.k) and dtype == jnp.bfloat16 and st.precision.startswith("bf16")
+                and ws_router_supported(dh, ne, st.k, weight_parts(st.precision)) and gluon_bridge.hopper_sms())
+
+
+def _fwd_gluon(st: Static, x, wp, bias, cast=None):
+    """(values, indices) and, with `cast` (two fp32 arrays of one size), their bf16 casts made by the caster warp
+    group beside the selection (two consumers then: `ws_router_constexprs`)."""
+    from kernels.gluon.router import ws_router_constexprs, ws_router_items, ws_router_kernel
+
+    n, h, dh = x.shape
+    size = cast[0].size if cast else 0
+    consts = ws_router_constexprs(n, h, dh, wp.shape[3], st.k, wp.shape[0], cast_n=size)
+    cin = [c.reshape(-1) for c in cast] if cast else [jnp.zeros((1,), jnp.float32)] * 2
+    out = gluon_bridge.gluon_call(
+        x, wp, bias, *cin, kernel=ws_router_kernel(consts["NC"], bool(cast)),
+        out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)]
+        + [jax.ShapeDtypeStruct(c.shape, jnp.bfloat16) for c in cin],
+        programs=min(gluon_bridge.hopper_sms(), ws_router_items(n, h, consts["NC"])), **consts)
+    if cast:
+        return out[0], out[1], tuple(o.reshape(c.shape) for o, c in zip(out[2:], cast))
+    return out[0], out[1]
+
+
+def _fwd_triton(st: Static, x, w, bias, cast=None):
+    """(values, indices), and a third output, the bf16 casts of `cast`, where the Gluon kernel's caster makes them."""
+    from kernels.triton.router import fwd_grid, router_fwd_kernel
+
+    n, h, dh = x.shape
+    ne, t = w.shape[2], st.tiles
+    wp = split_bf16(w, weight_parts(st.precision)) if st.precision.startswith("bf16") else w[None]
+    if use_fwd_gluon(st, x.dtype, dh, ne):
+        return _fwd_gluon(st, x, wp, bias, cast)
+    jt = import_jax_triton()
+    vals, idx = jt.triton_call(
+        x, wp, bias, kernel=router_fwd_kernel,
+        out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)],
+        grid=fwd_grid(n, h, t), num_warps=t.fwd_warps, num_stages=t.fwd_stages,
+        N=n, H=h, DH=dh, DHP=_dhp(dh), NE=ne, K=st.k, KP=max(2, next_pow2(st.k)), PARTS=wp.shape[0],
+        PRECISION="ieee" if st.precision.startswith("bf16") else st.precision,
+        BLOCK_N=t.block_n, BLOCK_E=t.block_e, SELECT=t.select, UPCAST=False, ROW_TILES=t.row_tiles)
+    return vals, idx  # a tuple (jax-triton returns a list), as the reference and shard_map out_specs
+
+
+def _dx_triton(st: Static, idx, dvals, wt, x_dtype):
+    jt = import_jax_triton()
+
+    from kernels.triton.router import router_bwd_dx_kernel
+
+    n, h, k = idx.shape
+    _, ne, dh = wt.shape
+    t = st.tiles
+    return jt.triton_call(
+        idx, dvals, wt, kernel=router_bwd_dx_kernel, out_shape=jax.ShapeDtypeStruct((n, h, dh), x_dtype),
+        grid=(-(-n // t.dx_block_n), h), num_warps=t.dx_warps,
+        N=n, H=h, DH=dh, DHP=_dhp(dh), NE=ne, K=k, BLOCK_N=t.dx_block_n)
+
+
+def _dw_triton(st: Static, x, dvals, meta: DwMeta, ne: int, global_slots: bool = False):
+    jt = import_jax_triton()
+
+    from kernels.triton.router import router_bwd_dw_partial_kernel, router_bwd_dw_reduce_kernel
+
+    n, h, dh = x.shape
+    t, nb, dhp = st.tiles, meta.block_group.shape[0], _dhp(dh)
+    part = jt.triton_call(
+        x, dvals, meta.order, meta.block_group, meta.group_start, meta.group_bstart, meta.group_size,
+        kernel=router_bwd_dw_partial_kernel, out_shape=jax.ShapeDtypeStruct((nb, dhp), jnp.float32),
+        grid=(nb,), num_warps=t.dw_warps,
+        H=h, DH=dh, DHP=dhp, NE=ne, K=st.k, CB=t.dw_block, SUB=t.dw_sub, UPCAST=False,
+        ROWSUM=t.dw_rowsum, GLOBAL_SLOTS=global_slots)
+    return jt.triton_call(
+        part, meta.group_bstart, meta.group_nblk, kernel=router_bwd_dw_reduce_kernel,
+        out_shape=jax.ShapeDtypeStruct((h, dh, ne), jnp.float32), grid=(-(-ne // t.red_block_e), h),
+        num_warps=t.red_warps, DH=dh, DHP=dhp, NE=ne, BLOCK_E=t.red_block_e)
+
+
+# ------------------------------------------------------------------- kernel stand-ins (pure JAX, CPU)
+
+def _fwd_emulate(st: Static, x, w, bias, cast=None):
+    return route_topk_reference(x, w, bias, st.k)
+
+
+def _dx_emulate(st: Static, idx, dvals, wt, x_dtype):
+    rows = jnp.take_along_axis(wt[None], idx[..., None], axis=2)  # (N, H, k, dh)
+    return jnp.einsum("nhkd,nhk->nhd", rows, dvals, precision=jax.lax.Precision.HIGHEST).astype(x_dtype)
+
+
+def _dw_emulate(st: Static, x, dvals, meta: DwMeta, ne: int):
+    """Same blocks and metadata as the kernels, reduced with plain JAX ops."""
+    n, h, dh = x.shape
+    cb = st.tiles.dw_block
+    g = jnp.maximum(meta.block_group, 0)
+    lb = jnp.arange(meta.block_group.shape[0]) - meta.group_bstart[g]
+    cnt = jnp.minimum(meta.group_size[g] - lb * cb, cb)
+    o = jnp.arange(cb)[None]
+    valid = (o < cnt[:, None]) & (meta.block_group >= 0)[:, None]  # (NB, CB)
+    pos = jnp.where(valid, meta.group_start[g][:, None] + lb[:, None] * cb + o, 0)
+    slot = meta.order[pos]
+    xrow = (slot // st.k) * h + (g // ne)[:, None]
+    contrib = x.reshape(n * h, dh)[xrow].astype(jnp.float32) * dvals.reshape(-1)[xrow * st.k + slot % st.k][..., None]
+    part = jnp.where(valid[..., None], contrib, 0).sum(1)  # (NB, dh)
+    dw = jax.ops.segment_sum(part, jnp.where(meta.block_group >= 0, meta.block_group, h * ne), h * ne + 1)
+    return jnp.swapaxes(dw[:-1].reshape(h, ne, dh), 1, 2)
+
+
+# ------------------------------------------------------------------------------------ the custom_vjp
+
+def _forward(st: Static, x, w, bias, cast):
+    fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
+    vals, idx, *made = fwd(st, x, w.astype(jnp.float32), bias.astype(jnp.float32), cast)
+    out = (vals, idx)
+    if st.pack is not None:
+        block, method = st.pack
+        out += (pk.pack(idx, w.shape[2], block, method),)
+    if cast is not None:  # made by the kernel, else by XLA
+        out += (made[0] if made else tuple(c.astype(x.dtype) for c in cast),)
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _route(st: Static, x, w, bias, cast):
+    return _forward(st, x, w, bias, cast)
+
+
+def _route_fwd(st: Static, x, w, bias, cast):
+    out = _forward(st, x, w, bias, cast)
+    return out, (x, w, bias) + tuple(out[1:3 if st.pack is not None else 2])
+
+
+def transposed_weights(w: jax.Array) -> jax.Array:
+    """W_r (H, dh, Ne) -> (H, Ne, dh) fp32: the rows the dX kernels gather are contiguous."""
+    return jnp.swapaxes(w.astype(jnp.float32), 1, 2)
+
+
+def router_dw(st: Static, x, w, idx, packing, dvals):
+    """dW_r (H, dh, Ne) in w's dtype from the cotangent of the selected scores dvals (N, H, k) fp32; `packing`: the
+    experts' packing of idx when st.pack is set (its dW layout, no second sort), else None."""
+    ne = w.shape[2]
+    global_slots = st.pack is not None and st.meta_kernels
+    if st.pack is None:
+        meta = dw_metadata(idx, ne, st.tiles.dw_block, st.sort)
+    else:  # the experts' packing of the same indices: no second sort
+        meta = dw_metadata_from_packing(packing, x.shape[1], st.k, st.pack[0], st.tiles.dw_block, global_slots)
+    if st.backend == "triton":
+        dw = _dw_triton(st, x, dvals, meta, ne, global_slots)
+    else:
+        dw = _dw_emulate(st, x, dvals, meta, ne)
+    return dw.astype(w.dtype)
+
+
+def _route_bwd(st: Static, res, cts):
+    x, w, bias, idx = res[:4]
+    dvals = cts[0].astype(jnp.float32)  # the other cotangents (indices, packing) are float0
+    dx = (_dx_triton if st.backend == "triton" else _dx_emulate)(st, idx, dvals, transposed_weights(w), x.dtype)
+    dw = router_dw(st, x, w, idx, res[4] if st.pack is not None else None, dvals)
+    return dx, dw, jnp.zeros_like(bias), None  # the cast arrays: no cotangent from here
+
+
+_route.defvjp(_route_fwd, _route_bwd)
+
+
+def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, precision: str | None = None,
+                      tiles: RouterTiles | None = None, backend: str = "triton",
+                      sort: str = "flat", pack: tuple[int, str] | None = None,
+                      cast: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, ...]:
+    """x: (N, H, dh) bf16 (fp32 allowed: then precision defaults to "ieee"); w_r: (H, dh, Ne) fp32;
+    bias: (H, Ne) fp32 (no gradient).
+
+    Returns values (N, H, k) fp32 (selected raw scores) and indices (N, H, k) int32, ordered by
+    decreasing biased score, ties to the lower expert index. `precision` (default "bf16x3" for bf16 x)
+    is one of kernels.triton.router.PRECISIONS; `tiles` overrides the kernel tiles; `backend="emulate"` swaps
+    the kernels for pure-JAX stand-ins (CPU tests of the plumbing); `sort` is `dw_metadata`'s.
+
+    pack = (row block, method): also return the experts' packing of the indices (`packing.pack(indices,
+    Ne, block, method)`, a third output without gradient). The backward then takes the dW layout from
+    it (`dw_metadata_from_packing`) instead of sorting the slots a second time.
+
+    cast = (a, b), two fp32 arrays of one size (the expert weights): also return (a, b) in x's dtype as the last
+    output, without gradient. Where the forward runs on the Gluon kernel (with two consumers then), its caster
+    warp group makes them beside the selection (the router reads little HBM; the cast's traffic still slows it by
+    about a third of the cast's own time); else XLA casts them."""
+    st = router_static(x, w_r, bias, k, precision, tiles, backend, sort, pack, cast=cast)
+    return _route(st, x, w_r, bias, cast)
+
+
+def router_static(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, precision: str | None = None,
+                  tiles: RouterTiles | None = None, backend: str = "triton", sort: str = "flat",
+                  pack: tuple[int, str] | None = None, cast: tuple[jax.Array, jax.Array] | None = None) -> Static:
+    """`route_topk_triton`'s arguments checked, as the Static its custom_vjp (or `moe_triton`'s) runs with."""
+    check_router_shapes(x, w_r, bias, k)
+    n, h, dh = x.shape
+    ne = w_r.shape[2]
+    if backend not in ("triton", "emulate"):
+        raise ValueError(f"route_topk_triton: backend={backend!r}, expected 'triton' or 'emulate'")
+    if precision is None:
+        precision = "bf16x3" if x.dtype == jnp.bfloat16 else "ieee"
+    weight_parts(precision)  # validates the name
+    if precision.startswith("bf16") and x.dtype != jnp.bfloat16:
+        raise ValueError(f"route_topk_triton: precision {precision!r} needs bf16 x (exact products), got {x.dtype}")
+    tiles = tiles or router_tiles(ne, k)
+    check_router_args(n, h, dh, ne, k, tiles)
+    if pack is not None:
+        block, method = pack
+        if block < 16 or block & (block - 1) or method not in pk.PACK_METHODS:
+            raise ValueError(f"route_topk_triton: pack={pack!r}, expected (row block: a power of 2 >= 16, "
+                             f"method in {pk.PACK_METHODS})")
+        pack = (int(block), "argsort" if method == "triton" and backend != "triton" else method)  # same arrays
+    if cast is not None:
+        a, b = cast
+        if a.size != b.size or a.dtype != jnp.float32 or b.dtype != jnp.float32 or x.dtype != jnp.bfloat16:
+            raise ValueError(f"route_topk_triton: cast wants two fp32 arrays of one size and bf16 x, got "
+                             f"{a.shape} {a.dtype}, {b.shape} {b.dtype}, x {x.dtype}")
+    return Static(k, precision, tiles, backend, sort, pack, backend == "triton" and packing_triton.META_KERNELS)

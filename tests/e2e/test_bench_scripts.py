@@ -1,0 +1,389 @@
+"""bench/train_scale.py on CPU host devices: fp32 losses agree across device counts; bad asks stop."""
+
+import os
+
+import jax
+import pytest
+
+from bench import train_scale
+
+CFG = os.path.join(train_scale.ROOT, "configs", "")
+SMALL = ["model.compute_dtype=float32", "model.n_layers=1", "ffn.stem_layers=0", "model.context=32",
+         "train.global_batch=16"]  # one MoE layer: compiles in seconds
+
+
+def test_train_scale_losses_agree_across_device_counts():
+    emitted = []
+    recs = train_scale.run([CFG + "tiny_mh_latent_moe.yaml", CFG + "tiny_moe.yaml"], [1, 2], steps=2,
+                           overrides=SMALL, tol=1e-5, emit=emitted.append, log=lambda s: None)
+    assert [(r["config"], r["devices"]) for r in emitted] == [
+        ("tiny_mh_latent_moe", 1), ("tiny_mh_latent_moe", 2), ("tiny_moe", 1), ("tiny_moe", 2)]
+    for r in recs:
+        assert r["ok"], r
+        assert r["loss_ref_devices"] == 1 and r["loss_max_rel_diff"] <= 1e-5
+        assert r["mesh_shape"] == [1, r["devices"]] and r["accum"] == 16 // (4 * r["devices"])
+        assert r["losses"][1] < r["losses"][0] and r["step_s"] > 0 and r["compile_s"] > 0
+    assert "tiny_moe | 2 | data 1 x ep 2 | 16 (4 x 2)" in train_scale.table(recs)
+
+
+def test_train_scale_refuses_more_devices_than_visible():
+    with pytest.raises(SystemExit, match="only"):
+        train_scale.run([CFG + "tiny_moe.yaml"], [len(jax.devices()) + 1], steps=2)
+
+
+def test_step_memory_finds_the_reference_experts_weight_copies_and_the_gpu_path_without_them():
+    """bench/step_memory.py compiles the train step from shapes alone. MoE with experts wider than the fused
+    kernels (d_model 288) under Expert Parallel: on the reference ops its largest buffer is the pure-JAX experts'
+    weight copy per 16-row block of the worst-case receive buffer (what made the 2.2B EP step ask for 87 GiB,
+    2026-11-22); with the GPU path's stand-ins (grouped-expert launches and ragged_all_to_all as opaque calls)
+    that copy is gone, the ragged exchange and the expert launches are there, and the stand-ins are undone."""
+    from bench import step_memory as sm
+    from mhl_jax.moe.gpu import grouped as experts_grouped
+    from mhl_jax.moe.packing import padded_rows
+
+    sets = [*train_scale.DEFAULT_SETS, "model.compute_dtype=bfloat16", "model.n_layers=2", "ffn.stem_layers=1",
+            "model.context=32", "model.d_model=288", "ffn.expert_hidden=64"]
+    cfg = train_scale.run_config(CFG + "tiny_moe.yaml", sets, 2)
+    ref = sm.step_memory(cfg, jax.devices()[:2], "reference", top=3)
+    std = sm.step_memory(cfg, jax.devices()[:2], "standin", top=400)
+    # per device: 4 x 32 tokens x k 2 slots, at most all of them to either peer: 2 x 256 rows, 8 local experts
+    blocks = padded_rows(2 * 256, 8, 16) // 16
+    assert ref["largest"][0]["shape"] in (f"f32[{blocks},288,64]", f"f32[{blocks},64,288]"), ref["largest"]
+    assert "ragged" in std["executor"] and "triton" in std["executor"]
+    shapes = {b["shape"] for b in std["largest"]}
+    assert not any(s.startswith(f"f32[{blocks},") for s in shapes), shapes
+    assert "bf16[512,288]" in shapes  # the static receive buffer, 2 peers x 256 rows
+    assert {"custom-call"} <= {b["op"] for b in std["largest"]}
+    assert 0 < std["mem_compiled_gib"] < ref["mem_compiled_gib"]
+    assert experts_grouped._rows_triton is not sm._rows_standin and jax.lax.ragged_all_to_all is not sm._ragged_standin
+    with pytest.raises(SystemExit, match="stand-ins exist only"):
+        sm.check_standin(train_scale.run_config(CFG + "tiny_mh_latent_moe.yaml", sets[:3], 2))
+
+
+def test_layer_bench_breakdown_runs_with_emulated_kernels(monkeypatch):
+    """bench/layer.py's layer and --breakdown on the Triton path with the bindings swapped for their
+    emulating stand-ins (CPU): every part is timed (the Triton packing, which needs a GPU, is reported as
+    failed and skipped), and the layer's gradients equal those of the same layer on the reference ops.
+    Guards the GPU runs, where a crash costs device time."""
+    import functools
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    import mhl_jax.moe.gpu.experts as et
+    import mhl_jax.moe.gpu.fused as mt
+    import mhl_jax.moe.gpu.router as rt
+    from bench import layer as bl
+    from bench.timing import time_jax
+
+    monkeypatch.setattr(rt, "route_topk_triton", functools.partial(rt.route_topk_triton, backend="emulate"))
+    monkeypatch.setattr(et, "expert_ffn_triton", functools.partial(et.expert_ffn_triton, backend="emulate"))
+    monkeypatch.setattr(mt, "moe_heads_fused", functools.partial(mt.moe_heads_fused, backend="emulate"))
+    monkeypatch.setattr(bl, "time_jax", functools.partial(time_jax, reps=1, inner=1))
+    tokens, ne, k, de = 48, 6, 2, 32
+    params = bl.init_params(jax.random.key(0), ne, de)
+    xs = [jax.random.normal(jax.random.key(1), (tokens, bl.D)).astype(jnp.bfloat16)]
+    cfg = bl.expert_cfg("default", tokens, ne, k, de)
+
+    def grads(expert_impl, router_impl, c):
+        loss = lambda p, x: jnp.sum(bl.layer(p, x, k, expert_impl, router_impl, c).astype(jnp.float32) ** 2)
+        return jax.jit(jax.grad(loss))(params, xs[0])
+
+    g_tri, g_ref = grads("triton", "triton", cfg), grads("reference", "reference", None)
+    for name in params:
+        a, b = np.asarray(g_tri[name], np.float32), np.asarray(g_ref[name], np.float32)
+        assert np.abs(a - b).max() <= 0.05 * np.abs(b).max() + 1e-12, name  # bf16 activations, two paths
+    parts = bl.breakdown(params, xs, k, "triton", cfg, ms_layer=1.0)
+    want = {"router_fwd", "router_fwd_bwd", "pack_argsort", "pack_count", "experts_fwd", "experts_fwd_bwd",
+            "moe_fwd_bwd", "dense_fwd_bwd", "rest"}
+    assert want <= set(parts) and all(v > 0 for n, v in parts.items() if n != "rest")
+    assert parts["rest"] == 1.0 - parts["moe_fwd_bwd"] - parts["dense_fwd_bwd"]
+
+
+def test_profile_layer_reads_ncu_csv():
+    """bench/profile_layer.py: ncu's CSV (banner lines, units per row) -> kernel times in ms, names folded."""
+    from bench.profile_layer import parse, short
+
+    text = "\n".join([
+        "==PROF== Connected to process 1",
+        '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"',
+        '"0","1","expert_dx_kernel","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,015,168"',
+        '"1","1","loop_add_fusion_3","Command line profiler metrics","gpu__time_duration.sum","usecond","348.1"',
+        '"2","1","void cutlass::Kernel<T>(Params)","Command line profiler metrics","dram__bytes.sum","byte","9"',
+    ])
+    got = parse(text)
+    assert [n for n, _ in got] == ["expert_dx_kernel", "loop_add_fusion_3"]
+    assert abs(got[0][1] - 2.015168) < 1e-9 and abs(got[1][1] - 0.3481) < 1e-9
+    assert short("loop_add_fusion_3") == "loop_add_fusion"
+    assert short("void cutlass::Kernel<T>(Params)") == "void cutlass::Kernel"
+
+
+def test_profile_layer_kills_a_slow_profile_and_its_children():
+    """bench/profile_layer.py's `run_group`: past the time limit the whole process group goes (ncu and the child it
+    profiles: here a shell whose background child still holds the output pipe), what was printed comes back,
+    returncode -1; a quick command returns as run."""
+    import time
+
+    from bench.profile_layer import run_group
+
+    t0 = time.monotonic()
+    p = run_group(["bash", "-c", "echo partial; sleep 60 & sleep 60"], 1.0)
+    assert p.returncode == -1 and p.stdout == "partial\n" and "timed out after 1 s" in p.stderr
+    assert time.monotonic() - t0 < 20
+    p = run_group(["bash", "-c", "echo done; exit 3"], 30.0)
+    assert p.returncode == 3 and p.stdout == "done\n"
+
+
+def test_profile_partitions_splits_at_register_reconfigurations(tmp_path):
+    """bench/profile_partitions.py: a warp-specialised kernel's per-instruction samples are cut into partitions at
+    each USETMAXREG (named by the register count), with each partition's share of the kernel's samples, its stall
+    reasons and opcode classes as shares of its own samples."""
+    from bench.profile_partitions import partitions
+
+    head = '"Address","Source","Warp Stall Sampling (All Samples)","# Samples","stall_wait","stall_long_sb"'
+    rows = [("0x0", "LDC R1, c[0x0][0x28]", 2, 2, 0), ("0x10", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd0", 0, 0, 0),
+            ("0x20", "FFMA R2, R3, R4, R5", 30, 10, 0), ("0x30", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 10, 10, 0),
+            ("0x40", "USETMAXREG.DEALLOC.CTAPOOL 0x20", 0, 0, 0), ("0x50", "@!P2  BRA 0x90", 58, 0, 58)]
+    lines = [head] + [f'"{a}","      {s}","{n}","{n}","{w}","{lg}"' for a, s, n, w, lg in rows]
+    f = tmp_path / "k.csv"
+    f.write_text('==PROF== Connected\n"Kernel Name","k",\n' + "\n".join(lines) + "\n")
+    got = {p["partition"]: p for p in partitions(str(f))}
+    assert set(got) == {"setup", "try_alloc 208", "dealloc 32"}, got
+    c, prod = got["try_alloc 208"], got["dealloc 32"]
+    assert c["samples"] == 40 and c["share"] == 0.4 and prod["share"] == 0.58 and got["setup"]["share"] == 0.02
+    assert c["classes"] == {"fp32 math": 0.75, "wgmma wait": 0.25} and c["stalls"] == {"wait": 0.5}, c
+    assert prod["classes"] == {"mbarrier wait": 1.0} and prod["stalls"] == {"long_sb": 1.0}, prod
+    assert c["top"][0] == ("FFMA R2, R3, R4, R5", 0.75)
+
+
+def test_kernel_report_counts_instructions_and_spills_per_partition():
+    """bench/kernel_report.py cuts cuobjdump's SASS at the register reconfigurations (the partitions of a
+    warp-specialised kernel, named as bench/profile_partitions.py names them) and counts each one's instructions and
+    spill loads / stores; lines that are not instructions do not count."""
+    from bench.kernel_report import sass_partitions
+
+    pad = " " * 19
+    sass = "\n".join(["        code for sm_90a", f"        /*0000*/{pad}LDC R1, c[0x0][0x28] ;",
+                      f"        /*0010*/{pad}USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd0 ;",
+                      f"        /*0020*/{pad}STL [R1+0x4], R2 ;", f"        /*0030*/{pad}FFMA R2, R3, R4, R5 ;",
+                      f"        /*0040*/{pad}USETMAXREG.DEALLOC.CTAPOOL 0x40 ;",
+                      f"        /*0050*/{pad}LDL R2, [R1+0x4] ;", f"        {pad}{pad}/* 0x0 */"])
+    assert sass_partitions(sass) == [dict(name="setup", instructions=1, spill_instructions=0),
+                                     dict(name="try_alloc 208", instructions=3, spill_instructions=1),
+                                     dict(name="dealloc 64", instructions=2, spill_instructions=1)]
+
+
+def test_profile_stalls_reads_ncu_csv():
+    """bench/profile_stalls.py: per kernel, the metrics of its last launch (the first one compiles), durations
+    in nanoseconds whatever the row's unit."""
+    from bench.profile_stalls import parse
+
+    head = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
+    stall = "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"
+    rows = [(0, "expert_fwd_kernel", "gpu__time_duration.sum", "msecond", "9"),
+            (1, "expert_fwd_kernel", "gpu__time_duration.sum", "usecond", "1,044.5"),
+            (1, "expert_fwd_kernel", stall, "", "1.14"),
+            (2, "router_fwd_kernel(int)", "gpu__time_duration.sum", "nsecond", "978,208")]
+    lines = [head] + [f'"{i}","1","{k}","s","{m}","{u}","{v}"' for i, k, m, u, v in rows]
+    text = "==PROF== Connected\n" + "\n".join(lines)
+    got = parse(text)
+    assert set(got) == {"expert_fwd_kernel", "router_fwd_kernel"}
+    assert got["expert_fwd_kernel"] == {"gpu__time_duration.sum": 1044500.0, stall: 1.14}
+    assert got["router_fwd_kernel"]["gpu__time_duration.sum"] == 978208.0
+
+
+def _kernel_report(tmp_path, *args) -> list[dict]:
+    """bench/kernel_report.py run in a subprocess (compiled, not interpreted; a Triton cache folder of its own:
+    importing jax-triton elsewhere in this process may have set it to "") -> its records."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    out = tmp_path / "report.jsonl"
+    p = subprocess.run([sys.executable, os.path.join(train_scale.ROOT, "bench", "kernel_report.py"), *args, "--out",
+                        str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("ne,k,warps,regs,limit", [(384, 4, 16, 152, 128), (768, 8, 12, 200, 168)])
+def test_gluon_router_compiles_warp_specialised(tmp_path, ne, k, warps, regs, limit):
+    """bench/kernel_report.py compiles the warp-specialised Gluon router forward (kernels/gluon/router.py) for sm_90a
+    as the JAX binding does (no GPU): a producer and three consumer warp groups at k <= 4 (two above), the PTX
+    requiring all of their threads, compiled at the launch limit of that consumer count (the kernel object
+    `ws_router_kernel` picks), the workers' registers set by setmaxnreg, wgmma, at most a few spilled words
+    (2026-11-24: none at these shapes, 16 bytes at Ne 1000 k 3), within the 227 KB of shared memory."""
+    pytest.importorskip("triton")
+    (r,) = _kernel_report(tmp_path, "--tiles", "router_ws", "--de", str(ne), "--k", str(k))
+    assert r["kernel"] == "router_ws" and r["warp_specialized"], r
+    assert r["launch_warps"] == warps and r["reqntid"] == [32 * warps] and r["registers"] == limit, r
+    assert {regs, 40} <= set(r["setmaxnreg"]) and r["spill_store_bytes"] <= 16, r
+    assert not r["wgmma_serialized"], r  # ptxas keeps the wgmma pipeline (C7512 would serialise every k-step)
+    assert r["sass_counts"]["HGMMA"] > 0 and r["shared_bytes"] <= 227 * 1024, r
+
+
+def test_gluon_router_with_caster_compiles(tmp_path):
+    """The router forward with the caster warp group (two consumers, a producer, the caster: four warp groups in
+    64K registers, launch limit 128) compiles for sm_90a: setmaxnreg gives the workers 200 / 40 / 40 and the default
+    consumer 232, the consumers keep their wgmma pipeline and spill nothing (2026-11-25: one spill instruction in the
+    producer, none in the consumers)."""
+    pytest.importorskip("triton")
+    (r,) = _kernel_report(tmp_path, "--tiles", "router_ws_cast", "--de", "1536", "--k", "8")
+    assert r["kernel"] == "router_ws_cast" and r["warp_specialized"], r
+    assert r["launch_warps"] == 16 and r["reqntid"] == [512] and r["registers"] == 128, r
+    assert {232, 200, 40} <= set(r["setmaxnreg"]) and not r["wgmma_serialized"], r
+    consumers = [q for q in r["sass_partitions"] if q["instructions"] > 1000]  # the two selection loops
+    assert len(consumers) == 2 and all(q["spill_instructions"] == 0 for q in consumers), r["sass_partitions"]
+
+
+@pytest.mark.parametrize("ne,k,de,dw_spill", [(384, 4, 256, 64), (768, 8, 128, 512)])
+def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k, de, dw_spill):
+    """bench/kernel_report.py compiles the expert kernels at their 81920-token default tiles for sm_90a
+    with the Triton wheel's ptxas (no GPU): wgmma (HGMMA) is used, and the registers hold the tiles (the
+    fwd and dX kernels spill nothing, the dW kernel at most a few words; 2026-11-24: 0 / 0 / 24 bytes at de 256;
+    at de 128 the dW kernel is the fused backward with the gate gradients: 296 bytes)."""
+    pytest.importorskip("triton")
+    from kernels.triton.experts import default_config
+
+    cfg = default_config(81920 * 8 * k, 8 * ne, 128, de)
+    tiles = [f"{kind},{t.block_m},{t.block_e},{t.num_warps},{t.num_stages}"
+             for kind, t in (("fwd", cfg.fwd), ("dx", cfg.dx), ("dwt", cfg.dw))]
+    assert cfg.fwd_ws  # these shapes run the warp-specialised Gluon forward on Hopper (the Triton one elsewhere)
+    tiles.append("fwd_ws")
+    # the Gluon dW kernel (the split backward's at the 8192-token rows; not chosen at these, compiled all the same)
+    if de == 256:  # and the Gluon backward with the dX warp group (these rows' backward)
+        assert cfg.bwd_ws and cfg.bwd_xw
+        tiles += ["dw_ws", "bwd_xw"]
+    else:  # and the fused Gluon backward (the 8192-token rows' at de 128)
+        tiles.append("bwd_ws")
+    recs = {r["kernel"]: r for r in _kernel_report(tmp_path, "--tiles", *tiles, "--de", str(de))}
+    assert set(recs) == {"fwd", "dx", "dwt", "fwd_ws"} | ({"dw_ws", "bwd_xw"} if de == 256 else {"bwd_ws"})
+    for r in recs.values():
+        assert r["sass_counts"]["HGMMA"] > 0 and r["registers"] <= 255, r
+    for kind in {"fwd_ws", "bwd_xw", "bwd_ws", "dw_ws"} & set(recs):  # the Gluon kernels keep the wgmma pipeline
+        # (ptxas C7512 "wgmma.mma_async instructions are serialized": each k-step waits for the one before)
+        assert not recs[kind]["wgmma_serialized"], recs[kind]
+    assert recs["fwd"]["spill_store_bytes"] == 0 and recs["dx"]["spill_store_bytes"] == 0, recs
+    # the Gluon forward as the JAX binding compiles it (mhl_jax.moe.gpu.gluon): three warp groups under the
+    # launch limit of 168 registers, the consumers raised to 208 and the producer lowered to 88, no spill
+    ws = recs["fwd_ws"]
+    assert ws["warp_specialized"] and ws["registers"] <= 168 and ws["spill_store_bytes"] == 0, ws
+    assert 208 in ws["setmaxnreg"] and 88 in ws["setmaxnreg"], ws["setmaxnreg"]
+    # launched with all three warp groups: the PTX requires exactly 384 threads (jax-triton alone would launch 128)
+    assert ws["launch_warps"] == 12 and ws["reqntid"] == [384], ws
+    assert recs["dwt"]["spill_store_bytes"] <= dw_spill, recs["dwt"]
+    if de == 256:  # the worker consumer raised to 240 registers, the default-partition one to 232 (both dW
+        # accumulators of 64 de: 128), the producer lowered to 32; ptxas allocates each partition's code at its
+        # setmaxnreg count (2026-11-24: 52 spill bytes; 884 at 64-row blocks, 1520 with the worker at 208)
+        dw = recs["dw_ws"]
+        assert dw["warp_specialized"] and dw["launch_warps"] == 12 and dw["reqntid"] == [384], dw
+        assert {240, 232, 32} <= set(dw["setmaxnreg"]) and dw["spill_store_bytes"] <= 64, dw
+        # four warp groups (launch limit 128 registers): consumers at 208 (the default partition gets 512 - the
+        # workers' 304), producer 32, dX warp group 64 (2026-11-25: 104 spill bytes, a few instructions in the
+        # block loops); with the dX warp group at 56, or dW2's product in flight across the block loop, ptxas
+        # serialised every wgmma of the kernel (C7512; 2026-11-25, kernel alone 2.98 -> 2.61 ms once not)
+        xw = recs["bwd_xw"]
+        assert xw["warp_specialized"] and xw["launch_warps"] == 16 and xw["reqntid"] == [512], xw
+        assert {208, 32, 64} <= set(xw["setmaxnreg"]) and xw["registers"] <= 128, xw
+        assert xw["spill_store_bytes"] <= 192 and xw["shared_bytes"] <= 227 * 1024, xw
+        # per partition: the dX warp group's code at 64 registers spills a few address words in its loop (2026-11-25:
+        # 21 spill instructions of 380; with any more work 30-47, and the kernel 0.2-0.9 ms slower)
+        parts = {p["name"]: p for p in xw["sass_partitions"]}
+        assert sum(p["instructions"] for p in xw["sass_partitions"]) == xw["sass_instructions"], xw
+        assert {"try_alloc 208", "dealloc 64", "dealloc 32"} <= set(parts), parts
+        assert parts["dealloc 64"]["spill_instructions"] <= 24, parts
+    else:  # the fused backward: the dW kernel's partitions (consumers 232 / 232, producer 40), plus dX and the gate
+        # gradients (2026-11-24: 80 spill bytes; 300 with the gate-gradient half made after dW2's product was issued)
+        bwd = recs["bwd_ws"]
+        assert bwd["warp_specialized"] and bwd["launch_warps"] == 12 and bwd["reqntid"] == [384], bwd
+        assert {232, 40} <= set(bwd["setmaxnreg"]) and bwd["spill_store_bytes"] <= 128, bwd
+        assert bwd["shared_bytes"] <= 227 * 1024, bwd
+
+
+def test_wgmma_rates_kernel_compiles_both_operand_forms():
+    """bench/wgmma_rates.py's kernel compiles for sm_90a (no GPU) to the m64n32k16 wgmma with A from shared memory
+    (SS) and, with A_REG, from registers (RS: one register operand more), without spills; the rates themselves are a
+    GPU measurement (bench/NOTES.md, Layer, Session 26)."""
+    pytest.importorskip("triton")
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    code = ("import json; from bench.wgmma_rates import compile_case; "
+            "print(json.dumps([compile_case(32, 64, 1, a) for a in (0, 1)]))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=train_scale.ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ss, rs = json.loads(p.stdout.splitlines()[-1])
+    for r in (ss, rs):
+        assert r["hgmma_count"] > 0 and all(f.startswith("HGMMA.64x32x16.F32.BF16") for f in r["hgmma"]), r
+        assert not r["spills"], r
+    ops = [max(f.count("_") for f in r["hgmma"]) for r in (ss, rs)]
+    assert ops[1] == ops[0] + 1, (ss["hgmma"], rs["hgmma"])
+
+
+def test_loop_overlap_windows_count_busy_and_idle_time_per_step():
+    """bench/loop_overlap.py's `windows`: on a made-up GPU timeline (ns) of 4 steps, each a batch upload then kernels
+    (two of them overlapping), after two state uploads, skipping 1 step: the steps from the second upload on, the
+    union of the intervals as busy time (overlap counted once) and the rest of the wall time as idle."""
+    from bench.loop_overlap import windows
+
+    ms = 1_000_000
+    uploads = [(0, 10, "MemcpyH2D"), (20, 30, "MemcpyH2D")]  # the state's
+    work = list(uploads)
+    for i in range(4):
+        t = 1000 * ms + i * 10 * ms  # a step every 10 ms: upload 1 ms, kernels 5 ms with 1 ms of overlap, idle 4 ms
+        up = (t, t + ms, "MemcpyH2D")
+        uploads.append(up)
+        work += [up, (t + ms, t + 4 * ms, "a"), (t + 3 * ms, t + 6 * ms, "b")]
+    r = windows(uploads, work + [uploads[-1]], steps=4, skip=1)  # an event seen on two lines counts once
+    assert r["traced_steps"] == 3
+    # from the second step's upload to the end of the last kernel: 2 steps of 10 ms + 6 ms, busy 3 x 6 ms
+    assert abs(r["wall_ms_per_step"] - 26 / 3) < 1e-9
+    assert abs(r["device_busy_ms_per_step"] - 6.0) < 1e-9
+    assert abs(r["device_idle_ms_per_step"] - 8 / 3) < 1e-9
+
+
+def test_loop_overlap_host_clock_times_the_loop_parts_and_restores_them():
+    """bench/loop_overlap.py's HostClock: inside, the loop's jitted step, loader and jax.device_get are timed
+    wrappers of the real ones (same results); outside, the originals are back."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.loop_overlap import HostClock
+    from mhl_jax.train import loop
+
+    saved = (loop.jit_train_step, loop.make_train_loader, jax.device_get)
+    with HostClock() as clock:
+        assert loop.jit_train_step is not saved[0] and jax.device_get is not saved[2]
+        for _ in range(3):
+            assert jax.device_get({"a": jnp.float32(2.0)}) == {"a": 2.0}
+    assert (loop.jit_train_step, loop.make_train_loader, jax.device_get) == saved
+    assert len(clock.ms["fetch"]) == 3 and clock.ms["dispatch"] == []
+    assert set(clock.medians(1)) == {"host_fetch_ms"}
+
+
+def test_gpu0_lines_reads_only_gpu_0s_lines(tmp_path, monkeypatch):
+    """bench/profile_split.py's `gpu0_lines` (read by profile_layer's trace and loop_overlap's step windows): from the
+    first .xplane.pb under the folder, the lines of the /device:GPU:0 plane only, events as (start, duration, name);
+    nothing without a file."""
+    from types import SimpleNamespace as NS
+
+    import jax.profiler
+
+    from bench.profile_split import gpu0_lines
+
+    assert gpu0_lines(str(tmp_path)) == (0, [])
+    (tmp_path / "plugins" / "profile" / "r").mkdir(parents=True)
+    (tmp_path / "plugins" / "profile" / "r" / "host.xplane.pb").write_bytes(b"")
+    ev = lambda s, d, n: NS(start_ns=s, duration_ns=d, name=n)  # noqa: E731
+    planes = [NS(name="/host:CPU", lines=[NS(name="python", events=[ev(1, 2, "host")])]),
+              NS(name="/device:GPU:0", lines=[NS(name="Stream #1(Compute)", events=[ev(10, 5, "k1"), ev(20, 1, "k2")]),
+                                              NS(name="XLA Ops", events=[ev(10, 5, "fusion")])]),
+              NS(name="/device:GPU:1", lines=[NS(name="Stream #1(Compute)", events=[ev(3, 3, "other")])])]
+    monkeypatch.setattr(jax.profiler.ProfileData, "from_file", staticmethod(lambda path: NS(planes=planes)))
+    assert gpu0_lines(str(tmp_path)) == (1, [("Stream #1(Compute)", [(10, 5, "k1"), (20, 1, "k2")]),
+                                             ("XLA Ops", [(10, 5, "fusion")])])

@@ -1,0 +1,405 @@
+"""`python -m mhl_jax.infer`: a checkpoint's validation loss and text sampled from it.
+
+Evaluation is checked against the train loop's own records at the steps it evaluated; generation against an
+independent forward pass of the model over the unpadded sequence at every new token (GPT.__call__ on the tokens so
+far, the last `context` of them), and the sampler's rules on logits made up for it.
+"""
+
+import json
+import os
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mhl_jax import infer as infer_mod
+from mhl_jax.config import ConfigError, load_config
+from mhl_jax.infer import evaluate_run, generate, load_run, main, next_logits, sample_logits
+from mhl_jax.train.checkpoint import Checkpointer
+from mhl_jax.train.loop import model_fingerprint, train
+from mhl_jax.train.optimizer import make_optimizer
+from mhl_jax.train.state import state_creator
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTEXT = 32
+TOKENIZER_VOCAB = 257  # byte tokenizer; the tiny model's embedding has 320 rows
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny MH-LatentMoE run of 60 steps on one device, checkpoints and evaluations at steps 30 and 60."""
+    d = tmp_path_factory.mktemp("infer") / "run"
+    cfg = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), [
+        "schedule.total_steps=60", "schedule.warmup_steps=5", "schedule.decay_steps=10", "model.n_layers=2",
+        f"model.context={CONTEXT}", "train.global_batch=8", "train.micro_batch=4", "data.val_sequences=12",
+        "data.eval_every=30", "checkpoint.every=30", "checkpoint.async_save=false", "logging.progress_bar=false",
+        f"logging.run_dir={d}", "parallel.devices=1"])
+    train(cfg, log=lambda *a, **k: None)
+    return d
+
+
+def records(run_dir):
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_evaluate_gives_the_train_loops_validation_loss(run_dir):
+    recs = records(run_dir)
+    for step in (30, 60):
+        r = evaluate_run(load_run(run_dir, step=step))
+        assert r["step"] == step
+        assert r["val_loss"] == recs[step]["val_loss"]  # same sequences, batches and step function: bitwise
+        assert r["val_ppl"] == pytest.approx(np.exp(recs[step]["val_loss"]), rel=1e-12)
+        assert (r["sequences"], r["context"]) == (12, CONTEXT)  # 3 batches of train.micro_batch = 4
+    assert evaluate_run(load_run(run_dir))["step"] == 60  # the latest by default
+
+
+def test_evaluate_on_another_mesh_and_validation_set(run_dir):
+    base = evaluate_run(load_run(run_dir, ["data.val_sequences=8"]))
+    two = evaluate_run(load_run(run_dir, ["data.val_sequences=8", "parallel.devices=2", "parallel.hp=2"]))
+    assert base["sequences"] == two["sequences"] == 8  # 2 batches of 4, 1 of 4 x 2 devices
+    assert two["val_loss"] == pytest.approx(base["val_loss"], rel=1e-5)
+    other = evaluate_run(load_run(run_dir, ["data.val_sequences=4", "train.micro_batch=2"]))
+    assert other["sequences"] == 4 and abs(other["val_loss"] - base["val_loss"]) > 1e-6  # another set, another loss
+    # a micro-batch the run's global batch (8) does not divide: the evaluation needs none; 2 of 10 left out, said so
+    wide = evaluate_run(load_run(run_dir, ["data.val_sequences=10", "train.micro_batch=8"]))
+    narrow = evaluate_run(load_run(run_dir, ["data.val_sequences=10"]))  # batches of 4: the same first 8 sequences
+    assert (wide["batch"], wide["sequences"], wide["sequences_left_out"]) == (8, 8, 2)
+    assert (narrow["batch"], narrow["sequences"], narrow["sequences_left_out"]) == (4, 8, 2)
+    assert wide["val_loss"] == pytest.approx(narrow["val_loss"], rel=1e-5)
+    with pytest.raises(ConfigError, match="train.global_batch=8 is not a multiple of train.micro_batch=3"):
+        load_run(run_dir, ["train.micro_batch=3", "train.global_batch=8"])  # an explicit global batch is kept
+
+
+def test_load_reads_the_saved_parameters_and_biases(run_dir):
+    cfg = load_config(str(run_dir / "config.yaml"))
+    loaded = load_run(run_dir, step=30)
+    _, _, abstract = state_creator(cfg, loaded.mesh, make_optimizer(cfg))
+    with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
+        _, full = ckpt.restore(abstract, step=30)
+    for ours, theirs in ((loaded.params, full["params"]), (loaded.biases, full["biases"])):
+        a, b = jax.tree.leaves(ours), jax.tree.leaves(theirs)
+        assert len(a) == len(b) > 0
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype and x.sharding == y.sharding
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert any(float(jnp.abs(b).max()) > 0 for b in jax.tree.leaves(loaded.biases))  # trained, not the initial 0s
+
+
+def reference_logits(loaded, prompt, out):
+    """fp32 logits (len(out), TOKENIZER_VOCAB) of each of `out`'s tokens given what precedes it (the last CONTEXT
+    tokens), from the model's own forward over unpadded windows of the real tokens: one window of the first CONTEXT
+    tokens serves every step it covers (the model is causal), then one window per step that slides."""
+    model = nnx.merge(loaded.graphdef, loaded.params, loaded.biases)
+    forward = jax.jit(lambda toks: model(toks)[0][0])
+    full = list(prompt) + list(out)
+    head = np.asarray(forward(jnp.asarray([full[:CONTEXT]], jnp.int32)))
+    rows = []
+    for i in range(len(out)):
+        n = len(prompt) + i  # tokens before out[i]
+        if n <= CONTEXT:
+            rows.append(head[n - 1])
+        else:
+            rows.append(np.asarray(forward(jnp.asarray([full[n - CONTEXT:n]], jnp.int32)))[-1])
+    return np.stack(rows)[:, :TOKENIZER_VOCAB]
+
+
+TEXT = list(b"The function returns the value of the object, or raises an exception if it is not found.")
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_next_token_logits_are_the_unpadded_forwards(run_dir, devices):
+    """generate's padded, batched windows give the logits of the model's own forward over the real tokens only."""
+    loaded = load_run(run_dir, [f"parallel.devices={devices}", f"parallel.hp={devices}"])
+    one = load_run(run_dir)  # the reference runs on one device (Head Parallel splits a batch's tokens evenly)
+    model = nnx.merge(one.graphdef, one.params, one.biases)
+    forward = jax.jit(lambda toks: model(toks)[0][0, -1])
+    # within the context; one short of it; longer than it (the window slides); 3 rows padded to 4 on 2 devices
+    seqs = [[256] + TEXT[:3], [256] + TEXT[:30], [256] + TEXT[:45]]
+    ours = next_logits(loaded, seqs)
+    assert ours.shape == (3, 320) and ours.dtype == np.float32
+    for seq, row in zip(seqs, ours):
+        ref = np.asarray(forward(jnp.asarray([seq[-CONTEXT:]], jnp.int32)))
+        np.testing.assert_allclose(row, ref, rtol=1e-5, atol=1e-5)
+    assert np.abs(ours[0] - ours[1]).max() > 1e-2  # the rows differ: each reads its own last token
+
+
+def cached_logits(loaded, seqs, steps):
+    """Logits (steps + 1, len(seqs), V) through the KV cache: `_prefill_logits` over the padded windows of `seqs`,
+    then `steps` decoding steps, each feeding every row the next byte of TEXT after it (so the rows stay real text),
+    and the sequences at each of those points."""
+    seqs = [list(q) for q in seqs]
+    prefill = jax.jit(partial(infer_mod._prefill_logits, loaded.graphdef))
+    decode = jax.jit(partial(infer_mod._decode_logits, loaded.graphdef))
+    logits, caches = prefill(loaded.params, loaded.biases, *infer_mod._windows(loaded, seqs))
+    casts = jax.jit(partial(infer_mod._weight_casts, loaded.graphdef))(loaded.params, loaded.biases)
+    out, seen = [np.asarray(logits)[:len(seqs)]], [[list(q) for q in seqs]]
+    for _ in range(steps):
+        for q in seqs:
+            q.append(TEXT[len(q) - 1])  # q = [256] + TEXT[:n]: its next byte
+        toks, pos = infer_mod._decode_inputs(loaded, seqs)  # generate's own: rows padded over the mesh
+        assert [int(p) for p in pos][:len(seqs)] == [len(q) - 1 for q in seqs]
+        logits, caches = decode(loaded.params, loaded.biases, casts, caches, toks, pos)
+        out.append(np.asarray(logits)[:len(seqs)])
+        seen.append([list(q) for q in seqs])
+    return np.stack(out), seen
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_kv_cache_decoding_gives_the_forwards_logits(run_dir, devices):
+    """A KV cache filled by one forward over the padded windows, then one decoding step per token: at every step
+    each row's logits are the model's own forward over that row's real tokens (rows of 4, 21 and 11 tokens, up to
+    the full context; 3 rows padded to 4 on 2 devices at hp = 2)."""
+    loaded = load_run(run_dir, [f"parallel.devices={devices}", f"parallel.hp={devices}"])
+    one = load_run(run_dir)
+    model = nnx.merge(one.graphdef, one.params, one.biases)
+    forward = jax.jit(lambda toks: model(toks)[0][0, -1])
+    seqs = [[256] + TEXT[:3], [256] + TEXT[:20], [256] + TEXT[:10]]
+    steps = CONTEXT - 21  # the longest row reaches the context
+    logits, seen = cached_logits(loaded, seqs, steps)
+    assert logits.shape == (steps + 1, 3, 320)
+    for step in range(steps + 1):
+        for r, seq in enumerate(seen[step]):
+            ref = np.asarray(forward(jnp.asarray([seq], jnp.int32)))
+            np.testing.assert_allclose(logits[step, r], ref, rtol=2e-5, atol=2e-5, err_msg=f"step {step} row {r}")
+    assert len(seen[-1][1]) == CONTEXT
+
+
+def recording_decodes(loaded, monkeypatch, calls):
+    """Make generate's decoding loops (`_decode_loop`, jitted as generate jits it) append each call's (positions of the
+    real and padded rows, count, steps run) to `calls`."""
+    real = infer_mod._generation_fns
+
+    def fns(loaded_, sampler):
+        step, prefill, decode, cast = real(loaded_, sampler)
+
+        def recorded(*args):
+            ids, caches, steps = decode(*args)
+            calls.append((np.asarray(args[5]).tolist(), int(args[8]), int(steps)))
+            return ids, caches, steps
+        return step, prefill, recorded, cast
+    monkeypatch.setattr(infer_mod, "_generation_fns", fns)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 32])
+def test_kv_cache_generation_is_generation_without_it(run_dir, monkeypatch, chunk):
+    """The same ids with and without the cache: greedy and sampled (the same seed), 3 rows padded to 4 on a 2-device
+    mesh, one of which outgrows the context half-way (from there each token is a forward over sliding windows); a
+    stop token that ends one row while the others go on; and a prompt of exactly the context (it slides from its
+    second token: no cache is made). chunk: decoding steps per call of the device loop (a chunk cut at the context
+    and by the stop too)."""
+    monkeypatch.setattr(infer_mod, "DECODE_CHUNK", chunk)
+    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
+    prompts = [[256] + TEXT[:3], [256] + TEXT[:26], [256] + TEXT[10:15]]  # the second fills the context after 6
+    for kw in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        calls = []
+        recording_decodes(loaded, monkeypatch, calls)
+        a = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, **kw)
+        # the decoding steps: tokens 1..5 (token 0 from the prefill), the second row's positions 27..31, in calls of
+        # up to `chunk` steps; each writes the cache only below the context (the ids alone may not show a step past
+        # it: the tiny model's most likely ids barely move there)
+        assert sum(n for *_, n in calls) == 5 and all(n == c <= chunk for _, c, n in calls), calls
+        assert max(max(p) + c for p, c, _ in calls) == CONTEXT, calls  # the last write at CONTEXT - 1
+        b = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, kv_cache=False, **kw)
+        assert a == b and [len(o) for o in a] == [12, 12, 12], kw
+        assert kw["temperature"] == 0 or len(set(map(tuple, a))) == 3, kw  # sampled: each row its own draws
+    stop = a[0][2]  # the sampled first row's third id
+    a = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, temperature=1.0, seed=3, stop=stop)
+    b = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, temperature=1.0, seed=3, stop=stop,
+                 kv_cache=False)
+    assert a == b and a[0][-1] == stop and len(a[0]) <= 3 and max(map(len, a)) > 3, (stop, a)
+    full = [[256] + TEXT[:CONTEXT - 1]]
+    assert generate(loaded, full, 3, temperature=0) == generate(loaded, full, 3, temperature=0, kv_cache=False)
+
+
+def test_greedy_generation_takes_the_most_likely_tokens(run_dir):
+    loaded = load_run(run_dir)
+    prompts = [[256] + TEXT[:3], [256] + TEXT[:30]]  # the second slides past the context after two tokens
+    outs = generate(loaded, prompts, max_new_tokens=9, temperature=0, vocab=TOKENIZER_VOCAB)
+    assert [len(o) for o in outs] == [9, 9]
+    for prompt, out in zip(prompts, outs):
+        for tok, ref in zip(out, reference_logits(loaded, prompt, out)):
+            assert ref[tok] >= ref.max() - 1e-5 * max(1.0, abs(ref.max())), (tok, int(ref.argmax()))
+
+
+def test_sampling_stays_in_the_top_k_and_repeats_with_its_seed(run_dir):
+    loaded = load_run(run_dir)
+    prompt = [256, 84, 104, 101, 32]
+    kw = dict(max_new_tokens=12, temperature=2.0, top_k=3, vocab=TOKENIZER_VOCAB)
+    a = generate(loaded, [prompt, prompt, prompt], seed=1, **kw)  # 3 rows on a 1-device mesh
+    assert a == generate(loaded, [prompt, prompt, prompt], seed=1, **kw)
+    assert a != generate(loaded, [prompt, prompt, prompt], seed=2, **kw)
+    assert len({tuple(o) for o in a}) > 1  # each row draws its own tokens
+    for out in a:
+        for tok, ref in zip(out, reference_logits(loaded, prompt, out)):
+            kth = np.sort(ref)[-3]
+            assert ref[tok] >= kth - 1e-5 * max(1.0, abs(kth)), (tok, np.argsort(ref)[-3:])
+
+
+def test_generation_stops_at_the_stop_token_and_pads_rows_over_the_mesh(run_dir):
+    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
+    prompt = [256, 84, 104, 101]
+    greedy = generate(loaded, [prompt], max_new_tokens=8, temperature=0, vocab=TOKENIZER_VOCAB)[0]
+    stop = greedy[3]
+    first = greedy.index(stop)
+    three = generate(loaded, [prompt] * 3, max_new_tokens=8, temperature=0, vocab=TOKENIZER_VOCAB, stop=stop)
+    assert three == [greedy[:first + 1]] * 3  # 3 rows padded to 4 on 2 devices; each ends at its first stop
+    with pytest.raises(ConfigError, match=r"stop=257: must be an id in \[0, 257\)"):
+        generate(loaded, [prompt], 3, vocab=TOKENIZER_VOCAB, stop=TOKENIZER_VOCAB)
+
+
+def test_decoding_loop_ends_when_the_real_rows_are_done(run_dir, monkeypatch):
+    """One sampled row on 2 devices (padded with a second row that draws its own ids): the device loop stops at the
+    step that draws the stop id, not at the call's count, and never starts for a row already done."""
+    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
+    prompt = [256] + TEXT[:5]
+    kw = dict(max_new_tokens=12, temperature=1.0, seed=5, vocab=TOKENIZER_VOCAB)
+    free = generate(loaded, [prompt], **kw)[0]
+    stop = free[3]
+    first = free.index(stop)
+    assert first >= 1, free  # drawn by a decoding step (token 0 is the prefill's)
+    calls = []
+    recording_decodes(loaded, monkeypatch, calls)
+    assert generate(loaded, [prompt], stop=stop, **kw) == [free[:first + 1]]
+    assert calls == [([len(prompt)] * 2, 11, first)], calls  # steps 1..first of 11 allowed, one call
+
+
+def test_sampler_rules():
+    logits = jnp.asarray([[0.0, 1.0, 2.0, 3.0, 50.0, 50.0]] * 256, jnp.float32)  # ids 4, 5 past the vocab
+    key = jax.random.key(0)
+    assert set(np.asarray(sample_logits(logits, key, 0.0, 0, 4)).tolist()) == {3}
+    drawn = np.asarray(sample_logits(logits, key, 1.0, 0, 4))
+    assert drawn.max() < 4 and len(set(drawn.tolist())) >= 3
+    assert set(np.asarray(sample_logits(logits, key, 1.0, 2, 4)).tolist()) == {2, 3}
+    assert set(np.asarray(sample_logits(logits, key, 1.0, 2, 6)).tolist()) == {4, 5}
+    assert set(np.asarray(sample_logits(logits, key, 100.0, 1, 4)).tolist()) == {3}
+    assert set(np.asarray(sample_logits(logits, key, 1e-39, 0, 4)).tolist()) == {3}  # a tiny temperature: greedy
+    ties = jnp.asarray([[0.0, 5.0, 5.0, 5.0, 1.0]] * 256, jnp.float32)
+    assert len(set(np.asarray(sample_logits(ties, key, 1.0, 1, 5)).tolist())) == 1  # top-k keeps exactly k ids
+    assert set(np.asarray(sample_logits(ties, key, 1.0, 2, 5)).tolist()) < {1, 2, 3}
+    assert len(set(np.asarray(sample_logits(ties, key, 1.0, 2, 5)).tolist())) == 2
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="temperature="):
+            generate(None, [[1]], 1, temperature=bad)
+    # nucleus: probabilities 0.5, 0.3, 0.15, 0.05 (in shuffled id order); ids stay while those before hold < p
+    probs = jnp.asarray([[0.15, 0.5, 0.05, 0.3]] * 512, jnp.float32)
+    nucleus = lambda p, k=0: set(np.asarray(sample_logits(jnp.log(probs), key, 1.0, k, 4, p)).tolist())  # noqa: E731
+    assert nucleus(0.49) == {1} and nucleus(0.51) == {1, 3} and nucleus(0.79) == {1, 3}  # away from the sums
+    assert nucleus(0.81) == {0, 1, 3} and nucleus(1.0) == {0, 1, 2, 3} and nucleus(0.99, k=2) == {1, 3}
+    assert nucleus(1e-6) == {1}  # the most likely always stays
+    with pytest.raises(ConfigError, match=r"top_p=0: must be in \(0, 1\]"):
+        generate(None, [[1]], 1, top_p=0)
+
+
+def test_generation_draws_only_ids_of_the_tokenizer(run_dir):
+    loaded = load_run(run_dir)
+    outs = generate(loaded, [[256, 84]] * 4, max_new_tokens=8, temperature=1.0, top_k=0, vocab=2)
+    assert {i for o in outs for i in o} <= {0, 1}
+    free = generate(loaded, [[256, 84]] * 4, max_new_tokens=8, temperature=1.0, top_k=0)
+    assert not {i for o in free for i in o} <= {0, 1}
+
+
+def test_cli_evaluate_and_generate(run_dir, capsys):
+    assert main(["evaluate", str(run_dir), "--step", "30", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["step"] == 30 and out["val_loss"] == records(run_dir)[30]["val_loss"]
+    assert main(["evaluate", str(run_dir), "--set", "data.val_sequences=10"]) == 0
+    assert "(8 validation sequences of 32 tokens, in batches of 4; 2 more left out: not a whole batch)" in \
+        capsys.readouterr().out
+    assert main(["generate", str(run_dir), "--prompt", "The ", "--num-samples", "2", "--max-new-tokens", "5",
+                 "--temperature", "0", "--no-stop-at-eot", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert len(lines) == 2 and lines[0]["ids"] == lines[1]["ids"] and len(lines[0]["ids"]) == 5
+    assert (lines[0]["temperature"], lines[0]["top_k"], lines[0]["top_p"], lines[0]["seed"]) == (0.0, 50, 1.0, 0)
+    assert (lines[0]["max_new_tokens"], lines[0]["kv_cache"], lines[0]["stop_at_eot"], lines[0]["ended_at_eot"]) == (
+        5, True, False, False)
+    assert all(i < TOKENIZER_VOCAB for i in lines[0]["ids"])
+    assert main(["generate", str(run_dir), "--prompt", "The ", "--max-new-tokens", "5", "--temperature", "0",
+                 "--no-stop-at-eot", "--json", "--no-kv-cache"]) == 0
+    assert json.loads(capsys.readouterr().out.strip())["ids"] == lines[0]["ids"]
+    assert main(["generate", str(run_dir), "--prompt", "The ", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("The ")
+
+
+@pytest.mark.parametrize("argv, err", [
+    (["evaluate", "{tmp}/nowhere"], "config error: run directory '{tmp}/nowhere' does not exist"),
+    (["evaluate", "{run}", "--step", "40"], "checkpoint error: no checkpoint of step 40 in"),
+    (["evaluate", "{run}", "--set", "model.d_model=64"], "was written by a different model config (model.d_model"),
+    (["evaluate", "{run}", "--set", "data.val_sequences=0"], "config error: data.val_sequences=0: nothing to"),
+    (["evaluate", "{run}", "--checkpoint", "{tmp}"], "is not a checkpoint: expected a step directory"),
+    (["evaluate", "{run}", "--checkpoint", "{tmp}/a/b/30"], "checkpoint path '{tmp}/a/b/30' does not exist"),
+    (["generate", "{run}", "--prompt-file", "{tmp}/latin1.txt"], "--prompt-file '{tmp}/latin1.txt' is not UTF-8"),
+    (["generate", "{run}", "--prompt-file", "{tmp}/none.txt"], "--prompt-file '{tmp}/none.txt' cannot be read"),
+    (["generate", "{run}", "--temperature", "-1"], "--temperature -1.0: must be a number >= 0"),
+    (["generate", "{run}", "--temperature", "nan"], "--temperature nan: must be a number >= 0"),
+    (["generate", "{run}", "--max-new-tokens", "-1"], "--max-new-tokens -1: must be >= 0"),
+    (["generate", "{run}", "--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
+    (["generate", "{run}", "--prompt", "a", "--prompt-file", "x"], "not allowed with argument"),
+    (["generate", "{run}", "--num-samples", "0"], "usage: python -m mhl_jax.infer generate"),  # the subcommand's
+    (["generate", "{run}", "--set", "model.attention_impl=cudnn"], "config error: model.attention_impl='cudnn' needs a "
+     "GPU JAX backend"),
+    (["generate", "{run}", "--set", "ffn.kernels=triton"], "config error: ffn.kernels='triton' needs a GPU"),
+    (["evaluate", "{run}", "--set", "parallel.devices=9"], "config error: parallel.devices=9 but 8 devices are "
+     "visible; on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count=9 makes 9 of them"),  # conftest: 8
+    (["evaluate", "{run}", "--checkpoint", "{run}/checkpoints/30", "--step", "60"], "holds step 30, not the step 60 "
+     "asked for"),
+])
+def test_cli_bad_input_is_named(run_dir, tmp_path, capsys, argv, err):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    fill = lambda s: s.format(tmp=tmp_path, run=run_dir)
+    try:
+        code = main([fill(a) for a in argv])
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    assert code == 2
+    assert fill(err) in capsys.readouterr().err
+
+
+def test_reading_leaves_the_run_directory_alone(run_dir):
+    """Safe beside a run still training there: nothing written, no leftover temporary directory cleaned up."""
+    leftover = run_dir / "checkpoints" / "90.orbax-checkpoint-tmp-1234"
+    leftover.mkdir()
+    try:
+        before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+        evaluate_run(load_run(run_dir))
+        load_run(run_dir, checkpoint=run_dir / "checkpoints" / "30")
+        assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    finally:
+        os.rmdir(leftover)
+
+
+
+@pytest.mark.gpu
+def test_gpu_evaluate_gives_the_record_and_generate_reads_the_unpadded_logits(tmp_path):
+    """On a GPU (Triton MoE kernels, Pallas attention, bf16): the evaluation, with the run's autotuning results
+    loaded, repeats the run's own val_loss bitwise; the padded windows' logits, and the KV cache's decoding steps',
+    are the unpadded forward's."""
+    d = tmp_path / "run"
+    cfg = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), [
+        "schedule.total_steps=20", "schedule.warmup_steps=5", "schedule.decay_steps=5", "model.context=128",
+        "model.compute_dtype=bfloat16", "train.global_batch=8", "train.micro_batch=8", "data.val_sequences=16",
+        "data.eval_every=20", "checkpoint.every=20", "checkpoint.async_save=false", "logging.progress_bar=false",
+        f"logging.run_dir={d}", "parallel.devices=1"])
+    train(cfg, log=lambda *a, **k: None)
+    assert (d / "xla_autotune.txt").is_file()
+    loaded = load_run(d)
+    assert loaded.compiler_options == {"xla_gpu_load_autotune_results_from": str((d / "xla_autotune.txt").resolve())}
+    assert evaluate_run(loaded)["val_loss"] == records(d)[20]["val_loss"]
+    model = nnx.merge(loaded.graphdef, loaded.params, loaded.biases)
+    forward = jax.jit(lambda toks: model(toks)[0][0, -1])
+    text = list(b"The function returns the value of the object, or raises an exception if it is not found. ") * 2
+    seqs = [[256] + text[:3], [256] + text[:127], [256] + text[:150]]
+    for seq, row in zip(seqs, next_logits(loaded, seqs)):
+        np.testing.assert_allclose(row, np.asarray(forward(jnp.asarray([seq[-128:]], jnp.int32))), rtol=2e-2,
+                                   atol=2e-2)
+    outs = generate(loaded, seqs, max_new_tokens=16, temperature=0.8, top_k=20, vocab=TOKENIZER_VOCAB)
+    assert [len(o) for o in outs] == [16] * 3 and max(max(o) for o in outs) < TOKENIZER_VOCAB
+    # the KV cache's decoding steps (XLA attention over the cache, the Triton MoE kernels on one token per row)
+    logits, seen = cached_logits(loaded, [[256] + TEXT[:3], [256] + TEXT[:40]], steps=8)
+    for step in range(9):
+        for r, seq in enumerate(seen[step]):
+            ref = np.asarray(forward(jnp.asarray([seq], jnp.int32)))
+            np.testing.assert_allclose(logits[step, r], ref, rtol=2e-2, atol=2e-2, err_msg=f"step {step} row {r}")

@@ -1,0 +1,328 @@
+"""The model's `kernels: triton` path, end to end on CPU.
+
+Both Triton bindings have an `emulate` backend: the same jax.custom_vjp, metadata and packing, with
+pure-JAX stand-ins for the kernel launches. Routing the model through it checks the plumbing the GPU
+run depends on (custom_vjp under jit, lax.scan gradient accumulation, value_and_grad, shard_map
+HP/EP) against the pure-JAX reference path: same loss, same gradients, same expert loads.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mhl_jax.moe.gpu.experts as experts_triton
+import mhl_jax.moe.gpu.fused as moe_triton
+import mhl_jax.moe.gpu.grouped as experts_grouped
+import mhl_jax.moe.gpu.router as router_triton
+from mhl_jax.config import load_config
+from mhl_jax.model.balancing import RouterBias
+from mhl_jax.model.gpt import build_model
+from mhl_jax.moe.core import LocalMoE
+from mhl_jax.parallel.executors import make_executor
+from mhl_jax.parallel.mesh import make_mesh
+from mhl_jax.train.step import loss_fn
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(router_triton, "route_topk_triton",
+                        functools.partial(router_triton.route_topk_triton, backend="emulate"))
+    monkeypatch.setattr(experts_triton, "expert_ffn_triton",
+                        functools.partial(experts_triton.expert_ffn_triton, backend="emulate"))
+    monkeypatch.setattr(moe_triton, "moe_heads_fused", functools.partial(moe_triton.moe_heads_fused, backend="emulate"))
+    monkeypatch.setattr(experts_grouped, "expert_ffn_grouped",
+                        functools.partial(experts_grouped.expert_ffn_grouped, backend="emulate"))
+
+
+def small(kind, *extra):
+    return load_config(f"configs/tiny_{kind}.yaml", ["model.n_layers=2", "model.context=16", "model.d_model=64",
+                                                     "ffn.stem_layers=1", *extra])
+
+
+def loss_and_grads(cfg, executor, tokens):
+    graphdef, params, biases = nnx.split(build_model(cfg, executor=executor), nnx.Param, RouterBias)
+    biases = jax.tree.map(lambda b: b + jnp.linspace(-0.3, 0.3, b.shape[-1]), biases)  # bias in play
+
+    @jax.jit
+    def f(p, b, t):
+        return jax.value_and_grad(lambda p_: loss_fn(graphdef, p_, b, t), has_aux=True)(p)
+
+    (loss, loads), grads = f(params, biases, tokens)
+    return loss, loads, grads
+
+
+def tokens(cfg, batch=8):
+    rng = np.random.default_rng(0)
+    return jnp.asarray(rng.integers(0, 257, (batch, cfg.model.context + 1)), jnp.int32)
+
+
+def assert_close(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("kind", ["mh_latent_moe", "moe"])
+def test_triton_path_matches_reference_on_one_device(emulated, kind):
+    cfg = small(kind, "ffn.latent_dim=64", "ffn.head_dim=16") if kind == "mh_latent_moe" else small(kind)
+    t = tokens(cfg)
+    ref = loss_and_grads(cfg, LocalMoE("reference"), t)
+    tri = loss_and_grads(cfg, LocalMoE("triton"), t)
+    np.testing.assert_allclose(tri[0], ref[0], rtol=1e-5)
+    for i in ref[1]:
+        np.testing.assert_array_equal(tri[1][i], ref[1][i])
+    assert_close(tri[2], ref[2])
+
+
+@pytest.mark.parametrize("kind, par", [("mh_latent_moe", "parallel.hp=2"), ("moe", "parallel.ep=2")])
+def test_triton_path_under_shard_map(emulated, kind, par):
+    extra = ("ffn.latent_dim=64", "ffn.head_dim=16") if kind == "mh_latent_moe" else ()
+    cfg = small(kind, *extra, par, "parallel.devices=4", "ffn.kernels=reference")
+    mesh = make_mesh(cfg)
+    t = tokens(cfg)
+    ref = loss_and_grads(cfg, LocalMoE("reference"), t)
+    executor = make_executor(cfg, mesh)
+    executor.impl = "triton"  # what ffn.kernels=auto resolves to on a GPU
+    tri = loss_and_grads(cfg, executor, t)
+    np.testing.assert_allclose(tri[0], ref[0], rtol=1e-5)
+    assert_close(tri[2], ref[2])
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_wide_moe_triton_path_runs_grouped_experts(emulated, monkeypatch, devices):
+    """MoE with experts wider than the fused kernels take (d_model 288 > 256): `triton` runs the grouped-GEMM
+    binding (and the reference router), on one device and under Expert Parallel (ep = 2, data = 2), with
+    the same loss, loads and gradients as the reference path."""
+    cfg = small("moe", "model.d_model=288", "ffn.expert_hidden=32", "parallel.ep=2",
+                f"parallel.devices={devices}")
+    t = tokens(cfg)
+    ref = loss_and_grads(cfg, LocalMoE("reference"), t)
+    calls = []
+    emulate = experts_grouped.expert_ffn_grouped
+
+    def counting(*a, **kw):
+        calls.append(a[0].shape)
+        return emulate(*a, **kw)
+
+    monkeypatch.setattr(moe_triton, "moe_heads_fused", functools.partial(moe_triton.moe_heads_fused, backend="emulate"))
+    monkeypatch.setattr(experts_grouped, "expert_ffn_grouped", counting)
+    executor = LocalMoE("triton") if devices == 1 else make_executor(cfg, make_mesh(cfg))
+    executor.impl = "triton"  # what ffn.kernels=triton resolves to on a GPU
+    tri = loss_and_grads(cfg, executor, t)
+    assert calls and all(shape[-1] == 288 for shape in calls)
+    np.testing.assert_allclose(tri[0], ref[0], rtol=1e-5)
+    for i in ref[1]:
+        np.testing.assert_array_equal(tri[1][i], ref[1][i])
+    assert_close(tri[2], ref[2])
+
+
+def test_kernel_choice_and_expert_path(monkeypatch):
+    """auto -> triton where jax-triton runs, reference elsewhere; triton's expert path by input width:
+    the fused kernels up to 256 (MH-LatentMoE heads), grouped GEMM above (MoE at d_model 1024 failed to
+    launch the fused kernels' tiles); triton without a GPU is refused."""
+    import mhl_jax.moe.plan as ks
+
+    monkeypatch.setattr(ks, "triton_available", lambda: True)
+    assert ks.resolve_kernels("auto") == "triton" and ks.resolve_kernels("triton") == "triton"
+    assert ks.resolve_kernels("reference") == "reference"
+    assert ks.triton_expert_path(1024) == "grouped" and ks.triton_expert_path(256) == "grouped"
+    assert ks.triton_expert_path(128) == "fused" and ks.triton_expert_path(32) == "fused"
+    monkeypatch.setattr(ks, "triton_available", lambda: False)
+    assert ks.resolve_kernels("auto") == "reference"
+    with pytest.raises(ks.ConfigError, match="needs a GPU"):
+        ks.resolve_kernels("triton")
+    with pytest.raises(ValueError, match="kernels='fast'"):
+        ks.resolve_kernels("fast")
+
+
+def _weight_casts_in(jaxpr, shapes) -> int:
+    """fp32 -> bf16 converts of an input of jaxpr (or of a reshape of one) shaped like an expert weight, in jaxpr and
+    every sub-jaxpr: the weights' casts (the emulated backward also rounds fp32 arrays of a weight's shape that it
+    computed: not counted)."""
+    n = 0
+    inputs = set(v for v in jaxpr.invars) | set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reshape" and eqn.invars[0] in inputs:
+            inputs.add(eqn.outvars[0])
+        if eqn.primitive.name == "convert_element_type" and eqn.invars[0] in inputs:
+            a = eqn.invars[0].aval
+            n += a.shape in shapes and a.dtype == jnp.float32 and eqn.outvars[0].aval.dtype == jnp.bfloat16
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _weight_casts_in(sub, shapes)
+    return n
+
+
+def _scan_bodies(jaxpr):
+    """The bodies of the outermost scans (the step's micro-batch loop; not the scans inside it, such as the LM head
+    loss's loop over chunks)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn.params["jaxpr"].jaxpr
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _scan_bodies(sub)
+
+
+def _weight_adds_in(body, shapes) -> int:
+    """fp32 adds shaped like a whole expert weight directly in the loop body: the loop's own gradient accumulation."""
+    return sum(e.primitive.name == "add" and e.outvars[0].aval.shape in shapes
+               and e.outvars[0].aval.dtype == jnp.float32 for e in body.eqns)
+
+
+@pytest.mark.parametrize("kind, devices", [("mh_latent_moe", 1), ("mh_latent_moe", 2), ("mh_latent_moe", 4),
+                                           ("moe", 1)])
+def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch, kind, devices):
+    """bf16 compute, fp32 masters, the fused Triton core (emulated), on one device, under Head Parallel (hp 2, data 1)
+    and hp 2 x data 2; and MoE with experts wider than the fused kernels take (the grouped kernels) on one device.
+    `train.step.CAST_EXPERT_WEIGHTS_ONCE`: the step casts the expert weights before its micro-batch loop (the loop body
+    then holds no cast of an expert weight; with the switch off it does).
+    `ACCUMULATE_EXPERT_GRADS_IN_PLACE`: the loop hands the expert weights' running gradient sums to the MoE op, whose
+    backward returns sum + gradient (the loop body then holds no add of an expert weight's shape; off, or with data
+    parallelism, where shard_map would sum the accumulators over `data`, it does). Every combination gives bitwise
+    the new state and metrics of the step with both off."""
+    from jax.sharding import NamedSharding
+
+    import mhl_jax.train.step as step_mod
+    from mhl_jax.parallel.mesh import batch_spec, state_shardings
+    from mhl_jax.train.optimizer import make_optimizer
+    from mhl_jax.train.schedule import make_schedule
+
+    extra = (("ffn.latent_dim=64", "ffn.head_dim=16", "parallel.hp=2") if kind == "mh_latent_moe" else
+             ("model.d_model=288",))
+    cfg = small(kind, *extra, "model.compute_dtype=bfloat16", "ffn.num_experts=12", "ffn.expert_hidden=32",
+                f"parallel.devices={devices}", "ffn.kernels=reference")  # expert weight shapes no activation has
+    mesh = make_mesh(cfg) if devices > 1 else None
+    executor = LocalMoE("triton") if mesh is None else make_executor(cfg, mesh)
+    executor.impl = "triton"  # what ffn.kernels=auto resolves to on a GPU
+    graphdef, params, biases = nnx.split(build_model(cfg, executor=executor), nnx.Param, RouterBias)
+    tx = make_optimizer(cfg)
+    state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0)}
+    batch = jnp.stack([tokens(cfg, 4), tokens(cfg, 4)[::-1]])  # 2 micro-batches
+    weights = [w for path, w in jax.tree_util.tree_leaves_with_path(params) if step_mod.expert_weight_leaf(path)]
+    assert len(weights) == 2
+    # whole or one hp shard's heads, and (H * Ne, ...) as the ops reshape them
+    shapes = {s for w in weights for h in (w.shape[0], w.shape[0] // 2) for s in ((h, *w.shape[1:]),
+                                                                                (h * w.shape[1], *w.shape[2:]))}
+    in_place_possible = devices < 4
+    variants = [(False, False), (True, True)] + ([(True, False), (False, True)] if devices == 1 else [])
+    outs = []
+    for once, in_place in variants:
+        monkeypatch.setattr(step_mod, "CAST_EXPERT_WEIGHTS_ONCE", once)
+        monkeypatch.setattr(step_mod, "ACCUMULATE_EXPERT_GRADS_IN_PLACE", in_place)
+        sched = make_schedule(cfg.optimizer, cfg.schedule)
+        if mesh is None:
+            fn, args = jax.jit(step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, sched)), (state, batch)
+        else:
+            sh, bsh = state_shardings(cfg, mesh, state), NamedSharding(mesh, batch_spec(mesh))
+            fn = step_mod.jit_train_step(graphdef, tx, cfg.balance_gamma, sched, sh, bsh)
+            args = (jax.device_put(state, sh), jax.device_put(batch, bsh))
+        jaxpr = jax.make_jaxpr(step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, sched))(state, batch).jaxpr
+        bodies = list(_scan_bodies(jaxpr))
+        assert len(bodies) == 1
+        casts_in_loop = _weight_casts_in(bodies[0], shapes)
+        assert (casts_in_loop == 0) if once else (casts_in_loop >= 2), (once, casts_in_loop)
+        if once:
+            assert _weight_casts_in(jaxpr, shapes) >= 2  # w1 and w2 of the MoE layer, outside the loop
+        adds = _weight_adds_in(bodies[0], {w.shape for w in weights})
+        assert adds == (0 if in_place and in_place_possible else 2), (in_place, adds)
+        outs.append(jax.device_get(fn(*args)))
+    for out in outs[1:]:
+        for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(out)):
+            np.testing.assert_array_equal(a, b)
+
+
+def _moe_args(seed: int, n: int, h: int, dh: int, ne: int, de: int, scale: float):
+    """(x bf16, W_r, w1, w2) of an MoE core and random running sums (acc1, acc2) shaped as w1 / w2."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    w1 = scale * jax.random.normal(ks[2], (h, ne, dh, de))
+    w2 = scale * jax.random.normal(ks[3], (h, ne, de, dh))
+    args = (jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16), jax.random.normal(ks[1], (h, dh, ne)), w1, w2)
+    return args, (jax.random.normal(ks[4], w1.shape), jax.random.normal(ks[5], w2.shape))
+
+
+def _assert_sum_plus_gradient(run, args, acc):
+    """run(x, w_r, w1, w2, grad_acc) -> y: with grad_acc the gradients of w1 / w2 are bitwise acc + those without, x's
+    and W_r's the same."""
+    def grads(grad_acc):
+        loss = lambda *a: jnp.sum(run(*a, grad_acc).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+
+    plain, summed = grads(None), grads(acc)
+    for a, b in zip(plain[:2], summed[:2]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(summed[2], acc[0] + plain[2])
+    np.testing.assert_array_equal(summed[3], acc[1] + plain[3])
+
+
+@pytest.mark.parametrize("path", ["reference", "fused", "apart", "grouped"])
+def test_moe_heads_grad_acc_returns_sum_plus_gradient(emulated, path):
+    """`moe_heads(..., grad_acc=(a1, a2))`: the gradients of w1 / w2 come back as a + dW, bitwise the add of the plain
+    gradients, on the reference path, the fused Triton core (added in its backward), the Triton ops apart (x_route
+    not x_expert: `accumulate_grad`) and the grouped experts (dh > 256: added by the wgrad kernel); the other
+    gradients unchanged."""
+    from mhl_jax.moe.core import moe_heads
+
+    h, ne, k = 2, 8, 2
+    args, acc = _moe_args(3, 32, h, 16 if path != "grouped" else 272, ne, 32, 0.2)
+    impl = "reference" if path == "reference" else "triton"
+
+    def run(x, w_r, w1, w2, grad_acc):
+        xr = x if path != "apart" else x + jnp.bfloat16(0)  # another array: routed apart from the experts' input
+        return moe_heads(xr, x, w_r, jnp.zeros((h, ne)), w1, w2, k, impl, grad_acc=grad_acc)[0]
+
+    _assert_sum_plus_gradient(run, args, acc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("de, kernel", [(256, "bwd_ws"), (256, "bwd_xw"), (256, "dw_ws"), (128, "bwd_ws"),
+                                        (128, "bwd_xw")])
+def test_gpu_expert_backward_adds_into_the_accumulators(de, kernel):
+    """On the GPU's kernels (the Gluon backward with and without its dX warp group, the Gluon dW kernel beside the
+    Triton dX kernel): the fused core's w1 / w2 gradients with grad_acc (added in the kernel, the accumulators aliased
+    to its outputs) are bitwise acc + the gradients without; x's and W_r's unchanged."""
+    from dataclasses import replace
+
+    from mhl_jax.moe.gpu import experts as ext
+    from mhl_jax.moe.gpu import fused as moe_triton
+
+    n, h, dh, ne, k = 8192, 2, 128, 16, 4
+    cfg = ext.resolve_config(n * h * k, h * ne, dh, de, None)
+    cfg = replace(cfg, bwd_ws=kernel != "dw_ws", bwd_xw=kernel == "bwd_xw", dw_ws=True)
+    use = ext.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) if kernel != "dw_ws" else ext.use_dw_gluon(cfg, jnp.bfloat16,
+                                                                                                   dh, de)
+    assert use, (kernel, cfg)
+    args, acc = _moe_args(4, n, h, dh, ne, de, 0.1)
+
+    def run(x, w_r, w1, w2, grad_acc):
+        return moe_triton.moe_heads_fused(x, w_r, jnp.zeros((h, ne)), w1, w2, k, cfg, grad_acc=grad_acc)[0]
+
+    _assert_sum_plus_gradient(run, args, acc)
+
+
+def test_weights_cast_and_grad_acc_errors(emulated):
+    """Clear errors where the expert weights' copies or the running sums cannot be taken."""
+    from mhl_jax.moe.core import moe_heads
+    from mhl_jax.parallel.head_parallel import HeadParallelMoE
+
+    (x, w_r, w1, w2), acc = _moe_args(5, 16, 2, 16, 8, 32, 0.2)
+    bias = jnp.zeros((2, 8))
+    casts = (w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="weights_cast= is read only by the Triton experts.*impl 'reference'"):
+        moe_heads(x, x, w_r, bias, w1, w2, 2, "reference", weights_cast=casts)
+    with pytest.raises(ValueError, match="cast=True .* and weights_cast= .* exclude each other"):
+        moe_triton.moe_heads_fused(x, w_r, bias, w1, w2, 2, cast=True, weights_cast=casts)
+    with pytest.raises(ValueError, match="grad_acc .* must be shaped and typed as w1"):
+        moe_triton.moe_heads_fused(x, w_r, bias, w1, w2, 2, grad_acc=casts)
+    with pytest.raises(ValueError, match="grad_acc must be shaped and typed as fp32 w1"):
+        experts_grouped.expert_ffn_grouped(x, jnp.zeros((16, 2, 2), jnp.int32), jnp.ones((16, 2, 2)), w1, w2,
+                                           grad_acc=casts)
+    mesh = make_mesh(small("mh_latent_moe", "ffn.latent_dim=64", "ffn.head_dim=16", "parallel.hp=2",
+                           "parallel.devices=4"))
+    with pytest.raises(ValueError, match="grad_acc= needs a mesh without data parallelism"):
+        HeadParallelMoE(mesh, "triton")(x, x, w_r, bias, w1, w2, 2, grad_acc=acc)
+    assert not HeadParallelMoE(mesh, "triton").accumulates_in_place(jnp.bfloat16, jnp.float32, 16)

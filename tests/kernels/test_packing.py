@@ -1,0 +1,239 @@
+"""Packing (mhl_jax/moe/packing.py): layout invariants, round trips, the torch twin, extreme skew."""
+
+import os
+
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels.torch.experts imports the triton kernels
+except ImportError:
+    pass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mhl_jax.moe import packing as pk
+from mhl_jax.moe.experts import expert_ffn
+
+
+def _random_idx(key, n, h, ne, k):
+    return jnp.argsort(jax.random.uniform(key, (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
+
+
+_jit_pack = jax.jit(pk.pack, static_argnums=(1, 2, 3, 4))  # one compile per case, not one per eager op
+
+
+def _case_idx(case: str, seed: int) -> tuple[jax.Array, int]:
+    """(idx (N, H, k), Ne) of a packing-equality case: random, skew (every token on the same 3 experts),
+    empty_slots (-1 slots as in an EP receive buffer), tiny (one slot), many_experts (Ne 300: the Triton
+    packing's histograms span two column blocks and, at small chunks, several chunk tiles)."""
+    n, h, k, ne = {"tiny": (1, 1, 1, 1), "many_experts": (200, 2, 2, 300)}.get(case, (53, 3, 3, 7))
+    idx = _random_idx(jax.random.key(seed), n, h, ne, k)
+    if case == "skew":
+        idx = jnp.broadcast_to(jnp.array([6, 0, 2], jnp.int32), (n, h, k))
+    if case == "empty_slots":
+        idx = idx.at[::4, :, 1].set(-1).at[n - 5:].set(-1)
+    return idx, ne
+
+
+def _dense_expert_ffn(x, idx, gates, w1, w2):
+    """float64 numpy reference: every (token, head, choice) computed separately."""
+    x, gates, w1, w2 = (np.asarray(a, np.float64) for a in (x, gates, w1, w2))
+    idx = np.asarray(idx)
+    n, h, k = idx.shape
+    y = np.zeros_like(x)
+    c = np.sqrt(2 / np.pi)
+    for j in range(k):
+        a1 = w1[np.arange(h)[None, :], idx[..., j]]  # (n, h, dh, de)
+        a2 = w2[np.arange(h)[None, :], idx[..., j]]
+        hid = np.einsum("nhd,nhde->nhe", x, a1)
+        act = 0.5 * hid * (1 + np.tanh(c * (hid + 0.044715 * hid ** 3)))
+        y += gates[..., j:j + 1] * np.einsum("nhe,nhed->nhd", act, a2)
+    return y
+
+
+def _check_layout(idx, num_experts, block):
+    n, h, k = idx.shape
+    m = n * h * k
+    p = pk.pack(idx, num_experts, block)
+    row_slot, slot_row = np.asarray(p.row_slot), np.asarray(p.slot_row)
+    bg, sizes, nb = np.asarray(p.block_group), np.asarray(p.group_sizes), int(p.num_blocks)
+    assert row_slot.shape == (pk.padded_rows(m, h * num_experts, block),)
+    # inverse permutation: every slot placed exactly once
+    assert np.array_equal(row_slot[slot_row], np.arange(m))
+    assert (row_slot >= 0).sum() == m
+    group = (np.arange(h)[None, :, None] * num_experts + np.asarray(idx)).reshape(m)
+    assert np.array_equal(sizes, np.bincount(group, minlength=h * num_experts))
+    # each used block holds one group, groups ascending, slots ascending inside a group (stable)
+    assert (bg[:nb] >= 0).all() and (bg[nb:] == -1).all() and (np.diff(bg[:nb]) >= 0).all()
+    for b in range(len(bg)):
+        s = row_slot[b * block:(b + 1) * block]
+        real = s[s >= 0]
+        if bg[b] < 0:
+            assert real.size == 0
+        else:
+            assert (group[real] == bg[b]).all()
+    real_rows = row_slot[row_slot >= 0]
+    assert (np.diff(group[real_rows]) >= 0).all()
+    same = np.diff(group[real_rows]) == 0
+    assert (np.diff(real_rows)[same] > 0).all()
+    start, count = (np.asarray(a) for a in pk.group_blocks(p.group_sizes, block))
+    for g in np.nonzero(sizes)[0]:
+        assert (bg[start[g]:start[g] + count[g]] == g).all()
+    return p
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_pack_layout_random(block):
+    idx = _random_idx(jax.random.key(1), 37, 3, 5, 2)
+    _check_layout(idx, 5, block)
+
+
+def test_pack_layout_extreme_skew():
+    n, h, k, ne = 50, 2, 3, 8
+    idx = jnp.broadcast_to(jnp.array([5, 0, 7], jnp.int32), (n, h, k))  # every token picks the same experts
+    p = _check_layout(idx, ne, 8)
+    sizes = np.asarray(p.group_sizes).reshape(h, ne)
+    assert (sizes[:, [0, 5, 7]] == n).all() and sizes.sum() == n * h * k
+
+
+@pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny", "many_experts"])
+def test_count_pack_equals_argsort_pack(case):
+    """The counting-sort packing returns exactly the argsort packing's arrays (chunk sizes that do and do
+    not divide N * k, one chunk larger than a head's slots, empty slots of an EP receive buffer)."""
+    idx, ne = _case_idx(case, 6)
+    for block in (4, 16):
+        ref = _jit_pack(idx, ne, block)
+        for chunk in (1, 8, 10, 512):
+            got = _jit_pack(idx, ne, block, "count", chunk)
+            for name, a, b in zip(ref._fields, ref, got):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), (case, block, chunk, name)
+
+
+@pytest.mark.parametrize("atomic_min_bins", [1, 1 << 30], ids=["atomic_hist", "tl_histogram"])
+@pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny", "many_experts"])
+def test_triton_pack_kernels_equal_jax_pack(case, atomic_min_bins, monkeypatch):
+    """kernels/triton/packing.py (under the Triton interpreter without a GPU) returns exactly `pack`'s arrays:
+    chunks that do and do not divide N * k, one chunk for the whole head, empty slots, extreme skew; the
+    chunk histograms by atomic adds and by tl.histogram."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    import kernels.triton.packing as kp
+    from kernels.torch.packing import pack_triton_torch
+
+    monkeypatch.setattr(kp, "HIST_ATOMIC_MIN_BINS", atomic_min_bins)
+    idx, ne = _case_idx(case, 7)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for block, chunk in ((4, 16), (16, 32), (8, 1024)):  # many_experts at chunk 16: 25 chunks, 2 tiles of 16
+        ref = _jit_pack(idx, ne, block)
+        got = pack_triton_torch(torch.from_numpy(np.array(idx)).to(dev), ne, block, chunk)
+        for name, a, b in zip(ref._fields, ref, got):
+            assert np.array_equal(np.asarray(a).reshape(-1), b.cpu().numpy().reshape(-1)), (case, block, chunk, name)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_pack_binding_equals_jax_pack():
+    """pack(method="triton") through jax-triton equals the JAX packing, under jit: the layer's shape
+    (8192 tokens x 8 heads, k 4, Ne 384; half the tokens on 4 experts, some empty slots), the widest
+    table row (Ne 1536, k 8), and one slot."""
+    cases = [(8192, 8, 4, 384, (64, 128)), (4096, 8, 8, 1536, (16,)), (1, 1, 1, 1, (16,))]
+    for n, h, k, ne, blocks in cases:
+        idx = _random_idx(jax.random.key(8), n, h, ne, k)
+        if n > 1:
+            idx = idx.at[: n // 2, :, :4].set(jnp.array([3, 1, 4, 2], jnp.int32)).at[::7, :, 3].set(-1)
+        for block in blocks:
+            ref = _jit_pack(idx, ne, block)
+            got = _jit_pack(idx, ne, block, "triton")
+            for name, a, b in zip(ref._fields, ref, got):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), ((n, h, k, ne), block, name)
+
+
+def test_gather_combine_round_trip():
+    n, h, k, ne, dh = 29, 2, 3, 6, 8
+    ks = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(ks[0], (n, h, dh))
+    idx = _random_idx(ks[1], n, h, ne, k)
+    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
+    p = pk.pack(idx, ne, 4)
+    rows = pk.gather_rows(x, p, k)
+    assert np.all(np.asarray(rows)[np.asarray(p.row_slot) < 0] == 0)
+    # identity experts: combine(gather(x)) = x * sum_j gate_j = x
+    y = pk.combine_rows(rows, p, gates)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+
+
+def test_torch_pack_matches_jax():
+    torch = pytest.importorskip("torch")
+    from kernels.torch.experts import pack_torch
+
+    idx = _random_idx(jax.random.key(3), 41, 2, 7, 3)
+    p = pk.pack(idx, 7, 8)
+    t = pack_torch(torch.from_numpy(np.array(idx)), 7, 8)
+    start, count = pk.group_blocks(p.group_sizes, 8)
+    for a, b in ((p.row_slot, t.row_slot), (p.slot_row, t.slot_row), (p.block_group, t.block_group),
+                 (p.group_sizes, t.group_sizes), (start, t.group_block_start), (count, t.group_nblocks)):
+        assert np.array_equal(np.asarray(a), b.numpy())
+    assert int(p.num_blocks) == t.num_blocks
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_reference_expert_ffn_dropless(skew):
+    """expert_ffn(reference) equals the float64 per-slot reference: every routed slot is computed."""
+    n, h, k, ne, dh, de = 33, 2, 2, 5, 8, 16
+    ks = jax.random.split(jax.random.key(4), 5)
+    x = jax.random.normal(ks[0], (n, h, dh))
+    idx = (jnp.broadcast_to(jnp.array([3, 1], jnp.int32), (n, h, k)) if skew
+           else _random_idx(ks[1], n, h, ne, k))
+    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
+    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) / 3
+    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) / 3
+    with jax.default_matmul_precision("highest"):
+        y, load = expert_ffn(x, idx, gates, w1, w2, "reference")
+    ref = _dense_expert_ffn(x, idx, gates, w1, w2)
+    assert np.linalg.norm(np.asarray(y) - ref) / np.linalg.norm(ref) < 1e-5
+    assert int(load.sum()) == n * h * k
+
+
+@pytest.mark.parametrize("skew,variant", [(False, "old"), (True, "old"), (True, "new"), (False, "tpack")])
+def test_custom_vjp_plumbing_matches_reference(skew, variant):
+    """The Triton path's custom_vjp (packing, fused gathers, combine, cotangents) with pure-JAX kernel
+    stand-ins: value and all four gradients equal jax.grad of the float64 reference."""
+    from kernels.triton.experts import ExpertsConfig, Tile
+    from mhl_jax.moe.gpu.experts import expert_ffn_triton
+
+    n, h, k, ne, dh, de = 40, 2, 3, 5, 16, 32
+    ks = jax.random.split(jax.random.key(5), 6)
+    x = jax.random.normal(ks[0], (n, h, dh))
+    idx = (jnp.broadcast_to(jnp.array([4, 0, 2], jnp.int32), (n, h, k)) if skew
+           else _random_idx(ks[1], n, h, ne, k))
+    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
+    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) / 4
+    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) / 4
+    wy = jax.random.normal(ks[5], (n, h, dh))
+    cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32))
+    if variant == "new":  # counting-sort packing, packed backward rows, transposed dW kernel
+        cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16), dw_form="t", packed_bwd=True,
+                            pack_impl="count")
+    if variant == "tpack":  # the Triton packing's config: emulated, it packs with the JAX sort
+        cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), pack_impl="triton")
+
+    def loss_emulate(x, g, a, b):
+        return jnp.sum(expert_ffn_triton(x, idx, g, a, b, cfg=cfg, backend="emulate")[0] * wy)
+
+    jax.config.update("jax_enable_x64", True)
+    try:
+        def loss_ref(x, g, a, b):
+            return jnp.sum(expert_ffn(x, idx, g, a, b, "reference")[0] * wy)
+
+        args64 = [a.astype(jnp.float64) for a in (x, gates, w1, w2)]
+        g_ref = jax.grad(loss_ref, argnums=(0, 1, 2, 3))(*args64)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    with jax.default_matmul_precision("highest"):
+        g_emu = jax.jit(jax.grad(loss_emulate, argnums=(0, 1, 2, 3)))(x, gates, w1, w2)
+    for name, a, b in zip(("x", "gates", "w1", "w2"), g_emu, g_ref):
+        err = np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b)) / np.linalg.norm(np.asarray(b))
+        assert err < 1e-5, (name, err)
