@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from mhl_jax.moe.experts import expert_ffn, triton_packing_spec
-from mhl_jax.moe.plan import MAX_TRITON_EXPERT_WIDTH, triton_expert_path
-from mhl_jax.moe.router import MAX_TRITON_ROUTER_WIDTH, route_topk, router_gates
+from mhl_jax.moe.plan import MAX_TRITON_EXPERT_WIDTH, MAX_TRITON_ROUTER_WIDTH, triton_expert_path
+from mhl_jax.moe.router import route_topk, router_gates
 
 
 def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,

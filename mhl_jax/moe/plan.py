@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from types import ModuleType
 
 import jax
@@ -34,6 +35,9 @@ def triton_available() -> bool:
         return False
     return True
 
+
+# Widest input the Triton router takes (it keeps x and W_r blocks on chip); wider inputs route with the reference.
+MAX_TRITON_ROUTER_WIDTH = 256
 
 # Widest expert input the fused IO-aware expert kernels (kernels/triton/experts.py) take: their tiles hold a
 # (BLOCK_M, DH) X tile, a (BLOCK_M, DH) fp32 accumulator and (DH, BLOCK_E) weight tiles on chip: at
@@ -69,3 +73,36 @@ def resolve_kernels(choice: str) -> str:
     if choice == "auto":
         return "triton" if triton_available() else "reference"
     raise ValueError(f"ffn.kernels={choice!r}: expected auto, triton or reference")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which implementation runs each MoE op of a model, decided once from the config's shapes, the dtype and the
+    device; printed at the start of a run and recorded in its metrics."""
+
+    impl: str  # "triton" | "reference": the executor's implementation
+    router: str  # "gluon" | "triton" | "reference"
+    experts: str  # "gluon" | "triton" | "grouped" | "reference"
+
+    def summary(self) -> str:
+        return f"kernels: {self.impl} (router {self.router}, experts {self.experts})"
+
+    def as_dict(self) -> dict[str, str]:
+        return {"impl": self.impl, "router": self.router, "experts": self.experts}
+
+
+def plan_for_config(cfg) -> KernelPlan:
+    """The `KernelPlan` of a run's config (`mhl_jax.config.Config`) on this process's devices."""
+    f = cfg.ffn
+    impl = resolve_kernels(f.kernels)
+    if f.kind == "mlp":
+        return KernelPlan(impl, "none", "none")
+    width = {"moe": cfg.model.d_model, "latent_moe": f.latent_dim, "mh_latent_moe": f.head_dim}[f.kind]
+    if impl == "reference":
+        return KernelPlan(impl, "reference", "reference")
+    from mhl_jax.moe.gpu.gluon import hopper_sms  # needs the GPU stack
+
+    hopper = bool(hopper_sms())
+    router = "reference" if width > MAX_TRITON_ROUTER_WIDTH else ("gluon" if hopper else "triton")
+    experts = "grouped" if triton_expert_path(width) == "grouped" else ("gluon" if hopper else "triton")
+    return KernelPlan(impl, router, experts)

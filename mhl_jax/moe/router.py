@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mhl_jax.moe.plan import MAX_TRITON_ROUTER_WIDTH
+
 
 def router_gates(values: jax.Array) -> jax.Array:
     """The gates: softmax over the k selected scores (fp32), compiled apart from what surrounds it. XLA fuses a bare
@@ -53,10 +55,6 @@ def check_router_shapes(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int) -
         raise ValueError(f"route_topk: k={k} must be in [1, Ne={w_r.shape[2]}]")
 
 
-# Widest input the Triton router takes: it keeps a (BLOCK_N, dh) block of x and the three bf16 parts of a
-# (dh, BLOCK_E) block of W_r on chip. MoE at d_model = 1024 asked for 384 KB of shared memory (H100
-# has 227 KB; 2026-11-23, bench/NOTES.md), so wider inputs (MoE, LatentMoE) route with the reference.
-MAX_TRITON_ROUTER_WIDTH = 256
 
 
 def route_topk(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int,
