@@ -1,6 +1,6 @@
 """The codebase's layering rules, checked on the source (no imports executed).
 
-- no import circles among the project's modules (module-level imports);
+- no import circles among the project's modules (any import, at the top or inside a function);
 - imports inside functions only of optional dependencies (the GPU stack, plotting, evaluation, data extras),
   so a reader finds every module's dependencies at its top;
 - parallelism is applied from outside the model: `mhl_jax.parallel` depends on the MoE core, never on
