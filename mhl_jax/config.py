@@ -1,13 +1,22 @@
 """Typed configuration: one dataclass per concern, YAML files, `--set a.b=value` overrides.
 
-Every field has a one-line comment. `load_config` reads a YAML file, applies overrides, checks
-types and cross-field consistency, and raises `ConfigError` naming the offending key and value.
+Every field carries a comment (on its line, or on the lines just above it): `config_reference` turns those
+comments into docs/config.md (`python -m mhl_jax.config --reference > docs/config.md`), and a test keeps the two
+equal, so the comment is the one place a key is documented. `load_config` reads a YAML file, applies overrides,
+checks types and cross-field consistency, and raises `ConfigError` naming the offending key and value.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
+import inspect
+import io
+import json
 import re
+import sys
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +32,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    """The transformer around the FFNs: widths, depth, attention and the compute dtype."""
+
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
     d_model: int = 1024  # residual stream width d
     n_layers: int = 12  # transformer blocks L
@@ -43,6 +54,8 @@ class ModelConfig:
 
 @dataclass
 class FFNConfig:
+    """The feed-forward layers: a dense MLP, or one of the three MoE variants and its expert shapes."""
+
     kind: Literal["mlp", "moe", "latent_moe", "mh_latent_moe"] = "mh_latent_moe"  # FFN variant
     hidden: int = 4096  # hidden width of the dense MLP (kind=mlp)
     stem_layers: int = 2  # first layers that use a dense MLP in MoE models (DeepSeek-V3 practice)
@@ -53,12 +66,17 @@ class FFNConfig:
     num_heads: int = 8  # sub-tokens per token Nh (mh_latent_moe)
     head_dim: int = 128  # sub-token width dh (mh_latent_moe)
     latent_dim: int = 1024  # latent width l: latent_moe's d -> l projection; mh_latent_moe's W_in output (= Nh*dh)
-    balance_gamma: Optional[float] = None  # aux-free bias step; None means 50 * peak LR
-    kernels: Literal["auto", "triton", "reference"] = "auto"  # auto: Triton on GPU, else JAX
+    balance_gamma: Optional[float] = None  # step of the aux-loss-free balancing bias; null: 50 x optimizer.lr
+    # auto: the kernel plan (mhl_jax/moe/plan.py) picks each MoE op's implementation from the shapes, dtype and
+    # device: Gluon on Hopper, Triton on other NVIDIA GPUs, grouped GEMMs for expert widths above 128, pure JAX on
+    # CPU; triton: the same, and an error without a GPU; reference: pure JAX everywhere (the numerical reference)
+    kernels: Literal["auto", "triton", "reference"] = "auto"
 
 
 @dataclass
 class ParallelConfig:
+    """The device mesh: data x hp (MH-LatentMoE) or data x ep (MoE, LatentMoE)."""
+
     devices: int = -1  # devices to use: -1 all visible, N the first N
     data: int = -1  # data-parallel size; -1 fills the devices left after hp/ep
     hp: int = 1  # head-parallel size (mh_latent_moe only); must divide num_heads
@@ -73,6 +91,8 @@ class ParallelConfig:
 
 @dataclass
 class OptimizerConfig:
+    """AdamW with global grad-norm clipping."""
+
     lr: float = 5e-4  # peak learning rate
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
@@ -86,11 +106,14 @@ class OptimizerConfig:
 
 @dataclass
 class ScheduleConfig:
+    """The learning-rate schedule: linear warmup, a constant peak, a decay over the last steps."""
+
     warmup_steps: int = 8000  # linear warmup from 0 to the peak LR
     decay_steps: int = 2000  # decay to final_lr_ratio x the peak over the last steps
     total_steps: int = 15000  # optimizer steps in the run (10B tokens / 0.66M per step ~ 15k)
-    decay: Literal["linear", "cosine"] = "linear"  # the decay's shape (linear: the paper's trapezoid); a classic
-    # cosine schedule is decay=cosine with decay_steps = total_steps - warmup_steps
+    # the decay's shape (linear: the paper's trapezoid); a classic cosine schedule is decay=cosine with
+    # decay_steps = total_steps - warmup_steps
+    decay: Literal["linear", "cosine"] = "linear"
     # where the decay heads, as a fraction of the peak: the LR at step total_steps (the last step trains at
     # final + (1 - final) / decay_steps of the peak, as the trapezoid's last step at 1 / decay_steps)
     final_lr_ratio: float = 0.0
@@ -98,12 +121,14 @@ class ScheduleConfig:
 
 @dataclass
 class TrainConfig:
+    """Batch sizes, the seed, and how the train step is compiled."""
+
     seed: int = 0  # seed for init, data order and everything else
     global_batch: int = 320  # sequences per optimizer step (320 x 2048 = 0.66M tokens)
     micro_batch: int = 8  # sequences per device per forward/backward (grad accumulation fills the rest)
-    # GPU: also compile the step with XLA's xla_gpu_exclude_nondeterministic_ops. Off: our step has no
-    # float atomics without it (README, Determinism), and with it the fp32 gradients of MH-LatentMoE moved
-    # by 1.8e-5 rel. on H200 (1 vs 2 GPUs then 3e-4 apart after 5 steps; bench/NOTES.md).
+    # GPU: also compile the step with XLA's xla_gpu_exclude_nondeterministic_ops. Off by default: the step has no
+    # float atomics without it (docs/design.md, Determinism), and the switch changes XLA's fusions, which moved the
+    # fp32 gradients of a small MH-LatentMoE by 1.8e-5 relative on an H200; it cannot combine with cuDNN attention
     xla_deterministic_ops: bool = False
     # GPU: XLA's autotuning results kept with the run, so a resumed process compiles the kernels the first one
     # picked and the losses continue bitwise ("auto": <run_dir>/xla_autotune.txt; "": off, every process tunes
@@ -113,6 +138,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
+    """Where tokens come from, how validation is held out, and the input pipeline's workers."""
+
     source: Literal["builtin", "bin", "hf"] = "builtin"  # builtin corpus, .bin shards, or HF datasets
     path: str = ""  # bin: directory or glob of train shards; hf: dataset name or local data files
     val_path: str = ""  # bin: validation shard(s); hf: empty means hold out from the train split
@@ -131,6 +158,8 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Orbax checkpoints in <run_dir>/checkpoints."""
+
     every: int = 500  # save every this many steps (and at the end); 0 disables saving
     keep: int = 3  # keep the last N checkpoints
     async_save: bool = True  # write checkpoints in the background
@@ -139,6 +168,8 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
+    """The run directory, the progress line, TensorBoard and profiler traces."""
+
     run_dir: str = "runs/default"  # metrics.jsonl, checkpoints and config copy go here
     log_every: int = 10  # print a progress line every this many steps
     progress_bar: bool = True  # show a tqdm bar
@@ -150,6 +181,8 @@ class LoggingConfig:
 
 @dataclass
 class Config:
+    """A whole run: one section per concern, and the run's name."""
+
     name: str = "default"  # run name (free text)
     model: ModelConfig = field(default_factory=ModelConfig)
     ffn: FFNConfig = field(default_factory=FFNConfig)
@@ -382,3 +415,119 @@ def validate(cfg: Config) -> None:
     _require(cfg.logging.profile_steps >= 1, f"logging.profile_steps={cfg.logging.profile_steps}: must be >= 1")
     _require(cfg.logging.peak_tflops is None or cfg.logging.peak_tflops > 0,
              f"logging.peak_tflops={cfg.logging.peak_tflops}: must be positive (or null: the GPU's datasheet figure)")
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+@dataclass(frozen=True)
+class FieldDoc:
+    """One config key as docs/config.md lists it."""
+
+    key: str  # dotted path, as `--set` takes it: "model.d_model"
+    type: str  # the annotation, in words: "int", "float or null", "one of auto, triton, reference"
+    default: str  # the default as YAML would write it
+    comment: str  # the field's source comment, lines joined; empty when it has none
+
+
+def _sections() -> list[tuple[str, type]]:
+    """(section name, dataclass) in Config's order; the top-level keys under the name ""."""
+    return [("", Config)] + [(f.name, f.default_factory) for f in dataclasses.fields(Config)
+                             if dataclasses.is_dataclass(f.default_factory)]
+
+
+def _source_comments(source: str) -> dict[int, str]:
+    """Line number -> the text of the `#` comment on that line."""
+    return {tok.start[0]: tok.string.lstrip("#").strip()
+            for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+
+
+def _type_words(annotation: ast.expr) -> str:
+    """A field's annotation as a reader says it: Literal -> "one of a, b", Optional[T] -> "T or null"."""
+    if isinstance(annotation, ast.Subscript) and isinstance(annotation.value, ast.Name):
+        args = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
+        if annotation.value.id == "Literal":
+            return "one of " + ", ".join(str(a.value) for a in args)
+        if annotation.value.id == "Optional":
+            return f"{_type_words(args[0])} or null"
+    return ast.unparse(annotation)
+
+
+def _default_words(value: Any) -> str:
+    """The default as it would be written in a config file."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def field_docs() -> list[FieldDoc]:
+    """Every config key with its type, default and comment, read from this module's source.
+
+    A field's comment is the run of comment-only lines just above it plus the comment on its own line; reading
+    the source (not docstrings) lets each comment sit beside its field, where it is kept up to date."""
+    source = Path(__file__).read_text()
+    lines = source.splitlines()
+    comments = _source_comments(source)
+    classes = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)}
+    docs = []
+    for section, cls in _sections():
+        defaults = cls()
+        for node in classes[cls.__name__].body:
+            if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+                continue
+            name = node.target.id
+            if dataclasses.is_dataclass(getattr(defaults, name)):
+                continue  # a section, listed under its own heading
+            above, line = [], node.lineno - 1
+            while line >= 1 and lines[line - 1].strip().startswith("#"):
+                above.insert(0, comments[line])
+                line -= 1
+            trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+            docs.append(FieldDoc(key=f"{section}.{name}" if section else name, type=_type_words(node.annotation),
+                                 default=_default_words(getattr(defaults, name)),
+                                 comment=" ".join(above + trailing)))
+    return docs
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def config_reference() -> str:
+    """docs/config.md: every key of every section with its type, default and comment, as Markdown."""
+    docs = field_docs()
+    out = ["# Configuration reference", "",
+           "<!-- Generated from the field comments of mhl_jax/config.py by `python -m mhl_jax.config --reference > "
+           "docs/config.md`; tests/unit/test_config_reference.py fails when the two differ. Edit the comments, "
+           "not this file. -->", "",
+           "A run's configuration is the defaults below, then a YAML file (`python train.py --config FILE`), then "
+           "each `--set section.key=value` in order. Values are parsed as YAML (`1e-3`, `true`, `null`; an empty "
+           "value is the empty string) and type-checked; an unknown key, a wrong type or values that disagree stop "
+           "the run with an error naming them. The resolved configuration is written to `<run_dir>/config.yaml`.",
+           ""]
+    for section, cls in _sections():
+        rows = [d for d in docs if (d.key.split(".")[0] == section if section else "." not in d.key)]
+        out += [f"## {section or 'top level'}", "", inspect.getdoc(cls), "",
+                "| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"| `{d.key}` | {_cell(d.type)} | `{d.default}` | {_cell(d.comment)} |" for d in rows]
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mhl_jax.config", description="The configuration's reference.")
+    parser.add_argument("--reference", action="store_true", help="print docs/config.md (Markdown) to stdout")
+    args = parser.parse_args(argv)
+    if not args.reference:
+        parser.print_help()
+        return 2
+    sys.stdout.write(config_reference())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
