@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import time
 
 import jax
 import numpy as np
+
+import bench
 
 GIB = 2 ** 30
 
@@ -18,6 +21,16 @@ def device_name() -> str:
     """'N x <kind>' of the visible devices, e.g. '1 x NVIDIA H200'."""
     devs = jax.devices()
     return f"{len(devs)} x {devs[0].device_kind}"
+
+
+def user_env() -> dict[str, str]:
+    """This process's environment with JAX's own allocator default where `bench` set its own: for a child process
+    that should allocate as a user's run of train.py does (set, not removed, so that a child importing `bench` keeps
+    it)."""
+    env = dict(os.environ)
+    if bench.PREALLOCATE_DEFAULTED:
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
+    return env
 
 
 def today() -> str:
@@ -77,13 +90,18 @@ def dispatch_ms(fn, arg_sets, reps: int = 20) -> float:
     return float(np.median(ts))
 
 
-def compiled_gib(jitted, *args) -> float | None:
-    """XLA's buffer assignment of `jitted` compiled for `args`, in GiB per device: arguments + outputs + temporaries -
-    donated aliases. Shapes are static, so this is the call's peak (None when the backend reports nothing)."""
-    m = jitted.lower(*args).compile().memory_analysis()
-    if m is None:
+def memory_gib(analysis) -> float | None:
+    """A compiled executable's `memory_analysis()` -> GiB per device: arguments + outputs + temporaries - donated
+    aliases. Shapes are static, so this is the call's peak (None when the backend reports nothing)."""
+    if analysis is None:
         return None
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes) / GIB
+    a = analysis
+    return (a.argument_size_in_bytes + a.output_size_in_bytes + a.temp_size_in_bytes - a.alias_size_in_bytes) / GIB
+
+
+def compiled_gib(jitted, *args) -> float | None:
+    """`memory_gib` of `jitted` compiled for `args`."""
+    return memory_gib(jitted.lower(*args).compile().memory_analysis())
 
 
 class JsonLines:

@@ -2,7 +2,7 @@
 fastest at the layer's shapes. Unlike `bench/experts.py --sweep` (which times the dX and dW kernels
 together), every line here is one kernel launch.
 
-    python bench/kernel_tiles.py [--tokens 81920 8192] [--ne 384] [--de 256] [--out FILE]
+    python -m bench.tools.kernel_tiles [--tokens 81920 8192] [--ne 384] [--de 256] [--out FILE]
         [--fwd 128,32,4,3 ...] [--dx ...] [--dwt ...] [--dw ...] [--fwd_cast 64,64,4,3 ...]
 
 One JSON line per (shape, kernel, tile): ms (median, several input sets), TFLOP/s of the kernel's own
@@ -13,15 +13,9 @@ kernel's output to the first tile's (a wrong tile shows up there). Short table l
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench.timing import emit  # noqa: E402
+from bench.common import JsonLines, today
 
 DEFAULT_TILES = {
     "fwd": ["128,32,4,3", "64,32,4,2", "128,32,4,2", "64,64,4,2", "64,32,4,3"],
@@ -134,9 +128,9 @@ def main() -> None:
 
     nh, dh, k, ne, de = 8, 128, args.k, args.ne, args.de
     dev = "cuda"
-    date = datetime.date.today().isoformat()
+    date = today()
     device = torch.cuda.get_device_name()
-    outf = open(args.out, "a") if args.out else None
+    emit = JsonLines(args.out)
     rows = []
     for tokens in args.tokens:
         g = torch.Generator(device=dev).manual_seed(0)
@@ -169,7 +163,7 @@ def main() -> None:
                     rec["tflops"] = UNITS[kind] * 2 * rows_total * dh * de / rec["ms"] / 1e9
                 except Exception as e:
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                emit(rec, outf)
+                emit(rec)
                 rows.append(rec)
     print(f"\n{'tokens':>6} {'kernel':>5} {'tile':>16} {'ms':>7} {'TF/s':>6} rel_vs_first")
     for r in rows:
