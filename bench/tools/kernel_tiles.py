@@ -1,5 +1,5 @@
 """Each expert kernel alone (torch launcher, CUDA events), over launch tiles: which tile runs each kernel
-fastest at the layer's shapes. Unlike `bench/experts.py --sweep` (which times the dX and dW kernels
+fastest at the layer's shapes. Unlike a sweep of whole backward passes (which times the dX and dW kernels
 together), every line here is one kernel launch.
 
     python -m bench.tools.kernel_tiles [--tokens 81920 8192] [--ne 384] [--de 256] [--out FILE]
@@ -58,7 +58,7 @@ ROUTINGS = ("uniform", "layer")
 def input_set(tokens: int, ne: int, k: int, pack_block: int, g, nh: int = 8, dh: int = 128, routing: str = "uniform"):
     """One input set (x, dy, gates, packing) on CUDA: bf16 x / dy rows (tokens * nh, dh), fp32 gates, a top-k routing
     packed with `pack_block`: "uniform" (k distinct experts uniformly at random: groups of nearly equal size) or
-    "layer" (bench/layer.py's first step: x = a (tokens, 1024) normal batch through W_in, routed by W_r and a bias
+    "layer" (`bench.layer`'s first step: x = a (tokens, 1024) normal batch through W_in, routed by W_r and a bias
     drawn as `bench.layer.init_params` draws them, in fp32: groups as uneven as the layer's, ~0.4 coefficient of
     variation)."""
     import torch

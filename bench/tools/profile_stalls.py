@@ -1,5 +1,5 @@
 """Why a kernel waits: Nsight Compute's warp stall reasons for the three expert kernels and the router forward,
-each launched alone from torch (no JAX in the process: ncu under JAX segfaulted on the router, 2026-11-24).
+each launched alone from torch (no JAX computation in the process: ncu under JAX has segfaulted on the router).
 
     python -m bench.tools.profile_stalls [--tokens 81920] [--ne 384] [--de 256] [--k 4] [--gluon] [--out FILE]
 
