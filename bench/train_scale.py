@@ -37,14 +37,12 @@ values).
 Loss check: per config, every run's losses against those of the run on the fewest devices;
 `loss_max_rel_diff` = max over steps of |L_P - L_ref| / |L_ref| (per step: `loss_rel_diffs`) must be
 <= --tol. The runs compute the same sums in a different order (micro-batch split, all-to-all layout,
-gradient reductions), so they agree to rounding: measured <= 2e-7 in fp32 (CPU, tiny configs,
-1/2/4 devices). With bf16 compute each matmul output is rounded to 8 bits, so a different order can
-move an element by 4e-3, flip a near-tie routing choice, and (Adam at the peak LR) flip the sign of
-a near-zero gradient element; the losses drift apart step by step. Measured on the same CPU runs
-with compute_dtype=bfloat16: 1.5e-6 at step 1 (forward only), <= 2.1e-4 after 4 steps, while the loss
-fell by 15%. The default tol 1e-2 leaves GPU GEMMs (other tilings, split-K) 50x that drift and is
-still well under the loss's fall over the steps, so a forward or update that differs in substance (a
-shard's tokens or gradient dropped or counted twice) fails it; `loss_rel_diffs` shows the growth.
+gradient reductions), so in fp32 they agree to rounding (~1e-7). With bf16 compute a different order
+can move a matmul output by 4e-3, flip a near-tie routing choice and, with Adam at the peak LR, the sign
+of a near-zero gradient element, so the losses drift apart step by step (~2e-4 after 4 steps on CPU,
+while the loss falls by 15%). The default tol 1e-2 leaves GPU GEMMs (other tilings, split-K) room for
+50x that drift and is still well under the loss's fall, so a forward or update that differs in
+substance (a shard's tokens or gradient dropped or counted twice) fails it.
 
 Exit status 1 when a run fails or the loss check fails, 2 when fewer devices are present than asked.
 CPU smoke test (tiny configs, fp32):
@@ -133,6 +131,29 @@ def device_peaks(devices) -> list[int] | None:
     return [int(s["peak_bytes_in_use"]) for s in stats]
 
 
+def traced_step(compiled, state, batch) -> tuple[dict, dict]:
+    """One more step of `compiled` from `state`, traced -> (its device time split, the state after it)."""
+    held = {"state": state}
+
+    def one_step():
+        held["state"], metrics = compiled(held["state"], batch)
+        return metrics
+
+    split = device_time_split(one_step, calls=1)
+    split.pop("per_device", None)
+    return split, held.pop("state")
+
+
+def run_peak(before: list[int] | None, after: list[int] | None) -> tuple[float | None, bool | None]:
+    """(the runtime peak in GiB over the run's devices, whether it is this run's own): the counter only rises over a
+    process, so a device whose peak did not rise holds an earlier run's."""
+    if after is None:
+        return None, None
+    risen = [a for a, b0 in zip(after, before) if a > b0]
+    stale = [a for a, b0 in zip(after, before) if a <= b0]
+    return max(after) / GIB, bool(risen) and max(risen) >= max(stale, default=0)
+
+
 def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, warmup: int, seed: int,
             profile: bool = False, repeat: bool = False) -> dict:
     """Compile and run len(batches) train steps of `cfg` on `devices`; batches (steps, global_batch, T + 1).
@@ -180,15 +201,7 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
         gnorms.append(float(m["grad_norm"]))
     split = None
     if profile:  # one more step (after the losses are taken), traced: communication vs compute kernels
-        held = {"state": state}
-
-        def one_step(run=compiled, batch=b):
-            held["state"], metrics = run(held["state"], batch)
-            return metrics
-
-        split = device_time_split(one_step, calls=1)
-        split.pop("per_device", None)
-        state = held.pop("state")
+        split, state = traced_step(compiled, state, b)
     after = device_peaks(mesh.devices.flat)
     del state
     again = None
@@ -201,11 +214,7 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
             again.append(float(m["loss"]))
         del state
     del compiled, step
-    mem_peak, exact = None, None
-    if after is not None:
-        risen = [a for a, b0 in zip(after, before) if a > b0]
-        stale = [a for a, b0 in zip(after, before) if a <= b0]
-        mem_peak, exact = max(after) / GIB, bool(risen) and max(risen) >= max(stale, default=0)
+    mem_peak, exact = run_peak(before, after)
     step_s = float(np.median(times[warmup:]))
     tokens = cfg.train.global_batch * cfg.model.context
     flops_tok = train_flops_per_token(cfg)
