@@ -1,12 +1,12 @@
 """Device memory of a run: how the train state is created, and which configs fit how many GPUs (JSON lines out).
 
-    python bench/memory.py init --config configs/mh_latent_moe_hp_4.2b.yaml --set parallel.hp=2 [--out FILE]
-    python bench/memory.py fit --config configs/mh_latent_moe_hp_4.2b.yaml [--set key=value ...] [--steps 4]
-    python bench/memory.py state --config configs/mh_latent_moe_hp_4.2b.yaml --devices 8 [--set parallel.hp=2 ...]
+    python -m bench.memory init --config configs/mh_latent_moe_hp_4.2b.yaml --set parallel.hp=2 [--out FILE]
+    python -m bench.memory fit --config configs/mh_latent_moe_hp_4.2b.yaml [--set key=value ...] [--steps 4]
+    python -m bench.memory state --config configs/mh_latent_moe_hp_4.2b.yaml --devices 8 [--set parallel.hp=2 ...]
 
 init: the state (parameters, AdamW moments, biases) created two ways, each in a fresh process over every visible GPU:
-`eager`, as train.py built it until 2026-11-27 (the whole model and its optimizer state on the first GPU, then
-placed: `jax.device_put`), and `sharded`, `mhl_jax.train.state.init_state` (created under jit in its shardings).
+`eager` (the whole model and its optimizer state built on the first GPU, then placed with `jax.device_put`: what
+sharded creation saves) and `sharded`, `mhl_jax.train.state.init_state` (created under jit in its shardings).
 Per mode: the largest per-GPU peak (`peak_bytes_in_use`), the time, or the error (out of memory).
 
 fit: `train.py` with the config for `--steps` steps (built-in byte corpus, global batch 32, no evaluation or
@@ -22,8 +22,6 @@ temporaries); the GPU runs' "state and batch" figure is this plus the batch.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import re
@@ -33,8 +31,21 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bench.common import JsonLines, parser, today, user_env
+from mhl_jax.config import load_config
+from mhl_jax.model.balancing import RouterBias
+from mhl_jax.model.gpt import build_model
+from mhl_jax.parallel.executors import make_executor
+from mhl_jax.parallel.mesh import make_mesh, state_shardings
+from mhl_jax.runtime.memory import GIB, device_limit, is_out_of_memory, peak_in_use, per_device_bytes
+from mhl_jax.train.optimizer import make_optimizer
+from mhl_jax.train.state import init_state, state_creator
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 BUILTIN = ["data.source=builtin", "data.path=", "data.val_path=", "data.tokenizer=byte", "data.eval_every=0",
            "checkpoint.every=0", "train.global_batch=32", "logging.progress_bar=false", "logging.log_every=1",
@@ -42,15 +53,8 @@ BUILTIN = ["data.source=builtin", "data.path=", "data.val_path=", "data.tokenize
 
 
 def eager_state(cfg, mesh, tx):
-    """(graphdef, state): the state as train.py built it until 2026-11-27, the whole model and its optimizer state
-    eagerly on the default device (not yet placed). The baseline of `init`, and tests/unit/test_memory.py's reference."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from mhl_jax.model.balancing import RouterBias
-    from mhl_jax.model.gpt import build_model
-    from mhl_jax.parallel.executors import make_executor
+    """(graphdef, state): the whole model and its optimizer state built eagerly on the default device (not yet
+    placed). The baseline of `init`, and tests/unit/test_memory.py's reference."""
 
     model = build_model(cfg, executor=make_executor(cfg, mesh), mesh=mesh)
     graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
@@ -60,13 +64,6 @@ def eager_state(cfg, mesh, tx):
 
 def create(config: str, sets: list[str], mode: str) -> dict:
     """One mode of `init`, in this process."""
-    import jax
-
-    from mhl_jax.config import load_config
-    from mhl_jax.parallel.mesh import make_mesh, state_shardings
-    from mhl_jax.runtime.memory import GIB, device_limit, is_out_of_memory, peak_in_use
-    from mhl_jax.train.optimizer import make_optimizer
-    from mhl_jax.train.state import init_state
 
     cfg = load_config(config, sets)
     mesh = make_mesh(cfg)
@@ -97,13 +94,6 @@ def create(config: str, sets: list[str], mode: str) -> dict:
 def state_bytes(config: str, sets: list[str]) -> list[dict]:
     """`state`, in this process (its host devices set by the caller): per shard_optimizer setting, the bytes one
     device holds of each part of the state (the device holding the most)."""
-    import jax
-
-    from mhl_jax.config import load_config
-    from mhl_jax.parallel.mesh import make_mesh
-    from mhl_jax.runtime.memory import GIB, per_device_bytes
-    from mhl_jax.train.optimizer import make_optimizer
-    from mhl_jax.train.state import state_creator
 
     recs = []
     for on in (False, True):
@@ -127,7 +117,7 @@ def fit(config: str, sets: list[str], steps: int, check: bool = False) -> dict:
                                              f"logging.run_dir={tmp}/run"]), []), *(["--check"] if check else [])]
         t0 = time.perf_counter()
         r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True,
-                           env={**os.environ, "JAX_LOG_COMPILES": "1"})
+                           env={**user_env(), "JAX_LOG_COMPILES": "1"})
         written = sorted(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*"))
     out = r.stdout + r.stderr
     rec = {"config": Path(config).name, "sets": sets, "steps": steps, "check": check, "exit": r.returncode,
@@ -152,8 +142,8 @@ def fit(config: str, sets: list[str], steps: int, check: bool = False) -> dict:
     return rec
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    ap = parser(__doc__)
     ap.add_argument("what", choices=["init", "fit", "state", "_create", "_state"])
     ap.add_argument("--config", required=True)
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
@@ -161,8 +151,7 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=8, help="(state only) CPU host devices of the mesh")
     ap.add_argument("--mode", choices=["eager", "sharded"], default="sharded", help="(_create only)")
     ap.add_argument("--check", action="store_true", help="(fit only) train.py --check: the memory line alone")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.what == "_create":
         print("RESULT " + json.dumps(create(args.config, args.sets, args.mode)), flush=True)
         return
@@ -175,25 +164,22 @@ def main() -> None:
     except FileNotFoundError:  # no NVIDIA driver: the CPU
         gpus = []
     gpus = [g.strip() for g in gpus if g.strip()] or ["cpu"]
-    date = datetime.date.today().isoformat()
-    slug = gpus[0].lower().replace(" ", "-") + (f"-x{len(gpus)}" if len(gpus) > 1 else "")
-    out = Path(args.out or ROOT / "bench" / "results" / f"memory-{slug}-{date}.jsonl")
-    base = {"bench": f"memory_{args.what}", "device": f"{len(gpus)} x {gpus[0]}", "date": date,
+    base = {"bench": f"memory_{args.what}", "device": f"{len(gpus)} x {gpus[0]}", "date": today(),
             "config": Path(args.config).name, "sets": args.sets,
-            "env": {k: v for k, v in os.environ.items() if k.startswith("XLA_PYTHON_CLIENT")}}
+            "env": {k: v for k, v in user_env().items() if k.startswith("XLA_PYTHON_CLIENT")}}
     recs = []
     if args.what == "init":
         for mode in ("eager", "sharded"):
-            r = subprocess.run([sys.executable, __file__, "_create", "--config", args.config, "--mode", mode,
-                                *sum((["--set", s] for s in args.sets), [])], cwd=ROOT, capture_output=True,
-                               text=True)
+            r = subprocess.run([sys.executable, "-m", "bench.memory", "_create", "--config", args.config, "--mode",
+                                mode, *sum((["--set", s] for s in args.sets), [])], cwd=ROOT, capture_output=True,
+                               text=True, env=user_env())
             line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
             recs.append({**base, **(json.loads(line[7:]) if line else
                                     {"mode": mode, "ok": False, "exit": r.returncode, "tail": r.stderr[-1500:]})})
     elif args.what == "state":  # in a child process with that many host devices
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
-        r = subprocess.run([sys.executable, __file__, "_state", "--config", args.config,
+        r = subprocess.run([sys.executable, "-m", "bench.memory", "_state", "--config", args.config,
                             *sum((["--set", s] for s in [f"parallel.devices={args.devices}", *args.sets]), [])],
                            cwd=ROOT, capture_output=True, text=True, env=env)
         line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -203,10 +189,9 @@ def main() -> None:
         recs += [{**base, **rec} for rec in json.loads(line[7:])]
     else:
         recs.append({**base, **fit(args.config, args.sets, args.steps, args.check)})
-    with open(out, "a") as f:
+    with JsonLines(args.out) as emit:
         for rec in recs:
-            print(json.dumps(rec), flush=True)
-            f.write(json.dumps(rec) + "\n")
+            emit(rec)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One run of train.py over a machine's GPUs as one process, and as one process per GPU (or per group of GPUs):
 steady-state tokens/s and the losses side by side, one JSON line per launch and a comparison line.
 
-    python bench/multiprocess.py --config configs/mh_latent_moe_hp_2.2b.yaml --processes 1 2 --steps 10 \
+    python -m bench.multiprocess --config configs/mh_latent_moe_hp_2.2b.yaml --processes 1 2 --steps 10 \
         [--set key=value ...] [--out FILE]
 
 Every launch trains `--steps` steps from the same seed in a fresh run directory (no checkpoints, no evaluation);
@@ -12,8 +12,6 @@ first launch's.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import socket
@@ -22,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench.common import JsonLines, parser, today
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,33 +60,28 @@ def launch(config: str, sets: list[str], steps: int, processes: int, gpus: int, 
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    ap = parser(__doc__)
     ap.add_argument("--config", required=True)
-    ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     gpus, device = gpu_count()
-    date = datetime.date.today().isoformat()
-    out = open(a.out, "a") if a.out else None
-    first = None
-    rows = []
-    for n in a.processes:
-        with tempfile.TemporaryDirectory() as tmp:
-            recs = launch(a.config, a.sets, a.steps, n, gpus, Path(tmp) / "run")
-        tps = statistics.median(r["tokens_per_s"] for r in recs[3:]) if len(recs) > 3 else recs[-1]["tokens_per_s"]
-        losses = [r["loss"] for r in recs]
-        first = first or losses
-        rec = {"bench": "multiprocess", "impl": f"{n}_process", "device": device, "date": date,
-               "params": {"config": a.config, "sets": a.sets, "gpus": gpus, "processes": n, "steps": a.steps},
-               "tokens_per_s": tps, "losses": losses,
-               "max_rel_loss_diff": max(abs(x - y) / abs(y) for x, y in zip(losses, first))}
-        rows.append(rec)
-        print(json.dumps(rec), flush=True)
-        if out:
-            out.write(json.dumps(rec) + "\n")
+    first, rows = None, []
+    with JsonLines(a.out) as emit:
+        for n in a.processes:
+            with tempfile.TemporaryDirectory() as tmp:
+                recs = launch(a.config, a.sets, a.steps, n, gpus, Path(tmp) / "run")
+            tps = (statistics.median(r["tokens_per_s"] for r in recs[3:]) if len(recs) > 3
+                   else recs[-1]["tokens_per_s"])
+            losses = [r["loss"] for r in recs]
+            first = first or losses
+            rows.append(emit({"bench": "multiprocess", "impl": f"{n}_process", "device": device, "date": today(),
+                              "params": {"config": a.config, "sets": a.sets, "gpus": gpus, "processes": n,
+                                         "steps": a.steps},
+                              "tokens_per_s": tps, "losses": losses,
+                              "max_rel_loss_diff": max(abs(x - y) / abs(y) for x, y in zip(losses, first))}))
     print(f"{'processes':>10} {'tok/s':>10} {'rel loss diff':>14}")
     for r in rows:
         print(f"{r['params']['processes']:>10} {r['tokens_per_s']:>10.0f} {r['max_rel_loss_diff']:>14.2e}")

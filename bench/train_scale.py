@@ -1,7 +1,7 @@
-"""Training throughput and loss agreement of a config on 1, 2, 4, ... devices (issue 7 item 2).
+"""Training throughput and loss agreement of a config on 1, 2, 4, ... devices.
 
-    python bench/train_scale.py [--config FILE ...] [--devices 1 2 4] [--steps 4] [--warmup 1]
-                                [--set key=value ...] [--tol 1e-2] [--out FILE] [--date YYYY-MM-DD]
+    python -m bench.train_scale [--config FILE ...] [--devices 1 2 4] [--steps 4] [--warmup 1]
+                                [--set key=value ...] [--tol 1e-2] [--profile] [--repeat] [--out FILE]
 
 For each config (default: configs/mh_latent_moe_hp_2.2b.yaml and configs/moe_ep_2.2b.yaml) and each
 device count P, a ('data', 'hp'|'ep') mesh is built over the first P devices with parallel.hp = P
@@ -22,7 +22,7 @@ warmup_steps=1 runs every step at the peak LR, so the loss check covers the upda
 forward (with the paper's 8000-step warmup the first steps barely move the weights). Neither changes
 the work per token.
 
-Per run, one JSON line (to stdout and appended to --out): mesh, batch, per-step losses and times,
+Per run, one JSON line (to stdout, and appended to --out): mesh, batch, per-step losses and times,
 the median step time over the steps after --warmup (each step closed by block_until_ready; the
 compile is timed separately, ahead of time), tokens/s in total and per device, MFU (6 x active matmul
 params + attention FLOPs per token, `train_flops_per_token`, against `device_peak_flops`: the bf16
@@ -37,65 +37,57 @@ values).
 Loss check: per config, every run's losses against those of the run on the fewest devices;
 `loss_max_rel_diff` = max over steps of |L_P - L_ref| / |L_ref| (per step: `loss_rel_diffs`) must be
 <= --tol. The runs compute the same sums in a different order (micro-batch split, all-to-all layout,
-gradient reductions), so they agree to rounding: measured <= 2e-7 in fp32 (CPU, tiny configs,
-1/2/4 devices). With bf16 compute each matmul output is rounded to 8 bits, so a different order can
-move an element by 4e-3, flip a near-tie routing choice, and (Adam at the peak LR) flip the sign of
-a near-zero gradient element; the losses drift apart step by step. Measured on the same CPU runs
-with compute_dtype=bfloat16: 1.5e-6 at step 1 (forward only), <= 2.1e-4 after 4 steps, while the loss
-fell by 15%. The default tol 1e-2 leaves GPU GEMMs (other tilings, split-K) 50x that drift and is
-still well under the loss's fall over the steps, so a forward or update that differs in substance (a
-shard's tokens or gradient dropped or counted twice) fails it; `loss_rel_diffs` shows the growth.
+gradient reductions), so in fp32 they agree to rounding (~1e-7). With bf16 compute a different order
+can move a matmul output by 4e-3, flip a near-tie routing choice and, with Adam at the peak LR, the sign
+of a near-zero gradient element, so the losses drift apart step by step (~2e-4 after 4 steps on CPU,
+while the loss falls by 15%). The default tol 1e-2 leaves GPU GEMMs (other tilings, split-K) room for
+50x that drift and is still well under the loss's fall, so a forward or update that differs in
+substance (a shard's tokens or gradient dropped or counted twice) fails it.
 
 Exit status 1 when a run fails or the loss check fails, 2 when fewer devices are present than asked.
 CPU smoke test (tiny configs, fp32):
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu python bench/train_scale.py \\
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu python -m bench.train_scale \\
         --config configs/tiny_mh_latent_moe.yaml --config configs/tiny_moe.yaml --devices 1 2 4 \\
         --steps 3 --set model.compute_dtype=float32 --tol 1e-4 --out /tmp/train_scale.jsonl
 
-On the GPU machine, one config per process keeps each command within ~6 min and the memory peaks
-exact: python bench/train_scale.py --config configs/moe_ep_2.2b.yaml --devices 1 2 4
+On a GPU machine, one config per process keeps the memory peaks exact:
+    python -m bench.train_scale --config configs/moe_ep_2.2b.yaml --devices 1 2 4
+--profile traces one more step and splits its device time into communication and compute (`bench.tools.trace`).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
-import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-
-from bench import timing  # noqa: E402
-from mhl_jax.config import Config, ConfigError, load_config  # noqa: E402
-from mhl_jax.model.attention import attention_impl  # noqa: E402
-from mhl_jax.model.balancing import RouterBias  # noqa: E402
-from mhl_jax.model.gpt import build_model  # noqa: E402
-from mhl_jax.model.params import train_flops_per_token  # noqa: E402
-from mhl_jax.parallel.executors import make_executor  # noqa: E402
-from mhl_jax.parallel.mesh import batch_spec, make_mesh, mesh_shape, model_axis, state_shardings  # noqa: E402
-from mhl_jax.runtime.autotune import autotune_file  # noqa: E402
-from mhl_jax.train.loop import accumulation_steps  # noqa: E402
-from mhl_jax.train.metrics import device_peak_flops, mfu  # noqa: E402
-from mhl_jax.train.optimizer import make_optimizer  # noqa: E402
-from mhl_jax.train.schedule import make_schedule  # noqa: E402
-from mhl_jax.train.step import jit_train_step  # noqa: E402
+from bench.common import GIB, JsonLines, memory_gib, parser, today
+from bench.tools.trace import device_time_split
+from mhl_jax.config import Config, ConfigError, load_config
+from mhl_jax.model.attention import attention_impl
+from mhl_jax.model.balancing import RouterBias
+from mhl_jax.model.gpt import build_model
+from mhl_jax.model.params import train_flops_per_token
+from mhl_jax.parallel.executors import make_executor
+from mhl_jax.parallel.mesh import batch_spec, make_mesh, mesh_shape, model_axis, state_shardings
+from mhl_jax.runtime.autotune import autotune_file
+from mhl_jax.train.loop import accumulation_steps
+from mhl_jax.train.metrics import device_peak_flops, mfu
+from mhl_jax.train.optimizer import make_optimizer
+from mhl_jax.train.schedule import make_schedule
+from mhl_jax.train.step import jit_train_step
 
 DEFAULT_CONFIGS = ["configs/mh_latent_moe_hp_2.2b.yaml", "configs/moe_ep_2.2b.yaml"]
 DEFAULT_SETS = ["train.global_batch=32", "train.micro_batch=4", "schedule.warmup_steps=1"]
-GIB = 2 ** 30
 
 
 def run_config(path: str, overrides: list[str], devices: int) -> Config:
@@ -112,15 +104,6 @@ def run_config(path: str, overrides: list[str], devices: int) -> Config:
 def state_init(tx):
     """(params, biases) -> the train state `train.py` builds: AdamW moments, step 0."""
     return lambda p, b: {"params": p, "opt_state": tx.init(p), "biases": b, "step": jnp.zeros((), jnp.int32)}
-
-
-def compiled_gib(ma) -> float | None:
-    """XLA's memory analysis of a compiled step -> GiB per device: arguments + outputs + temporaries - donated
-    aliases (None when the backend gives none)."""
-    if ma is None:
-        return None
-    return (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-            - ma.alias_size_in_bytes) / GIB
 
 
 def synthetic_tokens(seed: int, vocab: int, shape: tuple[int, ...], zipf: float = 1.0) -> np.ndarray:
@@ -146,6 +129,29 @@ def device_peaks(devices) -> list[int] | None:
     if any(not s or "peak_bytes_in_use" not in s for s in stats):
         return None
     return [int(s["peak_bytes_in_use"]) for s in stats]
+
+
+def traced_step(compiled, state, batch) -> tuple[dict, dict]:
+    """One more step of `compiled` from `state`, traced -> (its device time split, the state after it)."""
+    held = {"state": state}
+
+    def one_step():
+        held["state"], metrics = compiled(held["state"], batch)
+        return metrics
+
+    split = device_time_split(one_step, calls=1)
+    split.pop("per_device", None)
+    return split, held.pop("state")
+
+
+def run_peak(before: list[int] | None, after: list[int] | None) -> tuple[float | None, bool | None]:
+    """(the runtime peak in GiB over the run's devices, whether it is this run's own): the counter only rises over a
+    process, so a device whose peak did not rise holds an earlier run's."""
+    if after is None:
+        return None, None
+    risen = [a for a, b0 in zip(after, before) if a > b0]
+    stale = [a for a, b0 in zip(after, before) if a <= b0]
+    return max(after) / GIB, bool(risen) and max(risen) >= max(stale, default=0)
 
 
 def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, warmup: int, seed: int,
@@ -183,7 +189,7 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     compiled = step.lower(state, jax.device_put(shaped[0], bsh)).compile()
     compile_s = time.perf_counter() - t0
     tuned.commit()
-    mem_compiled = compiled_gib(compiled.memory_analysis())
+    mem_compiled = memory_gib(compiled.memory_analysis())
     losses, gnorms, times = [], [], []
     for b in shaped:
         b = jax.block_until_ready(jax.device_put(b, bsh))
@@ -195,17 +201,7 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
         gnorms.append(float(m["grad_norm"]))
     split = None
     if profile:  # one more step (after the losses are taken), traced: communication vs compute kernels
-        from bench.profile_split import device_time_split
-
-        held = {"state": state}
-
-        def one_step(run=compiled, batch=b):
-            held["state"], metrics = run(held["state"], batch)
-            return metrics
-
-        split = device_time_split(one_step, calls=1)
-        split.pop("per_device", None)
-        state = held.pop("state")
+        split, state = traced_step(compiled, state, b)
     after = device_peaks(mesh.devices.flat)
     del state
     again = None
@@ -218,11 +214,7 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
             again.append(float(m["loss"]))
         del state
     del compiled, step
-    mem_peak, exact = None, None
-    if after is not None:
-        risen = [a for a, b0 in zip(after, before) if a > b0]
-        stale = [a for a, b0 in zip(after, before) if a <= b0]
-        mem_peak, exact = max(after) / GIB, bool(risen) and max(risen) >= max(stale, default=0)
+    mem_peak, exact = run_peak(before, after)
     step_s = float(np.median(times[warmup:]))
     tokens = cfg.train.global_batch * cfg.model.context
     flops_tok = train_flops_per_token(cfg)
@@ -328,8 +320,8 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    ap = parser(__doc__)
     ap.add_argument("--config", action="append", default=None, help="YAML config (repeatable)")
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4], help="device counts to run")
     ap.add_argument("--steps", type=int, default=4, help="train steps per run")
@@ -338,30 +330,20 @@ def main() -> None:
                     help="config override, applied after the defaults " + " ".join(DEFAULT_SETS))
     ap.add_argument("--tol", type=float, default=1e-2, help="max relative loss difference to the fewest devices")
     ap.add_argument("--seed", type=int, default=0, help="numpy seed of the synthetic tokens")
-    ap.add_argument("--out", default="", help="JSON lines file to append to (default bench/results/...)")
-    ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--profile", action="store_true", help="trace one extra step: communication vs compute "
-                    "kernel time and the ops with the most time (bench/profile_split.py)")
+                    "kernel time and the ops with the most time")
     ap.add_argument("--repeat", action="store_true", help="run the steps again from the same initial state with the "
                     "same executable and report whether the losses are bitwise equal")
-    args = ap.parse_args()
-
+    args = ap.parse_args(argv)
     devs = jax.devices()
-    slug = devs[0].device_kind.lower().replace(" ", "-") + (f"-x{len(devs)}" if len(devs) > 1 else "")
-    out_path = args.out or os.path.join(ROOT, "bench", "results", f"train_scale-{slug}-{args.date}.jsonl")
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    print(f"# {len(devs)} x {devs[0].device_kind}, jax {jax.__version__}, backend {jax.default_backend()}, "
-          f"out {out_path}", flush=True)
+    print(f"# {len(devs)} x {devs[0].device_kind}, jax {jax.__version__}, backend {jax.default_backend()}", flush=True)
     if max(args.devices) > len(devs):
         print(f"# FAILED: --devices {max(args.devices)} asked, only {len(devs)} visible", flush=True)
         sys.exit(2)
-    with open(out_path, "a") as outf:
-        def emit(rec: dict) -> None:
-            timing.emit(rec, outf)
-
+    with JsonLines(args.out) as emit:
         try:
             recs = run(args.config or DEFAULT_CONFIGS, args.devices, args.steps, args.warmup, args.overrides,
-                       args.tol, args.seed, args.date, emit, log=lambda s: print(s, flush=True),
+                       args.tol, args.seed, today(), emit, log=lambda s: print(s, flush=True),
                        profile=args.profile, repeat=args.repeat)
         except ConfigError as e:
             print(f"# FAILED: {e}", flush=True)

@@ -1,15 +1,106 @@
-"""bench/train_scale.py on CPU host devices: fp32 losses agree across device counts; bad asks stop."""
+"""The benches on CPU, cheaply: each one imports and parses its command line, the small ones run at tiny shapes, and
+the pieces with logic of their own (train_scale's loss check, the profile readers, the kernel report's compiles for
+sm_90a) are checked against known answers."""
 
+import json
 import os
+import sys
+from pathlib import Path
 
 import jax
 import pytest
 
 from bench import train_scale
 
-CFG = os.path.join(train_scale.ROOT, "configs", "")
+ROOT = Path(__file__).resolve().parents[2]
+CFG = os.path.join(ROOT, "configs", "")
 SMALL = ["model.compute_dtype=float32", "model.n_layers=1", "ffn.stem_layers=0", "model.context=32",
          "train.global_batch=16"]  # one MoE layer: compiles in seconds
+BENCHES = ["layer", "experts", "router", "a2a", "train_scale", "memory", "attention", "generate", "determinism",
+           "multiprocess"]
+TOOLS = ["profile_layer", "profile_stalls", "profile_sass", "kernel_report", "kernel_tiles", "wgmma_rates",
+         "attention_tiles"]
+
+
+@pytest.mark.parametrize("name", BENCHES + [f"tools.{t}" for t in TOOLS])
+def test_bench_imports_and_its_command_line_parses(name, monkeypatch, capsys):
+    """`python -m bench.NAME --help` in-process: the module imports without a GPU and prints its usage."""
+    import importlib
+
+    mod = importlib.import_module(f"bench.{name}")
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    assert e.value.code == 0 and "usage" in capsys.readouterr().out
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_layer_runs_at_a_tiny_shape(tmp_path):
+    """bench.layer on the reference ops at one tiny shape: one record with the table's fields, and its JSON line
+    appended to --out."""
+    from bench import layer
+
+    out = tmp_path / "layer.jsonl"
+    layer.main(["--tokens", "64", "--configs", "8/2/32", "--impl", "reference", "--out", str(out)])
+    (r,) = _records(out)
+    assert r["bench"] == "layer" and "error" not in r, r
+    assert r["params"] == dict(tokens=64, d=1024, nh=8, dh=128, ne=8, k=2, de=32, expert_weights="float32")
+    assert r["ms"] > 0 and r["ms_fwd"] > 0 and r["peak_gib"] > 0 and r["tflops"] > 0 and "authors" not in r
+
+
+def test_layer_on_the_emulated_kernels_has_the_reference_gradients(monkeypatch):
+    """bench.layer's layer on the Triton path with the bindings swapped for their emulating stand-ins (CPU): its
+    gradients equal those of the same layer on the reference ops. Guards the GPU runs, where a crash costs device
+    time."""
+    import functools
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    import mhl_jax.moe.gpu.experts as et
+    import mhl_jax.moe.gpu.fused as mt
+    import mhl_jax.moe.gpu.router as rt
+    from bench import layer as bl
+
+    monkeypatch.setattr(rt, "route_topk_triton", functools.partial(rt.route_topk_triton, backend="emulate"))
+    monkeypatch.setattr(et, "expert_ffn_triton", functools.partial(et.expert_ffn_triton, backend="emulate"))
+    monkeypatch.setattr(mt, "moe_heads_fused", functools.partial(mt.moe_heads_fused, backend="emulate"))
+    tokens, ne, k, de = 48, 6, 2, 32
+    params = bl.init_params(jax.random.key(0), ne, de)
+    x = jax.random.normal(jax.random.key(1), (tokens, bl.D)).astype(jnp.bfloat16)
+    g_tri, g_ref = (bl.layer_fns(k, impl)[1](params, x)[0] for impl in ("triton", "reference"))
+    for name in params:
+        a, b = np.asarray(g_tri[name], np.float32), np.asarray(g_ref[name], np.float32)
+        assert np.abs(a - b).max() <= 0.05 * np.abs(b).max() + 1e-12, name  # bf16 activations, two paths
+
+
+def test_router_and_attention_run_at_tiny_shapes(tmp_path):
+    """bench.router (the JAX reference router) and bench.attention (XLA's) at tiny shapes: a record each, no error."""
+    from bench import attention, router
+
+    router.main(["--tokens", "64", "--ne", "16", "--impls", "reference", "--out", str(tmp_path / "r.jsonl")])
+    (r,) = _records(tmp_path / "r.jsonl")
+    assert r["impl"] == "reference" and r["ms"] > 0 and r["peak_gib"] > 0, r
+    attention.main(["--batch", "1", "--seq", "32", "--heads", "2", "--head-dim", "16", "--impls", "xla",
+                    "--out", str(tmp_path / "a.jsonl")])
+    (a,) = _records(tmp_path / "a.jsonl")
+    assert a["impl"] == "xla" and a["fwd_bwd_ms"] > 0 and a["repeat_bitwise"] and max(a["rel_err"]) < 1e-2, a
+
+
+def test_a2a_padded_exchange_runs_on_host_devices(tmp_path):
+    """bench.a2a's HP and padded EP exchanges over the CPU host devices at a tiny shape: every exchange returned its
+    input (checked inside), HP records per (k, skew) and one padded EP record."""
+    from bench import a2a
+
+    out = tmp_path / "a2a.jsonl"
+    a2a.main(["--tokens", "16", "--d", "64", "--heads", "8", "--ks", "2", "--skews", "0", "--ep-impls", "padded",
+              "--repeats", "2", "--unroll", "2", "--out", str(out)])
+    recs = _records(out)
+    assert {r["impl"] for r in recs} == {"hp", "hp_token_major", "ep_padded"}, recs
+    assert all(r["ms"] > 0 and r["params"]["devices"] == len(jax.devices()) for r in recs)
 
 
 def test_train_scale_losses_agree_across_device_counts():
@@ -31,78 +122,9 @@ def test_train_scale_refuses_more_devices_than_visible():
         train_scale.run([CFG + "tiny_moe.yaml"], [len(jax.devices()) + 1], steps=2)
 
 
-def test_step_memory_finds_the_reference_experts_weight_copies_and_the_gpu_path_without_them():
-    """bench/step_memory.py compiles the train step from shapes alone. MoE with experts wider than the fused
-    kernels (d_model 288) under Expert Parallel: on the reference ops its largest buffer is the pure-JAX experts'
-    weight copy per 16-row block of the worst-case receive buffer (what made the 2.2B EP step ask for 87 GiB,
-    2026-11-22); with the GPU path's stand-ins (grouped-expert launches and ragged_all_to_all as opaque calls)
-    that copy is gone, the ragged exchange and the expert launches are there, and the stand-ins are undone."""
-    from bench import step_memory as sm
-    from mhl_jax.moe.gpu import grouped as experts_grouped
-    from mhl_jax.moe.packing import padded_rows
-
-    sets = [*train_scale.DEFAULT_SETS, "model.compute_dtype=bfloat16", "model.n_layers=2", "ffn.stem_layers=1",
-            "model.context=32", "model.d_model=288", "ffn.expert_hidden=64"]
-    cfg = train_scale.run_config(CFG + "tiny_moe.yaml", sets, 2)
-    ref = sm.step_memory(cfg, jax.devices()[:2], "reference", top=3)
-    std = sm.step_memory(cfg, jax.devices()[:2], "standin", top=400)
-    # per device: 4 x 32 tokens x k 2 slots, at most all of them to either peer: 2 x 256 rows, 8 local experts
-    blocks = padded_rows(2 * 256, 8, 16) // 16
-    assert ref["largest"][0]["shape"] in (f"f32[{blocks},288,64]", f"f32[{blocks},64,288]"), ref["largest"]
-    assert "ragged" in std["executor"] and "triton" in std["executor"]
-    shapes = {b["shape"] for b in std["largest"]}
-    assert not any(s.startswith(f"f32[{blocks},") for s in shapes), shapes
-    assert "bf16[512,288]" in shapes  # the static receive buffer, 2 peers x 256 rows
-    assert {"custom-call"} <= {b["op"] for b in std["largest"]}
-    assert 0 < std["mem_compiled_gib"] < ref["mem_compiled_gib"]
-    assert experts_grouped._rows_triton is not sm._rows_standin and jax.lax.ragged_all_to_all is not sm._ragged_standin
-    with pytest.raises(SystemExit, match="stand-ins exist only"):
-        sm.check_standin(train_scale.run_config(CFG + "tiny_mh_latent_moe.yaml", sets[:3], 2))
-
-
-def test_layer_bench_breakdown_runs_with_emulated_kernels(monkeypatch):
-    """bench/layer.py's layer and --breakdown on the Triton path with the bindings swapped for their
-    emulating stand-ins (CPU): every part is timed (the Triton packing, which needs a GPU, is reported as
-    failed and skipped), and the layer's gradients equal those of the same layer on the reference ops.
-    Guards the GPU runs, where a crash costs device time."""
-    import functools
-
-    import jax.numpy as jnp
-    import numpy as np
-
-    import mhl_jax.moe.gpu.experts as et
-    import mhl_jax.moe.gpu.fused as mt
-    import mhl_jax.moe.gpu.router as rt
-    from bench import layer as bl
-    from bench.timing import time_jax
-
-    monkeypatch.setattr(rt, "route_topk_triton", functools.partial(rt.route_topk_triton, backend="emulate"))
-    monkeypatch.setattr(et, "expert_ffn_triton", functools.partial(et.expert_ffn_triton, backend="emulate"))
-    monkeypatch.setattr(mt, "moe_heads_fused", functools.partial(mt.moe_heads_fused, backend="emulate"))
-    monkeypatch.setattr(bl, "time_jax", functools.partial(time_jax, reps=1, inner=1))
-    tokens, ne, k, de = 48, 6, 2, 32
-    params = bl.init_params(jax.random.key(0), ne, de)
-    xs = [jax.random.normal(jax.random.key(1), (tokens, bl.D)).astype(jnp.bfloat16)]
-    cfg = bl.expert_cfg("default", tokens, ne, k, de)
-
-    def grads(expert_impl, router_impl, c):
-        loss = lambda p, x: jnp.sum(bl.layer(p, x, k, expert_impl, router_impl, c).astype(jnp.float32) ** 2)
-        return jax.jit(jax.grad(loss))(params, xs[0])
-
-    g_tri, g_ref = grads("triton", "triton", cfg), grads("reference", "reference", None)
-    for name in params:
-        a, b = np.asarray(g_tri[name], np.float32), np.asarray(g_ref[name], np.float32)
-        assert np.abs(a - b).max() <= 0.05 * np.abs(b).max() + 1e-12, name  # bf16 activations, two paths
-    parts = bl.breakdown(params, xs, k, "triton", cfg, ms_layer=1.0)
-    want = {"router_fwd", "router_fwd_bwd", "pack_argsort", "pack_count", "experts_fwd", "experts_fwd_bwd",
-            "moe_fwd_bwd", "dense_fwd_bwd", "rest"}
-    assert want <= set(parts) and all(v > 0 for n, v in parts.items() if n != "rest")
-    assert parts["rest"] == 1.0 - parts["moe_fwd_bwd"] - parts["dense_fwd_bwd"]
-
-
 def test_profile_layer_reads_ncu_csv():
-    """bench/profile_layer.py: ncu's CSV (banner lines, units per row) -> kernel times in ms, names folded."""
-    from bench.profile_layer import parse, short
+    """bench.tools.profile_layer: ncu's CSV (banner lines, units per row) -> kernel times in ms, names folded."""
+    from bench.tools.profile_layer import parse, short
 
     text = "\n".join([
         "==PROF== Connected to process 1",
@@ -119,12 +141,12 @@ def test_profile_layer_reads_ncu_csv():
 
 
 def test_profile_layer_kills_a_slow_profile_and_its_children():
-    """bench/profile_layer.py's `run_group`: past the time limit the whole process group goes (ncu and the child it
+    """bench.tools.profile_layer's `run_group`: past the time limit the whole process group goes (ncu and the child it
     profiles: here a shell whose background child still holds the output pipe), what was printed comes back,
     returncode -1; a quick command returns as run."""
     import time
 
-    from bench.profile_layer import run_group
+    from bench.tools.profile_layer import run_group
 
     t0 = time.monotonic()
     p = run_group(["bash", "-c", "echo partial; sleep 60 & sleep 60"], 1.0)
@@ -134,33 +156,11 @@ def test_profile_layer_kills_a_slow_profile_and_its_children():
     assert p.returncode == 3 and p.stdout == "done\n"
 
 
-def test_profile_partitions_splits_at_register_reconfigurations(tmp_path):
-    """bench/profile_partitions.py: a warp-specialised kernel's per-instruction samples are cut into partitions at
-    each USETMAXREG (named by the register count), with each partition's share of the kernel's samples, its stall
-    reasons and opcode classes as shares of its own samples."""
-    from bench.profile_partitions import partitions
-
-    head = '"Address","Source","Warp Stall Sampling (All Samples)","# Samples","stall_wait","stall_long_sb"'
-    rows = [("0x0", "LDC R1, c[0x0][0x28]", 2, 2, 0), ("0x10", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd0", 0, 0, 0),
-            ("0x20", "FFMA R2, R3, R4, R5", 30, 10, 0), ("0x30", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 10, 10, 0),
-            ("0x40", "USETMAXREG.DEALLOC.CTAPOOL 0x20", 0, 0, 0), ("0x50", "@!P2  BRA 0x90", 58, 0, 58)]
-    lines = [head] + [f'"{a}","      {s}","{n}","{n}","{w}","{lg}"' for a, s, n, w, lg in rows]
-    f = tmp_path / "k.csv"
-    f.write_text('==PROF== Connected\n"Kernel Name","k",\n' + "\n".join(lines) + "\n")
-    got = {p["partition"]: p for p in partitions(str(f))}
-    assert set(got) == {"setup", "try_alloc 208", "dealloc 32"}, got
-    c, prod = got["try_alloc 208"], got["dealloc 32"]
-    assert c["samples"] == 40 and c["share"] == 0.4 and prod["share"] == 0.58 and got["setup"]["share"] == 0.02
-    assert c["classes"] == {"fp32 math": 0.75, "wgmma wait": 0.25} and c["stalls"] == {"wait": 0.5}, c
-    assert prod["classes"] == {"mbarrier wait": 1.0} and prod["stalls"] == {"long_sb": 1.0}, prod
-    assert c["top"][0] == ("FFMA R2, R3, R4, R5", 0.75)
-
-
 def test_kernel_report_counts_instructions_and_spills_per_partition():
-    """bench/kernel_report.py cuts cuobjdump's SASS at the register reconfigurations (the partitions of a
-    warp-specialised kernel, named as bench/profile_partitions.py names them) and counts each one's instructions and
-    spill loads / stores; lines that are not instructions do not count."""
-    from bench.kernel_report import sass_partitions
+    """bench.tools.kernel_report cuts cuobjdump's SASS at the register reconfigurations (the partitions of a
+    warp-specialised kernel, named by their setmaxnreg kind and count) and counts each one's instructions and spill
+    loads / stores; lines that are not instructions do not count."""
+    from bench.tools.kernel_report import sass_partitions
 
     pad = " " * 19
     sass = "\n".join(["        code for sm_90a", f"        /*0000*/{pad}LDC R1, c[0x0][0x28] ;",
@@ -174,9 +174,9 @@ def test_kernel_report_counts_instructions_and_spills_per_partition():
 
 
 def test_profile_stalls_reads_ncu_csv():
-    """bench/profile_stalls.py: per kernel, the metrics of its last launch (the first one compiles), durations
+    """bench.tools.profile_stalls: per kernel, the metrics of its last launch (the first one compiles), durations
     in nanoseconds whatever the row's unit."""
-    from bench.profile_stalls import parse
+    from bench.tools.profile_stalls import parse
 
     head = '"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
     stall = "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"
@@ -193,28 +193,26 @@ def test_profile_stalls_reads_ncu_csv():
 
 
 def _kernel_report(tmp_path, *args) -> list[dict]:
-    """bench/kernel_report.py run in a subprocess (compiled, not interpreted; a Triton cache folder of its own:
+    """bench.tools.kernel_report run in a subprocess (compiled, not interpreted; a Triton cache folder of its own:
     importing jax-triton elsewhere in this process may have set it to "") -> its records."""
-    import json
     import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
     out = tmp_path / "report.jsonl"
-    p = subprocess.run([sys.executable, os.path.join(train_scale.ROOT, "bench", "kernel_report.py"), *args, "--out",
-                        str(out)], env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-m", "bench.tools.kernel_report", *args, "--out", str(out)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("ne,k,warps,regs,limit", [(384, 4, 16, 152, 128), (768, 8, 12, 200, 168)])
 def test_gluon_router_compiles_warp_specialised(tmp_path, ne, k, warps, regs, limit):
-    """bench/kernel_report.py compiles the warp-specialised Gluon router forward (kernels/gluon/router.py) for sm_90a
+    """bench.tools.kernel_report compiles the warp-specialised Gluon router forward (kernels/gluon/router.py) for sm_90a
     as the JAX binding does (no GPU): a producer and three consumer warp groups at k <= 4 (two above), the PTX
     requiring all of their threads, compiled at the launch limit of that consumer count (the kernel object
     `ws_router_kernel` picks), the workers' registers set by setmaxnreg, wgmma, at most a few spilled words
-    (2026-11-24: none at these shapes, 16 bytes at Ne 1000 k 3), within the 227 KB of shared memory."""
+    (none at these shapes), within the 227 KB of shared memory."""
     pytest.importorskip("triton")
     (r,) = _kernel_report(tmp_path, "--tiles", "router_ws", "--de", str(ne), "--k", str(k))
     assert r["kernel"] == "router_ws" and r["warp_specialized"], r
@@ -227,8 +225,8 @@ def test_gluon_router_compiles_warp_specialised(tmp_path, ne, k, warps, regs, li
 def test_gluon_router_with_caster_compiles(tmp_path):
     """The router forward with the caster warp group (two consumers, a producer, the caster: four warp groups in
     64K registers, launch limit 128) compiles for sm_90a: setmaxnreg gives the workers 200 / 40 / 40 and the default
-    consumer 232, the consumers keep their wgmma pipeline and spill nothing (2026-11-25: one spill instruction in the
-    producer, none in the consumers)."""
+    consumer 232, the consumers keep their wgmma pipeline and spill nothing (the producer may spill an instruction
+    or so)."""
     pytest.importorskip("triton")
     (r,) = _kernel_report(tmp_path, "--tiles", "router_ws_cast", "--de", "1536", "--k", "8")
     assert r["kernel"] == "router_ws_cast" and r["warp_specialized"], r
@@ -240,10 +238,10 @@ def test_gluon_router_with_caster_compiles(tmp_path):
 
 @pytest.mark.parametrize("ne,k,de,dw_spill", [(384, 4, 256, 64), (768, 8, 128, 512)])
 def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k, de, dw_spill):
-    """bench/kernel_report.py compiles the expert kernels at their 81920-token default tiles for sm_90a
+    """bench.tools.kernel_report compiles the expert kernels at their 81920-token default tiles for sm_90a
     with the Triton wheel's ptxas (no GPU): wgmma (HGMMA) is used, and the registers hold the tiles (the
-    fwd and dX kernels spill nothing, the dW kernel at most a few words; 2026-11-24: 0 / 0 / 24 bytes at de 256;
-    at de 128 the dW kernel is the fused backward with the gate gradients: 296 bytes)."""
+    fwd and dX kernels spill nothing, the dW kernel at most a few words; at de 128 the dW kernel is the fused
+    backward with the gate gradients, which spills a few hundred bytes)."""
     pytest.importorskip("triton")
     from kernels.triton.experts import default_config
 
@@ -276,26 +274,26 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
     assert recs["dwt"]["spill_store_bytes"] <= dw_spill, recs["dwt"]
     if de == 256:  # the worker consumer raised to 240 registers, the default-partition one to 232 (both dW
         # accumulators of 64 de: 128), the producer lowered to 32; ptxas allocates each partition's code at its
-        # setmaxnreg count (2026-11-24: 52 spill bytes; 884 at 64-row blocks, 1520 with the worker at 208)
+        # setmaxnreg count (64-row blocks, or the worker at 208, spill ten times as much)
         dw = recs["dw_ws"]
         assert dw["warp_specialized"] and dw["launch_warps"] == 12 and dw["reqntid"] == [384], dw
         assert {240, 232, 32} <= set(dw["setmaxnreg"]) and dw["spill_store_bytes"] <= 64, dw
         # four warp groups (launch limit 128 registers): consumers at 208 (the default partition gets 512 - the
-        # workers' 304), producer 32, dX warp group 64 (2026-11-25: 104 spill bytes, a few instructions in the
-        # block loops); with the dX warp group at 56, or dW2's product in flight across the block loop, ptxas
-        # serialised every wgmma of the kernel (C7512; 2026-11-25, kernel alone 2.98 -> 2.61 ms once not)
+        # workers' 304), producer 32, dX warp group 64 (a few spilled instructions in the block loops); with the dX
+        # warp group at 56, or dW2's product in flight across the block loop, ptxas serialises every wgmma of the
+        # kernel (C7512), which costs ~14% of the kernel's time
         xw = recs["bwd_xw"]
         assert xw["warp_specialized"] and xw["launch_warps"] == 16 and xw["reqntid"] == [512], xw
         assert {208, 32, 64} <= set(xw["setmaxnreg"]) and xw["registers"] <= 128, xw
         assert xw["spill_store_bytes"] <= 192 and xw["shared_bytes"] <= 227 * 1024, xw
-        # per partition: the dX warp group's code at 64 registers spills a few address words in its loop (2026-11-25:
-        # 21 spill instructions of 380; with any more work 30-47, and the kernel 0.2-0.9 ms slower)
+        # per partition: the dX warp group's code at 64 registers spills a few address words in its loop (with any
+        # more work there, more spills and a slower kernel)
         parts = {p["name"]: p for p in xw["sass_partitions"]}
         assert sum(p["instructions"] for p in xw["sass_partitions"]) == xw["sass_instructions"], xw
         assert {"try_alloc 208", "dealloc 64", "dealloc 32"} <= set(parts), parts
         assert parts["dealloc 64"]["spill_instructions"] <= 24, parts
     else:  # the fused backward: the dW kernel's partitions (consumers 232 / 232, producer 40), plus dX and the gate
-        # gradients (2026-11-24: 80 spill bytes; 300 with the gate-gradient half made after dW2's product was issued)
+        # gradients (a few spilled words; more with the gate-gradient half made after dW2's product is issued)
         bwd = recs["bwd_ws"]
         assert bwd["warp_specialized"] and bwd["launch_warps"] == 12 and bwd["reqntid"] == [384], bwd
         assert {232, 40} <= set(bwd["setmaxnreg"]) and bwd["spill_store_bytes"] <= 128, bwd
@@ -303,18 +301,16 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
 
 
 def test_wgmma_rates_kernel_compiles_both_operand_forms():
-    """bench/wgmma_rates.py's kernel compiles for sm_90a (no GPU) to the m64n32k16 wgmma with A from shared memory
+    """bench.tools.wgmma_rates' kernel compiles for sm_90a (no GPU) to the m64n32k16 wgmma with A from shared memory
     (SS) and, with A_REG, from registers (RS: one register operand more), without spills; the rates themselves are a
-    GPU measurement (bench/NOTES.md, Layer, Session 26)."""
+    GPU measurement."""
     pytest.importorskip("triton")
-    import json
     import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
-    code = ("import json; from bench.wgmma_rates import compile_case; "
+    code = ("import json; from bench.tools.wgmma_rates import compile_case; "
             "print(json.dumps([compile_case(32, 64, 1, a) for a in (0, 1)]))")
-    p = subprocess.run([sys.executable, "-c", code], cwd=train_scale.ROOT, env=env, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     ss, rs = json.loads(p.stdout.splitlines()[-1])
@@ -325,56 +321,14 @@ def test_wgmma_rates_kernel_compiles_both_operand_forms():
     assert ops[1] == ops[0] + 1, (ss["hgmma"], rs["hgmma"])
 
 
-def test_loop_overlap_windows_count_busy_and_idle_time_per_step():
-    """bench/loop_overlap.py's `windows`: on a made-up GPU timeline (ns) of 4 steps, each a batch upload then kernels
-    (two of them overlapping), after two state uploads, skipping 1 step: the steps from the second upload on, the
-    union of the intervals as busy time (overlap counted once) and the rest of the wall time as idle."""
-    from bench.loop_overlap import windows
-
-    ms = 1_000_000
-    uploads = [(0, 10, "MemcpyH2D"), (20, 30, "MemcpyH2D")]  # the state's
-    work = list(uploads)
-    for i in range(4):
-        t = 1000 * ms + i * 10 * ms  # a step every 10 ms: upload 1 ms, kernels 5 ms with 1 ms of overlap, idle 4 ms
-        up = (t, t + ms, "MemcpyH2D")
-        uploads.append(up)
-        work += [up, (t + ms, t + 4 * ms, "a"), (t + 3 * ms, t + 6 * ms, "b")]
-    r = windows(uploads, work + [uploads[-1]], steps=4, skip=1)  # an event seen on two lines counts once
-    assert r["traced_steps"] == 3
-    # from the second step's upload to the end of the last kernel: 2 steps of 10 ms + 6 ms, busy 3 x 6 ms
-    assert abs(r["wall_ms_per_step"] - 26 / 3) < 1e-9
-    assert abs(r["device_busy_ms_per_step"] - 6.0) < 1e-9
-    assert abs(r["device_idle_ms_per_step"] - 8 / 3) < 1e-9
-
-
-def test_loop_overlap_host_clock_times_the_loop_parts_and_restores_them():
-    """bench/loop_overlap.py's HostClock: inside, the loop's jitted step, loader and jax.device_get are timed
-    wrappers of the real ones (same results); outside, the originals are back."""
-    import jax
-    import jax.numpy as jnp
-
-    from bench.loop_overlap import HostClock
-    from mhl_jax.train import loop
-
-    saved = (loop.jit_train_step, loop.make_train_loader, jax.device_get)
-    with HostClock() as clock:
-        assert loop.jit_train_step is not saved[0] and jax.device_get is not saved[2]
-        for _ in range(3):
-            assert jax.device_get({"a": jnp.float32(2.0)}) == {"a": 2.0}
-    assert (loop.jit_train_step, loop.make_train_loader, jax.device_get) == saved
-    assert len(clock.ms["fetch"]) == 3 and clock.ms["dispatch"] == []
-    assert set(clock.medians(1)) == {"host_fetch_ms"}
-
-
 def test_gpu0_lines_reads_only_gpu_0s_lines(tmp_path, monkeypatch):
-    """bench/profile_split.py's `gpu0_lines` (read by profile_layer's trace and loop_overlap's step windows): from the
-    first .xplane.pb under the folder, the lines of the /device:GPU:0 plane only, events as (start, duration, name);
-    nothing without a file."""
+    """bench.tools.trace's `gpu0_lines` (read by profile_layer's trace): from the first .xplane.pb under the folder,
+    the lines of the /device:GPU:0 plane only, events as (start, duration, name); nothing without a file."""
     from types import SimpleNamespace as NS
 
     import jax.profiler
 
-    from bench.profile_split import gpu0_lines
+    from bench.tools.trace import gpu0_lines
 
     assert gpu0_lines(str(tmp_path)) == (0, [])
     (tmp_path / "plugins" / "profile" / "r").mkdir(parents=True)

@@ -28,7 +28,7 @@ def _gpus() -> int:
 def test_train_steps_bitwise_repeatable_on_one_gpu(kernels, attention, dtype):
     """Compiled as train.py compiles it (no XLA exclude-nondeterministic option: determinism by
     construction), the same steps twice give the same losses to the bit."""
-    from bench.train_2gpu import ACCUM, BATCH, SEQ, small_config, train_losses
+    from bench.determinism import ACCUM, BATCH, SEQ, small_config, train_losses
 
     batch = np.random.default_rng(1).integers(0, 512, (ACCUM, BATCH, SEQ + 1), dtype=np.int32)
     batches = np.broadcast_to(batch, (3,) + batch.shape)
@@ -44,7 +44,7 @@ def test_expert_weight_casts_once_per_step_bitwise_on_one_gpu(monkeypatch):
     (train.step.CAST_EXPERT_WEIGHTS_ONCE) gives bitwise the losses and gradient norms of the step that casts them in
     every micro-batch."""
     import mhl_jax.train.step as step_mod
-    from bench.train_2gpu import ACCUM, BATCH, SEQ, small_config, train_losses
+    from bench.determinism import ACCUM, BATCH, SEQ, small_config, train_losses
 
     batches = np.random.default_rng(2).integers(0, 512, (3, ACCUM, BATCH, SEQ + 1), dtype=np.int32)
     cfg = small_config("mh_latent_moe", 1, kernels="triton", attention="cudnn", dtype="bfloat16")
@@ -59,7 +59,7 @@ def test_expert_weight_casts_once_per_step_bitwise_on_one_gpu(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 def test_two_gpu_losses_equal_one_gpu():
-    from bench.train_2gpu import run
+    from bench.determinism import one_vs_two_devices as run
 
     records = run(steps=5, tol=1e-4, log=lambda line: None)  # raises naming the model on a mismatch
     assert {r["kind"] for r in records} == {"mh_latent_moe", "moe"}

@@ -105,7 +105,7 @@ def tma_store_kernel():
 
 
 def check_global_scratch(build) -> None:
-    from bench.kernel_report import _ptxas_report
+    from bench.tools.kernel_report import _ptxas_report
     from mhl_jax.moe.gpu import gluon as gluon_bridge
 
     fn = tma_store_kernel()

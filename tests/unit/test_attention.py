@@ -86,7 +86,7 @@ def test_pallas_attention_in_the_model_under_a_mesh():
 def test_bench_split_pallas_attention_matches_xla():
     """bench/attention.py --sweep times the forward and the backward with their own settings through the Pallas
     module's `_mha_backward` (a private function): interpreted, its outputs and gradients equal XLA's attention."""
-    from bench.attention import pallas_split
+    from bench.tools.attention_tiles import pallas_split
 
     ks = jax.random.split(jax.random.key(1), 4)
     q, k, v, g = (jax.random.normal(x, (1, 128, 2, 32)) for x in ks)

@@ -1,7 +1,7 @@
 """Why a kernel waits: Nsight Compute's warp stall reasons for the three expert kernels and the router forward,
-each launched alone from torch (no JAX in the process: ncu under JAX segfaulted on the router, 2026-11-24).
+each launched alone from torch (no JAX computation in the process: ncu under JAX has segfaulted on the router).
 
-    python bench/profile_stalls.py [--tokens 81920] [--ne 384] [--de 256] [--k 4] [--gluon] [--out FILE]
+    python -m bench.tools.profile_stalls [--tokens 81920] [--ne 384] [--de 256] [--k 4] [--gluon] [--out FILE]
 
 The parent runs itself under `ncu --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio
 (+ issue-active and duration)`; the child launches each kernel twice (compile, then the profiled launch: the
@@ -13,17 +13,12 @@ is the mean cycles between two issues of one warp), largest first. Needs a GPU a
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import shutil
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench.profile_layer import MS_PER_UNIT, csv_rows, metric_value  # noqa: E402
-from bench.timing import emit  # noqa: E402
+from bench.common import JsonLines, today
+from bench.tools.profile_layer import MS_PER_UNIT, csv_rows, metric_value
 
 STALL = "smsp__average_warps_issue_stalled_"
 METRICS = [f"regex:{STALL}.*_per_issue_active\\.ratio", "smsp__issue_active.avg.pct_of_peak_sustained_active",
@@ -38,7 +33,7 @@ def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
     expert forward, dW and fused backward where they take the shape, and the Gluon router forward)."""
     import torch
 
-    from bench.kernel_tiles import expert_weights, input_set, launch
+    from bench.tools.kernel_tiles import expert_weights, input_set, launch
     from kernels.gluon.experts import (
         bwd_ws_supported,
         gluon_experts_bwd_ws,
@@ -104,15 +99,15 @@ def main() -> None:
         return
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     cmd = [ncu, "--csv", "--print-units", "base", "-k", KERNELS, "--metrics", ",".join(METRICS), sys.executable,
-           os.path.abspath(__file__), "--child", "--tokens", str(args.tokens), "--ne", str(args.ne),
+           "-m", "bench.tools.profile_stalls", "--child", "--tokens", str(args.tokens), "--ne", str(args.ne),
            "--de", str(args.de), "--k", str(args.k)] + (["--gluon"] if args.gluon else [])
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode or '"ID"' not in p.stdout:
         raise SystemExit(f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-2000:]}")
     import torch
 
-    outf = open(args.out, "a") if args.out else None
-    base = dict(bench="profile_stalls", device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+    emit = JsonLines(args.out)
+    base = dict(bench="profile_stalls", device=torch.cuda.get_device_name(), date=today(),
                 params=dict(tokens=args.tokens, ne=args.ne, de=args.de, nh=8, dh=128, k=args.k))
     for name, m in parse(p.stdout).items():
         tensor = {k: round(v, 1) for k, v in m.items() if k.startswith("sm__pipe_tensor_op_")}
@@ -121,7 +116,7 @@ def main() -> None:
         rec = dict(base, kernel=name, ms=m.get("gpu__time_duration.sum", 0) / 1e6,
                    issue_active_pct=m.get("smsp__issue_active.avg.pct_of_peak_sustained_active"),
                    tensor_pipe_pct=tensor, stalls=stalls)
-        emit(rec, outf)
+        emit(rec)
         top = ", ".join(f"{k} {v:.2f}" for k, v in list(stalls.items())[:6])
         print(f"{name:>20} {rec['ms']:7.3f} ms  issue {rec['issue_active_pct'] or 0:5.1f}%  {top}")
 

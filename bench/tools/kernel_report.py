@@ -3,13 +3,14 @@ registers, spill bytes, shared memory, and a count of the instructions that matt
 FADD, MUFU.TANH, local loads / stores). Costs no device time: the Triton wheel carries ptxas and
 cuobjdump.
 
-    python bench/kernel_report.py [--tiles fwd,128,32,4,3 dx,64,32,4,3 dwt,64,64,4,3] [--dh 128] [--de 256]
-    python bench/kernel_report.py --tiles router,64,64,4,3,1 --ne 768 --k 8   # router fwd: bn,be,w,s,select[,row_tiles]
-    python bench/kernel_report.py --tiles fwd_ws --de 128   # the warp-specialised Gluon forward (fixed tile)
-    python bench/kernel_report.py --tiles dw_ws             # the warp-specialised Gluon weight gradients
-    python bench/kernel_report.py --tiles bwd_ws --de 128   # the warp-specialised fused backward (de 128)
-    python bench/kernel_report.py --tiles bwd_xw --de 128   # the same with the dX warp group (four warp groups)
-    python bench/kernel_report.py --tiles router_ws_cast --de 1536 --k 8   # the router forward with the caster
+    python -m bench.tools.kernel_report [--tiles fwd,128,32,4,3 dx,64,32,4,3 dwt,64,64,4,3] [--dh 128] [--de 256]
+    python -m bench.tools.kernel_report --tiles router,64,64,4,3,1 --ne 768 --k 8
+        # the router forward: block_n, block_e, warps, stages, select[, row_tiles]
+    python -m bench.tools.kernel_report --tiles fwd_ws --de 128   # the warp-specialised Gluon forward (fixed tile)
+    python -m bench.tools.kernel_report --tiles dw_ws             # the warp-specialised Gluon weight gradients
+    python -m bench.tools.kernel_report --tiles bwd_ws --de 128   # the warp-specialised fused backward (de 128)
+    python -m bench.tools.kernel_report --tiles bwd_xw --de 128   # the same with the dX warp group (four warp groups)
+    python -m bench.tools.kernel_report --tiles router_ws_cast --de 1536 --k 8   # the router forward with the caster
 
 Pointers are marked 16-byte divisible as the launchers' arguments are (without that mark the gathered
 row loads come out scalar and every tile spills). One JSON line per tile (`bench: kernel_report`).
@@ -22,14 +23,9 @@ import inspect
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench.profile_partitions import partition_name  # noqa: E402
-from bench.timing import emit  # noqa: E402
+from bench.common import JsonLines
 
 DEFAULT_TILES = ["fwd,128,32,4,3", "dx,64,32,4,3", "dwt,64,64,4,3"]
 COUNTED = ("HGMMA", "FFMA", "FMUL", "FADD", "MUFU.TANH", "LDL", "STL", "BAR.SYNC", "SHFL.BFLY", "STS", "LDS")
@@ -177,8 +173,18 @@ def _ptxas_report(fn, ptx_text: str, ttgir: str, shared: int) -> dict:
                 sass_partitions=sass_partitions(sass))
 
 
+SETMAXNREG = re.compile(r"USETMAXREG\.(\w+)\.CTAPOOL(?: UP0,)? (0x[0-9a-f]+)")
+
+
+def partition_name(sass: str) -> str | None:
+    """The partition a register reconfiguration (USETMAXREG) starts, named by its kind and count ("try_alloc 208",
+    "dealloc 32"); None for any other instruction."""
+    m = SETMAXNREG.search(sass)
+    return f"{m.group(1).lower()} {int(m.group(2), 16)}" if m else None
+
+
 def sass_partitions(sass: str) -> list[dict]:
-    """The SASS cut at its register reconfigurations (USETMAXREG, named as `bench.profile_partitions` names them:
+    """The SASS cut at its register reconfigurations (USETMAXREG, named as `partition_name` names them:
     a warp-specialised kernel's partitions, "setup" before the first): instructions and spill loads / stores
     (LDL / STL) in each, in address order."""
     parts = [dict(name="setup", instructions=0, spill_instructions=0)]
@@ -204,7 +210,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=None, help="top-k (default 4 for the experts, 8 for the router)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    outf = open(args.out, "a") if args.out else None
+    emit = JsonLines(args.out)
     rows = []
     for spec in args.tiles:
         kind, *nums = spec.split(",")
@@ -216,7 +222,7 @@ def main() -> None:
         else:
             rec = report(kind, *(int(v) for v in nums), dh=args.dh, de=args.de, k=args.k or 4,
                          pack_block=args.pack_block)
-        emit(rec, outf)
+        emit(rec)
         rows.append(rec)
     print(f"\n{'kernel':>6} {'tile':>16} {'regs':>5} {'spill B':>8} {'smem KB':>8}  sass")
     for r in rows:

@@ -1,8 +1,8 @@
-"""Per-kernel GPU times of one MH-LatentMoE layer forward+backward (bench/layer.py's layer): where the layer's
+"""Per-kernel GPU times of one MH-LatentMoE layer forward+backward (`bench.layer`'s layer): where the layer's
 milliseconds go, kernel by kernel.
 
-    python bench/profile_layer.py [--tokens 8192 81920] [--configs 384/4/256] [--variants default gluon_bwd]
-                                  [--tool jax|ncu] [--calls 5] [--out FILE]
+    python -m bench.tools.profile_layer [--tokens 8192 81920] [--configs 384/4/256] [--tool jax|ncu] [--calls 5]
+                                        [--hlo PREFIX] [--out FILE]
 
 --tool jax (default): in-process, the JAX profiler (CUPTI activity records, no replay): the warmed step runs
 `--calls` times inside one trace, read back with `jax.profiler.ProfileData` from GPU 0's stream lines: the first
@@ -19,10 +19,8 @@ by kernel name, largest first, and a short table.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import ctypes
-import datetime
 import io
 import os
 import re
@@ -30,36 +28,29 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import jax
+import jax.numpy as jnp
 
-from bench.timing import emit  # noqa: E402
+from bench.common import JsonLines, parser, time_jax, today
+from bench.layer import D, init_params, layer_fns
+from bench.tools.trace import DERIVED_LINES, gpu0_lines, union_ms
 
 
-def build(tokens: int, config: str, variant: str):
-    """The jitted layer fwd+bwd of bench/layer.py at one shape, compiled and warmed, and its inputs."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    import jax
-    import jax.numpy as jnp
-
-    from bench.layer import D, expert_cfg, init_params, layer
-
+def build(tokens: int, config: str):
+    """The jitted layer fwd+bwd of `bench.layer` at one shape, compiled and warmed, and its inputs."""
     ne, k, de = (int(v) for v in config.split("/"))
     params = init_params(jax.random.key(0), ne, de)
     x = jax.random.normal(jax.random.key(1), (tokens, D), jnp.bfloat16)
-    cfg = expert_cfg(None if variant == "default" else variant, tokens, ne, k, de)
-    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(layer(p, x, k, "triton", "triton", cfg).astype(jnp.float32) ** 2),
-                            argnums=(0, 1)))
+    grad = layer_fns(k, "triton")[1]
     for _ in range(3):
         jax.block_until_ready(grad(params, x))
     return grad, params, x
 
 
-def child(tokens: int, config: str, variant: str) -> None:
-    import jax
-
-    grad, params, x = build(tokens, config, variant)
+def child(tokens: int, config: str) -> None:
+    grad, params, x = build(tokens, config)
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuProfilerStart()
     jax.block_until_ready(grad(params, x))
@@ -69,12 +60,6 @@ def child(tokens: int, config: str, variant: str) -> None:
 def trace_events(fn, args, calls: int):
     """`calls` back-to-back calls of the warmed fn(*args) inside one JAX profiler trace -> (kernel events, "XLA Ops"
     events, the line names) of GPU 0; events (start ns, duration ns, name), sorted by start."""
-    import tempfile
-
-    import jax
-
-    from bench.profile_split import DERIVED_LINES, gpu0_lines
-
     tmp = tempfile.mkdtemp(prefix="mhl_prof_")
     try:
         jax.profiler.start_trace(tmp)
@@ -94,19 +79,16 @@ def trace_events(fn, args, calls: int):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def jax_trace(tokens: int, config: str, variant: str, calls: int, hlo_out: str | None = None):
+def jax_trace(tokens: int, config: str, calls: int, hlo_out: str | None = None):
     """`calls` traced calls of the warmed step, back to back -> ([(kernel name, ms)] of the first call in start
     order, timing, the GPU plane's line names, [(XLA op, ms)] of the first call). timing: layer_ms =
-    bench.timing.time_jax of the step (untraced); per call busy_ms (the union of kernel intervals) and span_ms
+    `time_jax` of the step (untraced); per call busy_ms (the union of kernel intervals) and span_ms
     (first start to last end over all calls); gaps_us (the first call's idle time between its kernels) and its
     largest gaps. hlo_out: also write the compiled step's HLO there."""
-    from bench.profile_split import _union_ms
-    from bench.timing import time_jax
-
-    grad, params, x = build(tokens, config, variant)
+    grad, params, x = build(tokens, config)
     layer_ms = time_jax(grad, [(params, x)])
     events, ops, names = trace_events(grad, (params, x), calls)
-    busy = _union_ms([(s0, s0 + d) for s0, d, _ in events]) / calls
+    busy = union_ms([(s0, s0 + d) for s0, d, _ in events]) / calls
     span = (max(s0 + d for s0, d, _ in events) - events[0][0]) / 1e6 / calls if events else 0.0
     first = len(events) // calls
     gaps = sorted(((events[i + 1][0] - events[i][0] - events[i][1]) / 1e3, events[i][2], events[i + 1][2])
@@ -160,61 +142,57 @@ def run_group(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(cmd, -1, out, f"timed out after {timeout:.0f} s")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def profile_ncu(tokens: int, config: str, timeout: float) -> tuple[list[tuple[str, float]], dict]:
+    """This module run under ncu on one shape (the child profiles one warmed step) -> (kernels, extra fields)."""
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    cmd = [ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base",
+           "--clock-control", "none", "--cache-control", "none", sys.executable, "-m", "bench.tools.profile_layer",
+           "--child", str(tokens), config]
+    p = run_group(cmd, timeout)
+    kernels = parse(p.stdout)
+    return kernels, dict(tool="ncu", **({} if kernels else {"error": f"ncu rc={p.returncode}: "
+                                                                     f"{(p.stderr or p.stdout)[-600:]}"}))
+
+
+def main(argv=None) -> None:
+    ap = parser(__doc__)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 81920])
     ap.add_argument("--configs", nargs="+", default=["384/4/256"])
-    from mhl_jax.moe.gpu.experts import VARIANTS
-
-    ap.add_argument("--variants", nargs="+", default=["default"], choices=VARIANTS,
-                    help="expert configs (mhl_jax.moe.gpu.experts.VARIANTS; default = the binding's default)")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=float, default=300.0,
-                    help="seconds per (tokens, config, variant) under ncu (compiling under ncu is slow: two "
-                         "81920-token configs ran past 400 s on 2026-11-25); past it, an error record")
+                    help="seconds per shape under ncu (compiling under ncu is slow); past it, an error record")
     ap.add_argument("--tool", choices=("jax", "ncu"), default="jax")
     ap.add_argument("--calls", type=int, default=5, help="--tool jax: traced calls per shape (times are per call)")
     ap.add_argument("--hlo", default=None, help="--tool jax: write each step's compiled HLO to HLO-<shape>.txt")
-    ap.add_argument("--child", nargs=3, default=None, metavar=("TOKENS", "CONFIG", "VARIANT"))
-    args = ap.parse_args()
+    ap.add_argument("--child", nargs=2, default=None, metavar=("TOKENS", "CONFIG"),
+                    help="(internal: the process ncu profiles)")
+    args = ap.parse_args(argv)
     if args.child:
-        child(int(args.child[0]), args.child[1], args.child[2])
+        child(int(args.child[0]), args.child[1])
         return
-    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    date = datetime.date.today().isoformat()
-    outf = open(args.out, "a") if args.out else None
-    for tokens, config, variant in ((t, c, v) for t in args.tokens for c in args.configs for v in args.variants):
-        extra = {}
-        if args.tool == "jax":
-            hlo = f"{args.hlo}-{tokens}-{config.replace('/', '-')}-{variant}.txt" if args.hlo else None
-            kernels, timing, lines, ops = jax_trace(tokens, config, variant, args.calls, hlo)
-            extra = dict(tool="jax", calls=args.calls, **timing, lines=lines, xla_ops=ops)
-        else:
-            cmd = [ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv",
-                   "--print-units", "base", "--clock-control", "none", "--cache-control", "none",
-                   sys.executable, os.path.abspath(__file__), "--child", str(tokens), config,
-                   variant]
-            p = run_group(cmd, args.timeout)
-            kernels = parse(p.stdout)
-            extra = dict(tool="ncu")
-            if not kernels:
-                extra["error"] = f"ncu rc={p.returncode}: {(p.stderr or p.stdout)[-600:]}"
-        groups: dict[str, list[float]] = {}
-        for name, ms in kernels:
-            groups.setdefault(short(name), []).append(ms)
-        ranked = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
-        rec = dict(bench="layer_profile", device=os.environ.get("GPU_NAME", ""), date=date,
-                   params=dict(tokens=tokens, config=config, variant=variant), launches=len(kernels),
-                   total_ms=sum(ms for _, ms in kernels),
-                   kernels=[dict(name=n, count=len(v), ms=sum(v)) for n, v in ranked],
-                   sequence=[(short(n), round(ms, 4)) for n, ms in kernels], **extra)
-        emit(rec, outf)
-        print(f"\n{tokens} tokens {config} {variant}: {len(kernels)} launches, {rec['total_ms']:.3f} ms of kernels")
-        for n, v in ranked[:25]:
-            print(f"  {sum(v):8.3f} ms  x{len(v):<3} {n[:90]}")
-        if "span_ms" in extra:
-            print(f"  timed {extra['layer_ms']:.3f} ms; busy {extra['busy_ms']:.3f} ms, span {extra['span_ms']:.3f} ms "
-                  f"per call; gaps in the first call {extra['gaps_us']:.0f} us, largest {extra['largest_gaps'][:4]}")
+    with JsonLines(args.out) as emit:
+        for tokens, config in ((t, c) for t in args.tokens for c in args.configs):
+            if args.tool == "jax":
+                hlo = f"{args.hlo}-{tokens}-{config.replace('/', '-')}.txt" if args.hlo else None
+                kernels, timing, lines, ops = jax_trace(tokens, config, args.calls, hlo)
+                extra = dict(tool="jax", calls=args.calls, **timing, lines=lines, xla_ops=ops)
+            else:
+                kernels, extra = profile_ncu(tokens, config, args.timeout)
+            groups: dict[str, list[float]] = {}
+            for name, ms in kernels:
+                groups.setdefault(short(name), []).append(ms)
+            ranked = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+            rec = emit(dict(bench="layer_profile", device=jax.devices()[0].device_kind, date=today(),
+                            params=dict(tokens=tokens, config=config), launches=len(kernels),
+                            total_ms=sum(ms for _, ms in kernels),
+                            kernels=[dict(name=n, count=len(v), ms=sum(v)) for n, v in ranked],
+                            sequence=[(short(n), round(ms, 4)) for n, ms in kernels], **extra))
+            print(f"\n{tokens} tokens {config}: {len(kernels)} launches, {rec['total_ms']:.3f} ms of kernels")
+            for n, v in ranked[:25]:
+                print(f"  {sum(v):8.3f} ms  x{len(v):<3} {n[:90]}")
+            if "span_ms" in extra:
+                print(f"  timed {extra['layer_ms']:.3f} ms; busy {extra['busy_ms']:.3f} ms, span "
+                      f"{extra['span_ms']:.3f} ms per call; gaps in the first call {extra['gaps_us']:.0f} us, "
+                      f"largest {extra['largest_gaps'][:4]}")
 
 
 if __name__ == "__main__":

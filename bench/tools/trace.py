@@ -1,4 +1,5 @@
-"""Split a jitted call's device time into communication and compute with the JAX profiler.
+"""JAX profiler traces read back: GPU 0's kernel lines, and a jitted call's device time split into communication and
+compute (`python -m bench.train_scale --profile`, `python -m bench.tools.profile_layer`).
 
     split = device_time_split(fn, *args, calls=2)
     # {"devices": 4, "wall_ms": ..., "comm_ms": ..., "compute_ms": ..., "busy_ms": ..., "per_device": [...]}
@@ -24,6 +25,7 @@ import time
 
 import jax
 import numpy as np
+from jax.profiler import ProfileData
 
 DERIVED_LINES = ("XLA Ops", "XLA Modules", "Framework", "Steps", "Source", "TensorFlow", "Launch Stats")
 COMM_MARKERS = ("all-to-all", "all_to_all", "alltoall", "all-reduce", "allreduce", "all-gather", "allgather",
@@ -38,8 +40,6 @@ def is_comm(name: str) -> bool:
 def gpu0_lines(trace_dir: str) -> tuple[int, list[tuple[str, list[tuple[int, int, str]]]]]:
     """A JAX profiler trace folder -> (the number of .xplane.pb files, GPU 0's lines as (line name, [(start ns,
     duration ns, event name)])), from the first file; no lines without a file or a GPU plane."""
-    from jax.profiler import ProfileData
-
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     lines = []
     for plane in ProfileData.from_file(files[0]).planes if files else []:
@@ -49,7 +49,7 @@ def gpu0_lines(trace_dir: str) -> tuple[int, list[tuple[str, list[tuple[int, int
     return len(files), lines
 
 
-def _union_ms(intervals: list[tuple[int, int]]) -> float:
+def union_ms(intervals: list[tuple[int, int]]) -> float:
     total, end = 0, None
     for s, e in sorted(intervals):
         if end is None or s > end:
@@ -62,8 +62,7 @@ def _union_ms(intervals: list[tuple[int, int]]) -> float:
 
 
 def device_time_split(fn, *args, calls: int = 2, top_ops: int = 40) -> dict:
-    from jax.profiler import ProfileData
-
+    """The split described above, of `calls` calls of the warmed fn(*args)."""
     tmp = tempfile.mkdtemp(prefix="mhl_prof_")
     try:
         jax.block_until_ready(fn(*args))
@@ -85,7 +84,7 @@ def device_time_split(fn, *args, calls: int = 2, top_ops: int = 40) -> dict:
             comm, comp, spans = 0, 0, []
             lines = list(plane.lines)
             # XLA's per-op line where the trace has one, else the streams' kernel lines (a long step's trace may come
-            # without the derived lines: seen on a 2.2B train step on H100, 2026-11-26)
+            # without the derived lines, as a 2.2B train step's did on an H100)
             ops = [line for line in lines if line.name == "XLA Ops"] or [
                 line for line in lines if not line.name.startswith(DERIVED_LINES)]
             for line in ops:
@@ -100,7 +99,7 @@ def device_time_split(fn, *args, calls: int = 2, top_ops: int = 40) -> dict:
                         comp += dur
             if spans:
                 per_device.append({"device": plane.name, "comm_ms": comm / 1e6 / calls,
-                                   "compute_ms": comp / 1e6 / calls, "busy_ms": _union_ms(spans) / calls})
+                                   "compute_ms": comp / 1e6 / calls, "busy_ms": union_ms(spans) / calls})
         if not per_device:
             return {"wall_ms": wall, "split": "no GPU planes in the profile", "files": len(files),
                     "planes": [(p.name, [line.name for line in p.lines][:8]) for p in planes][:12]}

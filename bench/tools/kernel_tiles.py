@@ -1,8 +1,8 @@
 """Each expert kernel alone (torch launcher, CUDA events), over launch tiles: which tile runs each kernel
-fastest at the layer's shapes. Unlike `bench/experts.py --sweep` (which times the dX and dW kernels
+fastest at the layer's shapes. Unlike a sweep of whole backward passes (which times the dX and dW kernels
 together), every line here is one kernel launch.
 
-    python bench/kernel_tiles.py [--tokens 81920 8192] [--ne 384] [--de 256] [--out FILE]
+    python -m bench.tools.kernel_tiles [--tokens 81920 8192] [--ne 384] [--de 256] [--out FILE]
         [--fwd 128,32,4,3 ...] [--dx ...] [--dwt ...] [--dw ...] [--fwd_cast 64,64,4,3 ...]
 
 One JSON line per (shape, kernel, tile): ms (median, several input sets), TFLOP/s of the kernel's own
@@ -13,15 +13,9 @@ kernel's output to the first tile's (a wrong tile shows up there). Short table l
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench.timing import emit  # noqa: E402
+from bench.common import JsonLines, today
 
 DEFAULT_TILES = {
     "fwd": ["128,32,4,3", "64,32,4,2", "128,32,4,2", "64,64,4,2", "64,32,4,3"],
@@ -64,7 +58,7 @@ ROUTINGS = ("uniform", "layer")
 def input_set(tokens: int, ne: int, k: int, pack_block: int, g, nh: int = 8, dh: int = 128, routing: str = "uniform"):
     """One input set (x, dy, gates, packing) on CUDA: bf16 x / dy rows (tokens * nh, dh), fp32 gates, a top-k routing
     packed with `pack_block`: "uniform" (k distinct experts uniformly at random: groups of nearly equal size) or
-    "layer" (bench/layer.py's first step: x = a (tokens, 1024) normal batch through W_in, routed by W_r and a bias
+    "layer" (`bench.layer`'s first step: x = a (tokens, 1024) normal batch through W_in, routed by W_r and a bias
     drawn as `bench.layer.init_params` draws them, in fp32: groups as uneven as the layer's, ~0.4 coefficient of
     variation)."""
     import torch
@@ -134,9 +128,9 @@ def main() -> None:
 
     nh, dh, k, ne, de = 8, 128, args.k, args.ne, args.de
     dev = "cuda"
-    date = datetime.date.today().isoformat()
+    date = today()
     device = torch.cuda.get_device_name()
-    outf = open(args.out, "a") if args.out else None
+    emit = JsonLines(args.out)
     rows = []
     for tokens in args.tokens:
         g = torch.Generator(device=dev).manual_seed(0)
@@ -169,7 +163,7 @@ def main() -> None:
                     rec["tflops"] = UNITS[kind] * 2 * rows_total * dh * de / rec["ms"] / 1e9
                 except Exception as e:
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                emit(rec, outf)
+                emit(rec)
                 rows.append(rec)
     print(f"\n{'tokens':>6} {'kernel':>5} {'tile':>16} {'ms':>7} {'TF/s':>6} rel_vs_first")
     for r in rows:

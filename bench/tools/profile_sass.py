@@ -1,7 +1,7 @@
 """Where one Gluon expert kernel's warps wait, instruction by instruction: Nsight Compute's warp-state sampling
 per SASS instruction (SourceCounters), the kernel launched alone from torch at one shape.
 
-    python bench/profile_sass.py [--kernel bwd_ws|dw_ws] [--tokens 81920] [--ne 768] [--k 8] [--de 128]
+    python -m bench.tools.profile_sass [--kernel bwd_ws|dw_ws] [--tokens 81920] [--ne 768] [--k 8] [--de 128]
                                  [--top 40] [--out FILE] [--csv FILE]
 
 The parent runs itself under `ncu --section SourceCounters --page source --print-source sass --csv` (the last
@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import io
-import os
 import shutil
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench.timing import emit  # noqa: E402
+from bench.common import JsonLines, today
 
 NAMES = {"bwd_ws": "gluon_expert_bwd_ws_kernel", "bwd_xw": "gluon_expert_bwd_xw_kernel",
          "dw_ws": "gluon_expert_dw_ws_kernel", "fwd_ws": "gluon_expert_fwd_ws_kernel"}
@@ -33,7 +28,7 @@ NAMES = {"bwd_ws": "gluon_expert_bwd_ws_kernel", "bwd_xw": "gluon_expert_bwd_xw_
 def child(kernel: str, tokens: int, ne: int, k: int, de: int) -> None:
     import torch
 
-    from bench.kernel_tiles import expert_weights, input_set
+    from bench.tools.kernel_tiles import expert_weights, input_set
     from kernels.gluon.experts import gluon_experts_bwd_ws, gluon_experts_dw_ws, gluon_experts_fwd_ws
     from kernels.triton.experts import default_config
 
@@ -78,7 +73,8 @@ def main() -> None:
         return
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     cmd = [ncu, "--csv", "--section", "SourceCounters", "--page", "source", "--print-source", "sass", "-k",
-           NAMES[args.kernel], "-s", "1", "-c", "1", sys.executable, os.path.abspath(__file__), "--child", *shape]
+           NAMES[args.kernel], "-s", "1", "-c", "1", sys.executable, "-m", "bench.tools.profile_sass", "--child",
+           *shape]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if args.csv:
         with open(args.csv, "w") as f:
@@ -100,11 +96,11 @@ def main() -> None:
     import torch
 
     rec = dict(bench="profile_sass", kernel=NAMES[args.kernel], device=torch.cuda.get_device_name(),
-               date=datetime.date.today().isoformat(),
+               date=today(),
                params=dict(tokens=args.tokens, ne=args.ne, k=args.k, de=args.de, nh=8, dh=128), samples=total,
                top=[dict(address=r.get("Address", ""), sass=r[src].strip(), samples=samples(r),
                          share=round(samples(r) / max(total, 1), 4)) for r in top])
-    emit(rec, open(args.out, "a") if args.out else None)
+    JsonLines(args.out)(rec)
     for t in rec["top"]:
         print(f"{t['address']:>8} {t['share'] * 100:5.1f}%  {t['sass'][:100]}")
 

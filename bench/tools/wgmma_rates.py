@@ -1,8 +1,8 @@
-"""The tensor cores' rate for the wgmma shapes of the expert backward, from shared memory or registers
-(bench/NOTES.md, Layer, session 26: is its "products and synchronisation" time bound by shared-memory reads?).
+"""The tensor cores' rate for the wgmma shapes of the expert backward, from shared memory or registers: is the
+backward's time in products and synchronisation bound by shared-memory reads?
 
-    python bench/wgmma_rates.py [--out FILE] [--iters 4000]      # on a Hopper GPU (torch launcher)
-    python bench/wgmma_rates.py --compile-only                    # CPU: compile for sm_90a, count the wgmma forms
+    python -m bench.tools.wgmma_rates [--out FILE] [--iters 4000]      # on a Hopper GPU (torch launcher)
+    python -m bench.tools.wgmma_rates --compile-only                    # CPU: compile for sm_90a, count the wgmma forms
 
 One kernel, `wgmma_rate_kernel`: every program loads an A tile (M, K) and a B tile (K, N) into shared memory once,
 then chains ITERS products acc += A B (each a group of K / 16 wgmma instructions, DEPTH groups in flight), A from
@@ -20,23 +20,18 @@ at N 64 SS needs exactly 128 B/clock; at N 128 96 B/clock. Output: one JSON line
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from triton.experimental import gluon  # noqa: E402
-from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from kernels.gluon.experts import _wgmma_layout  # noqa: E402
+from bench.common import JsonLines, today
+from kernels.gluon.experts import _wgmma_layout
 
 
 @gluon.jit
@@ -83,7 +78,7 @@ def compile_case(n: int, k: int, wg: int, a_reg: int) -> dict:
     A's), their count and the registers."""
     import re
 
-    from bench.kernel_report import ptxas_sass
+    from bench.tools.kernel_report import ptxas_sass
     from mhl_jax.moe.gpu.gluon import compile_gluon
 
     sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32"}
@@ -109,8 +104,8 @@ def run(iters: int, out: str | None) -> None:
 
     dev = torch.cuda.get_device_properties(0)
     sms = dev.multi_processor_count
-    date = datetime.date.today().isoformat()
-    outf = open(out, "a") if out else None
+    date = today()
+    emit = JsonLines(out)
     rows = []
     for n, k, wg, a_reg in CASES:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -139,11 +134,7 @@ def run(iters: int, out: str | None) -> None:
         flops = sms * iters * 2.0 * (64 * wg) * n * k
         rec = dict(bench="wgmma_rates", device=torch.cuda.get_device_name(0), date=date, n=n, k=k, warp_groups=wg,
                    form="RS" if a_reg else "SS", iters=iters, ms=ms, tflops=flops / ms / 1e9, rel_err=err)
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if outf:
-            outf.write(line + "\n")
-        rows.append(rec)
+        rows.append(emit(rec))
     print(f"\n{'N':>4} {'K':>4} {'WG':>3} {'SS TF/s':>8} {'RS TF/s':>8} {'SS/RS':>6}")
     for n, k, wg, a_reg in CASES:
         if a_reg:

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Runs test and benchmark suites on a GPU machine, from the repo root there:
+#     bash bench/gpu.sh SUITE...      e.g.  bash bench/gpu.sh tests-1      bash bench/gpu.sh layer train
+# Suites:
+#   tests-1 .. tests-4  the GPU tests (`pytest -m gpu`), split into four sets of test files that each finish in under
+#                       ~8 minutes on one H200; together they are the whole GPU suite (tests/parallel needs 2+ GPUs
+#                       and skips on one). `tests` runs all four.
+#   layer               bench.layer at 8192 and 81920 tokens (the layer table)
+#   train               bench.train_scale on 1 GPU: the 2.2B MH-LatentMoE and MoE configs, micro-batch 8,
+#                       global batch 32 x 2048, one process per config
+#   a2a                 bench.a2a over every visible GPU
+# Wheels carried in .whl/ (bench/tools/fetch_gpu_wheels.sh) are installed first. Every stage runs under `timeout`
+# (T_LIMIT seconds, default 570) and a failed or timed-out stage does not stop the next. Logs and JSON lines go to
+# ${OUT:-/tmp/bench_out}; the exit status is 1 when any stage failed.
+set -uo pipefail
+
+if [ $# -eq 0 ]; then
+    sed -n '2,16p' "$0"
+    exit 2
+fi
+OUT=${OUT:-/tmp/bench_out}
+LIMIT=${T_LIMIT:-570}
+mkdir -p "$OUT" /tmp/home /tmp/triton_cache /tmp/inductor /tmp/jax_cache
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+export HOME=/tmp/home TRITON_CACHE_DIR=/tmp/triton_cache MHL_TRITON_CACHE=/tmp/triton_cache \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+
+TESTS_1="tests/kernels/test_experts_kernel.py"
+TESTS_2="tests/kernels/test_router_kernel.py tests/kernels/test_packing.py tests/kernels/test_combine.py
+         tests/kernels/test_experts_grouped.py tests/kernels/test_kernels_in_model.py"
+TESTS_3="tests/e2e/test_gpu_train.py tests/e2e/test_infer.py tests/e2e/test_resume.py"
+TESTS_4="tests/unit/test_memory.py tests/unit/test_autotune.py tests/unit/test_attention.py tests/unit/test_remat.py
+         tests/parallel"
+
+LOG="$OUT/run.log"
+t0=$(date +%s)
+failed=()
+
+stage() {  # stage NAME CMD...: run CMD under the time limit into $OUT/NAME.log, record its failure, go on
+    local name=$1
+    shift
+    echo "=== [$(( $(date +%s) - t0 )) s] $name (limit $LIMIT s): $*" | tee -a "$LOG"
+    timeout -k 10 "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$name.log" | tee -a "$LOG"
+    { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && echo "=== $name timed out after $LIMIT s" | tee -a "$LOG"
+    echo "=== $name rc=$rc" | tee -a "$LOG"
+    [ "$rc" = 0 ] || failed+=("$name")
+}
+
+tests() {  # tests NAME FILES...
+    local name=$1
+    shift
+    stage "$name" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=20 "$@"
+}
+
+nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$LOG"
+for suite in "$@"; do
+    case "$suite" in
+        tests-1) tests tests-1 $TESTS_1 ;;
+        tests-2) tests tests-2 $TESTS_2 ;;
+        tests-3) tests tests-3 $TESTS_3 ;;
+        tests-4) tests tests-4 $TESTS_4 ;;
+        tests) for i in 1 2 3 4; do v="TESTS_$i"; tests "tests-$i" ${!v}; done ;;
+        layer) stage layer python3 -m bench.layer --tokens 8192 81920 --out "$OUT/layer.jsonl" ;;
+        train)
+            for c in mh_latent_moe_hp_2.2b moe_ep_2.2b; do
+                stage "train-$c" python3 -m bench.train_scale --config "configs/$c.yaml" --devices 1 --steps 4 \
+                    --warmup 1 --set train.micro_batch=8 --out "$OUT/train_scale.jsonl"
+            done ;;
+        a2a) stage a2a python3 -m bench.a2a --out "$OUT/a2a.jsonl" ;;
+        *) echo "unknown suite '$suite' (see: bash bench/gpu.sh)" | tee -a "$LOG"; failed+=("$suite") ;;
+    esac
+done
+echo "total $(( $(date +%s) - t0 )) s; failed: ${failed[*]:-none}" | tee -a "$LOG"
+[ ${#failed[@]} -eq 0 ]

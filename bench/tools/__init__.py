@@ -1,0 +1,1 @@
+"""Tools for kernel developers: profiles, compiled-kernel reports and tile sweeps (`python -m bench.tools.NAME`)."""
