@@ -190,7 +190,8 @@ def test_moe_heads_triton_shares_one_packing(dh, n, ne, k):
     separately. dh 16 runs the fused expert op, dh 144 the grouped one; "block64" has 100 slots per
     group, so the default config packs 64-row blocks with the Triton packing (emulated: the JAX sort)."""
     from mhl_jax.moe.core import moe_heads_triton
-    from mhl_jax.moe.experts import expert_ffn, triton_packing_spec
+    from mhl_jax.moe.core import expert_ffn
+    from mhl_jax.moe.plan import packing_spec as triton_packing_spec
     from mhl_jax.moe.gpu.router import route_topk_triton
 
     rng = np.random.default_rng(31)
