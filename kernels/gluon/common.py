@@ -1,6 +1,7 @@
 """Gluon building blocks shared by the warp-specialised kernels (kernels/gluon/experts_fwd.py, experts_bwd.py,
-router.py): the gelu arithmetic of `kernels.triton.experts` (so the Gluon and Triton kernels agree bitwise), the
-register layouts of wgmma products and cp.async copies, and the mbarrier pairs that hand shared buffers over."""
+experts_bwd_fused.py, router.py): the gelu arithmetic of `kernels.triton.experts` (so the Gluon and Triton kernels
+agree bitwise), the register layouts of wgmma products and cp.async copies, and the mbarrier pairs that hand shared
+buffers over."""
 
 from __future__ import annotations
 

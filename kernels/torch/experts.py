@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.gluon.experts_bwd import bwd_kernel, dw_ws_constexprs, gluon_expert_dw_ws_kernel
+from kernels.gluon.experts_bwd import dw_ws_constexprs, gluon_expert_dw_ws_kernel
+from kernels.gluon.experts_bwd_fused import bwd_kernel
 from kernels.gluon.experts_fwd import fwd_constexprs, gluon_expert_fwd_ws_kernel
 from kernels.gluon.schedule import tile_schedule_torch
 from kernels.torch.interpreter_patch import fix_interpreter_scalar_index

@@ -446,7 +446,7 @@ def test_binding_schedule_matches_launch_grid(monkeypatch):
 def test_ws_bwd_shapes_checked():
     """The warp-specialised fused backward takes dh 128, de a multiple of 128 and packing blocks of >= 32 rows;
     anything else gets a clear error naming the shape from its launch arguments."""
-    from kernels.gluon.experts_bwd import bwd_ws_constexprs, bwd_xw_constexprs
+    from kernels.gluon.experts_bwd_fused import bwd_ws_constexprs, bwd_xw_constexprs
     from kernels.tuning import gluon_bwd_supported
 
     consts = bwd_ws_constexprs(8, 128, 128, 64)

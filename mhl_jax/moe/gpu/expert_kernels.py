@@ -13,7 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels.gluon.experts_bwd import bwd_kernel, dw_ws_constexprs, gluon_expert_dw_ws_kernel
+from kernels.gluon.experts_bwd import dw_ws_constexprs, gluon_expert_dw_ws_kernel
+from kernels.gluon.experts_bwd_fused import bwd_kernel
 from kernels.gluon.experts_fwd import fwd_constexprs, gluon_expert_fwd_ws_kernel
 from kernels.gluon.schedule import check_schedule_args, deal_schedule
 from kernels.triton.experts import (
