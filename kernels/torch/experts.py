@@ -1,7 +1,8 @@
 """Launch the expert kernels of `kernels/triton/experts.py` on torch tensors.
 
 Used by the CPU tests (TRITON_INTERPRET=1 set before this module is imported, fp32 tensors) and by
-the GPU cross-checks and benchmarks (bf16 on CUDA). Packing metadata comes from
+the GPU cross-checks and benchmarks (bf16 on CUDA); the warp-specialised Gluon kernels (kernels/gluon/) at the end
+(CUDA, Hopper only). Packing metadata comes from
 `mhl_jax.moe.packing` (as int32 tensors) or from `pack_torch` below, which computes the same layout.
 
 Shapes: x (S, dh) with S = N * H sub-tokens; slot s = (n * H + h) * k + j reads x[s // k];
@@ -15,18 +16,19 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.gluon.experts_bwd import dw_ws_constexprs, gluon_expert_dw_ws_kernel
+from kernels.gluon.experts_bwd_fused import bwd_kernel
+from kernels.gluon.experts_fwd import fwd_constexprs, gluon_expert_fwd_ws_kernel
+from kernels.gluon.schedule import tile_schedule_torch
 from kernels.torch.interpreter_patch import fix_interpreter_scalar_index
 from kernels.triton.experts import (
-    ExpertsConfig,
-    Tile,
-    default_config,
-    dgates_in_kernels,
     expert_dw_kernel,
     expert_dwt_kernel,
     expert_dx_kernel,
     expert_fwd_cast_kernel,
     expert_fwd_kernel,
 )
+from kernels.tuning import ExpertsConfig, Tile, default_config, dgates_in_kernels
 
 fix_interpreter_scalar_index()
 
@@ -122,8 +124,6 @@ def experts_bwd(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: Torc
     """
     cfg.check(x.shape[1], w1.shape[2])
     x, dy, gates, w1, w2 = (t.contiguous() for t in (x, dy, gates, w1, w2))
-    if cfg.packed_bwd:  # packed X and gate-scaled dO rows, zero on padding (the kernels' PACKED inputs)
-        x, dy = pack_bwd_rows(x, dy, gates, pk.row_slot, k)
     if cfg.dw.block_e == w1.shape[2]:  # dX (and the gate gradients) fused into the dW kernel
         dx = torch.empty(pk.row_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
         dw1, dw2, dgate_rows = experts_dw(x, dy, gates, pk, w1, w2, k, cfg, dw_dtype, dx, dgates)
@@ -146,7 +146,7 @@ def experts_dx(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: Torch
     expert_dx_kernel[(p // t.block_m,)](
         x, dy, gates, pk.row_slot, pk.block_group, w1, w2, dx, dgate_rows, K=k, DH=dh, DE=de,
         PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e, num_warps=t.num_warps,
-        num_stages=t.num_stages, DGATES=dgates, PACKED=cfg.packed_bwd, **_launch_opts(x))
+        num_stages=t.num_stages, DGATES=dgates, **_launch_opts(x))
     return dx, dgate_rows if dgates else None
 
 
@@ -171,20 +171,9 @@ def experts_dw(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, pk: Torch
     kernel[(de // t.block_e, g)](
         x, dy, gates, pk.row_slot, pk.group_block_start, pk.group_nblocks, w1, w2, dw1, dw2, x if dx is None else dx,
         dgate_rows, K=k, DH=dh, DE=de, PACK_BLOCK=cfg.pack_block, BLOCK_M=t.block_m, BLOCK_E=t.block_e,
-        FUSE_DX=fuse, num_warps=t.num_warps, num_stages=t.num_stages, PACKED=cfg.packed_bwd, DGATES=dgates,
+        FUSE_DX=fuse, num_warps=t.num_warps, num_stages=t.num_stages, DGATES=dgates,
         **_launch_opts(x))
     return dw1, dw2, dgate_rows if dgates else None
-
-
-def pack_bwd_rows(x: torch.Tensor, dy: torch.Tensor, gates: torch.Tensor, row_slot: torch.Tensor, k: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, dy (S, dh); gates (M,) fp32 -> packed X rows and dO rows = gate * dy (P, dh) in x.dtype, 0 on padding."""
-    slot = row_slot.long()
-    valid = (slot >= 0)[:, None]
-    src = slot.clamp(min=0) // k
-    xp = torch.where(valid, x[src], 0).to(x.dtype)
-    dop = torch.where(valid, dy[src].float() * gates[slot.clamp(min=0)][:, None], 0).to(x.dtype)
-    return xp.contiguous(), dop.contiguous()
 
 
 class TritonExpertFFN(torch.autograd.Function):
@@ -215,7 +204,7 @@ class TritonExpertFFN(torch.autograd.Function):
         sr = pk.slot_row.long()
         dxr, dw1, dw2, dgate_rows = experts_bwd(xs, dy.reshape(n * h, dh), gates.reshape(-1).float(), pk, w1g,
                                                 w2g, k, cfg)
-        if dgate_rows is None:  # packed dO rows, or dX fused into the row-form dW kernel: the gate gradient here
+        if dgate_rows is None:  # dX fused into the row-form dW kernel: the gate gradient here
             dgates = torch.einsum("nhkd,nhd->nhk", out[sr].view(n, h, k, dh).float(), dy.float())
         else:
             dgates = dgate_rows[sr].view(n, h, k)
@@ -231,3 +220,69 @@ def triton_expert_ffn(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w
     cfg = (cfg or default_config(n * h * k, h * ne, x.shape[2], de)).fit(de)
     pk = pack_torch(idx, ne, cfg.pack_block)
     return TritonExpertFFN.apply(x, gates, w1, w2, pk, k, cfg)
+
+
+# ---------------------------------------------------------------------------------- the Gluon kernels (Hopper)
+
+def gluon_experts_fwd_ws(x, pk: TorchPacking, w1, w2, k: int, pack_block: int, programs: int | None = None, out=None,
+                         heads: int = 1):
+    """x (S, dh), w1 (G, dh, de), w2 (G, de, dh) -> out rows (P, dh) in x.dtype by `gluon_expert_fwd_ws_kernel`
+    (padding rows 0, but for the padding-only second halves of blocks: unwritten); `out`, if given, is written in
+    place; heads: `fwd_constexprs`'."""
+    p, (_, dh), (g_count, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
+    nb = p // pack_block
+    consts = fwd_constexprs(k, dh, de, g_count, nb, pack_block, heads)
+    out = torch.empty(p, dh, dtype=x.dtype, device=x.device) if out is None else out
+    programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
+    gluon_expert_fwd_ws_kernel[(min(programs, nb),)](
+        x.contiguous(), pk.row_slot, pk.block_group, pk.group_block_start, pk.group_nblocks, w1.contiguous(),
+        w2.contiguous(), out, num_warps=4, maxnreg=gluon_expert_fwd_ws_kernel.mhl_compile_options["maxnreg"],
+        **consts)
+    return out
+
+
+def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
+                         dw_dtype=None, out=None, *, heads: int, deal: bool = True, xw: bool = False, **options):
+    """Torch launcher (CUDA, Hopper) of the fused backward: as `gluon_experts_dw_ws`, plus dX rows (P, de / 128, dh)
+    in x.dtype and each packed row's gate gradient (P, de / 128) fp32, one partial per 128 de (sum them; rows of
+    the kernel's row blocks (block_m, 32) made only of padding unwritten): -> (dW1, dW2, dX, dgate), or written into
+    `out` (the same four).
+    xw: `gluon_expert_bwd_xw_kernel` (the dX rows by a fourth warp group; options: `bwd_xw_constexprs`')."""
+    p, (_, dh), (_, _, de) = pk.row_slot.shape[0], x.shape, w1.shape
+    kernel, constexprs = bwd_kernel(xw)
+    consts = constexprs(k, dh, de, pack_block, **options)
+    dw_dtype = dw_dtype or torch.float32
+    out = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
+                  torch.empty(w2.shape, dtype=dw_dtype, device=x.device),
+                  torch.empty(p, de // 128, dh, dtype=x.dtype, device=x.device),
+                  torch.empty(p, de // 128, dtype=torch.float32, device=x.device))
+    _launch_tiled(kernel, x, dy, gates, pk, w1, w2, out, consts, programs, heads, deal)
+    return out
+
+
+def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs: int | None, heads: int,
+                  deal: bool) -> None:
+    """Launch a persistent dW / backward kernel from torch: one program per SM (or `programs`), at most one per
+    (group, 128 de) tile, with `tile_schedule_torch`'s schedule for exactly that many programs."""
+    tiles_per_group = w1.shape[2] // 128
+    programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count,
+                   w1.shape[0] * tiles_per_group)
+    sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal)
+    kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start,
+                        pk.group_sizes, sched, w1.contiguous(), w2.contiguous(), outs[0], outs[1],  # acc1, acc2
+                        *outs, num_warps=4,
+                        maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
+
+
+def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,
+                        dw_dtype=None, out=None, *, heads: int, deal: bool = True, **options):
+    """Torch launcher (CUDA, Hopper): x, dy (S, dh) rows as stored, gates (S * k,) fp32, pk a
+    `kernels.torch.experts.TorchPacking`, w1 (G, dh, de), w2 (G, de, dh) -> (dW1, dW2) in dw_dtype (fp32), or
+    written into `out` = (dW1, dW2) if given; options: `dw_ws_constexprs`' stages / wbuf / regs / block_m (probes)."""
+    (_, dh), (_, _, de) = x.shape, w1.shape
+    consts = dw_ws_constexprs(k, dh, de, pack_block, **options)
+    dw_dtype = dw_dtype or torch.float32
+    dw1, dw2 = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
+                       torch.empty(w2.shape, dtype=dw_dtype, device=x.device))
+    _launch_tiled(gluon_expert_dw_ws_kernel, x, dy, gates, pk, w1, w2, (dw1, dw2), consts, programs, heads, deal)
+    return dw1, dw2

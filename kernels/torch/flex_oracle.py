@@ -33,7 +33,7 @@ def _compiled_flex():
     """One compile per shape (dynamic=False). torch.compile stops recompiling after its recompile limit (8)
     and then runs FlexAttention eagerly, which materialises the whole rows x (G * de) score matrix: in a
     sweep that was every shape after the 4th (forward and fwd+bwd compile separately), asking for up to
-    38 TiB (bench/NOTES.md, H100 2026-11-23). So the limit is raised for the oracle."""
+    38 TiB. So the limit is raised for the oracle."""
     import torch._dynamo.config as dynamo_config
 
     for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions

@@ -14,16 +14,8 @@ import torch
 
 from kernels.torch.experts import TorchPacking, pack_torch
 from kernels.torch.interpreter_patch import fix_interpreter_scalar_index
-from kernels.triton.grouped import (
-    GATHER,
-    GATHER_GATED,
-    ROWS,
-    GroupedConfig,
-    b_strides,
-    default_grouped_config,
-    grouped_rows_kernel,
-    grouped_wgrad_kernel,
-)
+from kernels.triton.grouped import GATHER, GATHER_GATED, ROWS, b_strides, grouped_rows_kernel, grouped_wgrad_kernel
+from kernels.tuning import GroupedConfig, default_grouped_config
 
 fix_interpreter_scalar_index()
 

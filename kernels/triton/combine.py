@@ -15,26 +15,17 @@ is contiguous. Writes dx and dv (for the router's dW_r). Accumulates in fp32 in 
 partials, then the router term), rounds once to dx's dtype. No atomics: each output row is one program's.
 
 Apart, the expert op's combine (XLA: gather k rows, sum) and the router's dX kernel (k rows of W_r^T
-from L2 per row) each write an (N * H, DH) array, and XLA adds the two: at 81920 tokens, Nh 8, k 8
-that is 0.61 ms + 0.24-0.32 ms on an H100 (bench/NOTES.md, Layer, session 19). Here the HBM gather
-of the dX rows (k x 256 B per row at DH 128) bounds the time and the W_r^T rows come from L2 beside it.
+from L2 per row) would each write an (N * H, DH) array for XLA to add. Here the HBM gather of the dX
+rows (k x 256 B per row at DH 128) bounds the time and the W_r^T rows come from L2 beside it. Tiles:
+`kernels.tuning.CombineTiles`.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import triton
 import triton.language as tl
 
-
-class CombineTiles(NamedTuple):
-    # rows per program. 16 since the 2026-11-26 session 27, when the dv stores moved behind the loads (H100, kernel
-    # alone, bench/combine.py: 0.71 / 0.74 / 0.63 ms at Ne 768 k 8 / Ne 1536 k 8 / Ne 384 k 4 with two partials,
-    # against 0.92 / 0.96 / 0.72 with the stores between the loads at 32 rows; at 64 rows with two partials the
-    # held values spill: 10 ms; results/combine-h100-2026-11-26-s27-dv-{late,inline}.jsonl)
-    block_r: int = 16
-    num_warps: int = 4
+from kernels.tuning import CombineTiles, out_combine_tiles
 
 
 def check_combine_args(r: int, h: int, dh: int, ne: int, k: int, parts: int, tiles: CombineTiles) -> None:
@@ -126,12 +117,6 @@ def out_combine_kernel(
         acc += row.to(tl.float32) * g[:, None]
     tl.store(out_ptr + r64[:, None] * DH + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
-
-
-def out_combine_tiles(dh: int) -> CombineTiles:
-    """`out_combine_kernel`'s tiles: 32 rows x dh 128 per 4-warp program (32 fp32 accumulators per thread); wider rows
-    in fewer rows per program, the same registers."""
-    return CombineTiles(block_r=max(1, min(32, 4096 // max(16, triton.next_power_of_2(dh)))))
 
 
 def out_combine_constexprs(r: int, dh: int, k: int, tiles: CombineTiles) -> dict:

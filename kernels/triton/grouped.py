@@ -43,18 +43,16 @@ Kernels (parameters in jax-triton's order: inputs, outputs, constexprs):
   group's rows, BLOCK_R at a time and in order, of A[rows, i-tile]^T D[rows, j-tile]. No atomics:
   bitwise deterministic. Groups with no rows store zeros.
 
-BLOCK_M and BLOCK_R divide PACK_BLOCK, so tiles are tuned apart from the packing. Under
+BLOCK_M and BLOCK_R divide PACK_BLOCK, so tiles are tuned apart from the packing (`kernels.tuning.GroupedConfig`). Under
 TRITON_INTERPRET=1 pass fp32 tensors (bf16 arithmetic is broken there) and FAST_TANH=False.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import triton
 import triton.language as tl
 
-from kernels.triton.experts import PACK_IMPLS, _gelu, _gelu_and_grad
+from kernels.triton.experts import _gelu, _gelu_and_grad
 
 ROWS, GATHER, GATHER_GATED = 0, 1, 2  # row-operand modes (module docstring)
 
@@ -190,89 +188,4 @@ def b_strides(shape: tuple[int, int, int], transpose: bool) -> dict:
     return dict(STRIDE_BG=r * c, STRIDE_BK=bk, STRIDE_BN=bn)
 
 
-# ----------------------------------------------------------------------------------------- config
-
-@dataclass(frozen=True)
-class GemmTile:
-    """Launch shape of one grouped-GEMM kernel.
-
-    rows kernel:  block_m rows x block_n output columns per program, block_k reduction step.
-    wgrad kernel: block_m x block_n tile of dW (I x J) per program, block_k packed rows per step."""
-
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-
-
-@dataclass(frozen=True)
-class GroupedConfig:
-    """Packing row block, the rows-kernel tile (all four row GEMMs), the wgrad tile, the program
-    swizzle of the rows kernel (group_m row blocks per band) and the JAX packing ("argsort" | "count")."""
-
-    pack_block: int = 128
-    rows: GemmTile = GemmTile(128, 128, 64, 4, 3)
-    wgrad: GemmTile = GemmTile(128, 128, 64, 4, 3)
-    group_m: int = 8
-    pack_impl: str = "argsort"
-
-    def check(self, dh: int, de: int) -> None:
-        """Raise ValueError naming the bad value unless the tiles fit widths dh and de."""
-        _pow2("pack_block", self.pack_block)
-        r, w = self.rows, self.wgrad
-        for name, v in (("rows.block_m", r.block_m), ("rows.block_n", r.block_n), ("rows.block_k", r.block_k),
-                        ("wgrad.block_m", w.block_m), ("wgrad.block_n", w.block_n), ("wgrad.block_k", w.block_k)):
-            _pow2(name, v)
-        for name, v in (("rows.block_m", r.block_m), ("wgrad.block_k", w.block_k)):
-            if self.pack_block % v:
-                raise ValueError(f"grouped experts: {name}={v} must divide pack_block={self.pack_block}")
-        # rows kernel: N and KDIM are de and dh (H = X W1, dX = dH W1^T) or dh and de (O, dH)
-        # wgrad kernel: (I, J) is (dh, de) for dW1 and (de, dh) for dW2
-        for name, v in (("rows.block_n", r.block_n), ("rows.block_k", r.block_k), ("wgrad.block_m", w.block_m),
-                        ("wgrad.block_n", w.block_n)):
-            for dim, size in (("dh", dh), ("de", de)):
-                if size % v:
-                    raise ValueError(f"grouped experts: {dim}={size} must be a multiple of {name}={v}")
-        if self.group_m < 1:
-            raise ValueError(f"grouped experts: group_m={self.group_m} must be >= 1")
-        if self.pack_impl not in PACK_IMPLS:
-            raise ValueError(f"grouped experts: pack_impl={self.pack_impl!r}, expected one of {PACK_IMPLS}")
-
-    def fit(self, dh: int, de: int) -> GroupedConfig:
-        """Shrink tiles (halving, not below 16) to the packing block and to widths dh, de (small test
-        shapes, or widths the default tiles do not divide)."""
-        def shrink(v: int, *sizes: int) -> int:  # tiles that are no power of two are left to check()
-            while v > 16 and not v & (v - 1) and any(s % v for s in sizes):
-                v //= 2
-            return v
-
-        p = self.pack_block
-        r, w = self.rows, self.wgrad
-        rows = replace(r, block_m=shrink(r.block_m, p), block_n=shrink(r.block_n, dh, de),
-                       block_k=shrink(r.block_k, dh, de))
-        wgrad = replace(w, block_m=shrink(w.block_m, dh, de), block_n=shrink(w.block_n, dh, de),
-                        block_k=shrink(w.block_k, p))
-        return replace(self, rows=rows, wgrad=wgrad)
-
-
-def _pow2(name: str, v: int) -> None:
-    if not isinstance(v, int) or v < 16 or v & (v - 1):
-        raise ValueError(f"grouped experts: {name}={v!r} must be a power of two >= 16")
-
-
-def default_grouped_config(num_slots: int, num_groups: int, dh: int, de: int) -> GroupedConfig:
-    """Packing block from the mean rows per group (padding waste ~ block / 2 per group, as
-    `kernels.triton.experts.default_config`), 128 x 128 x 64 tiles, 4 warps, 3 stages (bf16: 3 * (128 * 64 +
-    64 * 128) * 2 B = 96 KB of shared memory per program), fitted to dh, de. Picked by a small sweep on
-    one H100 at dh 1024, de 256, Ne 384, k 4, 32768 tokens (P = 148096), TFLOP/s per launch: H (+ gelu
-    epilogue) 308, O 303, dH 294, dX 296, dW1 228, dW2 185 (8 warps: dH 230, dW2 132; a cuBLAS bf16
-    matmul of one 32768 x 1024 x 256 product: 430); jitted forward + backward 2.8 ms."""
-    mean = num_slots / max(num_groups, 1)
-    pack = 128 if mean >= 384 else 64 if mean >= 48 else 32 if mean >= 12 else 16
-    return GroupedConfig(pack_block=pack, rows=GemmTile(min(128, pack), 128, 64, 4, 3),
-                         wgrad=GemmTile(128, 128, min(64, pack), 4, 3)).fit(dh, de)
-
-
-__all__ = ["grouped_rows_kernel", "grouped_wgrad_kernel", "b_strides", "GemmTile", "GroupedConfig",
-           "default_grouped_config", "ROWS", "GATHER", "GATHER_GATED"]
+__all__ = ["grouped_rows_kernel", "grouped_wgrad_kernel", "b_strides", "ROWS", "GATHER", "GATHER_GATED"]

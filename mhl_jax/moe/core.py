@@ -8,7 +8,8 @@ Every variant reduces to H independent MoEs over sub-tokens (MoE and LatentMoE: 
 
 An *executor* runs this on global arrays. `local_moe` runs it on one device; the head-parallel and
 expert-parallel executors in `mhl_jax/parallel/` wrap the same function in `jax.shard_map`, so the
-model code never changes with the mesh.
+model code never changes with the mesh. Which kernels run is `mhl_jax.moe.plan`'s to say; this module
+routes the calls accordingly.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from mhl_jax.moe.experts import expert_ffn, triton_packing_spec
-from mhl_jax.moe.plan import MAX_TRITON_EXPERT_WIDTH, MAX_TRITON_ROUTER_WIDTH, triton_expert_path
+from mhl_jax.moe import plan
+from mhl_jax.moe.experts import REFERENCE_BLOCK, expert_ffn_reference
+from mhl_jax.moe.plan import MAX_TRITON_ROUTER_WIDTH, fused_core, router_casts_weights, triton_expert_path
 from mhl_jax.moe.router import route_topk, router_gates
 
 
@@ -71,13 +73,6 @@ def _accumulate_bwd(acc, g):
 accumulate_grad.defvjp(_accumulate_fwd, _accumulate_bwd)
 
 
-def fused_core(impl: str, x_route: jax.Array, x_expert: jax.Array) -> bool:
-    """Whether `moe_heads` runs the fused Triton core (`mhl_jax.moe.gpu.fused`): sub-tokens routed on themselves, on
-    the Triton router and the fused expert kernels (FUSE_ROUTER_DX)."""
-    return (impl == "triton" and FUSE_ROUTER_DX and x_route is x_expert
-            and x_route.shape[2] <= MAX_TRITON_ROUTER_WIDTH and triton_expert_path(x_expert.shape[2]) == "fused")
-
-
 def accumulates_in_place(impl: str, x_dtype, w_dtype, dh: int) -> bool:
     """Whether the expert backward adds its weight gradients to the caller's accumulators in place (`moe_heads`'
     grad_acc): the Triton experts (the fused core's Gluon / Triton backward for sub-tokens routed on themselves, the
@@ -93,62 +88,71 @@ def reads_weights_cast(impl: str, x_dtype, w_dtype, dh: int) -> bool:
     return impl == "triton" and jnp.dtype(x_dtype) != jnp.dtype(w_dtype)
 
 
-# The router's Gluon kernel also casts the fp32 expert weights to bf16 (its caster warp group, beside two consumers)
-# instead of a separate XLA cast before the expert op; the gradients are bitwise the same either way (see
-# `kernels.triton.experts.default_config`'s fwd_cast for the one tile where the two forwards' chunk widths differ). The casts
-# are 0.40 / 0.80 ms of the 768/8/128 and 1536/8/128 layers at 81920 tokens; the caster's HBM traffic slows the router
-# by 0.1 / 0.28 ms, so the layer gains 0.23 / 0.39 ms (H100 2026-11-25, bench/router_cast.py; bench/NOTES.md, Layer,
-# session 19). At k <= 4 (three consumers without the caster) too: 7.27 vs 7.43 ms (384/4/256), 8.70 vs 8.93
-# (768/4/256) at 81920 tokens (H100 2026-11-26, session 24).
-ROUTER_CASTS_WEIGHTS = True
-# ... where the router runs long enough to hide the cast: its time grows as N x H x Ne, the cast's as H x Ne x dh x de,
-# so the caster runs from N >= ROUTER_CAST_MIN_TOKENS_PER_WEIGHT x dh x de tokens on. Measured gains at N = 2.5 dh de
-# (81920 tokens, de 256, k 4: above) and 5 dh de (de 128, k 8); losses at 0.5 dh de (8192 tokens, de 128, k 8: 2.36 vs
-# 2.29 ms at 768/8/128, 3.81 vs 3.64 at 1536/8/128); between them not measured.
-ROUTER_CAST_MIN_TOKENS_PER_WEIGHT = 2
-
-
-# Sub-tokens routed on themselves (x_route is x_expert: MH-LatentMoE) on the fused expert path run router, gates and
-# experts under one custom_vjp (`mhl_jax.moe.gpu.fused`) whose backward sums each sub-token's expert dX rows and the
-# router's dX in one kernel; False: the router's and the experts' ops apart (XLA adds their dx).
-FUSE_ROUTER_DX = True
-
-
-def router_casts_weights(x_route: jax.Array, x_expert: jax.Array, w1: jax.Array, w2: jax.Array) -> bool:
-    """Whether `moe_heads_triton` hands the expert weights' cast to the router (ROUTER_CASTS_WEIGHTS; bf16
-    activations, fp32 weights, an expert width the Triton kernels take, and enough tokens to hide it). The router's
-    binding decides the rest (the Gluon kernel; else XLA casts)."""
-    n, _, dh = x_expert.shape
-    return (ROUTER_CASTS_WEIGHTS and x_expert.dtype == x_route.dtype == jnp.bfloat16
-            and w1.dtype == w2.dtype == jnp.float32 and dh <= MAX_TRITON_EXPERT_WIDTH
-            and n >= ROUTER_CAST_MIN_TOKENS_PER_WEIGHT * dh * w1.shape[-1])
-
-
 def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
                      w2: jax.Array, k: int, cfg=None, backend: str | None = None,
                      weights_cast=None, grad_acc=None) -> tuple[jax.Array, jax.Array]:
-    """`moe_heads` on the Triton router and experts with one packing: the router's forward also packs
-    its indices the way the expert op wants them, and its backward takes the dW_r layout from that
-    packing instead of sorting the slots again. With x_route is x_expert on the fused expert path (FUSE_ROUTER_DX) all
-    of it runs under one custom_vjp whose dx comes out of one kernel (`mhl_jax.moe.gpu.fused`). backend "emulate":
-    pure-JAX kernel stand-ins (CPU); None: the bindings' own default ("triton"; a test may swap the bindings).
-    weights_cast: (w1, w2) already cast by the caller (`moe_heads`); then the router's kernel casts nothing. grad_acc:
-    `moe_heads`' (the fused core, or the grouped experts: `expert_ffn`)."""
+    """`moe_heads` on the Triton router and experts with one packing: the router's forward also packs its indices the
+    way the expert op wants them, and its backward takes the dW_r layout from that packing instead of sorting the
+    slots again. Sub-tokens routed on themselves on the fused expert path run all of it under one custom_vjp whose
+    dx comes out of one kernel (`plan.fused_core`, `mhl_jax.moe.gpu.fused`). backend "emulate": pure-JAX kernel
+    stand-ins (CPU); None: the bindings' own default ("triton"; a test may swap the bindings). weights_cast: (w1, w2)
+    already cast by the caller (`moe_heads`); then the router's kernel casts nothing (`plan.router_casts_weights`).
+    grad_acc: `moe_heads`' (the fused core, or the grouped experts: `expert_ffn`)."""
+    from mhl_jax.moe.gpu import fused as moe_triton
     from mhl_jax.moe.gpu import router as router_triton
 
     cast = weights_cast is None and router_casts_weights(x_route, x_expert, w1, w2)
     kw = {} if backend is None else {"backend": backend}
-    if FUSE_ROUTER_DX and x_route is x_expert and triton_expert_path(x_expert.shape[2]) == "fused":
-        from mhl_jax.moe.gpu import fused as moe_triton
-
+    if fused_core("triton", x_route, x_expert):
         return moe_triton.moe_heads_fused(x_expert, w_r, bias, w1, w2, k, cfg, cast=cast, weights_cast=weights_cast,
                                           grad_acc=grad_acc, **kw)
-    spec = triton_packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
+    spec = plan.packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
     out = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, cast=(w1, w2) if cast else None, **kw)
     values, idx, packing = out[:3]
     gates = router_gates(values)  # fp32
     return expert_ffn(x_expert, idx, gates, w1, w2, "triton", cfg=cfg, packing=packing, backend=backend,
                       weights_cast=out[3] if cast else weights_cast, grad_acc=grad_acc)
+
+
+def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
+               impl: str = "reference", cfg=None, packing=None, backend: str | None = None, weights_cast=None,
+               grad_acc=None) -> tuple[jax.Array, jax.Array]:
+    """x: (N, H, dh) compute dtype; idx: (N, H, k) int32; gates: (N, H, k) fp32; w1: (H, Ne, dh, de) fp32; w2: (H,
+    Ne, de, dh) fp32. impl "reference": `mhl_jax.moe.experts.expert_ffn_reference`; "triton": the plan's expert path
+    (`plan.triton_expert_path`): the fused IO-aware kernels (`cfg`: a `kernels.tuning.ExpertsConfig`) or the
+    grouped-GEMM kernels (`cfg`: a `kernels.tuning.GroupedConfig`); None picks the tuned defaults.
+
+    `packing` (triton only): the packing of idx made by the router with `plan.packing_spec`; `backend` (triton
+    only): "emulate" runs pure-JAX stand-ins of the kernels (CPU tests); None: the bindings' default ("triton").
+    `weights_cast` (triton only): (w1, w2) already in x's dtype. `grad_acc` (the grouped triton path only): running
+    gradient sums of w1 / w2, returned as their gradients plus dW (`moe_heads`).
+
+    Returns y (N, H, dh) in x.dtype and the per-(head, expert) load counts (H, Ne) int32.
+    """
+    n, h, dh = x.shape
+    hw, ne, dhw, de = w1.shape
+    if (hw, dhw) != (h, dh) or w2.shape != (h, ne, de, dh) or idx.shape != gates.shape or idx.shape[:2] != (n, h):
+        raise ValueError(f"expert_ffn: shapes disagree: x {x.shape}, idx {idx.shape}, gates {gates.shape}, "
+                         f"w1 {w1.shape}, w2 {w2.shape}")
+    if impl == "triton":
+        from mhl_jax.moe.gpu import experts as experts_triton
+        from mhl_jax.moe.gpu import grouped as experts_grouped
+
+        kw = {} if backend is None else {"backend": backend}
+        if triton_expert_path(dh) == "grouped":
+            return experts_grouped.expert_ffn_grouped(x, idx, gates, w1, w2, cfg=cfg, packing=packing,
+                                                      weights_cast=weights_cast, grad_acc=grad_acc, **kw)
+        if grad_acc is not None:
+            raise ValueError(f"expert_ffn: grad_acc= belongs to the grouped Triton expert path (dh={dh} takes the "
+                             "fused one)")
+        return experts_triton.expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg, packing=packing,
+                                                weights_cast=weights_cast, **kw)
+    if impl != "reference":
+        raise ValueError(f"expert_ffn: impl={impl!r}, expected 'reference' or 'triton'")
+    if packing is not None or backend is not None or weights_cast is not None or grad_acc is not None:
+        raise ValueError("expert_ffn: packing=, backend=, weights_cast= and grad_acc= belong to impl='triton'; the "
+                         f"reference packs with its own block {REFERENCE_BLOCK}")
+    return expert_ffn_reference(x, idx, gates, w1, w2)
 
 
 class MoEExecutor(Protocol):

@@ -24,7 +24,7 @@ def main() -> None:
     from triton.compiler import code_generator
     from triton.compiler.compiler import ASTSource, make_backend
 
-    from kernels.gluon.experts import gluon_expert_fwd_ws_kernel, ws_constexprs
+    from kernels.gluon.experts_fwd import fwd_constexprs, gluon_expert_fwd_ws_kernel
     from kernels.triton.experts import expert_fwd_kernel
     from mhl_jax.moe.gpu import gluon as gluon_bridge
 
@@ -68,7 +68,7 @@ def main() -> None:
     kernel, ptx = build(expert_fwd_kernel, dict(K=4, DH=128, DE=256, PACK_BLOCK=128, BLOCK_M=128, BLOCK_E=32,
                                                 FAST_TANH=True, PRECISION="tf32"))
     assert kernel == ("expert_fwd_kernel", 4) and calls[-1] == ("CUDABackend", None)
-    kernel, ptx = build(gluon_expert_fwd_ws_kernel, ws_constexprs(4, 128, 256, 64, 100, 128))
+    kernel, ptx = build(gluon_expert_fwd_ws_kernel, fwd_constexprs(4, 128, 256, 64, 100, 128))
     assert kernel == ("gluon_expert_fwd_ws_kernel", 12) and calls[-1] == ("_GluonStages", 168)
     assert ".reqntid 384" in ptx and ".maxnreg 168" in ptx
 

@@ -165,9 +165,10 @@ def test_jax_emulate_vs_float64(by_slot):
 
 
 def _fused_vs_apart(backend, n, h, dh, ne, k, de, seed=3, cfg=None):
-    """Loss and gradients of moe_core.moe_heads_triton with FUSE_ROUTER_DX on and off: loss, load, dW1, dW2 bitwise,
-    dW_r within fp32 rounding, dx within the rounding of x's dtype (and the fused one was traced: the flag reached
-    the dispatch)."""
+    """Loss and gradients of `mhl_jax.moe.core.moe_heads_triton` on sub-tokens routed on themselves (the fused core,
+    `plan.fused_core`) and on a copy of them (the router's and the experts' ops apart, XLA adding their dx): loss,
+    load, dW1, dW2 bitwise, dW_r within fp32 rounding, dx within the rounding of x's dtype (and the fused core was
+    traced once: for the first only)."""
     import jax
     import jax.numpy as jnp
 
@@ -182,18 +183,19 @@ def _fused_vs_apart(backend, n, h, dh, ne, k, de, seed=3, cfg=None):
     w2 = jax.random.normal(ks[4], (h, ne, de, dh), jnp.float32) * de ** -0.5
     wy = jax.random.normal(ks[5], (n, h, dh), jnp.float32)
 
-    def loss(x, w_r, w1, w2):
-        y, load = mc.moe_heads_triton(x, x, w_r, b, w1, w2, k, cfg=cfg, backend=backend)
+    def loss(x, w_r, w1, w2, fuse):
+        x_route = x if fuse else x * 1  # another array of the same values: routed apart from x
+        y, load = mc.moe_heads_triton(x_route, x, w_r, b, w1, w2, k, cfg=cfg, backend=backend)
         return jnp.vdot(y.astype(jnp.float32), wy), load
 
-    out, traced, saved, real = [], [], mc.FUSE_ROUTER_DX, moe_triton._moe
+    out, traced, real = [], [], moe_triton._moe
     try:
         moe_triton._moe = lambda *a: traced.append(1) or real(*a)
         for fuse in (True, False):
-            mc.FUSE_ROUTER_DX = fuse
-            out.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w_r, w1, w2))
+            f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
+            out.append(f(x, w_r, w1, w2, fuse))
     finally:
-        mc.FUSE_ROUTER_DX, moe_triton._moe = saved, real
+        moe_triton._moe = real
     assert traced == [1]
     (l1, load1), g1 = out[0]
     (l0, load0), g0 = out[1]
@@ -219,10 +221,12 @@ def test_fused_core_emulate_vs_apart():
 def test_fused_core_emulate_vs_apart_kernel_dgates():
     """The per-packed-row branch of the fused backward (the kernels make the gate gradients, as at the GPU's shapes):
     the transposed dW form forced at a CPU-sized shape."""
-    from kernels.triton.experts import default_config, dgates_in_kernels
+    from dataclasses import replace
+
+    from kernels.tuning import default_config, dgates_in_kernels
 
     n, h, dh, ne, k, de = 64, 2, 32, 12, 4, 16
-    cfg = default_config(n * h * k, h * ne, dh, de, dw_form="t")
+    cfg = replace(default_config(n * h * k, h * ne, dh, de), dw_form="t")
     assert dgates_in_kernels(cfg, de)
     _fused_vs_apart("emulate", n, h, dh, ne, k, de, cfg=cfg)
 
@@ -262,8 +266,8 @@ def test_gpu_jax_launch_equals_torch_launch():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dh,k", [(128, 8), (1024, 4)], ids=["heads", "grouped-width"])
 def test_gpu_out_combine_binding_vs_torch_launch_and_xla(dh, k):
-    """The forward combine through jax-triton (`experts_triton.combine_rows`, its tiles picked from dh) bitwise the
-    torch launch with the same tiles; within one bf16 rounding of XLA's combine and of float64."""
+    """The forward combine through jax-triton (`mhl_jax.moe.gpu.experts.combine_rows`, its tiles picked from dh)
+    bitwise the torch launch with the same tiles; within one bf16 rounding of XLA's combine and of float64."""
     import jax.numpy as jnp
 
     import mhl_jax.moe.gpu.experts as et
@@ -283,51 +287,3 @@ def test_gpu_out_combine_binding_vs_torch_launch_and_xla(dh, k):
     got, xla = (np.asarray(a.astype(jnp.float32)).reshape(n * h, dh) for a in (y, y_xla))
     for a in (got, xla):
         np.testing.assert_allclose(a, ref, rtol=2 ** -7, atol=2 ** -7 * np.abs(ref).max())
-
-
-@pytest.mark.gpu
-# 32-row packing blocks (16 mean rows per group); 64-row blocks at de 256 with 64 mean rows per group, where the
-# converting forward has a chunk width of its own (`ExpertsConfig.fwd_cast`: 32 de against the plain forward's 64)
-@pytest.mark.parametrize("ne,de,pack,cast_e", [(256, 128, 32, 64), (64, 256, 64, 32)])
-def test_gpu_triton_metadata_and_converting_forward_bitwise_the_xla_paths(ne, de, pack, cast_e):
-    """The model's MoE core with the packing metadata from Triton launches (packing_triton.META_KERNELS) and the
-    forward converting the fp32 weights in its loads (experts_triton.FWD_CASTS_WEIGHTS) against both off (XLA's scans
-    and cast, then the plain forward): loss, load and every gradient to the bit, with half of the experts never chosen
-    (their groups empty: their converted weights are never written)."""
-    import jax
-    import jax.numpy as jnp
-
-    import mhl_jax.moe.core as mc
-    import mhl_jax.moe.gpu.experts as et
-    import mhl_jax.moe.gpu.packing as pt
-
-    n, h, dh, k = 1024, 4, 128, 4
-    ks = jax.random.split(jax.random.key(5), 6)
-    x = jax.random.normal(ks[0], (n, h, dh), jnp.float32).astype(jnp.bfloat16)
-    w_r = jax.random.normal(ks[1], (h, dh, ne), jnp.float32) * dh ** -0.5
-    b = jnp.where(jnp.arange(ne) < ne // 2, 0.0, -1e4) * jnp.ones((h, 1), jnp.float32)
-    w1 = jax.random.normal(ks[3], (h, ne, dh, de), jnp.float32) * dh ** -0.5
-    w2 = jax.random.normal(ks[4], (h, ne, de, dh), jnp.float32) * de ** -0.5
-    wy = jax.random.normal(ks[5], (n, h, dh), jnp.float32)
-    cfg = et.default_config(n * h * k, h * ne, dh, de)
-    assert cfg.pack_block == pack and cfg.cast_tile.block_e == cast_e and cfg.fwd.block_e == min(de, 64), cfg
-
-    def loss(x, w_r, w1, w2):
-        y, load = mc.moe_heads_triton(x, x, w_r, b, w1, w2, k)
-        return jnp.vdot(y.astype(jnp.float32), wy), load
-
-    out, casts, saved = [], [], (pt.META_KERNELS, et.FWD_CASTS_WEIGHTS, et._fwd_triton_call)
-    try:
-        et._fwd_triton_call = lambda *a, cast: (casts.append(1) if cast else None) or saved[2](*a, cast=cast)
-        for on in (True, False):
-            pt.META_KERNELS = et.FWD_CASTS_WEIGHTS = on
-            out.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w_r, w1, w2))
-    finally:
-        pt.META_KERNELS, et.FWD_CASTS_WEIGHTS, et._fwd_triton_call = saved
-    assert casts == [1]  # the converting forward ran in the first trace only
-    (l1, load1), g1 = out[0]
-    (l0, load0), g0 = out[1]
-    assert int((load1 == 0).sum()) >= h * ne // 2
-    assert float(l1) == float(l0) and np.array_equal(load1, load0)
-    for name, a, c in zip(("x", "w_r", "w1", "w2"), g1, g0):
-        assert np.array_equal(np.asarray(a), np.asarray(c)), name

@@ -1,12 +1,10 @@
-"""Expert kernels (kernels/triton/experts.py) and their bindings.
+"""Expert kernels (kernels/triton/experts.py, kernels/gluon/experts_*.py), their bindings and the plan's choice of them.
 
-CPU: the Triton kernels under the interpreter (fp32 torch tensors) against a float64 reference,
-padding handling, sub-block tiling, the fused dX path, both dW kernels and packed backward rows,
-deterministic weight gradients, dropless under extreme skew, and the FlexAttention oracle's forward
-(eager path).
-GPU (marker gpu): the MH-LatentMoE layer in JAX with the Triton kernels against the PyTorch oracle
-fed identical weights and inputs, and against the pure-JAX reference (output and every gradient);
-each config variant (transposed dW, packed backward rows, counting-sort packing) against the default.
+CPU: the Triton kernels under the interpreter (fp32 torch tensors) against a float64 reference, padding handling,
+sub-block tiling, the fused dX path, both dW kernels, the converting forward, deterministic weight gradients,
+dropless under skew, and the FlexAttention oracle's forward (eager path); the tuning tables and the plan's rules.
+GPU (marker gpu): the MH-LatentMoE layer in JAX with the Triton kernels against the PyTorch oracle and the pure-JAX
+reference; each kernel path of the binding against an fp32 reference; the Gluon kernels against float64.
 """
 
 import os
@@ -21,8 +19,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels.torch.experts import experts_fwd, pack_torch, triton_expert_ffn  # noqa: E402
-from kernels.triton.experts import ExpertsConfig, Tile  # noqa: E402
-from tests.references.torch_experts import check_fwd_bwd_vs_f64, expert_ffn_f64, expert_inputs, weight_grads_twice  # noqa: E402
+from kernels.tuning import ExpertsConfig, Tile, default_config, dgates_in_kernels  # noqa: E402
+from tests.references.torch_experts import (  # noqa: E402
+    check_fwd_bwd_vs_f64,
+    expert_ffn_f64,
+    expert_inputs,
+    weight_grads_twice,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -35,24 +38,21 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-CONFIGS = {
-    # pack block, fwd / dx / dw tiles (block_m, block_e): plain, sub-blocked rows, fused dX (dw block_e = de)
-    "plain": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16)),
-    "subblock": ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(16, 16)),
-    "fused_dx": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32)),
-    # the transposed dW kernel (dw_form "t"), alone and fused with dX; packed X / dO rows (packed_bwd)
-    "t": ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(16, 16), dw_form="t"),
-    "t_fused_dx": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), dw_form="t"),
-    # the same with two row steps per packing block (its gate gradients written per 16-row step)
-    "t_fused_dx_sub": ExpertsConfig(32, Tile(16, 16), Tile(16, 16), Tile(16, 32), dw_form="t"),
-    "t_packed": ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(32, 16), dw_form="t", packed_bwd=True),
-    "rows_packed_fused": ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), packed_bwd=True),
-}
+# pack block, fwd / dx / dw tiles (block_m, block_e): plain, sub-blocked rows, dX fused into the row-form dW kernel
+# (dw block_e = de), the transposed dW kernel alone and fused with dX (then also the gate gradients), with two row
+# steps per packing block; each once, random or skewed routing
+CASES = [
+    ("plain", ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16)), False),
+    ("subblock", ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(16, 16)), True),
+    ("fused_dx", ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32)), True),
+    ("t", ExpertsConfig(32, Tile(16, 32), Tile(32, 16), Tile(16, 16), dw_form="t"), False),
+    ("t_fused_dx", ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), dw_form="t"), True),
+    ("t_fused_dx_sub", ExpertsConfig(32, Tile(16, 16), Tile(16, 16), Tile(16, 32), dw_form="t"), False),
+]
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
-@pytest.mark.parametrize("cfg", list(CONFIGS.values()), ids=list(CONFIGS))
-@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
+@pytest.mark.parametrize("cfg,skew", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_kernels_fwd_bwd_vs_float64(cfg, skew):
     x, idx, gates, w1, w2 = _inputs(0, 24, 2, 2, 3, 16, 32, skew)
     check_fwd_bwd_vs_f64(lambda *a: triton_expert_ffn(*a, cfg=cfg), x, idx, gates, w1, w2)
@@ -63,8 +63,6 @@ def test_default_tiles_keep_accumulators_in_registers(dh):
     """default_config at every packing block: no kernel holds more than 128 fp32 accumulator values per
     thread (fwd / dX: BLOCK_M x DH; dW: two BLOCK_E x DH), the most the measured dh = 128 tiles hold.
     The dh = 128 tiles at DH = 256 held 256-512 and spilled (a d = 256 MoE never finished a step)."""
-    from kernels.triton.experts import default_config
-
     for mean in (8, 16, 64, 512):
         cfg = default_config(mean * 96, 96, dh, 256)
         cfg.check(dh, 256)
@@ -82,7 +80,8 @@ def test_converting_forward_tile_checked_fitted_and_launched(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    import mhl_jax.moe.gpu.experts as et
+    import mhl_jax.moe.gpu.expert_kernels as ek
+    from mhl_jax.moe import plan
 
     cfg = ExpertsConfig(64, Tile(64, 64, 4, 3), Tile(64, 64), Tile(64, 64), fwd_cast=Tile(128, 512, 4, 3))
     assert cfg.fit(256).fwd_cast == Tile(64, 256, 4, 3) and cfg.fit(256).cast_tile == Tile(64, 256, 4, 3)
@@ -98,32 +97,26 @@ def test_converting_forward_tile_checked_fitted_and_launched(monkeypatch):
         outs = [jnp.zeros(o.shape, o.dtype) for o in shapes]
         return outs if isinstance(out_shape, list) else outs[0]
 
-    monkeypatch.setattr(et, "import_jax_triton", lambda: types.SimpleNamespace(triton_call=triton_call))
+    monkeypatch.setattr(plan, "import_jax_triton", lambda: types.SimpleNamespace(triton_call=triton_call))
     cfg = replace(cfg, fwd_cast=Tile(64, 32, 4, 3))
-    st = et.Static(cfg, 4, "triton", "float32")
+    st = ek.Static(cfg, 4, "triton", "float32")
     meta = types.SimpleNamespace(row_slot=jnp.zeros((256,), jnp.int32), block_group=jnp.zeros((4,), jnp.int32),
                                  group_block_start=jnp.zeros((2,), jnp.int32))
     xs = jnp.zeros((64, 128), jnp.bfloat16)
     w1, w2 = jnp.zeros((2, 128, 256), jnp.float32), jnp.zeros((2, 256, 128), jnp.float32)
-    jax.eval_shape(lambda: et._fwd_triton_call(st, xs, meta, w1, w2, cast=True))
-    jax.eval_shape(lambda: et._fwd_triton_call(st, xs, meta, w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16),
-                                               cast=False))
+    jax.eval_shape(lambda: ek.fwd_triton(st, xs, meta, w1, w2, cast=True))
+    jax.eval_shape(lambda: ek.fwd_triton(st, xs, meta, w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), cast=False))
     assert launches == [("expert_fwd_cast_kernel", (4,), 64, 32, 4, 3), ("expert_fwd_kernel", (4,), 64, 64, 4, 3)]
 
 
 def test_default_forward_tile_at_block64():
-    """The Triton forward's tile at packing block 64 (the 8192-token rows): the whole de = 128 in one chunk, 2 stages
-    (measured faster there); 64-wide chunks, 3 stages at de 256, at block 32, and in variant "fwd_e64"."""
-    from kernels.triton.experts import Tile, default_config
-    from mhl_jax.moe.gpu.experts import variant_config
-
+    """The Triton forward's tile at packing block 64 (the 8192-token rows): the whole de = 128 in one chunk, 2 stages;
+    64-wide chunks, 3 stages at de 256 and at block 32; the converting forward's own tile at de 256 with ~two blocks
+    per group."""
     assert default_config(8192 * 8 * 8, 8 * 768, 128, 128).fwd == Tile(64, 128, 4, 2)  # mean 85
     assert default_config(8192 * 8 * 8, 8 * 1536, 128, 128).fwd == Tile(64, 128, 4, 2)  # mean 43
     assert default_config(8192 * 8 * 4, 8 * 384, 128, 256).fwd == Tile(64, 64, 4, 3)
     assert default_config(4096 * 8 * 8, 8 * 1536, 128, 128).fwd == Tile(32, 64, 4, 3)  # block 32: unchanged (fit)
-    assert variant_config("fwd_e64", 8192 * 8 * 8, 8 * 768, 128, 128).fwd == Tile(64, 64, 4, 3)
-    # the converting forward (fp32 weights): 32-wide chunks at de 256 with ~two blocks per group (384/4/256, mean 85),
-    # the plain forward's tile elsewhere (768/4/256, mean 43; de 128)
     assert default_config(8192 * 8 * 4, 8 * 384, 128, 256).cast_tile == Tile(64, 32, 4, 3)
     assert default_config(8192 * 8 * 4, 8 * 768, 128, 256).cast_tile == Tile(64, 64, 4, 3)
     assert default_config(8192 * 8 * 8, 8 * 768, 128, 128).cast_tile == Tile(64, 128, 4, 2)
@@ -131,26 +124,20 @@ def test_default_forward_tile_at_block64():
 
 def test_default_config_fuses_the_de128_backward():
     """At de = 128 (packing blocks >= 32) the default backward is one kernel: the transposed dW kernel with a
-    de-wide tile, which then also makes dX and the gate gradients; de = 256, explicit forms and the
-    "split_bwd" variant keep the dX and dW kernels apart."""
-    from kernels.triton.experts import default_config, dgates_in_kernels
-    from mhl_jax.moe.gpu.experts import variant_config
-
+    de-wide tile, which then also makes dX and the gate gradients; packing block 16 and de = 256 keep the dX and dW
+    kernels apart (the row-form dW kernel below block 64)."""
     for mean in (40, 100, 512):
         cfg = default_config(mean * 96, 96, 128, 128)
         assert cfg.dw_form == "t" and cfg.dw.block_e == 128 and dgates_in_kernels(cfg, 128), (mean, cfg)
-        split = variant_config("split_bwd", mean * 96, 96, 128, 128)
-        assert split.dw.block_e < 128 and split.fwd == cfg.fwd and split.dx == cfg.dx, (mean, split)
-    for cfg in (default_config(8 * 96, 96, 128, 128), default_config(512 * 96, 96, 128, 256),
-                default_config(512 * 96, 96, 128, 128, dw_form="t")):
+    for cfg in (default_config(8 * 96, 96, 128, 128), default_config(512 * 96, 96, 128, 256)):
         assert cfg.dw.block_e < 128, cfg
+    assert default_config(8 * 96, 96, 128, 256).dw_form == "rows"
+    assert default_config(20 * 96, 96, 128, 256).dw_form == "rows"
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
 def test_wide_default_config_fwd_bwd_vs_float64():
     """dh = 256 with the tiles default_config picks there (8 warps, 32-wide dW chunk)."""
-    from kernels.triton.experts import default_config
-
     x, idx, gates, w1, w2 = _inputs(3, 40, 1, 2, 3, 256, 64)
     cfg = default_config(80, 3, 256, 64)
     assert cfg.dw.block_e == 32 and cfg.fwd.num_warps == 8
@@ -172,10 +159,9 @@ def test_fwd_writes_every_row_and_zero_padding():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter test")
-@pytest.mark.parametrize("cfg", [ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16)),
-                                 ExpertsConfig(32, Tile(16, 32), Tile(16, 16), Tile(16, 16)),
+@pytest.mark.parametrize("cfg", [ExpertsConfig(32, Tile(16, 32), Tile(16, 16), Tile(16, 16)),
                                  ExpertsConfig(32, Tile(32, 32), Tile(16, 16), Tile(16, 16), fwd_cast=Tile(16, 16))],
-                         ids=["plain", "subblock", "cast_tile"])
+                         ids=["subblock", "cast_tile"])
 def test_fwd_cast_kernel_equals_fwd_on_cast_weights(cfg):
     """expert_fwd_cast_kernel on fp32 weights: the output rows bitwise those of expert_fwd_kernel on weights cast
     beforehand (every row, padding rows 0), and the converted weights it stores equal the cast for every group with
@@ -222,203 +208,88 @@ def test_flex_oracle_forward_eager():
     assert _rel(y, expert_ffn_f64(x, idx, gates, w1, w2)) < 1e-5
 
 
-# ------------------------------------------------------------------------------------------- GPU
-
-def _layer_jax(params, x, idx, expert_impl):
-    """MH-LatentMoE layer with a given routing decision idx (N, Nh, k): x (N, d) -> W_in -> (N, Nh, dh)
-    -> gates = softmax of the fp32 router scores at idx -> experts -> W_out -> (N, d)."""
-    import jax
+def test_plan_picks_expert_kernels(monkeypatch):
+    """`mhl_jax.moe.plan`'s rules for the fused experts: the Gluon forward / backward only for configs that ask for
+    them, in bf16, on a Hopper GPU, at shapes they take (the dW kernel where the whole Gluon backward does not run);
+    the converting Triton forward only on fp32 weights with nothing cast before; the emulation on backend "emulate"."""
     import jax.numpy as jnp
 
-    from mhl_jax.moe.experts import expert_ffn
+    from mhl_jax.moe import plan
 
-    w_in, w_r, bias, w1, w2, w_out = params
-    n = x.shape[0]
-    nh, dh = w_r.shape[0], w_r.shape[1]
-    sub = jnp.dot(x, w_in.astype(x.dtype)).reshape(n, nh, dh)
-    scores = jnp.einsum("nhd,hde->nhe", sub.astype(jnp.float32), w_r, precision=jax.lax.Precision.HIGHEST)
-    gates = jax.nn.softmax(jnp.take_along_axis(scores, idx, axis=-1), axis=-1)
-    y, _ = expert_ffn(sub, idx, gates, w1, w2, expert_impl)
-    return jnp.dot(y.reshape(n, nh * dh), w_out.astype(x.dtype))
-
-
-@pytest.mark.gpu
-# the backward as the warp-specialised Gluon kernel on Hopper (de 256: one partial dX row per 128 de, summed by the
-# binding; de 128: whole rows), packing blocks 128 (Ne 16) and 64 (Ne 128: the Triton forward converting the fp32
-# weights as it loads them, at de 256 with its own tile, `ExpertsConfig.fwd_cast`)
-@pytest.mark.parametrize("de,ne", [(256, 16), (128, 16), (128, 128), (256, 128)])
-def test_gpu_layer_triton_vs_oracle_and_reference(de, ne, monkeypatch):
-    import jax
-    import jax.numpy as jnp
-
-    import mhl_jax.moe.gpu.experts as et
-
-    n, d, nh, dh, k = 2048, 256, 4, 128, 4
-    ks = jax.random.split(jax.random.key(0), 8)
-    params = (jax.random.normal(ks[0], (d, nh * dh)) * 0.05, jax.random.normal(ks[1], (nh, dh, ne)) * 0.1,
-              jax.random.normal(ks[2], (nh, ne)) * 0.01, jax.random.normal(ks[3], (nh, ne, dh, de)) * 0.08,
-              jax.random.normal(ks[4], (nh, ne, de, dh)) * 0.06, jax.random.normal(ks[5], (nh * dh, d)) * 0.05)
-    x = jax.random.normal(ks[6], (n, d)).astype(jnp.bfloat16)
-    wy = jax.random.normal(ks[7], (n, d), jnp.float32)
-
-    from mhl_jax.moe.router import route_topk
-
-    # one routing decision (bf16 sub-tokens, fp32 scores) for every implementation
-    sub = jnp.dot(x, params[0].astype(jnp.bfloat16)).reshape(n, nh, dh)
-    idx = jax.jit(lambda s: route_topk(s, params[1], params[2], k)[1])(sub)
-
-    def loss(params, x, impl, dtype):
-        return jnp.sum(_layer_jax(params, x.astype(dtype), idx, impl).astype(jnp.float32) * wy)
-
-    bwd_gluon = []
-    real_bwd_gluon = et._bwd_gluon
-    monkeypatch.setattr(et, "_bwd_gluon", lambda *a: bwd_gluon.append(1) or real_bwd_gluon(*a))
-    res = {}
-    for name, impl, dt in (("triton", "triton", jnp.bfloat16), ("reference", "reference", jnp.bfloat16),
-                           ("fp32", "reference", jnp.float32)):
-        with jax.default_matmul_precision("highest" if dt == jnp.float32 else "default"):
-            f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
-            val, grads = f(params, x, impl, dt)
-        res[name] = (val, None, jax.tree.leaves(grads))
-    assert len(bwd_gluon) == 1, bwd_gluon  # the Gluon backward (default at de 128 and 256; partial dX rows at 256)
-    idx = np.asarray(idx)
-
-    # the oracle, same weights and inputs, same routing decision (the binding's import_jax_triton
-    # left TRITON_CACHE_DIR usable for FlexAttention's compile)
-    from kernels.torch.flex_oracle import flex_expert_ffn
-
-    dev = "cuda"
-    tp = [torch.tensor(np.asarray(p), device=dev, requires_grad=True) for p in params]
-    tx = torch.tensor(np.asarray(x.astype(jnp.float32)), device=dev).bfloat16().requires_grad_()
-    w_in, w_r, bias, w1, w2, w_out = tp
-    sub = (tx @ w_in.bfloat16()).view(n, nh, dh)
-    scores = torch.einsum("nhd,hde->nhe", sub.float(), w_r)
-    tidx = torch.tensor(idx, device=dev).long()
-    gates = torch.softmax(scores.gather(-1, tidx), -1)
-    ye = flex_expert_ffn(sub, tidx, gates, w1.bfloat16(), w2.bfloat16())
-    yt = ye.reshape(n, nh * dh) @ w_out.bfloat16()
-    (yt.float() * torch.tensor(np.asarray(wy), device=dev)).sum().backward()
-    oracle = [tp[0].grad, tp[1].grad, tp[3].grad, tp[4].grad, tp[5].grad, tx.grad]
-
-    def rel(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-    truth = res["fp32"][2]  # grads of params (w_in, w_r, bias, w1, w2, w_out) then x
-    order = [0, 1, 3, 4, 5, 6]  # skip bias (no gradient)
-    for name, g_list in (("triton", res["triton"][2]), ("reference", res["reference"][2])):
-        for i in order:
-            assert rel(g_list[i], truth[i]) < 2e-2, (name, i, rel(g_list[i], truth[i]))
-    for j, i in enumerate(order):
-        og = oracle[j].float().cpu().numpy()
-        assert rel(og, truth[i]) < 2e-2, ("oracle", i, rel(og, truth[i]))
-        assert rel(res["triton"][2][i], og) < 3e-2, ("triton-vs-oracle", i)
-    assert abs(float(res["triton"][0]) - float(res["fp32"][0])) <= 2e-2 * abs(float(res["fp32"][0])) + 1e-3
+    bf, f32 = jnp.bfloat16, jnp.float32
+    big = default_config(81920 * 8 * 4, 8 * 384, 128, 256)  # packing block 128: the Gluon forward
+    small = default_config(8192 * 8 * 4, 8 * 384, 128, 256)  # block 64
+    fused = default_config(8192 * 8 * 8, 8 * 768, 128, 128)  # de 128: the fused backward
+    wide_de = default_config(8192 * 8 * 4, 8 * 384, 128, 512)  # de 512: the split backward, Gluon dW kernel
+    assert plan.expert_fwd_kernel(big, bf, f32, "emulate", False) == "emulate"
+    assert plan.expert_bwd_kernel(big, bf, 128, 256, "emulate") == "emulate"
+    monkeypatch.setattr(plan, "hopper_sms", lambda: 0)  # an NVIDIA GPU other than Hopper: Triton only
+    assert plan.expert_fwd_kernel(big, bf, f32, "triton", False) == "triton-cast"
+    assert plan.expert_fwd_kernel(big, bf, f32, "triton", True) == "triton"
+    assert plan.expert_bwd_kernel(big, bf, 128, 256, "triton") == "triton-split"
+    assert plan.expert_bwd_kernel(fused, bf, 128, 128, "triton") == "triton-fused"
+    monkeypatch.setattr(plan, "hopper_sms", lambda: 132)
+    assert plan.expert_fwd_kernel(big, bf, f32, "triton", False) == "gluon-ws"
+    assert plan.expert_fwd_kernel(big, f32, f32, "triton", False) == "triton"
+    assert plan.expert_fwd_kernel(small, bf, f32, "triton", False) == "triton-cast"
+    assert plan.expert_fwd_kernel(small, bf, bf, "triton", False) == "triton"
+    assert plan.expert_bwd_kernel(big, bf, 128, 256, "triton") == "gluon-ws-xw"  # 2.6M slots: the dX warp group
+    assert plan.expert_bwd_kernel(small, bf, 128, 256, "triton") == "gluon-ws"
+    assert plan.expert_bwd_kernel(fused, bf, 128, 128, "triton") == "gluon-ws"
+    assert plan.expert_bwd_kernel(fused, f32, 128, 128, "triton") == "triton-fused"
+    assert plan.expert_bwd_kernel(replace(fused, bwd_ws=False), bf, 128, 128, "triton") == "triton-fused"
+    assert plan.expert_bwd_kernel(replace(fused, dw_form="rows"), bf, 128, 128, "triton") == "triton-fused"
+    assert plan.expert_bwd_kernel(wide_de, bf, 128, 512, "triton") == "triton-split-gluon-dw"
+    assert plan.expert_bwd_kernel(replace(small, bwd_ws=False), bf, 128, 256, "triton") == "triton-split-gluon-dw"
+    assert plan.expert_bwd_kernel(replace(small, bwd_ws=False), f32, 128, 256, "triton") == "triton-split"
+    no_gluon = replace(small, bwd_ws=False, dw_ws=False)
+    assert plan.expert_bwd_kernel(no_gluon, bf, 128, 256, "triton") == "triton-split"
+    assert plan.expert_bwd_kernel(replace(small, bwd_ws=False), bf, 128, 192, "triton") == "triton-split"
+    assert plan.out_combine("triton", "fused") == "triton" and plan.out_combine("triton", "grouped") == "xla"
+    assert plan.out_combine("emulate", "fused") == "xla"
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant,de,skew,ne", [
-    ("t", 256, False, 16), ("t", 256, True, 16), ("t_packed", 256, False, 16), ("count", 256, True, 16),
-    ("new", 256, True, 16), ("new", 128, False, 16), ("new_packed", 128, True, 16), ("default", 256, True, 16),
-    # de = 128: the fused backward at packing blocks 128, 64 (Ne 128) and 32 (Ne 1024), and the split one
-    ("default", 128, True, 16), ("default", 128, False, 128), ("default", 128, True, 1024),
-    # 42.7 mean rows per group (Ne 384): packing block 64 since session 30 (PACK64_MIN_MEAN), blocks about 2/3 full
-    ("default", 128, True, 384), ("default", 256, False, 384),
-    ("split_bwd", 128, True, 16), ("triton_fwd", 256, True, 16),
-    # the Gluon dW kernel at packing block 64 (Ne 128) and, split, at de 128; and without it
-    ("default", 256, False, 128), ("split_bwd", 128, False, 128), ("triton_dw", 256, False, 128),
-    # the fused backward runs the Gluon kernel by default; the fused Triton one
-    ("triton_fused_bwd", 128, True, 1024), ("triton_fused_bwd", 128, False, 16),
-    # the whole backward on the Gluon kernel at de 256 (partial dX rows per 128 de), packing blocks 128 and 64
-    ("gluon_bwd", 256, True, 16), ("gluon_bwd", 256, False, 128), ("default", 256, True, 1024),
-    # the Gluon backward with the dX warp group, de 256 and 128
-    ("gluon_bwd_xw", 256, True, 16), ("gluon_bwd_xw", 128, False, 128)])
-def test_gpu_expert_variants_vs_v2_and_fp32(variant, de, skew, ne, monkeypatch):
-    """Each config variant of the JAX binding (transposed dW kernel, fused dX at de = 128, packed backward
-    rows, counting-sort packing) against the measured default "v2" and an fp32 reference: output and all
-    four gradients, and bitwise-identical weight gradients across two runs."""
-    import jax
-    import jax.numpy as jnp
+def test_plan_for_config_reports_each_op(monkeypatch):
+    """`plan_for_config`: the choices at the config's per-device micro-batch (train.micro_batch x model.context
+    tokens), Gluon on Hopper said in the summary; the grouped kernels for wide experts; reference on CPU."""
+    from mhl_jax.config import Config
+    from mhl_jax.moe import plan
 
-    from mhl_jax.moe.experts import expert_ffn
-    from mhl_jax.moe.gpu.experts import expert_ffn_triton, variant_config
-
-    n, h, dh, k = 4096, 4, 128, 4
-    ks = jax.random.split(jax.random.key(de + skew), 6)
-    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
-    idx = jnp.argsort(jax.random.uniform(ks[1], (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
-    if skew:  # one (head, expert) gets every token: a 32-block group next to near-empty ones
-        idx = idx.at[:, :, 0].set(jnp.where(idx[:, :, 1:].min(-1) == 0, idx[:, :, 0], 0))
-    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
-    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) * dh ** -0.5
-    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) * de ** -0.5
-    wy = jax.random.normal(ks[5], (n, h, dh))
-
-    def grads(cfg, dtype=jnp.bfloat16, impl="triton"):
-        def loss(x, g, a, b):
-            y = (expert_ffn_triton(x, idx, g, a, b, cfg=cfg)[0] if impl == "triton"
-                 else expert_ffn(x, idx, g, a, b, "reference")[0])
-            return jnp.sum(y.astype(jnp.float32) * wy), y.astype(jnp.float32)
-
-        # the output y itself, not the scalar loss: sum(y * wy) cancels (|loss| << sum |y * wy|), so its
-        # relative error says nothing (bf16 rounding gave 26.5 vs 28.4 under skew, on every variant)
-        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-        (_, y), g = f(x.astype(dtype), gates, w1, w2)
-        return [y] + list(g)
-
-    def rel(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-    import mhl_jax.moe.gpu.experts as et
-
-    cfg = variant_config(variant, n * h * k, h * ne, dh, de)
-    assert cfg.bwd_xw == (variant == "gluon_bwd_xw"), cfg  # these small shapes take it only when asked for
-    gluon_dw_calls, gluon_bwd_calls = [], []
-    real_dw_gluon, real_bwd_gluon = et._dw_gluon, et._bwd_gluon
-    monkeypatch.setattr(et, "_dw_gluon", lambda *a: gluon_dw_calls.append(1) or real_dw_gluon(*a))
-    monkeypatch.setattr(et, "_bwd_gluon", lambda *a: gluon_bwd_calls.append(1) or real_bwd_gluon(*a))
-    got, again = grads(cfg), grads(cfg)
-    # the Gluon dW / fused backward kernels ran exactly where the config asks for them (traced once per grads call)
-    assert len(gluon_dw_calls) == (2 if et.use_dw_gluon(cfg, jnp.bfloat16, dh, de) else 0), (cfg, gluon_dw_calls)
-    assert et.use_dw_gluon(cfg, jnp.bfloat16, dh, de) == (cfg.dw_ws and cfg.pack_block <= 64 and de % 128 == 0
-                                                          and cfg.dw.block_e != de and not gluon_bwd_calls)
-    assert len(gluon_bwd_calls) == (2 if et.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) else 0), (cfg, gluon_bwd_calls)
-    assert et.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) == (cfg.bwd_ws and de % 128 == 0 and not cfg.packed_bwd)
-    base = grads(variant_config("v2", n * h * k, h * ne, dh, de))
-    with jax.default_matmul_precision("highest"):
-        ref = grads(None, jnp.float32, "reference")
-    for i, name in enumerate(("y", "x", "gates", "w1", "w2")):
-        assert rel(got[i], ref[i]) < 2e-2, (name, rel(got[i], ref[i]))
-        assert rel(got[i], base[i]) < 1e-2, (name, rel(got[i], base[i]))
-    for i in (3, 4):
-        assert np.array_equal(np.asarray(got[i]), np.asarray(again[i]))
+    cfg = Config()
+    assert plan.plan_for_config(cfg).summary().startswith("kernels: reference")  # CPU
+    monkeypatch.setattr(plan, "resolve_kernels", lambda choice: "triton")
+    monkeypatch.setattr(plan, "hopper_sms", lambda: 132)
+    cfg.train.micro_batch, cfg.ffn.num_experts, cfg.ffn.top_k, cfg.ffn.expert_hidden = 40, 768, 8, 128
+    p = plan.plan_for_config(cfg)
+    assert (p.tokens, p.router, p.experts, p.experts_fwd, p.experts_bwd, p.packing) == (
+        81920, "gluon", "fused", "gluon-ws", "gluon-ws-xw", "triton/128"), p
+    assert "gluon-ws" in p.summary() and p.as_dict()["experts_bwd"] == "gluon-ws-xw"
+    monkeypatch.setattr(plan, "hopper_sms", lambda: 0)
+    p = plan.plan_for_config(cfg)
+    assert (p.router, p.experts_fwd, p.experts_bwd) == ("triton", "triton", "triton-fused"), p
+    cfg.ffn.kind = "moe"
+    p = plan.plan_for_config(cfg)
+    assert (p.router, p.experts, p.experts_bwd, p.combine) == ("reference", "grouped", "grouped", "xla"), p
 
 
 def test_ws_forward_shapes_checked_and_chosen():
     """The warp-specialised Gluon forward takes dh 128, de 128 / 256 and 128-row packing blocks; anything else
     gets a clear error from its launch arguments, and default_config turns it on exactly there."""
-    from kernels.gluon.experts import ws_constexprs, ws_supported
-    from kernels.triton.experts import default_config
+    from kernels.gluon.experts_fwd import fwd_constexprs
+    from kernels.tuning import gluon_fwd_supported
 
-    assert ws_constexprs(4, 128, 256, 3072, 100, 128)["NS"] == 2
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["NS"] == 1
-    # the measurement probes (bench/gluon_kernels.py --kinds fwd_probe): bits 1 and 2; the kernel itself at 0
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["PROBE"] == 0
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128, probe=3)["PROBE"] == 3
-    for bad in (-1, 4):
-        with pytest.raises(ValueError, match=f"probe={bad}, expected 0..3"):
-            ws_constexprs(8, 128, 128, 6144, 100, 128, probe=bad)
+    assert fwd_constexprs(4, 128, 256, 3072, 100, 128)["NS"] == 2
+    assert fwd_constexprs(8, 128, 128, 6144, 100, 128)["NS"] == 1
     # the programs take each head's blocks in turn: the groups must split into equal heads
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128)["HEADS"] == 1
-    assert ws_constexprs(8, 128, 128, 6144, 100, 128, heads=8)["HEADS"] == 8
+    assert fwd_constexprs(8, 128, 128, 6144, 100, 128)["HEADS"] == 1
+    assert fwd_constexprs(8, 128, 128, 6144, 100, 128, heads=8)["HEADS"] == 8
     for bad in (0, 5):
         with pytest.raises(ValueError, match=f"heads={bad} for 6144 groups"):
-            ws_constexprs(8, 128, 128, 6144, 100, 128, heads=bad)
+            fwd_constexprs(8, 128, 128, 6144, 100, 128, heads=bad)
     for dh, de, pack in ((128, 512, 128), (256, 256, 128), (128, 256, 64)):
-        assert not ws_supported(dh, de, pack)
+        assert not gluon_fwd_supported(dh, de, pack)
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
-            ws_constexprs(4, dh, de, 64, 10, pack)
+            fwd_constexprs(4, dh, de, 64, 10, pack)
     assert default_config(81920 * 8 * 4, 8 * 384, 128, 256).fwd_ws  # 128-row packing blocks
     assert not default_config(8192 * 8 * 4, 8 * 384, 128, 256).fwd_ws  # 64-row packing blocks
     assert not default_config(81920 * 8 * 4, 8 * 384, 128, 512).fwd_ws
@@ -439,31 +310,6 @@ def _jax_expert_inputs(seed: int, n: int, h: int, dh: int, ne: int, de: int, k: 
     return x, idx, gates, w1, w2
 
 
-def test_dw_gluon_dispatch_rule(monkeypatch):
-    """`experts_triton.use_dw_gluon`: the Gluon dW kernel runs only for cfg.dw_ws on a split, unpacked backward, in
-    bf16, on a Hopper GPU, at a shape it takes; a hand-made dw_ws config elsewhere falls back to the Triton kernel."""
-    from dataclasses import replace
-
-    import jax.numpy as jnp
-
-    import mhl_jax.moe.gpu.experts as et
-    from kernels.triton.experts import default_config
-
-    cfg = default_config(8192 * 8 * 4, 8 * 384, 128, 256)
-    assert cfg.dw_ws and cfg.bwd_ws
-    cfg = replace(cfg, bwd_ws=False)  # the split backward (variant triton_fused_bwd)
-    assert not et.use_dw_gluon(cfg, jnp.bfloat16, 128, 256)  # no Hopper GPU here
-    monkeypatch.setattr(et, "_hopper_sms", lambda: 132)
-    assert et.use_dw_gluon(cfg, jnp.bfloat16, 128, 256)
-    assert not et.use_dw_gluon(replace(cfg, bwd_ws=True), jnp.bfloat16, 128, 256)  # the Gluon backward instead
-    assert not et.use_dw_gluon(cfg, jnp.float32, 128, 256)
-    assert not et.use_dw_gluon(replace(cfg, packed_bwd=True), jnp.bfloat16, 128, 256)
-    assert not et.use_dw_gluon(replace(cfg, dw_ws=False), jnp.bfloat16, 128, 256)
-    assert not et.use_dw_gluon(cfg, jnp.bfloat16, 128, 192)  # de not a multiple of 128
-    fused = default_config(81920 * 8 * 8, 8 * 768, 128, 128)
-    assert not et.use_dw_gluon(replace(fused, dw_ws=True), jnp.bfloat16, 128, 128)  # dX fused into the dW kernel
-
-
 def test_binding_sums_partial_dx_rows_and_gate_gradients(monkeypatch):
     """The Gluon backward at de > 128 returns one dX row and gate gradient per 128-de tile, (P, parts, dh) and
     (P, parts); the binding must sum the parts with the k slots. Here the emulated kernels' outputs are split into
@@ -472,11 +318,12 @@ def test_binding_sums_partial_dx_rows_and_gate_gradients(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    import mhl_jax.moe.gpu.experts as et
-    from mhl_jax.moe.gpu.experts import expert_ffn_triton, variant_config
+    import mhl_jax.moe.gpu.expert_kernels as ek
+    from mhl_jax.moe.gpu.experts import expert_ffn_triton
 
     n, h, dh, de, ne, k = 64, 2, 16, 32, 4, 2
-    cfg = variant_config("t", n * h * k, h * ne, dh, de)  # the transposed dW kernel: the kernels make the dgates
+    cfg = default_config(n * h * k, h * ne, dh, de)  # the transposed dW kernel: the kernels make the dgates
+    assert cfg.dw_form == "t" and dgates_in_kernels(cfg, de)
     x, idx, gates, w1, w2 = _jax_expert_inputs(3, n, h, dh, ne, de, k)
 
     def grads():
@@ -487,14 +334,14 @@ def test_binding_sums_partial_dx_rows_and_gate_gradients(monkeypatch):
         return jax.grad(loss, argnums=(0, 1, 2, 3))(x, gates, w1, w2)
 
     whole = grads()
-    real = et._bwd_emulate
+    real = ek._bwd_emulate
 
     def halves(*a):
         dx, dw1, dw2, dg = real(*a)
         assert dg is not None
         return jnp.stack([dx * 0.5, dx * 0.5], axis=1), dw1, dw2, jnp.stack([dg * 0.5, dg * 0.5], axis=1)
 
-    monkeypatch.setattr(et, "_bwd_emulate", halves)
+    monkeypatch.setattr(ek, "_bwd_emulate", halves)
     parts = grads()
     for name, a, b in zip(("x", "gates"), whole[:2], parts[:2]):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-6,
@@ -513,8 +360,8 @@ def test_tile_schedule_deals_largest_groups_evenly_head_by_head():
     import jax.numpy as jnp
     import torch
 
-    from kernels.gluon.experts import deal_schedule, tile_schedule_torch
-    from mhl_jax.moe.gpu.experts import tile_schedule
+    from kernels.gluon.schedule import deal_schedule, tile_schedule_torch
+    from mhl_jax.moe.gpu.expert_kernels import tile_schedule
 
     for t, h, p in [(6144, 8, 132), (12, 1, 4), (8, 2, 4), (3, 1, 5), (132, 4, 132), (300, 3, 132)]:
         perm, starts = deal_schedule(t, h, p)
@@ -564,15 +411,16 @@ def test_binding_schedule_matches_launch_grid(monkeypatch):
     import jax
     import jax.numpy as jnp
 
+    import mhl_jax.moe.gpu.expert_kernels as ek
     import mhl_jax.moe.gpu.experts as et
+    from mhl_jax.moe import plan
     from mhl_jax.moe.gpu import gluon as gluon_bridge
-    from mhl_jax.moe.gpu.experts import variant_config
 
     n, h, dh, de, ne, k = 64, 2, 128, 256, 8, 2
-    cfg = variant_config("t", n * h * k, h * ne, dh, de)
+    cfg = default_config(n * h * k, h * ne, dh, de)
     idx = jnp.argsort(jax.random.uniform(jax.random.key(0), (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
     _, meta = et.packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, "emulate", None, "test")
-    st = et.Static(cfg, k, "triton", "float32")
+    st = ek.Static(cfg, k, "triton", "float32")
     xs = jnp.zeros((n * h, dh), jnp.bfloat16)
     gates = jnp.zeros((n * h * k,), jnp.float32)
     w1, w2 = jnp.zeros((h * ne, dh, de), jnp.bfloat16), jnp.zeros((h * ne, de, dh), jnp.bfloat16)
@@ -585,9 +433,9 @@ def test_binding_schedule_matches_launch_grid(monkeypatch):
     monkeypatch.setattr(gluon_bridge, "gluon_call", record)
     tiles = h * ne * (de // 128)
     for sms in (132, 5, 1000):
-        monkeypatch.setattr(et, "_hopper_sms", lambda sms=sms: sms)
-        et._bwd_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h)
-        et._dw_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h)
+        monkeypatch.setattr(plan, "hopper_sms", lambda sms=sms: sms)
+        ek._bwd_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h, False)
+        ek._dw_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h)
         for sched, programs in calls[-2:]:
             assert programs == min(sms, tiles) and sched.size == programs + 1 + tiles
             offsets = sched[:programs + 1]
@@ -595,40 +443,16 @@ def test_binding_schedule_matches_launch_grid(monkeypatch):
             assert sorted(sched[programs + 1:].tolist()) == list(range(tiles))
 
 
-def test_bwd_gluon_dispatch_rule(monkeypatch):
-    """`experts_triton.use_bwd_gluon`: the Gluon backward runs only for cfg.bwd_ws on a backward whose kernels make the
-    gate gradients (unpacked rows: the fused de = 128 one, the split one at de 256), in bf16, on a Hopper GPU, at a
-    shape it takes (de a multiple of 128); elsewhere the fused Triton kernel or the split kernels."""
-    from dataclasses import replace
-
-    import jax.numpy as jnp
-
-    import mhl_jax.moe.gpu.experts as et
-    from kernels.triton.experts import default_config
-
-    cfg = default_config(8192 * 8 * 8, 8 * 768, 128, 128)
-    assert cfg.bwd_ws and cfg.dw.block_e == 128 and not et.use_bwd_gluon(cfg, jnp.bfloat16, 128, 128)  # no GPU
-    monkeypatch.setattr(et, "_hopper_sms", lambda: 132)
-    assert et.use_bwd_gluon(cfg, jnp.bfloat16, 128, 128)
-    assert not et.use_bwd_gluon(cfg, jnp.float32, 128, 128)
-    assert not et.use_bwd_gluon(replace(cfg, packed_bwd=True), jnp.bfloat16, 128, 128)  # no gate gradients there
-    assert not et.use_bwd_gluon(replace(cfg, bwd_ws=False), jnp.bfloat16, 128, 128)
-    assert not et.use_bwd_gluon(replace(cfg, dw_form="rows"), jnp.bfloat16, 128, 128)
-    split = default_config(8192 * 8 * 4, 8 * 384, 128, 256)
-    assert et.use_bwd_gluon(replace(split, bwd_ws=True), jnp.bfloat16, 128, 256)  # de 256: partial dX rows
-    assert not et.use_bwd_gluon(replace(split, bwd_ws=True), jnp.bfloat16, 128, 192)
-    assert not et.use_dw_gluon(replace(split, bwd_ws=True), jnp.bfloat16, 128, 256)  # the whole backward instead
-
-
 def test_ws_bwd_shapes_checked():
     """The warp-specialised fused backward takes dh 128, de a multiple of 128 and packing blocks of >= 32 rows;
     anything else gets a clear error naming the shape from its launch arguments."""
-    from kernels.gluon.experts import bwd_ws_constexprs, bwd_ws_supported, bwd_xw_constexprs
+    from kernels.gluon.experts_bwd_fused import bwd_ws_constexprs, bwd_xw_constexprs
+    from kernels.tuning import gluon_bwd_supported
 
     consts = bwd_ws_constexprs(8, 128, 128, 64)
     assert consts["BLOCK_M"] == 32 and consts["DE"] == 128 and consts["NST"] >= 2
     for dh, de, pack in ((128, 192, 64), (256, 128, 64), (128, 128, 16)):
-        assert not bwd_ws_supported(dh, de, pack)
+        assert not gluon_bwd_supported(dh, de, pack)
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
             bwd_ws_constexprs(8, dh, de, pack)
         with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
@@ -639,8 +463,7 @@ def test_ws_bwd_shapes_checked():
     for bad in (dict(regs=(232, 40)), dict(hb=1)):
         with pytest.raises(ValueError, match="three worker register counts .* hb >= 2"):
             bwd_xw_constexprs(8, 128, 256, 64, **bad)
-    # the measurement probes (bench/gluon_kernels.py --kinds bwd_probe): bits 1, 2, 4, 8, 16, 32, 64; the kernel itself
-    # at 0
+    # the measurement probes (bench only): bits 1, 2, 4, 8, 16, 32, 64; the kernel itself at 0
     assert consts["PROBE"] == 0 and bwd_xw_constexprs(8, 128, 256, 64, probe=96)["PROBE"] == 96
     for bad in (-1, 128):
         with pytest.raises(ValueError, match=f"probe={bad}, expected 0..127"):
@@ -655,12 +478,8 @@ def test_ws_dw_shapes_checked_and_chosen():
     """The warp-specialised Gluon dW kernel takes dh 128, de a multiple of 128 and packing blocks of >= 32 rows (a
     multiple of its 32-row blocks); anything else gets a clear error from its launch arguments. default_config
     turns it on for the split backward where it takes the shape at packing blocks <= 64 (where it was measured
-    faster in the layer); de 128 keeps the fused backward; variant triton_dw: the Triton dW kernel instead."""
-    from dataclasses import replace
-
-    from kernels.gluon.experts import dw_ws_constexprs
-    from kernels.triton.experts import default_config
-    from mhl_jax.moe.gpu.experts import variant_config
+    faster in the layer); de 128 keeps the fused backward."""
+    from kernels.gluon.experts_bwd import dw_ws_constexprs
 
     assert dw_ws_constexprs(4, 128, 256, 64)["BLOCK_M"] == 32
     for dh, de, pack in ((128, 192, 128), (256, 256, 128), (128, 256, 16)):
@@ -677,44 +496,178 @@ def test_ws_dw_shapes_checked_and_chosen():
                 (8192, 1536, 8, 128): (64, False, True, True, False),
                 (4096, 768, 4, 256): (32, True, False, True, False),
                 (8192, 384, 4, 512): (64, True, False, False, False)}
-    # the forced-block variants (and the argument behind them): the default's choices at that block
-    for name, pb in (("pack64", 64), ("pack128", 128)):
-        forced = variant_config(name, 8192 * 8 * 4, 8 * 768, 128, 256)
-        assert forced == default_config(8192 * 8 * 4, 8 * 768, 128, 256, pack=pb) and forced.pack_block == pb
-    assert variant_config("pack128", 8192 * 8 * 4, 8 * 768, 128, 256).fwd_ws  # the Gluon forward takes block 128
-    with pytest.raises(ValueError, match="pack=48, expected None or one of 16, 32, 64, 128"):
-        default_config(8192 * 8 * 4, 8 * 768, 128, 256, pack=48)
     for (tokens, ne, k, de), want in expected.items():
         cfg = default_config(tokens * 8 * k, 8 * ne, 128, de)
         got = (cfg.pack_block, cfg.dw_ws, cfg.dw.block_e == de, cfg.bwd_ws, cfg.bwd_xw)
         assert got == want, (tokens, ne, k, de, cfg)
-        xw = variant_config("gluon_bwd_xw", tokens * 8 * k, 8 * ne, 128, de)
-        noxw = variant_config("gluon_bwd_noxw", tokens * 8 * k, 8 * ne, 128, de)
-        assert xw.bwd_xw == cfg.bwd_ws and not noxw.bwd_xw and replace(xw, bwd_xw=False) == noxw == replace(
-            cfg, bwd_xw=False)
-        old = variant_config("triton_dw", tokens * 8 * k, 8 * ne, 128, de)
-        assert not old.dw_ws and old.dw == cfg.dw and old.pack_block == cfg.pack_block, old
-        old = variant_config("triton_fused_bwd", tokens * 8 * k, 8 * ne, 128, de)
-        assert not old.bwd_ws and old.dw == cfg.dw and old.pack_block == cfg.pack_block, old
     assert not default_config(8192 * 8 * 4, 8 * 384, 256, 256).dw_ws  # wide experts: the grouped kernels' tiles
 
 
+# ------------------------------------------------------------------------------------------- GPU
+
+def _layer_jax(params, x, idx, expert_impl):
+    """MH-LatentMoE layer with a given routing decision idx (N, Nh, k): x (N, d) -> W_in -> (N, Nh, dh)
+    -> gates = softmax of the fp32 router scores at idx -> experts -> W_out -> (N, d)."""
+    import jax
+    import jax.numpy as jnp
+
+    from mhl_jax.moe.core import expert_ffn
+
+    w_in, w_r, bias, w1, w2, w_out = params
+    n = x.shape[0]
+    nh, dh = w_r.shape[0], w_r.shape[1]
+    sub = jnp.dot(x, w_in.astype(x.dtype)).reshape(n, nh, dh)
+    scores = jnp.einsum("nhd,hde->nhe", sub.astype(jnp.float32), w_r, precision=jax.lax.Precision.HIGHEST)
+    gates = jax.nn.softmax(jnp.take_along_axis(scores, idx, axis=-1), axis=-1)
+    y, _ = expert_ffn(sub, idx, gates, w1, w2, expert_impl)
+    return jnp.dot(y.reshape(n, nh * dh), w_out.astype(x.dtype))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("de", [256, 128])
-@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
-@pytest.mark.parametrize("programs", [None, 3], ids=["one_per_sm", "three"])
-@pytest.mark.parametrize("heads", [1, 4], ids=["all_heads", "head_major"])
-@pytest.mark.parametrize("skip", [True, False], ids=["skip_pad", "pad"])
-def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs, heads, skip):
+# the backward as the warp-specialised Gluon kernel on Hopper (de 256: one partial dX row per 128 de, summed by the
+# binding; de 128: whole rows), packing blocks 128 (Ne 16) and 64 (Ne 128: the Triton forward converting the fp32
+# weights as it loads them, at de 256 with its own tile, `ExpertsConfig.fwd_cast`)
+@pytest.mark.parametrize("de,ne", [(256, 16), (128, 128)])
+def test_gpu_layer_triton_vs_oracle_and_reference(de, ne, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.moe.gpu.expert_kernels as ek
+
+    n, d, nh, dh, k = 2048, 256, 4, 128, 4
+    ks = jax.random.split(jax.random.key(0), 8)
+    params = (jax.random.normal(ks[0], (d, nh * dh)) * 0.05, jax.random.normal(ks[1], (nh, dh, ne)) * 0.1,
+              jax.random.normal(ks[2], (nh, ne)) * 0.01, jax.random.normal(ks[3], (nh, ne, dh, de)) * 0.08,
+              jax.random.normal(ks[4], (nh, ne, de, dh)) * 0.06, jax.random.normal(ks[5], (nh * dh, d)) * 0.05)
+    x = jax.random.normal(ks[6], (n, d)).astype(jnp.bfloat16)
+    wy = jax.random.normal(ks[7], (n, d), jnp.float32)
+
+    from mhl_jax.moe.router import route_topk
+
+    # one routing decision (bf16 sub-tokens, fp32 scores) for every implementation
+    sub = jnp.dot(x, params[0].astype(jnp.bfloat16)).reshape(n, nh, dh)
+    idx = jax.jit(lambda s: route_topk(s, params[1], params[2], k)[1])(sub)
+
+    def loss(params, x, impl, dtype):
+        return jnp.sum(_layer_jax(params, x.astype(dtype), idx, impl).astype(jnp.float32) * wy)
+
+    bwd_gluon = []
+    real_bwd_gluon = ek._bwd_gluon
+    monkeypatch.setattr(ek, "_bwd_gluon", lambda *a: bwd_gluon.append(1) or real_bwd_gluon(*a))
+    res = {}
+    for name, impl, dt in (("triton", "triton", jnp.bfloat16), ("reference", "reference", jnp.bfloat16),
+                           ("fp32", "reference", jnp.float32)):
+        with jax.default_matmul_precision("highest" if dt == jnp.float32 else "default"):
+            f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
+            val, grads = f(params, x, impl, dt)
+        res[name] = (val, None, jax.tree.leaves(grads))
+    assert len(bwd_gluon) == 1, bwd_gluon  # the Gluon backward (default at de 128 and 256; partial dX rows at 256)
+    idx = np.asarray(idx)
+
+    # the oracle, same weights and inputs, same routing decision (the binding's import_jax_triton
+    # left TRITON_CACHE_DIR usable for FlexAttention's compile)
+    from kernels.torch.flex_oracle import flex_expert_ffn
+
+    dev = "cuda"
+    tp = [torch.tensor(np.asarray(p), device=dev, requires_grad=True) for p in params]
+    tx = torch.tensor(np.asarray(x.astype(jnp.float32)), device=dev).bfloat16().requires_grad_()
+    w_in, w_r, bias, w1, w2, w_out = tp
+    sub = (tx @ w_in.bfloat16()).view(n, nh, dh)
+    scores = torch.einsum("nhd,hde->nhe", sub.float(), w_r)
+    tidx = torch.tensor(idx, device=dev).long()
+    gates = torch.softmax(scores.gather(-1, tidx), -1)
+    ye = flex_expert_ffn(sub, tidx, gates, w1.bfloat16(), w2.bfloat16())
+    yt = ye.reshape(n, nh * dh) @ w_out.bfloat16()
+    (yt.float() * torch.tensor(np.asarray(wy), device=dev)).sum().backward()
+    oracle = [tp[0].grad, tp[1].grad, tp[3].grad, tp[4].grad, tp[5].grad, tx.grad]
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    truth = res["fp32"][2]  # grads of params (w_in, w_r, bias, w1, w2, w_out) then x
+    order = [0, 1, 3, 4, 5, 6]  # skip bias (no gradient)
+    for name, g_list in (("triton", res["triton"][2]), ("reference", res["reference"][2])):
+        for i in order:
+            assert rel(g_list[i], truth[i]) < 2e-2, (name, i, rel(g_list[i], truth[i]))
+    for j, i in enumerate(order):
+        og = oracle[j].float().cpu().numpy()
+        assert rel(og, truth[i]) < 2e-2, ("oracle", i, rel(og, truth[i]))
+        assert rel(res["triton"][2][i], og) < 3e-2, ("triton-vs-oracle", i)
+    assert abs(float(res["triton"][0]) - float(res["fp32"][0])) <= 2e-2 * abs(float(res["fp32"][0])) + 1e-3
+
+
+@pytest.mark.gpu
+# every kernel path of the binding once (on a Hopper GPU; elsewhere the Triton ones), against an fp32 reference:
+# (case, de, skew, Ne: packing block 128 at Ne 16, 64 at Ne 128 / 384, 32 at Ne 1024), the config's changes
+@pytest.mark.parametrize("case,de,skew,ne,change", [
+    ("gluon_fwd_gluon_bwd_partials", 256, True, 16, {}),
+    ("gluon_bwd_xw", 128, False, 16, {"bwd_xw": True}),
+    ("cast_fwd_gluon_bwd", 256, False, 128, {}),
+    ("cast_fwd_block64_mean43", 128, True, 384, {}),
+    ("gluon_bwd_block32", 128, True, 1024, {}),
+    ("triton_fwd_fused_bwd", 128, True, 16, {"fwd_ws": False, "bwd_ws": False}),
+    ("triton_split_bwd", 256, False, 16, {"fwd_ws": False, "bwd_ws": False}),
+    ("triton_split_gluon_dw", 256, False, 128, {"bwd_ws": False}),
+    ("triton_rows_dw", 256, True, 1024, {"bwd_ws": False, "dw_ws": False})])
+def test_gpu_expert_paths_vs_fp32(case, de, skew, ne, change):
+    """The JAX binding on each kernel path the plan can pick (`plan.expert_fwd_kernel` / `expert_bwd_kernel`) against
+    an fp32 reference: output and all four gradients, and bitwise-identical weight gradients across two runs."""
+    import jax
+    import jax.numpy as jnp
+
+    from mhl_jax.moe.core import expert_ffn
+    from mhl_jax.moe.gpu.experts import expert_ffn_triton
+
+    n, h, dh, k = 4096, 4, 128, 4
+    ks = jax.random.split(jax.random.key(de + skew), 6)
+    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
+    idx = jnp.argsort(jax.random.uniform(ks[1], (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
+    if skew:  # one (head, expert) gets every token: a 32-block group next to near-empty ones
+        idx = idx.at[:, :, 0].set(jnp.where(idx[:, :, 1:].min(-1) == 0, idx[:, :, 0], 0))
+    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
+    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) * dh ** -0.5
+    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) * de ** -0.5
+    wy = jax.random.normal(ks[5], (n, h, dh))
+    cfg = replace(default_config(n * h * k, h * ne, dh, de), **change)
+
+    def grads(cfg, dtype=jnp.bfloat16, impl="triton"):
+        def loss(x, g, a, b):
+            y = (expert_ffn_triton(x, idx, g, a, b, cfg=cfg)[0] if impl == "triton"
+                 else expert_ffn(x, idx, g, a, b, "reference")[0])
+            return jnp.sum(y.astype(jnp.float32) * wy), y.astype(jnp.float32)
+
+        # the output y itself, not the scalar loss: sum(y * wy) cancels (|loss| << sum |y * wy|), so its
+        # relative error says nothing
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        (_, y), g = f(x.astype(dtype), gates, w1, w2)
+        return [y] + list(g)
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+    got, again = grads(cfg), grads(cfg)
+    with jax.default_matmul_precision("highest"):
+        ref = grads(None, jnp.float32, "reference")
+    for i, name in enumerate(("y", "x", "gates", "w1", "w2")):
+        assert rel(got[i], ref[i]) < 2e-2, (case, name, rel(got[i], ref[i]))
+    for i in (3, 4):
+        assert np.array_equal(np.asarray(got[i]), np.asarray(again[i])), case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("de,skew,programs,heads", [(256, False, None, 4), (256, True, 3, 1), (128, True, None, 1),
+                                                    (128, False, 3, 4)])
+def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs, heads):
     """The warp-specialised Gluon forward (torch launcher) against the Triton forward on the same packing: the
     same output rows bit for bit (same products in the same order: fp32 S over dh in k16 steps, the same gelu
-    FMAs, A rounded to bf16, A W2 accumulated over de in order), padding rows zero in a NaN-poisoned output (with
-    skip, the second halves of used blocks made only of padding stay NaN: never written), and within bf16 rounding
+    FMAs, A rounded to bf16, A W2 accumulated over de in order), padding rows zero in a NaN-poisoned output (the
+    second halves of used blocks made only of padding stay NaN: never written), and within bf16 rounding
     of the float64 reference. Three programs: ~100 blocks each, so the producer's weight reuse across a group's
     blocks and its reloads at group changes both run many times. head_major: the programs take each head's blocks
     in turn (as the JAX binding launches it)."""
-    from kernels.gluon.experts import gluon_experts_fwd_ws
-    from kernels.triton.experts import default_config
+    from kernels.torch.experts import gluon_experts_fwd_ws
 
     n, h, k, ne, dh = 2048, 4, 4, 16, 128
     x, idx, gates, w1, w2 = (t.cuda() for t in _inputs(1, n, h, k, ne, dh, de, skew))
@@ -725,18 +678,14 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs, heads, skip):
     pk = pack_torch(idx, ne, cfg.pack_block)
     ref = experts_fwd(x, pk.row_slot, pk.block_group, w1, w2, k, cfg)
     out = torch.full_like(ref, float("nan"))
-    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out, heads=heads,
-                         skip_padding=skip)
+    gluon_experts_fwd_ws(x, pk, w1, w2, k, cfg.pack_block, programs=programs, out=out, heads=heads)
     valid = pk.row_slot >= 0
     blocks = pk.row_slot.view(-1, cfg.pack_block)
     half = cfg.pack_block // 2  # used blocks (a real first row) whose second half is padding only
     skipped = ((blocks[:, :1] >= 0) & (blocks[:, half:half + 1] < 0) &
                (torch.arange(cfg.pack_block, device="cuda") >= half)).reshape(-1)
     assert skipped.sum() >= 8 * half or skew  # (random: about every other group's last block; skew: 2048-row groups)
-    if skip:
-        assert torch.isnan(out[skipped]).all() and torch.isfinite(out[~skipped]).all()
-    else:
-        assert torch.isfinite(out).all()
+    assert torch.isnan(out[skipped]).all() and torch.isfinite(out[~skipped]).all()
     assert torch.equal(out[valid], ref[valid])
     assert (out[~valid & ~skipped] == 0).all()
     rows = x.double()[pk.row_slot[valid].long() // k]
@@ -747,6 +696,7 @@ def test_gpu_ws_forward_vs_triton_and_f64(de, skew, programs, heads, skip):
 
 
 
+
 @pytest.mark.gpu
 def test_gpu_forward_head_major_through_jax(monkeypatch):
     """Through the JAX binding at k 8 (from `FWD_HEAD_MAJOR_MIN_K` on) the Gluon forward's programs take each
@@ -754,95 +704,22 @@ def test_gpu_forward_head_major_through_jax(monkeypatch):
     share of all heads' blocks (the same rows, each made by the same products in the same order)."""
     import jax
 
-    import mhl_jax.moe.gpu.experts as et
-    from mhl_jax.moe.gpu.experts import expert_ffn_triton, variant_config
+    import mhl_jax.moe.gpu.expert_kernels as ek
+    from mhl_jax.moe.gpu.experts import expert_ffn_triton
 
     n, h, dh, k, ne, de = 4096, 4, 128, 8, 16, 128
     x, idx, gates, w1, w2 = _jax_expert_inputs(3, n, h, dh, ne, de, k)
-    cfg = variant_config("default", n * h * k, h * ne, dh, de)
-    assert cfg.fwd_ws and k >= et.FWD_HEAD_MAJOR_MIN_K
+    cfg = default_config(n * h * k, h * ne, dh, de)
+    assert cfg.fwd_ws and k >= ek.FWD_HEAD_MAJOR_MIN_K
     heads_seen = []
-    real = et._fwd_gluon
-    monkeypatch.setattr(et, "_fwd_gluon", lambda *a: heads_seen.append(a[-1]) or real(*a))
+    real = ek._fwd_gluon
+    monkeypatch.setattr(ek, "_fwd_gluon", lambda *a: heads_seen.append(a[-1]) or real(*a))
     head_major = jax.jit(lambda *a: expert_ffn_triton(*a, cfg=cfg)[0])(x, idx, gates, w1, w2)
-    monkeypatch.setattr(et, "FWD_HEAD_MAJOR_MIN_K", 1 << 30)
+    monkeypatch.setattr(ek, "FWD_HEAD_MAJOR_MIN_K", 1 << 30)
     all_heads = jax.jit(lambda *a: expert_ffn_triton(*a, cfg=cfg)[0])(x, idx, gates, w1, w2)
     assert heads_seen == [h, 1]
     assert np.isfinite(np.asarray(head_major, np.float32)).all()
     assert np.array_equal(np.asarray(head_major), np.asarray(all_heads))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("de,k", [(128, 8), (256, 4)])
-def test_gpu_forward_skips_padding_halves_through_jax(de, k, monkeypatch):
-    """Through the JAX binding the Gluon forward leaves the padding-only second halves of packing blocks uncomputed
-    (`experts_triton.FWD_SKIP_PADDING`): its launch gets the switch, and the layer's output (the combine reads real
-    rows only) and every gradient are bitwise the same as with every half computed."""
-    import jax
-    import jax.numpy as jnp
-
-    import mhl_jax.moe.gpu.experts as et
-    from mhl_jax.moe.gpu.experts import expert_ffn_triton, variant_config
-
-    n, h, dh, ne = 2048, 4, 128, 16
-    x, idx, gates, w1, w2 = _jax_expert_inputs(5, n, h, dh, ne, de, k)
-    cfg = variant_config("default", n * h * k, h * ne, dh, de)
-    assert cfg.fwd_ws
-    seen = []
-    real = et._gluon_call
-    monkeypatch.setattr(et, "_gluon_call", lambda *a, **kw: seen.append(kw.get("SKIP_PAD")) or real(*a, **kw))
-    runs = []
-    for skip in (True, False):
-        monkeypatch.setattr(et, "FWD_SKIP_PADDING", skip)
-
-        def loss(x, gates, w1, w2):  # a new function each time: a fresh trace, which reads the switch
-            y = expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg)[0]
-            return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
-
-        runs.append(jax.tree.leaves(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, gates, w1, w2)))
-    assert seen[0] is True and False in seen  # the forward's launches (the backward's have no SKIP_PAD)
-    for a, b in zip(*runs):
-        assert np.isfinite(np.asarray(a, np.float32)).all()
-        assert np.array_equal(np.asarray(a), np.asarray(b))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("de,k", [(128, 8), (256, 4)])
-def test_gpu_backward_skips_padding_blocks_bitwise(de, k, monkeypatch):
-    """Through the JAX binding the Gluon backward computes only the 32-row blocks that hold a group's rows
-    (`experts_triton.BWD_SKIP_PADDING`, read in the forward): the backward's launch gets the groups' sizes, or with
-    the switch off their whole packing blocks, and every gradient (x, gates, W1, W2) is bitwise the same either way
-    (the padding-only blocks' rows add exact zeros; more than 20 of them at this shape)."""
-    import jax
-    import jax.numpy as jnp
-
-    import mhl_jax.moe.gpu.experts as et
-    from mhl_jax.moe.gpu.experts import expert_ffn_triton, variant_config
-
-    n, h, dh, ne = 2048, 4, 128, 16
-    x, idx, gates, w1, w2 = _jax_expert_inputs(4, n, h, dh, ne, de, k)
-    cfg = variant_config("default", n * h * k, h * ne, dh, de)
-    assert et.use_bwd_gluon(cfg, x.dtype, dh, de)
-    sizes = np.bincount((np.arange(h)[None, :, None] * ne + np.asarray(idx)).ravel(), minlength=h * ne)
-    pb = cfg.pack_block
-    assert (-(-sizes // pb) * pb // 32 - -(-sizes // 32)).sum() > 20  # padding-only 32-row blocks to skip
-
-    def loss(x, gates, w1, w2):
-        y = expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg)[0]
-        return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(dh, dtype=jnp.float32)))
-
-    grads, launched = [], []
-    real = et._gluon_call
-    monkeypatch.setattr(et, "_gluon_call", lambda *a, **kw: launched.append(a[5]) or real(*a, **kw))
-    for skip in (True, False):
-        monkeypatch.setattr(et, "BWD_SKIP_PADDING", skip)
-        grads.append(jax.grad(loss, argnums=(0, 1, 2, 3))(x, gates, w1, w2))  # eager: the launch's sizes concrete
-    # the forward's launch reads no sizes; the backward's got the groups' rows, then their whole packing blocks
-    got = [np.asarray(a) for a in launched if a.shape == (h * ne,)]
-    assert len(got) == 2 and np.array_equal(got[0], sizes) and np.array_equal(got[1], -(-sizes // pb) * pb)
-    for a, b in zip(*grads):
-        assert np.isfinite(np.asarray(a, np.float32)).all()
-        assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def _bwd_inputs(seed: int, n: int, h: int, k: int, ne: int, dh: int, de: int, skew: bool):
@@ -885,10 +762,8 @@ def _f64_bwd(x, dy, gates, pk, idx, w1, w2, k: int, h: int, ne: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ne", [16, 128, 512], ids=["pack128", "pack64", "pack32"])
-@pytest.mark.parametrize("de", [256, 128])
-@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
-@pytest.mark.parametrize("programs", [None, 5], ids=["one_per_sm", "five"])
+@pytest.mark.parametrize("ne,de,skew,programs", [(16, 256, True, None), (128, 256, False, 5), (512, 128, True, 5),
+                                                 (128, 128, False, None)])
 def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
     """The warp-specialised Gluon weight gradients (torch launcher) against a float64 reference built from the packed
     assignment (every routed slot's row: H = x W1, dW2 += g gelu(H)^T dy, dW1 += x^T (g dy W2^T * gelu'(H))), and
@@ -896,11 +771,7 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
     Skewed routing leaves groups empty (their dW must come out zero: the outputs start NaN-poisoned); packing blocks
     128, 64 and 32 (Ne 16, 128, 512; the JAX binding takes the kernel at <= 64); five programs take many tiles
     each, so weight buffers and ring stages are reused many times."""
-    from dataclasses import replace
-
-    from kernels.gluon.experts import gluon_experts_dw_ws
-    from kernels.torch.experts import experts_dw
-    from kernels.triton.experts import Tile, default_config
+    from kernels.torch.experts import experts_dw, gluon_experts_dw_ws
 
     n, h, k, dh = 2048, 4, 4, 128
     x, dy, idx, gates, w1, w2 = _bwd_inputs(3, n, h, k, ne, dh, de, skew)
@@ -923,11 +794,9 @@ def test_gpu_ws_dw_vs_f64_and_triton(de, skew, programs, ne):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ne", [16, 128, 512], ids=["pack128", "pack64", "pack32"])
-@pytest.mark.parametrize("de", [128, 256])
-@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
-@pytest.mark.parametrize("programs", [None, 5], ids=["one_per_sm", "five"])
-@pytest.mark.parametrize("xw", [False, True], ids=["", "xw"])
+@pytest.mark.parametrize("ne,de,skew,programs,xw", [(16, 256, True, None, False), (128, 128, False, 5, False),
+                                                    (512, 128, True, None, True), (128, 256, False, 5, True),
+                                                    (16, 128, False, 5, False), (512, 256, True, None, False)])
 def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne, xw):
     """The warp-specialised fused backward (torch launcher): dW1, dW2, the dX rows and the gate gradients of every
     routed row (at de 256 the sums of the two tiles' partials) against the float64 reference (`_f64_bwd`) and against
@@ -938,11 +807,8 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne, xw):
     many tiles each (the dH^T buffers and barriers shared by the two consumers go round many times). xw: the kernel
     with the dX warp group, which computes the same products and sums in the same order: bitwise the other kernel's
     outputs, and bitwise its own on a second run with another ring depth, weight buffering and stage count."""
-    from dataclasses import replace
-
-    from kernels.gluon.experts import DW_WS_BLOCK_M, gluon_experts_bwd_ws
-    from kernels.torch.experts import experts_dw, experts_dx
-    from kernels.triton.experts import Tile, default_config
+    from kernels.torch.experts import experts_dw, experts_dx, gluon_experts_bwd_ws
+    from kernels.tuning import GLUON_DW_BLOCK_M
 
     n, h, k, dh = 2048, 4, 4, 128
     x, dy, idx, gates, w1, w2 = _bwd_inputs(5, n, h, k, ne, dh, de, skew)
@@ -968,7 +834,7 @@ def test_gpu_ws_fused_bwd_vs_f64_and_triton(skew, programs, de, ne, xw):
     grp = pk.block_group.long()[rows // cfg.pack_block]  # -1 past the blocks in use
     gs = grp.clamp(min=0)
     local = rows - pk.group_block_start.long()[gs] * cfg.pack_block
-    bm = DW_WS_BLOCK_M
+    bm = GLUON_DW_BLOCK_M
     written = (grp >= 0) & (local < (pk.group_sizes.long()[gs] + bm - 1) // bm * bm)
     assert torch.isfinite(dw1).all() and torch.isfinite(dw2).all()
     assert torch.isfinite(dxp[written]).all() and torch.isfinite(dgp[written]).all()

@@ -189,9 +189,9 @@ def test_moe_heads_triton_shares_one_packing(dh, n, ne, k):
     gradients (fp32), and one sort fewer in the compiled gradient than the router and expert ops called
     separately. dh 16 runs the fused expert op, dh 144 the grouped one; "block64" has 100 slots per
     group, so the default config packs 64-row blocks with the Triton packing (emulated: the JAX sort)."""
-    from mhl_jax.moe.core import moe_heads_triton
-    from mhl_jax.moe.experts import expert_ffn, triton_packing_spec
+    from mhl_jax.moe.core import expert_ffn, moe_heads_triton
     from mhl_jax.moe.gpu.router import route_topk_triton
+    from mhl_jax.moe.plan import packing_spec as triton_packing_spec
 
     rng = np.random.default_rng(31)
     h, de = 2, 32

@@ -1,15 +1,16 @@
 """The MoE core on Triton as one `jax.custom_vjp`, for sub-tokens routed on themselves (x_route is x_expert, as
 MH-LatentMoE routes): router + softmax gates + experts forward, and a backward whose last step, one kernel
-(`kernels/triton/combine.py`), makes per sub-token the softmax's backward (the router's dvalues from the expert kernels' gate
-gradients) and dx: its k expert dX rows and the router's dX summed.
+(`kernels/triton/combine.py`), makes per sub-token the softmax's backward (the router's dvalues from the expert
+kernels' gate gradients) and dx: its k expert dX rows and the router's dX summed.
 
     x (N, H, dh) bf16, w_r (H, dh, Ne) fp32, bias (H, Ne) fp32, w1 (H, Ne, dh, de), w2 (H, Ne, de, dh)
     -> y (N, H, dh) in x's dtype, load (H, Ne) int32
 
-The router's and the experts' custom_vjps (`router_triton`, `experts_triton`) apart each return their own dx: the
-experts' is a gather and sum of the packed dX rows (XLA), the router's a kernel gathering k rows of W_r^T, and XLA
-adds the two; between them XLA gathers the gate gradients per slot and runs the softmax's backward. Here one kernel
-gathers the dX rows, the gate gradients and the W_r^T rows side by side and writes dx and dvalues once. Every other
+The router's and the experts' custom_vjps (`mhl_jax.moe.gpu.router`, `mhl_jax.moe.gpu.experts`) apart each return
+their own dx: the experts' is a gather and sum of the packed dX rows (XLA), the router's a kernel gathering k rows of
+W_r^T, and XLA adds the two; between them XLA gathers the gate gradients per slot and runs the softmax's backward.
+Here one kernel gathers the dX rows, the gate gradients and the W_r^T rows side by side and writes dx and dvalues
+once. Every other
 step is the same code as the two ops apart (same kernels, same packing): y, dW1, dW2, the load and bias's zero are
 bitwise those of the ops apart; dvalues (so dW_r) differ from XLA's softmax backward in fp32 rounding only, and dx
 in its rounding (one rounding of the fp32 sum instead of three: two bf16 terms rounded, then their sum).
@@ -25,20 +26,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels.triton.combine import CombineTiles, combine_constexprs, combine_grid, dx_combine_kernel
+from kernels.triton.combine import combine_constexprs, combine_grid, dx_combine_kernel
+from kernels.tuning import CombineTiles
 from mhl_jax.moe.gpu import experts as ext
 from mhl_jax.moe.gpu import router as rtr
-from mhl_jax.moe.plan import import_jax_triton
+from mhl_jax.moe.plan import import_jax_triton, packing_spec
 from mhl_jax.moe.router import router_gates
-
-# The dx combine's tiles when moe_heads_fused is not given any (None: CombineTiles(), the measured default).
-COMBINE_TILES: CombineTiles | None = None
 
 
 class Static(NamedTuple):
     router: rtr.Static
     experts: ext.Static
-    cast: bool  # the router's kernel casts the expert weights (`moe_core.router_casts_weights`)
+    cast: bool  # the router's kernel casts the expert weights (`mhl_jax.moe.plan.router_casts_weights`)
     combine: CombineTiles
 
 
@@ -116,14 +115,14 @@ def moe_heads_fused(x: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array
                     cfg=None, backend: str = "triton", cast: bool = False,
                     combine: CombineTiles | None = None, weights_cast=None,
                     grad_acc=None) -> tuple[jax.Array, jax.Array]:
-    """`moe_core.moe_heads_triton` for x_route = x_expert = x (N, H, dh) on the fused Triton expert path (dh <=
-    MAX_TRITON_EXPERT_WIDTH): y (N, H, dh) in x's dtype, load (H, Ne) int32. cfg: the experts' ExpertsConfig (None:
-    the measured default); cast: the router's kernel casts the expert weights (`moe_core.router_casts_weights`);
-    combine: the dx combine's tiles (None: COMBINE_TILES, else the measured default); weights_cast: (w1, w2) already
+    """`mhl_jax.moe.core.moe_heads_triton` for x_route = x_expert = x (N, H, dh) on the fused Triton expert path
+    (`mhl_jax.moe.plan.fused_core`): y (N, H, dh) in x's dtype, load (H, Ne) int32. cfg: the experts' ExpertsConfig
+    (None: the tuned default); cast: the router's kernel casts the expert weights (`plan.router_casts_weights`);
+    combine: the dx combine's tiles (None: the tuned default); weights_cast: (w1, w2) already
     in x's dtype (made by the caller, e.g. once per train step), read instead of casting here (not with cast);
     grad_acc: (acc1, acc2) shaped and typed as w1 / w2, gradients summed so far (the train step's accumulation over
     micro-batches): the "gradients" of w1 / w2 then come back as acc + dW, added in place by the expert backward
-    (`moe_core.moe_heads`' grad_acc)."""
+    (`mhl_jax.moe.core.moe_heads`' grad_acc)."""
     if grad_acc is not None:
         grad_acc = tuple(grad_acc)
         if [(a.shape, a.dtype) for a in grad_acc] != [(w.shape, w.dtype) for w in (w1, w2)]:
@@ -132,11 +131,9 @@ def moe_heads_fused(x: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array
     if cast and weights_cast is not None:
         raise ValueError("moe_heads_fused: cast=True (the router's kernel casts the weights) and weights_cast= (cast "
                          "by the caller) exclude each other")
-    from mhl_jax.moe.experts import triton_packing_spec
-
     est = ext.experts_static(x, k, w1, w2, cfg, backend, weights_cast)
-    spec = triton_packing_spec(x.shape, k, w1.shape, est.cfg, backend)
+    spec = packing_spec(x.shape, k, w1.shape, est.cfg, backend)
     rst = rtr.router_static(x, w_r, bias, k, backend=backend, pack=spec, cast=(w1, w2) if cast else None)
-    combine = combine or COMBINE_TILES or CombineTiles()
+    combine = combine or CombineTiles()
     return _moe(Static(rst, est, bool(cast), combine), x, w_r, bias, w1, w2,
                 None if weights_cast is None else tuple(weights_cast), grad_acc)

@@ -22,9 +22,12 @@ reads the scratch pointer from that parameter. A kernel that needs scratch witho
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from types import ModuleType
+
+from mhl_jax.moe.plan import hopper_sms, import_jax_triton
+
+__all__ = ["compile_gluon", "gluon_call", "hopper_sms", "install"]  # hopper_sms: the plan's, read here by the router
 
 
 def is_gluon(fn) -> bool:
@@ -189,22 +192,9 @@ def compile_gluon(fn, signature: dict, constexprs: dict, attrs: dict, num_warps:
                 launch_warps=stages.num_warps)
 
 
-@functools.cache
-def hopper_sms() -> int:
-    """The SM count of the first JAX device if it is a Hopper GPU (compute capability 9.x), else 0."""
-    import jax
-
-    dev = jax.devices()[0]
-    if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9"):
-        return 0
-    return int(getattr(dev, "core_count", 0) or 132)
-
-
 def gluon_call(*args, kernel, out_shape, programs: int, **constexprs):
-    """A persistent warp-specialised Gluon kernel (kernels/gluon_*.py) through jax-triton with this bridge installed:
+    """A persistent warp-specialised Gluon kernel (kernels/gluon/) through jax-triton with this bridge installed:
     `programs` programs, four warps per partition."""
-    from mhl_jax.moe.plan import import_jax_triton
-
     jt = import_jax_triton()
     install(jt)
     return jt.triton_call(*args, kernel=kernel, out_shape=out_shape, grid=(programs,), num_warps=4, num_stages=1,

@@ -27,10 +27,18 @@ import jax
 import jax.numpy as jnp
 
 from kernels.triton.experts import GELU_A, GELU_C
-from kernels.triton.grouped import GATHER, GATHER_GATED, ROWS, GroupedConfig, b_strides, default_grouped_config
+from kernels.triton.grouped import (
+    GATHER,
+    GATHER_GATED,
+    ROWS,
+    b_strides,
+    grouped_rows_kernel,
+    grouped_wgrad_kernel,
+)
+from kernels.tuning import GroupedConfig
 from mhl_jax.moe import packing as pk
 from mhl_jax.moe.gpu.experts import Meta, _combine, bwd_cotangents, dgates_and_dy_rows, packed_meta
-from mhl_jax.moe.plan import import_jax_triton
+from mhl_jax.moe.plan import grouped_config, import_jax_triton
 
 BACKENDS = ("triton", "emulate")
 
@@ -50,9 +58,6 @@ def _precision(dtype) -> str:
 
 def _rows_triton(st: Static, a, gates, meta: Meta, w, *, a_mode, transpose_w, epi_gelu, hpre, out_dtype):
     jt = import_jax_triton()
-
-    from kernels.triton.grouped import grouped_rows_kernel
-
     p, kdim = meta.row_slot.shape[0], a.shape[1]
     n = w.shape[1] if transpose_w else w.shape[2]
     t = st.cfg.rows
@@ -71,9 +76,6 @@ def _wgrad_triton(st: Static, a, d, gates, meta: Meta, *, a_mode, d_mode, num_gr
     """acc: (G, I, J) in dw_dtype, aliased to the output, which comes back as acc + dW (the kernel's ACCUM; its shape
     checked by `expert_ffn_grouped`)."""
     jt = import_jax_triton()
-
-    from kernels.triton.grouped import grouped_wgrad_kernel
-
     i, j = a.shape[1], d.shape[1]
     t = st.cfg.wgrad
     out_shape = jax.ShapeDtypeStruct((num_groups, i, j), dw_dtype)
@@ -165,8 +167,7 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
                       out_dtype=x.dtype)  # (P, de) each: H = X W1, gelu(H)
     out_rows = _rows(st, act, g32, meta, w2c, a_mode=ROWS, transpose_w=False, epi_gelu=False, hpre=None,
                      out_dtype=x.dtype)  # (P, dh)
-    # XLA's combine: the Triton one (`experts_triton.combine_rows`) made the MoE 2.2B step 0.327 vs 0.325 s at
-    # d_model-wide rows (H100, 2026-11-26; bench/NOTES.md, Layer, Session 23)
+    # XLA's combine (`mhl_jax.moe.plan.out_combine`): at d_model-wide rows the Triton one measured slower
     y = _combine(out_rows, meta.slot_row, gates.astype(jnp.float32)).astype(x.dtype)
     return y, (xs, gates, hpre, act, out_rows, w1c, w2c, meta)
 
@@ -204,12 +205,6 @@ def _experts_bwd(st: Static, res, dy):
 _experts.defvjp(_experts_fwd, _experts_bwd)
 
 
-def resolve_grouped_config(num_slots: int, num_groups: int, dh: int, de: int,
-                           cfg: GroupedConfig | None) -> GroupedConfig:
-    """The config the op runs: `cfg` or the measured default, fitted to dh, de."""
-    return (cfg or default_grouped_config(num_slots, num_groups, dh, de)).fit(dh, de)
-
-
 def expert_ffn_grouped(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2: jax.Array,
                        cfg: GroupedConfig | None = None, backend: str = "triton",
                        packing: pk.Packing | None = None, weights_cast=None,
@@ -222,7 +217,7 @@ def expert_ffn_grouped(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.A
     multiples of 16 (tiles shrink to fit, `GroupedConfig.fit`). `cfg` overrides packing and tiles;
     `packing` as in `expert_ffn_triton`; `weights_cast`: (w1, w2) already in x's dtype, read instead of casting here;
     `grad_acc`: (acc1, acc2) fp32 running gradient sums shaped as w1 / w2 (fp32 weights only): the gradients of w1 / w2
-    come back as acc + dW, added by the wgrad kernel in place (`moe_core.moe_heads`).
+    come back as acc + dW, added by the wgrad kernel in place (`mhl_jax.moe.core.moe_heads`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"expert_ffn_grouped: backend={backend!r}, expected one of {BACKENDS}")
@@ -239,7 +234,7 @@ def expert_ffn_grouped(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.A
     if w1.dtype != w2.dtype or w1.dtype not in (jnp.dtype(jnp.float32), x.dtype):
         raise ValueError(f"expert_ffn_grouped: w1 {w1.dtype} and w2 {w2.dtype} must share a dtype, fp32 or "
                          f"x's {x.dtype}")
-    cfg = resolve_grouped_config(n * h * k, h * ne, dh, de, cfg)
+    cfg = grouped_config(n * h * k, h * ne, dh, de, cfg)
     cfg.check(dh, de)
     packing, meta = packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, backend, packing, "expert_ffn_grouped")
     if weights_cast is not None and [(c.shape, c.dtype) for c in weights_cast] != [(w.shape, x.dtype)

@@ -1,0 +1,378 @@
+"""The expert FFN weight gradients of `kernels/triton/experts.py`, warp-specialised, in Gluon (Hopper only), and the
+pipeline the whole fused backward (kernels/gluon/experts_bwd_fused.py) shares with them.
+
+`gluon_expert_dw_ws_kernel`: the weight gradients of `expert_dwt_kernel` (without fused dX): persistent over
+(group, 128 de) tiles taken from a static schedule (`kernels.gluon.schedule.deal_schedule`: head by head, each
+head's groups largest first, dealt so that every program gets about the same rows), two consumer warp groups each
+holding both gradients of 64 de (128 fp32 accumulator registers: the consumers run at setmaxnreg 232 / 240, which
+ptxas honours per partition), 32-row blocks of gathered X / dy rows (and their gates) through a cp.async ring, the
+next tile's weights in a second buffer. A split backward takes it where the whole Gluon backward does not run.
+
+Supported shapes: `kernels.tuning.gluon_dw_supported`; launch tables (stages, buffers, registers): `kernels.tuning`.
+PROBE constexprs (0 in every launch the library makes) mask traffic or math off for measurements: bench only.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from kernels.gluon.common import _copy_layout, _gelu_and_grad, _wgmma_layout, _ws_barriers, _ws_copy_rows
+from kernels.tuning import (
+    GLUON_DW_BLOCK_M,
+    GLUON_DW_REGS,
+    GLUON_DW_STAGES,
+    GLUON_DW_WBUF,
+    GLUON_MAXNREG,
+    gluon_dw_supported,
+)
+
+
+@gluon.jit
+def _dw_tile(t, group_block_start_ptr, group_size_ptr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+             BLOCK_M: gl.constexpr):
+    """Tile t = (group, 128 de): (group as int64, first de, first packed row, row blocks of BLOCK_M). The row blocks
+    are those holding the group's rows (its size rounded up to BLOCK_M): blocks made only of the padding after them
+    (up to PACK_BLOCK - BLOCK_M rows) are neither computed nor written."""
+    gi = t // (DE // 128)
+    start = gl.load(group_block_start_ptr + gi)
+    size = gl.load(group_size_ptr + gi)
+    return gi.to(gl.int64), (t % (DE // 128)) * 128, start.to(gl.int64) * PACK_BLOCK, (size + BLOCK_M - 1) // BLOCK_M
+
+
+@gluon.jit
+def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+                 BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
+                 C: gl.constexpr, PROBE: gl.constexpr = 0):
+    """Per tile: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
+    once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring.
+    PROBE & 4 (a measurement, `bwd_xw_constexprs`' probe): the rows' gathers masked off by a condition false at run
+    time (the ring's stages zero-filled, no global loads of X / dy / gates)."""
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
+     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
+    PW: gl.constexpr = gl.num_warps()
+    lx: gl.constexpr = _copy_layout(DH, PW)
+    rr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
+    cc = gl.arange(0, DH, layout=gl.SliceLayout(0, lx))
+    rg = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [PW], [0]))  # the gates' rows
+    q = 0
+    n = 0
+    # this program's tiles: sched[sched[pid]:sched[pid + 1]] (`tile_schedule`: the offsets count from sched_ptr)
+    for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
+        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
+                                     BLOCK_M)
+        wb = n % WB
+        mbarrier.wait(w_empty.index(wb), ((n // WB) & 1) ^ 1)
+        fence_async_shared()
+        for c in gl.static_range(2):
+            e = e0 + c * 64
+            _ws_copy_rows(w1_smem.index(wb * 2 + c), w1_ptr + g * (DH * DE) + e, DH, 64, DE, 32, PW)
+            _ws_copy_rows(w2_smem.index(wb * 2 + c), w2_ptr + g * (DE * DH) + e * DH, 64, DH, DH, 32, PW)
+        async_copy.mbarrier_arrive(w_ready.index(wb), increment_count=False)
+        slot_next = gl.load(row_slot_ptr + row0 + rr, mask=nsub > 0, other=-1)
+        gslot_next = gl.load(row_slot_ptr + row0 + rg, mask=nsub > 0, other=-1)
+        for i in range(nsub):
+            s = q % NST
+            slot = slot_next
+            gslot = gslot_next
+            slot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rr, mask=i + 1 < nsub, other=-1)
+            gslot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rg, mask=i + 1 < nsub, other=-1)
+            valid = (slot >= 0)[:, None]
+            gvalid = gslot >= 0
+            if PROBE & 4:  # false at run time (the compiler cannot tell)
+                valid = valid & (g < 0)
+                gvalid = gvalid & (g < 0)
+            src = gl.where(slot >= 0, slot // K, 0).to(gl.int64)[:, None] * DH + cc[None, :]
+            mbarrier.wait(d_empty.index(s), ((q // NST) & 1) ^ 1)
+            fence_async_shared()
+            async_copy.async_copy_global_to_shared(x_smem.index(s), x_ptr + src, mask=valid)
+            async_copy.async_copy_global_to_shared(dy_smem.index(s), dy_ptr + src, mask=valid)
+            async_copy.async_copy_global_to_shared(g_smem.index(s), gates_ptr + gl.where(gslot >= 0, gslot, 0),
+                                                   mask=gvalid)  # the rows' gates (padding: 0)
+            async_copy.mbarrier_arrive(d_ready.index(s), increment_count=False)
+            q += 1
+        n += 1
+
+
+@gluon.jit
+def _wait_weights(w_ready, n, WB: gl.constexpr):
+    """A weight-buffer user's wait for its n-th tile's buffer (n % WB) -> that buffer's index."""
+    wb = n % WB
+    mbarrier.wait(w_ready.index(wb), (n // WB) & 1)
+    fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+    return wb
+
+
+@gluon.constexpr_function
+def _partials_layout(num_warps):
+    """(num_warps, cols) per-warp partial sums, read so that one thread holds all of a column's partials."""
+    return gl.BlockedLayout([num_warps, 1], [1, 32], [1, num_warps], [0, 1])
+
+
+@gluon.jit
+def _sum_partials(dg_smem, hb, BLOCK_M: gl.constexpr, NW: gl.constexpr):
+    """The gate gradient of a block's BLOCK_M rows over the tile's 128 de: the two consumers' per-warp partials in
+    slots 2 hb and 2 hb + 1 of dg_smem (2 x NW of them, 16 de each), added in a fixed order within each thread."""
+    lg: gl.constexpr = _partials_layout(NW)
+    return gl.sum(dg_smem.index(hb * 2).load(lg), axis=0) + gl.sum(dg_smem.index(hb * 2 + 1).load(lg), axis=0)
+
+
+@gluon.jit
+def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+                 BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
+                 C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2,
+                 ACCUM: gl.constexpr = False, PROBE: gl.constexpr = 0):
+    """Consumer C (one warp group): de rows [e0 + 64 C, + 64) of every tile, both gradients. Per row block,
+    transposed as in `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
+        H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
+        dW2_c   += (gelu(H^T) diag(g)) dy                 (64, DH) fp32 accumulators in registers, A operands
+        dW1_c^T += (dA'^T diag(g) gelu'(H^T)) X            from registers
+    The accumulating products of each block retire at its end, which frees its stage (in flight across the block loop
+    ptxas serialised every wgmma of the kernel: C7512).
+
+    FUSE (`gluon_expert_bwd_ws_kernel`): also the block's dX rows and gate gradients (over the tile's 128 de: with
+    DE > 128 each row gets DE / 128 partials, side by side: dX (P, DE / 128, DH), gate (P, DE / 128)). Each consumer
+    writes its dH_c^T = dA'^T diag(g) gelu'(H^T) (64 de, BLOCK_M) to shared memory (one of two buffers, `f`'s
+    h_ready / h_empty hand them over between the two consumers); consumer C then makes dh columns [64 C, + 64)
+    of the block's dX: dX^T_C = W1[64 C:, :64] dH_0^T + W1[64 C:, 64:] dH_1^T (the W1 tile already in shared
+    memory; dW1's product also takes its A operand dH_c^T from there), and consumer 0 adds the two consumers'
+    per-warp partials of <gelu(H) row, dA' row> (2 x NW of 16 de each, through shared memory: `_sum_partials`): the
+    gate gradient of every row, in a fixed order. The
+    block's products all retire before the next block (deferring the dX half by one block measured slower).
+    The gates of each block come from shared memory (`g_smem`, gathered by the producer).
+
+    XW (`gluon_expert_bwd_xw_kernel`, not with FUSE): FUSE's order without the dX products: each block's dW2 product
+    retires at the block's end, its dW1 product at the next block's first wait, and the block's dH_c^T and this
+    consumer's half of the gate gradient go
+    to an HB-deep ring in shared memory (`f`'s h_ready / h_empty) for the dX warp group (`_dx_worker`), which makes
+    the dX rows and gate gradients off the consumers' chain. The gate gradient's half leaves as one partial per warp
+    (its 16 de rows: no exchange between the warps; the dX warp group adds them).
+
+    ACCUM: dW1 / dW2 hold a gradient summed so far (the JAX binding aliases the accumulator to them): each tile adds
+    its own to it in fp32 (acc + dW, what XLA's add of the two gives, bitwise) instead of overwriting it.
+
+    PROBE & 1 (a measurement, `bwd_xw_constexprs`' probe): dW's loads and stores masked off by a condition false at
+    run time (the products still made; no dW traffic)."""
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
+     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
+    (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
+    NW: gl.constexpr = gl.num_warps()
+    cdt: gl.constexpr = w1_ptr.dtype.element_ty
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, NW)
+    o_layout: gl.constexpr = _wgmma_layout(DH, NW)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    er = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    dc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    s_zero = gl.zeros((64, BLOCK_M), gl.float32, s_layout)
+    s_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)).to(gl.float32) * 0.001  # PROBE & 64 only
+    lxs: gl.constexpr = _copy_layout(64, NW)  # the dX half's store: 16-byte vectors of 8 dh
+    xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
+    xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
+    q = 0
+    n = 0
+    # this program's tiles: sched[sched[pid]:sched[pid + 1]] (`tile_schedule`: the offsets count from sched_ptr)
+    for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
+        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
+                                     BLOCK_M)
+        wb = _wait_weights(w_ready, n, WB)
+        w1t = w1_smem.index(wb * 2 + C).permute((1, 0))  # (64, DH): W1[:, e:e + 64]^T
+        w2c = w2_smem.index(wb * 2 + C)  # (64, DH): W2[e:e + 64, :]
+        # in flight across iterations: carried as wgmma accumulators, with their register operands
+        acc1 = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # dW1[:, e:e + 64]^T
+        acc2 = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # dW2[e:e + 64, :]
+        op1 = gl.zeros((64, BLOCK_M), cdt, a_layout)
+        op2 = gl.zeros((64, BLOCK_M), cdt, a_layout)
+        for i in range(nsub):
+            s = q % NST
+            mbarrier.wait(d_ready.index(s), (q // NST) & 1)
+            fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+            gate = g_smem.index(s).load(cols.type.layout)  # the block's gates (gathered by the producer)
+            xs = x_smem.index(s)
+            ds = dy_smem.index(s)
+            if PROBE & 64:  # a measurement (XW only): no H^T / dA'^T products (a value per element, unknown to the
+                # compiler: the math stays per element)
+                ht = gate[None, :] + s_zero + s_rows[:, None]
+                dat = gate[None, :] - s_zero - s_rows[:, None]
+            else:
+                ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if FUSE or XW:  # H^T and dA'^T together (the gate gradient takes both)
+                ht, dat = warpgroup_mma_wait(num_outstanding=0, deps=(ht, dat))
+                if XW and i > 0:  # this also retired the block before's dW1 product: its stage is free
+                    mbarrier.arrive(d_empty.index((q - 1) % NST))
+                if PROBE & 16:  # a measurement (XW only): no gelu math (act = H, gelu' = dA')
+                    act, dgelu = ht, dat
+                else:
+                    act, dgelu = _gelu_and_grad(ht, FAST_TANH)
+                # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's), first:
+                # the activation's registers are free once its A operand is made
+                # per warp (16 de each, no exchange between the warps): consumer 0 (FUSE) or the dX warp group (XW)
+                # adds the eight partials
+                if not PROBE & 8:  # PROBE & 8 (a measurement, XW only): no gate gradient (none handed over)
+                    dg = gl.sum(gl.reshape(act.to(cdt).to(gl.float32) * dat, (NW, 64 // NW, BLOCK_M)), axis=1)
+                op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
+                acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
+            else:  # H^T (the block before's products retired at its end)
+                ht = warpgroup_mma_wait(num_outstanding=1, deps=(ht,))
+                act, dgelu = _gelu_and_grad(ht, FAST_TANH)
+                op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
+                acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
+                dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
+            dht = (dat * gate[None, :] * dgelu).to(cdt)
+            if FUSE:
+                hb = q % 2
+                mbarrier.wait(h_empty.index(hb), ((q // 2) & 1) ^ 1)
+                dh_smem.index(hb * 2 + C).store(dht)
+                dg_smem.index(hb * 2 + C).store(dg)
+                fence_async_shared()  # the generic writes before the wgmma reads (the arrive syncs the warp group)
+                mbarrier.arrive(h_ready.index(hb))
+                acc1 = warpgroup_mma(dh_smem.index(hb * 2 + C), xs, acc1, is_async=True)  # dH_c^T from shared
+                mbarrier.wait(h_ready.index(hb), (q // 2) & 1)
+                w1a = w1_smem.index(wb * 2).slice(64 * C, 64, dim=0)  # (64, 64): W1[64 C:, :64]
+                w1b = w1_smem.index(wb * 2 + 1).slice(64 * C, 64, dim=0)  # W1[64 C:, 64:]
+                dxt = warpgroup_mma(w1a, dh_smem.index(hb * 2), s_zero, use_acc=False, is_async=True)
+                dxt = warpgroup_mma(w1b, dh_smem.index(hb * 2 + 1), dxt, is_async=True)
+                rows = row0 + i * BLOCK_M
+                NP: gl.constexpr = DE // 128  # the tiles' partial dX / gate gradients of a row, side by side
+                if C == 0:
+                    dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
+                    gl.store(dgate_ptr + (rows + gl.arange(0, BLOCK_M, layout=dg.type.layout)) * NP + e0 // 128, dg)
+                # retires the block's products (acc1 / acc2 stay wgmma accumulators: the next wait names them)
+                dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
+                mbarrier.arrive(d_empty.index(s))
+                mbarrier.arrive(h_empty.index(hb))
+                dxv = gl.convert_layout(gl.permute(dxt.to(cdt), (1, 0)), lxs)  # (BLOCK_M, 64)
+                dx_cols = (e0 // 128) * DH + 64 * C + xc  # this tile's partial, this consumer's dh half
+                gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + dx_cols[None, :], dxv)
+            else:
+                if XW:  # dH_c^T and the gate gradient's half to the dX warp group
+                    hb = q % HB
+                    mbarrier.wait(h_empty.index(hb), ((q // HB) & 1) ^ 1)
+                    dh_smem.index(hb * 2 + C).store(dht)
+                    if not PROBE & 8:
+                        dg_smem.index(hb * 2 + C).store(dg)
+                    fence_async_shared()  # the generic writes before the wgmma reads (the arrive syncs the warp group)
+                    mbarrier.arrive(h_ready.index(hb))
+                    # dH_c^T from shared memory: no A operand registers in flight (this consumer writes the slot again
+                    # only after the next block's first wait retired this product; HB >= 2 is for overlap)
+                    acc1 = warpgroup_mma(dh_smem.index(hb * 2 + C), xs, acc1, is_async=True)
+                    # dW2's product (A operand op2 in registers) retires here, dW1's at the next block's first
+                    # wait: with dW2's in flight across the loop too, ptxas serialises every wgmma of the kernel
+                    # (C7512 "insufficient register resources": each k-step waits for the one before)
+                    op2 = warpgroup_mma_wait(num_outstanding=1, deps=(op2,))
+                else:
+                    op1 = gl.convert_layout(dht, a_layout)
+                    acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
+                    # the block's products retire here (its stage is then free): in flight across the block loop
+                    # (register A operands op1, op2) ptxas serialised every wgmma of the kernel (C7512)
+                    op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(op1, op2))
+                    mbarrier.arrive(d_empty.index(s))
+            q += 1
+        # dW1's sum so far loads while the last products retire (dW2's after dW1's store: registers); with XW (at 208
+        # registers) after the wait: loaded before it, the consumer spilled 504 bytes (sm_90a compile). The
+        # address is spelled out here rather than p1 moved above the wait: that move changed the kernels' code without
+        # ACCUM (the XW consumer's spills 104 -> 100 B), which the layer measurements were not re-run for
+        EARLY: gl.constexpr = ACCUM and not XW
+        live = None
+        if PROBE & 1:  # false at run time (the compiler cannot tell)
+            live = g < 0
+        if EARLY:
+            old1 = gl.load(dw1_ptr + g * (DH * DE) + dc[None, :] * DE + (e0 + C * 64 + er)[:, None])
+        acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
+        if XW and nsub > 0:  # the last block's dW1 product retired just now
+            mbarrier.arrive(d_empty.index((q - 1) % NST))
+        mbarrier.arrive(w_empty.index(wb))
+        e = e0 + C * 64 + er
+        # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
+        p1 = dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None]
+        if EARLY:
+            acc1 = old1 + acc1
+        elif ACCUM:
+            acc1 = gl.load(p1, mask=live) + acc1
+        gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty), mask=live)
+        p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
+        if ACCUM:
+            acc2 = gl.load(p2, mask=live) + acc2
+        gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty), mask=live)
+        n += 1
+
+
+@gluon.jit
+def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
+                 w2_ptr, dw1_ptr, dw2_ptr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M: gl.constexpr,
+                 DH: gl.constexpr, NW: gl.constexpr, W_USERS: gl.constexpr = 2):
+    """The dW / backward kernels' shared operand tuple (`_dw_producer` / `_dw_consumer` / `_dx_worker` unpack it): the
+    pointers, and the shared memory: an NST-stage ring of gathered X / dy rows and their gates, WB buffers of a
+    tile's W1 columns / W2 rows (two 64-de halves each), and their (ready, empty) mbarriers."""
+    cdt: gl.constexpr = w1_ptr.dtype.element_ty
+    x_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
+    dy_smem = gl.allocate_shared_memory(cdt, [NST, BLOCK_M, DH],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], cdt))
+    g_smem = gl.allocate_shared_memory(gl.float32, [NST, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # gates
+    w1_smem = gl.allocate_shared_memory(cdt, [WB * 2, DH, 64], gl.NVMMASharedLayout.get_default_for([DH, 64], cdt))
+    w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
+    d_ready, d_empty = _ws_barriers(NST, NW * 32)
+    w_ready, w_empty = _ws_barriers(WB, NW * 32, W_USERS)  # W_USERS partitions free a weight buffer
+    return (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
+            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
+
+
+@gluon.jit
+def gluon_expert_dw_ws_kernel(
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
+    w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: see ACCUM)
+    dw1_ptr, dw2_ptr,  # outputs (G, DH, DE), (G, DE, DH)
+    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+    BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACCUM: gl.constexpr,
+):
+    """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de) as
+    the schedule sched_ptr deals them (`deal_schedule`: offsets of each program's tiles, then the tiles; about the
+    same rows for every program, largest groups first, one head at a time; the tiles of one group run side by side,
+    so its gathered rows come from L2 after the first); two consumer warp groups, each both gradients of 64 de in
+    registers (128 accumulator registers: the worker consumer runs at CONSUMER_REGS after setmaxnreg, the producer at
+    PRODUCER_REGS, the default partition at what is left of 512 per lane); one producer warp group (cp.async:
+    the tile's weights into one of WB buffers, gathered X / dy rows of BLOCK_M into an NST-stage ring). Sums over
+    a group's rows in packed order, no atomics. ACCUM: acc1 / acc2 are the accumulated gradients, the same buffers
+    as dW1 / dW2 (the JAX binding's input_output_aliases; the torch launcher passes dW1 / dW2 for both), and every
+    tile adds its gradient to them (`_dw_consumer`); acc1 / acc2 are never read through their own pointers."""
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
+    gl.static_assert(DE % 128 == 0, "DE: tiles of 128 de (two consumers of 64)")
+    gl.static_assert(NST >= 2 and WB >= 1, "NST: a consumer frees stage q - 1 only after it waited for stage q")
+    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr,
+                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW)
+    f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, False,
+                                        2, ACCUM)),
+                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, False,
+                                        2, ACCUM)),
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
+                       [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# jax-triton compiles with its own options: mhl_jax.moe.gpu.gluon adds these
+gluon_expert_dw_ws_kernel.mhl_compile_options = {"maxnreg": GLUON_MAXNREG}
+
+
+def dw_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = GLUON_DW_STAGES,
+                     wbuf: int = GLUON_DW_WBUF, regs: tuple[int, int] = GLUON_DW_REGS, block_m: int = GLUON_DW_BLOCK_M,
+                     kernel: str = "expert dW", accum: bool = False) -> dict:
+    """The dW kernel's constexpr arguments (torch and JAX launchers alike); raises on unsupported shapes, naming
+    `kernel`. accum: the kernel adds its weight gradients to what dW1 / dW2 hold (ACCUM)."""
+    if not gluon_dw_supported(dh, de, pack_block) or pack_block % block_m:
+        raise ValueError(f"warp-specialised {kernel}: dh={dh}, de={de}, pack_block={pack_block}, block_m={block_m}; "
+                         f"expected dh 128, de a multiple of 128 and packing blocks of at least {GLUON_DW_BLOCK_M} "
+                         "rows, a multiple of block_m")
+    return dict(K=k, DH=dh, DE=de, PACK_BLOCK=pack_block, BLOCK_M=block_m, NST=stages, WB=wbuf,
+                FAST_TANH=True, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], ACCUM=bool(accum))
