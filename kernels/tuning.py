@@ -25,7 +25,7 @@ class Tile:
 
 
 DW_FORMS = ("rows", "t")  # expert_dw_kernel | expert_dwt_kernel
-PACK_IMPLS = ("argsort", "count", "triton")  # mhl_jax.moe.packing.pack(method=...); triton: kernels/triton/packing.py
+PACK_IMPLS = ("argsort", "triton")  # the JAX key sort (mhl_jax.moe.packing) | kernels/triton/packing.py
 
 
 def check_blocks(dh: int, de: int, pack_block: int, block_m: int, block_e: int) -> None:
@@ -43,8 +43,8 @@ def check_blocks(dh: int, de: int, pack_block: int, block_m: int, block_e: int) 
 class ExpertsConfig:
     """Packing row block and the tiles of the fused expert kernels (forward, its converting form's own where
     `fwd_cast` is set, dX, dW). dw.block_e == de fuses dX into the dW kernel. dw_form: which dW kernel ("rows":
-    `expert_dw_kernel`, "t": the transposed `expert_dwt_kernel`); pack_impl: the packing ("argsort" | "count": the
-    JAX key sort or chunked counting sort; "triton": kernels/triton/packing.py, emulated runs sort in JAX)."""
+    `expert_dw_kernel`, "t": the transposed `expert_dwt_kernel`); pack_impl: the packing ("argsort": the
+    JAX key sort; "triton": kernels/triton/packing.py, emulated runs sort in JAX)."""
 
     pack_block: int = 128
     fwd: Tile = Tile(128, 64, 8, 2)
@@ -136,8 +136,6 @@ BWD_XW_MIN_SLOTS = 1 << 21
 PACK64_MIN_MEAN = 32
 # Fewest mean rows per group where the converting forward takes 32-wide de chunks at packing block 64, de 256.
 CAST_E32_MIN_MEAN = 64
-# The counting-sort packing of the wide (dh > 128) tiles up to the slot count where it was measured; argsort above.
-COUNT_SORT_MAX_SLOTS = 1 << 19
 # From k = FWD_HEAD_MAJOR_MIN_K on, the Gluon forward's programs take each head's row blocks in turn (all programs
 # gather one head's x rows at a time, from L2); below it each program takes a contiguous share of all heads' blocks,
 # keeping its weights across more of a group's blocks (faster at k 4).
@@ -161,7 +159,7 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int) -> Experts
     mean = num_slots / max(num_groups, 1)
     pack = experts_pack_block(num_slots, num_groups)
     if dh > 128:
-        return wide_config(pack, num_slots, de)
+        return wide_config(pack, de)
     fused_bwd = de == 128 and pack >= FUSED_BWD_MIN_PACK
     gluon_dw = not fused_bwd and gluon_dw_supported(dh, de, pack) and pack <= DW_WS_MAX_PACK
     gluon_bwd = gluon_bwd_supported(dh, de, pack) and (fused_bwd or de <= BWD_WS_WIDE_MAX_DE)
@@ -186,16 +184,15 @@ def default_config(num_slots: int, num_groups: int, dh: int, de: int) -> Experts
                          fwd_cast=fwd_cast, **common).fit(de)
 
 
-def wide_config(pack: int, num_slots: int, de: int) -> ExpertsConfig:
+def wide_config(pack: int, de: int) -> ExpertsConfig:
     """Tiles for dh > 128 (the plan sends such experts to the grouped kernels; these serve explicit fused calls,
     measured at dh 256). The dh = 128 tiles keep (BLOCK_M, DH) and 2 x (BLOCK_E, DH) fp32 accumulators in registers;
     at DH = 256 with 4 warps those spill. Here: 8 warps, row blocks of at most 64 and a 32-wide de chunk in the dW
-    kernel, i.e. 64 accumulator registers per thread at DH = 256. The JAX counting sort or sort (the Triton packing
-    was measured at dh 128 only)."""
+    kernel, i.e. 64 accumulator registers per thread at DH = 256. The JAX sort packs (the Triton packing was
+    measured at dh 128 only)."""
     bm = min(pack, 64)
-    count = pack >= 64 and num_slots <= COUNT_SORT_MAX_SLOTS
     return ExpertsConfig(pack_block=pack, fwd=Tile(bm, 64, 8, 2), dx=Tile(bm, 64, 8, 2), dw=Tile(bm, 32, 8, 2),
-                         dw_form="t", pack_impl="count" if count else "argsort").fit(de)
+                         dw_form="t", pack_impl="argsort").fit(de)
 
 
 @dataclass(frozen=True)
@@ -218,7 +215,7 @@ def _pow2(name: str, v: int) -> None:
 @dataclass(frozen=True)
 class GroupedConfig:
     """Packing row block, the rows-kernel tile (all four row GEMMs), the wgrad tile, the program swizzle of the rows
-    kernel (group_m row blocks per band) and the JAX packing ("argsort" | "count")."""
+    kernel (group_m row blocks per band) and the packing ("argsort": the JAX sort)."""
 
     pack_block: int = 128
     rows: GemmTile = GemmTile(128, 128, 64, 4, 3)
@@ -291,3 +288,69 @@ def out_combine_tiles(dh: int) -> CombineTiles:
 
 
 # ------------------------------------------------------------------------------------------ router and packing
+#
+# The router (kernels/triton/router.py, kernels/gluon/router.py) and the packing (kernels/triton/packing.py).
+# Figures are kernel-alone times on an H100 at 81920 tokens x 8 heads unless said otherwise.
+
+
+class RouterTiles(NamedTuple):
+    """Tiles and launch settings of the Triton router kernels; `router_tiles` fills block_e and row_tiles by shape."""
+
+    block_n: int = 64  # forward: tokens per row tile
+    block_e: int = 0  # forward: experts per streamed W_r block (power of 2, >= k rounded up); 0: by Ne
+    fwd_warps: int = 4
+    fwd_stages: int = 3
+    row_tiles: int = 0  # forward: row tiles per program sharing each W_r block (1 or 2); 0: by k and Ne
+    dx_block_n: int = 16  # backward dX: tokens per program (k gathered fp32 rows in flight: keep small)
+    dx_warps: int = 4
+    dw_block: int = 512  # backward dW: most slots per partial block
+    dw_sub: int = 128  # backward dW: slots per step inside a block (summed into one row per step)
+    dw_warps: int = 2  # both dW kernels 0.25 ms at Ne 768 k 8; 0.36 with a (64-slot, dh) accumulator at 4 warps
+    red_block_e: int = 32  # backward dW reduce: experts per program
+    red_warps: int = 4
+
+
+def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
+    """The router's tiles for Ne experts and top-k. W_r blocks of 128 experts up to Ne 128, else 64 (never below
+    16 nor the running list's width). Two row tiles per program at k <= 2 and Ne > 128: the forward is bound by
+    streaming W_r from L2 there (Ne 768, k 1: 0.90 vs 1.11 ms); at larger k the second tile's registers halve the
+    programs per SM and it loses (k 8: 2.42 vs 2.30 ms)."""
+    t = RouterTiles()._replace(**overrides)
+    kp = max(2, _pow2_at_least(k))
+    block_e = max(16, kp, min(t.block_e or (128 if ne <= 128 else 64), _pow2_at_least(ne)))
+    row_tiles = t.row_tiles or (2 if k <= 2 and ne > 128 else 1)
+    return t._replace(block_e=block_e, row_tiles=row_tiles)
+
+
+def _pow2_at_least(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+# The warp-specialised Gluon router forward. Three consumer warp groups (192-row items: a third of the W_r stream
+# per row) with two ring stages at k <= 4 (Ne 768 k 4: 1.24 vs 1.34 ms with two); two consumers with three stages
+# at k > 4, where lists of 8 want the registers (Ne 1536 k 8: 3.13 vs 3.48 ms). Four consumers do not fit in shared
+# memory beside the layout conversion's scratch.
+WS_ROUTER_MAX_K3 = 4  # the largest k at which three consumers run
+WS_ROUTER_STAGES = {2: 3, 3: 2}  # W_r ring stages by consumer count
+# Worker registers (consumer, producer) by consumer count, and the launch limit per thread: all partitions share
+# one SM's 64K registers (setmaxnreg moves registers within the launch allocation); the default-partition consumer
+# gets what is left (168 at three consumers, 256 at two).
+WS_ROUTER_REGS = {2: (200, 40), 3: (152, 40)}
+WS_ROUTER_MAXNREG = {2: 168, 3: 128}
+# Two consumers and the caster warp group (the expert weights' bf16 cast beside the selection): four warp groups
+# in 64K registers, the default consumer gets 512 - 200 - 40 - 40.
+WS_ROUTER_CAST_REGS = 40
+WS_ROUTER_CAST_MAXNREG = 128
+# Most rounds of threshold insertions per W_r block; a block with more candidates in some thread row goes through
+# the sorting networks (Ne 768 k 8: 1.45 vs 1.59 ms with the networks in every block).
+WS_ROUTER_THR = 8
+
+# The Triton packing.
+PACK_CHUNK = 1024  # local slots per chunk, sorted in registers by one program
+PACK_SORT_WARPS = 8  # the scatter kernel's warps: 0.18 vs 0.21 ms at 4 warps (Ne 768 k 8); 1, 2, 16, 32 slower
+# Histogram bins from which the chunk histograms are integer atomic adds: tl.histogram costs ~bins / 32 instructions
+# per slot (0.22 vs 0.09 ms at Ne 1536 k 8) but wins at few bins (0.020 vs 0.036 ms at Ne 384 k 4).
+HIST_ATOMIC_MIN_BINS = 1024
+PACK_OFFSETS_EB = 32  # expert columns per program of the offsets kernel
+BLOCK_GROUP_TILE = 1024  # row blocks per program of the block-group search
+GROUP_SCAN_STEP = 1024  # groups per step of the one-program group scan

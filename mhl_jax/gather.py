@@ -3,7 +3,7 @@ expert path's gathers (x rows per routed slot, expert weights per row block).
 
 The gradient of `jnp.take(table, tokens)` is a scatter-add with repeated indices (a token id occurs
 many times in a batch); XLA on GPU lowers it to float atomics, so two runs of the same train step
-differed in the last bits (H100, 2026-11-23, bench/determinism.py). Here the backward sorts the
+differed in the last bits. Here the backward sorts the
 token positions by id (stable), sums each id's run of rows with a segmented associative scan (a
 fixed tree of additions) and writes one row per distinct id (a scatter with unique indices): no
 atomics, the same bits every run, on CPU and GPU alike. Under data parallelism XLA gathers the

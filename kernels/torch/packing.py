@@ -7,15 +7,18 @@ from __future__ import annotations
 import torch
 
 from kernels.torch.experts import padded_rows
-from kernels.triton.packing import PACK_CHUNK, PACK_RESULT, cut_launches, pack_launches
+from kernels.triton.packing import PACK_RESULT, cut_launches, pack_launches
+from kernels.tuning import HIST_ATOMIC_MIN_BINS, PACK_CHUNK
 
 
-def pack_triton_torch(idx: torch.Tensor, num_experts: int, block: int, chunk: int = PACK_CHUNK):
+def pack_triton_torch(idx: torch.Tensor, num_experts: int, block: int, chunk: int = PACK_CHUNK,
+                      hist_atomic_min_bins: int = HIST_ATOMIC_MIN_BINS):
     """idx: (N, H, k) int32 (-1 = empty slot) -> (row_slot (P,), slot_row (M,), block_group (P / block,),
-    group_sizes (G,), num_blocks (1,)) int32: the arrays of `mhl_jax.moe.packing.pack`."""
+    group_sizes (G,), num_blocks (1,)) int32: the arrays of `mhl_jax.moe.packing.pack`. chunk and
+    hist_atomic_min_bins: `pack_launches`' (tests reach several chunks and both histogram forms at small sizes)."""
     n, h, k = idx.shape
     p = padded_rows(n * h * k, h * num_experts, block)
-    bufs = run_launches_torch(pack_launches(n, h, k, num_experts, block, p, chunk),
+    bufs = run_launches_torch(pack_launches(n, h, k, num_experts, block, p, chunk, hist_atomic_min_bins),
                               {"idx": idx.to(torch.int32).contiguous()})
     return tuple(bufs[name] for name in PACK_RESULT)
 

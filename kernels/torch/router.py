@@ -1,7 +1,8 @@
-"""Launch the router kernels of `kernels/triton/router.py` on torch tensors.
+"""Launch the router kernels of `kernels/triton/router.py` (and the Gluon forward of `kernels/gluon/router.py`)
+on torch tensors.
 
 Used by the CPU tests (TRITON_INTERPRET=1 set before this module is imported: operands are upcast
-after their loads) and by the GPU cross-checks and benchmark. Same contract as
+after their loads) and by the GPU cross-checks and benchmarks. Same contract as
 `mhl_jax.moe.router.route_topk_reference`:
 
     x (N, H, dh) bf16, w_r (H, dh, Ne) fp32, bias (H, Ne) fp32
@@ -19,9 +20,10 @@ from typing import NamedTuple
 import torch
 import triton
 
+from kernels.gluon.router import ws_router_constexprs, ws_router_items, ws_router_kernel
 from kernels.torch.interpreter_patch import fix_interpreter_scalar_index
 from kernels.triton.router import (
-    RouterTiles,
+    WEIGHT_PARTS,
     check_router_args,
     dw_num_blocks,
     fwd_grid,
@@ -30,9 +32,8 @@ from kernels.triton.router import (
     router_bwd_dw_reduce_kernel,
     router_bwd_dx_kernel,
     router_fwd_kernel,
-    router_tiles,
-    weight_parts,
 )
+from kernels.tuning import RouterTiles, router_tiles
 
 
 def _interpreting() -> bool:
@@ -58,16 +59,18 @@ def split_bf16(w: torch.Tensor, parts: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _weights_for(w: torch.Tensor, precision: str) -> torch.Tensor:
-    """w (H, dh, Ne) fp32 -> the (PARTS, H, dh, Ne) operand of the forward kernel."""
-    if precision.startswith("bf16"):
-        return split_bf16(w, weight_parts(precision)).contiguous()
+def router_weights(w: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
+    """w (H, dh, Ne) fp32 -> the (PARTS, H, dh, Ne) operand of the forward kernels: WEIGHT_PARTS bf16 terms for
+    bf16 x, else the fp32 weight itself."""
+    if x_dtype == torch.bfloat16:
+        return split_bf16(w, WEIGHT_PARTS).contiguous()
     return w.float().contiguous()[None]
 
 
-def router_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int, precision: str = "bf16x3",
+def router_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int,
                tiles: RouterTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (N, H, dh), w (H, dh, Ne) fp32, bias (H, Ne) fp32 -> values (N, H, k) fp32, indices (N, H, k) int32."""
+    """x (N, H, dh) bf16 or fp32, w (H, dh, Ne) fp32, bias (H, Ne) fp32 -> values (N, H, k) fp32, indices (N, H, k)
+    int32 (the Triton kernel)."""
     n, h, dh = x.shape
     ne = w.shape[2]
     if w.shape[:2] != (h, dh) or bias.shape != (h, ne):
@@ -75,19 +78,37 @@ def router_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int, pre
                          f"bias {tuple(bias.shape)}")
     tiles = tiles or router_tiles(ne, k)
     check_router_args(n, h, dh, ne, k, tiles)
-    weight_parts(precision)  # validates the name
-    if precision.startswith("bf16") and x.dtype != torch.bfloat16:
-        raise ValueError(f"router_fwd: precision {precision!r} needs bf16 x (exact products), got {x.dtype}")
-    wp = _weights_for(w, precision)
+    wp = router_weights(w, x.dtype)
     vals = torch.empty((n, h, k), dtype=torch.float32, device=x.device)
     idx = torch.empty((n, h, k), dtype=torch.int32, device=x.device)
     router_fwd_kernel[fwd_grid(n, h, tiles)](
         x.contiguous(), wp, bias.float().contiguous(), vals, idx,
         N=n, H=h, DH=dh, DHP=max(16, next_pow2(dh)), NE=ne, K=k, KP=max(2, next_pow2(k)), PARTS=wp.shape[0],
-        PRECISION=precision if not precision.startswith("bf16") else "ieee",
-        BLOCK_N=tiles.block_n, BLOCK_E=tiles.block_e, SELECT=tiles.select, UPCAST=_interpreting(),
-        ROW_TILES=tiles.row_tiles, num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages)
+        BLOCK_N=tiles.block_n, BLOCK_E=tiles.block_e, UPCAST=_interpreting(), ROW_TILES=tiles.row_tiles,
+        num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages)
     return vals, idx
+
+
+def gluon_router_fwd_ws(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int, programs: int | None = None,
+                        cast: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+    """The warp-specialised Gluon forward (CUDA, Hopper): x (N, H, dh) bf16, w (H, dh, Ne) fp32, bias (H, Ne) fp32
+    -> values (N, H, k) fp32, indices (N, H, k) int32; programs: at most that many (default one per SM); cast: two
+    fp32 tensors of one size (not necessarily one shape), also returned cast to bf16 by the caster warp group."""
+    n, h, dh = x.shape
+    ne = w.shape[2]
+    if cast and cast[0].numel() != cast[1].numel():
+        raise ValueError(f"gluon_router_fwd_ws: cast arrays of {cast[0].numel()} and {cast[1].numel()} elements")
+    consts = ws_router_constexprs(n, h, dh, ne, k, cast_n=cast[0].numel() if cast else 0)
+    vals = torch.empty(n, h, k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(n, h, k, dtype=torch.int32, device=x.device)
+    ins = [c.contiguous() for c in cast] if cast else [torch.empty(1, dtype=torch.float32, device=x.device)] * 2
+    outs = [torch.empty(c.shape, dtype=torch.bfloat16, device=x.device) for c in ins]
+    programs = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
+    kernel = ws_router_kernel(consts["NC"], bool(cast))
+    kernel[(min(programs, ws_router_items(n, h, consts["NC"])),)](
+        x.contiguous(), router_weights(w, x.dtype), bias.float().contiguous(), *ins, vals, idx, *outs, num_warps=4,
+        maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
+    return (vals, idx, *outs) if cast else (vals, idx)
 
 
 class DwMeta(NamedTuple):
@@ -144,8 +165,7 @@ def router_bwd(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, dvals: torch
     part = torch.empty((nb, dhp), dtype=torch.float32, device=x.device)
     router_bwd_dw_partial_kernel[(nb,)](
         x, dvals, meta.order, meta.block_group, meta.group_start, meta.group_bstart, meta.group_size, part,
-        H=h, DH=dh, DHP=dhp, NE=ne, K=k, CB=tiles.dw_block, SUB=tiles.dw_sub, UPCAST=_interpreting(),
-        ROWSUM=tiles.dw_rowsum, GLOBAL_SLOTS=global_slots,
+        H=h, DH=dh, DHP=dhp, NE=ne, K=k, CB=tiles.dw_block, SUB=tiles.dw_sub, GLOBAL_SLOTS=global_slots,
         num_warps=tiles.dw_warps)
     dw = torch.empty((h, dh, ne), dtype=torch.float32, device=x.device)
     router_bwd_dw_reduce_kernel[(triton.cdiv(ne, tiles.red_block_e), h)](
@@ -156,8 +176,8 @@ def router_bwd(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, dvals: torch
 
 class _RouteTopk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bias, k, precision, tiles):
-        vals, idx = router_fwd(x, w, bias, k, precision, tiles)
+    def forward(ctx, x, w, bias, k, tiles):
+        vals, idx = router_fwd(x, w, bias, k, tiles)
         ctx.save_for_backward(x, w, idx)
         ctx.tiles = tiles
         ctx.mark_non_differentiable(idx)
@@ -167,10 +187,10 @@ class _RouteTopk(torch.autograd.Function):
     def backward(ctx, dvals, _didx):
         x, w, idx = ctx.saved_tensors
         dx, dw = router_bwd(x, w, idx, dvals, ctx.tiles)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None
 
 
-def route_topk_torch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int, precision: str = "bf16x3",
+def route_topk_torch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int,
                      tiles: RouterTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Autograd-enabled torch binding (values differentiable w.r.t. x and w; bias gets no gradient)."""
-    return _RouteTopk.apply(x, w, bias, k, precision, tiles or router_tiles(w.shape[2], k))
+    return _RouteTopk.apply(x, w, bias, k, tiles or router_tiles(w.shape[2], k))

@@ -1,6 +1,6 @@
 """Packing routed sub-tokens by (head, expert) on Triton: the layout of `mhl_jax.moe.packing.pack`
-(module docstring there) in four launches instead of the dozen-plus small XLA kernels of the JAX
-packing, which cost 0.2-0.5 ms on an H100 whatever the size (bench/NOTES.md, Experts, session 4).
+(module docstring there) in five launches instead of the dozen-plus small XLA kernels of the JAX
+packing, which cost 0.2-0.5 ms on an H100 whatever the size.
 
 Slots: per head h, local slot l = n * K + j (n token, j choice) holds expert e = idx[n, h, j] (-1:
 empty); global slot s = (n * H + h) * K + j. The ML = N * K local slots of a head are cut into NC
@@ -9,10 +9,8 @@ the order of its adds); every other output element is written by one program.
 
 1. `pack_hist_kernel`     grid (NC, H): histogram of each chunk over the NEP >= NE + 1 bins (bin NE =
                           empty slots, out-of-range ids and chunk padding) -> hist (H, NC, NEP).
-                          tl.histogram's ballot algorithm costs ~NEP / 32 instructions per slot (0.22
-                          ms at Ne 1536, k 8, 81920 tokens, H100); from HIST_ATOMIC_MIN_BINS bins on,
-                          integer atomic adds into a zeroed buffer instead (0.09 ms there, but 0.036
-                          against 0.020 ms at Ne 384, k 4: bench/NOTES.md, Packing).
+                          tl.histogram's ballot algorithm costs ~NEP / 32 instructions per slot; from
+                          HIST_ATOMIC_MIN_BINS bins on, integer atomic adds into a zeroed buffer instead.
 2. `pack_offsets_kernel`  grid (H, NEP / EB): per (head, expert column block), over chunks in order:
                           base[h, c, e] = slots of e in earlier chunks; group sizes.
 3. `group_blocks_kernel`  grid (1,): each group's R-row blocks: count (G,), first block (G,) and its row
@@ -34,6 +32,15 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+
+from kernels.tuning import (
+    BLOCK_GROUP_TILE,
+    GROUP_SCAN_STEP,
+    HIST_ATOMIC_MIN_BINS,
+    PACK_CHUNK,
+    PACK_OFFSETS_EB,
+    PACK_SORT_WARPS,
+)
 
 
 @triton.jit
@@ -151,15 +158,6 @@ def next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-PACK_CHUNK = 1024  # local slots per chunk (sorted in registers by one program)
-# warps of pack_scatter_kernel's programs (H100, 81920 tokens, 1024-slot chunks: 0.176 / 0.093 ms at 8 warps against
-# 0.208 / 0.109 at 4, Ne 768 k 8 / Ne 384 k 4; 1, 2, 16 and 32 warps slower; bench/NOTES.md, Layer, session 28)
-PACK_SORT_WARPS = 8
-HIST_ATOMIC_MIN_BINS = 1024  # histogram bins (NEP) from which pack_hist_kernel adds atomically
-# expert columns per pack_offsets_kernel program (its grid: H x NEP / EB programs, each over all NC chunks in order)
-PACK_OFFSETS_EB = 32
-
-
 def launch_shapes(n: int, h: int, k: int, ne: int, chunk: int = PACK_CHUNK) -> dict:
     """Static sizes of the packing launches for idx (n, h, k) over ne experts."""
     ml = n * k
@@ -168,10 +166,6 @@ def launch_shapes(n: int, h: int, k: int, ne: int, chunk: int = PACK_CHUNK) -> d
     eb = min(nep, PACK_OFFSETS_EB)
     return dict(ML=ml, C=c, LOG_C=c.bit_length() - 1, NC=-(-ml // c), NEP=nep, EB=eb, CB=4096 // eb,
                 G=h * ne)
-
-
-BLOCK_GROUP_TILE = 1024  # row blocks per program of pack_block_group_kernel
-GROUP_SCAN_STEP = 1024  # groups per step of group_blocks_kernel's scan
 
 
 @dataclass(frozen=True)
@@ -213,13 +207,15 @@ def cut_launches(g: int, block: int, nb: int) -> list[Launch]:
     return [group_blocks_launch(g, block), block_group_launch(g, nb)]
 
 
-def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: int = PACK_CHUNK) -> list[Launch]:
+def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: int = PACK_CHUNK,
+                  hist_atomic_min_bins: int = HIST_ATOMIC_MIN_BINS) -> list[Launch]:
     """The five launches packing idx (n, h, k) (input buffer "idx") over ne experts into p padded rows
-    (`padded_rows(n * h * k, h * ne, block)`); the results are the buffers named in PACK_RESULT."""
+    (`padded_rows(n * h * k, h * ne, block)`); the results are the buffers named in PACK_RESULT. chunk and
+    hist_atomic_min_bins: the tuning's, other values for tests (several chunks, both histogram forms)."""
     sh = launch_shapes(n, h, k, ne, chunk)
     nc, nep, g, nb = sh["NC"], sh["NEP"], sh["G"], p // block
     chunked = dict(H=h, K=k, ML=sh["ML"], NE=ne, NEP=nep, NC=nc, C=sh["C"])
-    atomic = nep >= HIST_ATOMIC_MIN_BINS
+    atomic = nep >= hist_atomic_min_bins
     return [
         # the atomic histogram adds into a zeroed buffer (input and output); tl.histogram's writes every bin (the
         # input pointer then unused: idx again)
@@ -233,9 +229,3 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
                num_warps=PACK_SORT_WARPS, fill=(("row_slot", -1),)),
         block_group_launch(g, nb),
     ]
-
-
-__all__ = ["pack_hist_kernel", "pack_offsets_kernel", "group_blocks_kernel", "pack_scatter_kernel",
-           "pack_block_group_kernel", "pack_launches", "group_blocks_launch", "block_group_launch", "cut_launches",
-           "Launch", "PACK_RESULT", "PACK_CHUNK", "PACK_SORT_WARPS",
-           "HIST_ATOMIC_MIN_BINS", "PACK_OFFSETS_EB", "next_pow2"]

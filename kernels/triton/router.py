@@ -5,20 +5,19 @@ the selected *raw* scores (bias added before the selection, removed after) and t
 
 Layout (all contiguous, row-major; slot (n, h, j) = (n * H + h) * K + j):
 - x:     (N, H, DH)        bf16 (or fp32)
-- w:     (PARTS, H, DH, NE) the router weight, either fp32 (PARTS = 1) or split into PARTS bf16 terms
-         w = w[0] + w[1] + ... (`split_bf16`: hi, mid, lo); bf16 x times bf16 terms are exact products
-         on the tensor cores, so PARTS = 3 ("bf16x3") recovers all 24 bits of the fp32 weight.
+- w:     (PARTS, H, DH, NE) the router weight: for bf16 x split into WEIGHT_PARTS bf16 terms w = w[0] + w[1] + w[2]
+         (hi, mid, lo); bf16 x times bf16 terms are exact products on the tensor cores, so three terms recover all
+         24 bits of the fp32 weight. For fp32 x the fp32 weight itself (PARTS = 1, "ieee" dots).
 - bias:  (H, NE)            fp32 (no gradient)
 - vals:  (N, H, K)          fp32 raw scores of the selected experts, by decreasing biased score
 - idx:   (N, H, K)          int32 expert indices; ties go to the lower index (as jax.lax.top_k)
 
 Forward (`router_fwd_kernel`, grid (cdiv(N, BLOCK_N * ROW_TILES), H)): the X block stays on chip; W_r
 streams through in BLOCK_E expert blocks; biased scores become order-preserving uint64 keys
-(fp32 key << 32 | (NE - e)): one integer compare orders by score, then by lower index; a block top-KP
-(SELECT 0: bitonic `tl.topk` over the packed block, as the paper; SELECT 1: fp32 scores above the running
-K-th, then at most K rounds of row max, packing only the winners; SELECT 2: as 1 with the round count
-fixed per block) is merged into the running top-KP (max against the flipped list, then a KP-wide sort).
-Only (N, H, K) values and indices are written: HBM traffic O(N k + params), independent of NE. With
+(fp32 key << 32 | (NE - e)): one integer compare orders by score, then by lower index. Per block only scores
+above the running K-th can enter; the kernel takes row maxima in as many rounds as the most candidates any row has
+(at most K), packs only the winners and merges them into the running top-KP (max against the flipped list, then a
+KP-wide sort). Only (N, H, K) values and indices are written: HBM traffic O(N k + params), independent of NE. With
 ROW_TILES = 2 two row tiles share each W_r block (half the L2 traffic of W_r per row).
 
 Backward (Alg. 2 without float atomics, so dW_r is bitwise reproducible):
@@ -37,79 +36,16 @@ operand is upcast right after its load (bf16 x bf16 products are exact in fp32: 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import triton
 import triton.language as tl
 
-PRECISIONS = ("bf16x3", "bf16x2", "bf16", "ieee", "tf32x3", "tf32")
-"""Dot precisions of the forward. bf16xP: W_r split into P bf16 terms (x must be bf16-exact);
-ieee / tf32x3 / tf32: tl.dot on fp32 operands with that input_precision."""
+from kernels.tuning import RouterTiles
 
-
-def weight_parts(precision: str) -> int:
-    """Number of bf16 terms W_r is split into (1 for the fp32 precisions, which take W_r as is)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"router precision={precision!r}, expected one of {PRECISIONS}")
-    return {"bf16x3": 3, "bf16x2": 2, "bf16": 1}.get(precision, 1)
+WEIGHT_PARTS = 3  # bf16 terms W_r is split into for bf16 x (exact products, fp32 accumulation)
 
 
 def next_pow2(v: int) -> int:
     return 1 << max(0, int(v) - 1).bit_length()
-
-
-class RouterTiles(NamedTuple):
-    """Tile sizes and launch settings; `router_tiles` picks the defaults."""
-
-    block_n: int = 64  # forward: tokens per program
-    block_e: int = 0  # forward: experts per streamed W_r block (power of 2, >= KP); 0: 128 if Ne <= 128 else 64
-    fwd_warps: int = 4
-    fwd_stages: int = 3
-    select: int = 2  # forward block selection: 0 bitonic tl.topk, 1 threshold + at most K rounds of row max
-    # (block-wide exit test per round), 2 the same with the round count fixed per block (H100, 81920 tokens:
-    # Ne 768 k 8 2.27 vs 2.44 ms, Ne 1536 3.87 vs 4.02, Ne 384 k 4 0.93 vs 1.00 at block_e 64)
-    dx_block_n: int = 16  # backward dX: tokens per program (k gathered fp32 rows in flight: keep small)
-    dx_warps: int = 4
-    dw_block: int = 512  # backward dW: max slots per partial block (CB)
-    dw_sub: int = 128  # backward dW: slots per loop step inside a block (row-sum form, DW_ROWSUM)
-    dw_warps: int = 2  # (H100, 81920 tokens, layer routing, with the reduce: 0.253 vs 0.357 ms at Ne 768 k 8,
-    # 0.256 vs 0.370 at Ne 1536 against the (SUB, DHP) accumulator at SUB 64, 4 warps; bench/NOTES.md, Layer, s29)
-    dw_rowsum: bool = True  # backward dW: the partial kernel's row-sum form (router_bwd_dw_partial_kernel's ROWSUM)
-    red_block_e: int = 32  # backward dW reduce: experts per program
-    red_warps: int = 4
-    row_tiles: int = 0  # forward: BLOCK_N-row tiles per program (1 or 2: two share each W_r block); 0: 2 if
-    # k <= 2 and Ne > 128 else 1 (H100, 81920 tokens x 8 heads: Ne 768 k 1 0.90 vs 1.11 ms, k 2 1.26 vs 1.31,
-    # k 4 level at Ne 384, k 8 2.42 vs 2.30 at Ne 768: 185 registers halve the programs per SM)
-    ws: bool | None = None  # forward on the warp-specialised Gluon kernel (kernels/gluon/router.py) where it runs
-    # (Hopper, bf16 W_r terms, `ws_router_supported`); None: k <= WS_MAX_K (`ws_wanted`)
-
-
-WS_MAX_K = 8  # the Gluon forward's k range (H100, 81920 tokens, kernel alone: Ne 384 k 4 0.685 vs 0.926 ms, Ne 768 k 8
-# 1.72 vs 2.26, Ne 1536 k 8 3.13 vs 3.77, Ne 768 k 1 0.79 vs 0.91; bench/layer.py's variant triton_router_fwd sets 0)
-
-
-# router_tiles' dW form where not given: False gives the (SUB, DHP) accumulator at its tiles until the 2026-11-26
-# session 29 (dw_sub 64, 4 warps; bench/layer.py's variant router_dw_lanes). Read when the tiles are made (in the
-# forward: the backward gets them through the custom_vjp's static arguments).
-DW_ROWSUM = True
-
-
-def ws_wanted(tiles: RouterTiles, k: int) -> bool:
-    """tiles.ws, or where unset (None), k <= WS_MAX_K (read at call time: bench/layer.py lowers it)."""
-    return k <= WS_MAX_K if tiles.ws is None else tiles.ws
-
-
-def router_tiles(ne: int, k: int, **overrides) -> RouterTiles:
-    """Default tiles for NE experts and top-k (BLOCK_E shrinks for small NE, grows to fit KP; two row tiles per
-    forward program at k <= 2 and NE > 128; the warp-specialised forward at k <= WS_MAX_K)."""
-    t = RouterTiles()._replace(**overrides)
-    kp = max(2, next_pow2(k))
-    be = t.block_e or (128 if ne <= 128 else 64)  # H100 sweeps (bench/NOTES.md, Router; Layer, session 8)
-    be = max(16, kp, min(be, next_pow2(ne)))
-    rt = t.row_tiles or (2 if k <= 2 and ne > 128 else 1)
-    if not DW_ROWSUM and "dw_rowsum" not in overrides:
-        t = t._replace(dw_rowsum=False, dw_sub=overrides.get("dw_sub", 64), dw_warps=overrides.get("dw_warps", 4))
-    return t._replace(block_e=be, row_tiles=rt, ws=ws_wanted(t, k))
 
 
 def check_router_args(n: int, h: int, dh: int, ne: int, k: int, tiles: RouterTiles) -> None:
@@ -177,36 +113,23 @@ def _take_row_max(sv, m, cand, cols, kcol, j, NE: tl.constexpr):
 
 
 @triton.jit
-def _select_block(sb, cols, run, NE: tl.constexpr, KP: tl.constexpr, K: tl.constexpr, SELECT: tl.constexpr):
+def _select_block(sb, cols, run, NE: tl.constexpr, KP: tl.constexpr, K: tl.constexpr):
     """sb: (BN, BE) fp32 biased scores of experts `cols` (BE,); run: (BN, KP) uint64 running top-KP,
     descending (0 = empty). Returns the top-KP of both, descending."""
     kcol = tl.arange(0, KP)[None, :]
-    if SELECT == 0:
-        # paper Alg. 1: pack every score, bitonic top-KP of the block
-        p = _pack(sb, cols[None, :], NE)
-        p = tl.where(cols[None, :] < NE, p, tl.zeros_like(p))  # padding experts never win
-        cand = tl.topk(p, KP, dim=1)  # (BN, KP) descending
-    else:
-        # Only scores above the running K-th can enter (ties: the block's indices are all higher, so
-        # they lose). Take row maxima (lowest index among equals), at most K rounds; only the K winners
-        # per row are packed. SELECT 1 runs rounds until no row has a candidate left (a block-wide test,
-        # three barriers, per round); SELECT 2 fixes the round count once per block (the most candidates
-        # any row has, at most K).
-        kth_key = tl.max(tl.where(kcol == K - 1, run, tl.zeros_like(run)), axis=1)
-        kth = tl.where(kth_key == 0, float("-inf"), _key_float((kth_key >> 32).to(tl.uint32)))
-        ok = (sb > kth[:, None]) & (cols[None, :] < NE)
-        sv = tl.where(ok, sb, float("-inf"))
-        cand = tl.zeros_like(run)
-        m = tl.max(sv, axis=1)
-        if SELECT == 2:
-            rounds = tl.minimum(tl.max(tl.sum(ok.to(tl.int32), axis=1), axis=0), K)
-            for j in range(rounds):
-                sv, cand, m = _take_row_max(sv, m, cand, cols, kcol, j, NE)
-        else:
-            j = 0
-            while (j < K) & (tl.max(m, axis=0) > float("-inf")):
-                sv, cand, m = _take_row_max(sv, m, cand, cols, kcol, j, NE)
-                j += 1
+    # Only scores above the running K-th can enter (ties: the block's indices are all higher, so they lose).
+    # Take row maxima (lowest index among equals) in as many rounds as the most candidates any row has (at most
+    # K, fixed once per block: no block-wide exit test per round); only the winners are packed. Cheaper than
+    # a bitonic top-KP of the whole packed block, since after the first blocks few scores can enter.
+    kth_key = tl.max(tl.where(kcol == K - 1, run, tl.zeros_like(run)), axis=1)
+    kth = tl.where(kth_key == 0, float("-inf"), _key_float((kth_key >> 32).to(tl.uint32)))
+    ok = (sb > kth[:, None]) & (cols[None, :] < NE)
+    sv = tl.where(ok, sb, float("-inf"))
+    cand = tl.zeros_like(run)
+    m = tl.max(sv, axis=1)
+    rounds = tl.minimum(tl.max(tl.sum(ok.to(tl.int32), axis=1), axis=0), K)
+    for j in range(rounds):
+        sv, cand, m = _take_row_max(sv, m, cand, cols, kcol, j, NE)
     # bitonic merge of two descending lists: the pairwise max against the reversed candidates holds
     # the top-KP of the union; sort it back to descending order.
     return tl.sort(tl.maximum(run, tl.flip(cand, 1)), dim=1, descending=True)
@@ -224,13 +147,13 @@ def _x_tile(x_ptr, rows, N: tl.constexpr, H: tl.constexpr, h, DH: tl.constexpr, 
 
 
 @triton.jit
-def _score_dot(x, w, s, UPCAST: tl.constexpr, W_BF16: tl.constexpr, PRECISION: tl.constexpr):
+def _score_dot(x, w, s, UPCAST: tl.constexpr, W_BF16: tl.constexpr):
     if UPCAST:
         return tl.dot(x, w.to(tl.float32), s, input_precision="ieee")
     elif W_BF16:
         return tl.dot(x, w, s)
     else:
-        return tl.dot(x, w, s, input_precision=PRECISION)
+        return tl.dot(x, w, s, input_precision="ieee")
 
 
 @triton.jit
@@ -252,8 +175,8 @@ def router_fwd_kernel(
     x_ptr, w_ptr, b_ptr,  # inputs: x (N, H, DH), w (PARTS, H, DH, NE), bias (H, NE) fp32
     vals_ptr, idx_ptr,  # outputs: (N, H, K) fp32, (N, H, K) int32
     N: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr,
-    K: tl.constexpr, KP: tl.constexpr, PARTS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, SELECT: tl.constexpr, UPCAST: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, PARTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, UPCAST: tl.constexpr,
     ROW_TILES: tl.constexpr = 1,
 ):
     """ROW_TILES = 2: the program takes two BLOCK_N-row tiles that share each streamed W_r block (half the
@@ -282,13 +205,13 @@ def router_fwd_kernel(
             part = PARTS - 1 - q
             w = tl.load(w_ptr + (part * H + h) * DH * NE + offs_d[:, None] * NE + cols[None, :],
                         mask=dmask[:, None] & cmask[None, :], other=0.0)
-            s0 = _score_dot(x0, w, s0, UPCAST, w_is_bf16, PRECISION)
+            s0 = _score_dot(x0, w, s0, UPCAST, w_is_bf16)
             if ROW_TILES == 2:
-                s1 = _score_dot(x1, w, s1, UPCAST, w_is_bf16, PRECISION)
+                s1 = _score_dot(x1, w, s1, UPCAST, w_is_bf16)
         bias = tl.load(b_ptr + h * NE + cols, mask=cmask, other=0.0)
-        run0 = _select_block(s0 + bias[None, :], cols, run0, NE, KP, K, SELECT)
+        run0 = _select_block(s0 + bias[None, :], cols, run0, NE, KP, K)
         if ROW_TILES == 2:
-            run1 = _select_block(s1 + bias[None, :], cols, run1, NE, KP, K, SELECT)
+            run1 = _select_block(s1 + bias[None, :], cols, run1, NE, KP, K)
     _store_topk(run0, rows0, b_ptr, vals_ptr, idx_ptr, N, H, h, NE, K, KP)
     if ROW_TILES == 2:
         _store_topk(run1, rows1, b_ptr, vals_ptr, idx_ptr, N, H, h, NE, K, KP)
@@ -327,17 +250,15 @@ def router_bwd_dw_partial_kernel(
     x_ptr, dv_ptr, order_ptr, block_group_ptr, group_start_ptr, group_bstart_ptr, group_size_ptr,  # inputs
     part_ptr,  # output: (NB, DHP) fp32 partial sums
     H: tl.constexpr, DH: tl.constexpr, DHP: tl.constexpr, NE: tl.constexpr, K: tl.constexpr,
-    CB: tl.constexpr, SUB: tl.constexpr, UPCAST: tl.constexpr, ROWSUM: tl.constexpr = True,
-    GLOBAL_SLOTS: tl.constexpr = False,
+    CB: tl.constexpr, SUB: tl.constexpr, GLOBAL_SLOTS: tl.constexpr = False,
 ):
     """order: (H * N * K,) int32, per head the local slots n * K + j sorted by expert (stable), or any
     layout in which each group's slots are contiguous from group_start (e.g. the experts' packed rows);
     GLOBAL_SLOTS: `order` holds global slots (n * H + h) * K + j instead (the packing's row_slot as it is);
     the same rows and products either way. block_group: (NB,) group h * NE + e of each block or -1;
     group_start (G,): first position of the group in `order`; group_bstart (G,): its first block;
-    group_size (G,): its slot count.
-    ROWSUM: each step's SUB products summed over the slots into one (DHP,) fp32 row at once (a fixed tree),
-    added to the running row; else a (SUB, DHP) accumulator summed over SUB at the end (DW_ROWSUM)."""
+    group_size (G,): its slot count. Each step's SUB products are summed over the slots into one (DHP,) fp32 row
+    (a fixed tree), then added to the running row: faster than a (SUB, DHP) accumulator summed at the end."""
     b = tl.program_id(0)
     g = tl.load(block_group_ptr + b)
     offs_d = tl.arange(0, DHP)
@@ -347,10 +268,7 @@ def router_bwd_dw_partial_kernel(
         lb = b - tl.load(group_bstart_ptr + g)
         pos0 = tl.load(group_start_ptr + g) + lb * CB
         cnt = tl.minimum(tl.load(group_size_ptr + g) - lb * CB, CB)
-        if ROWSUM:
-            acc = tl.zeros((DHP,), tl.float32)
-        else:
-            acc = tl.zeros((SUB, DHP), tl.float32)
+        acc = tl.zeros((DHP,), tl.float32)
         for i in range(0, cnt, SUB):
             o = i + tl.arange(0, SUB)
             m = o < cnt
@@ -362,12 +280,7 @@ def router_bwd_dw_partial_kernel(
                 xrow = (slot // K).to(tl.int64) * H + h
                 gv = tl.load(dv_ptr + xrow * K + slot % K, mask=m, other=0.0)
             xr = tl.load(x_ptr + xrow[:, None] * DH + offs_d[None, :], mask=m[:, None] & dmask[None, :], other=0.0)
-            if ROWSUM:
-                acc += tl.sum(gv[:, None] * xr.to(tl.float32), axis=0)
-            else:
-                acc += gv[:, None] * xr.to(tl.float32)
-        if not ROWSUM:
-            acc = tl.sum(acc, axis=0)
+            acc += tl.sum(gv[:, None] * xr.to(tl.float32), axis=0)
         tl.store(part_ptr + b.to(tl.int64) * DHP + offs_d, acc)
 
 

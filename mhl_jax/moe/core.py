@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from mhl_jax.moe import plan
 from mhl_jax.moe.experts import REFERENCE_BLOCK, expert_ffn_reference
 from mhl_jax.moe.plan import MAX_TRITON_ROUTER_WIDTH, fused_core, router_casts_weights, triton_expert_path
-from mhl_jax.moe.router import route_topk, router_gates
+from mhl_jax.moe.router import check_router_shapes, route_topk_reference, router_gates
 
 
 def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
@@ -53,6 +53,20 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
     values, idx = route_topk(x_route, w_r, bias, k, impl)
     gates = router_gates(values)  # fp32
     return expert_ffn(x_expert, idx, gates, w1, w2, impl, cfg=cfg, weights_cast=weights_cast, grad_acc=grad_acc)
+
+
+def route_topk(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, impl: str) -> tuple[jax.Array, jax.Array]:
+    """The router of `impl` (contract: `mhl_jax.moe.router.route_topk_reference`): "reference" the pure-JAX one;
+    "triton" the kernel binding (`mhl_jax.moe.gpu.router`), or the reference for inputs wider than the kernels take
+    (`plan.MAX_TRITON_ROUTER_WIDTH`)."""
+    check_router_shapes(x, w_r, bias, k)
+    if impl == "reference" or (impl == "triton" and x.shape[2] > MAX_TRITON_ROUTER_WIDTH):
+        return route_topk_reference(x, w_r, bias, k)
+    if impl != "triton":
+        raise ValueError(f"route_topk: impl={impl!r}, expected 'reference' or 'triton'")
+    from mhl_jax.moe.gpu.router import route_topk_triton
+
+    return route_topk_triton(x, w_r, bias, k)
 
 
 @jax.custom_vjp

@@ -10,19 +10,10 @@ one (head, expert). Shapes stay static under jit: the padded row count is the wo
 (every non-empty group wastes at most R - 1 rows). Blocks past the used ones are all padding and
 carry block_group = -1, so kernels can skip them.
 
-Two ways to compute the same layout (`pack(..., method=)`):
-- "argsort" (the name predates the key sort): one sort of unique 32-bit keys ((head, expert) << bits |
-  local slot), i.e. each head's stable sort by expert (a stable argsort where the key does not fit 32
-  bits); expert runs located by a scatter of run starts and a running min.
-- "count": a counting sort, no sort at all. Within a head, slot order is local order l = n * k + j,
-  so a stable sort by group is, per head, a stable sort of l by expert. Cut each head's slots into
-  chunks of C; a slot's rank in its group = (slots of that expert in earlier chunks: an exclusive
-  cumsum over chunks of the per-chunk histogram) + (earlier slots of that expert in its own chunk: a
-  C-wide compare-and-count); the histogram is written by each expert's last slot in the chunk (count =
-  its rank + 1), a scatter with unique indices (verified on H100, 2026-11-23). slot_row and row_slot
-  are then scatters with unique indices. Integer-only, deterministic, O(M C) cheap elementwise work.
-Both use prefix scans (`prefix_scan`), never jnp.cumsum or jnp.searchsorted, and share the tail
-(`_finish`: padded starts, the two index maps, each block's group).
+The layout comes from one sort of unique 32-bit keys ((head, expert) << bits | local slot), i.e. each head's
+stable sort by expert; expert runs are located by a scatter of run starts and a running min. The GPU path computes
+the same arrays with Triton kernels (`mhl_jax.moe.gpu.packing`). Prefix scans (`prefix_scan`) throughout, never
+jnp.cumsum or jnp.searchsorted.
 """
 
 from __future__ import annotations
@@ -49,34 +40,11 @@ def padded_rows(num_slots: int, num_groups: int, block: int) -> int:
     return -(-rows // block) * block
 
 
-COUNT_CHUNK = 128  # slots per chunk of the counting sort
-PACK_METHODS = ("argsort", "count", "triton")
-
-
 def prefix_scan(op, x: jax.Array, axis: int = 0, reverse: bool = False) -> jax.Array:
     """Inclusive prefix `op` as a log-depth associative scan. XLA on GPU may lower jnp.cumsum to a
     reduce-window that is quadratic in the axis length, and jnp.searchsorted to a while loop with a
-    host round trip per step: together they made the packing cost ~0.6 ms at any size (H100,
-    2026-11-23); the packing uses neither."""
+    host round trip per step: together they made the packing cost ~0.6 ms at any size on an H100."""
     return jax.lax.associative_scan(op, x, reverse=reverse, axis=axis)
-
-
-def pack(idx: jax.Array, num_experts: int, block: int, method: str = "argsort",
-         chunk: int = COUNT_CHUNK) -> Packing:
-    """idx: (N, H, k) int32 expert indices in [0, Ne), or -1 for an empty slot (no row, output 0).
-
-    Returns the Packing (no data moved). method "argsort" | "count" | "triton" (identical results;
-    "triton": `mhl_jax/moe/gpu/packing.py`, five Triton launches, GPU only; `chunk` is the counting
-    sort's, the Triton packing uses its own `kernels.triton.packing.PACK_CHUNK`)."""
-    if method == "count":
-        return _pack_count(idx, num_experts, block, chunk)
-    if method == "triton":  # GPU only (jax-triton)
-        from mhl_jax.moe.gpu.packing import pack_triton
-
-        return pack_triton(idx, num_experts, block)
-    if method != "argsort":
-        raise ValueError(f"pack: method={method!r}, expected one of {PACK_METHODS}")
-    return _pack_sort(idx, num_experts, block)
 
 
 def _local_slots(idx: jax.Array, num_experts: int) -> jax.Array:
@@ -86,12 +54,13 @@ def _local_slots(idx: jax.Array, num_experts: int) -> jax.Array:
     return jnp.where(e >= 0, e, num_experts)
 
 
-def _pack_sort(idx: jax.Array, num_experts: int, block: int) -> Packing:
-    """Sort path: one flat sort of unique 32-bit keys ((head, expert) << bits | local slot) over all heads,
-    i.e. each head's stable sort by expert, heads in order (if that key does not fit 32 bits: per head
-    (expert << bits | local slot), else a stable argsort per head); run starts scattered by expert and
-    prefix scans give sizes, ranks and padded starts.
-    (A batched per-head sort was 2x slower at 2.6M slots on H100, 2026-11-23.)"""
+def pack(idx: jax.Array, num_experts: int, block: int) -> Packing:
+    """idx: (N, H, k) int32 expert indices in [0, Ne), or -1 for an empty slot (no row, output 0).
+
+    Returns the Packing (no data moved): one flat sort of unique 32-bit keys ((head, expert) << bits | local slot)
+    over all heads, i.e. each head's stable sort by expert, heads in order (if that key does not fit 32 bits: per
+    head (expert << bits | local slot), else a stable argsort per head; a batched per-head sort is 2x slower); run
+    starts scattered by expert and prefix scans give sizes, ranks and padded starts."""
     n, h, k = idx.shape
     ml, ne = n * k, num_experts
     e = _local_slots(idx, ne)  # experts 0..Ne (Ne = empty)
@@ -125,9 +94,9 @@ def _pack_sort(idx: jax.Array, num_experts: int, block: int) -> Packing:
 
 
 def _finish(n: int, h: int, k: int, ne: int, block: int, sizes, local, gid, rank, valid) -> Packing:
-    """Common tail of both packings. sizes (G,) slots per group; for every local slot position of head
-    h (arrays (H, L)): `local` its local slot n * k + j (-1 / any value where not valid), `gid` its group,
-    `rank` its rank in the group, `valid` whether it is routed."""
+    """The packing from the sorted slots. sizes (G,) slots per group; for every sorted position of head h
+    (arrays (H, L)): `local` its local slot n * k + j (any value where not valid), `gid` its group, `rank` its rank
+    in the group, `valid` whether it is routed."""
     m, g_count = n * h * k, h * ne
     p = padded_rows(m, g_count, block)
     nb = p // block
@@ -137,7 +106,7 @@ def _finish(n: int, h: int, k: int, ne: int, block: int, sizes, local, gid, rank
     dest = jnp.where(valid, pstarts[gid] + rank, -1)  # padded row of each slot
     heads = jnp.arange(h, dtype=jnp.int32)[:, None]
     slot = (local // k * h + heads) * k + local % k  # global slot id (n * H + h) * k + j
-    slot = jnp.where(valid, slot, m)  # empty slots (and chunk padding) are dropped: slot_row stays -1
+    slot = jnp.where(valid, slot, m)  # empty slots are dropped: slot_row stays -1
     slot_row = jnp.full((m,), -1, jnp.int32).at[slot.reshape(-1)].set(dest.reshape(-1), mode="drop")
     row_slot = jnp.full((p,), -1, jnp.int32).at[jnp.where(valid, dest, p).reshape(-1)].set(
         slot.reshape(-1), mode="drop")
@@ -150,32 +119,6 @@ def _finish(n: int, h: int, k: int, ne: int, block: int, sizes, local, gid, rank
     bg = prefix_scan(jnp.maximum, marks)
     block_group = jnp.where(jnp.arange(nb) < num_blocks, bg, -1).astype(jnp.int32)
     return Packing(row_slot, slot_row, block_group, sizes.astype(jnp.int32), num_blocks)
-
-
-def _pack_count(idx: jax.Array, num_experts: int, block: int, chunk: int) -> Packing:
-    """The counting-sort packing (module docstring); same arrays as the sort path."""
-    n, h, k = idx.shape
-    ml, ne = n * k, num_experts
-    c = max(1, min(chunk, ml))
-    nc = -(-ml // c)
-    e = jnp.pad(_local_slots(idx, ne), ((0, 0), (0, nc * c - ml)), constant_values=ne).reshape(h, nc, c)
-    lower = jnp.arange(c)[None, :] < jnp.arange(c)[:, None]  # [i, j]: j before i
-    same = e[..., :, None] == e[..., None, :]
-    rank_in = jnp.sum(same & lower, axis=-1, dtype=jnp.int32)  # earlier slots of my expert in my chunk
-    last = ~jnp.any(same & lower.T, axis=-1)  # no later slot of my expert in my chunk
-    hs = jnp.arange(h, dtype=jnp.int32)[:, None, None]
-    cs = jnp.arange(nc, dtype=jnp.int32)[None, :, None]
-    # chunk histogram: each expert's last slot in the chunk holds its count (rank + 1); one scatter with
-    # unique indices (the other slots aim past the end and are dropped), no scatter-add of duplicates
-    hist = jnp.zeros((h, nc, ne + 1), jnp.int32).at[hs, cs, jnp.where(last, e, ne + 1)].set(
-        rank_in + 1, mode="drop")
-    incl = prefix_scan(jnp.add, hist, axis=1)  # (H, nc, Ne + 1)
-    rank = jnp.take_along_axis(incl - hist, e, axis=2) + rank_in  # rank of each slot in its group
-    sizes = incl[:, -1, :ne].reshape(h * ne)
-    valid = (e < ne).reshape(h, nc * c)
-    gid = (hs[:, :, 0] * ne + jnp.minimum(e, ne - 1).reshape(h, nc * c))
-    local = jnp.broadcast_to(jnp.arange(nc * c, dtype=jnp.int32)[None], (h, nc * c))
-    return _finish(n, h, k, ne, block, sizes, local, gid, rank.reshape(h, nc * c), valid)
 
 
 def gather_rows(x: jax.Array, packing: Packing, k: int) -> jax.Array:

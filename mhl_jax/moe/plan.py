@@ -209,7 +209,7 @@ class KernelPlan:
     experts_fwd: str = "none"  # `expert_fwd_kernel`'s names, "grouped", "reference"
     experts_bwd: str = "none"  # `expert_bwd_kernel`'s names, "grouped", "reference"
     combine: str = "none"  # forward combine "triton" | "xla"; "+dx-kernel": the fused core's dX combine
-    packing: str = "none"  # "triton" | "argsort" | "count", "/" the packing block
+    packing: str = "none"  # "triton" | "argsort", "/" the packing block
     tokens: int = 0
 
     def summary(self) -> str:

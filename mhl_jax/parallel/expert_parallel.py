@@ -34,8 +34,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mhl_jax.moe.experts import expert_ffn
-from mhl_jax.moe.router import route_topk, router_gates
+from mhl_jax.moe.core import expert_ffn, route_topk
+from mhl_jax.moe.router import router_gates
 
 EP_IMPLS = ("auto", "ragged", "padded")
 

@@ -1,14 +1,5 @@
-"""Packing (mhl_jax/moe/packing.py): layout invariants, round trips, the torch twin, extreme skew."""
-
-import os
-
-try:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels.torch.experts imports the triton kernels
-except ImportError:
-    pass
+"""Packing (mhl_jax/moe/packing.py and its Triton twin, mhl_jax/moe/gpu/packing.py): layout invariants, round trips,
+the torch twin, extreme skew. The Triton kernels run under the interpreter without a GPU (tests/conftest.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +7,14 @@ import numpy as np
 import pytest
 
 from mhl_jax.moe import packing as pk
-from mhl_jax.moe.experts import expert_ffn
+from mhl_jax.moe.core import expert_ffn
 
 
 def _random_idx(key, n, h, ne, k):
     return jnp.argsort(jax.random.uniform(key, (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
 
 
-_jit_pack = jax.jit(pk.pack, static_argnums=(1, 2, 3, 4))  # one compile per case, not one per eager op
+_jit_pack = jax.jit(pk.pack, static_argnums=(1, 2))  # one compile per case, not one per eager op
 
 
 def _case_idx(case: str, seed: int) -> tuple[jax.Array, int]:
@@ -100,45 +91,33 @@ def test_pack_layout_extreme_skew():
     assert (sizes[:, [0, 5, 7]] == n).all() and sizes.sum() == n * h * k
 
 
-@pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny", "many_experts"])
-def test_count_pack_equals_argsort_pack(case):
-    """The counting-sort packing returns exactly the argsort packing's arrays (chunk sizes that do and do
-    not divide N * k, one chunk larger than a head's slots, empty slots of an EP receive buffer)."""
-    idx, ne = _case_idx(case, 6)
-    for block in (4, 16):
-        ref = _jit_pack(idx, ne, block)
-        for chunk in (1, 8, 10, 512):
-            got = _jit_pack(idx, ne, block, "count", chunk)
-            for name, a, b in zip(ref._fields, ref, got):
-                assert np.array_equal(np.asarray(a), np.asarray(b)), (case, block, chunk, name)
-
-
 @pytest.mark.parametrize("atomic_min_bins", [1, 1 << 30], ids=["atomic_hist", "tl_histogram"])
 @pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny", "many_experts"])
-def test_triton_pack_kernels_equal_jax_pack(case, atomic_min_bins, monkeypatch):
+def test_triton_pack_kernels_equal_jax_pack(case, atomic_min_bins):
     """kernels/triton/packing.py (under the Triton interpreter without a GPU) returns exactly `pack`'s arrays:
     chunks that do and do not divide N * k, one chunk for the whole head, empty slots, extreme skew; the
     chunk histograms by atomic adds and by tl.histogram."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
-    import kernels.triton.packing as kp
     from kernels.torch.packing import pack_triton_torch
 
-    monkeypatch.setattr(kp, "HIST_ATOMIC_MIN_BINS", atomic_min_bins)
     idx, ne = _case_idx(case, 7)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for block, chunk in ((4, 16), (16, 32), (8, 1024)):  # many_experts at chunk 16: 25 chunks, 2 tiles of 16
         ref = _jit_pack(idx, ne, block)
-        got = pack_triton_torch(torch.from_numpy(np.array(idx)).to(dev), ne, block, chunk)
+        got = pack_triton_torch(torch.from_numpy(np.array(idx)).to(dev), ne, block, chunk, atomic_min_bins)
         for name, a, b in zip(ref._fields, ref, got):
             assert np.array_equal(np.asarray(a).reshape(-1), b.cpu().numpy().reshape(-1)), (case, block, chunk, name)
 
 
 @pytest.mark.gpu
 def test_gpu_triton_pack_binding_equals_jax_pack():
-    """pack(method="triton") through jax-triton equals the JAX packing, under jit: the layer's shape
+    """The Triton packing through jax-triton equals the JAX packing, under jit: the layer's shape
     (8192 tokens x 8 heads, k 4, Ne 384; half the tokens on 4 experts, some empty slots), the widest
     table row (Ne 1536, k 8), and one slot."""
+    from mhl_jax.moe.gpu.packing import pack
+
+    jit_triton = jax.jit(pack, static_argnums=(1, 2, 3))
     cases = [(8192, 8, 4, 384, (64, 128)), (4096, 8, 8, 1536, (16,)), (1, 1, 1, 1, (16,))]
     for n, h, k, ne, blocks in cases:
         idx = _random_idx(jax.random.key(8), n, h, ne, k)
@@ -146,7 +125,7 @@ def test_gpu_triton_pack_binding_equals_jax_pack():
             idx = idx.at[: n // 2, :, :4].set(jnp.array([3, 1, 4, 2], jnp.int32)).at[::7, :, 3].set(-1)
         for block in blocks:
             ref = _jit_pack(idx, ne, block)
-            got = _jit_pack(idx, ne, block, "triton")
+            got = jit_triton(idx, ne, block, "triton")
             for name, a, b in zip(ref._fields, ref, got):
                 assert np.array_equal(np.asarray(a), np.asarray(b)), ((n, h, k, ne), block, name)
 
@@ -197,11 +176,11 @@ def test_reference_expert_ffn_dropless(skew):
     assert int(load.sum()) == n * h * k
 
 
-@pytest.mark.parametrize("skew,variant", [(False, "old"), (True, "old"), (True, "new"), (False, "tpack")])
+@pytest.mark.parametrize("skew,variant", [(False, "rows"), (True, "t"), (False, "tpack")])
 def test_custom_vjp_plumbing_matches_reference(skew, variant):
     """The Triton path's custom_vjp (packing, fused gathers, combine, cotangents) with pure-JAX kernel
     stand-ins: value and all four gradients equal jax.grad of the float64 reference."""
-    from kernels.triton.experts import ExpertsConfig, Tile
+    from kernels.tuning import ExpertsConfig, Tile
     from mhl_jax.moe.gpu.experts import expert_ffn_triton
 
     n, h, k, ne, dh, de = 40, 2, 3, 5, 16, 32
@@ -214,9 +193,8 @@ def test_custom_vjp_plumbing_matches_reference(skew, variant):
     w2 = jax.random.normal(ks[4], (h, ne, de, dh)) / 4
     wy = jax.random.normal(ks[5], (n, h, dh))
     cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32))
-    if variant == "new":  # counting-sort packing, packed backward rows, transposed dW kernel
-        cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16), dw_form="t", packed_bwd=True,
-                            pack_impl="count")
+    if variant == "t":  # the transposed dW kernel
+        cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16), dw_form="t")
     if variant == "tpack":  # the Triton packing's config: emulated, it packs with the JAX sort
         cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32), pack_impl="triton")
 

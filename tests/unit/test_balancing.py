@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mhl_jax.model.balancing import load_stats, update_bias
-from mhl_jax.moe.router import route_topk
+from mhl_jax.moe.router import route_topk_reference as route_topk
 
 
 def test_update_rule_against_numpy():

@@ -9,7 +9,7 @@ from flax import nnx
 from mhl_jax.model.mlp import MLP
 from mhl_jax.model.moe import LatentMoE, MHLatentMoE, MoE
 from mhl_jax.moe.core import moe_heads
-from mhl_jax.moe.router import route_topk
+from mhl_jax.moe.router import route_topk_reference as route_topk
 from tests.references import numpy_moe as ref
 
 B, T, D = 2, 5, 16

@@ -43,14 +43,14 @@ def packed_meta(idx: jax.Array, num_experts: int, block: int, pack_impl: str, ba
     row block `block`; otherwise it is made here with `pack_impl` (`pack_method` under `backend`)."""
     n, h, k = idx.shape
     if packing is None:
-        packing = pk.pack(idx, num_experts, block, pack_method(pack_impl, backend))
+        packing = packing_triton.pack(idx, num_experts, block, pack_method(pack_impl, backend))
     else:
         want = (pk.padded_rows(n * h * k, h * num_experts, block), n * h * k, h * num_experts)
         got = (packing.row_slot.shape[0], packing.slot_row.shape[0], packing.group_sizes.shape[0])
         if got != want:
             raise ValueError(f"{who}: the given packing has (rows, slots, groups) = {got}, expected {want} "
                              f"(row block {block}: make it with mhl_jax.moe.plan.packing_spec)")
-    if backend == "triton" and packing_triton.META_KERNELS:
+    if backend == "triton":
         start, count, _ = packing_triton.group_blocks_triton(packing.group_sizes, block)
     else:
         start, count = pk.group_blocks(packing.group_sizes, block)

@@ -1,8 +1,9 @@
 """The packing (`mhl_jax.moe.packing.pack`) as Triton kernels (`kernels/triton/packing.py`) bound through
-jax-triton: `pack(..., method="triton")`. Five launches (the plan `kernels.triton.packing.pack_launches`, which
-the torch launcher runs too), integer-only (integer atomic adds for the chunk histograms at >= 1024 bins:
-order-free counts), the same arrays as the JAX methods (checked
-under the Triton interpreter against them in tests/kernels/test_packing.py; the binding itself needs a GPU)."""
+jax-triton. Five launches (the plan `kernels.triton.packing.pack_launches`, which the torch launcher runs too),
+integer-only (integer atomic adds for the chunk histograms at many bins: order-free counts), the same arrays as the
+JAX sort (checked under the Triton interpreter in tests/kernels/test_packing.py; the binding itself needs a GPU).
+The same launches cut a packing's groups into blocks (`group_blocks_triton`): one or two launches in place of the
+~5 (experts) and ~15 (router dW) small XLA kernels of log-depth scans over the groups."""
 
 from __future__ import annotations
 
@@ -11,25 +12,32 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.triton.packing import PACK_CHUNK, PACK_RESULT, cut_launches, group_blocks_launch, pack_launches
+from kernels.triton.packing import PACK_RESULT, cut_launches, group_blocks_launch, pack_launches
+from mhl_jax.moe import packing as pk
 from mhl_jax.moe.plan import import_jax_triton
 
-# The expert op's and the router's per-group block arrays (first block, count; the router's dW blocks) cut from a
-# packing by Triton launches (`group_blocks_triton`) where the kernels run on Triton: one or two launches in place of
-# ~5 (experts) and ~15 (router dW) small XLA kernels of log-depth scans over the groups. False: XLA's scans
-# (`packing.group_blocks`, `router_triton._cut_groups`) everywhere (bench/layer.py variant "xla_meta").
-META_KERNELS = True
+PACK_METHODS = ("argsort", "triton")  # the JAX sort (any backend), the Triton kernels (jax-triton on a GPU)
 
 
-def pack_triton(idx: jax.Array, num_experts: int, block: int, chunk: int = PACK_CHUNK):
+def pack(idx: jax.Array, num_experts: int, block: int, method: str) -> pk.Packing:
+    """`packing.pack(idx, num_experts, block)` by `method`: "argsort" the JAX sort, "triton" the Triton launches
+    (the same arrays)."""
+    if method == "triton":
+        return pack_triton(idx, num_experts, block)
+    if method != "argsort":
+        raise ValueError(f"pack: method={method!r}, expected one of {PACK_METHODS}")
+    return pk.pack(idx, num_experts, block)
+
+
+def pack_triton(idx: jax.Array, num_experts: int, block: int) -> pk.Packing:
     """idx (N, H, k) int32 (-1 = empty slot) -> `Packing` (row_slot, slot_row, block_group, group_sizes,
-    num_blocks), equal to `pack(idx, num_experts, block)`.
+    num_blocks), equal to `packing.pack(idx, num_experts, block)`.
 
     Integer in, integer out: nothing to differentiate, but under jax.grad the indices (outputs of the
     router's custom_vjp) carry zero tangents and jax-triton's call has no JVP rule ("triton_call does
-    not support automatic differentiation", H100, 2026-11-23), so the launches sit in a custom_vjp
-    whose backward returns no cotangent."""
-    return _integer_launches(functools.partial(_launch, num_experts=num_experts, block=block, chunk=chunk), idx)
+    not support automatic differentiation"), so the launches sit in a custom_vjp whose backward returns no
+    cotangent."""
+    return _integer_launches(functools.partial(_launch, num_experts=num_experts, block=block), idx)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -50,19 +58,17 @@ def _integer_launches_bwd(launch, res, cts):
 _integer_launches.defvjp(_integer_launches_fwd, _integer_launches_bwd)
 
 
-def _launch(idx: jax.Array, *, num_experts: int, block: int, chunk: int):
-    from mhl_jax.moe.packing import Packing, padded_rows
-
+def _launch(idx: jax.Array, *, num_experts: int, block: int) -> pk.Packing:
     n, h, k = idx.shape
-    p = padded_rows(n * h * k, h * num_experts, block)
-    bufs = run_launches(pack_launches(n, h, k, num_experts, block, p, chunk), {"idx": idx.astype(jnp.int32)})
+    p = pk.padded_rows(n * h * k, h * num_experts, block)
+    bufs = run_launches(pack_launches(n, h, k, num_experts, block, p), {"idx": idx.astype(jnp.int32)})
     row_slot, slot_row, block_group, sizes, nblocks = (bufs[name] for name in PACK_RESULT)
-    return Packing(row_slot, slot_row, block_group, sizes, nblocks.reshape(()))
+    return pk.Packing(row_slot, slot_row, block_group, sizes, nblocks.reshape(()))
 
 
 def run_launches(launches, bufs: dict) -> dict:
-    """Run `kernels.triton.packing.Launch`es in order through jax-triton on the named int32 buffers `bufs` (inputs; each
-    launch adds its outputs): the buffers at the end."""
+    """Run `kernels.triton.packing.Launch`es in order through jax-triton on the named int32 buffers `bufs` (inputs;
+    each launch adds its outputs): the buffers at the end."""
     jt = import_jax_triton()
     bufs = dict(bufs)
     for launch in launches:

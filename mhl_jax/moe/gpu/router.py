@@ -4,19 +4,19 @@ jax-triton under one `jax.custom_vjp`.
     x (N, H, dh) bf16, w_r (H, dh, Ne) fp32, bias (H, Ne) fp32
     -> values (N, H, k) fp32 (selected raw scores), indices (N, H, k) int32
 
-Same contract as `route_topk_reference` (selection = top-k of scores + bias, ties to the lower
+Same contract as `mhl_jax.moe.router.route_topk_reference` (selection = top-k of scores + bias, ties to the lower
 index; values are the raw scores; bias gets no gradient).
 
-forward   split W_r into bf16 terms (precision "bf16x3": exact products, fp32 accumulation) ->
-          one kernel streams W_r blocks and keeps a running top-k on chip; writes only (N, H, k). On Hopper
-          the warp-specialised Gluon kernel (kernels/gluon/router.py: sorting networks, same outputs to the
-          bit) where it takes the shape, else the Triton one (`use_fwd_gluon`).
+forward   W_r split into three bf16 terms (exact products, fp32 accumulation; fp32 x: the fp32 W_r, "ieee" dots)
+          -> one kernel streams W_r blocks and keeps a running top-k on chip; writes only (N, H, k). Which kernel
+          runs is `router_kind`'s choice: on Hopper the warp-specialised Gluon one (kernels/gluon/router.py, the
+          same outputs to the bit) where it takes the shape, else the Triton one.
 backward  dx: k gathered rows of W_r^T per token (fixed order). dW_r: slots sorted per head by expert
           (one uint32 radix sort of (expert << bits | slot) keys), cut into blocks of one
           (head, expert) each; a kernel sums each block in order, another sums each expert's blocks
           in order. No float atomics anywhere: gradients are bitwise reproducible.
-          With `pack=` (the model's path, `moe_core.moe_heads_triton`) the forward also packs the indices
-          for the expert op, and the dW_r blocks are cut from that packing: one slot sort per layer.
+          With `pack=` (the model's path, `mhl_jax.moe.core`) the forward also packs the indices for the expert
+          op, and the dW_r blocks are cut from that packing: one slot sort per layer.
 
 Memory: O(N k + H Ne dh); nothing of size N x Ne exists. Works under jit and inside shard_map (use
 it there: under plain jit jax-triton gathers sharded inputs). `backend="emulate"` runs the same
@@ -31,23 +31,33 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels.triton.router import RouterTiles, check_router_args, dw_num_blocks, next_pow2, router_tiles, weight_parts
+from kernels.gluon import router as gluon_router
+from kernels.triton import router as kr
+from kernels.tuning import RouterTiles, router_tiles
 from mhl_jax.moe import packing as pk
 from mhl_jax.moe.gpu import gluon as gluon_bridge
 from mhl_jax.moe.gpu import packing as packing_triton
 from mhl_jax.moe.packing import prefix_scan
-from mhl_jax.moe.plan import import_jax_triton
+from mhl_jax.moe.plan import MAX_TRITON_ROUTER_WIDTH, import_jax_triton
 from mhl_jax.moe.router import check_router_shapes, route_topk_reference
+
+
+def router_kind(dh: int, ne: int, k: int, dtype) -> str:
+    """Which router runs for inputs of width dh, Ne experts, top-k, activations of `dtype` on this process's GPU:
+    "reference" for inputs wider than MAX_TRITON_ROUTER_WIDTH (the kernels keep x and W_r blocks on chip),
+    "gluon-ws" (the warp-specialised forward) on Hopper for bf16 at the shapes it takes, else "triton"."""
+    if dh > MAX_TRITON_ROUTER_WIDTH:
+        return "reference"
+    if jnp.dtype(dtype) == jnp.bfloat16 and gluon_router.ws_router_supported(dh, ne, k) and gluon_bridge.hopper_sms():
+        return "gluon-ws"
+    return "triton"
 
 
 class Static(NamedTuple):
     k: int
-    precision: str  # see kernels.triton.router.PRECISIONS
     tiles: RouterTiles
     backend: str  # "triton" | "emulate"
-    sort: str  # "flat" | "packed" (uint32 keys, when they fit) | "argsort" (stable argsort): dw_metadata
     pack: tuple[int, str] | None = None  # (row block, method): also return the experts' packing of idx
-    meta_kernels: bool = False  # dW blocks cut from the packing by Triton launches (packing_triton.META_KERNELS)
 
 
 class DwMeta(NamedTuple):
@@ -80,71 +90,59 @@ def split_bf16(w: jax.Array, parts: int) -> jax.Array:
     return jnp.stack(out)
 
 
-def dw_metadata(idx: jax.Array, ne: int, block: int, sort: str = "flat", bounds: str = "scatter") -> DwMeta:
-    """idx (N, H, k) int32 -> DwMeta with blocks of at most `block` slots (static shapes).
+def _expert_sort(idx: jax.Array, ne: int) -> tuple[jax.Array, jax.Array]:
+    """idx (N, H, k) -> per head (H, N * k): the local slots n * k + j stably sorted by expert, and their experts.
 
-    sort: "flat" (one sort of all heads' uint32 keys ((head * Ne + expert) << bits | slot)), "packed"
-    (per head, a batched sort of (expert << bits | slot)), each when its key fits in 32 bits (else the
-    next one), or "argsort" (stable argsort per head). The batched per-head sort of XLA took 0.71-0.76 ms
-    of the router's backward at 81920 tokens (H100); in the packing the same change from a per-head to a
-    flat key sort halved its time (1.01 -> 0.51 ms). bounds: "scatter" (run starts scattered by expert,
-    prefix scans) or "search" (jnp.searchsorted). All variants give identical arrays."""
+    One sort of all heads' unique uint32 keys ((head * Ne + expert) << bits | slot) where they fit 32 bits, else per
+    head (expert << bits | slot), else a stable argsort. XLA's batched per-head sort took 0.71-0.76 ms of the
+    router's backward at 81920 tokens on an H100; one flat sort about half that."""
     n, h, k = idx.shape
     mh = n * k
     e = jnp.swapaxes(idx, 0, 1).reshape(h, mh).astype(jnp.int32)  # (H, N*k): local slot n * k + j
     bits_m, bits_e = max(1, (mh - 1).bit_length()), max(1, (ne - 1).bit_length())
     bits_g = max(1, (h * ne - 1).bit_length())
-    if sort == "flat" and bits_m + bits_g <= 32:
+    slots = jnp.arange(mh, dtype=jnp.uint32)[None]
+    if bits_m + bits_g <= 32:
         heads_col = jnp.arange(h, dtype=jnp.uint32)[:, None]
-        key = ((heads_col * ne + e.astype(jnp.uint32)) << bits_m) | jnp.arange(mh, dtype=jnp.uint32)[None]
+        key = ((heads_col * ne + e.astype(jnp.uint32)) << bits_m) | slots
         sk = jnp.sort(key.reshape(h * mh)).reshape(h, mh)  # head-major: each row is its head's sort
         order = (sk & jnp.uint32((1 << bits_m) - 1)).astype(jnp.int32)
-        se = (sk >> bits_m).astype(jnp.int32) - jnp.arange(h, dtype=jnp.int32)[:, None] * ne
-    elif sort in ("flat", "packed") and bits_m + bits_e <= 32:
-        key = (e.astype(jnp.uint32) << bits_m) | jnp.arange(mh, dtype=jnp.uint32)[None]
-        sk = jnp.sort(key, axis=-1)  # keys are unique: plain sort == stable sort by expert
-        order = (sk & jnp.uint32((1 << bits_m) - 1)).astype(jnp.int32)
-        se = (sk >> bits_m).astype(jnp.int32)
-    elif sort in ("flat", "packed", "argsort"):
-        order = jnp.argsort(e, axis=-1, stable=True).astype(jnp.int32)
-        se = jnp.take_along_axis(e, order, axis=-1)
-    else:
-        raise ValueError(f"router sort={sort!r}, expected 'flat', 'packed' or 'argsort'")
+        return order, (sk >> bits_m).astype(jnp.int32) - jnp.arange(h, dtype=jnp.int32)[:, None] * ne
+    if bits_m + bits_e <= 32:
+        sk = jnp.sort((e.astype(jnp.uint32) << bits_m) | slots, axis=-1)  # unique keys: a stable sort by expert
+        return (sk & jnp.uint32((1 << bits_m) - 1)).astype(jnp.int32), (sk >> bits_m).astype(jnp.int32)
+    order = jnp.argsort(e, axis=-1, stable=True).astype(jnp.int32)
+    return order, jnp.take_along_axis(e, order, axis=-1)
+
+
+def dw_metadata(idx: jax.Array, ne: int, block: int) -> DwMeta:
+    """idx (N, H, k) int32 -> DwMeta with blocks of at most `block` slots (static shapes)."""
+    n, h, k = idx.shape
+    mh = n * k
+    order, se = _expert_sort(idx, ne)
     heads = jnp.arange(h, dtype=jnp.int32)[:, None]
-    nb = dw_num_blocks(n * h * k, h * ne, block)
-    if bounds == "search":
-        run0 = jax.vmap(lambda s: jnp.searchsorted(s, jnp.arange(ne + 1, dtype=jnp.int32), side="left"))(se)
-    elif bounds == "scatter":
-        # first position of each run of equal experts, scattered by expert (the other positions are
-        # dropped, not sent to a dump cell: no atomic contention); a reverse running min then gives
-        # an empty expert the next expert's start
-        pos = jnp.arange(mh, dtype=jnp.int32)[None]
-        is_start = jnp.concatenate([jnp.ones((h, 1), bool), se[:, 1:] != se[:, :-1]], axis=1)
-        first = jnp.full((h, ne + 1), mh, jnp.int32).at[heads, jnp.where(is_start, se, ne + 1)].min(
-            pos, mode="drop")
-        run0 = prefix_scan(jnp.minimum, first, axis=1, reverse=True)
-    else:
-        raise ValueError(f"router bounds={bounds!r}, expected 'scatter' or 'search'")
-    run0 = run0.astype(jnp.int32)  # (H, Ne + 1): start of each expert's run within its head
+    # first position of each run of equal experts, scattered by expert (the other positions are dropped, not sent to
+    # a dump cell: no atomic contention); a reverse running min then gives an empty expert the next expert's start
+    pos = jnp.arange(mh, dtype=jnp.int32)[None]
+    is_start = jnp.concatenate([jnp.ones((h, 1), bool), se[:, 1:] != se[:, :-1]], axis=1)
+    first = jnp.full((h, ne + 1), mh, jnp.int32).at[heads, jnp.where(is_start, se, ne + 1)].min(pos, mode="drop")
+    run0 = prefix_scan(jnp.minimum, first, axis=1, reverse=True).astype(jnp.int32)  # (H, Ne + 1): run starts
     size = (run0[:, 1:] - run0[:, :-1]).reshape(-1)
     start = (run0[:, :-1] + heads * mh).reshape(-1)
-    return _cut_groups(order.reshape(-1), start, size, block, nb, search=bounds == "search")
+    return _cut_groups(order.reshape(-1), start, size, block, kr.dw_num_blocks(n * h * k, h * ne, block))
 
 
-def _cut_groups(order, start, size, block: int, nb: int, search: bool = False) -> DwMeta:
+def _cut_groups(order, start, size, block: int, nb: int) -> DwMeta:
     """DwMeta for groups whose slots lie contiguous in `order` from `start` (G,), `size` (G,) long: each
     group cut into blocks of at most `block` slots, blocks numbered group after group (nb: static bound)."""
     nblk = (size + block - 1) // block
     cum = prefix_scan(jnp.add, nblk)
     bstart = cum - nblk
     blocks = jnp.arange(nb, dtype=jnp.int32)
-    if search:
-        bg = jnp.searchsorted(cum, blocks, side="right").astype(jnp.int32)
-    else:  # mark each non-empty group's first block with the group, carry the mark forward
-        g_ids = jnp.arange(size.shape[0], dtype=jnp.int32)
-        marks = jnp.full((nb,), -1, jnp.int32).at[jnp.where(nblk > 0, bstart, nb)].max(g_ids, mode="drop")
-        bg = prefix_scan(jnp.maximum, marks)
-    bg = jnp.where(blocks < cum[-1], bg, -1)
+    # mark each non-empty group's first block with the group, carry the mark forward
+    g_ids = jnp.arange(size.shape[0], dtype=jnp.int32)
+    marks = jnp.full((nb,), -1, jnp.int32).at[jnp.where(nblk > 0, bstart, nb)].max(g_ids, mode="drop")
+    bg = jnp.where(blocks < cum[-1], prefix_scan(jnp.maximum, marks), -1)
     return DwMeta(order, bg, start, bstart, size, nblk)
 
 
@@ -159,11 +157,11 @@ def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, pack_block
     the same partial sums, so the same dW_r to the bit. Elementwise work and scans over the G groups.
 
     global_slots (GPU, jax-triton): `order` is the packing's row_slot as it is (global slots (n * H + h) * k + j,
-    which the dW kernel reads with GLOBAL_SLOTS) and the group scans run as three Triton launches
+    which the dW kernel reads with GLOBAL_SLOTS) and the group scans run as Triton launches
     (`packing_triton.group_blocks_triton`) instead of ~15 small XLA kernels and a pass over the rows; the same
     blocks."""
     n_slots, g = packing.slot_row.shape[0], packing.group_sizes.shape[0]
-    nb = dw_num_blocks(n_slots, g, block)
+    nb = kr.dw_num_blocks(n_slots, g, block)
     if global_slots:
         _, _, start = packing_triton.group_blocks_triton(packing.group_sizes, pack_block)
         bstart, nblk, _, bg = packing_triton.group_blocks_triton(packing.group_sizes, block, nb)
@@ -175,35 +173,23 @@ def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, pack_block
 
 
 def _dhp(dh: int) -> int:
-    return max(16, next_pow2(dh))
+    return max(16, kr.next_pow2(dh))
 
 
 # ----------------------------------------------------------------------------- kernel calls (Triton)
 
-def use_fwd_gluon(st: Static, dtype, dh: int, ne: int) -> bool:
-    """Whether the forward runs on the warp-specialised Gluon kernel (kernels/gluon/router.py): tiles.ws, bf16 x and
-    W_r terms, a Hopper GPU, a shape the kernel takes; else the Triton kernel."""
-    from kernels.gluon.router import ws_router_supported
-    from kernels.triton.router import ws_wanted
-
-    return bool(ws_wanted(st.tiles, st.k) and dtype == jnp.bfloat16 and st.precision.startswith("bf16")
-                and ws_router_supported(dh, ne, st.k, weight_parts(st.precision)) and gluon_bridge.hopper_sms())
-
-
 def _fwd_gluon(st: Static, x, wp, bias, cast=None):
     """(values, indices) and, with `cast` (two fp32 arrays of one size), their bf16 casts made by the caster warp
     group beside the selection (two consumers then: `ws_router_constexprs`)."""
-    from kernels.gluon.router import ws_router_constexprs, ws_router_items, ws_router_kernel
-
     n, h, dh = x.shape
     size = cast[0].size if cast else 0
-    consts = ws_router_constexprs(n, h, dh, wp.shape[3], st.k, wp.shape[0], cast_n=size)
+    consts = gluon_router.ws_router_constexprs(n, h, dh, wp.shape[3], st.k, cast_n=size)
     cin = [c.reshape(-1) for c in cast] if cast else [jnp.zeros((1,), jnp.float32)] * 2
     out = gluon_bridge.gluon_call(
-        x, wp, bias, *cin, kernel=ws_router_kernel(consts["NC"], bool(cast)),
+        x, wp, bias, *cin, kernel=gluon_router.ws_router_kernel(consts["NC"], bool(cast)),
         out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)]
         + [jax.ShapeDtypeStruct(c.shape, jnp.bfloat16) for c in cin],
-        programs=min(gluon_bridge.hopper_sms(), ws_router_items(n, h, consts["NC"])), **consts)
+        programs=min(gluon_bridge.hopper_sms(), gluon_router.ws_router_items(n, h, consts["NC"])), **consts)
     if cast:
         return out[0], out[1], tuple(o.reshape(c.shape) for o, c in zip(out[2:], cast))
     return out[0], out[1]
@@ -211,53 +197,43 @@ def _fwd_gluon(st: Static, x, wp, bias, cast=None):
 
 def _fwd_triton(st: Static, x, w, bias, cast=None):
     """(values, indices), and a third output, the bf16 casts of `cast`, where the Gluon kernel's caster makes them."""
-    from kernels.triton.router import fwd_grid, router_fwd_kernel
-
     n, h, dh = x.shape
     ne, t = w.shape[2], st.tiles
-    wp = split_bf16(w, weight_parts(st.precision)) if st.precision.startswith("bf16") else w[None]
-    if use_fwd_gluon(st, x.dtype, dh, ne):
+    wp = split_bf16(w, kr.WEIGHT_PARTS) if x.dtype == jnp.bfloat16 else w[None]
+    if router_kind(dh, ne, st.k, x.dtype) == "gluon-ws":
         return _fwd_gluon(st, x, wp, bias, cast)
     jt = import_jax_triton()
     vals, idx = jt.triton_call(
-        x, wp, bias, kernel=router_fwd_kernel,
+        x, wp, bias, kernel=kr.router_fwd_kernel,
         out_shape=[jax.ShapeDtypeStruct((n, h, st.k), jnp.float32), jax.ShapeDtypeStruct((n, h, st.k), jnp.int32)],
-        grid=fwd_grid(n, h, t), num_warps=t.fwd_warps, num_stages=t.fwd_stages,
-        N=n, H=h, DH=dh, DHP=_dhp(dh), NE=ne, K=st.k, KP=max(2, next_pow2(st.k)), PARTS=wp.shape[0],
-        PRECISION="ieee" if st.precision.startswith("bf16") else st.precision,
-        BLOCK_N=t.block_n, BLOCK_E=t.block_e, SELECT=t.select, UPCAST=False, ROW_TILES=t.row_tiles)
+        grid=kr.fwd_grid(n, h, t), num_warps=t.fwd_warps, num_stages=t.fwd_stages,
+        N=n, H=h, DH=dh, DHP=_dhp(dh), NE=ne, K=st.k, KP=max(2, kr.next_pow2(st.k)), PARTS=wp.shape[0],
+        BLOCK_N=t.block_n, BLOCK_E=t.block_e, UPCAST=False, ROW_TILES=t.row_tiles)
     return vals, idx  # a tuple (jax-triton returns a list), as the reference and shard_map out_specs
 
 
 def _dx_triton(st: Static, idx, dvals, wt, x_dtype):
     jt = import_jax_triton()
-
-    from kernels.triton.router import router_bwd_dx_kernel
-
     n, h, k = idx.shape
     _, ne, dh = wt.shape
     t = st.tiles
     return jt.triton_call(
-        idx, dvals, wt, kernel=router_bwd_dx_kernel, out_shape=jax.ShapeDtypeStruct((n, h, dh), x_dtype),
+        idx, dvals, wt, kernel=kr.router_bwd_dx_kernel, out_shape=jax.ShapeDtypeStruct((n, h, dh), x_dtype),
         grid=(-(-n // t.dx_block_n), h), num_warps=t.dx_warps,
         N=n, H=h, DH=dh, DHP=_dhp(dh), NE=ne, K=k, BLOCK_N=t.dx_block_n)
 
 
-def _dw_triton(st: Static, x, dvals, meta: DwMeta, ne: int, global_slots: bool = False):
+def _dw_triton(st: Static, x, dvals, meta: DwMeta, ne: int, global_slots: bool):
     jt = import_jax_triton()
-
-    from kernels.triton.router import router_bwd_dw_partial_kernel, router_bwd_dw_reduce_kernel
-
     n, h, dh = x.shape
     t, nb, dhp = st.tiles, meta.block_group.shape[0], _dhp(dh)
     part = jt.triton_call(
         x, dvals, meta.order, meta.block_group, meta.group_start, meta.group_bstart, meta.group_size,
-        kernel=router_bwd_dw_partial_kernel, out_shape=jax.ShapeDtypeStruct((nb, dhp), jnp.float32),
+        kernel=kr.router_bwd_dw_partial_kernel, out_shape=jax.ShapeDtypeStruct((nb, dhp), jnp.float32),
         grid=(nb,), num_warps=t.dw_warps,
-        H=h, DH=dh, DHP=dhp, NE=ne, K=st.k, CB=t.dw_block, SUB=t.dw_sub, UPCAST=False,
-        ROWSUM=t.dw_rowsum, GLOBAL_SLOTS=global_slots)
+        H=h, DH=dh, DHP=dhp, NE=ne, K=st.k, CB=t.dw_block, SUB=t.dw_sub, GLOBAL_SLOTS=global_slots)
     return jt.triton_call(
-        part, meta.group_bstart, meta.group_nblk, kernel=router_bwd_dw_reduce_kernel,
+        part, meta.group_bstart, meta.group_nblk, kernel=kr.router_bwd_dw_reduce_kernel,
         out_shape=jax.ShapeDtypeStruct((h, dh, ne), jnp.float32), grid=(-(-ne // t.red_block_e), h),
         num_warps=t.red_warps, DH=dh, DHP=dhp, NE=ne, BLOCK_E=t.red_block_e)
 
@@ -273,8 +249,8 @@ def _dx_emulate(st: Static, idx, dvals, wt, x_dtype):
     return jnp.einsum("nhkd,nhk->nhd", rows, dvals, precision=jax.lax.Precision.HIGHEST).astype(x_dtype)
 
 
-def _dw_emulate(st: Static, x, dvals, meta: DwMeta, ne: int):
-    """Same blocks and metadata as the kernels, reduced with plain JAX ops."""
+def _dw_emulate(st: Static, x, dvals, meta: DwMeta, ne: int, global_slots: bool):
+    """Same blocks and metadata as the kernels, reduced with plain JAX ops (local slots only: no GLOBAL_SLOTS)."""
     n, h, dh = x.shape
     cb = st.tiles.dw_block
     g = jnp.maximum(meta.block_group, 0)
@@ -294,12 +270,13 @@ def _dw_emulate(st: Static, x, dvals, meta: DwMeta, ne: int):
 # ------------------------------------------------------------------------------------ the custom_vjp
 
 def _forward(st: Static, x, w, bias, cast):
+    """The forward's outputs: values, indices, with st.pack the packing, with `cast` the casts."""
     fwd = _fwd_triton if st.backend == "triton" else _fwd_emulate
     vals, idx, *made = fwd(st, x, w.astype(jnp.float32), bias.astype(jnp.float32), cast)
     out = (vals, idx)
     if st.pack is not None:
         block, method = st.pack
-        out += (pk.pack(idx, w.shape[2], block, method),)
+        out += (packing_triton.pack(idx, w.shape[2], block, method),)
     if cast is not None:  # made by the kernel, else by XLA
         out += (made[0] if made else tuple(c.astype(x.dtype) for c in cast),)
     return out
@@ -324,15 +301,12 @@ def router_dw(st: Static, x, w, idx, packing, dvals):
     """dW_r (H, dh, Ne) in w's dtype from the cotangent of the selected scores dvals (N, H, k) fp32; `packing`: the
     experts' packing of idx when st.pack is set (its dW layout, no second sort), else None."""
     ne = w.shape[2]
-    global_slots = st.pack is not None and st.meta_kernels
+    global_slots = st.pack is not None and st.backend == "triton"
     if st.pack is None:
-        meta = dw_metadata(idx, ne, st.tiles.dw_block, st.sort)
+        meta = dw_metadata(idx, ne, st.tiles.dw_block)
     else:  # the experts' packing of the same indices: no second sort
         meta = dw_metadata_from_packing(packing, x.shape[1], st.k, st.pack[0], st.tiles.dw_block, global_slots)
-    if st.backend == "triton":
-        dw = _dw_triton(st, x, dvals, meta, ne, global_slots)
-    else:
-        dw = _dw_emulate(st, x, dvals, meta, ne)
+    dw = (_dw_triton if st.backend == "triton" else _dw_emulate)(st, x, dvals, meta, ne, global_slots)
     return dw.astype(w.dtype)
 
 
@@ -347,55 +321,48 @@ def _route_bwd(st: Static, res, cts):
 _route.defvjp(_route_fwd, _route_bwd)
 
 
-def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, precision: str | None = None,
-                      tiles: RouterTiles | None = None, backend: str = "triton",
-                      sort: str = "flat", pack: tuple[int, str] | None = None,
-                      cast: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, ...]:
-    """x: (N, H, dh) bf16 (fp32 allowed: then precision defaults to "ieee"); w_r: (H, dh, Ne) fp32;
-    bias: (H, Ne) fp32 (no gradient).
+def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, backend: str = "triton",
+                      pack: tuple[int, str] | None = None, cast: tuple[jax.Array, jax.Array] | None = None,
+                      tiles: RouterTiles | None = None) -> tuple[jax.Array, ...]:
+    """x: (N, H, dh) bf16 (or fp32: then fp32 dots); w_r: (H, dh, Ne) fp32; bias: (H, Ne) fp32 (no gradient).
 
     Returns values (N, H, k) fp32 (selected raw scores) and indices (N, H, k) int32, ordered by
-    decreasing biased score, ties to the lower expert index. `precision` (default "bf16x3" for bf16 x)
-    is one of kernels.triton.router.PRECISIONS; `tiles` overrides the kernel tiles; `backend="emulate"` swaps
-    the kernels for pure-JAX stand-ins (CPU tests of the plumbing); `sort` is `dw_metadata`'s.
+    decreasing biased score, ties to the lower expert index. `backend="emulate"` swaps the kernels for pure-JAX
+    stand-ins (CPU tests of the plumbing); `tiles` overrides kernels.tuning.router_tiles (tests, tile sweeps).
 
-    pack = (row block, method): also return the experts' packing of the indices (`packing.pack(indices,
-    Ne, block, method)`, a third output without gradient). The backward then takes the dW layout from
-    it (`dw_metadata_from_packing`) instead of sorting the slots a second time.
+    pack = (row block, method): also return the experts' packing of the indices (`mhl_jax.moe.gpu.packing.pack`,
+    a third output without gradient). The backward then takes the dW layout from it (`dw_metadata_from_packing`)
+    instead of sorting the slots a second time.
 
     cast = (a, b), two fp32 arrays of one size (the expert weights): also return (a, b) in x's dtype as the last
     output, without gradient. Where the forward runs on the Gluon kernel (with two consumers then), its caster
     warp group makes them beside the selection (the router reads little HBM; the cast's traffic still slows it by
     about a third of the cast's own time); else XLA casts them."""
-    st = router_static(x, w_r, bias, k, precision, tiles, backend, sort, pack, cast=cast)
+    st = router_static(x, w_r, bias, k, backend=backend, pack=pack, cast=cast, tiles=tiles)
     return _route(st, x, w_r, bias, cast)
 
 
-def router_static(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, precision: str | None = None,
-                  tiles: RouterTiles | None = None, backend: str = "triton", sort: str = "flat",
-                  pack: tuple[int, str] | None = None, cast: tuple[jax.Array, jax.Array] | None = None) -> Static:
-    """`route_topk_triton`'s arguments checked, as the Static its custom_vjp (or `moe_triton`'s) runs with."""
+def router_static(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, backend: str = "triton",
+                  pack: tuple[int, str] | None = None, cast: tuple[jax.Array, jax.Array] | None = None,
+                  tiles: RouterTiles | None = None) -> Static:
+    """`route_topk_triton`'s arguments checked, as the Static its custom_vjp (or the fused MoE core's) runs with."""
     check_router_shapes(x, w_r, bias, k)
     n, h, dh = x.shape
     ne = w_r.shape[2]
     if backend not in ("triton", "emulate"):
         raise ValueError(f"route_topk_triton: backend={backend!r}, expected 'triton' or 'emulate'")
-    if precision is None:
-        precision = "bf16x3" if x.dtype == jnp.bfloat16 else "ieee"
-    weight_parts(precision)  # validates the name
-    if precision.startswith("bf16") and x.dtype != jnp.bfloat16:
-        raise ValueError(f"route_topk_triton: precision {precision!r} needs bf16 x (exact products), got {x.dtype}")
     tiles = tiles or router_tiles(ne, k)
-    check_router_args(n, h, dh, ne, k, tiles)
+    kr.check_router_args(n, h, dh, ne, k, tiles)
     if pack is not None:
         block, method = pack
-        if block < 16 or block & (block - 1) or method not in pk.PACK_METHODS:
+        if block < 16 or block & (block - 1) or method not in packing_triton.PACK_METHODS:
             raise ValueError(f"route_topk_triton: pack={pack!r}, expected (row block: a power of 2 >= 16, "
-                             f"method in {pk.PACK_METHODS})")
-        pack = (int(block), "argsort" if method == "triton" and backend != "triton" else method)  # same arrays
+                             f"method in {packing_triton.PACK_METHODS})")
+        # the Triton packing needs jax-triton; emulated, the JAX sort makes the same arrays
+        pack = (int(block), "argsort" if backend != "triton" else method)
     if cast is not None:
         a, b = cast
         if a.size != b.size or a.dtype != jnp.float32 or b.dtype != jnp.float32 or x.dtype != jnp.bfloat16:
             raise ValueError(f"route_topk_triton: cast wants two fp32 arrays of one size and bf16 x, got "
                              f"{a.shape} {a.dtype}, {b.shape} {b.dtype}, x {x.dtype}")
-    return Static(k, precision, tiles, backend, sort, pack, backend == "triton" and packing_triton.META_KERNELS)
+    return Static(k, tiles, backend, pack)

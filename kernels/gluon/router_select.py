@@ -1,0 +1,325 @@
+"""The selection of the warp-specialised Gluon router forward (`kernels/gluon/router.py`): each consumer thread keeps
+the best KP (k rounded up to a power of 2) of its own experts, and the four threads of a row merge at the end.
+
+"Better" = the larger biased score, the lower expert index among equal ones (the Triton kernel's order): a total
+order on non-NaN scores, so ties go exactly as there and every sorting network gives the same result.
+
+- The scores of a 64-expert block go to a layout where each thread holds 16 consecutive experts of two rows
+  (`_block_leaves`).
+- Sorting networks (`_net_merge`): Batcher's odd-even merge sort of groups of KP of a thread's 16 scores, merges
+  of the groups (the better of a_t and b_{KP-1-t}, then a bitonic merge), then into the running list. No
+  data-dependent control flow, no cross-thread work.
+- From the second block on most scores cannot enter any more, so `select_block` first bounds each row from its
+  four threads' lists and lets each thread insert only its scores above that bound, one per round, in as many
+  rounds as the warp group's most candidates; a block with more than THR of them goes through the networks. The
+  same total order, so the same lists: bitwise the networks' result.
+- `finish_lists`: two butterfly shuffles merge the four threads of a row; `store_topk` writes the row's best K.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def _better(va, ia, vb, ib):
+    """(va, ia) goes before (vb, ib): the larger score, the lower expert index among equal scores."""
+    return (va > vb) | ((va == vb) & (ia < ib))
+
+
+@gluon.constexpr_function
+def _log2(n):
+    return int(n).bit_length() - 1
+
+
+@gluon.jit
+def _cx(v, i, N: gl.constexpr, A: gl.constexpr, B: gl.constexpr):
+    """One compare-exchange of the N-tuples v / i: the better of elements A < B goes to A, the other to B."""
+    s = _better(v[B], i[B], v[A], i[A])
+    nv = ()
+    ni = ()
+    for t in gl.static_range(N):
+        if t == A:
+            nv = nv + (gl.where(s, v[B], v[A]),)
+            ni = ni + (gl.where(s, i[B], i[A]),)
+        elif t == B:
+            nv = nv + (gl.where(s, v[A], v[B]),)
+            ni = ni + (gl.where(s, i[A], i[B]),)
+        else:
+            nv = nv + (v[t],)
+            ni = ni + (i[t],)
+    return nv, ni
+
+
+@gluon.jit
+def _cas_pass(v, i, N: gl.constexpr, JJ: gl.constexpr):
+    """One compare-exchange pass of a bitonic merge over the N-tuples v / i (values, indices): pairs (t, t ^ JJ), the
+    pair's first element gets the better one."""
+    for t in gl.static_range(N):
+        if (t ^ JJ) > t:
+            v, i = _cx(v, i, N, t, t ^ JJ)
+    return v, i
+
+
+@gluon.jit
+def _sort_net(v, i, N: gl.constexpr):
+    """Sort the N-tuples (N = 1, 2, 4 or 8) into the better-first order by Batcher's odd-even merge sort: 1, 5 and 19
+    compare-exchanges at N = 2, 4, 8 (a bitonic network takes 1, 6 and 24: 3-10% slower for the kernel). The order is
+    total (`_better`), so every sorting network gives the same result."""
+    if N >= 2:
+        v, i = _cx(v, i, N, 0, 1)
+    if N >= 4:  # elements 0..3
+        v, i = _cx(v, i, N, 2, 3)
+        v, i = _cx(v, i, N, 0, 2)
+        v, i = _cx(v, i, N, 1, 3)
+        v, i = _cx(v, i, N, 1, 2)
+    if N == 8:  # elements 4..7 as 0..3, then the odd-even merge of the two sorted halves
+        v, i = _cx(v, i, N, 4, 5)
+        v, i = _cx(v, i, N, 6, 7)
+        v, i = _cx(v, i, N, 4, 6)
+        v, i = _cx(v, i, N, 5, 7)
+        v, i = _cx(v, i, N, 5, 6)
+        v, i = _cx(v, i, N, 0, 4)
+        v, i = _cx(v, i, N, 1, 5)
+        v, i = _cx(v, i, N, 2, 6)
+        v, i = _cx(v, i, N, 3, 7)
+        v, i = _cx(v, i, N, 2, 4)
+        v, i = _cx(v, i, N, 3, 5)
+        v, i = _cx(v, i, N, 1, 2)
+        v, i = _cx(v, i, N, 3, 4)
+        v, i = _cx(v, i, N, 5, 6)
+    return v, i
+
+
+@gluon.jit
+def _merge_top(av, ai, bv, bi, KP: gl.constexpr):
+    """The best KP of two better-first lists of KP, better-first: the better of a_t and b_{KP-1-t} (a bitonic
+    sequence holding the top KP), then a bitonic merge."""
+    cv = ()
+    ci = ()
+    for t in gl.static_range(KP):
+        s = _better(av[t], ai[t], bv[KP - 1 - t], bi[KP - 1 - t])
+        cv = cv + (gl.where(s, av[t], bv[KP - 1 - t]),)
+        ci = ci + (gl.where(s, ai[t], bi[KP - 1 - t]),)
+    for lj in gl.static_range(_log2(KP)):
+        cv, ci = _cas_pass(cv, ci, KP, KP >> (lj + 1))
+    return cv, ci
+
+
+@gluon.jit
+def _split_cols(t):
+    """(64, 4, 16) -> the 16 (64, 4) slices t[:, :, j], j = 0..15 (the columns each thread holds)."""
+    a0 = t.reshape([64, 4, 8, 2])
+    e, o = gl.split(a0)  # j = 2m, 2m + 1
+    out = ()
+    for u in gl.static_range(2):
+        x1 = (e if u == 0 else o).reshape([64, 4, 4, 2])
+        e1, o1 = gl.split(x1)  # m = 2m1, 2m1 + 1
+        for u1 in gl.static_range(2):
+            x2 = (e1 if u1 == 0 else o1).reshape([64, 4, 2, 2])
+            e2, o2 = gl.split(x2)
+            for u2 in gl.static_range(2):
+                x3 = (e2 if u2 == 0 else o2)
+                e3, o3 = gl.split(x3)
+                out = out + (e3, o3)
+    # leaf 8 u + 4 u1 + 2 u2 + u3 holds column u + 2 u1 + 4 u2 + 8 u3 (bit-reversed); the index grids go through the
+    # same splits, so values and indices stay paired
+    return out
+
+
+@gluon.jit
+def _block_leaves(sc, e0, h, b_ptr, NE: gl.constexpr):
+    """The biased scores of one 64-expert block and their expert indices, each thread's 16 columns of its rows as 16
+    (64, 4) leaves (bit-reversed column order, `_split_cols`); sc (64, 64) in the wgmma layout."""
+    l16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    cols = e0 + gl.arange(0, 64, layout=gl.SliceLayout(0, l16))
+    bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
+    sb = gl.convert_layout(sc, l16) + bias[None, :]
+    # columns past NE are -inf. NaN scores are left as they are (the module docstring of kernels/gluon/router.py):
+    # mapping them to -inf made the kernel 5-11% slower
+    sb = gl.where((cols < NE)[None, :], sb, float("-inf"))
+    cb = gl.full([64, 64], 0, gl.int32, l16) + cols[None, :]
+    return _split_cols(sb.reshape([64, 4, 16])), _split_cols(cb.reshape([64, 4, 16]))
+
+
+@gluon.jit
+def _net_merge(lv, li, rv, ri, KP: gl.constexpr):
+    """A block's 16 leaves per thread and row into the running best KP by sorting networks: the best KP of each group
+    of KP leaves, then a tree of merges, then into the running list."""
+    lists_v = ()
+    lists_i = ()
+    for g in gl.static_range(16 // KP):
+        gv = ()
+        gi = ()
+        for u in gl.static_range(KP):
+            gv = gv + (lv[g * KP + u],)
+            gi = gi + (li[g * KP + u],)
+        gv, gi = _sort_net(gv, gi, KP)
+        lists_v = lists_v + (gv,)
+        lists_i = lists_i + (gi,)
+    n: gl.constexpr = 16 // KP
+    for lvl in gl.static_range(_log2(16 // KP)):
+        nv = ()
+        ni = ()
+        for g in gl.static_range(n >> (lvl + 1)):
+            mv, mi = _merge_top(lists_v[2 * g], lists_i[2 * g], lists_v[2 * g + 1], lists_i[2 * g + 1], KP)
+            nv = nv + (mv,)
+            ni = ni + (mi,)
+        lists_v = nv
+        lists_i = ni
+    return _merge_top(rv, ri, lists_v[0], lists_i[0], KP)
+
+
+@gluon.constexpr_function
+def _rev4(c):
+    """The leaf of column c (0-15) in `_split_cols`' bit-reversed order (an involution)."""
+    c = int(c)
+    return ((c & 1) << 3) | ((c & 2) << 1) | ((c & 4) >> 1) | ((c & 8) >> 3)
+
+
+@gluon.jit
+def _bfind(x):
+    """The position of the highest set bit of x (int32, elementwise; 0xffffffff where x is 0)."""
+    return gl.inline_asm_elementwise("bfind.u32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _insert_new(rv, ri, v, i, KP: gl.constexpr):
+    """(v, i) into the better-first list rv / ri (its last element dropped), where i is above every index in the
+    list, so v must be strictly larger to go before an element (an element not larger leaves the list as it is)."""
+    nv = ()
+    ni = ()
+    gp = v > rv[0]
+    nv = nv + (gl.where(gp, v, rv[0]),)
+    ni = ni + (gl.where(gp, i, ri[0]),)
+    for t in gl.static_range(1, KP):
+        g = v > rv[t]
+        nv = nv + (gl.where(g, gl.where(gp, rv[t - 1], v), rv[t]),)
+        ni = ni + (gl.where(g, gl.where(gp, ri[t - 1], i), ri[t]),)
+        gp = g
+    return nv, ni
+
+
+@gluon.jit
+def _row_bound(rv, KP: gl.constexpr):
+    """A threshold per row from its four threads' lists rv (lanes 4r .. 4r + 3): KP of the row's scores, all of
+    lower indices than the next block's, are at or above it. The tightest of three bounds that hold: the best of
+    the four threads' KP-th; the second best of their (KP / 2)-th (two threads hold KP / 2 each); the worst of
+    their (KP / 4)-th (each holds KP / 4). A tighter bound lets fewer scores through to the insertions."""
+    if KP < 2:  # lists of one: the best of the four threads' only element
+        thr = rv[KP - 1]
+        thr = gl.maximum(thr, _shfl_bfly(thr, 1))
+        return gl.maximum(thr, _shfl_bfly(thr, 2))
+    a = rv[KP // 2 - 1]
+    a1 = _shfl_bfly(a, 1)
+    hi = gl.maximum(a, a1)
+    lo = gl.minimum(a, a1)
+    half = gl.maximum(gl.minimum(hi, _shfl_bfly(hi, 2)), gl.maximum(lo, _shfl_bfly(lo, 2)))
+    if KP < 4:
+        return half
+    q = rv[KP // 4 - 1]
+    q = gl.minimum(q, _shfl_bfly(q, 1))
+    q = gl.minimum(q, _shfl_bfly(q, 2))
+    return gl.maximum(half, q)
+
+
+@gluon.jit
+def select_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr, THR: gl.constexpr):
+    """One 64-expert block by a threshold and insertions: only scores strictly above the row's threshold
+    (`_row_bound`) can enter, since KP scores of the row, of lower indices, are at or above it. Each thread inserts its
+    candidates one by one, lowest column first, in as many rounds as the most candidates any thread row of the warp
+    group has (one reduction per block). Above THR rounds the block goes through the sorting networks instead (the
+    first blocks, where the lists are still filling, and adversarial orders). Every score of the row's best KP enters
+    its thread's list and stays there, so the rows' final merge (`finish_lists`) gives exactly the networks' result."""
+    lv, li = _block_leaves(sc, e0, h, b_ptr, NE)
+    thr = _row_bound(rv, KP)
+    by_col = ()  # the leaves in column order
+    for c in gl.static_range(16):
+        by_col = by_col + (lv[_rev4(c)],)
+    m = gl.zeros_like(ri[0])
+    cnt = gl.zeros_like(ri[0])
+    for c in gl.static_range(16):
+        ok = by_col[c] > thr
+        m = m | gl.where(ok, 1 << c, 0)
+        cnt = cnt + ok.to(gl.int32)
+    rounds = gl.max(cnt, axis=None)
+    if rounds > THR:
+        rv, ri = _net_merge(lv, li, rv, ri, KP)
+    else:
+        base = li[0]  # leaf 0 holds the thread's first column: e0 + 16 q
+        for _ in range(rounds):
+            low = m & (0 - m)
+            m = m ^ low
+            p = _bfind(low)
+            sel = by_col
+            for lvl in gl.static_range(4):  # a select tree on p's bits
+                bit = ((p >> lvl) & 1) != 0
+                nxt = ()
+                for u in gl.static_range(16 >> (lvl + 1)):
+                    nxt = nxt + (gl.where(bit, sel[2 * u + 1], sel[2 * u]),)
+                sel = nxt
+            v = gl.where(low != 0, sel[0], float("-inf"))
+            rv, ri = _insert_new(rv, ri, v, base + p, KP)
+    return rv, ri
+
+
+@gluon.jit
+def _net_grid():
+    """(row, column) indices of the l16 layout's (64, 64) tile, as the per-thread (64, 4) slices `_split_cols` gives."""
+    l16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    z = gl.full([64, 64], 0, gl.int32, l16)
+    r = z + gl.arange(0, 64, layout=gl.SliceLayout(1, l16))[:, None]
+    c = z + gl.arange(0, 64, layout=gl.SliceLayout(0, l16))[None, :]
+    return _split_cols(r.reshape([64, 4, 16])), _split_cols(c.reshape([64, 4, 16]))
+
+
+@gluon.jit
+def init_lists(NE: gl.constexpr, KP: gl.constexpr):
+    """Empty running lists: KP x (-inf, NE + column) per thread and row (distinct indices: a total order)."""
+    _, c = _net_grid()
+    rv = ()
+    ri = ()
+    for u in gl.static_range(KP):
+        rv = rv + (gl.where(c[u] >= 0, float("-inf"), 0.0),)
+        ri = ri + (c[u] + NE,)
+    return rv, ri
+
+
+@gluon.jit
+def store_topk(rv, ri, row0, h, b_ptr, vals_ptr, idx_ptr, N: gl.constexpr, H: gl.constexpr, NE: gl.constexpr,
+               K: gl.constexpr):
+    """Rows row0 + (0..63): the best K (the same in the row's four threads: the first of them stores)."""
+    r, c = _net_grid()
+    rows = row0 + r[0]
+    mask = (rows < N) & (c[0] < 16)  # c[0] = 16 q: the row's first thread
+    out = (rows.to(gl.int64) * H + h) * K
+    for j in gl.static_range(K):
+        b_sel = gl.load(b_ptr + h * NE + ri[j], mask=mask & (ri[j] < NE), other=0.0)
+        gl.store(vals_ptr + out + j, rv[j] - b_sel, mask=mask)
+        gl.store(idx_ptr + out + j, ri[j], mask=mask)
+
+
+@gluon.jit
+def _shfl_bfly(x, LANES: gl.constexpr):
+    """x (32-bit) of the lane LANES apart (shfl.sync.bfly over the full warp), elementwise."""
+    if LANES == 1:
+        y = gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 1, 0x1f, -1;", "=r,r", [x], dtype=x.dtype,
+                                      is_pure=True, pack=1)
+    else:
+        y = gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 2, 0x1f, -1;", "=r,r", [x], dtype=x.dtype,
+                                      is_pure=True, pack=1)
+    return y
+
+
+@gluon.jit
+def finish_lists(rv, ri, KP: gl.constexpr):
+    """The row's best KP from its four threads' lists (lanes 4r .. 4r + 3 of the l16 layout): two butterfly merges."""
+    for d in gl.static_range(2):
+        pv = ()
+        pi = ()
+        for t in gl.static_range(KP):
+            pv = pv + (_shfl_bfly(rv[t], 1 << d),)
+            pi = pi + (_shfl_bfly(ri[t], 1 << d),)
+        rv, ri = _merge_top(rv, ri, pv, pi, KP)
+    return rv, ri
