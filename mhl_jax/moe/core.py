@@ -18,6 +18,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from mhl_jax.moe.context import ExpertContext
 from mhl_jax.moe.experts import expert_ffn, triton_packing_spec
 from mhl_jax.moe.plan import MAX_TRITON_EXPERT_WIDTH, MAX_TRITON_ROUTER_WIDTH, triton_expert_path
 from mhl_jax.moe.router import route_topk, router_gates
@@ -152,14 +153,15 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
 
 
 class MoEExecutor(Protocol):
-    """Runs `moe_heads` on global arrays. An executor that can take the expert weights already cast (`weights_cast=`
-    in its call) also has `reads_weights_cast(x_dtype, w_dtype, dh) -> bool` (`LocalMoE`, `HeadParallelMoE`); the
-    model asks it before handing them over (`mhl_jax.model.gpt.GPT.expert_weight_casts`). Likewise `grad_acc=` and
-    `accumulates_in_place(x_dtype, w_dtype, dh) -> bool` for the gradient accumulators (`moe_heads`;
-    `GPT.expert_grad_accumulation`)."""
+    """Runs `moe_heads` on global arrays: `LocalMoE` here, the Head / Expert Parallel executors in
+    `mhl_jax.parallel`. ctx: one layer's part of the step context (`mhl_jax.moe.context`), turned into `moe_heads`'
+    weights_cast= / grad_acc=. An executor that can take them also answers, for the code building the context,
+    `reads_weights_cast(x_dtype, w_dtype, dh)` and `accumulates_in_place(x_dtype, w_dtype, dh)`; one without those
+    methods is never given either."""
 
     def __call__(self, x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array,
-                 w1: jax.Array, w2: jax.Array, k: int) -> tuple[jax.Array, jax.Array]: ...
+                 w1: jax.Array, w2: jax.Array, k: int,
+                 ctx: ExpertContext | None = None) -> tuple[jax.Array, jax.Array]: ...
 
 
 class LocalMoE:
@@ -168,9 +170,10 @@ class LocalMoE:
     def __init__(self, impl: str = "reference"):
         self.impl = impl
 
-    def __call__(self, x_route, x_expert, w_r, bias, w1, w2, k, weights_cast=None, grad_acc=None):
-        return moe_heads(x_route, x_expert, w_r, bias, w1, w2, k, self.impl, weights_cast=weights_cast,
-                         grad_acc=grad_acc)
+    def __call__(self, x_route, x_expert, w_r, bias, w1, w2, k, ctx: ExpertContext | None = None):
+        ctx = ctx or ExpertContext()
+        return moe_heads(x_route, x_expert, w_r, bias, w1, w2, k, self.impl, weights_cast=ctx.weights_cast,
+                         grad_acc=ctx.grad_acc)
 
     def reads_weights_cast(self, x_dtype, w_dtype, dh: int) -> bool:
         return reads_weights_cast(self.impl, x_dtype, w_dtype, dh)
