@@ -60,6 +60,8 @@ def apply_balancing(biases: nnx.State, loads: dict[int, jax.Array], gamma: float
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gamma: float,
                     schedule: Callable) -> Callable:
+    """train_step(state, batch) -> (new state, metrics): the gradients of the micro-batches summed in a scan, their
+    mean applied by `tx`, the balancing biases updated from the summed loads."""
     grad_fn = jax.value_and_grad(lambda p, b, t, c: loss_fn(graphdef, p, b, t, c), has_aux=True)
 
     def train_step(state: dict[str, Any], batch: jax.Array):
