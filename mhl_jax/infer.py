@@ -43,7 +43,8 @@ from jax.sharding import PartitionSpec as P
 from mhl_jax.config import Config, ConfigError, load_config
 from mhl_jax.data import DataError, load_val_sequences
 from mhl_jax.data.tokenizers import get_tokenizer
-from mhl_jax.model.gpt import head_logits
+from mhl_jax.model.context import build_step_context
+from mhl_jax.model.loss import head_logits
 from mhl_jax.parallel.mesh import batch_spec, make_mesh
 from mhl_jax.runtime.autotune import autotune_file
 from mhl_jax.train.checkpoint import Checkpointer, CheckpointError
@@ -188,8 +189,9 @@ def _prefill_logits(graphdef, params, biases, tokens, last):
 
 
 def _weight_casts(graphdef, params, biases):
-    """The expert weights in the compute dtype where the MoE layers read them cast (`GPT.expert_weight_casts`)."""
-    return nnx.merge(graphdef, params, biases).expert_weight_casts()
+    """A step context holding the expert weights in the compute dtype where the MoE layers read them cast, made once
+    for all the decoding steps (`build_step_context`)."""
+    return build_step_context(nnx.merge(graphdef, params, biases))
 
 
 def _decode_logits(graphdef, params, biases, casts, caches, tokens, pos):

@@ -95,6 +95,7 @@ def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pa
     kernel's default) as the JAX binding does
     (mhl_jax.moe.gpu.gluon) and read ptxas' report (registers: the kernel's launch limit, maxnreg)."""
     import kernels.gluon.experts as ge
+
     from mhl_jax.moe.gpu.gluon import compile_gluon
 
     if kind == "fwd_ws":

@@ -32,8 +32,6 @@ def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
     routing (`kernel_tiles.input_set`) at the layer's shapes, twice each; gluon: also the Gluon kernels (the
     expert forward, dW and fused backward where they take the shape, and the Gluon router forward)."""
     import torch
-
-    from bench.tools.kernel_tiles import expert_weights, input_set, launch
     from kernels.gluon.experts import (
         bwd_ws_supported,
         gluon_experts_bwd_ws,
@@ -41,6 +39,8 @@ def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
         gluon_experts_fwd_ws,
         ws_supported,
     )
+
+    from bench.tools.kernel_tiles import expert_weights, input_set, launch
     from kernels.gluon.router import gluon_router_fwd_ws, ws_router_supported
     from kernels.torch.router import router_fwd, split_bf16
     from kernels.triton.experts import default_config

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kernels.gluon.experts import _wgmma_layout
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -31,7 +32,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from bench.common import JsonLines, today
-from kernels.gluon.experts import _wgmma_layout
 
 
 @gluon.jit

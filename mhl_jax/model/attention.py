@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -34,9 +35,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 # The Pallas (Triton) flash attention's kernel settings, `attention_impl: pallas`: forward q / kv tiles, backward q / kv
-# tiles of its dK-dV and dQ passes, warps (both passes) and the forward's pipeline stages. Chosen by the sweep in
-# bench/attention.py (H100, 8 x 2048 tokens x 8 heads x 128; bench/NOTES.md, Determinism, Session 23): fwd+bwd 0.96 ms
-# against 1.05 at the earlier (128, 128) forward tiles with 8 warps. Its backward makes dK / dV per kv block and dQ per
+# tiles of its dK-dV and dQ passes, warps (both passes) and the forward's pipeline stages. Chosen by the sweep of
+# bench/attention.py (H100, 8 x 2048 tokens x 8 heads x 128): fwd+bwd 0.96 ms against 1.05 at (128, 128) forward tiles
+# with 8 warps. Its backward makes dK / dV per kv block and dQ per
 # q block in separate passes, so no float atomics: bitwise repeatable, where cuDNN's flash attention backward is not at
 # 2048 tokens.
 PALLAS_CONFIG = dict(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=32,
@@ -49,10 +50,8 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool |
     `config` (None: PALLAS_CONFIG) (interpret: the Pallas interpreter; None: where there is no GPU, i.e. in the CPU
     tests). A T that is not a multiple of every tile is zero-padded at the end to one, and the output cut back:
     under the causal mask no real query sees a padded key, and the padded queries' outputs (cut) get no gradient, so
-    the result is the unpadded attention's. Tiles capped at a short T instead (the earlier way) gave wrong outputs on
-    an H100 at T = 4 (Triton's dot needs tiles of at least 16; session 42), and T = 100 was refused."""
-    from jax.experimental.pallas.ops.gpu import attention as pallas_mha
-
+    the result is the unpadded attention's (tiles capped at a short T instead gave wrong outputs on an H100 at T = 4:
+    Triton's dot needs tiles of at least 16)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     cfg = dict(PALLAS_CONFIG if config is None else config)

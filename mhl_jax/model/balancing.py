@@ -1,4 +1,4 @@
-"""Aux-loss-free global load balancing (DeepSeek-V3 style; paper §2.2, DESIGN §2).
+"""Aux-loss-free global load balancing (DeepSeek-V3 style; paper §2.2).
 
 After each optimizer step, with load[e] the fraction of all routed slots of the global batch
 (all data-parallel ranks, all micro-batches) that chose expert e, per layer and per head:

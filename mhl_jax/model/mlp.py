@@ -19,5 +19,7 @@ class MLP(nnx.Module):
         self.w1 = normal_param(rngs, (d, hidden), std)
         self.w2 = normal_param(rngs, (hidden, d), out_std)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, ctx=None) -> tuple[jax.Array, None]:
+        """x: (..., d) compute dtype -> (..., d), no expert load. ctx: the step context, which concerns only expert
+        layers (taken so that every FFN has one call)."""
         return mlp(x, self.w1[...], self.w2[...]), None

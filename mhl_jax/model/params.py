@@ -9,7 +9,9 @@ import jax
 from flax import nnx
 
 from mhl_jax.config import Config
+from mhl_jax.model.gpt import build_model
 from mhl_jax.model.moe import ExpertBank
+from mhl_jax.moe.core import LocalMoE
 
 
 class ParamCount(NamedTuple):
@@ -19,9 +21,7 @@ class ParamCount(NamedTuple):
 
 
 def count_params(cfg: Config) -> ParamCount:
-    from mhl_jax.model.gpt import build_model
-    from mhl_jax.moe.core import LocalMoE
-
+    """The model's parameter counts, from its shapes alone."""
     abstract = nnx.eval_shape(lambda: build_model(cfg, executor=LocalMoE("reference")))
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     inactive = 0

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from mhl_jax.moe import plan
+from mhl_jax.moe.context import ExpertContext
 from mhl_jax.moe.experts import REFERENCE_BLOCK, expert_ffn_reference
 from mhl_jax.moe.plan import MAX_TRITON_ROUTER_WIDTH, fused_core, router_casts_weights, triton_expert_path
 from mhl_jax.moe.router import check_router_shapes, route_topk_reference, router_gates
@@ -170,14 +171,15 @@ def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2
 
 
 class MoEExecutor(Protocol):
-    """Runs `moe_heads` on global arrays. An executor that can take the expert weights already cast (`weights_cast=`
-    in its call) also has `reads_weights_cast(x_dtype, w_dtype, dh) -> bool` (`LocalMoE`, `HeadParallelMoE`); the
-    model asks it before handing them over (`mhl_jax.model.gpt.GPT.expert_weight_casts`). Likewise `grad_acc=` and
-    `accumulates_in_place(x_dtype, w_dtype, dh) -> bool` for the gradient accumulators (`moe_heads`;
-    `GPT.expert_grad_accumulation`)."""
+    """Runs `moe_heads` on global arrays: `LocalMoE` here, the Head / Expert Parallel executors in
+    `mhl_jax.parallel`. ctx: one layer's part of the step context (`mhl_jax.moe.context`), turned into `moe_heads`'
+    weights_cast= / grad_acc=. An executor that can take them also answers, for the code building the context,
+    `reads_weights_cast(x_dtype, w_dtype, dh)` and `accumulates_in_place(x_dtype, w_dtype, dh)`; one without those
+    methods is never given either."""
 
     def __call__(self, x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array,
-                 w1: jax.Array, w2: jax.Array, k: int) -> tuple[jax.Array, jax.Array]: ...
+                 w1: jax.Array, w2: jax.Array, k: int,
+                 ctx: ExpertContext | None = None) -> tuple[jax.Array, jax.Array]: ...
 
 
 class LocalMoE:
@@ -186,9 +188,10 @@ class LocalMoE:
     def __init__(self, impl: str = "reference"):
         self.impl = impl
 
-    def __call__(self, x_route, x_expert, w_r, bias, w1, w2, k, weights_cast=None, grad_acc=None):
-        return moe_heads(x_route, x_expert, w_r, bias, w1, w2, k, self.impl, weights_cast=weights_cast,
-                         grad_acc=grad_acc)
+    def __call__(self, x_route, x_expert, w_r, bias, w1, w2, k, ctx: ExpertContext | None = None):
+        ctx = ctx or ExpertContext()
+        return moe_heads(x_route, x_expert, w_r, bias, w1, w2, k, self.impl, weights_cast=ctx.weights_cast,
+                         grad_acc=ctx.grad_acc)
 
     def reads_weights_cast(self, x_dtype, w_dtype, dh: int) -> bool:
         return reads_weights_cast(self.impl, x_dtype, w_dtype, dh)

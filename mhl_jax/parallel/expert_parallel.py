@@ -34,6 +34,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from mhl_jax.moe.context import ExpertContext
 from mhl_jax.moe.core import expert_ffn, route_topk
 from mhl_jax.moe.router import router_gates
 
@@ -77,8 +78,8 @@ def ep_crosses_processes(mesh: Mesh | None) -> bool:
 def resolve_ep_impl(ep_impl: str, mesh: Mesh | None = None) -> str:
     """'auto' -> 'ragged' on GPU (ragged_all_to_all), 'padded' elsewhere (XLA:CPU lacks it) and where an ep group
     spans processes: there XLA's ragged exchange falls back to NCCL send / recv, and the MoE 2.2B step at ep 2, one
-    process per H200, ran at 135k tokens/s ragged against 202k padded (one process of both: 263k ragged, 199k padded;
-    bench/NOTES.md, Several processes)."""
+    process per H200, ran at 135k tokens/s ragged against 202k padded (one process of both: 263k ragged, 199k
+    padded)."""
     if ep_impl not in EP_IMPLS:
         raise ValueError(f"parallel.ep_impl={ep_impl!r}: expected one of {list(EP_IMPLS)}")
     if ep_impl == "auto":
@@ -292,7 +293,7 @@ def ep_moe_local(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: 
 class ExpertParallelMoE:
     """MoE executor for MoE / LatentMoE on a ('data', 'ep') mesh.
 
-    Called on global arrays (the executor protocol of `moe_core.py`): x_route (N, H, dr),
+    Called on global arrays (`mhl_jax.moe.core.MoEExecutor`): x_route (N, H, dr),
     x_expert (N, H, c) with N split over every device; w_r (H, dr, Ne) and bias (H, Ne) split over
     `ep` on the expert axis; w1 (H, Ne, c, de), w2 (H, Ne, de, c) split over `ep` on dim 1.
     Returns y (N, H, c) split like the tokens and the global load (H, Ne) int32 split over `ep`.
@@ -311,7 +312,12 @@ class ExpertParallelMoE:
         return self.mesh.shape["ep"]
 
     def __call__(self, x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array,
-                 w1: jax.Array, w2: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+                 w1: jax.Array, w2: jax.Array, k: int,
+                 ctx: ExpertContext | None = None) -> tuple[jax.Array, jax.Array]:
+        """ctx: must hold nothing: without `reads_weights_cast` / `accumulates_in_place` this executor is given
+        neither (its experts cast their own weights inside shard_map)."""
+        if ctx is not None and (ctx.weights_cast is not None or ctx.grad_acc is not None):
+            raise ValueError("ExpertParallelMoE: takes neither weights_cast nor grad_acc from a step context")
         n = x_expert.shape[0]
         ne = w1.shape[1]
         if ne % self.ep:

@@ -32,6 +32,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from mhl_jax.moe.context import ExpertContext
 from mhl_jax.moe.core import accumulates_in_place, moe_heads, reads_weights_cast
 
 
@@ -63,7 +64,7 @@ def grouped_to_local_tokens(y: jax.Array, axis: str = "hp") -> jax.Array:
 class HeadParallelMoE:
     """MoE executor for MH-LatentMoE on a ('data', 'hp') mesh.
 
-    Called on global arrays (the executor protocol of `moe_core.py`):
+    Called on global arrays (`mhl_jax.moe.core.MoEExecutor`):
     x_route (N, Nh, dr), x_expert (N, Nh, dh) with N split over every device; w_r (Nh, dr, Ne),
     bias (Nh, Ne), w1 (Nh, Ne, dh, de), w2 (Nh, Ne, de, dh) split over `hp` by head.
     Returns y (N, Nh, dh) split like the tokens, and the global load (Nh, Ne) int32 split over `hp`.
@@ -96,13 +97,13 @@ class HeadParallelMoE:
         return self.mesh.shape["data"] == 1 and accumulates_in_place(self.impl, x_dtype, w_dtype, dh)
 
     def __call__(self, x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array,
-                 w1: jax.Array, w2: jax.Array, k: int, weights_cast=None,
-                 grad_acc=None) -> tuple[jax.Array, jax.Array]:
+                 w1: jax.Array, w2: jax.Array, k: int,
+                 ctx: ExpertContext | None = None) -> tuple[jax.Array, jax.Array]:
         """Token-major x (N, Nh, c) -> y (N, Nh, dh), or head-group-major x (hp, N, Nh / hp, c) -> y
-        (hp, N, Nh / hp, dh); both with the global load (Nh, Ne). weights_cast: (w1, w2) already in the
-        activations' dtype (`moe_core.moe_heads`), split over `hp` like w1 and w2; grad_acc: `moe_heads`' gradient
-        accumulators, likewise (only on a mesh without data parallelism: `accumulates_in_place`)."""
-        if grad_acc is not None and self.mesh.shape["data"] != 1:
+        (hp, N, Nh / hp, dh); both with the global load (Nh, Ne). ctx: the step context's weight casts and gradient
+        sums, split over `hp` like w1 and w2 (sums only on a mesh without data parallelism: `accumulates_in_place`)."""
+        ctx = ctx or ExpertContext()
+        if ctx.grad_acc is not None and self.mesh.shape["data"] != 1:
             raise ValueError(f"HeadParallelMoE: grad_acc= needs a mesh without data parallelism, got "
                              f"{dict(self.mesh.shape)}")
         grouped = x_expert.ndim == 4
@@ -126,10 +127,10 @@ class HeadParallelMoE:
         send, back = (grouped_to_local_heads, grouped_to_local_tokens) if grouped else (to_local_heads,
                                                                                        to_local_tokens)
 
-        wc = () if weights_cast is None else tuple(weights_cast)
-        acc = () if grad_acc is None else tuple(grad_acc)
+        wc = () if ctx.weights_cast is None else tuple(ctx.weights_cast)
+        acc = () if ctx.grad_acc is None else tuple(ctx.grad_acc)
 
-        def local(xr, xe, w_r, bias, w1, w2, *extra):
+        def local(xr, xe, w_r, bias, w1, w2, *extra):  # extra: this device's heads of the casts, then of the sums
             xe_h = send(xe)
             xr_h = xe_h if shared else send(xr)
             y, load = moe_heads(xr_h, xe_h, w_r, bias, w1, w2, k, impl, weights_cast=extra[:len(wc)] or None,

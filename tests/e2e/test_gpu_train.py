@@ -39,18 +39,19 @@ def test_train_steps_bitwise_repeatable_on_one_gpu(kernels, attention, dtype):
 
 
 @pytest.mark.gpu
-def test_expert_weight_casts_once_per_step_bitwise_on_one_gpu(monkeypatch):
-    """The Triton MH-LatentMoE step (bf16, fp32 masters) with the expert weights cast once per step
-    (train.step.CAST_EXPERT_WEIGHTS_ONCE) gives bitwise the losses and gradient norms of the step that casts them in
-    every micro-batch."""
+def test_step_context_bitwise_on_one_gpu(monkeypatch):
+    """The Triton MH-LatentMoE step (bf16, fp32 masters) with its step context (the expert weights cast once per step,
+    the gradients of the expert weights summed in place) gives bitwise the losses and gradient norms of the step
+    without one, which casts them in every micro-batch and adds the gradients in XLA."""
     import mhl_jax.train.step as step_mod
     from bench.determinism import ACCUM, BATCH, SEQ, small_config, train_losses
+    from mhl_jax.moe.context import StepContext
 
     batches = np.random.default_rng(2).integers(0, 512, (3, ACCUM, BATCH, SEQ + 1), dtype=np.int32)
     cfg = small_config("mh_latent_moe", 1, kernels="triton", attention="cudnn", dtype="bfloat16")
     runs = []
-    for once in (True, False):
-        monkeypatch.setattr(step_mod, "CAST_EXPERT_WEIGHTS_ONCE", once)
+    for build in (step_mod.build_step_context, lambda model, accumulate=False: StepContext()):
+        monkeypatch.setattr(step_mod, "build_step_context", build)
         norms = []
         runs.append((train_losses(cfg, jax.devices()[:1], batches, grad_norms=norms)[0], norms))
     assert runs[0] == runs[1], runs

@@ -20,7 +20,9 @@ import mhl_jax.moe.gpu.grouped as experts_grouped
 import mhl_jax.moe.gpu.router as router_triton
 from mhl_jax.config import load_config
 from mhl_jax.model.balancing import RouterBias
+from mhl_jax.model.context import build_step_context, expert_weight_leaf
 from mhl_jax.model.gpt import build_model
+from mhl_jax.moe.context import ExpertContext, StepContext
 from mhl_jax.moe.core import LocalMoE
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import make_mesh
@@ -174,17 +176,28 @@ def _weight_adds_in(body, shapes) -> int:
                and e.outvars[0].aval.dtype == jnp.float32 for e in body.eqns)
 
 
+def _partial_context(part: str):
+    """`build_step_context` keeping only its casts ("casts"), only its in-place layers ("sums") or nothing ("none"):
+    the step then passes the model no context at all, as a plain call."""
+    def build(model, accumulate=False):
+        ctx = build_step_context(model, accumulate)
+        if part == "none":
+            return StepContext()
+        return StepContext(casts=ctx.casts) if part == "casts" else StepContext(accumulating=ctx.accumulating)
+
+    return build
+
+
 @pytest.mark.parametrize("kind, devices", [("mh_latent_moe", 1), ("mh_latent_moe", 2), ("mh_latent_moe", 4),
                                            ("moe", 1)])
 def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch, kind, devices):
     """bf16 compute, fp32 masters, the fused Triton core (emulated), on one device, under Head Parallel (hp 2, data 1)
     and hp 2 x data 2; and MoE with experts wider than the fused kernels take (the grouped kernels) on one device.
-    `train.step.CAST_EXPERT_WEIGHTS_ONCE`: the step casts the expert weights before its micro-batch loop (the loop body
-    then holds no cast of an expert weight; with the switch off it does).
-    `ACCUMULATE_EXPERT_GRADS_IN_PLACE`: the loop hands the expert weights' running gradient sums to the MoE op, whose
-    backward returns sum + gradient (the loop body then holds no add of an expert weight's shape; off, or with data
-    parallelism, where shard_map would sum the accumulators over `data`, it does). Every combination gives bitwise
-    the new state and metrics of the step with both off."""
+    The step context (`build_step_context`) casts the expert weights before the micro-batch loop (the loop body then
+    holds no cast of an expert weight; without the context it does), and hands the expert weights' running gradient
+    sums to the MoE op, whose backward returns sum + gradient (the loop body then holds no add of an expert weight's
+    shape; without it, or with data parallelism, where shard_map would sum the accumulators over `data`, it does).
+    Every part of the context gives bitwise the new state and metrics of the step without one."""
     from jax.sharding import NamedSharding
 
     import mhl_jax.train.step as step_mod
@@ -203,17 +216,17 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
     tx = make_optimizer(cfg)
     state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0)}
     batch = jnp.stack([tokens(cfg, 4), tokens(cfg, 4)[::-1]])  # 2 micro-batches
-    weights = [w for path, w in jax.tree_util.tree_leaves_with_path(params) if step_mod.expert_weight_leaf(path)]
+    weights = [w for path, w in jax.tree_util.tree_leaves_with_path(params) if expert_weight_leaf(path)]
     assert len(weights) == 2
     # whole or one hp shard's heads, and (H * Ne, ...) as the ops reshape them
     shapes = {s for w in weights for h in (w.shape[0], w.shape[0] // 2) for s in ((h, *w.shape[1:]),
                                                                                 (h * w.shape[1], *w.shape[2:]))}
     in_place_possible = devices < 4
-    variants = [(False, False), (True, True)] + ([(True, False), (False, True)] if devices == 1 else [])
+    parts = ["none", "all"] + (["casts", "sums"] if devices == 1 else [])
     outs = []
-    for once, in_place in variants:
-        monkeypatch.setattr(step_mod, "CAST_EXPERT_WEIGHTS_ONCE", once)
-        monkeypatch.setattr(step_mod, "ACCUMULATE_EXPERT_GRADS_IN_PLACE", in_place)
+    for part in parts:
+        monkeypatch.setattr(step_mod, "build_step_context",
+                            build_step_context if part == "all" else _partial_context(part))
         sched = make_schedule(cfg.optimizer, cfg.schedule)
         if mesh is None:
             fn, args = jax.jit(step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, sched)), (state, batch)
@@ -224,12 +237,13 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
         jaxpr = jax.make_jaxpr(step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, sched))(state, batch).jaxpr
         bodies = list(_scan_bodies(jaxpr))
         assert len(bodies) == 1
+        once, in_place = part in ("all", "casts"), part in ("all", "sums")
         casts_in_loop = _weight_casts_in(bodies[0], shapes)
-        assert (casts_in_loop == 0) if once else (casts_in_loop >= 2), (once, casts_in_loop)
+        assert (casts_in_loop == 0) if once else (casts_in_loop >= 2), (part, casts_in_loop)
         if once:
             assert _weight_casts_in(jaxpr, shapes) >= 2  # w1 and w2 of the MoE layer, outside the loop
         adds = _weight_adds_in(bodies[0], {w.shape for w in weights})
-        assert adds == (0 if in_place and in_place_possible else 2), (in_place, adds)
+        assert adds == (0 if in_place and in_place_possible else 2), (part, adds)
         outs.append(jax.device_get(fn(*args)))
     for out in outs[1:]:
         for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(out)):
@@ -287,15 +301,14 @@ def test_gpu_expert_backward_adds_into_the_accumulators(de, kernel):
     to its outputs) are bitwise acc + the gradients without; x's and W_r's unchanged."""
     from dataclasses import replace
 
-    from mhl_jax.moe.gpu import experts as ext
+    from mhl_jax.moe import plan
     from mhl_jax.moe.gpu import fused as moe_triton
 
     n, h, dh, ne, k = 8192, 2, 128, 16, 4
-    cfg = ext.resolve_config(n * h * k, h * ne, dh, de, None)
+    cfg = plan.experts_config(n * h * k, h * ne, dh, de, None)
     cfg = replace(cfg, bwd_ws=kernel != "dw_ws", bwd_xw=kernel == "bwd_xw", dw_ws=True)
-    use = ext.use_bwd_gluon(cfg, jnp.bfloat16, dh, de) if kernel != "dw_ws" else ext.use_dw_gluon(cfg, jnp.bfloat16,
-                                                                                                   dh, de)
-    assert use, (kernel, cfg)
+    want = {"bwd_ws": "gluon-ws", "bwd_xw": "gluon-ws-xw", "dw_ws": "triton-split-gluon-dw"}[kernel]
+    assert plan.expert_bwd_kernel(cfg, jnp.bfloat16, dh, de, "triton") == want, (kernel, cfg)
     args, acc = _moe_args(4, n, h, dh, ne, de, 0.1)
 
     def run(x, w_r, w1, w2, grad_acc):
@@ -307,6 +320,7 @@ def test_gpu_expert_backward_adds_into_the_accumulators(de, kernel):
 def test_weights_cast_and_grad_acc_errors(emulated):
     """Clear errors where the expert weights' copies or the running sums cannot be taken."""
     from mhl_jax.moe.core import moe_heads
+    from mhl_jax.parallel.expert_parallel import ExpertParallelMoE
     from mhl_jax.parallel.head_parallel import HeadParallelMoE
 
     (x, w_r, w1, w2), acc = _moe_args(5, 16, 2, 16, 8, 32, 0.2)
@@ -324,5 +338,8 @@ def test_weights_cast_and_grad_acc_errors(emulated):
     mesh = make_mesh(small("mh_latent_moe", "ffn.latent_dim=64", "ffn.head_dim=16", "parallel.hp=2",
                            "parallel.devices=4"))
     with pytest.raises(ValueError, match="grad_acc= needs a mesh without data parallelism"):
-        HeadParallelMoE(mesh, "triton")(x, x, w_r, bias, w1, w2, 2, grad_acc=acc)
+        HeadParallelMoE(mesh, "triton")(x, x, w_r, bias, w1, w2, 2, ctx=ExpertContext(grad_acc=acc))
     assert not HeadParallelMoE(mesh, "triton").accumulates_in_place(jnp.bfloat16, jnp.float32, 16)
+    ep_mesh = make_mesh(small("moe", "parallel.ep=2", "parallel.devices=2"))
+    with pytest.raises(ValueError, match="ExpertParallelMoE: takes neither"):
+        ExpertParallelMoE(ep_mesh, "triton")(x, x, w_r, bias, w1, w2, 2, ctx=ExpertContext(weights_cast=casts))

@@ -1,7 +1,7 @@
 """The Pallas flash attention (`model.attention_impl: pallas`, the GPU default) against XLA's attention: outputs and
 gradients, alone and in the model under a device mesh (shard_map over the batch), on CPU through the Pallas
 interpreter. Its run-to-run repeatability on the GPU is measured by bench/attention.py and bench/train_scale.py
---repeat (bench/NOTES.md)."""
+--repeat."""
 
 import jax
 import jax.numpy as jnp

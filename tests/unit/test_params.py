@@ -1,9 +1,22 @@
-"""Parameter counts of the paper's configs against its 'active - total' column (Table 1)."""
+"""Parameter counts of the paper's configs against its 'active - total' column (Table 1); the LM head and its loss
+(`mhl_jax.model.loss`) against the whole-logits cross-entropy."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from mhl_jax.config import load_config
+from mhl_jax.model.gpt import build_model
+from mhl_jax.model.loss import LOSS_CHUNK_TOKENS, head_logits, head_loss, lm_head_loss, loss_chunk_len
 from mhl_jax.model.params import count_params
+
+
+def cross_entropy(logits, targets):
+    """The reference: mean NLL of fp32 logits (B, T, V) over int targets (B, T), the whole logits at once."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.mean(lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0])
 
 
 @pytest.mark.parametrize("name, total", [
@@ -37,12 +50,6 @@ def test_head_logits_backward_runs_in_the_compute_dtype():
     """The LM head's custom VJP: in fp32 exactly plain autodiff's gradients (the same dot_generals); in bf16 the
     backward matmuls take bf16 operands (plain autodiff multiplies the fp32 cotangent with bf16 operands: fp32 GEMMs
     on the GPU), the gradients within bf16 rounding of the fp32 ones, and the logits exactly the plain einsum's."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from mhl_jax.model.gpt import head_logits
-
     k = jax.random.split(jax.random.key(0), 3)
     x, w, t = (jax.random.normal(k[0], (2, 5, 32)), jax.random.normal(k[1], (32, 48)),
                jax.random.normal(k[2], (2, 5, 48)))
@@ -70,12 +77,6 @@ def test_head_loss_chunks_match_the_whole_logits_loss():
     `cross_entropy` of `head_logits`' whole logits: in fp32 the same loss and gradients to fp32 rounding at every chunk
     length (1 .. T); in bf16 the same loss to fp32 rounding (the logits are the same products) and gradients within
     bf16 rounding; a cotangent other than 1 scales both gradients."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from mhl_jax.model.gpt import cross_entropy, head_logits, head_loss
-
     k = jax.random.split(jax.random.key(1), 3)
     b, t, d, v = 3, 12, 32, 50
     x, w = jax.random.normal(k[0], (b, t, d)), 0.3 * jax.random.normal(k[1], (d, v))
@@ -109,11 +110,6 @@ def test_head_loss_keeps_no_logits_for_the_backward():
     """What the differentiated chunked loss keeps for its backward is dx (B, T, d) in the compute dtype and dW (d, V)
     in fp32, no array of B x T x V elements (the whole-logits form keeps its fp32 logits); its compiled temporaries
     stay below the whole form's by more than the fp32 logits (here ~7 vs 82 MiB on the CPU)."""
-    import jax
-    import jax.numpy as jnp
-
-    from mhl_jax.model.gpt import cross_entropy, head_logits, head_loss
-
     b, t, d, v = 4, 256, 64, 8192
     args = (jnp.ones((b, t, d), jnp.bfloat16), jnp.ones((d, v), jnp.bfloat16), jnp.zeros((b, t), jnp.int32))
     chunked = lambda x, w, tg: head_loss(x, w, tg, 8)  # noqa: E731
@@ -131,38 +127,31 @@ def test_head_loss_keeps_no_logits_for_the_backward():
     assert temp(chunked) < temp(plain) - b * t * v * 4, (temp(chunked), temp(plain))
 
 
-def test_loss_chunk_len_and_the_model_loss_forms():
-    """`loss_chunk_len`: the largest divisor of T with B x length <= the chunk's tokens (at least 1). `GPT.loss` with
-    HEAD_LOSS_CHUNK = 0 is `cross_entropy` of the model's logits exactly, and the chunked form agrees with it, loss and
-    every parameter's gradient."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    from mhl_jax.config import load_config
-    from mhl_jax.model import gpt
-
-    assert [gpt.loss_chunk_len(*a) for a in [(8, 2048, 4096), (16, 2048, 4096), (3, 7, 4096), (5, 2048, 4096),
-                                             (64, 2048, 16), (2, 12, 8)]] == [512, 256, 7, 512, 1, 4]
-    cfg = load_config("configs/tiny_mh_latent_moe.yaml", ["model.n_layers=3", "model.context=16"])
-    model = gpt.build_model(cfg)
+def test_loss_chunk_len_and_the_model_loss():
+    """`loss_chunk_len`: the largest divisor of T with B x length <= the chunk's tokens (at least 1). `GPT.loss` (one
+    chunk here) and the loss in chunks of 4 positions (`lm_head_loss` over `GPT.hidden`) agree with `cross_entropy`
+    of the model's logits, loss and every parameter's gradient."""
+    assert [loss_chunk_len(*a) for a in [(8, 2048, 4096), (16, 2048, 4096), (3, 7, 4096), (5, 2048, 4096),
+                                         (64, 2048, 16), (2, 12, 8)]] == [512, 256, 7, 512, 1, 4]
+    assert LOSS_CHUNK_TOKENS == 4096
+    cfg = load_config("configs/tiny_mh_latent_moe.yaml", ["model.n_layers=2", "model.context=16"])
+    graphdef, state = nnx.split(build_model(cfg))
     tok = jax.random.randint(jax.random.key(0), (2, 17), 0, cfg.model.vocab_size)
-    ref = float(gpt.cross_entropy(model(tok[:, :-1])[0], tok[:, 1:]))
-    graphdef, state = nnx.split(model)
 
-    def loss_grads(chunk):
-        gpt.HEAD_LOSS_CHUNK = chunk
-        return jax.value_and_grad(lambda s: nnx.merge(graphdef, s).loss(tok[:, :-1], tok[:, 1:])[0])(state)
+    def whole(m):
+        return cross_entropy(m(tok[:, :-1])[0], tok[:, 1:])
 
-    old = gpt.HEAD_LOSS_CHUNK
-    try:
-        gpt.HEAD_LOSS_CHUNK = 0
-        assert float(model.loss(tok[:, :-1], tok[:, 1:])[0]) == ref
-        with jax.default_matmul_precision("highest"):  # fp32 products on a GPU too (TF32 differs by ~1e-4 there)
-            (v0, g0), (v1, g1) = loss_grads(0), loss_grads(8)  # chunks of 4 positions
-    finally:
-        gpt.HEAD_LOSS_CHUNK = old
-    np.testing.assert_allclose(float(v1), ref, rtol=1e-6)
-    np.testing.assert_allclose(float(v0), ref, rtol=1e-6)
-    for a, r in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):  # every parameter's gradient through the model
-        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-5 * float(np.abs(r).max()))
+    def chunked(m):
+        return lm_head_loss(m.hidden(tok[:, :-1])[0], m.head[...].astype(m.dtype), tok[:, 1:], chunk_tokens=8)
+
+    def model_loss(m):
+        return m.loss(tok[:, :-1], tok[:, 1:])[0]
+
+    with jax.default_matmul_precision("highest"):  # fp32 products on a GPU too (TF32 differs by ~1e-4 there)
+        (v0, g0), (v1, g1), (v2, g2) = (jax.jit(jax.value_and_grad(lambda s, f=f: f(nnx.merge(graphdef, s))))(state)
+                                        for f in (whole, chunked, model_loss))
+    for v in (v1, v2):
+        np.testing.assert_allclose(float(v), float(v0), rtol=1e-6)
+    for g in (g1, g2):  # every parameter's gradient through the model
+        for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-5 * float(np.abs(r).max()))
