@@ -31,8 +31,12 @@ assignment out of them), and the cache is left on.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from mhl_jax.config import ConfigError
 
@@ -110,15 +114,9 @@ def persistent_cache_off_reason(setting: str, backend: str, process_count: int, 
 def guard_persistent_cache(setting: str) -> str | None:
     """Turn JAX's persistent compilation cache off for this process when `persistent_cache_off_reason` says so (after
     jax.distributed is initialized; it holds even if something was compiled before); returns the reason."""
-    import os
-
-    import jax
-
     cache_dir = getattr(jax.config, "jax_compilation_cache_dir", None) or os.environ.get("JAX_COMPILATION_CACHE_DIR")
     reason = persistent_cache_off_reason(setting, jax.default_backend(), jax.process_count(), cache_dir)
     if reason is not None:
-        from jax.experimental.compilation_cache import compilation_cache
-
         jax.config.update("jax_enable_compilation_cache", False)
         compilation_cache.reset_cache()  # JAX decides whether to use it once, at the first compile
     return reason

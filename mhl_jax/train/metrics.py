@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax
 
+from mhl_jax.config import ConfigError
+
 # Dense bf16 tensor-core peak (datasheet, FLOP/s per device), for MFU. Override: logging.peak_tflops.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
@@ -130,8 +132,6 @@ def tensorboard_tag(key: str) -> str:
 
 def require_tensorboard():
     """The tensorboardX module, or a ConfigError saying how to get it (checked before a run writes anything)."""
-    from mhl_jax.config import ConfigError
-
     try:
         import tensorboardX
     except ImportError as e:
