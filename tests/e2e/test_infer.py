@@ -19,10 +19,10 @@ from flax import nnx
 from mhl_jax import infer as infer_mod
 from mhl_jax.config import ConfigError, load_config
 from mhl_jax.infer import evaluate_run, generate, load_run, main, next_logits, sample_logits
-from mhl_jax.train.checkpoint import Checkpointer
-from mhl_jax.train.loop import model_fingerprint, train
+from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
+from mhl_jax.runtime.state import state_creator
+from mhl_jax.train.loop import train
 from mhl_jax.train.optimizer import make_optimizer
-from mhl_jax.train.state import state_creator
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 32

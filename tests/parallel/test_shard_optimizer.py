@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from mhl_jax.config import load_config
 from mhl_jax.parallel.mesh import make_mesh, spread_over_copies
+from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.optimizer import make_optimizer
-from mhl_jax.train.state import state_creator
 from tests.e2e.test_resume import ROOT, final_params, losses
 from tests.parallel.test_multiprocess import Machine, _gpus, _two_processes_train_as_one
 
