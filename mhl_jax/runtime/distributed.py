@@ -95,8 +95,8 @@ def initialize(launch: Launch, timeout_s: int = 300) -> None:
     if launch.num_processes == 1 and not launch.auto:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU backend reads it
-    # JAX's preemption service (unused here) catches SIGTERM, so a scheduler's or kill's SIGTERM left the process
-    # running (2 CPU processes, 2026-11-27): without it SIGTERM ends the process as in a single-process run
+    # JAX's preemption service (unused here) catches SIGTERM, so a scheduler's or kill's SIGTERM would leave the
+    # process running: without it SIGTERM ends the process as in a single-process run
     try:
         jax.config.update("jax_enable_preemption_service", False)
     except AttributeError:  # a JAX without that service
@@ -130,7 +130,7 @@ def initialize(launch: Launch, timeout_s: int = 300) -> None:
 
 def _check_port_free(coordinator: str) -> None:
     """Process 0 hosts the coordination service on the coordinator's port: a port already taken made it crash with
-    a segmentation fault (2 CPU processes, 2026-11-27), so it is refused first, naming the port."""
+    a segmentation fault, so it is refused first, naming the port."""
     port = int(coordinator.rpartition(":")[2])
     with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's connections do not count
