@@ -157,7 +157,7 @@ def test_refused_or_damaged_checkpoint_and_nothing_to_train(tmp_path):
     assert "checkpoint error:" in r.stderr and "/checkpoints/4: its state" in r.stderr and "[2]" in r.stderr
     assert (d / "config.yaml").read_text() == before
     # step 4 deleted as advised, and step 2's data directory gone: tensorstore's reads still in flight then called
-    # back into Orbax's closed event loop, 2-20 tracebacks under the error line before 2026-11-27
+    # back into Orbax's closed event loop, which printed 2-20 tracebacks under the error line unless dropped
     shutil.rmtree(d / "checkpoints" / "4")
     shutil.rmtree(d / "checkpoints" / "2" / "state" / "d")
     r = go(common(d))
@@ -170,7 +170,7 @@ def test_refused_or_damaged_checkpoint_and_nothing_to_train(tmp_path):
 def test_gpu_stop_and_resume_is_exact(tmp_path):
     """On a GPU, with the default train.xla_autotune_file ("auto"): the straight run writes its autotuning results;
     the split run starts from a copy of them (so its first process compiles what the straight one did: two fresh
-    processes may otherwise tune differently, bench/results/det-processes-h100-2026-11-27.log), and its resumed
+    processes may otherwise tune differently), and its resumed
     process loads its own file, as a user's resume does."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     r = run(common(straight), gpu=True)  # ffn.kernels auto: the Triton kernels on a GPU

@@ -142,10 +142,9 @@ def test_step_clock_reads_the_device_rate(run, lag, log_every):
     each), whether the host's dispatch returns at once (the CPU) or blocks until a full launch queue has `lag` seconds
     left (a large step on a GPU: an ahead finish then lands near the next step's end). No reading is above the
     fastest steps' rate; from step 3 every step's reading and line lies between the two rates; from step 12 (windows
-    wholly in the slow part) they are the slow rate. Counting every interval between finishes (the loop before
-    2026-11-27), the GPU-like timelines read ~period / lag times the rate at a drained step and about half of it after
-    an evaluation (the 2.2B run on 2026-11-27: 2078k and 139k tok/s around ~262k); a line window never reset would
-    reach back into the fast steps."""
+    wholly in the slow part) they are the slow rate. Counting every interval between finishes instead, the GPU-like
+    timelines would read ~period / lag times the rate at a drained step and about half of it after an evaluation (the
+    2.2B run: 2078k and 139k tok/s around ~262k); a line window never reset would reach back into the fast steps."""
     n_steps, drained, evals = RUNS[run]
     steps, lines = _simulate_clock(n_steps, drained, lag, log_every, evals, period=lambda n: 0.25 if n <= 8 else 0.5)
     tol = 0.02  # the no-lag simulation's host time (2 ms a call) between a pause and the next step's start

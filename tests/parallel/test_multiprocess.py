@@ -220,7 +220,7 @@ def _two_processes_train_as_one(tmp_path, machine: Machine, rel: float, *extra: 
     state after 4 steps, straight through, resumed by two processes and by one. Every run compiles with the GEMM
     kernels that the one-process run tuned (train.xla_autotune_file, a no-op on the CPU): left to tune its own, each
     process may pick other kernels, and AdamW turns their rounding in near-zero gradients into whole updates (a 2-GPU
-    run's parameters differed by 3% at 5 of 16384 elements, 2026-11-27)."""
+    run's parameters differed by 3% at 5 of 16384 elements)."""
     two, moved, one = tmp_path / "two", tmp_path / "moved", tmp_path / "one"
     tuned = ["--set", f"train.xla_autotune_file={tmp_path / 'tuned.txt'}", *extra]
     machine.one_process(machine.args(one, *tuned))  # all devices in one process, straight through (tunes, writes)
@@ -266,7 +266,7 @@ def test_two_processes_expert_parallel_as_one(tmp_path):
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_two_processes_train_as_one(tmp_path):
     """With JAX's persistent compilation cache set: train.py turns it off in the runs of two processes
-    (mhl_jax/runtime/autotune.py, `guard_persistent_cache`); with it on, this test's relaunch hung, 2026-11-27."""
+    (mhl_jax/runtime/autotune.py, `guard_persistent_cache`); with it on, this test's relaunch hung."""
     _two_processes_train_as_one(tmp_path, Machine(gpu=True, compilation_cache=tmp_path / "jax_cache"), rel=1e-4)
 
 

@@ -18,7 +18,7 @@ from mhl_jax.train import step as step_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# the head of a file jaxlib 0.11.2 wrote on an H100 (bench/results/autotune-h100-2026-11-27.log's run a)
+# the head of a file jaxlib 0.11.2 wrote on an H100
 RESULTS = ('entries {\n  key {\n    target {\n      device: "699b92c0fb30cb16"\n      hlo_fingerprint: '
            '"059e5aad50ceb7b1c214d9634fb4c640"\n    }\n  }\n}\n')
 

@@ -140,8 +140,7 @@ def test_check_fits_hints_only_what_can_help():
     (["parallel.hp=1", "parallel.shard_optimizer=true"], 2, 0.0)])  # on already
 def test_shard_optimizer_saving_of_the_paper_state(sets, devices, saving_gib):
     """The saving the hint names, for the 2.2B MH-LatentMoE's abstract state (nothing allocated), against
-    bench/memory.py state's counts (results/memory-state-cpu-2026-11-27-s40.jsonl: moments 16.45 -> 8.23 GiB at data 2,
-    8.94 -> 8.23 at hp 2)."""
+    the counts of the state's arrays (moments 16.45 -> 8.23 GiB at data 2, 8.94 -> 8.23 at hp 2)."""
     cfg = load_config(str(ROOT / "configs/mh_latent_moe_hp_2.2b.yaml"),
                       [*sets, f"parallel.devices={devices}", "train.micro_batch=1"])
     mesh = make_mesh(cfg)
