@@ -14,6 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jax
+
+from mhl_jax.config import ConfigError, config_to_dict, load_config
+from mhl_jax.runtime.autotune import guard_persistent_cache
+from mhl_jax.runtime.distributed import check_same_run, initialize, parse_launch, shutdown
+from mhl_jax.runtime.errors import INPUT_ERRORS, input_error_line
+from mhl_jax.runtime.memory import DeviceMemoryError
+from mhl_jax.train.loop import train
+
 DEFAULT_CONFIG = "configs/tiny_mh_latent_moe.yaml"
 
 
@@ -43,18 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_after is not None and args.stop_after < 0:
         ap.error(f"--stop-after {args.stop_after}: must be a step number >= 0")
 
-    from mhl_jax.config import ConfigError, config_to_dict, load_config
-    from mhl_jax.runtime.distributed import check_same_run, initialize, parse_launch, shutdown
-
     try:
         launch = parse_launch(args.coordinator, args.num_processes, args.process_id, args.local_device_ids,
                               args.distributed_auto)
         cfg = load_config(args.config, args.overrides)
         initialize(launch)
-        import jax
-
-        from mhl_jax.runtime.autotune import guard_persistent_cache
-
         if (off := guard_persistent_cache(cfg.train.xla_autotune_file)) and jax.process_index() == 0:
             print(off, flush=True)
     except ConfigError as e:
@@ -67,9 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         shutdown(launch)
         return 2
-    from mhl_jax.runtime.memory import DeviceMemoryError
-    from mhl_jax.train.loop import INPUT_ERRORS, input_error_line, train
-
     try:
         train(cfg, resume=args.resume, stop_after=args.stop_after, check=args.check)
     except INPUT_ERRORS as e:  # bad input found once the run is set up: no traceback

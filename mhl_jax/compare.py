@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from mhl_jax.config import Config, ConfigError, load_config
+from mhl_jax.model.params import count_params
 
 
 def _load(path: Path, run_dir) -> Config:
@@ -87,8 +88,6 @@ def tokens_through(step: int, cfg: Config, earlier: list[tuple[int, Config]]) ->
 
 def summarize(run_dir: str | Path, smooth: int = 20) -> dict:
     """One run's row of the table (module docstring)."""
-    from mhl_jax.model.params import count_params
-
     cfg, recs, earlier = read_run(run_dir)
     counts = count_params(cfg)
     last = recs[-1]

@@ -26,7 +26,6 @@ results (`<RUN_DIR>/xla_autotune.txt`, read only) when they are there, as the ru
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -40,102 +39,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mhl_jax.config import Config, ConfigError, load_config
-from mhl_jax.data import DataError, load_val_sequences
+from mhl_jax.config import ConfigError
+from mhl_jax.data import DataError
 from mhl_jax.data.tokenizers import get_tokenizer
 from mhl_jax.model.context import build_step_context
 from mhl_jax.model.loss import head_logits
-from mhl_jax.parallel.mesh import batch_spec, make_mesh
-from mhl_jax.runtime.autotune import autotune_file
-from mhl_jax.train.checkpoint import Checkpointer, CheckpointError
-from mhl_jax.train.loop import INPUT_ERRORS, evaluate, input_error_line, model_fingerprint
-from mhl_jax.train.optimizer import make_optimizer
-from mhl_jax.train.state import state_creator
-from mhl_jax.train.step import make_eval_step
-
-
-@dataclasses.dataclass
-class Loaded:
-    """A checkpoint's model, placed on the config's mesh."""
-
-    cfg: Config
-    mesh: jax.sharding.Mesh
-    graphdef: nnx.GraphDef
-    params: nnx.State
-    biases: nnx.State
-    step: int
-    compiler_options: dict = dataclasses.field(default_factory=dict)  # the run's autotuning results (GPU)
-    # generate's jitted functions per sampler (`_generation_fns`): they compile once for this model's calls
-    jitted: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-
-
-def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """The config of run `run_dir` (its config.yaml) with `overrides`."""
-    run = Path(run_dir).expanduser()
-    if not run.is_dir():
-        raise ConfigError(f"run directory {str(run_dir)!r} does not exist (expected a logging.run_dir written by "
-                          "train.py)")
-    saved = run / "config.yaml"
-    if not saved.is_file():
-        raise ConfigError(f"run directory {str(run_dir)!r} holds no config.yaml; expected a logging.run_dir written "
-                          "by train.py")
-    pairs = [[part.strip() for part in o.split("=", 1)] for o in overrides if "=" in o]
-    micro = [value for key, value in pairs if key == "train.micro_batch"]
-    if micro and micro[-1].isdigit() and all(key != "train.global_batch" for key, _ in pairs):
-        # the evaluation's batch is micro_batch x devices and the run's global batch means nothing here; the config
-        # must still be consistent (global a multiple of micro), so it gets a global batch of one micro-batch
-        overrides = [*overrides, f"train.global_batch={micro[-1]}"]
-    return load_config(str(saved), overrides)
-
-
-def load_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), step: int | None = None,
-             checkpoint: str | Path | None = None, cfg: Config | None = None) -> Loaded:
-    """The model of run `run_dir` (its config.yaml with `overrides`, or `cfg` as `run_config` read it already) at
-    checkpoint `step` (default: the latest) of its checkpoints/ directory, or at the explicit `checkpoint` path (a
-    step directory or a directory of them)."""
-    if jax.process_count() > 1:
-        raise ConfigError(f"mhl_jax.infer runs as one process; this is one of {jax.process_count()}")
-    run = Path(run_dir).expanduser()
-    cfg = run_config(run_dir, overrides) if cfg is None else cfg
-    mesh = make_mesh(cfg)
-    graphdef, _, abstract = state_creator(cfg, mesh, make_optimizer(cfg))  # shapes only: nothing is created
-    if checkpoint is not None:
-        where = Path(checkpoint).expanduser()
-        if not where.is_dir():
-            raise CheckpointError(f"checkpoint path {str(checkpoint)!r} does not exist (or is not a directory)")
-        directory = where.parent
-    else:
-        directory = run / "checkpoints"
-        if not directory.is_dir():
-            raise CheckpointError(f"run directory {str(run_dir)!r} holds no checkpoints/ directory (did the run save "
-                                  "one? checkpoint.every)")
-    with Checkpointer(directory, cfg.checkpoint, model_fingerprint(cfg), read_only=True) as ckpt:
-        at, parts = ckpt.restore_parts({"params": abstract["params"], "biases": abstract["biases"]}, step=step,
-                                       path=checkpoint)
-    # the run's XLA autotuning results, loaded (never written): the kernels its own processes compiled with
-    tuned = autotune_file(cfg.train.xla_autotune_file, run.resolve(), None, jax.default_backend())
-    options = {"xla_gpu_load_autotune_results_from": str(tuned.load)} if tuned.load is not None else {}
-    return Loaded(cfg, mesh, graphdef, parts["params"], parts["biases"], at, options)
-
-
-def evaluate_run(loaded: Loaded) -> dict:
-    """The validation loss of `loaded` over its config's validation sequences, as the train loop computes it."""
-    cfg, mesh = loaded.cfg, loaded.mesh
-    t = cfg.model.context
-    if cfg.data.val_sequences <= 0:
-        raise ConfigError(f"data.val_sequences={cfg.data.val_sequences}: nothing to evaluate; set it > 0")
-    val = load_val_sequences(cfg.data, seq_len=t, vocab_size=cfg.model.vocab_size)
-    batch = cfg.train.micro_batch * mesh.size  # the train loop's evaluation batch
-    if len(val) < batch:  # (the train loop refuses this; here a smaller batch does, and the result says so)
-        batch = len(val) // mesh.size * mesh.size
-        if batch == 0:
-            raise ConfigError(f"data.val_sequences={len(val)} is fewer than the {mesh.size} devices of the mesh")
-    used = len(val) // batch * batch
-    eval_fn = jax.jit(make_eval_step(loaded.graphdef), compiler_options=loaded.compiler_options or None)
-    nll = evaluate(eval_fn, {"params": loaded.params, "biases": loaded.biases}, val, batch,
-                   NamedSharding(mesh, P(*batch_spec(mesh)[1:])))
-    return {"step": loaded.step, "val_loss": nll, "val_ppl": math.exp(nll), "sequences": used,
-            "sequences_left_out": len(val) - used, "tokens": used * t, "context": t, "batch": batch}
+from mhl_jax.runtime.errors import INPUT_ERRORS, input_error_line
+from mhl_jax.runtime.evaluate import evaluate_run
+from mhl_jax.runtime.restore import Loaded, load_run, run_config
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, vocab: int,

@@ -7,6 +7,7 @@ sorted key order, each preceded by EOT; the last `val_fraction` of the tokens is
 from __future__ import annotations
 
 import functools
+from pydoc_data.topics import topics
 
 import numpy as np
 
@@ -17,8 +18,6 @@ from mhl_jax.data.tokenizers import ByteTokenizer, encode_documents
 @functools.lru_cache(maxsize=1)
 def builtin_tokens() -> np.ndarray:
     """All built-in tokens: (n,) uint16, read-only."""
-    from pydoc_data.topics import topics
-
     tokens = encode_documents(ByteTokenizer(), (topics[k] for k in sorted(topics))).astype(np.uint16)
     tokens.flags.writeable = False
     return tokens

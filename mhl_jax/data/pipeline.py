@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grain
 import numpy as np
+from absl import flags
 
 from mhl_jax.config import DataConfig
 from mhl_jax.data.bin_shards import open_shard, resolve_shards
@@ -77,8 +78,6 @@ def shuffle_seed(seed: int) -> int:
 def _absl_flags_parsed() -> None:
     """Grain's worker processes read absl flags; a program that never ran absl.app (train.py, pytest)
     has not parsed them, so mark the defaults as parsed (a no-op under absl.app)."""
-    from absl import flags
-
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
 

@@ -3,8 +3,8 @@
 On GPUs XLA times candidate kernels (cuBLAS algorithms, its own GEMM fusions' tiles) while it compiles and keeps the
 fastest. Timings are noisy, so two fresh processes can pick different kernels for the same step, and different kernels
 round differently: the 2.2B MH-LatentMoE step's losses differed in the 6th digit from the second step between two
-fresh processes on one H100, and were bitwise equal when the second process loaded the first one's autotuning results
-(bench/results/det-processes-h100-2026-11-27.log). Turning autotuning off instead (`--xla_gpu_autotune_level=0`)
+fresh processes on one H100, and were bitwise equal when the second process loaded the first one's autotuning
+results. Turning autotuning off instead (`--xla_gpu_autotune_level=0`)
 made that step 11x slower.
 
 `train.xla_autotune_file` ("auto": `<run_dir>/xla_autotune.txt`; "": off; else a path): the first process of a run
@@ -22,17 +22,20 @@ A run of several processes on GPUs with the file on compiles without JAX's persi
 (JAX_COMPILATION_CACHE_DIR; `guard_persistent_cache`). The file paths are compile options, so part of the
 cache's key, and they differ between processes; only process 0 writes the cache. So process 1 never finds an entry,
 while process 0 finds its own when a relaunch repeats its options; it then skips the compile that XLA's GEMM
-autotuning, shared out among a run's processes, needs from every process, and process 1 waits for it for good (2
-H200s, 2026-11-27: a GPU test relaunching a run of two processes with the cache on timed out twice, at 400 and 330 s;
-its launches ran in ~30 s each without the cache. On the CPU a probe showed the keys: a second launch's process 0
-hit the cache, process 1 never did). With the file off the processes' keys are equal on GPUs (JAX leaves the device
+autotuning, shared out among a run's processes, needs from every process, and process 1 waits for it for good (a
+relaunch of two processes on H200s with the cache on never finished; without it each launch took ~30 s). With the
+file off the processes' keys are equal on GPUs (JAX leaves the device
 assignment out of them), and the cache is left on.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from mhl_jax.config import ConfigError
 
@@ -110,15 +113,9 @@ def persistent_cache_off_reason(setting: str, backend: str, process_count: int, 
 def guard_persistent_cache(setting: str) -> str | None:
     """Turn JAX's persistent compilation cache off for this process when `persistent_cache_off_reason` says so (after
     jax.distributed is initialized; it holds even if something was compiled before); returns the reason."""
-    import os
-
-    import jax
-
     cache_dir = getattr(jax.config, "jax_compilation_cache_dir", None) or os.environ.get("JAX_COMPILATION_CACHE_DIR")
     reason = persistent_cache_off_reason(setting, jax.default_backend(), jax.process_count(), cache_dir)
     if reason is not None:
-        from jax.experimental.compilation_cache import compilation_cache
-
         jax.config.update("jax_enable_compilation_cache", False)
         compilation_cache.reset_cache()  # JAX decides whether to use it once, at the first compile
     return reason

@@ -13,13 +13,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils as mh
 
 from mhl_jax.config import ConfigError
+from mhl_jax.runtime.checkpoint_tree import changed_leaves
 
 ENV = {"coordinator": "MHL_COORDINATOR", "num_processes": "MHL_NUM_PROCESSES", "process_id": "MHL_PROCESS_ID"}
 
@@ -92,8 +95,8 @@ def initialize(launch: Launch, timeout_s: int = 300) -> None:
     if launch.num_processes == 1 and not launch.auto:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU backend reads it
-    # JAX's preemption service (unused here) catches SIGTERM, so a scheduler's or kill's SIGTERM left the process
-    # running (2 CPU processes, 2026-11-27): without it SIGTERM ends the process as in a single-process run
+    # JAX's preemption service (unused here) catches SIGTERM, so a scheduler's or kill's SIGTERM would leave the
+    # process running: without it SIGTERM ends the process as in a single-process run
     try:
         jax.config.update("jax_enable_preemption_service", False)
     except AttributeError:  # a JAX without that service
@@ -127,9 +130,7 @@ def initialize(launch: Launch, timeout_s: int = 300) -> None:
 
 def _check_port_free(coordinator: str) -> None:
     """Process 0 hosts the coordination service on the coordinator's port: a port already taken made it crash with
-    a segmentation fault (2 CPU processes, 2026-11-27), so it is refused first, naming the port."""
-    import socket
-
+    a segmentation fault, so it is refused first, naming the port."""
     port = int(coordinator.rpartition(":")[2])
     with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's connections do not count
@@ -149,8 +150,6 @@ def shutdown(launch: Launch) -> None:
 
 def _failed(ok: bool) -> list[int]:
     """The processes whose `ok` is False (an all-gather of one flag per process; every process gets the list)."""
-    from jax.experimental import multihost_utils as mh
-
     return [int(i) for i in np.flatnonzero(np.asarray(mh.process_allgather(np.int32(ok))).reshape(-1) == 0)]
 
 
@@ -160,10 +159,6 @@ def check_same_run(run: dict) -> None:
     differs names the keys) instead of running mismatched steps. A no-op with one process."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils as mh
-
-    from mhl_jax.train.checkpoint import changed_leaves
-
     text = json.dumps(run, sort_keys=True, default=str)
     mine = np.frombuffer(text.encode(), np.uint8)
     n = int(mh.broadcast_one_to_all(np.int32(mine.size)))
@@ -189,8 +184,6 @@ def check_shared_directory(path) -> None:
     host's own disk, or a relative path from different working directories). A no-op with one process."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils as mh
-
     token = int(mh.broadcast_one_to_all(np.int32(np.random.SeedSequence().entropy % 2**31 if is_lead() else 0)))
     probe = path / f".process-probe-{token}"
     failed = None
@@ -244,9 +237,7 @@ def is_lead() -> bool:
 def sync(name: str) -> None:
     """Every process waits here until all have arrived (a no-op with one process)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
+        mh.sync_global_devices(name)
 
 
 def global_array(x: np.ndarray, sharding) -> jax.Array:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax
 
+from mhl_jax.config import ConfigError
+
 # Dense bf16 tensor-core peak (datasheet, FLOP/s per device), for MFU. Override: logging.peak_tflops.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
@@ -30,9 +32,9 @@ class StepClock:
 
     A step is finished either *ahead* (after the next step was dispatched) or *drained* (before: the steps that
     evaluate, checkpoint, end the run or end a profile). The two kinds see the device in different phases: on a GPU
-    the host's dispatch of a large step returns only shortly before that step ends (~30 ms for the 2.2B MH-LatentMoE
-    step on an H100, 2026-11-27; CUDA's launch queue full, we infer: bench/NOTES.md "Progress-line throughput"), so an
-    ahead finish of step n happens near the end of step n + 1, while a drained one happens at the end of step n.
+    the host's dispatch of a large step returns only shortly before that step ends (~30 ms before, for the 2.2B
+    MH-LatentMoE step on an H100: CUDA's launch queue is full), so an ahead finish of step n happens near the end
+    of step n + 1, while a drained one happens at the end of step n.
     Rates are therefore read over spans from one finish to the previous finish of the same kind, which hold whole
     steps in either phase: the span's training time (pauses left out) over its steps. Only local spans are read (at
     most one finish of the other kind between: 1 or 2 steps). A step's reading is its own span's, or else the latest
@@ -130,8 +132,6 @@ def tensorboard_tag(key: str) -> str:
 
 def require_tensorboard():
     """The tensorboardX module, or a ConfigError saying how to get it (checked before a run writes anything)."""
-    from mhl_jax.config import ConfigError
-
     try:
         import tensorboardX
     except ImportError as e:

@@ -116,11 +116,3 @@ def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gam
                    out_shardings=(state_shardings, None), donate_argnums=0 if donate else (),
                    compiler_options={**options, **(autotune_options or {})})
 
-
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
-    def eval_step(params: nnx.State, biases: nnx.State, tokens: jax.Array) -> jax.Array:
-        """tokens: (B, T + 1) -> summed NLL over the B*T predicted tokens (fp32)."""
-        loss, _ = loss_fn(graphdef, params, biases, tokens)
-        return loss * tokens.shape[0] * (tokens.shape[1] - 1)
-
-    return eval_step

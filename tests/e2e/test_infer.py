@@ -19,10 +19,10 @@ from flax import nnx
 from mhl_jax import infer as infer_mod
 from mhl_jax.config import ConfigError, load_config
 from mhl_jax.infer import evaluate_run, generate, load_run, main, next_logits, sample_logits
-from mhl_jax.train.checkpoint import Checkpointer
-from mhl_jax.train.loop import model_fingerprint, train
+from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
+from mhl_jax.runtime.state import state_creator
+from mhl_jax.train.loop import train
 from mhl_jax.train.optimizer import make_optimizer
-from mhl_jax.train.state import state_creator
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 32
@@ -110,10 +110,10 @@ def reference_logits(loaded, prompt, out):
 TEXT = list(b"The function returns the value of the object, or raises an exception if it is not found.")
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_next_token_logits_are_the_unpadded_forwards(run_dir, devices):
-    """generate's padded, batched windows give the logits of the model's own forward over the real tokens only."""
-    loaded = load_run(run_dir, [f"parallel.devices={devices}", f"parallel.hp={devices}"])
+def test_next_token_logits_are_the_unpadded_forwards(run_dir):
+    """generate's padded, batched windows give the logits of the model's own forward over the real tokens only (on 2
+    devices at hp = 2, so that rows are padded too; one device runs the same code without the padding rows)."""
+    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
     one = load_run(run_dir)  # the reference runs on one device (Head Parallel splits a batch's tokens evenly)
     model = nnx.merge(one.graphdef, one.params, one.biases)
     forward = jax.jit(lambda toks: model(toks)[0][0, -1])
@@ -148,12 +148,11 @@ def cached_logits(loaded, seqs, steps):
     return np.stack(out), seen
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_kv_cache_decoding_gives_the_forwards_logits(run_dir, devices):
+def test_kv_cache_decoding_gives_the_forwards_logits(run_dir):
     """A KV cache filled by one forward over the padded windows, then one decoding step per token: at every step
     each row's logits are the model's own forward over that row's real tokens (rows of 4, 21 and 11 tokens, up to
     the full context; 3 rows padded to 4 on 2 devices at hp = 2)."""
-    loaded = load_run(run_dir, [f"parallel.devices={devices}", f"parallel.hp={devices}"])
+    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
     one = load_run(run_dir)
     model = nnx.merge(one.graphdef, one.params, one.biases)
     forward = jax.jit(lambda toks: model(toks)[0][0, -1])
@@ -184,7 +183,7 @@ def recording_decodes(loaded, monkeypatch, calls):
     monkeypatch.setattr(infer_mod, "_generation_fns", fns)
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 32])
+@pytest.mark.parametrize("chunk", [4, 32])  # 4: calls of 4 steps and of 1; 32: one call, cut at the context
 def test_kv_cache_generation_is_generation_without_it(run_dir, monkeypatch, chunk):
     """The same ids with and without the cache: greedy and sampled (the same seed), 3 rows padded to 4 on a 2-device
     mesh, one of which outgrows the context half-way (from there each token is a forward over sliding windows); a

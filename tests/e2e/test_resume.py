@@ -15,8 +15,18 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
+
+from mhl_jax.config import load_config
+from mhl_jax.data.prepare import main as prepare_main
+from mhl_jax.model.balancing import RouterBias
+from mhl_jax.model.gpt import build_model
+from mhl_jax.runtime.autotune import DEFAULT_NAME
+from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
+from mhl_jax.train.optimizer import make_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 4
@@ -50,16 +60,6 @@ def losses(run_dir):
 
 def final_params(run_dir, step=None):
     """Parameters of the newest checkpoint (or of `step`'s), read back through the library (flattened, as numpy)."""
-    import jax
-    from flax import nnx
-
-    from mhl_jax.config import load_config
-    from mhl_jax.model.balancing import RouterBias
-    from mhl_jax.model.gpt import build_model
-    from mhl_jax.train.checkpoint import Checkpointer
-    from mhl_jax.train.loop import model_fingerprint
-    from mhl_jax.train.optimizer import make_optimizer
-
     cfg = load_config(str(Path(run_dir) / "config.yaml"))
     _, params, biases = nnx.split(build_model(cfg), nnx.Param, RouterBias)
     tx = make_optimizer(cfg)
@@ -96,8 +96,6 @@ def test_stop_and_resume_is_exact(tmp_path):
 
 
 def test_killed_run_on_bin_shards_resumes_exactly(tmp_path):
-    from mhl_jax.data.prepare import main as prepare_main
-
     text = tmp_path / "corpus.txt"
     rng = np.random.default_rng(0)
     words = ["moe", "expert", "head", "token", "router", "parallel", "latent", "gate", "load", "bias"]
@@ -159,7 +157,7 @@ def test_refused_or_damaged_checkpoint_and_nothing_to_train(tmp_path):
     assert "checkpoint error:" in r.stderr and "/checkpoints/4: its state" in r.stderr and "[2]" in r.stderr
     assert (d / "config.yaml").read_text() == before
     # step 4 deleted as advised, and step 2's data directory gone: tensorstore's reads still in flight then called
-    # back into Orbax's closed event loop, 2-20 tracebacks under the error line before 2026-11-27
+    # back into Orbax's closed event loop, which printed 2-20 tracebacks under the error line unless dropped
     shutil.rmtree(d / "checkpoints" / "4")
     shutil.rmtree(d / "checkpoints" / "2" / "state" / "d")
     r = go(common(d))
@@ -172,12 +170,8 @@ def test_refused_or_damaged_checkpoint_and_nothing_to_train(tmp_path):
 def test_gpu_stop_and_resume_is_exact(tmp_path):
     """On a GPU, with the default train.xla_autotune_file ("auto"): the straight run writes its autotuning results;
     the split run starts from a copy of them (so its first process compiles what the straight one did: two fresh
-    processes may otherwise tune differently, bench/results/det-processes-h100-2026-11-27.log), and its resumed
+    processes may otherwise tune differently), and its resumed
     process loads its own file, as a user's resume does."""
-    import shutil
-
-    from mhl_jax.runtime.autotune import DEFAULT_NAME
-
     straight, split = tmp_path / "straight", tmp_path / "split"
     r = run(common(straight), gpu=True)  # ffn.kernels auto: the Triton kernels on a GPU
     assert "XLA autotuning results from" not in r.stdout

@@ -1,16 +1,27 @@
 """End to end on CPU: the tiny default trains and its loss falls; the CLI rejects bad configs."""
 
+import builtins
 import dataclasses
+import glob
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.profiler import ProfileData
 
-from mhl_jax.config import load_config
+from mhl_jax.config import ConfigError, load_config
+from mhl_jax.data import DataError
+from mhl_jax.data.bin_shards import write_shard
+from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError, model_fingerprint
+from mhl_jax.train import loop, progress
 from mhl_jax.train.loop import train
+from mhl_jax.train.metrics import StepClock, duration, format_line
+from tests.e2e.test_resume import final_params
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,8 +56,6 @@ def test_tiny_run_loss_falls_and_logs(tmp_path, capsys):
 
 
 def test_progress_line_durations():
-    from mhl_jax.train.metrics import duration, format_line
-
     assert [duration(x) for x in (0, 44.6, 192, 3720, 7200, 183600)] == ["0s", "45s", "3m12s", "1h02m", "2h00m",
                                                                           "2d03h"]
     m = {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "eta_s": 75}
@@ -90,8 +99,6 @@ def _simulate_clock(n_steps, drained, lag, log_every, evals=(), period=lambda n:
     finished right after its own dispatch (then `pause_s` of evaluation or checkpoint), any other after the next
     step's dispatch, as the loop does; each call costs the host `host_s`. Lines as the loop prints them (every
     `log_every` steps, the first, the last, the `evals`). Returns {step: reading} and {step: line rate}."""
-    from mhl_jax.train.metrics import StepClock
-
     clock = StepClock(1000, 0.0)
     t, free, pending, ends, steps, lines = 0.0, 0.0, None, {}, {}, {}
 
@@ -135,10 +142,9 @@ def test_step_clock_reads_the_device_rate(run, lag, log_every):
     each), whether the host's dispatch returns at once (the CPU) or blocks until a full launch queue has `lag` seconds
     left (a large step on a GPU: an ahead finish then lands near the next step's end). No reading is above the
     fastest steps' rate; from step 3 every step's reading and line lies between the two rates; from step 12 (windows
-    wholly in the slow part) they are the slow rate. Counting every interval between finishes (the loop before
-    2026-11-27), the GPU-like timelines read ~period / lag times the rate at a drained step and about half of it after
-    an evaluation (the 2.2B run on 2026-11-27: 2078k and 139k tok/s around ~262k); a line window never reset would
-    reach back into the fast steps."""
+    wholly in the slow part) they are the slow rate. Counting every interval between finishes instead, the GPU-like
+    timelines would read ~period / lag times the rate at a drained step and about half of it after an evaluation (the
+    2.2B run: 2078k and 139k tok/s around ~262k); a line window never reset would reach back into the fast steps."""
     n_steps, drained, evals = RUNS[run]
     steps, lines = _simulate_clock(n_steps, drained, lag, log_every, evals, period=lambda n: 0.25 if n <= 8 else 0.5)
     tol = 0.02  # the no-lag simulation's host time (2 ms a call) between a pause and the next step's start
@@ -160,10 +166,8 @@ def test_step_clock_two_step_run_never_over_reads():
 
 
 def test_step_clock_without_fetch_ahead_counts_every_interval():
-    """Every step drained (the loop with FETCH_AHEAD off): each interval is one step plus the host's time between
+    """Every step drained (the loop without fetch-ahead): each interval is one step plus the host's time between
     steps, all counted; pauses are not."""
-    from mhl_jax.train.metrics import StepClock
-
     clock = StepClock(100, 0.0)
     assert clock.finish(5.0, False) == 20.0  # the first: raw (compilation)
     assert clock.finish(6.0, False) == 100.0
@@ -173,8 +177,6 @@ def test_step_clock_without_fetch_ahead_counts_every_interval():
 
 
 def _recording_clock(calls):
-    from mhl_jax.train.metrics import StepClock
-
     class Recording(StepClock):
         def finish(self, now, ahead):
             calls.append(("finish", ahead))
@@ -194,24 +196,21 @@ def _recording_clock(calls):
 def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, capsys):
     """The loop dispatches step n + 1 before it fetches step n's metrics; evaluation and checkpoint steps are finished
     first, since they read the state of their own step. Against the loop that fetches every step's metrics before
-    dispatching the next (FETCH_AHEAD False): the same records (losses, validation, load statistics), the same
-    progress lines and the same checkpoints, each holding its own step's state (its step counter, and every array
-    bitwise the other run's). An evaluation run on the next step's state would change val_loss; a checkpoint of it
-    would hold the next step's counter."""
-    from mhl_jax.train import loop
-    from mhl_jax.train.checkpoint import Checkpointer
-    from tests.e2e.test_resume import final_params
-
+    dispatching the next (every step made to need its state first): the same records (losses, validation, load
+    statistics), the same progress lines and the same checkpoints, each holding its own step's state (its step
+    counter, and every array bitwise the other run's). An evaluation run on the next step's state would change
+    val_loss; a checkpoint of it would hold the next step's counter."""
     runs, arrays = {}, {}
+    own_step = progress.Progress.needs_state
     for ahead in (False, True):
-        monkeypatch.setattr(loop, "FETCH_AHEAD", ahead)
+        monkeypatch.setattr(progress.Progress, "needs_state", own_step if ahead else lambda self, n: True)
         run_dir = tmp_path / f"ahead_{ahead}"
         cfg = tiny(tmp_path, "schedule.total_steps=11", "schedule.decay_steps=4", "data.eval_every=4",
                    "checkpoint.every=5", "checkpoint.keep=5", "checkpoint.async_save=false", "logging.log_every=3",
                    "model.n_layers=2",
                    f"logging.run_dir={run_dir}")
         calls = []
-        monkeypatch.setattr(loop, "StepClock", _recording_clock(calls))
+        monkeypatch.setattr(progress, "StepClock", _recording_clock(calls))
         hist = train(cfg)
         out = capsys.readouterr().out
         lines = [line.split(" | ") for line in out.splitlines() if line.startswith("step ")]
@@ -229,7 +228,7 @@ def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, cap
         assert shown == [round(c[1] / 1e3, 1) for c in calls if c[0] == "line"]
         timed = ("tok/s", "MFU", "ETA")  # readings of the clock, which differ between the runs
         lines = [[p for p in parts if not any(t in p for t in timed)] for parts in lines]
-        with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, loop.model_fingerprint(cfg)) as ckpt:
+        with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
             saved = ckpt.all_steps()
         states = {n: final_params(run_dir, n)[1] for n in saved}
         for n in saved:  # the state's step counter (its last leaf: the keys sort as biases, ..., rng, step) is n
@@ -250,9 +249,6 @@ def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, cap
 def test_non_finite_loss_stops_before_a_checkpoint(tmp_path):
     """A loss that turns non-finite stops the run with the step named; no checkpoint or record holds a later state
     (with fetch-ahead the next step is already dispatched when the loss is seen: it is dropped)."""
-    from mhl_jax.train import loop
-    from mhl_jax.train.checkpoint import Checkpointer
-
     cfg = tiny(tmp_path, "schedule.total_steps=12", "schedule.warmup_steps=1", "schedule.decay_steps=1",
                "optimizer.lr=1e30", "optimizer.grad_clip=null", "data.val_sequences=0", "checkpoint.every=2",
                "checkpoint.keep=20", "checkpoint.async_save=false", "model.n_layers=2")
@@ -265,7 +261,7 @@ def test_non_finite_loss_stops_before_a_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     recs = _records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, bad))
-    with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, loop.model_fingerprint(cfg)) as ckpt:
+    with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
         assert ckpt.all_steps() == list(range(2, bad, 2))
 
 
@@ -273,10 +269,6 @@ def test_profile_traces_the_asked_steps(tmp_path, capsys):
     """logging.profile_start / profile_steps: a JAX profiler trace in run_dir/profile from the dispatch of the first
     asked step to the end of the last: the host dispatched the train step exactly that many times inside it (the
     step after the last is dispatched only once the trace has ended); the run's losses are those of a run without."""
-    import glob
-
-    from jax.profiler import ProfileData
-
     common = ["schedule.total_steps=6", "schedule.decay_steps=2", "schedule.warmup_steps=2", "model.n_layers=2",
               "data.val_sequences=0"]
     plain = [m["loss"] for m in train(tiny(tmp_path, *common, f"logging.run_dir={tmp_path / 'plain'}"))]
@@ -294,8 +286,6 @@ def test_profile_traces_the_asked_steps(tmp_path, capsys):
 
 
 def test_profile_start_outside_the_run_is_refused(tmp_path):
-    from mhl_jax.config import ConfigError
-
     with pytest.raises(ConfigError, match=r"logging.profile_start=50: must be a step of the run, 1 to "
                                           r"schedule.total_steps=40"):
         tiny(tmp_path, "logging.profile_start=50")
@@ -311,11 +301,6 @@ def test_a_non_finite_metric_stops_before_its_record_and_checkpoint(tmp_path, mo
     """A step whose loss or gradient norm is not finite (a non-finite gradient norm: its update has made the
     parameters non-finite, even where its loss was still finite) stops the run naming the step: neither its record
     nor its checkpoint is written, the steps before it are kept."""
-    import jax.numpy as jnp
-
-    from mhl_jax.train import loop
-    from mhl_jax.train.checkpoint import Checkpointer
-
     real = loop.jit_train_step
 
     def nan_norm_at_step_3(*args, **kwargs):
@@ -336,15 +321,13 @@ def test_a_non_finite_metric_stops_before_its_record_and_checkpoint(tmp_path, mo
         train(cfg)
     run_dir = tmp_path / "run"
     assert [r["step"] for r in _records(run_dir)] == [1, 2]
-    with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, loop.model_fingerprint(cfg)) as ckpt:
+    with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
         assert ckpt.all_steps() == [2]
 
 
 def test_resuming_an_older_checkpoint_into_a_run_with_later_ones_is_refused_first(tmp_path):
     """--resume of step 2 into the run directory that holds steps 2 and 4: refused before a step is trained, with the
     later steps named; metrics, config and checkpoints left as they were. Into a fresh run directory it resumes."""
-    from mhl_jax.train.checkpoint import CheckpointError
-
     common = ("schedule.total_steps=4", "schedule.warmup_steps=1", "schedule.decay_steps=1", "data.val_sequences=0",
               "checkpoint.every=2", "checkpoint.keep=5", "checkpoint.async_save=false", "model.n_layers=2")
     straight = train(tiny(tmp_path, *common))
@@ -362,8 +345,6 @@ def test_a_fresh_run_over_an_earlier_runs_records(tmp_path):
     """No checkpoint to resume, metrics.jsonl of an earlier launch there: the same config relaunched (a job killed
     before its first checkpoint) starts over, its records replaced; another config is refused (its records would be
     dropped), the directory left as it was."""
-    from mhl_jax.config import ConfigError
-
     common = ("schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1", "data.val_sequences=0",
               "model.n_layers=2")
     first = train(tiny(tmp_path, *common))
@@ -381,9 +362,6 @@ def test_a_fresh_run_over_an_earlier_runs_records(tmp_path):
 
 
 def test_bad_run_directories_and_a_small_validation_set_are_refused_before_writing(tmp_path):
-    from mhl_jax.config import ConfigError
-    from mhl_jax.train.checkpoint import CheckpointError
-
     small = ("schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1", "model.n_layers=2")
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
@@ -458,8 +436,6 @@ def test_run_ends_with_a_summary_line(tmp_path):
 def test_a_refused_run_leaves_no_directory_it_created(tmp_path):
     """Bad input found after the run directory was made (here data shards that do not exist): the directories this
     run created are removed again; an existing directory is left as it was."""
-    from mhl_jax.data import DataError
-
     bad = ("data.source=bin", f"data.path={tmp_path / 'no_shards'}")
     fresh = tmp_path / "new" / "run"
     with pytest.raises(DataError, match="no_shards"):
@@ -474,9 +450,6 @@ def test_a_refused_run_leaves_no_directory_it_created(tmp_path):
 def test_no_validation_data_is_read_without_evaluation(tmp_path):
     """data.eval_every=0: a shard directory without validation shards trains (nothing reads them); with
     evaluation on, the missing shards are named."""
-    from mhl_jax.data import DataError
-    from mhl_jax.data.bin_shards import write_shard
-
     d = tmp_path / "trainonly"
     d.mkdir()
     write_shard(d / "train_000000.bin", np.random.default_rng(0).integers(0, 256, 20000).astype(np.uint16))
@@ -490,8 +463,6 @@ def test_no_validation_data_is_read_without_evaluation(tmp_path):
 
 def _tensorboard_scalars(directory):
     """{(tag, step): value} from the TFRecord event files in `directory` (read here, frame by frame)."""
-    import struct
-
     from tensorboardX.proto import event_pb2
 
     out = {}
@@ -524,8 +495,6 @@ def test_tensorboard_scalars_are_the_records(tmp_path):
 
 
 def test_tensorboard_without_its_package_is_refused_first(tmp_path, monkeypatch):
-    import builtins
-
     real = builtins.__import__
 
     def no_tensorboardx(name, *args, **kwargs):
@@ -534,8 +503,6 @@ def test_tensorboard_without_its_package_is_refused_first(tmp_path, monkeypatch)
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_tensorboardx)
-    from mhl_jax.config import ConfigError
-
     with pytest.raises(ConfigError, match="logging.tensorboard=true needs the tensorboardX package"):
         train(tiny(tmp_path, "logging.tensorboard=true"), log=lambda *a, **k: None)
     assert not (tmp_path / "run").exists()  # nothing written, the directory it created removed

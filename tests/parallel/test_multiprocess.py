@@ -6,17 +6,24 @@ four; on a machine with 2 GPUs (marker gpu): a process per GPU (NCCL) against on
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
-from mhl_jax.config import ConfigError
+from mhl_jax.config import ConfigError, load_config
+from mhl_jax.parallel import expert_parallel as ep
+from mhl_jax.parallel.mesh import make_mesh
+from mhl_jax.runtime.checkpoint import CheckpointError, _shared_data_state
 from mhl_jax.runtime.distributed import ENV, Launch, parse_launch
-from mhl_jax.train.checkpoint import CheckpointError, _shared_data_state
+from mhl_jax.train.records import truncate_metrics
 from tests.e2e.test_resume import common, final_params, losses
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,13 +69,6 @@ def test_cli_refuses_bad_launch_before_starting():
 def test_mesh_lists_devices_process_by_process(monkeypatch):
     """With several processes the mesh takes the devices by (process, id) whatever their order, so the hp axis stays
     inside a process and each process holds a contiguous range of the batch rows."""
-    from dataclasses import dataclass
-
-    import jax
-
-    from mhl_jax.config import load_config
-    from mhl_jax.parallel.mesh import make_mesh
-
     @dataclass(frozen=True)
     class Dev:
         id: int
@@ -86,12 +86,6 @@ def test_mesh_lists_devices_process_by_process(monkeypatch):
 
 
 def test_expert_parallel_across_processes_takes_the_padded_exchange(monkeypatch):
-    from dataclasses import dataclass
-
-    import jax
-
-    from mhl_jax.parallel import expert_parallel as ep
-
     @dataclass(frozen=True)
     class Dev:
         id: int
@@ -111,8 +105,6 @@ def test_expert_parallel_across_processes_takes_the_padded_exchange(monkeypatch)
 
 
 def test_a_metrics_line_cut_short_is_dropped_on_resume(tmp_path):
-    from mhl_jax.train.loop import truncate_metrics
-
     f = tmp_path / "metrics.jsonl"
     f.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
     truncate_metrics(f, 2)
@@ -145,8 +137,6 @@ def test_data_state_of_another_process_count(tmp_path):
 
 def _gpus() -> int:
     try:
-        import jax
-
         return len(jax.devices("gpu"))
     except Exception:
         return 0
@@ -230,7 +220,7 @@ def _two_processes_train_as_one(tmp_path, machine: Machine, rel: float, *extra: 
     state after 4 steps, straight through, resumed by two processes and by one. Every run compiles with the GEMM
     kernels that the one-process run tuned (train.xla_autotune_file, a no-op on the CPU): left to tune its own, each
     process may pick other kernels, and AdamW turns their rounding in near-zero gradients into whole updates (a 2-GPU
-    run's parameters differed by 3% at 5 of 16384 elements, 2026-11-27)."""
+    run's parameters differed by 3% at 5 of 16384 elements)."""
     two, moved, one = tmp_path / "two", tmp_path / "moved", tmp_path / "one"
     tuned = ["--set", f"train.xla_autotune_file={tmp_path / 'tuned.txt'}", *extra]
     machine.one_process(machine.args(one, *tuned))  # all devices in one process, straight through (tunes, writes)
@@ -276,7 +266,7 @@ def test_two_processes_expert_parallel_as_one(tmp_path):
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_two_processes_train_as_one(tmp_path):
     """With JAX's persistent compilation cache set: train.py turns it off in the runs of two processes
-    (mhl_jax/runtime/autotune.py, `guard_persistent_cache`); with it on, this test's relaunch hung, 2026-11-27."""
+    (mhl_jax/runtime/autotune.py, `guard_persistent_cache`); with it on, this test's relaunch hung."""
     _two_processes_train_as_one(tmp_path, Machine(gpu=True, compilation_cache=tmp_path / "jax_cache"), rel=1e-4)
 
 
@@ -346,9 +336,6 @@ def test_stopping_one_process_ends_it_at_once(tmp_path):
     """Ctrl-C (SIGINT) on process 1 mid-run, then SIGTERM on process 0: each ends at once (SIGINT's default action:
     as a KeyboardInterrupt JAX's exit waited up to 300 s at its shutdown barrier; SIGTERM: JAX's preemption service,
     which caught it, is off)."""
-    import signal
-    import time
-
     machine = Machine(gpu=False)
     log = [tmp_path / f"p{i}.txt" for i in range(2)]
     port = _free_port()

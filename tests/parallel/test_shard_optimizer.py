@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from mhl_jax.config import load_config
 from mhl_jax.parallel.mesh import make_mesh, spread_over_copies
+from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.optimizer import make_optimizer
-from mhl_jax.train.state import state_creator
 from tests.e2e.test_resume import ROOT, final_params, losses
 from tests.parallel.test_multiprocess import Machine, _gpus, _two_processes_train_as_one
 
@@ -113,8 +113,8 @@ def _assert_close_but_flips(x, y, rtol, atol, lr=3e-3):
     """On 2 GPUs the split moments' step is another program (the update on slices, then gathers), and XLA may sum the
     gradients over the devices in another order there; AdamW's first updates (about lr * sign(g)) turn that rounding
     in a near-zero gradient into a different update, and the runs' parameters then drift apart a little over the
-    steps (2 H200s: session 42, 2 of 49152 entries of one leaf off by 6.2e-5 = 0.02 lr; session 43, 193 of 49152 =
-    0.39% off). Allowed per leaf: at most 2% of the entries off, the differences' root mean square at most 0.1 lr of
+    steps (2 H200s: 2 of 49152 entries of one leaf off by 6.2e-5 = 0.02 lr in one run, 193 of 49152 = 0.39% in
+    another). Allowed per leaf: at most 2% of the entries off, the differences' root mean square at most 0.1 lr of
     the tiny config's 3e-3. Moments that are wrong (lost on a resume, or another slice's) change the update of most
     entries by a sizeable part of lr (reset at step 3: ~0.3 lr each), which both bounds catch."""
     off = np.abs(x - y) > atol + rtol * np.abs(y)

@@ -14,10 +14,11 @@ import pytest
 
 from mhl_jax.config import ConfigError
 from mhl_jax.runtime.autotune import DEFAULT_NAME, AutotuneFile, autotune_file, persistent_cache_off_reason
+from mhl_jax.train import step as step_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# the head of a file jaxlib 0.11.2 wrote on an H100 (bench/results/autotune-h100-2026-11-27.log's run a)
+# the head of a file jaxlib 0.11.2 wrote on an H100
 RESULTS = ('entries {\n  key {\n    target {\n      device: "699b92c0fb30cb16"\n      hlo_fingerprint: '
            '"059e5aad50ceb7b1c214d9634fb4c640"\n    }\n  }\n}\n')
 
@@ -111,8 +112,6 @@ def test_errors_name_the_value(tmp_path):
 def test_step_compiles_with_the_options_added(monkeypatch):
     """jit_train_step hands jax.jit its own options plus the autotune ones (the all-reduce code motion pass stays
     off), and the default (no autotune options) is unchanged."""
-    from mhl_jax.train import step as step_mod
-
     seen = []
     monkeypatch.setattr(step_mod.jax, "jit", lambda f, **kw: seen.append(kw["compiler_options"]) or f)
     opts = {"xla_gpu_load_autotune_results_from": "/x/a.txt"}
@@ -138,9 +137,6 @@ def test_gpu_compiler_options_write_and_load_autotuning(tmp_path):
     of a GEMM it tuned; a second one, told to refuse any GEMM it has no loaded result for
     (xla_gpu_require_complete_aot_autotune_results), compiles with the file loaded and fails without it (the control:
     that option is honoured, so the load is what made the difference)."""
-    import subprocess
-    import sys
-
     tuned = autotune_file(str(tmp_path / "tuned.txt"), tmp_path)
     env = {**os.environ, "XLA_FLAGS": "", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -16,7 +17,7 @@ import pytest
 
 from mhl_jax.config import CheckpointConfig, DataConfig
 from mhl_jax.data import make_train_loader
-from mhl_jax.train.checkpoint import Checkpointer, CheckpointError
+from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError, _quiet_closed_loop_callbacks
 
 ROOT = Path(__file__).resolve().parents[2]
 FP = {"model": {"d_model": 64, "n_layers": 2}, "ffn": {"kind": "mh_latent_moe", "num_experts": 16, "top_k": 2}}
@@ -153,7 +154,7 @@ def test_fingerprint_and_layout_mismatch_are_named(tmp_path):
 CHILD_STUCK = """
 import sys, time
 from mhl_jax.config import CheckpointConfig
-from mhl_jax.train.checkpoint import Checkpointer
+from mhl_jax.runtime.checkpoint import Checkpointer
 from tests.unit.test_checkpoint import FP, loader, make_state
 
 class StuckIterator:  # blocks inside the save, after Orbax has created the temporary directory
@@ -172,7 +173,7 @@ ck.save(2, make_state(2), StuckIterator())
 CHILD_LOOP = """
 import sys
 from mhl_jax.config import CheckpointConfig
-from mhl_jax.train.checkpoint import Checkpointer
+from mhl_jax.runtime.checkpoint import Checkpointer
 from tests.unit.test_checkpoint import FP, make_state
 
 ck = Checkpointer(sys.argv[1], CheckpointConfig(keep=2, async_save=True), FP)
@@ -268,11 +269,6 @@ def test_closed_loop_callbacks_are_dropped_after_a_failed_restore(monkeypatch):
     """After a failed restore only RuntimeError('Event loop is closed') from tensorstore's late callbacks is dropped
     from sys.unraisablehook; any other unraisable exception still reaches the hook that was there before (once, even
     if the filter is installed twice)."""
-    import sys
-    import types
-
-    from mhl_jax.train.checkpoint import _quiet_closed_loop_callbacks
-
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
     _quiet_closed_loop_callbacks()

@@ -1,4 +1,8 @@
-"""The train state created in its shardings, and the train step's memory check (mhl_jax.train.state / memory)."""
+"""The train state created in its shardings, and the train step's memory check (mhl_jax.runtime.state / memory)."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +12,7 @@ import pytest
 from bench.memory import eager_state
 from mhl_jax.config import ConfigError, load_config
 from mhl_jax.parallel.mesh import make_mesh, state_shardings
+from mhl_jax.runtime.autotune import AutotuneFile
 from mhl_jax.runtime.memory import (
     GIB,
     DeviceMemoryError,
@@ -17,12 +22,14 @@ from mhl_jax.runtime.memory import (
     device_limit,
     is_out_of_memory,
     out_of_memory_message,
+    peak_in_use,
     step_memory,
 )
+from mhl_jax.runtime.state import init_state, state_creator
 from mhl_jax.train import loop
 from mhl_jax.train.optimizer import make_optimizer
-from mhl_jax.train.state import init_state, shard_optimizer_saving, state_creator
-from tests.e2e.test_train import ROOT, tiny
+from mhl_jax.train.state import shard_optimizer_saving
+from tests.e2e.test_train import ROOT, _dir_snapshot, tiny
 
 
 @pytest.mark.parametrize("config, axis", [("tiny_mh_latent_moe", "hp"), ("tiny_moe", "ep")])
@@ -133,8 +140,7 @@ def test_check_fits_hints_only_what_can_help():
     (["parallel.hp=1", "parallel.shard_optimizer=true"], 2, 0.0)])  # on already
 def test_shard_optimizer_saving_of_the_paper_state(sets, devices, saving_gib):
     """The saving the hint names, for the 2.2B MH-LatentMoE's abstract state (nothing allocated), against
-    bench/memory.py state's counts (results/memory-state-cpu-2026-11-27-s40.jsonl: moments 16.45 -> 8.23 GiB at data 2,
-    8.94 -> 8.23 at hp 2)."""
+    the counts of the state's arrays (moments 16.45 -> 8.23 GiB at data 2, 8.94 -> 8.23 at hp 2)."""
     cfg = load_config(str(ROOT / "configs/mh_latent_moe_hp_2.2b.yaml"),
                       [*sets, f"parallel.devices={devices}", "train.micro_batch=1"])
     mesh = make_mesh(cfg)
@@ -153,8 +159,6 @@ class _FakeDevice:
 
 
 def test_device_limit_is_the_smallest_and_peak_the_largest():
-    from mhl_jax.runtime.memory import peak_in_use
-
     devices = [_FakeDevice(80, 5), _FakeDevice(60, 9), _FakeDevice(70, 7)]
     assert device_limit(devices) == (60, "FakeGPU")
     assert peak_in_use(devices) == 9
@@ -209,8 +213,6 @@ def test_out_of_memory_in_a_step_is_one_line_naming_the_estimate(tmp_path, monke
 def test_a_refused_run_removes_xla_autotuning_dump(tmp_path, monkeypatch):
     """On a GPU XLA dumps its autotuning results while it compiles the step (into the run directory): a refused run
     removes that dump, so the directory it created goes too."""
-    from mhl_jax.runtime.autotune import AutotuneFile
-
     cfg = tiny(tmp_path, "schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1")
     tuned = AutotuneFile(path=tmp_path / "run" / "xla_autotune.txt")
     monkeypatch.setattr(loop, "autotune_file", lambda *a, **k: tuned)
@@ -315,10 +317,6 @@ def test_gpu_running_out_of_memory_is_one_line(tmp_path, monkeypatch):
 
 def test_check_compiles_reports_and_writes_nothing(tmp_path):
     """train.py --check: the memory line and the verdict, status 0, no run directory left behind."""
-    import os
-    import subprocess
-    import sys
-
     run = tmp_path / "a" / "run"
     r = subprocess.run([sys.executable, "train.py", "--check", "--set", f"logging.run_dir={run}"], cwd=ROOT,
                        capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})  # one CPU device
@@ -341,8 +339,6 @@ def test_check_compiles_reports_and_writes_nothing(tmp_path):
 def test_check_of_a_run_with_checkpoints_changes_nothing(tmp_path, monkeypatch, capsys):
     """--check in a run directory that holds a checkpoint: says where the run would resume, reads no state and leaves
     every file as it was; over a (fake) device limit it is refused like the run itself."""
-    from tests.e2e.test_train import _dir_snapshot
-
     cfg = tiny(tmp_path, "schedule.total_steps=4", "schedule.warmup_steps=1", "schedule.decay_steps=1",
                "checkpoint.every=2", "data.val_sequences=0")
     loop.train(cfg, stop_after=2)

@@ -10,15 +10,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from mhl_jax.config import load_config
 from mhl_jax.parallel.mesh import make_mesh
+from mhl_jax.runtime.checkpoint import CheckpointError
 from mhl_jax.runtime.memory import GIB, check_fits, per_device_bytes
-from mhl_jax.train.checkpoint import CheckpointError
+from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.loop import train
 from mhl_jax.train.optimizer import make_optimizer, stored_in
-from mhl_jax.train.state import moment_dtype_saving, state_creator
+from mhl_jax.train.state import moment_dtype_saving
 from tests.unit.test_memory import _memory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +36,6 @@ def _floats_as(tree, dtype):
 
 
 def test_only_the_moments_are_stored_in_bf16():
-    import optax
-
     tx = stored_in(optax.inject_hyperparams(optax.adamw)(learning_rate=0.1, weight_decay=0.01), "bfloat16")
     params = {"w": jnp.ones((4, 3))}
     state = tx.init(params)
@@ -46,8 +46,6 @@ def test_only_the_moments_are_stored_in_bf16():
 
 
 def test_float32_moments_are_optax_adamw_itself():
-    import optax
-
     tx = optax.sgd(0.1)
     assert stored_in(tx, "float32") is tx
     assert stored_in(tx, jnp.float32) is tx

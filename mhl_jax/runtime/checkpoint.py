@@ -28,87 +28,33 @@ from typing import Any
 
 import grain
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
-from mhl_jax.config import CheckpointConfig
+from mhl_jax.config import CheckpointConfig, Config, config_to_dict
+from mhl_jax.runtime.checkpoint_tree import (
+    PyTree,
+    abstract_leaf,
+    changed_leaves,
+    describe,
+    is_prng_key,
+    named_leaves,
+    nest,
+    storable,
+    unflatten,
+)
+from mhl_jax.runtime.errors import CheckpointError
 
-PyTree = Any
 STATE, META, DATA = "state", "meta", "data"
 FORMAT = 1  # version of the layout above
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, malformed, or was written by a different model or state layout."""
-
-
-# ----------------------------------------------------------------------------- pytree <-> nested dict
-
-
-def _key_name(entry: Any) -> str:
-    for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def _is_prng_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _named_leaves(tree: PyTree) -> tuple[list[tuple[tuple[str, ...], Any]], Any]:
-    """[(path names, leaf)] in flattening order, and the treedef."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    named = [(tuple(_key_name(e) for e in path) or ("_",), leaf) for path, leaf in flat]
-    if len({names for names, _ in named}) != len(named):
-        raise CheckpointError("two leaves of the state have the same path names; use distinct dict keys")
-    return named, treedef
-
-
-def _nest(named: list[tuple[tuple[str, ...], Any]]) -> dict:
-    root: dict = {}
-    for names, value in named:
-        node = root
-        for n in names[:-1]:
-            node = node.setdefault(n, {})
-        node[names[-1]] = value
-    return root
-
-
-def _lookup(tree: dict, names: tuple[str, ...]) -> Any:
-    for n in names:
-        tree = tree[n]
-    return tree
-
-
-def _storable(leaf: Any) -> Any:
-    """The array actually written: key data for typed PRNG keys, numpy for host scalars."""
-    if _is_prng_key(leaf):
-        return jax.random.key_data(leaf)
-    if isinstance(leaf, jax.Array):
-        return leaf
-    return np.asarray(leaf)
-
-
-def _abstract(leaf: Any) -> Any:
-    """What Orbax restores a template leaf as: a sharded jax.Array or a numpy array."""
-    if _is_prng_key(leaf):
-        leaf = jax.eval_shape(jax.random.key_data, leaf)
-    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-        sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-    return np.zeros_like(np.asarray(leaf))
-
-
-def _describe(leaf: Any) -> list:
-    """[shape, dtype name] of what is stored for a leaf (key data for PRNG keys)."""
-    if _is_prng_key(leaf):
-        x = jax.eval_shape(jax.random.key_data, leaf)
-    elif isinstance(leaf, jax.ShapeDtypeStruct):
-        x = leaf
-    else:
-        x = _storable(leaf)
-    return [list(x.shape), str(np.dtype(x.dtype))]
+def model_fingerprint(cfg: Config) -> dict:
+    """What a checkpoint must agree on to be restored into this run: the model and FFN config, less the settings
+    that change how it runs (kernels, attention implementation, compute dtype, remat) or trains (balance_gamma)."""
+    d = config_to_dict(cfg)
+    ffn = {k: v for k, v in d["ffn"].items() if k not in ("kernels", "balance_gamma")}
+    model = {k: v for k, v in d["model"].items() if k not in ("attention_impl", "compute_dtype", "remat")}
+    return {"model": model, "ffn": ffn}
 
 
 def _quiet_closed_loop_callbacks() -> None:
@@ -143,22 +89,6 @@ def _absl_quiet(prefix: str):
     finally:
         logger.removeFilter(drop)
 
-
-def _flat_dict(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix.rstrip("."): d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat_dict(v, f"{prefix}{k}."))
-    return out
-
-
-def changed_leaves(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
-    """[(dotted key, old value, new value)] over the leaves of two nested dicts that differ, sorted by key; a leaf
-    missing on one side reads '<absent>'."""
-    a, b = _flat_dict(old), _flat_dict(new)
-    return [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b))
-            if a.get(k, "<absent>") != b.get(k, "<absent>")]
 
 
 def _shared_data_state(data_dir: Path, where: str) -> dict | None:
@@ -244,12 +174,12 @@ class Checkpointer:
         Returns once the arrays are on the host when async (call `wait()` to wait for the files)."""
         if self.read_only:
             raise CheckpointError(f"cannot save into {str(self.directory)!r}: opened read-only")
-        named, _ = _named_leaves(state)
+        named, _ = named_leaves(state)
         meta = {"format": FORMAT, "step": int(step), "fingerprint": self.fingerprint,
-                "leaves": [[list(names), *_describe(leaf)] for names, leaf in named],
+                "leaves": [[list(names), *describe(leaf)] for names, leaf in named],
                 "key_impls": {"/".join(names): str(jax.random.key_impl(leaf)) for names, leaf in named
-                              if _is_prng_key(leaf)}}
-        items = {STATE: ocp.args.StandardSave(_nest([(n, _storable(leaf)) for n, leaf in named])),
+                              if is_prng_key(leaf)}}
+        items = {STATE: ocp.args.StandardSave(nest([(n, storable(leaf)) for n, leaf in named])),
                  META: ocp.args.JsonSave(meta)}
         if data_iter is not None:
             items[DATA] = grain.checkpoint.CheckpointSave(data_iter)
@@ -326,7 +256,7 @@ class Checkpointer:
             lines = "; ".join(f"{k}: checkpoint {theirs!r}, this run {ours!r}" for k, theirs, ours in diff)
             raise CheckpointError(f"checkpoint {where} was written by a different model config ({lines})")
         saved = {tuple(names): (shape, dtype) for names, shape, dtype in meta["leaves"]}
-        wanted = {names: tuple(_describe(leaf)) for names, leaf in named}
+        wanted = {names: tuple(describe(leaf)) for names, leaf in named}
         missing = [n for n in wanted if n not in saved]
         extra = [] if partial else [n for n in saved if n not in wanted]
         if missing or extra:
@@ -373,7 +303,7 @@ class Checkpointer:
         """
         self.wait()
         directory, step, where, named, treedef, meta = self._checked(state_template, step, path, partial=False)
-        items = {STATE: ocp.args.StandardRestore(_nest([(n, _abstract(leaf)) for n, leaf in named]))}
+        items = {STATE: ocp.args.StandardRestore(nest([(n, abstract_leaf(leaf)) for n, leaf in named]))}
         shared = None  # the iterator state when another process count wrote it (_shared_data_state)
         if data_iter is not None:
             if not (directory / str(step) / DATA).is_dir():
@@ -388,32 +318,18 @@ class Checkpointer:
             data_iter.set_state(shared)
             if hasattr(data_iter, "start_prefetch"):  # as Grain's own restore does
                 data_iter.start_prefetch()
-        return int(meta["step"]), self._unflatten(restored, named, treedef, meta, where)
+        return int(meta["step"]), unflatten(restored, named, treedef, meta, where)
 
     def _checked(self, template: PyTree, step: int | None, path: str | Path | None, partial: bool):
         """(directory, step, where, named leaves, treedef, meta) of the checkpoint to restore into `template`, its
         meta item read and checked against the template (`_check_meta`) before any array is read."""
         directory, step = self._locate(step, path)
         where = str(directory / str(step))
-        named, treedef = _named_leaves(template)
+        named, treedef = named_leaves(template)
         meta = self._read(step, directory, ocp.args.Composite(**{META: ocp.args.JsonRestore()}), where, META)[META]
         self._check_meta(meta, named, where, partial=partial)
         return directory, step, where, named, treedef, meta
 
-    @staticmethod
-    def _unflatten(restored: dict, named: list, treedef: Any, meta: dict, where: str) -> PyTree:
-        """The template's structure filled with the restored values (typed PRNG keys rewrapped)."""
-        leaves = []
-        for names, leaf in named:
-            value = _lookup(restored, names)
-            if _is_prng_key(leaf):
-                impl = meta["key_impls"].get("/".join(names))
-                if impl is None:
-                    raise CheckpointError(f"checkpoint {where}: leaf {'/'.join(names)} was saved as raw key data, "
-                                          "the template asks for a typed PRNG key")
-                value = jax.random.wrap_key_data(value, impl=impl)
-            leaves.append(value)
-        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def restore_parts(self, template: dict, step: int | None = None,
                       path: str | Path | None = None) -> tuple[int, dict]:
@@ -423,8 +339,8 @@ class Checkpointer:
         if not self.read_only:
             raise CheckpointError("restore_parts needs a Checkpointer opened with read_only=True")
         directory, step, where, named, treedef, meta = self._checked(template, step, path, partial=True)
-        tree = _nest([(n, _abstract(leaf)) for n, leaf in named])
+        tree = nest([(n, abstract_leaf(leaf)) for n, leaf in named])
         args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
                                       partial_restore=True)
         restored = self._read(step, directory, ocp.args.Composite(**{STATE: args}), where, STATE)[STATE]
-        return int(meta["step"]), self._unflatten(restored, named, treedef, meta, where)
+        return int(meta["step"]), unflatten(restored, named, treedef, meta, where)

@@ -1,0 +1,23 @@
+"""Bad input, found once a run is set up: a config, data files or a checkpoint that cannot serve it.
+
+train.py and `python -m mhl_jax.infer` print these as one line and exit with status 2, without a traceback: the
+message names the key, file or step at fault and what to do, which a traceback would only bury.
+"""
+
+from __future__ import annotations
+
+from mhl_jax.config import ConfigError
+from mhl_jax.data.errors import DataError
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, malformed, or was written by a different model or state layout."""
+
+
+INPUT_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+def input_error_line(e: Exception) -> str:
+    """`config error: ...`, `data error: ...` or `checkpoint error: ...` for one of INPUT_ERRORS."""
+    kind = next(n for c, n in zip(INPUT_ERRORS, ("config", "data", "checkpoint")) if isinstance(e, c))
+    return f"{kind} error: {e}"
