@@ -20,7 +20,7 @@ from mhl_jax import infer
 from mhl_jax.config import load_config
 from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.train.optimizer import make_optimizer
-from mhl_jax.train.state import state_creator
+from mhl_jax.runtime.state import state_creator
 
 
 def initialised(config: str, sets: list[str]) -> infer.Loaded:

@@ -6,7 +6,7 @@
 
 init: the state (parameters, AdamW moments, biases) created two ways, each in a fresh process over every visible GPU:
 `eager` (the whole model and its optimizer state built on the first GPU, then placed with `jax.device_put`: what
-sharded creation saves) and `sharded`, `mhl_jax.train.state.init_state` (created under jit in its shardings).
+sharded creation saves) and `sharded`, `mhl_jax.runtime.state.init_state` (created under jit in its shardings).
 Per mode: the largest per-GPU peak (`peak_bytes_in_use`), the time, or the error (out of memory).
 
 fit: `train.py` with the config for `--steps` steps (built-in byte corpus, global batch 32, no evaluation or
@@ -43,7 +43,7 @@ from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import make_mesh, state_shardings
 from mhl_jax.runtime.memory import GIB, device_limit, is_out_of_memory, peak_in_use, per_device_bytes
 from mhl_jax.train.optimizer import make_optimizer
-from mhl_jax.train.state import init_state, state_creator
+from mhl_jax.runtime.state import init_state, state_creator
 
 ROOT = Path(__file__).resolve().parents[1]
 

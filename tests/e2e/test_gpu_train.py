@@ -5,7 +5,7 @@
   step as compiled is deterministic).
 - Issue 4, item 5: a few train steps of a small MH-LatentMoE model under Head Parallel (hp = 2) and a
   small MoE model under Expert Parallel (ep = 2, ragged_all_to_all) give the same losses as on one GPU
-  (fp32, highest matmul precision): bench/train_2gpu.py as a test. Needs 2 GPUs.
+  (fp32, highest matmul precision): bench/determinism.py --devices 2 as a test. Needs 2 GPUs.
 The CPU equivalence tests with 8 host devices are in tests/parallel/test_parallel.py."""
 
 import jax

@@ -11,9 +11,6 @@ GPU (marker gpu): the same on the GPU's kernels, and the jax-triton launch bitwi
 import importlib
 import os
 
-if os.environ.get("MHL_TEST_GPU") != "1":
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
-
 import numpy as np
 import pytest
 

@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels module is imported
 pytest.importorskip("triton")
 
 from kernels.torch.experts import pack_torch  # noqa: E402

@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels module is imported
 pytest.importorskip("triton")
 
 from kernels.torch.experts import experts_fwd, pack_torch, triton_expert_ffn  # noqa: E402
