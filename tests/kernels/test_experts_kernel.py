@@ -540,7 +540,7 @@ def test_gpu_layer_triton_vs_oracle_and_reference(de, ne, monkeypatch):
     x = jax.random.normal(ks[6], (n, d)).astype(jnp.bfloat16)
     wy = jax.random.normal(ks[7], (n, d), jnp.float32)
 
-    from mhl_jax.moe.router import route_topk
+    from mhl_jax.moe.router import route_topk_reference as route_topk
 
     # one routing decision (bf16 sub-tokens, fp32 scores) for every implementation
     sub = jnp.dot(x, params[0].astype(jnp.bfloat16)).reshape(n, nh, dh)
