@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-from mhl_jax.config import Config, config_reference, field_docs, load_config
+from mhl_jax.config import Config, load_config
+from mhl_jax.config_reference import config_reference, field_docs
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
@@ -25,4 +26,4 @@ def test_reference_lists_every_key_once():
 def test_docs_config_md_is_current():
     assert DOC.read_text() == config_reference(), (
         "docs/config.md differs from mhl_jax/config.py's field comments; regenerate it with "
-        "`python -m mhl_jax.config --reference > docs/config.md`")
+        "`python -m mhl_jax.config_reference > docs/config.md`")
