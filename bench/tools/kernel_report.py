@@ -87,36 +87,37 @@ def _compile_report(fn, consts: dict, num_warps: int, num_stages: int, pointer_t
     return _ptxas_report(fn, compiled.asm["ptx"], compiled.asm["ttgir"], int(compiled.metadata.shared))
 
 
-def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128,
-              thr: int | None = None) -> dict:
-    """Compile a warp-specialised Gluon kernel (kernels/gluon/experts.py: `fwd_ws` the forward, `dw_ws` the weight
-    gradients, `bwd_ws` the fused backward, `bwd_xw` the same with the dX warp group; kernels/gluon/router.py:
-    `router_ws` the router forward, Ne = de; thr: its threshold selection's round limit, 0 networks only, None the
-    kernel's default) as the JAX binding does
-    (mhl_jax.moe.gpu.gluon) and read ptxas' report (registers: the kernel's launch limit, maxnreg)."""
-    import kernels.gluon.experts as ge
-
+def report_ws(kind: str = "fwd_ws", dh: int = 128, de: int = 256, k: int = 4, pack_block: int = 128) -> dict:
+    """Compile a warp-specialised Gluon kernel (kernels/gluon/experts_fwd.py: `fwd_ws` the forward;
+    kernels/gluon/experts_bwd.py: `dw_ws` the weight gradients; kernels/gluon/experts_bwd_fused.py: `bwd_ws` the fused
+    backward, `bwd_xw` the same with the dX warp group; kernels/gluon/router.py: `router_ws` the router forward, Ne =
+    de) as the JAX binding does (mhl_jax.moe.gpu.gluon) and read ptxas' report (registers: the kernel's launch limit,
+    maxnreg)."""
+    from kernels import tuning
+    from kernels.gluon import experts_bwd, experts_bwd_fused, experts_fwd
     from mhl_jax.moe.gpu.gluon import compile_gluon
 
     if kind == "fwd_ws":
-        fn, consts = ge.gluon_expert_fwd_ws_kernel, ge.ws_constexprs(k, dh, de, 8 * 384, 4096, pack_block)
-        tile = [pack_block, ge.WS_BLOCK_E, 12, de // ge.WS_BLOCK_E]
+        fn = experts_fwd.gluon_expert_fwd_ws_kernel
+        consts = experts_fwd.fwd_constexprs(k, dh, de, 8 * 384, 4096, pack_block)
+        tile = [pack_block, tuning.GLUON_FWD_BLOCK_E, 12, de // tuning.GLUON_FWD_BLOCK_E]
     elif kind == "dw_ws":
-        fn, consts = ge.gluon_expert_dw_ws_kernel, ge.dw_ws_constexprs(k, dh, de, pack_block)
-        tile = [ge.DW_WS_BLOCK_M, 128, 12, ge.DW_WS_STAGES]
+        fn, consts = experts_bwd.gluon_expert_dw_ws_kernel, experts_bwd.dw_ws_constexprs(k, dh, de, pack_block)
+        tile = [tuning.GLUON_DW_BLOCK_M, 128, 12, tuning.GLUON_DW_STAGES]
     elif kind == "bwd_ws":  # the fused backward (de 128)
-        fn, consts = ge.gluon_expert_bwd_ws_kernel, ge.bwd_ws_constexprs(k, dh, de, pack_block)
-        tile = [ge.DW_WS_BLOCK_M, 128, 12, ge.BWD_WS_STAGES]
+        fn = experts_bwd_fused.gluon_expert_bwd_ws_kernel
+        consts = experts_bwd_fused.bwd_ws_constexprs(k, dh, de, pack_block)
+        tile = [tuning.GLUON_DW_BLOCK_M, 128, 12, tuning.GLUON_BWD_STAGES]
     elif kind == "bwd_xw":  # the fused backward with the dX warp group
-        fn, consts = ge.gluon_expert_bwd_xw_kernel, ge.bwd_xw_constexprs(k, dh, de, pack_block)
-        tile = [ge.DW_WS_BLOCK_M, 128, 16, ge.BWD_XW_STAGES]
+        fn = experts_bwd_fused.gluon_expert_bwd_xw_kernel
+        consts = experts_bwd_fused.bwd_xw_constexprs(k, dh, de, pack_block)
+        tile = [tuning.GLUON_DW_BLOCK_M, 128, 16, tuning.GLUON_XW_STAGES]
     elif kind in ("router_ws", "router_ws_cast"):  # the router forward at 81920 tokens x 8 heads, Ne = de, bf16x3
         import kernels.gluon.router as gr  # _cast: with the caster warp group (two consumers; the layer's expert
         # weights at de 128: 8 x Ne x 128 x 128 elements each)
 
         cast = kind == "router_ws_cast"
-        consts = gr.ws_router_constexprs(81920, 8, dh, de, k, 3, nc=2 if cast else None,
-                                         cast_n=8 * de * dh * 128 if cast else 0, thr=thr)
+        consts = gr.ws_router_constexprs(81920, 8, dh, de, k, cast_n=8 * de * dh * 128 if cast else 0)
         fn = gr.ws_router_kernel(consts["NC"], cast)
         tile = [64 * consts["NC"], 64, 4 * (consts["NC"] + 1 + cast), consts["NST"]]
         pointer = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i32",
@@ -203,7 +204,8 @@ def sass_partitions(sass: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiles", nargs="+", default=DEFAULT_TILES,
-                    help="kind,block_m,block_e,warps,stages; router_ws[_cast][,thr] (thr 0: the networks only)")
+                    help="kind,block_m,block_e,warps,stages; router,block_n,block_e,warps,stages,select[,row_tiles]; "
+                         "fwd_ws, dw_ws, bwd_ws, bwd_xw, router_ws, router_ws_cast")
     ap.add_argument("--dh", type=int, default=128)
     ap.add_argument("--de", type=int, default=256)
     ap.add_argument("--pack-block", type=int, default=128)
@@ -216,8 +218,8 @@ def main() -> None:
     for spec in args.tiles:
         kind, *nums = spec.split(",")
         if kind in ("fwd_ws", "dw_ws", "bwd_ws", "bwd_xw", "router_ws", "router_ws_cast"):
-            rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or 4, pack_block=args.pack_block,
-                            thr=int(nums[0]) if nums and kind.startswith("router_ws") else None)
+            rec = report_ws(kind, dh=args.dh, de=args.de, k=args.k or (8 if kind.startswith("router_ws") else 4),
+                            pack_block=args.pack_block)
         elif kind == "router":
             rec = report_router(*(int(v) for v in nums), dh=args.dh, ne=args.ne, k=args.k or 8)
         else:

@@ -124,7 +124,7 @@ def main() -> None:
     import torch
     from triton.testing import do_bench
 
-    from kernels.triton.experts import ExpertsConfig, Tile, default_config
+    from kernels.tuning import ExpertsConfig, Tile, default_config
 
     nh, dh, k, ne, de = 8, 128, args.k, args.ne, args.de
     dev = "cuda"

@@ -27,10 +27,10 @@ NAMES = {"bwd_ws": "gluon_expert_bwd_ws_kernel", "bwd_xw": "gluon_expert_bwd_xw_
 
 def child(kernel: str, tokens: int, ne: int, k: int, de: int) -> None:
     import torch
-    from kernels.gluon.experts import gluon_experts_bwd_ws, gluon_experts_dw_ws, gluon_experts_fwd_ws
 
     from bench.tools.kernel_tiles import expert_weights, input_set
-    from kernels.triton.experts import default_config
+    from kernels.torch.experts import gluon_experts_bwd_ws, gluon_experts_dw_ws, gluon_experts_fwd_ws
+    from kernels.tuning import default_config
 
     nh, dh = 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)

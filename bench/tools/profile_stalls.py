@@ -32,18 +32,12 @@ def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
     routing (`kernel_tiles.input_set`) at the layer's shapes, twice each; gluon: also the Gluon kernels (the
     expert forward, dW and fused backward where they take the shape, and the Gluon router forward)."""
     import torch
-    from kernels.gluon.experts import (
-        bwd_ws_supported,
-        gluon_experts_bwd_ws,
-        gluon_experts_dw_ws,
-        gluon_experts_fwd_ws,
-        ws_supported,
-    )
 
     from bench.tools.kernel_tiles import expert_weights, input_set, launch
-    from kernels.gluon.router import gluon_router_fwd_ws, ws_router_supported
-    from kernels.torch.router import router_fwd, split_bf16
-    from kernels.triton.experts import default_config
+    from kernels.gluon.router import ws_router_supported
+    from kernels.torch.experts import gluon_experts_bwd_ws, gluon_experts_dw_ws, gluon_experts_fwd_ws
+    from kernels.torch.router import gluon_router_fwd_ws, router_fwd
+    from kernels.tuning import default_config, gluon_bwd_supported, gluon_dw_supported, gluon_fwd_supported
 
     nh, dh = 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -58,13 +52,14 @@ def child(tokens: int, ne: int, de: int, k: int, gluon: bool = False) -> None:
         for kind in kinds:
             launch(kind, cfg, s, w1, w2, k)
         if gluon:  # the warp-specialised forward and weight gradients, and the fused backward where it takes the shape
-            if ws_supported(dh, de, cfg.pack_block):
+            if gluon_fwd_supported(dh, de, cfg.pack_block):
                 gluon_experts_fwd_ws(s[0], s[3], w1, w2, k, cfg.pack_block)
-            gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
-            if bwd_ws_supported(dh, de, cfg.pack_block):
+            if gluon_dw_supported(dh, de, cfg.pack_block):
+                gluon_experts_dw_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
+            if gluon_bwd_supported(dh, de, cfg.pack_block):
                 gluon_experts_bwd_ws(s[0], s[1], s[2], s[3], w1, w2, k, cfg.pack_block, heads=nh)
-            if ws_router_supported(dh, ne, k, 3):
-                gluon_router_fwd_ws(s[0].view(tokens, nh, dh), split_bf16(wr, 3), bias, k)
+            if ws_router_supported(dh, ne, k):
+                gluon_router_fwd_ws(s[0].view(tokens, nh, dh), wr, bias, k)
     torch.cuda.synchronize()
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kernels.gluon.experts import _wgmma_layout
+from kernels.gluon.common import _wgmma_layout
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (

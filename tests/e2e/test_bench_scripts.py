@@ -243,7 +243,7 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
     fwd and dX kernels spill nothing, the dW kernel at most a few words; at de 128 the dW kernel is the fused
     backward with the gate gradients, which spills a few hundred bytes)."""
     pytest.importorskip("triton")
-    from kernels.triton.experts import default_config
+    from kernels.tuning import default_config
 
     cfg = default_config(81920 * 8 * k, 8 * ne, 128, de)
     tiles = [f"{kind},{t.block_m},{t.block_e},{t.num_warps},{t.num_stages}"
