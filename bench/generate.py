@@ -19,8 +19,8 @@ from bench.common import JsonLines, parser, today
 from mhl_jax import infer
 from mhl_jax.config import load_config
 from mhl_jax.parallel.mesh import make_mesh
-from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.runtime.state import state_creator
+from mhl_jax.train.optimizer import make_optimizer
 
 
 def initialised(config: str, sets: list[str]) -> infer.Loaded:

@@ -42,8 +42,8 @@ from mhl_jax.model.gpt import build_model
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import make_mesh, state_shardings
 from mhl_jax.runtime.memory import GIB, device_limit, is_out_of_memory, peak_in_use, per_device_bytes
-from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.runtime.state import init_state, state_creator
+from mhl_jax.train.optimizer import make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

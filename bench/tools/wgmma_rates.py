@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from kernels.gluon.common import _wgmma_layout
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -32,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from bench.common import JsonLines, today
+from kernels.gluon.common import _wgmma_layout
 
 
 @gluon.jit
