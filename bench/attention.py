@@ -57,12 +57,17 @@ def measure(impl: str, shape, ref, bf16_inputs, fn=None) -> dict:
     return rec
 
 
-def main(argv=None) -> None:
-    ap = parser(__doc__)
+def add_shape_args(ap) -> None:
+    """The attention shape options (the model's configuration by default), shared with bench.tools.attention_tiles."""
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+
+
+def main(argv=None) -> None:
+    ap = parser(__doc__)
+    add_shape_args(ap)
     ap.add_argument("--impls", nargs="+", default=["cudnn", "xla", "pallas"], choices=["cudnn", "xla", "pallas"])
     args = ap.parse_args(argv)
     shape = (args.batch, args.seq, args.heads, args.head_dim)

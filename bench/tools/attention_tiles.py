@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 
-from bench.attention import inputs, measure
+from bench.attention import add_shape_args, inputs, measure
 from bench.common import JsonLines, parser, time_jax, today
 
 
@@ -90,10 +90,7 @@ def sweep(shape, emit, qb, kb, vb, gb) -> tuple[dict, dict]:
 
 def main(argv=None) -> None:
     ap = parser(__doc__)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    add_shape_args(ap)
     args = ap.parse_args(argv)
     shape = (args.batch, args.seq, args.heads, args.head_dim)
     ref, (qb, kb, vb, gb) = inputs(shape)
