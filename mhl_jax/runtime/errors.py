@@ -16,6 +16,13 @@ class CheckpointError(ValueError):
 
 INPUT_ERRORS = (ConfigError, DataError, CheckpointError)
 
+# Exit statuses of every command (train.py, `python -m mhl_jax.infer`, `compare`, `data.prepare`), so that a job
+# script or scheduler can tell what to do next without reading the log.
+EXIT_OK = 0  # done
+EXIT_FAILED = 1  # stopped by a failure during the run (diverged, out of memory, a checkpoint that could not be saved)
+EXIT_BAD_INPUT = 2  # refused before the work started: config, data, checkpoint or command line (one line says why)
+EXIT_INTERRUPTED = 3  # stopped by a signal after saving a checkpoint: run the same command again to resume
+
 
 def input_error_line(e: Exception) -> str:
     """`config error: ...`, `data error: ...` or `checkpoint error: ...` for one of INPUT_ERRORS."""
