@@ -124,8 +124,9 @@ class TrainConfig:
     # fp32 gradients of a small MH-LatentMoE by 1.8e-5 relative on an H200; it cannot combine with cuDNN attention
     xla_deterministic_ops: bool = False
     # GPU: XLA's autotuning results kept with the run, so a resumed process compiles the kernels the first one
-    # picked and the losses continue bitwise ("auto": <run_dir>/xla_autotune.txt; "": off, every process tunes
-    # afresh; else a file path). mhl_jax/runtime/autotune.py.
+    # picked and the losses continue bitwise ("auto": <run_dir>/xla_autotune.txt, and a cache shared by fresh runs
+    # of one config on one GPU model, so they too give equal losses; "": off, every process tunes afresh; else a
+    # file path). mhl_jax/runtime/autotune.py.
     xla_autotune_file: str = "auto"
 
 

@@ -1,11 +1,11 @@
-"""XLA's autotuning results kept with a run, so that every process of the run compiles the same GPU kernels.
+"""XLA's autotuning results kept and shared, so that every process of a run, and every fresh run of one config on
+one GPU model, compiles the same GPU kernels.
 
 On GPUs XLA times candidate kernels (cuBLAS algorithms, its own GEMM fusions' tiles) while it compiles and keeps the
 fastest. Timings are noisy, so two fresh processes can pick different kernels for the same step, and different kernels
 round differently: the 2.2B MH-LatentMoE step's losses differed in the 6th digit from the second step between two
 fresh processes on one H100, and were bitwise equal when the second process loaded the first one's autotuning
-results. Turning autotuning off instead (`--xla_gpu_autotune_level=0`)
-made that step 11x slower.
+results. Turning autotuning off instead (`--xla_gpu_autotune_level=0`) made that step 11x slower.
 
 `train.xla_autotune_file` ("auto": `<run_dir>/xla_autotune.txt`; "": off; else a path): the first process of a run
 writes XLA's results there once its step and evaluation are compiled (through a temporary file and a rename, so a
@@ -15,8 +15,15 @@ had to tune that the file lacked, e.g. an evaluation step the first process neve
 another run's checkpoint (`--resume <run>/checkpoints/<step>`) loads that run's file when its own has none. In a run
 of several processes each keeps its own file (process i > 0: `xla_autotune.process<i>.txt`, beside process 0's), since
 each tunes its own compile; a process without its own file (the run resumed with more processes) loads process 0's.
-Only on GPUs: XLA's CPU compiler does not autotune. XLA looks results up by GPU model and computation: a file made on
-another GPU model should leave XLA tuning afresh (not tried here).
+Only on GPUs: XLA's CPU compiler does not autotune.
+
+With "auto" the results are also kept in a cache that every run shares (`shared_dir`: $MHL_CACHE_DIR/xla_autotune,
+default ~/.cache/mhl_jax/xla_autotune), one file per `step_key`: the GPU model, the device and process counts, the
+software versions, XLA_FLAGS and the config (less its logging and checkpoint sections, which do not shape the
+compiled step). A fresh run with no file of its own loads the cache's file for its key, so two fresh runs of one
+config on one GPU model compile the same kernels and give bitwise-equal losses (two runs started at the same moment
+on an empty cache each tune, and may still differ). Loading results costs no step time: the kernels are the ones
+tuning picked, only the timing is skipped.
 
 A run of several processes on GPUs with the file on compiles without JAX's persistent compilation cache
 (JAX_COMPILATION_CACHE_DIR; `guard_persistent_cache`). The file paths are compile options, so part of the
@@ -30,14 +37,17 @@ assignment out of them), and the cache is left on.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jaxlib
 from jax.experimental.compilation_cache import compilation_cache
 
-from mhl_jax.config import ConfigError
+from mhl_jax.config import Config, ConfigError, config_to_dict
 
 DEFAULT_NAME = "xla_autotune.txt"  # the text form (XLA picks the form from the extension)
 _TEXT_SUFFIXES = (".txt", ".textproto", ".prototxt", ".pbtxt")
@@ -46,10 +56,11 @@ _TEXT_SUFFIXES = (".txt", ".textproto", ".prototxt", ".pbtxt")
 @dataclass(frozen=True)
 class AutotuneFile:
     """Where a process keeps XLA's autotuning results. path None: off; load: the file read before compiling (None:
-    tune afresh)."""
+    tune afresh); shared: the cache file `commit` also writes (None: none)."""
 
     path: Path | None = None
     load: Path | None = None
+    shared: Path | None = None
 
     @property
     def write(self) -> bool:
@@ -81,7 +92,43 @@ class AutotuneFile:
         if not self.write or not self.tmp.exists():
             return False
         self.tmp.replace(self.path)
+        if self.shared is not None:
+            _copy_into_cache(self.path, self.shared)
         return True
+
+
+def _copy_into_cache(src: Path, dst: Path) -> None:
+    """`src` as the cache's file `dst`, through a rename (a reader sees a whole file). XLA's dump holds what it loaded
+    as well as what it tuned, so the newer file holds the older's entries. A cache that cannot be written (a read-only
+    home) leaves the run as it is: the run's own file is in place."""
+    part = dst.with_name(f"{dst.stem}.{os.getpid()}.partial{dst.suffix}")
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        part.write_bytes(src.read_bytes())
+        part.replace(dst)
+    except OSError:
+        try:
+            part.unlink()
+        except OSError:
+            pass
+
+
+def shared_dir() -> Path:
+    """The cache of autotuning results every run on this machine (or shared home) reads and writes."""
+    root = os.environ.get("MHL_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                    "mhl_jax")
+    return Path(root).expanduser() / "xla_autotune"
+
+
+def step_key(cfg: Config) -> str:
+    """What decides the compiled step and the kernels XLA may pick for it: the config less its logging and checkpoint
+    sections, the GPU model, the device and process counts, the JAX and jaxlib versions and XLA_FLAGS."""
+    shaping = {k: v for k, v in config_to_dict(cfg).items() if k not in ("logging", "checkpoint")}
+    devices = jax.devices()
+    what = {"config": shaping, "device_kind": devices[0].device_kind, "devices": len(devices),
+            "processes": jax.process_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 def _looks_like_results(path: Path) -> bool:
@@ -122,9 +169,10 @@ def guard_persistent_cache(setting: str) -> str | None:
 
 
 def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backend: str = "gpu",
-                  process_index: int = 0) -> AutotuneFile:
-    """Resolve `train.xla_autotune_file` for this process (module docstring). Raises ConfigError naming the value when
-    the file's directory is missing or the file to load is not XLA autotuning results."""
+                  process_index: int = 0, key: str | None = None, cache: Path | None = None) -> AutotuneFile:
+    """Resolve `train.xla_autotune_file` for this process (module docstring). `key`: the run's `step_key`, for the
+    shared cache (None: no cache) in `cache` (default `shared_dir()`). Raises ConfigError naming the value when the
+    file's directory is missing or the file to load is not XLA autotuning results."""
     if backend != "gpu" or setting == "":
         return AutotuneFile()
     if setting == "auto":
@@ -142,8 +190,12 @@ def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backen
         r = Path(resume).expanduser().resolve()
         # <run>/checkpoints/<step> or <run>/checkpoints
         candidates += [_own(d / DEFAULT_NAME, i) for d in (r.parent.parent, r.parent) for i in (process_index, 0)]
+    shared = None
+    if setting == "auto" and key is not None:
+        shared = _own((cache or shared_dir()) / f"{key}.txt", process_index)
+        candidates.append(shared)
     load = next((c for c in candidates if c.is_file()), None)
     if load is not None and not _looks_like_results(load):
         raise ConfigError(f"train.xla_autotune_file={setting!r}: {load} is not a file of XLA autotuning results; "
                           "delete it (XLA then tunes afresh and writes a new one) or set train.xla_autotune_file=''")
-    return AutotuneFile(path=_own(path, process_index), load=load)
+    return AutotuneFile(path=_own(path, process_index), load=load, shared=shared)

@@ -25,7 +25,7 @@ from mhl_jax.model.params import count_params, train_flops_per_token
 from mhl_jax.moe.plan import plan_for_config
 from mhl_jax.parallel.mesh import batch_spec, make_mesh
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
-from mhl_jax.runtime.autotune import AutotuneFile, autotune_file
+from mhl_jax.runtime.autotune import AutotuneFile, autotune_file, step_key
 from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
 from mhl_jax.runtime.distributed import agree, check_shared_directory, global_array, is_lead, sync, xla_options
 from mhl_jax.runtime.errors import CheckpointError
@@ -179,8 +179,11 @@ def _prepare(cfg: Config, run_dir: Path, resume: str | None, log, lead: bool, ch
     eval_batch = cfg.train.micro_batch * mesh.size
     val = _validation(cfg, eval_batch, mesh.size, log)
     resume = resume or cfg.checkpoint.resume or None
-    # XLA's autotuning results kept with the run (GPU); a bad setting is refused before anything is written
-    tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, jax.default_backend(), jax.process_index())
+    # XLA's autotuning results kept with the run and shared by runs of this config (GPU); a bad setting is refused
+    # before anything is written
+    backend = jax.default_backend()
+    tuned = autotune_file(cfg.train.xla_autotune_file, run_dir, resume, backend, jax.process_index(),
+                          key=step_key(cfg) if backend == "gpu" else None)
     notes["autotune"] = tuned
     return Run(cfg, run_dir, log, lead, resume, mesh, accum, tx, graphdef, create_state, abstract,
                NamedSharding(mesh, batch_spec(mesh)), loader, val, eval_batch, tuned,

@@ -17,7 +17,7 @@ CFG = os.path.join(ROOT, "configs", "")
 SMALL = ["model.compute_dtype=float32", "model.n_layers=1", "ffn.stem_layers=0", "model.context=32",
          "train.global_batch=16"]  # one MoE layer: compiles in seconds
 BENCHES = ["layer", "experts", "router", "a2a", "train_scale", "memory", "attention", "generate", "determinism",
-           "multiprocess"]
+           "fresh_runs", "multiprocess"]
 TOOLS = ["profile_layer", "profile_stalls", "profile_sass", "kernel_report", "kernel_tiles", "wgmma_rates",
          "attention_tiles"]
 

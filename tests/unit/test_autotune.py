@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from mhl_jax.config import ConfigError
-from mhl_jax.runtime.autotune import DEFAULT_NAME, AutotuneFile, autotune_file, persistent_cache_off_reason
+from mhl_jax.config import ConfigError, load_config
+from mhl_jax.runtime.autotune import (
+    DEFAULT_NAME,
+    AutotuneFile,
+    autotune_file,
+    persistent_cache_off_reason,
+    shared_dir,
+    step_key,
+)
 from mhl_jax.train import step as step_mod
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +87,45 @@ def test_resume_from_another_run_loads_its_file(tmp_path):
     assert autotune_file("auto", new, resume=str(src / "checkpoints" / "6")).load == (new / DEFAULT_NAME).resolve()
     # an explicit path is not looked for elsewhere
     assert autotune_file(str(tmp_path / "mine.txt"), new, resume=str(src / "checkpoints")).load is None
+
+
+def test_fresh_runs_of_one_config_share_the_cache(tmp_path):
+    """A fresh run loads the shared cache's file for its key and, once compiled, writes its results there too; its
+    own file (a resume) comes first; other keys and explicit paths do not touch the cache."""
+    cache, first, second = tmp_path / "cache", tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    a = autotune_file("auto", first, key="k1", cache=cache)
+    assert a.load is None and a.shared == cache / "k1.txt"
+    a.tmp.write_text(RESULTS)  # XLA's dump at compile time
+    assert a.commit() and (cache / "k1.txt").read_text() == RESULTS == a.path.read_text()
+    assert not list(cache.glob("*partial*"))
+    b = autotune_file("auto", second, key="k1", cache=cache)
+    assert b.load == cache / "k1.txt" and b.path == (second / DEFAULT_NAME).resolve()
+    assert autotune_file("auto", second, key="k2", cache=cache).load is None
+    assert autotune_file("auto", second, key="k1", cache=cache, process_index=1).load is None  # its own entry
+    (second / DEFAULT_NAME).write_text(RESULTS + "\n")
+    assert autotune_file("auto", second, key="k1", cache=cache).load == (second / DEFAULT_NAME).resolve()
+    assert autotune_file(str(tmp_path / "mine.txt"), second, key="k1", cache=cache).shared is None
+    # a cache that cannot be written leaves the run's own file in place
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache's directory would be")
+    c = autotune_file("auto", first, key="k1", cache=blocked / "sub")
+    c.tmp.write_text(RESULTS)
+    assert c.commit() and c.path.read_text() == RESULTS
+
+
+def test_step_key_follows_what_shapes_the_step(monkeypatch):
+    base = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"))
+    same = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"),
+                       ["logging.run_dir=/elsewhere", "logging.log_every=3", "checkpoint.every=7"])
+    assert step_key(base) == step_key(same)
+    for change in ("train.micro_batch=8", "model.n_layers=2", "optimizer.lr=1e-3", "ffn.top_k=4"):
+        assert step_key(load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), [change])) != step_key(base), change
+    key = step_key(base)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=2")
+    assert step_key(base) != key
+    monkeypatch.setenv("MHL_CACHE_DIR", "/some/cache")
+    assert shared_dir() == Path("/some/cache/xla_autotune")
 
 
 def test_explicit_path_and_binary_form(tmp_path):
