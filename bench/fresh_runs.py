@@ -29,9 +29,9 @@ import numpy as np
 from bench.common import JsonLines, parser, today, user_env
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULTS = ["data.source=builtin", "data.tokenizer=byte", "data.eval_every=0", "data.val_sequences=0",
-            "train.micro_batch=16", "train.global_batch=32", "checkpoint.every=0", "schedule.warmup_steps=1",
-            "schedule.decay_steps=1", "logging.progress_bar=false", "logging.log_every=1"]
+DEFAULTS = ["data.source=builtin", "data.path=", "data.val_path=", "data.tokenizer=byte", "data.eval_every=0",
+            "data.val_sequences=0", "train.micro_batch=16", "train.global_batch=32", "checkpoint.every=0",
+            "schedule.warmup_steps=1", "schedule.decay_steps=1", "logging.progress_bar=false", "logging.log_every=1"]
 
 
 def run(config: str, steps: int, overrides: list[str], run_dir: Path, cache: Path) -> list[dict]:
