@@ -1,12 +1,9 @@
 """End to end on CPU: the tiny default trains and its loss falls; the CLI rejects bad configs."""
 
-import builtins
 import dataclasses
 import glob
 import json
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -60,18 +57,6 @@ def test_progress_line_durations():
                                                                           "2d03h"]
     m = {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "eta_s": 75}
     assert format_line(3, 10, m) == "step 3/10 | loss 2.0000 | lr 1.00e-03 | gnorm 0.500 | 1.0k tok/s | ETA 1m15s"
-
-
-def test_cli_rejects_bad_config_with_named_error():
-    r = subprocess.run([sys.executable, "train.py", "--set", "ffn.top_k=99"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 2
-    assert "ffn.top_k=99 > ffn.num_experts=16" in r.stderr
-
-
-def test_cli_rejects_unknown_key():
-    r = subprocess.run([sys.executable, "train.py", "--set", "optimizer.learning_rate=1"], cwd=ROOT,
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "unknown config key 'optimizer.learning_rate'" in r.stderr
 
 
 @pytest.mark.parametrize("kind", ["tiny_moe", "tiny_latent_moe", "tiny_mlp"])
@@ -285,12 +270,6 @@ def test_profile_traces_the_asked_steps(tmp_path, capsys):
     assert "profiler trace of steps 2-4 written to" in capsys.readouterr().out
 
 
-def test_profile_start_outside_the_run_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"logging.profile_start=50: must be a step of the run, 1 to "
-                                          r"schedule.total_steps=40"):
-        tiny(tmp_path, "logging.profile_start=50")
-
-
 def _dir_snapshot(path: Path) -> dict:
     """Every file under `path` -> its bytes (what a refused run must leave as it was)."""
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
@@ -361,29 +340,6 @@ def test_a_fresh_run_over_an_earlier_runs_records(tmp_path):
     assert [r["step"] for r in _records(run_dir)] == [1, 2]
 
 
-def test_bad_run_directories_and_a_small_validation_set_are_refused_before_writing(tmp_path):
-    small = ("schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1", "model.n_layers=2")
-    a_file = tmp_path / "a_file"
-    a_file.write_text("x")
-    with pytest.raises(ConfigError, match=r"logging.run_dir=.*a_file' is a file; expected a directory"):
-        train(tiny(tmp_path, *small, f"logging.run_dir={a_file}"))
-    with pytest.raises(ConfigError, match=r"logging.run_dir=.*a_file/run' cannot be created"):
-        train(tiny(tmp_path, *small, f"logging.run_dir={a_file / 'run'}"))
-    assert a_file.read_text() == "x"
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "checkpoints").write_text("y")
-    with pytest.raises(CheckpointError, match=r"checkpoints' is a file; expected a directory"):
-        train(tiny(tmp_path, *small, "checkpoint.every=1"))
-    assert _dir_snapshot(run_dir) == {"checkpoints": b"y"}
-    (run_dir / "checkpoints").unlink()
-    # tiny's micro-batch is 16 sequences on one device: 8 validation sequences make no evaluation batch
-    with pytest.raises(ConfigError, match=r"data.val_sequences=8 is fewer than one evaluation batch \(train.micro_batch"
-                                          r"=16 x 1 devices = 16\)"):
-        train(tiny(tmp_path, *small, "data.val_sequences=8", "data.eval_every=1", "checkpoint.every=1"))
-    assert _dir_snapshot(run_dir) == {}
-
-
 def test_nothing_to_train_says_where_the_run_starts(tmp_path):
     lines = []
     assert train(tiny(tmp_path, "model.n_layers=2"), stop_after=0, log=lines.append) == []
@@ -433,20 +389,6 @@ def test_run_ends_with_a_summary_line(tmp_path):
     assert f"val_loss {val['val_loss']:.4f} val_ppl {val['val_ppl']:.2f} (step 12)" in lines[-1], lines[-1]
 
 
-def test_a_refused_run_leaves_no_directory_it_created(tmp_path):
-    """Bad input found after the run directory was made (here data shards that do not exist): the directories this
-    run created are removed again; an existing directory is left as it was."""
-    bad = ("data.source=bin", f"data.path={tmp_path / 'no_shards'}")
-    fresh = tmp_path / "new" / "run"
-    with pytest.raises(DataError, match="no_shards"):
-        train(tiny(tmp_path, f"logging.run_dir={fresh}", *bad))
-    assert not (tmp_path / "new").exists()
-    (tmp_path / "kept").mkdir()
-    with pytest.raises(DataError, match="no_shards"):
-        train(tiny(tmp_path, f"logging.run_dir={tmp_path / 'kept'}", *bad))
-    assert (tmp_path / "kept").is_dir()
-
-
 def test_no_validation_data_is_read_without_evaluation(tmp_path):
     """data.eval_every=0: a shard directory without validation shards trains (nothing reads them); with
     evaluation on, the missing shards are named."""
@@ -494,15 +436,3 @@ def test_tensorboard_scalars_are_the_records(tmp_path):
         assert board[key] == pytest.approx(v, rel=1e-6, abs=1e-30), key  # float32 in the event files
 
 
-def test_tensorboard_without_its_package_is_refused_first(tmp_path, monkeypatch):
-    real = builtins.__import__
-
-    def no_tensorboardx(name, *args, **kwargs):
-        if name == "tensorboardX":
-            raise ImportError("no tensorboardX here")
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_tensorboardx)
-    with pytest.raises(ConfigError, match="logging.tensorboard=true needs the tensorboardX package"):
-        train(tiny(tmp_path, "logging.tensorboard=true"), log=lambda *a, **k: None)
-    assert not (tmp_path / "run").exists()  # nothing written, the directory it created removed
