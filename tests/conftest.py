@@ -28,6 +28,14 @@ if HAS_GPU:
 else:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from tests.models import emulate_kernels  # noqa: E402  (after the interpreter is chosen)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """The Triton bindings through their `emulate` backend (tests.models.emulate_kernels)."""
+    emulate_kernels(monkeypatch)
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 
-def _gpus() -> int:
+def gpus() -> int:
     try:
         return len(jax.devices("gpu"))
     except RuntimeError:
@@ -58,7 +58,7 @@ def test_step_context_bitwise_on_one_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs")
 def test_two_gpu_losses_equal_one_gpu():
     from bench.determinism import one_vs_two_devices as run
 

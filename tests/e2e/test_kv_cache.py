@@ -21,7 +21,7 @@ from mhl_jax.model.loss import head_logits
 from mhl_jax.moe.core import LocalMoE
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import make_mesh
-from tests.kernels.test_kernels_in_model import emulated, small  # noqa: F401  (emulated: a fixture)
+from tests.models import small
 
 
 def _logits(model, x):

@@ -6,7 +6,6 @@ process compiles afresh and XLA's autotuning could pick other kernels: there the
 checkpoint resumes exactly.
 """
 
-import json
 import os
 import shutil
 import signal
@@ -15,67 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from mhl_jax.config import load_config
 from mhl_jax.data.prepare import main as prepare_main
-from mhl_jax.model.balancing import RouterBias
-from mhl_jax.model.gpt import build_model
 from mhl_jax.runtime.autotune import DEFAULT_NAME
-from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
-from mhl_jax.train.optimizer import make_optimizer
+from tests.runs import assert_same_state, common, losses, run
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 4
-
-
-def common(run_dir, *extra):
-    return ["--config", "configs/tiny_mh_latent_moe.yaml",
-            "--set", "schedule.total_steps=8", "--set", "schedule.warmup_steps=2", "--set", "schedule.decay_steps=2",
-            "--set", "model.n_layers=2", "--set", "model.context=32", "--set", "train.global_batch=8",
-            "--set", "train.micro_batch=4", "--set", "data.val_sequences=8", "--set", "data.eval_every=4",
-            "--set", "checkpoint.every=2", "--set", "checkpoint.async_save=false",
-            "--set", "logging.progress_bar=false", "--set", f"logging.run_dir={run_dir}", *extra]
-
-
-def run(args, gpu=False, **kw):
-    env = {**os.environ, "XLA_FLAGS": "", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    if gpu:
-        env.pop("JAX_PLATFORMS", None)
-        env.pop("TRITON_INTERPRET", None)
-    else:
-        env["JAX_PLATFORMS"] = "cpu"
-    r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
-def losses(run_dir):
-    recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"], r.get("val_loss")) for r in recs]
-
-
-def final_params(run_dir, step=None):
-    """Parameters of the newest checkpoint (or of `step`'s), read back through the library (flattened, as numpy)."""
-    cfg = load_config(str(Path(run_dir) / "config.yaml"))
-    _, params, biases = nnx.split(build_model(cfg), nnx.Param, RouterBias)
-    tx = make_optimizer(cfg)
-    template = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": np.int32(0),
-                "rng": jax.random.key_data(jax.random.key(0))}
-    ck = Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint, model_fingerprint(cfg))
-    step, state = ck.restore(template, None, step=step)
-    ck.close()
-    return step, [np.asarray(x) for x in jax.tree.leaves(state)]
-
-
-def assert_same_state(a, b):
-    (sa, la), (sb, lb) = final_params(a), final_params(b)
-    assert sa == sb and len(la) == len(lb)
-    for x, y in zip(la, lb):
-        assert x.dtype == y.dtype and np.array_equal(x, y)
 
 
 def test_stop_and_resume_is_exact(tmp_path):

@@ -18,17 +18,9 @@ from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError, model_fing
 from mhl_jax.train import loop, progress
 from mhl_jax.train.loop import train
 from mhl_jax.train.metrics import StepClock, duration, format_line
-from tests.e2e.test_resume import final_params
+from tests.runs import dir_snapshot, final_params, records, tiny
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def tiny(tmp_path, *extra):
-    return load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), [
-        "schedule.total_steps=40", "schedule.warmup_steps=5", "schedule.decay_steps=10", "data.eval_every=20",
-        "model.context=64",
-        "data.val_sequences=16", "logging.progress_bar=false", "logging.log_every=20", "checkpoint.every=0",
-        f"logging.run_dir={tmp_path / 'run'}", "parallel.devices=1", *extra])
 
 
 def test_tiny_run_loss_falls_and_logs(tmp_path, capsys):
@@ -68,12 +60,6 @@ def test_other_variants_train(tmp_path, kind):
         "parallel.devices=1"])
     losses = [m["loss"] for m in train(cfg)]
     assert losses[-1] < losses[0] - 0.5
-
-
-def _records(run_dir):
-    """metrics.jsonl without the wall-clock fields."""
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in recs]
 
 
 def _simulate_clock(n_steps, drained, lag, log_every, evals=(), period=lambda n: 0.25, compile_s=3.0, pause_s=0.7,
@@ -218,7 +204,7 @@ def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, cap
         states = {n: final_params(run_dir, n)[1] for n in saved}
         for n in saved:  # the state's step counter (its last leaf: the keys sort as biases, ..., rng, step) is n
             assert states[n][-1].shape == () and int(states[n][-1]) == n
-        runs[ahead] = (_records(run_dir), lines, saved, len(hist))
+        runs[ahead] = (records(run_dir), lines, saved, len(hist))
         arrays[ahead] = states
     base, ahead = runs[False], runs[True]
     for n in base[2]:
@@ -244,7 +230,7 @@ def test_non_finite_loss_stops_before_a_checkpoint(tmp_path):
     bad = int(str(err.value).split(" at step ")[1].split(";")[0])
     assert bad >= 2
     run_dir = tmp_path / "run"
-    recs = _records(run_dir)
+    recs = records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, bad))
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
         assert ckpt.all_steps() == list(range(2, bad, 2))
@@ -268,11 +254,6 @@ def test_profile_traces_the_asked_steps(tmp_path, capsys):
     outer = [c for i, c in enumerate(calls) if i == 0 or c[0] >= calls[i - 1][1]]  # nested TraceMe events once
     assert len(outer) == 3, calls
     assert "profiler trace of steps 2-4 written to" in capsys.readouterr().out
-
-
-def _dir_snapshot(path: Path) -> dict:
-    """Every file under `path` -> its bytes (what a refused run must leave as it was)."""
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.parametrize("metric, what", [("grad_norm", "gradient norm"), ("loss", "loss")])
@@ -299,7 +280,7 @@ def test_a_non_finite_metric_stops_before_its_record_and_checkpoint(tmp_path, mo
     with pytest.raises(FloatingPointError, match=rf"^{what} is nan at step 3; stopping"):
         train(cfg)
     run_dir = tmp_path / "run"
-    assert [r["step"] for r in _records(run_dir)] == [1, 2]
+    assert [r["step"] for r in records(run_dir)] == [1, 2]
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
         assert ckpt.all_steps() == [2]
 
@@ -311,10 +292,10 @@ def test_resuming_an_older_checkpoint_into_a_run_with_later_ones_is_refused_firs
               "checkpoint.every=2", "checkpoint.keep=5", "checkpoint.async_save=false", "model.n_layers=2")
     straight = train(tiny(tmp_path, *common))
     run_dir = tmp_path / "run"
-    before = _dir_snapshot(run_dir)
+    before = dir_snapshot(run_dir)
     with pytest.raises(CheckpointError, match=r"resuming step 2 .* already holds later checkpoints \(steps \[4\]\)"):
         train(tiny(tmp_path, *common), resume=str(run_dir / "checkpoints" / "2"))
-    assert _dir_snapshot(run_dir) == before
+    assert dir_snapshot(run_dir) == before
     other = tmp_path / "other"
     resumed = train(tiny(tmp_path, *common, f"logging.run_dir={other}"), resume=str(run_dir / "checkpoints" / "2"))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight[2:]]
@@ -328,16 +309,16 @@ def test_a_fresh_run_over_an_earlier_runs_records(tmp_path):
               "model.n_layers=2")
     first = train(tiny(tmp_path, *common))
     run_dir = tmp_path / "run"
-    before = _dir_snapshot(run_dir)
-    assert len(_records(run_dir)) == 2
+    before = dir_snapshot(run_dir)
+    assert len(records(run_dir)) == 2
     with pytest.raises(ConfigError, match=r"holds the metrics of an earlier run .*metrics.jsonl.* with another config"):
         train(tiny(tmp_path, *common, "optimizer.lr=1e-3"))
-    assert _dir_snapshot(run_dir) == before
+    assert dir_snapshot(run_dir) == before
     lines = []
     again = train(tiny(tmp_path, *common), log=lines.append)
     assert any("starting over from step 0" in line for line in lines)
     assert [m["loss"] for m in again] == [m["loss"] for m in first]
-    assert [r["step"] for r in _records(run_dir)] == [1, 2]
+    assert [r["step"] for r in records(run_dir)] == [1, 2]
 
 
 def test_nothing_to_train_says_where_the_run_starts(tmp_path):

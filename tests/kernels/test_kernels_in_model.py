@@ -14,11 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import mhl_jax.moe.gpu.experts as experts_triton
 import mhl_jax.moe.gpu.fused as moe_triton
 import mhl_jax.moe.gpu.grouped as experts_grouped
-import mhl_jax.moe.gpu.router as router_triton
-from mhl_jax.config import load_config
 from mhl_jax.model.balancing import RouterBias
 from mhl_jax.model.context import build_step_context, expert_weight_leaf
 from mhl_jax.model.gpt import build_model
@@ -27,22 +24,7 @@ from mhl_jax.moe.core import LocalMoE
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.train.step import loss_fn
-
-
-@pytest.fixture
-def emulated(monkeypatch):
-    monkeypatch.setattr(router_triton, "route_topk_triton",
-                        functools.partial(router_triton.route_topk_triton, backend="emulate"))
-    monkeypatch.setattr(experts_triton, "expert_ffn_triton",
-                        functools.partial(experts_triton.expert_ffn_triton, backend="emulate"))
-    monkeypatch.setattr(moe_triton, "moe_heads_fused", functools.partial(moe_triton.moe_heads_fused, backend="emulate"))
-    monkeypatch.setattr(experts_grouped, "expert_ffn_grouped",
-                        functools.partial(experts_grouped.expert_ffn_grouped, backend="emulate"))
-
-
-def small(kind, *extra):
-    return load_config(f"configs/tiny_{kind}.yaml", ["model.n_layers=2", "model.context=16", "model.d_model=64",
-                                                     "ffn.stem_layers=1", *extra])
+from tests.models import small, tokens
 
 
 def loss_and_grads(cfg, executor, tokens):
@@ -55,11 +37,6 @@ def loss_and_grads(cfg, executor, tokens):
 
     (loss, loads), grads = f(params, biases, tokens)
     return loss, loads, grads
-
-
-def tokens(cfg, batch=8):
-    rng = np.random.default_rng(0)
-    return jnp.asarray(rng.integers(0, 257, (batch, cfg.model.context + 1)), jnp.int32)
 
 
 def assert_close(a, b):

@@ -4,8 +4,6 @@ count, one set of records. On the CPU: two processes of two host devices each (g
 four; on a machine with 2 GPUs (marker gpu): a process per GPU (NCCL) against one process of both."""
 
 import json
-import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +22,8 @@ from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.runtime.checkpoint import CheckpointError, _shared_data_state
 from mhl_jax.runtime.distributed import ENV, Launch, parse_launch
 from mhl_jax.train.records import truncate_metrics
-from tests.e2e.test_resume import common, final_params, losses
+from tests.parallel.machine import Machine, assert_close_runs, free_port, gpus, two_processes_train_as_one
+from tests.runs import losses
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,117 +110,8 @@ def test_data_state_of_another_process_count(tmp_path):
 # ----------------------------------------------------------------------------- two processes against one
 
 
-def _gpus() -> int:
-    try:
-        return len(jax.devices("gpu"))
-    except Exception:
-        return 0
-
-
-class Machine:
-    """Where a run's processes go: the CPU (4 host devices, 2 per process, gloo) or 2 GPUs (1 per process)."""
-
-    def __init__(self, gpu: bool, compilation_cache=None):
-        self.gpu = gpu
-        self.devices = 2 if gpu else 4
-        self.compilation_cache = compilation_cache  # JAX's persistent compilation cache for every run, if given
-
-    def args(self, run_dir, *extra, moe: bool = False):
-        """The tiny MH-LatentMoE over all devices with hp (moe: the tiny MoE with ep), 4 steps."""
-        model = ["--config", "configs/tiny_moe.yaml", "--set", f"parallel.ep={self.devices}"] if moe else \
-            ["--set", f"parallel.hp={self.devices}"]
-        return [*common(run_dir), "--set", "schedule.total_steps=4", "--set", "train.micro_batch=1", *model, *extra]
-
-    def env(self, devices: int) -> dict:
-        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-        if self.gpu:
-            env["XLA_FLAGS"] = ""
-            env.pop("JAX_PLATFORMS", None)
-            env.pop("TRITON_INTERPRET", None)
-        else:
-            env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-        if self.gpu:  # GPUs: only with a cache of the test's own (test_gpu_relaunch_with_the_compilation_cache)
-            env.pop("JAX_COMPILATION_CACHE_DIR", None)
-        if self.compilation_cache is not None:
-            env.update(JAX_COMPILATION_CACHE_DIR=str(self.compilation_cache),
-                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-        return env
-
-    def one_process(self, args):
-        r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
-                           env=self.env(self.devices), timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-
-    def run_two(self, args_of, cwd_of=lambda i: ROOT) -> list[tuple[int, str, str]]:
-        """Both processes of a run (half the devices each), process i with `args_of(i)` in `cwd_of(i)`:
-        [(exit status, stdout, stderr)]."""
-        port = _free_port()
-        per = self.devices // 2
-        procs = []
-        for i in range(2):
-            own = ["--local-device-ids", ",".join(str(i * per + j) for j in range(per))] if self.gpu else []
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args_of(i), "--coordinator",
-                                           f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), *own],
-                                          cwd=cwd_of(i), env=self.env(per), stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
-        try:
-            outs = [p.communicate(timeout=600) for p in procs]
-            return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
-        finally:
-            for p in procs:
-                p.kill()
-
-    def two_processes(self, args) -> list[str]:
-        """Both processes of a run that must succeed; their stdout."""
-        runs = self.run_two(lambda i: args)
-        for code, _, err in runs:
-            assert code == 0, err[-3000:]
-        return [out for _, out, _ in runs]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _assert_close(a, b, rel):
-    assert [s for s, *_ in a] == [s for s, *_ in b]
-    for (_, la, va), (_, lb, vb) in zip(a, b):
-        assert la == pytest.approx(lb, rel=rel) and (va is None) == (vb is None)
-        assert va is None or va == pytest.approx(vb, rel=rel)
-
-
-def _two_processes_train_as_one(tmp_path, machine: Machine, rel: float, *extra: str):
-    """Two processes of one run against one process of all devices: the losses, and the parameters and optimizer
-    state after 4 steps, straight through, resumed by two processes and by one. Every run compiles with the GEMM
-    kernels that the one-process run tuned (train.xla_autotune_file, a no-op on the CPU): left to tune its own, each
-    process may pick other kernels, and AdamW turns their rounding in near-zero gradients into whole updates (a 2-GPU
-    run's parameters differed by 3% at 5 of 16384 elements)."""
-    two, moved, one = tmp_path / "two", tmp_path / "moved", tmp_path / "one"
-    tuned = ["--set", f"train.xla_autotune_file={tmp_path / 'tuned.txt'}", *extra]
-    machine.one_process(machine.args(one, *tuned))  # all devices in one process, straight through (tunes, writes)
-    assert not machine.gpu or (tmp_path / "tuned.txt").is_file()
-    outs = machine.two_processes(machine.args(two, "--stop-after", "2", *tuned))  # checkpoint at step 2
-    assert "step 2/4" in outs[0] and "step " not in outs[1]  # process 0 alone prints
-    shutil.copytree(two, moved)
-    machine.two_processes(machine.args(two, *tuned))  # resumes step 2 with two processes
-    machine.one_process(machine.args(moved, *tuned))  # the two processes' checkpoint of step 2, resumed by one process
-
-    ref = losses(one)
-    assert len(ref) == 4 and ref[-1][2] is not None
-    _assert_close(losses(two), ref, rel)  # one record per step: process 1 writes none
-    _assert_close(losses(moved), ref, rel)
-    assert (two / "checkpoints" / "2" / "data" / "process_1-of-2.json").is_file()
-    for other in (two, moved):
-        (sa, la), (sb, lb) = final_params(other), final_params(one)
-        assert sa == sb == 4 and len(la) == len(lb)
-        for x, y in zip(la, lb):
-            np.testing.assert_allclose(x, y, rtol=10 * rel, atol=1e-6)
-
-
 def test_two_processes_train_as_one(tmp_path):
-    _two_processes_train_as_one(tmp_path, Machine(gpu=False), rel=1e-5)
+    two_processes_train_as_one(tmp_path, Machine(gpu=False), rel=1e-5)
 
 
 def _expert_parallel_as_one(tmp_path, machine: Machine, rel: float):
@@ -232,7 +122,7 @@ def _expert_parallel_as_one(tmp_path, machine: Machine, rel: float):
     machine.one_process(machine.args(one, moe=True))
     ref = losses(one)
     assert len(ref) == 4
-    _assert_close(losses(two), ref, rel)
+    assert_close_runs(losses(two), ref, rel)
 
 
 def test_two_processes_expert_parallel_as_one(tmp_path):
@@ -240,15 +130,15 @@ def test_two_processes_expert_parallel_as_one(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_two_processes_train_as_one(tmp_path):
     """With JAX's persistent compilation cache set: train.py turns it off in the runs of two processes
     (mhl_jax/runtime/autotune.py, `guard_persistent_cache`); with it on, this test's relaunch hung."""
-    _two_processes_train_as_one(tmp_path, Machine(gpu=True, compilation_cache=tmp_path / "jax_cache"), rel=1e-4)
+    two_processes_train_as_one(tmp_path, Machine(gpu=True, compilation_cache=tmp_path / "jax_cache"), rel=1e-4)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_two_processes_expert_parallel_as_one(tmp_path):
     _expert_parallel_as_one(tmp_path, Machine(gpu=True), rel=1e-4)
 
@@ -315,7 +205,7 @@ def test_stopping_one_process_ends_it_at_once(tmp_path):
     which caught it, is off)."""
     machine = Machine(gpu=False)
     log = [tmp_path / f"p{i}.txt" for i in range(2)]
-    port = _free_port()
+    port = free_port()
     args = machine.args(tmp_path / "run", "--set", "schedule.total_steps=400", "--set", "checkpoint.every=0",
                         "--set", "data.eval_every=0", "--set", "logging.log_every=1")
     procs = [subprocess.Popen([sys.executable, "train.py", *args, "--coordinator", f"localhost:{port}",

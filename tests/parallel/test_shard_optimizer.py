@@ -15,8 +15,8 @@ from mhl_jax.config import load_config
 from mhl_jax.parallel.mesh import make_mesh, spread_over_copies
 from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.optimizer import make_optimizer
-from tests.e2e.test_resume import ROOT, final_params, losses
-from tests.parallel.test_multiprocess import Machine, _gpus, _two_processes_train_as_one
+from tests.parallel.machine import Machine, gpus, two_processes_train_as_one
+from tests.runs import ROOT, final_params, losses
 
 
 def _mesh(data, inner):
@@ -77,7 +77,7 @@ def test_moments_split_over_their_copies(config, sets):
 
 def _run(machine, run_dir, *extra):
     """CPU: data 2 x hp 2 on 4 host devices; GPU: data 2 on 2 GPUs, every run with the first one's tuned GEMM kernels
-    (tests/parallel/test_multiprocess.py's `_two_processes_train_as_one` says why)."""
+    (tests/parallel/test_multiprocess.py's `two_processes_train_as_one` says why)."""
     hp = "parallel.hp=1" if machine.gpu else "parallel.hp=2"
     tuned = ["--set", f"train.xla_autotune_file={run_dir.parent / 'tuned.txt'}"]
     machine.one_process(machine.args(run_dir, "--set", hp, *tuned, *extra))
@@ -132,7 +132,7 @@ def test_training_with_split_moments_is_training_with_copied_ones(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_training_with_split_moments_is_training_with_copied_ones(tmp_path):
     _split_as_copied(tmp_path, Machine(gpu=True), rel=1e-4)
 
@@ -140,4 +140,4 @@ def test_gpu_training_with_split_moments_is_training_with_copied_ones(tmp_path):
 def test_two_processes_with_split_moments_train_as_one(tmp_path):
     """The moments split over devices of two processes (2 CPU processes x 2 devices, hp 4): the losses and final
     state as one process of the 4 devices, also across a checkpoint resumed by one process."""
-    _two_processes_train_as_one(tmp_path, Machine(gpu=False), 1e-5, "--set", "parallel.shard_optimizer=true")
+    two_processes_train_as_one(tmp_path, Machine(gpu=False), 1e-5, "--set", "parallel.shard_optimizer=true")

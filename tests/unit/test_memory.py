@@ -29,7 +29,7 @@ from mhl_jax.runtime.state import init_state, state_creator
 from mhl_jax.train import loop
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.state import shard_optimizer_saving
-from tests.e2e.test_train import ROOT, _dir_snapshot, tiny
+from tests.runs import ROOT, dir_snapshot, tiny
 
 
 @pytest.mark.parametrize("config, axis", [("tiny_mh_latent_moe", "hp"), ("tiny_moe", "ep")])
@@ -342,7 +342,7 @@ def test_check_of_a_run_with_checkpoints_changes_nothing(tmp_path, monkeypatch, 
     cfg = tiny(tmp_path, "schedule.total_steps=4", "schedule.warmup_steps=1", "schedule.decay_steps=1",
                "checkpoint.every=2", "data.val_sequences=0")
     loop.train(cfg, stop_after=2)
-    before = _dir_snapshot(tmp_path / "run")
+    before = dir_snapshot(tmp_path / "run")
     monkeypatch.setattr(loop.Checkpointer, "restore", lambda *a, **k: pytest.fail("--check restored the state"))
     monkeypatch.setattr(loop, "state_creator", _no_create(loop.state_creator))
     capsys.readouterr()
@@ -352,7 +352,7 @@ def test_check_of_a_run_with_checkpoints_changes_nothing(tmp_path, monkeypatch, 
     monkeypatch.setattr(loop, "device_limit", lambda devices: (1000, "FakeGPU"))
     with pytest.raises(ConfigError, match="more than the 0.00 GiB that JAX may allocate on each FakeGPU"):
         loop.train(cfg, check=True)
-    assert _dir_snapshot(tmp_path / "run") == before
+    assert dir_snapshot(tmp_path / "run") == before
 
 
 def _no_create(real):

@@ -16,12 +16,11 @@ import pytest
 from mhl_jax.config import load_config
 from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.runtime.checkpoint import CheckpointError
-from mhl_jax.runtime.memory import GIB, check_fits, per_device_bytes
+from mhl_jax.runtime.memory import GIB, StepMemory, check_fits, per_device_bytes
 from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.loop import train
 from mhl_jax.train.optimizer import make_optimizer, stored_in
 from mhl_jax.train.state import moment_dtype_saving
-from tests.unit.test_memory import _memory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,5 +116,6 @@ def test_bf16_moments_halve_the_moments_of_the_paper_state(config, devices, sets
     assert saving > 0 and moment_dtype_saving(cfg16, abstract16) == 0
     assert abs((b32 - b16) - saving) <= 16  # the int32 step counters stay
     assert b16 == pytest.approx(b32 / 2, rel=1e-6)
+    memory = StepMemory(arguments=int(60 * GIB), outputs=0, temporaries=int(10 * GIB), aliased=0)
     with pytest.raises(Exception, match=rf"optimizer.moment_dtype=bfloat16 \({saving / GIB:.2f} GiB less per"):
-        check_fits(_memory(arguments=60.0, temporaries=10.0), (int(60 * GIB), "H100"), cfg32, devices, 0, saving)
+        check_fits(memory, (int(60 * GIB), "H100"), cfg32, devices, 0, saving)

@@ -26,7 +26,7 @@ from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.runtime.checkpoint import model_fingerprint
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
-from tests.kernels.test_kernels_in_model import emulated, small, tokens  # noqa: F401  (emulated: a fixture)
+from tests.models import small, tokens
 
 
 def _remat_regions(jaxpr) -> int:

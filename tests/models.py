@@ -1,0 +1,37 @@
+"""Small models the kernel-path tests share, and the Triton bindings' `emulate` backend switched on for them."""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+import mhl_jax.moe.gpu.experts as experts_triton
+import mhl_jax.moe.gpu.fused as moe_triton
+import mhl_jax.moe.gpu.grouped as experts_grouped
+import mhl_jax.moe.gpu.router as router_triton
+from mhl_jax.config import load_config
+
+
+def emulate_kernels(monkeypatch) -> None:
+    """Route the Triton bindings through their `emulate` backend: the same custom_vjp, metadata and packing, with
+    pure-JAX stand-ins for the kernel launches (what the CPU can check of the GPU path)."""
+    monkeypatch.setattr(router_triton, "route_topk_triton",
+                        functools.partial(router_triton.route_topk_triton, backend="emulate"))
+    monkeypatch.setattr(experts_triton, "expert_ffn_triton",
+                        functools.partial(experts_triton.expert_ffn_triton, backend="emulate"))
+    monkeypatch.setattr(moe_triton, "moe_heads_fused", functools.partial(moe_triton.moe_heads_fused, backend="emulate"))
+    monkeypatch.setattr(experts_grouped, "expert_ffn_grouped",
+                        functools.partial(experts_grouped.expert_ffn_grouped, backend="emulate"))
+
+
+def small(kind, *extra):
+    """configs/tiny_<kind>.yaml cut to 2 layers of width 64 and a context of 16: compiles in seconds."""
+    return load_config(f"configs/tiny_{kind}.yaml", ["model.n_layers=2", "model.context=16", "model.d_model=64",
+                                                     "ffn.stem_layers=1", *extra])
+
+
+def tokens(cfg, batch=8):
+    """A fixed batch of random byte tokens, one more than the context per row (inputs and targets)."""
+    rng = np.random.default_rng(0)
+    return jnp.asarray(rng.integers(0, 257, (batch, cfg.model.context + 1)), jnp.int32)
+
