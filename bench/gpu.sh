@@ -29,12 +29,15 @@ export HOME=/tmp/home TRITON_CACHE_DIR=/tmp/triton_cache MHL_TRITON_CACHE=/tmp/t
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache \
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 
-TESTS_1="tests/kernels/test_experts_kernel.py"
-TESTS_2="tests/kernels/test_router_kernel.py tests/kernels/test_packing.py tests/kernels/test_combine.py
-         tests/kernels/test_experts_grouped.py tests/kernels/test_kernels_in_model.py"
+TESTS_1="tests/kernels/test_experts_gpu.py tests/kernels/test_experts_kernel.py tests/kernels/test_experts_binding.py"
+TESTS_2="tests/kernels/test_router_kernel.py tests/kernels/test_router_gpu.py tests/kernels/test_router_binding.py
+         tests/kernels/test_packing.py tests/kernels/test_combine.py tests/kernels/test_experts_grouped.py
+         tests/kernels/test_kernels_in_model.py"
 TESTS_3="tests/e2e/test_gpu_train.py tests/e2e/test_infer.py tests/e2e/test_resume.py"
-TESTS_4="tests/unit/test_memory.py tests/unit/test_autotune.py tests/unit/test_attention.py tests/unit/test_remat.py
-         tests/parallel"
+# tests-4: every other file with GPU tests, so that the four suites are always the whole GPU suite
+TESTS_4=$(grep -rl --include='test_*.py' 'mark.gpu' tests | sort | while read -r f; do
+    case " $(echo $TESTS_1 $TESTS_2 $TESTS_3) " in *" $f "*) ;; *) echo "$f" ;; esac
+done)
 
 LOG="$OUT/run.log"
 t0=$(date +%s)

@@ -2,6 +2,7 @@
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,4 +35,17 @@ def tokens(cfg, batch=8):
     """A fixed batch of random byte tokens, one more than the context per row (inputs and targets)."""
     rng = np.random.default_rng(0)
     return jnp.asarray(rng.integers(0, 257, (batch, cfg.model.context + 1)), jnp.int32)
+
+
+
+def jax_expert_inputs(seed: int, n: int, h: int, dh: int, ne: int, de: int, k: int):
+    """JAX inputs of the expert op: bf16 x (n, h, dh), k distinct experts per sub-token at random, softmax gates,
+    fp32 W1 (h, ne, dh, de) / W2 (h, ne, de, dh) at unit-variance scale."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16)
+    idx = jnp.argsort(jax.random.uniform(ks[1], (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
+    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
+    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) * dh ** -0.5
+    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) * de ** -0.5
+    return x, idx, gates, w1, w2
 

@@ -23,15 +23,10 @@ from kernels.torch.experts import pack_torch  # noqa: E402
 from kernels.torch.grouped import grouped_bwd, grouped_expert_ffn, grouped_fwd, rows_matmul  # noqa: E402
 from kernels.triton.grouped import GATHER, GATHER_GATED, ROWS  # noqa: E402
 from kernels.tuning import GemmTile, GroupedConfig  # noqa: E402
-from tests.references.torch_experts import check_fwd_bwd_vs_f64, expert_inputs, weight_grads_twice  # noqa: E402
+from tests.references.torch_experts import check_fwd_bwd_vs_f64, expert_inputs, rel, weight_grads_twice  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRET, reason="interpreter test")
-
-
-def _rel(a, b):
-    a, b = torch.as_tensor(np.asarray(a, np.float64)), torch.as_tensor(np.asarray(b, np.float64))
-    return float((a - b).norm() / b.norm())
 
 
 # name: (config, dh, de)
@@ -185,7 +180,7 @@ def test_emulate_stand_ins_match_interpreted_kernels():
     tdh, tdx, tdw1, tdw2 = grouped_bwd(t[0], t[4], t[1], th, ta, tp, t[2], t[3], k, cfg)
     for name, a, b in (("H", hpre, th), ("Act", act, ta), ("O", out, to), ("dH", dh_rows, tdh), ("dX", dx_rows, tdx),
                        ("dW1", dw1, tdw1), ("dW2", dw2, tdw2)):
-        assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+        assert rel(a, b) < 1e-5, (name, rel(a, b))
 
 
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
@@ -216,11 +211,11 @@ def test_jax_binding_emulate_vs_reference(skew):
     assert abs(float(v) - float(v_ref)) <= 1e-5 * abs(float(v_ref))
     for name, a, b in zip(("x", "gates", "w1", "w2"), grads, grads_ref):
         assert a.dtype == b.dtype, name
-        assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+        assert rel(a, b) < 1e-5, (name, rel(a, b))
     with jax.default_matmul_precision("highest"):  # eager call, default config fitted to the shapes
         y = expert_ffn_grouped(x, idx, gates, w1, w2, backend="emulate")[0]
         y_ref = expert_ffn(x, idx, gates, w1, w2)[0]
-    assert _rel(y, y_ref) < 1e-5
+    assert rel(y, y_ref) < 1e-5
 
 
 def test_jax_binding_bf16_dtypes():
@@ -243,7 +238,7 @@ def test_jax_binding_bf16_dtypes():
     assert (dx.dtype, dg.dtype, dw1.dtype, dw2.dtype) == (jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32)
     assert abs(float(v) - float(v_ref)) <= 2e-2 * abs(float(v_ref))
     for name, a, b in zip(("x", "gates", "w1", "w2"), (dx, dg, dw1, dw2), ref):
-        assert _rel(a, b) < 2e-2, (name, _rel(a, b))
+        assert rel(a, b) < 2e-2, (name, rel(a, b))
 
 
 def test_config_and_binding_errors():
@@ -319,7 +314,7 @@ def test_gpu_grouped_binding_wide_experts_vs_fp32():
         ref = grads(lambda *a: expert_ffn(*a, impl="reference"), jnp.float32)
     for i, name in enumerate(("loss", "x", "gates", "w1", "w2")):
         assert bool(jnp.all(jnp.isfinite(got[i]))), name
-        assert _rel(got[i].astype(jnp.float32), ref[i]) < 2e-2, (name, _rel(got[i].astype(jnp.float32), ref[i]))
+        assert rel(got[i].astype(jnp.float32), ref[i]) < 2e-2, (name, rel(got[i].astype(jnp.float32), ref[i]))
     for i in (3, 4):
         assert np.array_equal(np.asarray(got[i]), np.asarray(again[i]))
 
@@ -353,6 +348,6 @@ def test_empty_slots_give_zero_and_match_reference(binding):
     assert np.array_equal(np.asarray(load), np.asarray(load_ref))
     assert int(np.asarray(load).sum()) == int((np.asarray(idx) >= 0).sum())
     assert np.all(np.asarray(y[-4:]) == 0) and np.all(np.asarray(grads[0][-4:]) == 0)
-    assert _rel(y, y_ref) < 1e-5
+    assert rel(y, y_ref) < 1e-5
     for name, a, b in zip(("x", "gates", "w1", "w2"), grads, grads_ref):
-        assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+        assert rel(a, b) < 1e-5, (name, rel(a, b))

@@ -1,5 +1,5 @@
-"""float64 torch reference of the expert FFN, for the kernel tests (tests/kernels/test_experts_kernel.py,
-tests/kernels/test_experts_grouped.py): one choice j at a time, no packing."""
+"""float64 torch reference of the expert FFN, for the kernel tests (tests/kernels/test_experts_*.py): one choice j at
+a time, no packing."""
 
 import torch
 

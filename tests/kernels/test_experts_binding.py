@@ -1,0 +1,298 @@
+"""The expert kernels' plan and JAX binding (mhl_jax/moe/plan.py, mhl_jax/moe/gpu/), on the CPU.
+
+Which kernel the plan picks per shape and how it reports it; the shapes each Gluon kernel accepts; the binding's
+partial-dX rows and gate gradients against the reference; the tile schedule against the launch grid.
+"""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from kernels.tuning import default_config, dgates_in_kernels  # noqa: E402
+from tests.models import jax_expert_inputs  # noqa: E402
+
+
+def test_plan_picks_expert_kernels(monkeypatch):
+    """`mhl_jax.moe.plan`'s rules for the fused experts: the Gluon forward / backward only for configs that ask for
+    them, in bf16, on a Hopper GPU, at shapes they take (the dW kernel where the whole Gluon backward does not run);
+    the converting Triton forward only on fp32 weights with nothing cast before; the emulation on backend "emulate"."""
+    import jax.numpy as jnp
+
+    from mhl_jax.moe import plan
+
+    bf, f32 = jnp.bfloat16, jnp.float32
+    big = default_config(81920 * 8 * 4, 8 * 384, 128, 256)  # packing block 128: the Gluon forward
+    small = default_config(8192 * 8 * 4, 8 * 384, 128, 256)  # block 64
+    fused = default_config(8192 * 8 * 8, 8 * 768, 128, 128)  # de 128: the fused backward
+    wide_de = default_config(8192 * 8 * 4, 8 * 384, 128, 512)  # de 512: the split backward, Gluon dW kernel
+    assert plan.expert_fwd_kernel(big, bf, f32, "emulate", False) == "emulate"
+    assert plan.expert_bwd_kernel(big, bf, 128, 256, "emulate") == "emulate"
+    monkeypatch.setattr(plan, "hopper_sms", lambda: 0)  # an NVIDIA GPU other than Hopper: Triton only
+    assert plan.expert_fwd_kernel(big, bf, f32, "triton", False) == "triton-cast"
+    assert plan.expert_fwd_kernel(big, bf, f32, "triton", True) == "triton"
+    assert plan.expert_bwd_kernel(big, bf, 128, 256, "triton") == "triton-split"
+    assert plan.expert_bwd_kernel(fused, bf, 128, 128, "triton") == "triton-fused"
+    monkeypatch.setattr(plan, "hopper_sms", lambda: 132)
+    assert plan.expert_fwd_kernel(big, bf, f32, "triton", False) == "gluon-ws"
+    assert plan.expert_fwd_kernel(big, f32, f32, "triton", False) == "triton"
+    assert plan.expert_fwd_kernel(small, bf, f32, "triton", False) == "triton-cast"
+    assert plan.expert_fwd_kernel(small, bf, bf, "triton", False) == "triton"
+    assert plan.expert_bwd_kernel(big, bf, 128, 256, "triton") == "gluon-ws-xw"  # 2.6M slots: the dX warp group
+    assert plan.expert_bwd_kernel(small, bf, 128, 256, "triton") == "gluon-ws"
+    assert plan.expert_bwd_kernel(fused, bf, 128, 128, "triton") == "gluon-ws"
+    assert plan.expert_bwd_kernel(fused, f32, 128, 128, "triton") == "triton-fused"
+    assert plan.expert_bwd_kernel(replace(fused, bwd_ws=False), bf, 128, 128, "triton") == "triton-fused"
+    assert plan.expert_bwd_kernel(replace(fused, dw_form="rows"), bf, 128, 128, "triton") == "triton-fused"
+    assert plan.expert_bwd_kernel(wide_de, bf, 128, 512, "triton") == "triton-split-gluon-dw"
+    assert plan.expert_bwd_kernel(replace(small, bwd_ws=False), bf, 128, 256, "triton") == "triton-split-gluon-dw"
+    assert plan.expert_bwd_kernel(replace(small, bwd_ws=False), f32, 128, 256, "triton") == "triton-split"
+    no_gluon = replace(small, bwd_ws=False, dw_ws=False)
+    assert plan.expert_bwd_kernel(no_gluon, bf, 128, 256, "triton") == "triton-split"
+    assert plan.expert_bwd_kernel(replace(small, bwd_ws=False), bf, 128, 192, "triton") == "triton-split"
+    assert plan.out_combine("triton", "fused") == "triton" and plan.out_combine("triton", "grouped") == "xla"
+    assert plan.out_combine("emulate", "fused") == "xla"
+
+
+def test_plan_for_config_reports_each_op(monkeypatch):
+    """`plan_for_config`: the choices at the config's per-device micro-batch (train.micro_batch x model.context
+    tokens), Gluon on Hopper said in the summary; the grouped kernels for wide experts; reference on CPU."""
+    from mhl_jax.config import Config
+    from mhl_jax.moe import plan
+
+    cfg = Config()
+    assert plan.plan_for_config(cfg).summary().startswith("kernels: reference")  # CPU
+    monkeypatch.setattr(plan, "resolve_kernels", lambda choice: "triton")
+    monkeypatch.setattr(plan, "hopper_sms", lambda: 132)
+    cfg.train.micro_batch, cfg.ffn.num_experts, cfg.ffn.top_k, cfg.ffn.expert_hidden = 40, 768, 8, 128
+    p = plan.plan_for_config(cfg)
+    assert (p.tokens, p.router, p.experts, p.experts_fwd, p.experts_bwd, p.packing) == (
+        81920, "gluon", "fused", "gluon-ws", "gluon-ws-xw", "triton/128"), p
+    assert "gluon-ws" in p.summary() and p.as_dict()["experts_bwd"] == "gluon-ws-xw"
+    monkeypatch.setattr(plan, "hopper_sms", lambda: 0)
+    p = plan.plan_for_config(cfg)
+    assert (p.router, p.experts_fwd, p.experts_bwd) == ("triton", "triton", "triton-fused"), p
+    cfg.ffn.kind = "moe"
+    p = plan.plan_for_config(cfg)
+    assert (p.router, p.experts, p.experts_bwd, p.combine) == ("reference", "grouped", "grouped", "xla"), p
+
+
+def test_ws_forward_shapes_checked_and_chosen():
+    """The warp-specialised Gluon forward takes dh 128, de 128 / 256 and 128-row packing blocks; anything else
+    gets a clear error from its launch arguments, and default_config turns it on exactly there."""
+    from kernels.gluon.experts_fwd import fwd_constexprs
+    from kernels.tuning import gluon_fwd_supported
+
+    assert fwd_constexprs(4, 128, 256, 3072, 100, 128)["NS"] == 2
+    assert fwd_constexprs(8, 128, 128, 6144, 100, 128)["NS"] == 1
+    # the programs take each head's blocks in turn: the groups must split into equal heads
+    assert fwd_constexprs(8, 128, 128, 6144, 100, 128)["HEADS"] == 1
+    assert fwd_constexprs(8, 128, 128, 6144, 100, 128, heads=8)["HEADS"] == 8
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match=f"heads={bad} for 6144 groups"):
+            fwd_constexprs(8, 128, 128, 6144, 100, 128, heads=bad)
+    for dh, de, pack in ((128, 512, 128), (256, 256, 128), (128, 256, 64)):
+        assert not gluon_fwd_supported(dh, de, pack)
+        with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
+            fwd_constexprs(4, dh, de, 64, 10, pack)
+    assert default_config(81920 * 8 * 4, 8 * 384, 128, 256).fwd_ws  # 128-row packing blocks
+    assert not default_config(8192 * 8 * 4, 8 * 384, 128, 256).fwd_ws  # 64-row packing blocks
+    assert not default_config(81920 * 8 * 4, 8 * 384, 128, 512).fwd_ws
+
+
+def test_binding_sums_partial_dx_rows_and_gate_gradients(monkeypatch):
+    """The Gluon backward at de > 128 returns one dX row and gate gradient per 128-de tile, (P, parts, dh) and
+    (P, parts); the binding must sum the parts with the k slots. Here the emulated kernels' outputs are split into
+    two exact halves (bf16 / fp32 halving is exact): x and gates gradients as with whole rows, weight gradients
+    bitwise the same."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.moe.gpu.expert_kernels as ek
+    from mhl_jax.moe.gpu.experts import expert_ffn_triton
+
+    n, h, dh, de, ne, k = 64, 2, 16, 32, 4, 2
+    cfg = default_config(n * h * k, h * ne, dh, de)  # the transposed dW kernel: the kernels make the dgates
+    assert cfg.dw_form == "t" and dgates_in_kernels(cfg, de)
+    x, idx, gates, w1, w2 = jax_expert_inputs(3, n, h, dh, ne, de, k)
+
+    def grads():
+        def loss(x, g, a, b):
+            y = expert_ffn_triton(x, idx, g, a, b, cfg=cfg, backend="emulate")[0]
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, gates, w1, w2)
+
+    whole = grads()
+    real = ek._bwd_emulate
+
+    def halves(*a):
+        dx, dw1, dw2, dg = real(*a)
+        assert dg is not None
+        return jnp.stack([dx * 0.5, dx * 0.5], axis=1), dw1, dw2, jnp.stack([dg * 0.5, dg * 0.5], axis=1)
+
+    monkeypatch.setattr(ek, "_bwd_emulate", halves)
+    parts = grads()
+    for name, a, b in zip(("x", "gates"), whole[:2], parts[:2]):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-6,
+                                   err_msg=name)
+    assert float(jnp.abs(whole[1] - parts[1]).max()) <= 1e-6  # the gate gradients: fp32 throughout
+    for a, b in zip(whole[2:], parts[2:]):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_tile_schedule_deals_largest_groups_evenly_head_by_head():
+    """The persistent dW / backward kernels' schedule: offsets of each program's tiles, then every (group, 128 de) tile
+    exactly once; each program goes through the heads in order, within a head largest
+    groups first; each program's rows within a few tiles of the mean (dealt in alternating, rotated rounds), where
+    striding over the tiles in group order does worse on skewed groups. The JAX schedule (the binding's) equals the
+    torch launchers'."""
+    import jax.numpy as jnp
+    import torch
+
+    from kernels.gluon.schedule import deal_schedule, tile_schedule_torch
+    from mhl_jax.moe.gpu.expert_kernels import tile_schedule
+
+    for t, h, p in [(6144, 8, 132), (12, 1, 4), (8, 2, 4), (3, 1, 5), (132, 4, 132), (300, 3, 132)]:
+        perm, starts = deal_schedule(t, h, p)
+        assert sorted(perm.tolist()) == list(range(t)) and starts[0] == 0 and starts[-1] == t and len(starts) == p + 1
+    for bad in [(10, 3, 4), (12, 0, 4), (12, 2, 0)]:
+        with pytest.raises(ValueError, match=f"{bad[0]} tiles, heads={bad[1]}, programs={bad[2]}"):
+            deal_schedule(*bad)
+    # exact small deals: rounds of alternating direction, each head's first program rotated by programs / heads
+    for (t, h, p), want in {(12, 1, 4): [[0, 7, 8], [1, 6, 9], [2, 5, 10], [3, 4, 11]],
+                            (16, 2, 4): [[0, 7, 10, 13], [1, 6, 11, 12], [2, 5, 8, 15], [3, 4, 9, 14]]}.items():
+        perm, starts = deal_schedule(t, h, p)
+        assert [perm[starts[q]:starts[q + 1]].tolist() for q in range(p)] == want, (t, h, p)
+    perm, starts = deal_schedule(12, 2, 4, deal=False)  # the comparisons' strided order
+    assert [perm[starts[q]:starts[q + 1]].tolist() for q in range(4)] == [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]
+    with pytest.raises(ValueError, match="12 groups, heads=5, programs=4"):
+        tile_schedule(jnp.zeros(12, jnp.int32), 1, 5, 4)
+    with pytest.raises(ValueError, match="12 groups, heads=2, programs=25"):
+        tile_schedule_torch(torch.zeros(12, dtype=torch.int32), 2, 2, 25)
+    rng = np.random.default_rng(0)
+    heads, ne = 8, 384
+    nblocks = rng.lognormal(2.0, 0.6, heads * ne).astype(np.int32)
+    nblocks[::97] = 0  # empty groups: last in their head
+    for nt, programs in [(2, 132), (1, 132), (2, 7)]:
+        sched = tile_schedule(jnp.asarray(nblocks), nt, heads, programs)
+        assert sched.dtype == jnp.int32
+        assert np.array_equal(np.asarray(sched), tile_schedule_torch(torch.from_numpy(nblocks), nt, heads,
+                                                                     programs).numpy())
+        sched = np.asarray(sched)
+        starts, tiles = sched[:programs + 1] - (programs + 1), sched[programs + 1:]
+        assert sorted(tiles.tolist()) == list(range(heads * ne * nt)) and starts[0] == 0 and starts[-1] == tiles.size
+        loads = np.zeros(programs)
+        for q in range(programs):
+            mine = tiles[starts[q]:starts[q + 1]]
+            group, head = mine // nt, mine // nt // ne
+            assert (np.diff(head) >= 0).all(), q  # head by head
+            for hh in np.unique(head):  # within a head: largest first
+                assert (np.diff(nblocks[group[head == hh]]) <= 0).all(), (q, hh)
+            loads[q] = nblocks[group].sum()
+        strided = np.bincount(np.arange(tiles.size) % programs, weights=np.repeat(nblocks, nt), minlength=programs)
+        assert loads.max() - loads.mean() <= nblocks.max() and loads.max() < strided.max(), (nt, programs)
+
+
+def test_binding_schedule_matches_launch_grid(monkeypatch):
+    """The JAX binding deals the dW / backward kernels' tiles for exactly the programs it launches: with the Gluon call
+    replaced by a recorder (no GPU here) and 132, 5 or 1000 SMs, the schedule argument has programs + 1 offsets that
+    count from its start, the last one its length, and every (group, 128 de) tile once."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhl_jax.moe.gpu.expert_kernels as ek
+    import mhl_jax.moe.gpu.experts as et
+    from mhl_jax.moe import plan
+    from mhl_jax.moe.gpu import gluon as gluon_bridge
+
+    n, h, dh, de, ne, k = 64, 2, 128, 256, 8, 2
+    cfg = default_config(n * h * k, h * ne, dh, de)
+    idx = jnp.argsort(jax.random.uniform(jax.random.key(0), (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
+    _, meta = et.packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, "emulate", None, "test")
+    st = ek.Static(cfg, k, "triton", "float32")
+    xs = jnp.zeros((n * h, dh), jnp.bfloat16)
+    gates = jnp.zeros((n * h * k,), jnp.float32)
+    w1, w2 = jnp.zeros((h * ne, dh, de), jnp.bfloat16), jnp.zeros((h * ne, de, dh), jnp.bfloat16)
+    calls = []
+
+    def record(*args, kernel, out_shape, programs, **constexprs):
+        calls.append((np.asarray(args[6]), programs))
+        return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+    monkeypatch.setattr(gluon_bridge, "gluon_call", record)
+    tiles = h * ne * (de // 128)
+    for sms in (132, 5, 1000):
+        monkeypatch.setattr(plan, "hopper_sms", lambda sms=sms: sms)
+        ek._bwd_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h, False)
+        ek._dw_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h)
+        for sched, programs in calls[-2:]:
+            assert programs == min(sms, tiles) and sched.size == programs + 1 + tiles
+            offsets = sched[:programs + 1]
+            assert offsets[0] == programs + 1 and offsets[-1] == sched.size and (np.diff(offsets) >= 0).all()
+            assert sorted(sched[programs + 1:].tolist()) == list(range(tiles))
+
+
+def test_ws_bwd_shapes_checked():
+    """The warp-specialised fused backward takes dh 128, de a multiple of 128 and packing blocks of >= 32 rows;
+    anything else gets a clear error naming the shape from its launch arguments."""
+    from kernels.gluon.experts_bwd_fused import bwd_ws_constexprs, bwd_xw_constexprs
+    from kernels.tuning import gluon_bwd_supported
+
+    consts = bwd_ws_constexprs(8, 128, 128, 64)
+    assert consts["BLOCK_M"] == 32 and consts["DE"] == 128 and consts["NST"] >= 2
+    for dh, de, pack in ((128, 192, 64), (256, 128, 64), (128, 128, 16)):
+        assert not gluon_bwd_supported(dh, de, pack)
+        with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
+            bwd_ws_constexprs(8, dh, de, pack)
+        with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
+            bwd_xw_constexprs(8, dh, de, pack)
+    # the kernel with the dX warp group: three worker register counts, a dH^T ring of at least two slots
+    consts = bwd_xw_constexprs(8, 128, 256, 64)
+    assert (consts["HB"], consts["DX_REGS"], consts["BLOCK_M"]) == (3, 64, 32)
+    for bad in (dict(regs=(232, 40)), dict(hb=1)):
+        with pytest.raises(ValueError, match="three worker register counts .* hb >= 2"):
+            bwd_xw_constexprs(8, 128, 256, 64, **bad)
+    # the measurement probes (bench only): bits 1, 2, 4, 8, 16, 32, 64; the kernel itself at 0
+    assert consts["PROBE"] == 0 and bwd_xw_constexprs(8, 128, 256, 64, probe=96)["PROBE"] == 96
+    for bad in (-1, 128):
+        with pytest.raises(ValueError, match=f"probe={bad}, expected 0..127"):
+            bwd_xw_constexprs(8, 128, 256, 64, probe=bad)
+    # 64-row blocks (a probe: they spill at the kernel's registers) must divide the packing block
+    assert bwd_xw_constexprs(8, 128, 256, 128, block_m=64)["BLOCK_M"] == 64
+    with pytest.raises(ValueError, match="pack_block=32, block_m=64"):
+        bwd_xw_constexprs(8, 128, 256, 32, block_m=64)
+
+
+def test_ws_dw_shapes_checked_and_chosen():
+    """The warp-specialised Gluon dW kernel takes dh 128, de a multiple of 128 and packing blocks of >= 32 rows (a
+    multiple of its 32-row blocks); anything else gets a clear error from its launch arguments. default_config
+    turns it on for the split backward where it takes the shape at packing blocks <= 64 (where it was measured
+    faster in the layer); de 128 keeps the fused backward."""
+    from kernels.gluon.experts_bwd import dw_ws_constexprs
+
+    assert dw_ws_constexprs(4, 128, 256, 64)["BLOCK_M"] == 32
+    for dh, de, pack in ((128, 192, 128), (256, 256, 128), (128, 256, 16)):
+        with pytest.raises(ValueError, match=f"dh={dh}, de={de}, pack_block={pack}"):
+            dw_ws_constexprs(4, dh, de, pack)
+    # (tokens, Ne, k, de) -> (packing block, dw_ws, fused backward, fused backward on Gluon, with the dX warp group:
+    # from 2M slots on, the 81920-token rows where it was measured faster)
+    expected = {(81920, 384, 4, 256): (128, False, False, True, True),
+                (81920, 768, 8, 128): (128, False, True, True, True),
+                (81920, 384, 4, 512): (128, False, False, False, False),
+                (8192, 384, 4, 256): (64, True, False, True, False),
+                (8192, 768, 8, 128): (64, False, True, True, False),
+                (8192, 768, 4, 256): (64, True, False, True, False),
+                (8192, 1536, 8, 128): (64, False, True, True, False),
+                (4096, 768, 4, 256): (32, True, False, True, False),
+                (8192, 384, 4, 512): (64, True, False, False, False)}
+    for (tokens, ne, k, de), want in expected.items():
+        cfg = default_config(tokens * 8 * k, 8 * ne, 128, de)
+        got = (cfg.pack_block, cfg.dw_ws, cfg.dw.block_e == de, cfg.bwd_ws, cfg.bwd_xw)
+        assert got == want, (tokens, ne, k, de, cfg)
+    assert not default_config(8192 * 8 * 4, 8 * 384, 256, 256).dw_ws  # wide experts: the grouped kernels' tiles
+
+
