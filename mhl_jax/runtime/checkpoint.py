@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 import sys
 from pathlib import Path
@@ -37,7 +36,14 @@ import jax
 import orbax.checkpoint as ocp
 
 from mhl_jax.config import CheckpointConfig, Config, config_to_dict
-from mhl_jax.runtime.checkpoint_integrity import DamagedCheckpoint, agree_intact, move_aside, seal, verify
+from mhl_jax.runtime.checkpoint_integrity import (
+    DamagedCheckpoint,
+    agree_intact,
+    damage_advice,
+    move_aside,
+    seal,
+    verify,
+)
 from mhl_jax.runtime.checkpoint_tree import (
     PyTree,
     abstract_leaf,
@@ -51,6 +57,7 @@ from mhl_jax.runtime.checkpoint_tree import (
     unflatten,
 )
 from mhl_jax.runtime.errors import CheckpointError
+from mhl_jax.runtime.orbax_quiet import quiet_failed_reads
 
 STATE, META, DATA = "state", "meta", "data"
 FORMAT = 1  # version of the layout above
@@ -63,30 +70,6 @@ def model_fingerprint(cfg: Config) -> dict:
     ffn = {k: v for k, v in d["ffn"].items() if k not in ("kernels", "balance_gamma")}
     model = {k: v for k, v in d["model"].items() if k not in ("attention_impl", "compute_dtype", "remat")}
     return {"model": model, "ffn": ffn}
-
-
-def _quiet_closed_loop_callbacks() -> None:
-    """When a restore fails, the reads still in flight finish on tensorstore's threads and call back into Orbax's
-    asyncio loop, which is closed by then: each callback's RuntimeError('Event loop is closed') reaches
-    sys.unraisablehook and printed a traceback around the one-line error (2-20 of them, some before it); the read
-    coroutines that failed beside the one whose error was raised are finalised later and printed theirs (each with its
-    TensorStore spec, ~2 KB). Those, and only those, are dropped from the first restore on; every other unraisable
-    exception goes to the hook before."""
-    prev = sys.unraisablehook
-    if getattr(prev, "_drops_closed_loop", False):
-        return
-
-    def hook(unraisable):
-        exc = unraisable.exc_value
-        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-            return
-        code = getattr(getattr(unraisable, "object", None), "cr_code", None)  # a coroutine's
-        if code is not None and f"{os.sep}orbax{os.sep}checkpoint{os.sep}" in code.co_filename:
-            return
-        prev(unraisable)
-
-    hook._drops_closed_loop = True
-    sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
@@ -269,8 +252,8 @@ class Checkpointer:
 
     def _read(self, step: int, directory: Path, args: Any, where: str, what: str) -> Any:
         """Orbax's restore of `args`; a damaged or incomplete step directory raises DamagedCheckpoint naming it (Orbax's
-        own error, often buried under its threads' tracebacks, is chained; `_quiet_closed_loop_callbacks`)."""
-        _quiet_closed_loop_callbacks()  # before: a failing restore's late reads can call back while it still runs
+        own error, often buried under its threads' tracebacks, is chained; `quiet_failed_reads`)."""
+        quiet_failed_reads()  # before: a failing restore's late reads can call back while it still runs
         try:
             return self._manager.restore(step, directory=directory, args=args)
         except CheckpointError:
@@ -280,20 +263,6 @@ class Checkpointer:
             first = re.split(r" \[tensorstore_spec| See full TensorStore details", first)[0][:300]  # long specs
             raise DamagedCheckpoint(f"checkpoint {where}: its {what} cannot be read ({type(e).__name__}: {first}); "
                                     "the step directory is damaged or incomplete") from e
-
-    def _advice(self, where: str, step: int, directory: Path, explicit: bool) -> str:
-        """What to do about a damaged checkpoint that is not replaced by an older one."""
-        others = sorted(int(c.name) for c in directory.iterdir() if c.name.isdigit() and int(c.name) != step)
-        if self.read_only:  # beside a run that may be rotating its checkpoints out (checkpoint.keep)
-            return (f"it may have been removed by the run writing there while it was read; steps there now: {others}; "
-                    "pick one of them")
-        if explicit:
-            return ("it was asked for by name (--resume / checkpoint.resume), so no other checkpoint stands in for it; "
-                    f"steps there: {others}")
-        if others:
-            return (f"other steps there: {others}; delete {where} to resume from the latest of them, or set "
-                    "checkpoint.on_damage=fallback to skip it")
-        return f"no other steps there; delete {where} to start the run over"
 
     def restore(self, state_template: PyTree, data_iter: Any = None, step: int | None = None,
                 path: str | Path | None = None, warn: Callable[[str], None] | None = None) -> tuple[int, PyTree]:
@@ -318,7 +287,7 @@ class Checkpointer:
                 return self._restore_one(state_template, data_iter, step, path, warn)
             except DamagedCheckpoint as e:
                 directory, at = self._locate(step, path)
-                advice = self._advice(str(directory / str(at)), at, directory, step is not None or path is not None)
+                advice = damage_advice(directory, at, self.read_only, explicit=step is not None or path is not None)
                 raise CheckpointError(f"{e}; {advice}") from e
         skipped: list[tuple[int, DamagedCheckpoint]] = []
         for candidate in reversed(self.all_steps()):
@@ -403,5 +372,5 @@ class Checkpointer:
                 (warn or _warn)(f"checkpoint {where} has no checksums (written before they existed): read without "
                                 "verifying its arrays")
         except DamagedCheckpoint as e:
-            raise CheckpointError(f"{e}; {self._advice(where, step, directory, explicit=False)}") from e
+            raise CheckpointError(f"{e}; {damage_advice(directory, step, self.read_only, explicit=False)}") from e
         return int(meta["step"]), unflatten(restored, named, treedef, meta, where)

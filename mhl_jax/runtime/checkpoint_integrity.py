@@ -128,7 +128,9 @@ def seal(stored: list[tuple[tuple[str, ...], Any]], step: int, kept: int | None)
     array written)]). FloatingPointError naming the first non-finite leaf when any float leaf holds NaN or inf: such a
     state must not replace a good checkpoint (`kept`: the newest one there, named in the error)."""
     sums = leaf_sums([leaf for _, leaf in stored])
-    bad = [("/".join(names), int(n)) for (names, _), n in zip(stored, sums[:, 2]) if n]
+    # the parameters named first: what a reader checks (and an update that diverged made them non-finite first)
+    bad = sorted([("/".join(names), int(n)) for (names, _), n in zip(stored, sums[:, 2]) if n],
+                 key=lambda leaf: not leaf[0].startswith("params/"))
     if bad:
         left = f"the last checkpoint, step {kept}, is kept" if kept is not None else "no checkpoint was written"
         raise FloatingPointError(f"the state of step {step} is not finite: leaf {bad[0][0]} holds {bad[0][1]} NaN/inf "
@@ -162,6 +164,22 @@ def verify(meta: dict, restored: list[tuple[tuple[str, ...], Any]], where: str) 
             raise DamagedCheckpoint(f"checkpoint {where}: leaf {path} does not match its checksum (its array data "
                                     "changed after it was written)")
     return True
+
+
+def damage_advice(directory: Path, step: int, read_only: bool, explicit: bool) -> str:
+    """What to do about damaged checkpoint `step` of `directory` when no older one stands in for it: `read_only` (a
+    reader beside a run that may be rotating its checkpoints out), `explicit` (asked for by name)."""
+    others = sorted(int(c.name) for c in directory.iterdir() if c.name.isdigit() and int(c.name) != step)
+    if read_only:
+        return (f"it may have been removed by the run writing there while it was read; steps there now: {others}; "
+                "pick one of them")
+    if explicit:
+        return ("it was asked for by name (--resume / checkpoint.resume), so no other checkpoint stands in for it; "
+                f"steps there: {others}")
+    if others:
+        return (f"other steps there: {others}; delete {directory / str(step)} to resume from the latest of them, or "
+                "set checkpoint.on_damage=fallback to skip it")
+    return f"no other steps there; delete {directory / str(step)} to start the run over"
 
 
 def agree_intact(damage: DamagedCheckpoint | None, where: str) -> None:
