@@ -2,6 +2,7 @@
 checkpoint is damaged resumes the one before it and trains the losses the run trained; a state that turned
 non-finite is never saved."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,8 @@ def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_run_trains_the_same_
     assert "moved aside to 4.damaged and step 2 restored instead (checkpoint.on_damage=fallback)" in out.err
     assert "resumed from step 2" in out.out
     assert sorted(p.name for p in ckpts.iterdir()) == ["2", "4", "4.damaged"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in records] == [(m["step"], m["loss"]) for m in first]
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 1e39 into float32, as meant
