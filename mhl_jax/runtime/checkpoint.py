@@ -97,12 +97,13 @@ def _shared_data_state(data_dir: Path, where: str) -> dict | None:
         return None
     files = sorted(data_dir.glob("process_*-of-*.json"))
     if not files:
-        raise DamagedCheckpoint(f"checkpoint {where}: {DATA}/ holds no iterator state file (process_<i>-of-<n>.json); "
-                              "the step directory is damaged or incomplete")
+        raise DamagedCheckpoint(f"checkpoint {where}: {DATA}/ holds no iterator state file "
+                                "(process_<i>-of-<n>.json); the step directory is damaged or incomplete")
     counts = {f.name.rsplit("-of-", 1)[1].removesuffix(".json") for f in files}
     if len(counts) != 1 or counts != {str(len(files))}:
-        raise DamagedCheckpoint(f"checkpoint {where}: {DATA}/ holds the iterator states {[f.name for f in files]}, not "
-                              "one per process of the run that wrote it; the step directory is damaged or incomplete")
+        raise DamagedCheckpoint(f"checkpoint {where}: {DATA}/ holds the iterator states {[f.name for f in files]}, "
+                                "not one per process of the run that wrote it; the step directory is damaged or "
+                                "incomplete")
     states = {f.name: f.read_text() for f in files}
     if len(set(states.values())) != 1:
         raise CheckpointError(f"checkpoint {where} was written by {len(files)} processes whose input pipelines "
@@ -111,8 +112,8 @@ def _shared_data_state(data_dir: Path, where: str) -> dict | None:
     try:
         return json.loads(next(iter(states.values())))
     except json.JSONDecodeError as e:
-        raise DamagedCheckpoint(f"checkpoint {where}: {files[0]} is not JSON ({e}); the step directory is damaged or "
-                              "incomplete") from e
+        raise DamagedCheckpoint(f"checkpoint {where}: {files[0]} is not JSON ({e}); the step directory is damaged "
+                                "or incomplete") from e
 
 
 def _warn(line: str) -> None:

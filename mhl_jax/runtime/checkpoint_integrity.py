@@ -1,4 +1,5 @@
-"""Checksums and finiteness of a checkpoint's arrays, from one pass over the state where it lives.
+"""Verified checkpoints: checksums and finiteness of a checkpoint's arrays, from one pass over the state where it
+lives, and what becomes of a checkpoint found damaged.
 
 A save computes, per leaf, a 64-bit checksum of the leaf's bits and the count of its non-finite values, on the device
 before the arrays leave it (one jitted pass that reads the state once); the checksums go into the checkpoint's meta
@@ -13,6 +14,10 @@ types split in two; PRNG keys as their key data), all sums mod 2^32:
 Integer sums are exact and associative, so the result does not depend on the order or the sharding the reduction
 runs in: a checkpoint verifies on any mesh and in any process count. Numpy leaves (host values) are summed with numpy
 the same way.
+
+A checkpoint that cannot be read, fails its checksums or holds NaN/inf raises DamagedCheckpoint; the Checkpointer then
+falls back to an older one and moves the damaged step directory aside (`move_aside`), or refuses it with
+`damage_advice`.
 """
 
 from __future__ import annotations
@@ -145,34 +150,36 @@ def verify(meta: dict, restored: list[tuple[tuple[str, ...], Any]], where: str) 
     values are finite. DamagedCheckpoint naming the first leaf that fails; True when verified, False when `meta`
     holds no checksums (a checkpoint written before they existed: its finiteness is still checked)."""
     sums = leaf_sums([leaf for _, leaf in restored])
-    for (names, _), n in zip(restored, sums[:, 2]):
+    entry = meta.get("checksums")
+    if entry is not None:
+        if entry.get("algorithm") != ALGORITHM:
+            raise CheckpointError(f"checkpoint {where}: its checksums are of algorithm {entry.get('algorithm')!r}, "
+                                  f"this version computes {ALGORITHM!r}; restore it with the version that wrote it")
+        saved = entry["leaves"]
+        for (names, _), (s1, s2, _) in zip(restored, sums):
+            path = "/".join(names)
+            if path not in saved:
+                raise DamagedCheckpoint(f"checkpoint {where}: its meta item has no checksum of leaf {path}")
+            if saved[path] != _hex(s1, s2):
+                raise DamagedCheckpoint(f"checkpoint {where}: leaf {path} does not match its checksum (its array data "
+                                        "changed after it was written)")
+    for (names, _), n in zip(restored, sums[:, 2]):  # what a version without the save's check could write
         if n:
             raise DamagedCheckpoint(f"checkpoint {where}: leaf {'/'.join(names)} holds {int(n)} NaN/inf values (it "
                                     "was saved from a diverged state)")
-    entry = meta.get("checksums")
-    if entry is None:
-        return False
-    if entry.get("algorithm") != ALGORITHM:
-        raise CheckpointError(f"checkpoint {where}: its checksums are of algorithm {entry.get('algorithm')!r}, this "
-                              f"version computes {ALGORITHM!r}; restore it with the version that wrote it")
-    saved = entry["leaves"]
-    for (names, _), (s1, s2, _) in zip(restored, sums):
-        path = "/".join(names)
-        if path not in saved:
-            raise DamagedCheckpoint(f"checkpoint {where}: its meta item has no checksum of leaf {path}")
-        if saved[path] != _hex(s1, s2):
-            raise DamagedCheckpoint(f"checkpoint {where}: leaf {path} does not match its checksum (its array data "
-                                    "changed after it was written)")
-    return True
+    return entry is not None
 
 
 def damage_advice(directory: Path, step: int, read_only: bool, explicit: bool) -> str:
     """What to do about damaged checkpoint `step` of `directory` when no older one stands in for it: `read_only` (a
-    reader beside a run that may be rotating its checkpoints out), `explicit` (asked for by name)."""
+    reader, which moves nothing, beside a run that may be rotating its checkpoints out), `explicit` (asked for by
+    name)."""
     others = sorted(int(c.name) for c in directory.iterdir() if c.name.isdigit() and int(c.name) != step)
-    if read_only:
+    if read_only and not (directory / str(step)).is_dir():  # a run writing there rotated it out (checkpoint.keep)
         return (f"it may have been removed by the run writing there while it was read; steps there now: {others}; "
                 "pick one of them")
+    if read_only:
+        return f"steps there: {others}; pick another one"
     if explicit:
         return ("it was asked for by name (--resume / checkpoint.resume), so no other checkpoint stands in for it; "
                 f"steps there: {others}")
@@ -189,8 +196,7 @@ def agree_intact(damage: DamagedCheckpoint | None, where: str) -> None:
         flags = np.asarray(multihost_utils.process_allgather(np.int32(damage is None))).reshape(-1)
         failed = [int(i) for i in np.flatnonzero(flags == 0)]
         if damage is None and failed:
-            damage = DamagedCheckpoint(f"checkpoint {where}: process(es) {failed} could not read it (their own "
-                                       "warnings say why)")
+            damage = DamagedCheckpoint(f"checkpoint {where}: process(es) {failed} could not read it")
     if damage is not None:
         raise damage
 

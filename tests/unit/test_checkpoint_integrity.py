@@ -178,7 +178,7 @@ def test_a_flipped_bit_falls_back_to_the_previous_step(tmp_path):
     again.close()
 
 
-def test_on_damage_stop_and_an_explicit_checkpoint_refuse(tmp_path):
+def test_on_damage_stop_an_explicit_checkpoint_and_a_reader_refuse(tmp_path):
     d = tmp_path / "ck"
     saved(d, [1, 2]).close()
     flip_one_bit(d / "2", seed=2)
@@ -198,6 +198,13 @@ def test_on_damage_stop_and_an_explicit_checkpoint_refuse(tmp_path):
     with pytest.raises(CheckpointError, match="does not match its checksum"):
         same.restore(make_state(0), step=2)
     same.close()
+    reader = Checkpointer(d, SYNC, FP, read_only=True)  # inference reads the parameters only, verified too
+    with pytest.raises(CheckpointError, match=r"2: leaf params/noise does not match its checksum .*; steps there: "
+                                              r"\[1\]; pick another one$"):
+        reader.restore_parts({"params": make_state(0)["params"]})
+    step, parts = reader.restore_parts({"params": make_state(0)["params"]}, step=1)
+    assert step == 1 and bits(parts) == bits({"params": make_state(1)["params"]})
+    reader.close()
     assert listing(d) == ["1", "2"]  # nothing moved
 
 
