@@ -137,7 +137,7 @@ def seal(stored: list[tuple[tuple[str, ...], Any]], step: int, kept: int | None)
     bad = sorted([("/".join(names), int(n)) for (names, _), n in zip(stored, sums[:, 2]) if n],
                  key=lambda leaf: not leaf[0].startswith("params/"))
     if bad:
-        left = f"the last checkpoint, step {kept}, is kept" if kept is not None else "no checkpoint was written"
+        left = f"the last checkpoint, step {kept}, is kept" if kept is not None else "there is no earlier one"
         raise FloatingPointError(f"the state of step {step} is not finite: leaf {bad[0][0]} holds {bad[0][1]} NaN/inf "
                                  f"values ({len(bad)} of {len(stored)} leaves hold some); its checkpoint is not "
                                  f"written ({left})")
