@@ -9,6 +9,7 @@ comments into docs/config.md, and a test keeps the two equal, so the comment is 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -158,6 +159,10 @@ class CheckpointConfig:
     keep: int = 3  # keep the last N checkpoints
     async_save: bool = True  # write checkpoints in the background
     resume: str = ""  # explicit checkpoint to resume from; empty: latest in the run directory
+    # a resume whose latest checkpoint is damaged (unreadable, incomplete, failing its checksums or not finite):
+    # fallback moves it aside (renamed STEP.damaged, never deleted) and resumes the newest intact one, with a warning;
+    # stop refuses it (status 2). A damaged checkpoint named by --resume / checkpoint.resume is always refused
+    on_damage: Literal["fallback", "stop"] = "fallback"
 
 
 @dataclass
@@ -333,13 +338,34 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _finite_numbers(cfg: Config) -> None:
+    """Every float setting a finite number: NaN fails every comparison, so the range checks below would refuse it
+    for the wrong reason, and inf is no setting anyone means (optimizer.lr=.inf makes the parameters non-finite in
+    one step)."""
+    for part in dataclasses.fields(cfg):
+        section = getattr(cfg, part.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            _require(not isinstance(value, float) or math.isfinite(value),
+                     f"{part.name}.{f.name}={value}: must be a finite number")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks. Raises ConfigError naming the keys and values that disagree."""
+    _finite_numbers(cfg)
     m, f, p, t, s = cfg.model, cfg.ffn, cfg.parallel, cfg.train, cfg.schedule
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "context"):
         _require(getattr(m, name) > 0, f"model.{name}={getattr(m, name)}: must be positive")
     _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: RoPE needs an even head dim")
-    _require(m.init_std > 0, f"model.init_std={m.init_std}: must be positive")
+    _require(0 < m.init_std <= 1, f"model.init_std={m.init_std}: must be in (0, 1] (the weights' standard deviation; "
+                                  "0.02 is usual)")
+    _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be positive")
+    _require(m.rope_base > 1, f"model.rope_base={m.rope_base}: must be > 1 (RoPE's frequencies base^(-2i/d) fall "
+                              "with i)")
+    _require(f.balance_gamma is None or f.balance_gamma >= 0,
+             f"ffn.balance_gamma={f.balance_gamma}: must be >= 0 (or null: 50 x optimizer.lr)")
     if f.kind == "mlp":
         _require(f.hidden > 0, f"ffn.hidden={f.hidden}: must be positive")
     else:
@@ -388,6 +414,11 @@ def validate(cfg: Config) -> None:
              "schedule.decay_steps=0 has none; set decay_steps > 0 (or leave them at linear / 0)")
     o = cfg.optimizer
     _require(o.lr > 0, f"optimizer.lr={o.lr}: must be positive")
+    for name in ("beta1", "beta2"):
+        _require(0 <= getattr(o, name) < 1, f"optimizer.{name}={getattr(o, name)}: must be in [0, 1)")
+    _require(o.eps > 0, f"optimizer.eps={o.eps}: must be positive (Adam divides by sqrt(nu) + eps, and nu is 0 for "
+                        "a parameter that never had a gradient)")
+    _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay}: must be >= 0")
     _require(o.grad_clip is None or o.grad_clip > 0, f"optimizer.grad_clip={o.grad_clip}: must be positive or null")
     if cfg.data.source in ("bin", "hf"):
         _require(bool(cfg.data.path), f"data.source={cfg.data.source!r} needs data.path")

@@ -5,8 +5,9 @@ One checkpoint is a step directory `<directory>/<step>/` with three Orbax items:
 - `state`: the training state pytree (params, optimizer state, balancing biases, step, RNG key
   data, ...) stored as a nested dict named by the pytree paths, so any pytree of jax/numpy arrays
   round-trips bitwise (dtype and values) into the structure of a template;
-- `meta`: JSON with the step, the fingerprint (model + FFN config) and the table of leaves, checked
-  before any array is read, so a checkpoint of another model fails with the keys that differ;
+- `meta`: JSON with the step, the fingerprint (model + FFN config), the table of leaves and their checksums
+  (mhl_jax/runtime/checkpoint_integrity.py), checked before any array is read, so a checkpoint of another model
+  fails with the keys that differ;
 - `data`: the Grain iterator state (`grain.checkpoint.CheckpointSave/CheckpointRestore`, one JSON
   file per JAX process); a run of another process count restores it when every process saved the same
   state (train.py's loader, where every process reads the whole global batch).
@@ -15,6 +16,9 @@ killed in the middle of a save leaves the previous checkpoint as the latest one;
 directories are removed when the next `Checkpointer` opens the directory. With `async_save`, arrays
 are copied to host memory before `save` returns (donating them afterwards is safe) and written in
 the background; the iterator state is captured synchronously.
+
+A save refuses a state holding NaN or inf; a restore verifies the arrays against their checksums. A damaged latest
+checkpoint is moved aside and the newest intact one restored (`checkpoint.on_damage=fallback`, `Checkpointer.restore`).
 """
 
 from __future__ import annotations
@@ -22,27 +26,38 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 
 from mhl_jax.config import CheckpointConfig, Config, config_to_dict
+from mhl_jax.runtime.checkpoint_integrity import (
+    DamagedCheckpoint,
+    agree_intact,
+    damage_advice,
+    move_aside,
+    seal,
+    verify,
+)
 from mhl_jax.runtime.checkpoint_tree import (
     PyTree,
     abstract_leaf,
-    changed_leaves,
+    check_meta,
     describe,
     is_prng_key,
+    lookup,
     named_leaves,
     nest,
     storable,
     unflatten,
 )
 from mhl_jax.runtime.errors import CheckpointError
+from mhl_jax.runtime.orbax_quiet import quiet_failed_reads
 
 STATE, META, DATA = "state", "meta", "data"
 FORMAT = 1  # version of the layout above
@@ -55,25 +70,6 @@ def model_fingerprint(cfg: Config) -> dict:
     ffn = {k: v for k, v in d["ffn"].items() if k not in ("kernels", "balance_gamma")}
     model = {k: v for k, v in d["model"].items() if k not in ("attention_impl", "compute_dtype", "remat")}
     return {"model": model, "ffn": ffn}
-
-
-def _quiet_closed_loop_callbacks() -> None:
-    """When a restore fails, the reads still in flight finish on tensorstore's threads and call back into Orbax's
-    asyncio loop, which is closed by then: each callback's RuntimeError('Event loop is closed') reaches
-    sys.unraisablehook and printed a traceback around the one-line error (2-20 of them, some before it). Those, and
-    only those, are dropped from the first restore on; every other unraisable exception goes to the hook before."""
-    prev = sys.unraisablehook
-    if getattr(prev, "_drops_closed_loop", False):
-        return
-
-    def hook(unraisable):
-        exc = unraisable.exc_value
-        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-            return
-        prev(unraisable)
-
-    hook._drops_closed_loop = True
-    sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
@@ -101,12 +97,13 @@ def _shared_data_state(data_dir: Path, where: str) -> dict | None:
         return None
     files = sorted(data_dir.glob("process_*-of-*.json"))
     if not files:
-        raise CheckpointError(f"checkpoint {where}: {DATA}/ holds no iterator state file (process_<i>-of-<n>.json); "
-                              "the step directory is damaged or incomplete")
+        raise DamagedCheckpoint(f"checkpoint {where}: {DATA}/ holds no iterator state file "
+                                "(process_<i>-of-<n>.json); the step directory is damaged or incomplete")
     counts = {f.name.rsplit("-of-", 1)[1].removesuffix(".json") for f in files}
     if len(counts) != 1 or counts != {str(len(files))}:
-        raise CheckpointError(f"checkpoint {where}: {DATA}/ holds the iterator states {[f.name for f in files]}, not "
-                              "one per process of the run that wrote it; the step directory is damaged or incomplete")
+        raise DamagedCheckpoint(f"checkpoint {where}: {DATA}/ holds the iterator states {[f.name for f in files]}, "
+                                "not one per process of the run that wrote it; the step directory is damaged or "
+                                "incomplete")
     states = {f.name: f.read_text() for f in files}
     if len(set(states.values())) != 1:
         raise CheckpointError(f"checkpoint {where} was written by {len(files)} processes whose input pipelines "
@@ -115,8 +112,14 @@ def _shared_data_state(data_dir: Path, where: str) -> dict | None:
     try:
         return json.loads(next(iter(states.values())))
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"checkpoint {where}: {files[0]} is not JSON ({e}); the step directory is damaged or "
-                              "incomplete") from e
+        raise DamagedCheckpoint(f"checkpoint {where}: {files[0]} is not JSON ({e}); the step directory is damaged "
+                                "or incomplete") from e
+
+
+def _warn(line: str) -> None:
+    """A restore's warning: one line on stderr, from process 0."""
+    if jax.process_index() == 0:
+        print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- the checkpointer
@@ -175,11 +178,14 @@ class Checkpointer:
         if self.read_only:
             raise CheckpointError(f"cannot save into {str(self.directory)!r}: opened read-only")
         named, _ = named_leaves(state)
+        stored = [(n, storable(leaf)) for n, leaf in named]
         meta = {"format": FORMAT, "step": int(step), "fingerprint": self.fingerprint,
                 "leaves": [[list(names), *describe(leaf)] for names, leaf in named],
                 "key_impls": {"/".join(names): str(jax.random.key_impl(leaf)) for names, leaf in named
-                              if is_prng_key(leaf)}}
-        items = {STATE: ocp.args.StandardSave(nest([(n, storable(leaf)) for n, leaf in named])),
+                              if is_prng_key(leaf)},
+                # checksums, from one pass over the state on its devices; a non-finite state is refused here
+                **seal(stored, step, self.latest_step())}
+        items = {STATE: ocp.args.StandardSave(nest(stored)),
                  META: ocp.args.JsonSave(meta)}
         if data_iter is not None:
             items[DATA] = grain.checkpoint.CheckpointSave(data_iter)
@@ -245,102 +251,127 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint of step {step} in {str(path)!r}; steps there: {steps}")
         return p, int(step)
 
-    def _check_meta(self, meta: dict, named: list[tuple[tuple[str, ...], Any]], where: str,
-                    partial: bool = False) -> None:
-        """The checkpoint's layout version, fingerprint and leaves against `named` (`partial`: named may be a part
-        of the saved leaves)."""
-        if meta.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint {where}: layout version {meta.get('format')!r}, expected {FORMAT}")
-        diff = changed_leaves(meta.get("fingerprint", {}), self.fingerprint)
-        if diff:
-            lines = "; ".join(f"{k}: checkpoint {theirs!r}, this run {ours!r}" for k, theirs, ours in diff)
-            raise CheckpointError(f"checkpoint {where} was written by a different model config ({lines})")
-        saved = {tuple(names): (shape, dtype) for names, shape, dtype in meta["leaves"]}
-        wanted = {names: tuple(describe(leaf)) for names, leaf in named}
-        missing = [n for n in wanted if n not in saved]
-        extra = [] if partial else [n for n in saved if n not in wanted]
-        if missing or extra:
-            show = lambda ns: ", ".join("/".join(n) for n in ns[:4]) + (" ..." if len(ns) > 4 else "")
-            raise CheckpointError(f"checkpoint {where} holds a different state layout: "
-                                  f"{len(missing)} leaves missing from it ({show(missing)}), "
-                                  f"{len(extra)} not in this run ({show(extra)})")
-        for names, (shape, dtype) in wanted.items():
-            if [list(saved[names][0]), saved[names][1]] != [shape, dtype]:
-                hint = (f" (the optimizer's moments: set optimizer.moment_dtype={saved[names][1]} as the run that "
-                        "wrote it had)" if names[0] == "opt_state" and list(saved[names][0]) == list(shape)
-                        and {saved[names][1], dtype} == {"float32", "bfloat16"} else "")
-                raise CheckpointError(f"checkpoint {where}: leaf {'/'.join(names)} is {saved[names][1]}"
-                                      f"{tuple(saved[names][0])}, this run expects {dtype}{tuple(shape)}{hint}")
-
     def _read(self, step: int, directory: Path, args: Any, where: str, what: str) -> Any:
-        """Orbax's restore of `args`; a damaged or incomplete step directory raises CheckpointError naming it and the
-        other steps there (Orbax's own error, often buried under its threads' tracebacks, is chained)."""
-        _quiet_closed_loop_callbacks()  # before: a failing restore's late reads can call back while it still runs
+        """Orbax's restore of `args`; a damaged or incomplete step directory raises DamagedCheckpoint naming it (Orbax's
+        own error, often buried under its threads' tracebacks, is chained; `quiet_failed_reads`)."""
+        quiet_failed_reads()  # before: a failing restore's late reads can call back while it still runs
         try:
             return self._manager.restore(step, directory=directory, args=args)
         except CheckpointError:
             raise
         except Exception as e:
-            others = sorted(int(c.name) for c in directory.iterdir() if c.name.isdigit() and int(c.name) != step)
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            if self.read_only:  # beside a run that may be rotating its checkpoints out (checkpoint.keep)
-                advice = (f"it may have been removed by the run writing there while it was read; steps there now: "
-                          f"{others}; pick one of them")
-            else:
-                advice = (f"other steps there: {others}; delete {where} to resume from the latest of them" if others
-                          else f"no other steps there; delete {where} to start the run over")
-            raise CheckpointError(
-                f"checkpoint {where}: its {what} cannot be read ({type(e).__name__}: {first}); the step directory is "
-                f"damaged or incomplete; {advice}") from e
+            first = (str(e).strip().splitlines() or [""])[0]
+            first = re.split(r" \[tensorstore_spec| See full TensorStore details", first)[0][:300]  # long specs
+            raise DamagedCheckpoint(f"checkpoint {where}: its {what} cannot be read ({type(e).__name__}: {first}); "
+                                    "the step directory is damaged or incomplete") from e
 
     def restore(self, state_template: PyTree, data_iter: Any = None, step: int | None = None,
-                path: str | Path | None = None) -> tuple[int, PyTree]:
-        """Restore (step, state) with the structure, dtypes and shardings of `state_template`.
+                path: str | Path | None = None, warn: Callable[[str], None] | None = None) -> tuple[int, PyTree]:
+        """Restore (step, state) with the structure, dtypes and shardings of `state_template`, its arrays verified
+        against their checksums.
 
         `step`: that step of this directory (default: the latest). `path`: an explicit checkpoint
         instead, either a step directory or a directory of them (then its latest). `data_iter`: a
         Grain DatasetIterator built like the saved one; its position is set in place (None: skip).
+
+        A damaged checkpoint (unreadable, incomplete, failing its checksums, or not finite) is refused with
+        CheckpointError, unless it is this directory's latest, restored because neither `step` nor `path` was given,
+        and `checkpoint.on_damage` is fallback: then the next older one is tried, and once one restores, each damaged
+        one is moved aside to `<step>.damaged` (never deleted; Orbax saves only steps newer than the latest there) with
+        a one-line warning through `warn` (default: stderr, process 0). When none restores, nothing is moved and the
+        error names them all: starting over would drop the training they hold, which is for a person to decide.
         """
         self.wait()
-        directory, step, where, named, treedef, meta = self._checked(state_template, step, path, partial=False)
-        items = {STATE: ocp.args.StandardRestore(nest([(n, abstract_leaf(leaf)) for n, leaf in named]))}
-        shared = None  # the iterator state when another process count wrote it (_shared_data_state)
-        if data_iter is not None:
-            if not (directory / str(step) / DATA).is_dir():
-                raise CheckpointError(f"checkpoint {where} holds no data-iterator state ({DATA}/), so the input "
-                                      "pipeline cannot resume where it stopped; it was not written by train.py, or its "
-                                      f"{DATA}/ directory was removed")
-            shared = _shared_data_state(directory / str(step) / DATA, where)
-            if shared is None:
-                items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
-        restored = self._read(step, directory, ocp.args.Composite(**items), where, "/".join(items))[STATE]
+        warn = warn or _warn
+        if step is not None or path is not None or self.cfg.on_damage == "stop":
+            try:
+                return self._restore_one(state_template, data_iter, step, path, warn)
+            except DamagedCheckpoint as e:
+                directory, at = self._locate(step, path)
+                advice = damage_advice(directory, at, self.read_only, explicit=step is not None or path is not None)
+                raise CheckpointError(f"{e}; {advice}") from e
+        skipped: list[tuple[int, DamagedCheckpoint]] = []
+        for candidate in reversed(self.all_steps()):
+            try:
+                restored = self._restore_one(state_template, data_iter, candidate, None, warn)
+            except DamagedCheckpoint as e:
+                skipped.append((candidate, e))
+                continue
+            for at, e in skipped:
+                moved = move_aside(self.directory / str(at))
+                warn(f"{e}; moved aside to {moved.name} and step {restored[0]} restored instead "
+                     "(checkpoint.on_damage=fallback)")
+            if skipped:
+                self._manager.reload()  # Orbax's list of steps, without the moved ones
+            return restored
+        if not skipped:
+            raise CheckpointError(f"no complete checkpoint in {str(self.directory)!r}")
+        reasons = "; ".join(str(e) for _, e in skipped)
+        raise CheckpointError(f"no intact checkpoint in {str(self.directory)!r} ({reasons}); nothing was moved: move "
+                              "those step directories away (or delete them) to start the run over")
+
+    def _restore_one(self, template: PyTree, data_iter: Any, step: int | None, path: str | Path | None,
+                     warn: Callable[[str], None]) -> tuple[int, PyTree]:
+        """`restore` of one checkpoint; DamagedCheckpoint on every process when any finds it damaged."""
+        directory, step = self._locate(step, path)
+        where = str(directory / str(step))
+        damage, restored = None, None
+        try:
+            named, treedef, meta = self._checked(template, directory, step, partial=False)
+            items = {STATE: ocp.args.StandardRestore(nest([(n, abstract_leaf(leaf)) for n, leaf in named]))}
+            shared = None  # the iterator state when another process count wrote it (_shared_data_state)
+            if data_iter is not None:
+                if not (directory / str(step) / DATA).is_dir():
+                    raise DamagedCheckpoint(f"checkpoint {where} holds no data-iterator state ({DATA}/), so the input "
+                                            "pipeline cannot resume where it stopped; it was not written by train.py, "
+                                            f"or its {DATA}/ directory was removed")
+                shared = _shared_data_state(directory / str(step) / DATA, where)
+                if shared is None:
+                    items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
+            restored = self._read(step, directory, ocp.args.Composite(**items), where, "/".join(items))[STATE]
+        except DamagedCheckpoint as e:
+            damage = e
+        agree_intact(damage, where)  # before the verification, which every process runs together
+        if not verify(meta, [(n, lookup(restored, n)) for n, _ in named], where):
+            warn(f"checkpoint {where} has no checksums (written before they existed): restored without verifying its "
+                 "arrays")
         if shared is not None:
             data_iter.set_state(shared)
             if hasattr(data_iter, "start_prefetch"):  # as Grain's own restore does
                 data_iter.start_prefetch()
         return int(meta["step"]), unflatten(restored, named, treedef, meta, where)
 
-    def _checked(self, template: PyTree, step: int | None, path: str | Path | None, partial: bool):
-        """(directory, step, where, named leaves, treedef, meta) of the checkpoint to restore into `template`, its
-        meta item read and checked against the template (`_check_meta`) before any array is read."""
-        directory, step = self._locate(step, path)
+    def _checked(self, template: PyTree, directory: Path, step: int, partial: bool):
+        """(named leaves, treedef, meta) of checkpoint `step` of `directory` to restore into `template`, its meta item
+        read and checked against the template (`check_meta`) before any array is read."""
         where = str(directory / str(step))
         named, treedef = named_leaves(template)
         meta = self._read(step, directory, ocp.args.Composite(**{META: ocp.args.JsonRestore()}), where, META)[META]
-        self._check_meta(meta, named, where, partial=partial)
-        return directory, step, where, named, treedef, meta
+        if not isinstance(meta, dict) or not {"format", "step", "leaves"} <= set(meta):
+            raise DamagedCheckpoint(f"checkpoint {where}: its {META} item is not the dict of format, step and leaves "
+                                    "that a save writes")
+        check_meta(meta, FORMAT, self.fingerprint, named, where, partial=partial)
+        return named, treedef, meta
 
-
-    def restore_parts(self, template: dict, step: int | None = None,
-                      path: str | Path | None = None) -> tuple[int, dict]:
+    def restore_parts(self, template: dict, step: int | None = None, path: str | Path | None = None,
+                      warn: Callable[[str], None] | None = None) -> tuple[int, dict]:
         """(step, parts): only the top-level parts of the saved state that `template` names (e.g. {"params": ...,
         "biases": ...}: a model without its optimizer state, which is never read), with the template's structure,
-        dtypes and shardings. Needs a read-only Checkpointer. `step` and `path` as in `restore`."""
+        dtypes and shardings, verified against their checksums. Needs a read-only Checkpointer. `step` and `path` as
+        in `restore`; a damaged checkpoint is refused (a read-only Checkpointer moves nothing)."""
         if not self.read_only:
             raise CheckpointError("restore_parts needs a Checkpointer opened with read_only=True")
-        directory, step, where, named, treedef, meta = self._checked(template, step, path, partial=True)
-        tree = nest([(n, abstract_leaf(leaf)) for n, leaf in named])
-        args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
-                                      partial_restore=True)
-        restored = self._read(step, directory, ocp.args.Composite(**{STATE: args}), where, STATE)[STATE]
+        directory, step = self._locate(step, path)
+        where = str(directory / str(step))
+        try:
+            named, treedef, meta = self._checked(template, directory, step, partial=True)
+            tree = nest([(n, abstract_leaf(leaf)) for n, leaf in named])
+            args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                                          partial_restore=True)
+            restored = self._read(step, directory, ocp.args.Composite(**{STATE: args}), where, STATE)[STATE]
+            if not verify(meta, [(n, lookup(restored, n)) for n, _ in named], where):
+                (warn or _warn)(f"checkpoint {where} has no checksums (written before they existed): read without "
+                                "verifying its arrays")
+        except DamagedCheckpoint as e:
+            raise CheckpointError(f"{e}; {damage_advice(directory, step, self.read_only, explicit=False)}") from e
         return int(meta["step"]), unflatten(restored, named, treedef, meta, where)

@@ -77,7 +77,7 @@ def test_killed_run_on_bin_shards_resumes_exactly(tmp_path):
 def test_refused_or_damaged_checkpoint_and_nothing_to_train(tmp_path):
     """What a resuming user gets wrong, answered without a traceback and without touching the run directory: a
     checkpoint past the run's last step, a model config that differs from the checkpoint's (config.yaml of the run
-    kept), and a damaged latest checkpoint (named, with the steps still there)."""
+    kept), and, with checkpoint.on_damage=stop, a damaged latest checkpoint (named, with the steps still there)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     go = lambda args: subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,  # noqa: E731
                                      text=True, env=env)
@@ -99,7 +99,8 @@ def test_refused_or_damaged_checkpoint_and_nothing_to_train(tmp_path):
     for f in (d / "checkpoints" / "4" / "state").rglob("*"):
         if f.is_file():
             f.write_bytes(b"\0" * 7)
-    r = go(common(d))
+    stop = ["--set", "checkpoint.on_damage=stop"]  # refused, not skipped (tests/e2e/test_checkpoint_fallback.py)
+    r = go(common(d, *stop))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "checkpoint error:" in r.stderr and "/checkpoints/4: its state" in r.stderr and "[2]" in r.stderr
     assert (d / "config.yaml").read_text() == before
@@ -107,7 +108,7 @@ def test_refused_or_damaged_checkpoint_and_nothing_to_train(tmp_path):
     # back into Orbax's closed event loop, which printed 2-20 tracebacks under the error line unless dropped
     shutil.rmtree(d / "checkpoints" / "4")
     shutil.rmtree(d / "checkpoints" / "2" / "state" / "d")
-    r = go(common(d))
+    r = go(common(d, *stop))
     assert r.returncode == 2 and "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and "/checkpoints/2: its state" in r.stderr, r.stderr
     assert "no other steps there; delete" in r.stderr and "to start the run over" in r.stderr, r.stderr

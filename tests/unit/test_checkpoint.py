@@ -17,7 +17,8 @@ import pytest
 
 from mhl_jax.config import CheckpointConfig, DataConfig
 from mhl_jax.data import make_train_loader
-from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError, _quiet_closed_loop_callbacks
+from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError
+from mhl_jax.runtime.orbax_quiet import quiet_failed_reads
 
 ROOT = Path(__file__).resolve().parents[2]
 FP = {"model": {"d_model": 64, "n_layers": 2}, "ffn": {"kind": "mh_latent_moe", "num_experts": 16, "top_k": 2}}
@@ -240,8 +241,8 @@ def test_closed_loop_callbacks_are_dropped_after_a_failed_restore(monkeypatch):
     if the filter is installed twice)."""
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
-    _quiet_closed_loop_callbacks()
-    _quiet_closed_loop_callbacks()
+    quiet_failed_reads()
+    quiet_failed_reads()
     closed, other, loop_other = (RuntimeError("Event loop is closed"), ValueError("x"),
                                  RuntimeError("Event loop is running"))
     for exc in (closed, other, loop_other):
