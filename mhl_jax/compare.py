@@ -24,6 +24,7 @@ from pathlib import Path
 
 from mhl_jax.config import Config, ConfigError, load_config
 from mhl_jax.model.params import count_params
+from mhl_jax.runtime.errors import EXIT_BAD_INPUT, EXIT_OK
 
 
 def _load(path: Path, run_dir) -> Config:
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             plot(args.runs, args.plot, args.smooth)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     if args.json:
         for r in rows:
             print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows))
     if args.plot:
         print(f"curves: {args.plot}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -102,8 +102,12 @@ class OptimizerConfig:
 class ScheduleConfig:
     """The learning-rate schedule: linear warmup, a constant peak, a decay over the last steps."""
 
-    warmup_steps: int = 8000  # linear warmup from 0 to the peak LR
-    decay_steps: int = 2000  # decay to final_lr_ratio x the peak over the last steps
+    # linear warmup from 0 to the peak LR; null: 8/15 of total_steps (the paper's 8000 of 15000), less if an explicit
+    # decay_steps leaves fewer
+    warmup_steps: Optional[int] = None
+    # decay to final_lr_ratio x the peak over the last steps; null: 2/15 of total_steps (the paper's 2000 of 15000),
+    # less if an explicit warmup_steps leaves fewer
+    decay_steps: Optional[int] = None
     total_steps: int = 15000  # optimizer steps in the run (10B tokens / 0.66M per step ~ 15k)
     # the decay's shape (linear: the paper's trapezoid); a classic cosine schedule is decay=cosine with
     # decay_steps = total_steps - warmup_steps
@@ -300,16 +304,48 @@ for _cls in (_Loader, _Dumper):
         list("-+0123456789."))
 
 
+# The repository's configs/ folder, where a config named without a path is looked up (an editable install keeps
+# the package inside the repository).
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def find_config(spec: str) -> Path:
+    """The YAML file `spec` names: a path (from the working directory), else a config of CONFIG_DIR by name, with or
+    without `.yaml` and `configs/` (`tiny_moe`, `tiny_moe.yaml`, `configs/tiny_moe.yaml`) from any directory."""
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a directory; expected a YAML file such as "
+                          "configs/tiny_mh_latent_moe.yaml")
+    if p.is_file():
+        return p
+    if not p.is_absolute() and p.parent in (Path("."), Path("configs")):
+        named = CONFIG_DIR / (p.name if p.suffix in (".yaml", ".yml") else f"{p.name}.yaml")
+        if named.is_file():
+            return named
+        names = sorted(f.stem for f in CONFIG_DIR.glob("*.yaml"))
+        have = f"configs: {', '.join(names)}" if names else "none there"
+        raise ConfigError(f"config {spec!r}: no such file here, and no config of that name in {CONFIG_DIR} ({have})")
+    raise ConfigError(f"config file {str(p)!r} does not exist")
+
+
+def scale_schedule(s: ScheduleConfig) -> ScheduleConfig:
+    """`s` with warmup_steps and decay_steps that are null set from total_steps: 8/15 and 2/15 of it (the paper's
+    8000 and 2000 of 15000), each at most what an explicit other leaves. Explicit values stay as they are (`validate`
+    refuses them if they do not fit)."""
+    warmup, decay, total = s.warmup_steps, s.decay_steps, s.total_steps
+    if warmup is None:
+        warmup = max(0, min(total * 8 // 15, total - (decay or 0)))
+    if decay is None:
+        decay = max(0, min(total * 2 // 15, total - warmup))
+    return dataclasses.replace(s, warmup_steps=warmup, decay_steps=decay)
+
+
 def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
-    """Build a Config: defaults, then the YAML file at `path`, then each `a.b=value` override."""
+    """Build a Config: defaults, then the YAML file at `path` (`find_config`), then each `a.b=value` override; a null
+    warmup or decay scales with total_steps (`scale_schedule`)."""
     cfg = Config()
     if path is not None:
-        p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"config file {str(p)!r} is a directory; expected a YAML file such as "
-                              "configs/tiny_mh_latent_moe.yaml")
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+        p = find_config(path)
         try:
             data = yaml.load(p.read_text(), Loader=_Loader) or {}
         except yaml.YAMLError as e:
@@ -317,6 +353,7 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
         cfg = _merge(cfg, data, "")
     for text in overrides:
         cfg = _merge(cfg, parse_override(text), "")
+    cfg = dataclasses.replace(cfg, schedule=scale_schedule(cfg.schedule))
     validate(cfg)
     return cfg
 
@@ -407,7 +444,8 @@ def validate(cfg: Config) -> None:
              f"schedule.warmup_steps={s.warmup_steps}, decay_steps={s.decay_steps}: must be >= 0")
     _require(s.warmup_steps + s.decay_steps <= s.total_steps,
              f"schedule.warmup_steps={s.warmup_steps} + decay_steps={s.decay_steps} "
-             f"exceeds schedule.total_steps={s.total_steps}")
+             f"exceeds schedule.total_steps={s.total_steps}; lower them, or set them to null to take 8/15 and 2/15 of "
+             "total_steps")
     _require(0.0 <= s.final_lr_ratio <= 1.0, f"schedule.final_lr_ratio={s.final_lr_ratio}: must be in [0, 1]")
     _require(s.decay_steps > 0 or (s.final_lr_ratio == 0.0 and s.decay == "linear"),
              f"schedule.decay={s.decay!r}, final_lr_ratio={s.final_lr_ratio} shape the decay, and "

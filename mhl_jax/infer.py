@@ -44,7 +44,7 @@ from mhl_jax.data import DataError
 from mhl_jax.data.tokenizers import get_tokenizer
 from mhl_jax.model.context import build_step_context
 from mhl_jax.model.loss import head_logits
-from mhl_jax.runtime.errors import INPUT_ERRORS, input_error_line
+from mhl_jax.runtime.errors import EXIT_BAD_INPUT, EXIT_OK, INPUT_ERRORS, input_error_line
 from mhl_jax.runtime.evaluate import evaluate_run
 from mhl_jax.runtime.restore import Loaded, load_run, run_config
 
@@ -368,11 +368,11 @@ def main(argv: list[str] | None = None) -> int:
             _generate_cli(args)
     except INPUT_ERRORS as e:
         print(input_error_line(e), file=sys.stderr)
-        return 2
-    except OSError as e:
+        return EXIT_BAD_INPUT
+    except OSError as e:  # a run directory or prompt file that cannot be read
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_BAD_INPUT
+    return EXIT_OK
 
 
 if __name__ == "__main__":

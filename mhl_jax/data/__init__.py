@@ -1,4 +1,5 @@
-"""Data: tokenizers, `.bin` shards, Hugging Face text, the built-in corpus, the Grain pipeline, prepare."""
+"""Data: tokenizers, `.bin` shards, Hugging Face text, the built-in corpus, the Grain pipeline, prepare and its named
+datasets."""
 
 from mhl_jax.data.errors import DataError
 from mhl_jax.data.pipeline import load_val_sequences, make_train_loader, source_windows

@@ -1,7 +1,7 @@
 """Hugging Face `datasets` text: local files or a dataset name, one text column, tokenized.
 
 `data.path` is either local files (a file, a directory, or a glob of .txt/.md, .json/.jsonl,
-.csv or .parquet files, optionally compressed) read with datasets' builders ("text" files are one
+.csv or .parquet files, optionally compressed) read file by file with datasets' builders ("text" files are one
 document each), or a dataset name (with `data.hf_config` and `data.hf_split`). Validation comes
 from `data.val_path` (local files, or else the name of another split of the same dataset) or, when
 that is empty, from the held-out tail of the training tokens. The whole split is tokenized in
@@ -66,9 +66,8 @@ def _import_datasets():
     return datasets
 
 
-def _load_files(files: list[Path], *, split: str, streaming: bool, what: str):
-    """A `datasets` split made of local data files of one format ("text" files: one document each)."""
-    datasets = _import_datasets()
+def _format_of(files: list[Path], what: str) -> str:
+    """The one `datasets` builder that reads all of `files`; a DataError for a name of no known format or a mix."""
     builders = {_builder_of(f) for f in files}
     if None in builders:
         bad = next(f for f in files if _builder_of(f) is None)
@@ -76,28 +75,35 @@ def _load_files(files: list[Path], *, split: str, streaming: bool, what: str):
                         f"{sorted(BUILDERS)}")
     if len(builders) > 1:
         raise DataError(f"{what} mixes formats {sorted(builders)}; use files of one kind")
-    builder = builders.pop()
+    return builders.pop()
+
+
+def _open_files(files: list[Path], builder: str, what: str):
+    """Local data files of one format as one streaming `datasets` split ("text" files: one document each)."""
+    datasets = _import_datasets()
     kwargs = {"sample_by": "document"} if builder == "text" else {}
     try:
-        return datasets.load_dataset(builder, data_files={split: [str(f) for f in files]}, split=split,
-                                     streaming=streaming, **kwargs)
+        return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, split="train",
+                                     streaming=True, **kwargs)
     except Exception as e:
         raise DataError(f"{what}: cannot read the files as {builder} ({_root_cause(e)})") from e
 
 
-def _root_cause(e: BaseException) -> str:
-    """The innermost cause of a `datasets` error, as "Type: first line" (its own message is often generic)."""
+def _innermost(e: BaseException) -> BaseException:
     while (e.__cause__ or e.__context__) is not None:
         e = e.__cause__ or e.__context__
+    return e
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost cause of a `datasets` error, as "Type: first line" (its own message is often generic)."""
+    e = _innermost(e)
     first = (str(e).strip().splitlines() or [""])[0][:300]
     return f"{type(e).__name__}: {first}"
 
 
 def _load(spec: str, *, hf_config: str, split: str, streaming: bool, what: str):
-    """A `datasets` Dataset (IterableDataset when streaming) for local files or a dataset name."""
-    files = local_files(spec, what)
-    if files is not None:
-        return _load_files(files, split=split, streaming=streaming, what=f"{what}={spec!r}")
+    """A `datasets` Dataset (IterableDataset when streaming) of a Hugging Face dataset name."""
     datasets = _import_datasets()
     try:
         return datasets.load_dataset(spec, hf_config or None, split=split, streaming=streaming)
@@ -106,41 +112,91 @@ def _load(spec: str, *, hf_config: str, split: str, streaming: bool, what: str):
                         f"(config {hf_config or None!r}, split {split!r}) failed: {type(e).__name__}: {e}") from e
 
 
-def _texts(ds, text_column: str, what: str) -> Iterator[str]:
-    """The strings of `text_column`, row by row; bad rows and unreadable files raise DataError naming `what` (the
-    config key, or prepare's option, that named the data) and the row."""
+class _ReadFailed(Exception):
+    """A file could not be read after `row` rows (`_texts`); the caller names the file."""
+
+    def __init__(self, row: int, error: BaseException) -> None:
+        super().__init__(row, error)
+        self.row, self.error = row, error
+
+
+def _texts(ds, text_column: str, what: str, batch: int = 1024, files: list[Path] | None = None) -> Iterator[str]:
+    """The strings of `text_column`, row by row (`batch` at a time); a bad row raises DataError naming `what` (the
+    config key, or prepare's option, that named the data) and the row, and its file when `files` are one document
+    each (row i is files[i]); a file that cannot be read raises _ReadFailed."""
     flag = "--text-column" if what.startswith("--") else "data.text_column"
     columns = ds.column_names
     if columns is not None and text_column not in columns:
         raise DataError(f"{what} has no text column {text_column!r} ({flag}); columns: {columns}")
     row = 0
     try:
-        for batch in ds.iter(batch_size=1024):
-            if text_column not in batch:
-                raise DataError(f"{what} has no text column {text_column!r} ({flag}); columns: {sorted(batch)}")
-            for text in batch[text_column]:
+        for chunk in ds.iter(batch_size=batch):
+            if text_column not in chunk:
+                raise DataError(f"{what} has no text column {text_column!r} ({flag}); columns: {sorted(chunk)}")
+            for text in chunk[text_column]:
                 if not isinstance(text, str):
-                    raise DataError(f"{what}: row {row} (counting from 0, over the files in name order) of column "
+                    of = f", {str(files[row])!r}" if files else ""
+                    raise DataError(f"{what}: row {row} (counting from 0, over the files in name order{of}) of column "
                                     f"{text_column!r} holds {type(text).__name__}, expected str")
                 row += 1
                 yield text
     except DataError:
         raise
     except Exception as e:  # a malformed or undecodable file met while reading (streaming)
-        raise DataError(f"{what}: reading failed after {row} rows ({_root_cause(e)})") from e
+        raise _ReadFailed(row, e) from e
+
+
+def _rows_until_unreadable(files: list[Path], builder: str, text_column: str, what: str) -> tuple[int, int]:
+    """(index of the first of `files` that cannot be read on its own, the rows of the files before it); (-1, rows)
+    when each can. Reads every file before it again: only for an error message."""
+    rows = 0
+    for i, path in enumerate(files):
+        try:
+            rows += sum(1 for _ in _texts(_open_files([path], builder, what), text_column, what))
+        except (_ReadFailed, DataError):
+            return i, rows
+    return -1, rows
+
+
+def _file_texts(files: list[Path], text_column: str, what: str) -> Iterator[str]:
+    """The documents of local data files, in order; a file that cannot be read is named, with the byte where decoding
+    failed (a .txt file) and the rows read before it."""
+    builder = _format_of(files, what)
+    # a .txt file is one document (a .zip may hold several): row i is files[i], and one row per batch costs nothing
+    one_each = builder == "text" and not any(f.suffix.lower() == ".zip" for f in files)
+    try:
+        yield from _texts(_open_files(files, builder, what), text_column, what, 1 if one_each else 1024,
+                          files if one_each else None)
+    except _ReadFailed as failed:
+        cause = _innermost(failed.error)
+        bad, rows = ((failed.row, failed.row) if one_each else
+                     _rows_until_unreadable(files, builder, text_column, what))
+        # a .txt file is decoded whole, so the error's position is the byte offset in the (decompressed) file
+        at = f" at byte {cause.start}" if one_each and isinstance(cause, UnicodeDecodeError) else ""
+        name = f" in {str(files[bad])!r}{at}" if bad >= 0 else ""
+        raise DataError(f"{what}: reading failed{name} after {rows} rows ({_root_cause(failed.error)})"
+                        ) from failed.error
 
 
 def iter_documents(spec: str, *, hf_config: str = "", split: str = "train", text_column: str = "text",
                    streaming: bool = False, what: str = "data.path") -> Iterator[str]:
-    """The text of every row of `spec`'s `text_column` (local files or a dataset name), in order."""
+    """The text of every row of `spec`'s `text_column` (local files or a dataset name), in order. Local files are
+    always streamed (`streaming` applies to a dataset name)."""
+    files = local_files(spec, what)
+    if files is not None:
+        yield from _file_texts(files, text_column, f"{what}={spec!r}")
+        return
     ds = _load(spec, hf_config=hf_config, split=split, streaming=streaming, what=what)
-    yield from _texts(ds, text_column, f"{what}={spec!r}")
+    try:
+        yield from _texts(ds, text_column, f"{what}={spec!r}")
+    except _ReadFailed as failed:
+        raise DataError(f"{what}={spec!r}: reading failed after {failed.row} rows "
+                        f"({_root_cause(failed.error)})") from failed.error
 
 
 def iter_file_documents(files: list[Path], *, text_column: str = "text", what: str = "--input") -> Iterator[str]:
     """The documents of local data files (one per .txt file, one per row of json/csv/parquet)."""
-    ds = _load_files(files, split="train", streaming=True, what=what)
-    yield from _texts(ds, text_column, what)
+    yield from _file_texts(files, text_column, what)
 
 
 @functools.lru_cache(maxsize=4)

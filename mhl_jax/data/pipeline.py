@@ -89,7 +89,8 @@ def make_train_loader(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: i
     Each `next()` gives (batch_size, seq_len + 1) int32 token windows. Same arguments, same batches: the processes
     of a run of several build the same iterator of global batches, and each places its own rows of them
     (mhl_jax.runtime.distributed). Save/restore its position with `get_state()`/`set_state()` or through
-    `Checkpointer` (which uses Grain's Orbax handler).
+    `Checkpointer` (which uses Grain's Orbax handler). Training data of fewer windows than one batch is refused
+    (DataError): each batch would repeat the same sequences.
     """
     if batch_size < 1:
         raise DataError(f"batch_size={batch_size}: must be >= 1")
@@ -97,6 +98,10 @@ def make_train_loader(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: i
         raise DataError(f"data.prefetch={cfg.prefetch}, data.worker_count={cfg.worker_count}: must be >= 0; "
                         f"data.read_threads={cfg.read_threads}: must be >= 1")
     windows = source_windows(cfg, "train", seq_len=seq_len, vocab_size=vocab_size)
+    if len(windows) < batch_size:  # every batch would hold the same sequences several times over
+        raise DataError(f"{windows.name}: {windows.num_tokens} training tokens give {len(windows)} distinct sequences "
+                        f"of {seq_len + 1} tokens, fewer than one batch of {batch_size} (train.global_batch); give "
+                        f"more data, or lower train.global_batch or model.context")
     ds = grain.MapDataset.source(windows).shuffle(seed=shuffle_seed(seed))
     ds = ds.repeat(None).batch(batch_size, drop_remainder=True)
     read = grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.prefetch)

@@ -1,15 +1,20 @@
-"""`python -m mhl_jax.data.prepare`: text (local files or a Hugging Face dataset) -> `.bin` shards.
+"""`python -m mhl_jax.data.prepare`: text (a named dataset, local files or a Hugging Face dataset) -> `.bin` shards.
 
-Writes val_000000.bin (the first --val-tokens tokens) and train_000000.bin, train_000001.bin, ...
-(--shard-tokens tokens each, the last one shorter) in the modded-nanogpt format, into a staging
-directory inside --out, moved into --out once the whole input is read (a failure leaves --out as it
-was; --overwrite replaces its shards only then). Documents are EOT-separated (each one is preceded by EOT). Train with
-`data.source=bin data.path=OUT` (the directory: train_* are trained on, val_* validate).
+Writes validation shards val_000000.bin, ... and training shards train_000000.bin, ... (--shard-tokens tokens
+each, the last of each shorter) in the modded-nanogpt format. Validation is, by default, --val-fraction (0.5%) of
+the tokens, in blocks of 2048 spread evenly over the input from its first block on (so a large input gives some from
+every stretch of its files, and a few MB still a few blocks), at most --val-max-tokens (100M); --val-tokens N holds
+out the first N tokens instead. Documents are EOT-separated (each one is preceded by EOT). The shards go to a
+staging directory inside --out, moved into --out once the whole input is read (a failure leaves --out as it was;
+--overwrite replaces its shards only then). Train with `data.source=bin data.path=OUT` (the directory: *train_*
+files are trained on, *val_* validate).
 
-    python -m mhl_jax.data.prepare --input 'books/*.txt' --tokenizer byte --out data/books \\
-        --shard-tokens 100000000 --val-tokens 1000000
+    python -m mhl_jax.data.prepare fineweb10B    # the paper configs' data, where they read it (recipes.py)
+    python -m mhl_jax.data.prepare --input 'books/*.txt' --tokenizer byte --out data/books
     python -m mhl_jax.data.prepare --hf-dataset HuggingFaceFW/fineweb-edu --hf-config sample-10BT \\
         --streaming --tokenizer gpt2 --out data/fineweb_edu10B
+
+Exit status: 0 done, 2 bad input (one line says why), 1 a failure while writing, 3 interrupted (--out as it was).
 """
 
 from __future__ import annotations
@@ -21,63 +26,18 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
-from mhl_jax.data.bin_shards import MAX_VOCAB, write_shard
+from mhl_jax.data.bin_shards import MAX_VOCAB, read_header
 from mhl_jax.data.errors import DataError
 from mhl_jax.data.hf_source import iter_documents, iter_file_documents, local_files
+from mhl_jax.data.recipes import RECIPES, check_hub
+from mhl_jax.data.shard_writer import Holdout, ShardWriter
 from mhl_jax.data.tokenizers import get_tokenizer, iter_encoded
+from mhl_jax.runtime.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
-
-class ShardWriter:
-    """Cuts a token stream into val_000000.bin (first `val_tokens`) then train_%06d.bin shards."""
-
-    def __init__(self, out: Path, shard_tokens: int, val_tokens: int) -> None:
-        self.out = out
-        self.shard_tokens = shard_tokens
-        self.val_tokens = val_tokens
-        self.written: list[Path] = []
-        self.total = 0
-        self._train_index = 0
-        self._buf = np.empty(val_tokens, np.uint16)  # the val shard fills first
-        self._fill = 0
-        self._in_val = True
-
-    def add(self, tokens: np.ndarray) -> None:
-        """Append (n,) ids < 65536."""
-        self.total += len(tokens)
-        while len(tokens):
-            take = min(len(self._buf) - self._fill, len(tokens))
-            self._buf[self._fill:self._fill + take] = tokens[:take]
-            self._fill += take
-            tokens = tokens[take:]
-            if self._fill == len(self._buf):
-                self._flush()
-
-    def _flush(self) -> None:
-        if self._in_val:
-            path = self.out / "val_000000.bin"
-        else:
-            path = self.out / f"train_{self._train_index:06d}.bin"
-            self._train_index += 1
-        write_shard(path, self._buf[:self._fill])
-        self.written.append(path)
-        if self._in_val:
-            self._in_val = False
-            self._buf = np.empty(self.shard_tokens, np.uint16)
-        self._fill = 0
-
-    def close(self) -> None:
-        """Write the last partial train shard; the input must have filled val and one train token."""
-        if self._in_val:
-            raise DataError(f"the input has {self.total} tokens, fewer than --val-tokens={self.val_tokens} "
-                            "plus at least one training token")
-        if self._fill:
-            self._flush()
-        if self._train_index == 0:
-            raise DataError(f"the input has {self.total} tokens, all taken by --val-tokens={self.val_tokens}; "
-                            "nothing is left to train on")
+VAL_FRACTION = 0.005  # the default --val-fraction
+VAL_MAX_TOKENS = 100_000_000  # the default --val-max-tokens: a 10B-token corpus's 0.5% is 50M
 
 
 def _input_files(patterns: list[str]) -> list[Path]:
@@ -98,7 +58,8 @@ def _documents(args: argparse.Namespace) -> Iterator[str]:
 
 
 def _shards_in(out: Path) -> list[Path]:
-    return sorted(out.glob("train_*.bin")) + sorted(out.glob("val_*.bin"))
+    """The shards in `out`, of any name prefix (so that a run with another prefix does not add to them)."""
+    return sorted({*out.glob("*train_*.bin"), *out.glob("*val_*.bin")})
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -127,38 +88,79 @@ def _install(staging: Path, out: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mhl_jax.data.prepare", description=__doc__.split("\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", nargs="+", metavar="FILES_OR_GLOB",
-                     help="local files, directories or globs (.txt/.md: one document per file; .json/.jsonl/"
-                          ".csv/.parquet: one per row)")
-    src.add_argument("--hf-dataset", metavar="NAME", help="a Hugging Face dataset name")
-    p.add_argument("--hf-config", default="", help="dataset configuration name")
-    p.add_argument("--split", default="train", help="dataset split (--hf-dataset)")
+    p.add_argument("recipe", nargs="?", choices=sorted(RECIPES), metavar="NAME",
+                   help=f"a named dataset, fetched and written where the configs read it: {', '.join(RECIPES)}")
+    p.add_argument("--input", nargs="+", metavar="FILES_OR_GLOB",
+                   help="local files, directories or globs (.txt/.md: one document per file; .json/.jsonl/"
+                        ".csv/.parquet: one per row)")
+    p.add_argument("--hf-dataset", metavar="NAME", help="a Hugging Face dataset name")
+    p.add_argument("--hf-config", default=None, help="dataset configuration name")
+    p.add_argument("--split", default=None, help="dataset split (--hf-dataset; default: train)")
     p.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it first")
-    p.add_argument("--text-column", default="text", help="column holding the text (json/csv/parquet, datasets)")
-    p.add_argument("--tokenizer", choices=["byte", "gpt2"], required=True)
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--text-column", default=None,
+                   help="column holding the text (json/csv/parquet, datasets; default: text)")
+    p.add_argument("--tokenizer", choices=["byte", "gpt2"], default=None)
+    p.add_argument("--out", default=None, help="output directory (a NAME's default: where its configs read it)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000,
-                   help="tokens per train shard (default: %(default)s)")
-    p.add_argument("--val-tokens", type=int, default=100_000_000,
-                   help="tokens in the validation shard, written first (default: %(default)s; the input needs more "
-                   "tokens than this)")
-    p.add_argument("--overwrite", action="store_true", help="replace train_*/val_* shards already in --out")
+                   help="tokens per shard (default: %(default)s)")
+    p.add_argument("--val-fraction", type=float, default=None,
+                   help=f"fraction of the tokens held out for validation, in blocks spread over the input (default: "
+                        f"{VAL_FRACTION})")
+    p.add_argument("--val-max-tokens", type=int, default=VAL_MAX_TOKENS,
+                   help="at most this many validation tokens with --val-fraction (default: %(default)s)")
+    p.add_argument("--val-tokens", type=int, default=None,
+                   help="instead of --val-fraction: the first N tokens validate (the input needs more than N)")
+    p.add_argument("--overwrite", action="store_true", help="replace the *train_*/*val_* shards already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if sum(x is not None for x in (args.recipe, args.input, args.hf_dataset)) != 1:
+        p.error(f"give one source: a NAME ({', '.join(RECIPES)}), --input FILES or --hf-dataset NAME")
     if args.shard_tokens < 1:
         p.error(f"--shard-tokens={args.shard_tokens}: must be >= 1")
-    if args.val_tokens < 1:
+    if args.val_tokens is not None and args.val_fraction is not None:
+        p.error("--val-tokens and --val-fraction: give one (the first N tokens, or a fraction spread over the input)")
+    if args.val_tokens is not None and args.val_tokens < 1:
         p.error(f"--val-tokens={args.val_tokens}: must be >= 1")
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:
+        p.error(f"--val-fraction={args.val_fraction}: must be in (0, 1)")
+    if args.val_max_tokens < 1:
+        p.error(f"--val-max-tokens={args.val_max_tokens}: must be >= 1")
+    args.prefix = ""
+    if args.recipe:
+        r = RECIPES[args.recipe]
+        fixed = [f"--{k.replace('_', '-')}" for k in ("hf_config", "split", "text_column", "tokenizer")
+                 if getattr(args, k) is not None] + (["--streaming"] if args.streaming else [])
+        if fixed:
+            p.error(f"{r.name} sets {', '.join(fixed)} itself (source {r.source}, tokenizer {r.tokenizer})")
+        args.hf_dataset, args.hf_config, args.split, args.text_column = r.source, r.hf_config, r.split, r.text_column
+        args.tokenizer, args.streaming, args.prefix, args.out = r.tokenizer, True, r.prefix, args.out or r.out
+    else:
+        for name in ("tokenizer", "out"):
+            if getattr(args, name) is None:
+                p.error(f"--{name} is required with --input or --hf-dataset")
+        args.hf_config = args.hf_config or ""
+        args.split = args.split or "train"
+        args.text_column = args.text_column or "text"
     return args
+
+
+def holdout_of(args: argparse.Namespace) -> Holdout:
+    """The validation part `args` asks for: --val-tokens, else --val-fraction (default 0.5%) up to --val-max-tokens."""
+    if args.val_tokens is not None:
+        return Holdout.first(args.val_tokens)
+    return Holdout.spread(VAL_FRACTION if args.val_fraction is None else args.val_fraction, args.val_max_tokens)
 
 
 def prepare(args: argparse.Namespace) -> list[Path]:
     """Tokenize and write the shards; returns their paths (val first)."""
+    if args.recipe:
+        check_hub(RECIPES[args.recipe])
     tok = get_tokenizer(args.tokenizer)
     if tok.vocab_size > MAX_VOCAB:
         raise DataError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids; .bin shards store uint16 ids "
                         f"(< {MAX_VOCAB})")
+    holdout = holdout_of(args)
+    docs = _documents(args)  # local files are found (or refused) here, before --out is touched
     out = Path(args.out)
     _check_out(out, args.overwrite)
     created = not out.exists()
@@ -172,33 +174,50 @@ def prepare(args: argparse.Namespace) -> list[Path]:
         shutil.rmtree(left, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(dir=out, prefix=".prepare-"))
     try:
-        writer = ShardWriter(staging, args.shard_tokens, args.val_tokens)
+        writer = ShardWriter(staging, args.shard_tokens, holdout, args.prefix)
         with tqdm(desc=f"prepare {out}", unit="tok", unit_scale=True, disable=args.no_progress,
                   file=sys.stderr) as bar:
-            for ids in iter_encoded(tok, _documents(args)):
+            for ids in iter_encoded(tok, docs):
                 writer.add(ids)
                 bar.update(len(ids))
                 bar.set_postfix(shards=len(writer.written), refresh=False)
-        writer.close()
+        written = writer.close()
         _install(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a failed first run leaves no empty output directory behind
-    return [out / f.name for f in writer.written]
+    return [out / f.name for f in written]
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
     """Parse `argv` (default: sys.argv[1:]) and prepare; raises DataError on bad input."""
     args = parse_args(argv)
     written = prepare(args)
-    print(f"wrote {len(written)} shards to {args.out}: {written[0].name} and "
-          f"{len(written) - 1} train shard(s) ({written[1].name} .. {written[-1].name})")
+    val = [p for p in written if "val_" in p.name]
+    train = written[len(val):]
+    n_val, n_train = (sum(read_header(p) for p in part) for part in (val, train))
+    print(f"wrote {len(written)} shards to {args.out}: validation {n_val} tokens ({len(val)} shard(s), "
+          f"{100 * n_val / (n_val + n_train):.2f}%), train {n_train} tokens ({len(train)} shard(s), "
+          f"{train[0].name} .. {train[-1].name})")
     return written
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int:
+    """`main` as a command: one line on stderr and an exit status (mhl_jax.runtime.errors) instead of a traceback."""
     try:
-        main()
+        main(argv)
     except DataError as e:
-        sys.exit(f"prepare: error: {e}")
+        print(f"prepare: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:  # writing failed: a full disk, permissions
+        print(f"prepare: failed: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("prepare: interrupted; --out is as it was", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

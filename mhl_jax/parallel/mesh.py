@@ -20,6 +20,13 @@ def model_axis(cfg: Config) -> str:
     return "hp" if cfg.ffn.kind == "mh_latent_moe" else "ep"
 
 
+def more_devices_hint(need: int) -> str:
+    """On the CPU, how to get `need` devices (JAX makes its host devices at start, as XLA_FLAGS says); else ''."""
+    if jax.default_backend() != "cpu":
+        return ""
+    return f"; on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count={need} makes {need} of them"
+
+
 def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int]:
     """(data, hp|ep) sizes, validated against the device count and the head / expert counts."""
     par, f = cfg.parallel, cfg.ffn
@@ -29,7 +36,7 @@ def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int]:
         raise ConfigError(f"parallel.{axis}={inner} on {num_devices} devices: both must be >= 1")
     if inner > num_devices:
         raise ConfigError(f"parallel.{axis}={inner} exceeds the {num_devices} devices of the mesh (parallel.devices="
-                          f"{par.devices}, -1: all visible)")
+                          f"{par.devices}, -1: all visible){more_devices_hint(inner * max(par.data, 1))}")
     if num_devices % inner:
         raise ConfigError(f"parallel.{axis}={inner} does not divide the {num_devices} devices of the mesh")
     if axis == "hp" and f.num_heads % inner:
@@ -38,9 +45,10 @@ def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int]:
         raise ConfigError(f"ffn.num_experts={f.num_experts} is not divisible by parallel.ep={inner}")
     data = num_devices // inner if par.data == -1 else par.data
     if data * inner != num_devices:
+        more = more_devices_hint(data * inner) if data * inner > num_devices else ""
         raise ConfigError(f"parallel.data={par.data} x parallel.{axis}={inner} = {data * inner} "
                           f"devices, but the mesh has {num_devices} (parallel.devices={par.devices}, -1: all "
-                          "visible; parallel.data=-1 fills them)")
+                          f"visible; parallel.data=-1 fills them){more}")
     return data, inner
 
 
@@ -59,10 +67,8 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
         devices = list(jax.devices())
         want = cfg.parallel.devices
         if want > len(devices):
-            cpu = (f"; on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count={want} makes {want} of them"
-                   if jax.default_backend() == "cpu" else "")
             seen = f"{len(devices)} device" + ("s are" if len(devices) > 1 else " is")
-            raise ConfigError(f"parallel.devices={want} but {seen} visible{cpu}")
+            raise ConfigError(f"parallel.devices={want} but {seen} visible{more_devices_hint(want)}")
         if jax.process_count() > 1 and want not in (-1, len(devices)):
             raise ConfigError(f"parallel.devices={want} with {jax.process_count()} processes: a run of several "
                               f"processes uses all {len(devices)} of their devices (-1)")
