@@ -153,7 +153,7 @@ for _id, _override, _fragment in [
     # values out of range
     ("width-zero", "model.d_model=0", "model.d_model=0: must be positive"),
     ("odd-head-dim", "model.head_dim=31", "model.head_dim=31: RoPE needs an even head dim"),
-    ("init-std", "model.init_std=0", "model.init_std=0.0: must be positive"),
+    ("init-std", "model.init_std=0", "model.init_std=0.0: must be in (0, 1]"),
     ("stem-layers", "ffn.stem_layers=5", "ffn.stem_layers=5: must be in [0, model.n_layers=4]"),
     ("stem-hidden", "ffn.stem_hidden=0", "ffn.stem_hidden=0: must be positive"),
     ("one-expert", "ffn.num_experts=1", "ffn.num_experts=1: need at least 2 experts"),
@@ -176,7 +176,7 @@ for _id, _override, _fragment in [
      "schedule.total_steps=300"),
     ("final-lr-ratio", "schedule.final_lr_ratio=2", "schedule.final_lr_ratio=2.0: must be in [0, 1]"),
     ("lr-zero", "optimizer.lr=0", "optimizer.lr=0.0: must be positive"),
-    ("lr-nan", "optimizer.lr=.nan", "optimizer.lr=nan: must be positive"),
+    ("lr-nan", "optimizer.lr=.nan", "optimizer.lr=nan: must be a finite number"),
     ("grad-clip", "optimizer.grad_clip=0", "optimizer.grad_clip=0.0: must be positive or null"),
     ("val-sequences", "data.val_sequences=-1", "data.val_sequences=-1: must be >= 0"),
     ("eval-every", "data.eval_every=-5", "data.eval_every=-5: must be >= 0 (0: no validation)"),
@@ -551,8 +551,6 @@ PREPARE.add("input-not-a-path", DataError, "--input 'no_such_input': no such fil
             _prepare("--input", "no_such_input"))
 PREPARE.add("fewer-than-val-tokens", DataError, "the input has 5 tokens, fewer than --val-tokens=100 plus at least "
             "one training token", _prepare())
-PREPARE.add("all-taken-by-val-tokens", DataError, "the input has 5 tokens, all taken by --val-tokens=5; nothing is "
-            "left to train on", _prepare("--val-tokens", "5"))
 PREPARE.add("out-holds-shards", DataError, "out' already holds shards (train_000000.bin, ...); choose an empty "
             "directory or pass --overwrite", _prepare("--val-tokens", "2", shards_there=True))
 PREPARE.add("overwrite-keeps-shards-on-failure", DataError, "fewer than --val-tokens=100",
@@ -1027,10 +1025,10 @@ def plot_without_matplotlib(tmp, mp):
 
 PREPARE_CLI = Section("prepare")
 for _id, _argv, _fragment in [
-    ("no-source", ["--tokenizer", "byte", "--out", "o"], "one of the arguments --input --hf-dataset is required"),
+    ("no-source", ["--tokenizer", "byte", "--out", "o"], "give one source: a NAME (fineweb10B), --input FILES or --hf-dataset NAME"),
     ("two-sources", ["--input", "a", "--hf-dataset", "b", "--tokenizer", "byte", "--out", "o"],
-     "argument --hf-dataset: not allowed with argument --input"),
-    ("no-tokenizer", ["--input", "a", "--out", "o"], "the following arguments are required: --tokenizer"),
+     "give one source: a NAME (fineweb10B), --input FILES or --hf-dataset NAME"),
+    ("no-tokenizer", ["--input", "a", "--out", "o"], "--tokenizer is required with --input or --hf-dataset"),
     ("unknown-tokenizer", ["--input", "a", "--tokenizer", "bpe", "--out", "o"], "argument --tokenizer: invalid choice: "
      "'bpe'"),
     ("shard-tokens-zero", ["--input", "a", "--tokenizer", "byte", "--out", "o", "--shard-tokens", "0"],
