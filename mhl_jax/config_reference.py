@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mhl_jax import config
+from mhl_jax.config import schema
 from mhl_jax.config import Config
 
 
@@ -72,7 +72,7 @@ def field_docs() -> list[FieldDoc]:
 
     A field's comment is the run of comment-only lines just above it plus the comment on its own line; reading
     the source (not docstrings) lets each comment sit beside its field, where it is kept up to date."""
-    source = Path(config.__file__).read_text()
+    source = Path(schema.__file__).read_text()
     lines = source.splitlines()
     comments = _source_comments(source)
     classes = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)}
@@ -104,7 +104,7 @@ def config_reference() -> str:
     """docs/config.md: every key of every section with its type, default and comment, as Markdown."""
     docs = field_docs()
     out = ["# Configuration reference", "",
-           "<!-- Generated from the field comments of mhl_jax/config.py by `python -m mhl_jax.config_reference > "
+           "<!-- Generated from the field comments of mhl_jax/config/schema.py by `python -m mhl_jax.config_reference > "
            "docs/config.md`; tests/unit/test_config_reference.py fails when the two differ. Edit the comments, "
            "not this file. -->", "",
            "A run's configuration is the defaults below, then a YAML file (`python train.py --config FILE`), then "

@@ -1,4 +1,4 @@
-"""docs/config.md is generated from config.py's field comments: every key documented, the file up to date."""
+"""docs/config.md is generated from mhl_jax/config/schema.py's field comments: every key documented, the file up to date."""
 
 from pathlib import Path
 
@@ -10,7 +10,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 def test_every_field_has_a_comment():
     missing = [d.key for d in field_docs() if not d.comment]
-    assert not missing, f"config fields without a comment (add one beside the field in mhl_jax/config.py): {missing}"
+    assert not missing, f"config fields without a comment (add one beside the field in mhl_jax/config/schema.py): {missing}"
 
 
 def test_reference_lists_every_key_once():
@@ -25,5 +25,5 @@ def test_reference_lists_every_key_once():
 
 def test_docs_config_md_is_current():
     assert DOC.read_text() == config_reference(), (
-        "docs/config.md differs from mhl_jax/config.py's field comments; regenerate it with "
+        "docs/config.md differs from mhl_jax/config/schema.py's field comments; regenerate it with "
         "`python -m mhl_jax.config_reference > docs/config.md`")
