@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from mhl_jax.config import Config
 from mhl_jax.runtime.checkpoint import Checkpointer
+from mhl_jax.runtime.errors import CheckpointSaveError
 from mhl_jax.runtime.evaluate import evaluate
 from mhl_jax.runtime.memory import GIB
 from mhl_jax.train.metrics import StepClock, format_line, mfu
@@ -51,6 +52,8 @@ class Progress:
         if first and not self.prof_first and lead:
             log(f"no profile: logging.profile_start={first} is not among this run's steps {start + 1}-{end}")
         self.tracing = False
+        # a save that raised, raised again by the loop's next stop check (`Stopping.poll`) on every process alike
+        self.save_failure: CheckpointSaveError | None = None
 
     def evaluates(self, n: int) -> bool:
         return self.evaluation is not None and (n % self.cfg.data.eval_every == 0 or n == self.total)
@@ -95,7 +98,10 @@ class Progress:
                           or "val_loss" in m):
             self._show(m, n)
         if self.saves(n):
-            self.ckpt.save(n, state, self.loader)
+            try:
+                self.ckpt.save(n, state, self.loader)
+            except CheckpointSaveError as e:
+                self.save_failure = e
             self.clock.pause(time.perf_counter())  # nor is saving a checkpoint
 
     def _check_finite(self, m: dict, n: int) -> None:
