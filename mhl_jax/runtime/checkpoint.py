@@ -14,7 +14,9 @@ Orbax writes each checkpoint into a temporary directory and renames it when comp
 killed in the middle of a save leaves the previous checkpoint as the latest one; leftover temporary
 directories are removed when the next `Checkpointer` opens the directory. With `async_save`, arrays
 are copied to host memory before `save` returns (donating them afterwards is safe) and written in
-the background; the iterator state is captured synchronously.
+the background; the iterator state is captured synchronously. A save the disk has no room for is
+refused before writing (mhl_jax.runtime.disk), and one that fails, in the background too, raises
+CheckpointSaveError naming the checkpoint that is intact (`save`, `check`, `wait`).
 """
 
 from __future__ import annotations
