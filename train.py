@@ -5,6 +5,9 @@ Several processes (hosts) in one run: start the same command once per process wi
 --num-processes N --process-id I` (or MHL_COORDINATOR / MHL_NUM_PROCESSES / MHL_PROCESS_ID), or with
 `--distributed-auto` under SLURM / Open MPI / Kubernetes.
 
+SIGTERM, SIGINT or SIGUSR1 saves a checkpoint of the step in flight and exits; the same command resumes. Exit status:
+0 done, 1 failed during the run, 2 bad input, 3 interrupted by a signal.
+
 Afterwards: `python -m mhl_jax.infer evaluate|generate RUN_DIR` (a checkpoint's validation loss, text sampled from it)
 and `python -m mhl_jax.compare RUN_DIR ...` (a table of runs and their loss curves).
 """
@@ -19,8 +22,17 @@ import jax
 from mhl_jax.config import ConfigError, config_to_dict, load_config
 from mhl_jax.runtime.autotune import guard_persistent_cache
 from mhl_jax.runtime.distributed import check_same_run, initialize, parse_launch, shutdown
-from mhl_jax.runtime.errors import INPUT_ERRORS, input_error_line
+from mhl_jax.runtime.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    INPUT_ERRORS,
+    CheckpointSaveError,
+    input_error_line,
+)
 from mhl_jax.runtime.memory import DeviceMemoryError
+from mhl_jax.train.interrupt import Interrupted
 from mhl_jax.train.loop import train
 
 DEFAULT_CONFIG = "configs/tiny_mh_latent_moe.yaml"
@@ -61,24 +73,28 @@ def main(argv: list[str] | None = None) -> int:
             print(off, flush=True)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:  # every process of a run must run the same command
         check_same_run({**config_to_dict(cfg),
                         "command_line": {"resume": args.resume, "stop_after": args.stop_after, "check": args.check}})
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         shutdown(launch)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         train(cfg, resume=args.resume, stop_after=args.stop_after, check=args.check)
     except INPUT_ERRORS as e:  # bad input found once the run is set up: no traceback
         print(input_error_line(e), file=sys.stderr)
-        code = 2
-    except (FloatingPointError, DeviceMemoryError) as e:  # diverged, or out of memory: the last checkpoint is kept
+        code = EXIT_BAD_INPUT
+    except (FloatingPointError, DeviceMemoryError, CheckpointSaveError) as e:
+        # diverged, out of memory, or a checkpoint not saved: the last checkpoint is kept
         print(f"training stopped: {e}", file=sys.stderr)
-        code = 1
+        code = EXIT_FAILED
+    except Interrupted as e:  # a preemption signal: saved, the same command resumes
+        print(e, file=sys.stderr)
+        code = EXIT_INTERRUPTED
     else:
-        code = 0
+        code = EXIT_OK
     shutdown(launch)  # these ends are reached by every process of a run alike
     return code
 

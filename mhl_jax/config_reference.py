@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mhl_jax.config import schema
-from mhl_jax.config import Config
+from mhl_jax.config import Config, schema
 
 
 @dataclass(frozen=True)
@@ -104,9 +103,9 @@ def config_reference() -> str:
     """docs/config.md: every key of every section with its type, default and comment, as Markdown."""
     docs = field_docs()
     out = ["# Configuration reference", "",
-           "<!-- Generated from the field comments of mhl_jax/config/schema.py by `python -m mhl_jax.config_reference > "
-           "docs/config.md`; tests/unit/test_config_reference.py fails when the two differ. Edit the comments, "
-           "not this file. -->", "",
+           "<!-- Generated from the field comments of mhl_jax/config/schema.py by `python -m "
+           "mhl_jax.config_reference > docs/config.md`; tests/unit/test_config_reference.py fails when the two "
+           "differ. Edit the comments, not this file. -->", "",
            "A run's configuration is the defaults below, then a YAML file (`python train.py --config FILE`), then "
            "each `--set section.key=value` in order. Values are parsed as YAML (`1e-3`, `true`, `null`; an empty "
            "value is the empty string) and type-checked; an unknown key, a wrong type or values that disagree stop "

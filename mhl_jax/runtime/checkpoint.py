@@ -15,7 +15,9 @@ Orbax writes each checkpoint into a temporary directory and renames it when comp
 killed in the middle of a save leaves the previous checkpoint as the latest one; leftover temporary
 directories are removed when the next `Checkpointer` opens the directory. With `async_save`, arrays
 are copied to host memory before `save` returns (donating them afterwards is safe) and written in
-the background; the iterator state is captured synchronously.
+the background; the iterator state is captured synchronously. A save the disk has no room for is
+refused before writing (mhl_jax.runtime.disk), and one that fails, in the background too, raises
+CheckpointSaveError naming the checkpoint that is intact (`save`, `check`, `wait`).
 
 A save refuses a state holding NaN or inf; a restore verifies the arrays against their checksums. A damaged latest
 checkpoint is moved aside and the newest intact one restored (`checkpoint.on_damage=fallback`, `Checkpointer.restore`).
@@ -56,7 +58,9 @@ from mhl_jax.runtime.checkpoint_tree import (
     storable,
     unflatten,
 )
-from mhl_jax.runtime.errors import CheckpointError
+from mhl_jax.runtime.disk import check_free_space, state_bytes, write_failure
+from mhl_jax.runtime.distributed import failed_processes
+from mhl_jax.runtime.errors import CheckpointError, CheckpointSaveError
 from mhl_jax.runtime.orbax_quiet import quiet_failed_reads
 
 STATE, META, DATA = "state", "meta", "data"
@@ -70,6 +74,11 @@ def model_fingerprint(cfg: Config) -> dict:
     ffn = {k: v for k, v in d["ffn"].items() if k not in ("kernels", "balance_gamma")}
     model = {k: v for k, v in d["model"].items() if k not in ("attention_impl", "compute_dtype", "remat")}
     return {"model": model, "ffn": ffn}
+
+
+def _drop_orbax_errors(record: logging.LogRecord) -> bool:
+    """False for Orbax's error records (a Checkpointer that writes raises its failures itself)."""
+    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
 @contextlib.contextmanager
@@ -162,6 +171,10 @@ class Checkpointer:
             options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
                                                    create=True, cleanup_tmp_directories=True)
             self._manager = ocp.CheckpointManager(self.directory, options=options)
+            # a failed save is raised as one CheckpointSaveError (`save`, `check`, `wait`): Orbax's own records of it,
+            # a traceback from each of its threads, would only bury that line
+            logging.getLogger("absl").addFilter(_drop_orbax_errors)
+        self._writing: int | None = None  # the step of the background save not yet waited for
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
@@ -174,10 +187,15 @@ class Checkpointer:
     def save(self, step: int, state: PyTree, data_iter: Any = None) -> None:
         """Write checkpoint `step` of `state` (any pytree of jax/numpy arrays, typed PRNG keys
         included) and the position of `data_iter` (a Grain DatasetIterator; None: no data item).
-        Returns once the arrays are on the host when async (call `wait()` to wait for the files)."""
+        Returns once the arrays are on the host when async (call `wait()` to wait for the files).
+
+        CheckpointSaveError, on every process alike, when the previous background save failed, when the file system
+        has less free than the checkpoint needs (`disk.check_free_space`: nothing is written), or when the write
+        fails; the message names the checkpoint that is intact."""
         if self.read_only:
             raise CheckpointError(f"cannot save into {str(self.directory)!r}: opened read-only")
         named, _ = named_leaves(state)
+        self._before_save(step, state_bytes(describe(leaf) for _, leaf in named))
         stored = [(n, storable(leaf)) for n, leaf in named]
         meta = {"format": FORMAT, "step": int(step), "fingerprint": self.fingerprint,
                 "leaves": [[list(names), *describe(leaf)] for names, leaf in named],
@@ -189,14 +207,60 @@ class Checkpointer:
                  META: ocp.args.JsonSave(meta)}
         if data_iter is not None:
             items[DATA] = grain.checkpoint.CheckpointSave(data_iter)
-        if not self._manager.save(int(step), args=ocp.args.Composite(**items)):
+        quiet_failed_reads()  # a failing write's late callbacks into Orbax's closed event loop
+        try:
+            saved = self._manager.save(int(step), args=ocp.args.Composite(**items))
+        except Exception as e:
+            raise self._save_failed(step, e) from e
+        if not saved:
             raise CheckpointError(f"cannot save step {step} into {str(self.directory)!r}: Orbax only saves steps "
                                   f"newer than the latest one there (steps: {self.all_steps()}); use a fresh run "
                                   "directory when resuming an older checkpoint")
+        self._writing = int(step) if self.cfg.async_save else None
+
+    def _before_save(self, step: int, nbytes: int) -> None:
+        """The previous background save committed and room on the disk for this one, agreed between the processes
+        before Orbax's save (whose first barrier a process that refused would leave the others waiting at)."""
+        failure = None
+        try:
+            self.wait()
+            check_free_space(self.directory, nbytes, f"checkpoint step {step}", self._kept())
+        except CheckpointSaveError as e:
+            failure = e
+        others = failed_processes(failure is None)
+        if failure is not None:
+            raise failure
+        if others:
+            raise CheckpointSaveError(f"checkpoint step {step} not saved: process(es) {others} could not save it "
+                                      f"(their errors say why); {self._kept()}")
+
+    def _kept(self) -> str:
+        """Which checkpoint a failed save left intact, and what the same command then does."""
+        latest = self.latest_step()
+        if latest is None:
+            return "no earlier checkpoint was written: the same command starts the run again"
+        return f"the checkpoint of step {latest} is intact: the same command resumes from it"
+
+    def _save_failed(self, step: int, e: BaseException) -> CheckpointSaveError:
+        """The one-line error of checkpoint `step`, whose write raised `e`."""
+        return CheckpointSaveError(f"checkpoint step {step} could not be written to {str(self.directory)!r}: "
+                                   f"{write_failure(e)}; {self._kept()}")
+
+    def check(self) -> None:
+        """CheckpointSaveError when the background save has failed; returns at once while it is still writing (a
+        cheap test, made every step)."""
+        if self._writing is not None and not self._manager.is_saving_in_progress():
+            self.wait()
 
     def wait(self) -> None:
-        """Block until background writes are finished and committed."""
-        self._manager.wait_until_finished()
+        """Block until background writes are finished and committed; CheckpointSaveError when one failed."""
+        step, self._writing = self._writing, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            if step is None:
+                raise
+            raise self._save_failed(step, e) from e
 
     def close(self) -> None:
         """Wait for writes and for Orbax's cleanup of leftover temporary directories (started when the manager
@@ -206,13 +270,20 @@ class Checkpointer:
         if await_cleanup is not None:
             await_cleanup()
         self._manager.close()
+        logging.getLogger("absl").removeFilter(_drop_orbax_errors)
 
     def __enter__(self) -> "Checkpointer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.wait()  # background writes committed, also when the run fails
-        self.close()  # Orbax's threads released: no tracebacks from them at exit
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.wait()  # background writes committed, also when the run fails
+        except CheckpointSaveError as e:
+            if exc is None:
+                raise
+            exc.add_note(str(e))  # the error that stopped the run stays the one raised
+        finally:
+            self.close()  # Orbax's threads released: no tracebacks from them at exit
 
     def step_of(self, path: str | Path | None = None) -> int:
         """The step `restore(path=path)` would restore (the latest here when path is None), read from the directory

@@ -14,6 +14,12 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, malformed, or was written by a different model or state layout."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, an I/O error): not bad input but a failure during the run, so
+    train.py prints it as one line and exits with EXIT_FAILED; the message names the checkpoint, why, and the earlier
+    checkpoint that is intact."""
+
+
 INPUT_ERRORS = (ConfigError, DataError, CheckpointError)
 
 # Exit statuses of every command (train.py, `python -m mhl_jax.infer`, `compare`, `data.prepare`), so that a job

@@ -4,13 +4,15 @@ steps, finish.
 Bad input (a run directory that cannot hold the run, a checkpoint that does not fit it, a validation set smaller than
 one evaluation batch) is refused before anything in the run directory is written. With several processes
 (mhl_jax.runtime.distributed) every process runs the same calls; process 0 alone logs and writes the run's files.
+A preemption signal, or a checkpoint that could not be saved, stops every process before the same step
+(mhl_jax.train.interrupt).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import jax
 import numpy as np
@@ -28,7 +30,7 @@ from mhl_jax.parallel.traffic import comm_bytes_per_layer
 from mhl_jax.runtime.autotune import AutotuneFile, autotune_file, step_key
 from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
 from mhl_jax.runtime.distributed import agree, check_shared_directory, global_array, is_lead, sync, xla_options
-from mhl_jax.runtime.errors import CheckpointError
+from mhl_jax.runtime.errors import CheckpointError, CheckpointSaveError
 from mhl_jax.runtime.evaluate import eval_sharding, make_eval_step
 from mhl_jax.runtime.memory import (
     DeviceMemoryError,
@@ -42,6 +44,7 @@ from mhl_jax.runtime.memory import (
     step_memory,
 )
 from mhl_jax.runtime.state import shardings_of, state_creator
+from mhl_jax.train.interrupt import Interrupted, PreemptionSignals, Stopping, interrupted_line
 from mhl_jax.train.metrics import device_peak_flops, require_tensorboard
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.progress import Progress
@@ -92,7 +95,11 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     checkpoint.every=0) once that many optimizer steps are done in total, as a preempted job would. Directories this
     call created are removed again if the run stops before its config.yaml is written and they are empty. `check`:
     stop once the train step is compiled and its memory checked (train.py --check): no state is created or
-    restored, nothing is written, the directories the call created are removed."""
+    restored, nothing is written, the directories the call created are removed.
+
+    SIGTERM, SIGINT or SIGUSR1 while it runs (in the main thread) stops the run after the step in flight with a
+    checkpoint of it: `Interrupted`; a second one ends the process at once (mhl_jax.train.interrupt). A checkpoint
+    that cannot be saved raises CheckpointSaveError at the next step."""
     run_dir = Path(cfg.logging.run_dir)
     created = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
     lead = is_lead()
@@ -109,7 +116,8 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
                     pass
 
     try:
-        history = _train(cfg, run_dir, resume, stop_after, log if lead else _quiet, lead, notes, check)
+        with PreemptionSignals(log if lead else _quiet) as signals:
+            history = _train(cfg, run_dir, resume, stop_after, log if lead else _quiet, lead, notes, check, signals)
     except BaseException as e:
         remove_created()
         if isinstance(e, Exception) and is_out_of_memory(e):  # XLA's error (and its allocator's dump) as one line
@@ -125,7 +133,7 @@ def _quiet(*args, **kwargs) -> None:
 
 
 def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | None, log, lead: bool,
-           notes: dict, check: bool) -> list[dict]:
+           notes: dict, check: bool, signals: PreemptionSignals) -> list[dict]:
     run = _prepare(cfg, run_dir, resume, log, lead, check, notes)
     # closed on every way out (a refused restore too): Orbax's threads released, no tracebacks from them at exit
     with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
@@ -145,13 +153,17 @@ def _train(cfg: Config, run_dir: Path, resume: str | None, stop_after: int | Non
                                   "the train step compiles (no device limit to check it against here)")
                 + (f"; the run would resume from step {start}" if restoring else "") + "; nothing was written")
             return []
+        stopping = Stopping(signals, ckpt)
+        if stopping.poll(None):  # a signal during the setup or the compilation: nothing written yet, nothing to save
+            raise Interrupted(interrupted_line(start, start, False, cfg.checkpoint.every, bool(run.resume)), start,
+                              False)
         if not restoring:
             notes["phase"] = "creating the state"
             state = run.create_state()
         records = open_records(cfg, run_dir, lead, restoring, start, run_info(run.kernel_plan, start), log)
         progress = _progress(run, ckpt, records, start, end, notes)
         try:
-            _run_steps(run, step_fn, state, progress, start, end, notes)
+            _run_steps(run, step_fn, state, progress, stopping, start, end, notes)
         finally:
             progress.close()
         log(progress.summary(run_dir / "metrics.jsonl", run_dir / "checkpoints" if cfg.checkpoint.every else None,
@@ -301,16 +313,22 @@ def _progress(run: Run, ckpt: Checkpointer, records, start: int, end: int, notes
                     rate, comm, notes)
 
 
-def _run_steps(run: Run, step_fn: Callable, state: dict, progress: Progress, start: int, end: int,
-               notes: dict) -> None:
+def _run_steps(run: Run, step_fn: Callable, state: dict, progress: Progress, stopping: Stopping, start: int,
+               end: int, notes: dict) -> None:
     """Steps start + 1 .. end. Step n + 1 is dispatched before step n is finished, so the device runs it while the
     host waits for, checks and logs step n and loads the next batch: no idle gap between steps. A step whose end
     reads the state (evaluation, checkpoint, the last step) is finished before the next is dispatched. A non-finite
-    loss at step n stops the run one step later, before any checkpoint."""
+    loss at step n stops the run one step later, before any checkpoint. Before each dispatch the processes agree
+    whether to stop (`Stopping.poll`, while the device runs the step before): at a signal the step in flight is
+    finished and saved (`_interrupt`); a failed save stops the run."""
     t = run.cfg.model.context
     pending = None  # (step number, metrics on the device) not yet finished
     notes["phase"] = "training"
     for step in range(start, end):
+        if stopping.poll(progress.save_failure):
+            if pending is not None:
+                progress.finish(*pending, ahead=False, state=state)
+            _interrupt(run, progress, state, step, start, stopping.signals.requested or "another process's signal")
         progress.dispatching(step + 1)
         batch = np.asarray(next(run.loader)).reshape(run.accum, -1, t + 1)
         state, m_device = step_fn(state, global_array(batch, run.batch_sharding))
@@ -323,3 +341,20 @@ def _run_steps(run: Run, step_fn: Callable, state: dict, progress: Progress, sta
             progress.finish(step + 1, m_device, ahead=False, state=state)
         else:
             pending = (step + 1, m_device)
+    stopping.poll(progress.save_failure, last=True)  # the last checkpoint written (a signal now changes nothing)
+
+
+def _interrupt(run: Run, progress: Progress, state: dict, step: int, start: int, signal_name: str) -> NoReturn:
+    """The run stops at a preemption signal after step `step` (`state` is its state): a checkpoint of it saved and
+    committed (unless checkpoint.every=0 or no step ran; the step's own checkpoint when it just saved one), then
+    Interrupted."""
+    ckpt, every = progress.ckpt, run.cfg.checkpoint.every
+    saved = step > start and every > 0
+    if saved:
+        try:
+            if ckpt.latest_step() != step:
+                ckpt.save(step, state, run.loader)
+            ckpt.wait()
+        except CheckpointSaveError as e:
+            raise CheckpointSaveError(f"interrupted ({signal_name}) at step {step}, and {e}") from e
+    raise Interrupted(interrupted_line(step, start, saved, every, bool(run.resume)), step, saved)

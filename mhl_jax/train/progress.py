@@ -17,10 +17,13 @@ from tqdm import tqdm
 
 from mhl_jax.config import Config
 from mhl_jax.runtime.checkpoint import Checkpointer
+from mhl_jax.runtime.errors import CheckpointSaveError
 from mhl_jax.runtime.evaluate import evaluate
 from mhl_jax.runtime.memory import GIB
 from mhl_jax.train.metrics import StepClock, format_line, mfu
 from mhl_jax.train.records import Records
+
+ZERO_GRAD_STEPS = 3  # the launch's first steps at a gradient norm of exactly 0 that make `Progress` warn
 
 
 class Progress:
@@ -51,6 +54,9 @@ class Progress:
         if first and not self.prof_first and lead:
             log(f"no profile: logging.profile_start={first} is not among this run's steps {start + 1}-{end}")
         self.tracing = False
+        # a save that raised, raised again by the loop's next stop check (`Stopping.poll`) on every process alike
+        self.save_failure: CheckpointSaveError | None = None
+        self.zero_grad_steps = 0  # the launch's first steps whose gradient norm was exactly 0, until one was not
 
     def evaluates(self, n: int) -> bool:
         return self.evaluation is not None and (n % self.cfg.data.eval_every == 0 or n == self.total)
@@ -86,6 +92,7 @@ class Progress:
                      "(TensorBoard's profile plugin or ui.perfetto.dev)")
             self.clock.pause(time.perf_counter())  # writing the trace is not training throughput
         self._check_finite(m, n)
+        self._check_learning(m, n)
         if self.evaluates(n):
             self._evaluate(m, n, state)
         self.history.append(m)
@@ -95,7 +102,10 @@ class Progress:
                           or "val_loss" in m):
             self._show(m, n)
         if self.saves(n):
-            self.ckpt.save(n, state, self.loader)
+            try:
+                self.ckpt.save(n, state, self.loader)
+            except CheckpointSaveError as e:
+                self.save_failure = e
             self.clock.pause(time.perf_counter())  # nor is saving a checkpoint
 
     def _check_finite(self, m: dict, n: int) -> None:
@@ -106,6 +116,18 @@ class Progress:
                 kept = self.ckpt.latest_step()
                 left = f"the last checkpoint, step {kept}, is kept" if kept is not None else "no checkpoint was written"
                 raise FloatingPointError(f"{what} is {m[k]} at step {n}; stopping ({left})")
+
+    def _check_learning(self, m: dict, n: int) -> None:
+        """One warning when the launch's first ZERO_GRAD_STEPS steps (all of them, in a shorter launch) all had a
+        gradient norm of exactly 0: nothing trains, and the run would go on silently (model.init_std=1e4 gives the tiny
+        model's two-layer version a gradient of exactly 0 and its loss ln(vocab) from the first step on)."""
+        if m["grad_norm"] != 0.0 or self.zero_grad_steps != n - self.start - 1:  # or a step before had a gradient
+            return
+        self.zero_grad_steps += 1
+        if self.zero_grad_steps == min(ZERO_GRAD_STEPS, self.end - self.start):
+            self.log(f"warning: the gradient norm is exactly 0 at steps {self.start + 1}-{n} (loss "
+                     f"{m['loss']:.4f}): nothing is training; an init or a learning rate far too large is the usual "
+                     f"cause (model.init_std={self.cfg.model.init_std}, optimizer.lr={self.cfg.optimizer.lr})")
 
     def _evaluate(self, m: dict, n: int, state: dict) -> None:
         eval_fn, val, batch, sharding = self.evaluation

@@ -199,14 +199,15 @@ def test_coordinator_port_in_use_is_refused_at_once(tmp_path):
     assert r.returncode == 2 and f"port {port} is already in use on process 0's host" in r.stderr, r.stderr[-2000:]
 
 
-def test_stopping_one_process_ends_it_at_once(tmp_path):
-    """Ctrl-C (SIGINT) on process 1 mid-run, then SIGTERM on process 0: each ends at once (SIGINT's default action:
-    as a KeyboardInterrupt JAX's exit waited up to 300 s at its shutdown barrier; SIGTERM: JAX's preemption service,
-    which caught it, is off)."""
+def test_a_signal_to_one_process_stops_every_process_at_one_step(tmp_path):
+    """Ctrl-C (SIGINT) on process 1 alone, mid-run: the processes agree to stop before the same step (the flags they
+    exchange each step), both save that step's checkpoint although checkpoint.every does not fall on it, and both
+    exit with status 3; process 0 says where."""
     machine = Machine(gpu=False)
     log = [tmp_path / f"p{i}.txt" for i in range(2)]
     port = free_port()
-    args = machine.args(tmp_path / "run", "--set", "schedule.total_steps=400", "--set", "checkpoint.every=0",
+    run = tmp_path / "run"
+    args = machine.args(run, "--set", "schedule.total_steps=400", "--set", "checkpoint.every=1000",
                         "--set", "data.eval_every=0", "--set", "logging.log_every=1")
     procs = [subprocess.Popen([sys.executable, "train.py", *args, "--coordinator", f"localhost:{port}",
                                "--num-processes", "2", "--process-id", str(i)], cwd=ROOT, env=machine.env(2),
@@ -217,12 +218,19 @@ def test_stopping_one_process_ends_it_at_once(tmp_path):
             assert time.time() < deadline and procs[0].poll() is None, log[0].read_text()[-2000:]
             time.sleep(0.5)
         procs[1].send_signal(signal.SIGINT)
-        assert procs[1].wait(timeout=20) == -signal.SIGINT
-        procs[0].send_signal(signal.SIGTERM)
-        assert procs[0].wait(timeout=20) == -signal.SIGTERM
+        assert [p.wait(timeout=60) for p in procs] == [3, 3], [f.read_text()[-2000:] for f in log]
     finally:
         for p in procs:
             p.kill()
+    out = log[0].read_text()
+    stopped = [line for line in out.splitlines() if line.startswith("interrupted at step ")]
+    assert len(stopped) == 1 and stopped[0].endswith(": checkpoint saved; run the same command to resume"), out[-2000:]
+    step = int(stopped[0].split()[3].rstrip(":"))
+    assert 3 <= step < 400 and f"step {step}/400" in out and f"step {step + 1}/400" not in out, out[-2000:]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [str(step)]
+    assert sorted(p.name for p in (run / "checkpoints" / str(step) / "data").glob("process_*")) == [
+        "process_0-of-2.json", "process_1-of-2.json"]
+    assert "Traceback" not in out + log[1].read_text()
 
 
 def test_distributed_auto_without_a_cluster_says_so(tmp_path):

@@ -1025,7 +1025,8 @@ def plot_without_matplotlib(tmp, mp):
 
 PREPARE_CLI = Section("prepare")
 for _id, _argv, _fragment in [
-    ("no-source", ["--tokenizer", "byte", "--out", "o"], "give one source: a NAME (fineweb10B), --input FILES or --hf-dataset NAME"),
+    ("no-source", ["--tokenizer", "byte", "--out", "o"],
+     "give one source: a NAME (fineweb10B), --input FILES or --hf-dataset NAME"),
     ("two-sources", ["--input", "a", "--hf-dataset", "b", "--tokenizer", "byte", "--out", "o"],
      "give one source: a NAME (fineweb10B), --input FILES or --hf-dataset NAME"),
     ("no-tokenizer", ["--input", "a", "--out", "o"], "--tokenizer is required with --input or --hf-dataset"),

@@ -1,4 +1,5 @@
-"""docs/config.md is generated from mhl_jax/config/schema.py's field comments: every key documented, the file up to date."""
+"""docs/config.md is generated from mhl_jax/config/schema.py's field comments: every key documented, the file up to
+date."""
 
 from pathlib import Path
 
@@ -10,7 +11,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 def test_every_field_has_a_comment():
     missing = [d.key for d in field_docs() if not d.comment]
-    assert not missing, f"config fields without a comment (add one beside the field in mhl_jax/config/schema.py): {missing}"
+    assert not missing, ("config fields without a comment (add one beside the field in mhl_jax/config/schema.py): "
+                         f"{missing}")
 
 
 def test_reference_lists_every_key_once():
