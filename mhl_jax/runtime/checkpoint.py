@@ -25,7 +25,6 @@ checkpoint is moved aside and the newest intact one restored (`checkpoint.on_dam
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
@@ -38,6 +37,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from mhl_jax.config import CheckpointConfig, Config, config_to_dict
+from mhl_jax.runtime.checkpoint_data import shared_data_state
 from mhl_jax.runtime.checkpoint_integrity import (
     DamagedCheckpoint,
     agree_intact,
@@ -61,7 +61,7 @@ from mhl_jax.runtime.checkpoint_tree import (
 from mhl_jax.runtime.disk import check_free_space, state_bytes, write_failure
 from mhl_jax.runtime.distributed import failed_processes
 from mhl_jax.runtime.errors import CheckpointError, CheckpointSaveError
-from mhl_jax.runtime.orbax_quiet import quiet_failed_reads
+from mhl_jax.runtime.orbax_quiet import absl_quiet, drop_orbax_errors, quiet_failed_reads
 
 STATE, META, DATA = "state", "meta", "data"
 FORMAT = 1  # version of the layout above
@@ -74,55 +74,6 @@ def model_fingerprint(cfg: Config) -> dict:
     ffn = {k: v for k, v in d["ffn"].items() if k not in ("kernels", "balance_gamma")}
     model = {k: v for k, v in d["model"].items() if k not in ("attention_impl", "compute_dtype", "remat")}
     return {"model": model, "ffn": ffn}
-
-
-def _drop_orbax_errors(record: logging.LogRecord) -> bool:
-    """False for Orbax's error records (a Checkpointer that writes raises its failures itself)."""
-    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
-
-
-@contextlib.contextmanager
-def _absl_quiet(prefix: str):
-    """Drop absl log records starting with `prefix` while the block runs."""
-    def drop(record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).startswith(prefix)
-
-    logger = logging.getLogger("absl")
-    logger.addFilter(drop)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop)
-
-
-
-def _shared_data_state(data_dir: Path, where: str) -> dict | None:
-    """The iterator state to restore by hand when the checkpoint was written by another number of processes than
-    this run has (Grain's handler reads only `process_<i>-of-<n>.json` of this run's own count): the state saved by
-    every process, which must be one and the same (train.py's loader: every process reads the whole global batch).
-    None when this process's own file is there (Grain's handler restores it)."""
-    index, count = jax.process_index(), jax.process_count()
-    if (data_dir / f"process_{index}-of-{count}.json").is_file():
-        return None
-    files = sorted(data_dir.glob("process_*-of-*.json"))
-    if not files:
-        raise DamagedCheckpoint(f"checkpoint {where}: {DATA}/ holds no iterator state file "
-                                "(process_<i>-of-<n>.json); the step directory is damaged or incomplete")
-    counts = {f.name.rsplit("-of-", 1)[1].removesuffix(".json") for f in files}
-    if len(counts) != 1 or counts != {str(len(files))}:
-        raise DamagedCheckpoint(f"checkpoint {where}: {DATA}/ holds the iterator states {[f.name for f in files]}, "
-                                "not one per process of the run that wrote it; the step directory is damaged or "
-                                "incomplete")
-    states = {f.name: f.read_text() for f in files}
-    if len(set(states.values())) != 1:
-        raise CheckpointError(f"checkpoint {where} was written by {len(files)} processes whose input pipelines "
-                              f"stood at different positions ({', '.join(states)}), so it cannot resume in a run of "
-                              f"{count} process(es); resume it with {len(files)} processes")
-    try:
-        return json.loads(next(iter(states.values())))
-    except json.JSONDecodeError as e:
-        raise DamagedCheckpoint(f"checkpoint {where}: {files[0]} is not JSON ({e}); the step directory is damaged "
-                                "or incomplete") from e
 
 
 def _warn(line: str) -> None:
@@ -165,7 +116,7 @@ class Checkpointer:
                                                    enable_async_checkpointing=False)
             # the state item read through the PyTree handler, which can restore a part of the saved tree
             handlers = {STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
-            with _absl_quiet("Given directory is read only"):  # Orbax's warning for what was asked of it
+            with absl_quiet("Given directory is read only"):  # Orbax's warning for what was asked of it
                 self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         else:
             options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
@@ -173,7 +124,7 @@ class Checkpointer:
             self._manager = ocp.CheckpointManager(self.directory, options=options)
             # a failed save is raised as one CheckpointSaveError (`save`, `check`, `wait`): Orbax's own records of it,
             # a traceback from each of its threads, would only bury that line
-            logging.getLogger("absl").addFilter(_drop_orbax_errors)
+            logging.getLogger("absl").addFilter(drop_orbax_errors)
         self._writing: int | None = None  # the step of the background save not yet waited for
 
     def latest_step(self) -> int | None:
@@ -270,7 +221,7 @@ class Checkpointer:
         if await_cleanup is not None:
             await_cleanup()
         self._manager.close()
-        logging.getLogger("absl").removeFilter(_drop_orbax_errors)
+        logging.getLogger("absl").removeFilter(drop_orbax_errors)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -390,13 +341,13 @@ class Checkpointer:
         try:
             named, treedef, meta = self._checked(template, directory, step, partial=False)
             items = {STATE: ocp.args.StandardRestore(nest([(n, abstract_leaf(leaf)) for n, leaf in named]))}
-            shared = None  # the iterator state when another process count wrote it (_shared_data_state)
+            shared = None  # the iterator state when another process count wrote it (shared_data_state)
             if data_iter is not None:
                 if not (directory / str(step) / DATA).is_dir():
                     raise DamagedCheckpoint(f"checkpoint {where} holds no data-iterator state ({DATA}/), so the input "
                                             "pipeline cannot resume where it stopped; it was not written by train.py, "
                                             f"or its {DATA}/ directory was removed")
-                shared = _shared_data_state(directory / str(step) / DATA, where)
+                shared = shared_data_state(directory / str(step) / DATA, where)
                 if shared is None:
                     items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
             restored = self._read(step, directory, ocp.args.Composite(**items), where, "/".join(items))[STATE]

@@ -1,4 +1,6 @@
-"""Orbax's leftovers of a failed checkpoint read, kept off the terminal.
+"""Orbax's noise kept off the terminal: the leftovers of a failed checkpoint read, its error logs when a write fails
+(`drop_orbax_errors`: the Checkpointer raises those failures itself, as one line) and the warnings it gives for what
+was asked of it (`absl_quiet`).
 
 When a restore fails (a damaged step directory), its one-line error (or warning, when an older checkpoint stands in)
 is what the user needs. The reads still in flight end later and each printed kilobytes of their own, before and after
@@ -14,6 +16,7 @@ that line:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -47,3 +50,23 @@ def _keep_unless_orphaned_read(record: logging.LogRecord) -> bool:
     text = record.getMessage()
     return not (text.startswith(("Future exception was never retrieved", "Task exception was never retrieved"))
                 and "tensorstore" in text)
+
+
+def drop_orbax_errors(record: logging.LogRecord) -> bool:
+    """False for Orbax's error records (a Checkpointer that writes raises its failures itself)."""
+    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+@contextlib.contextmanager
+def absl_quiet(prefix: str):
+    """Drop absl log records starting with `prefix` while the block runs."""
+    def drop(record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(prefix)
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+

@@ -19,7 +19,8 @@ import pytest
 from mhl_jax.config import ConfigError, load_config
 from mhl_jax.parallel import expert_parallel as ep
 from mhl_jax.parallel.mesh import make_mesh
-from mhl_jax.runtime.checkpoint import CheckpointError, _shared_data_state
+from mhl_jax.runtime.checkpoint import CheckpointError
+from mhl_jax.runtime.checkpoint_data import shared_data_state
 from mhl_jax.runtime.distributed import ENV, Launch, parse_launch
 from mhl_jax.train.records import truncate_metrics
 from tests.parallel.machine import Machine, assert_close_runs, free_port, gpus, two_processes_train_as_one
@@ -93,18 +94,18 @@ def test_data_state_of_another_process_count(tmp_path):
     d = tmp_path / "data"
     d.mkdir()
     with pytest.raises(CheckpointError, match="holds no iterator state file"):
-        _shared_data_state(d, "ck/2")
+        shared_data_state(d, "ck/2")
     for i in range(2):
         (d / f"process_{i}-of-2.json").write_text(json.dumps({"next_index": 3}))
-    assert _shared_data_state(d, "ck/2") == {"next_index": 3}  # this test process is 1 of 1
+    assert shared_data_state(d, "ck/2") == {"next_index": 3}  # this test process is 1 of 1
     (d / "process_1-of-2.json").unlink()
     with pytest.raises(CheckpointError, match="not one per process"):  # a file missing
-        _shared_data_state(d, "ck/2")
+        shared_data_state(d, "ck/2")
     (d / "process_1-of-2.json").write_text(json.dumps({"next_index": 5}))
     with pytest.raises(CheckpointError, match="different positions .*resume it with 2 processes"):
-        _shared_data_state(d, "ck/2")
+        shared_data_state(d, "ck/2")
     (d / "process_0-of-1.json").write_text(json.dumps({"next_index": 7}))
-    assert _shared_data_state(d, "ck/2") is None  # its own file: Grain's handler restores it
+    assert shared_data_state(d, "ck/2") is None  # its own file: Grain's handler restores it
 
 
 # ----------------------------------------------------------------------------- two processes against one
