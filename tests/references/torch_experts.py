@@ -1,6 +1,7 @@
 """float64 torch reference of the expert FFN, for the kernel tests (tests/kernels/test_experts_*.py): one choice j at
 a time, no packing."""
 
+import numpy as np
 import torch
 
 
@@ -36,7 +37,9 @@ def expert_ffn_f64(x, idx, gates, w1, w2):
 
 
 def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    """|a - b| / |b| (L2, in float64) of torch tensors (on any device) or arrays (numpy, JAX)."""
+    a, b = (t.double() if isinstance(t, torch.Tensor) else torch.as_tensor(np.asarray(t, np.float64)) for t in (a, b))
+    return float((a - b.to(a.device)).norm() / b.norm())
 
 
 def check_fwd_bwd_vs_f64(ffn, x, idx, gates, w1, w2, tol: float = 1e-5) -> list:
