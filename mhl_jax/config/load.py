@@ -150,16 +150,29 @@ def scale_schedule(s: ScheduleConfig) -> ScheduleConfig:
     return dataclasses.replace(s, warmup_steps=warmup, decay_steps=decay)
 
 
+def _read_yaml(p: Path) -> Any:
+    """The mapping in YAML file `p`; ConfigError in one line (where and what) if it cannot be read or parsed."""
+    try:
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_Loader)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}: {e.reason})") from e
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}: {what}") from e
+    return {} if data is None else data
+
+
 def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
     """Build a Config: defaults, then the YAML file at `path` (`find_config`), then each `a.b=value` override; a null
     warmup or decay scales with total_steps (`scale_schedule`)."""
     cfg = Config()
     if path is not None:
         p = find_config(path)
-        try:
-            data = yaml.load(p.read_text(), Loader=_Loader) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        data = _read_yaml(p)
         cfg = _merge(cfg, data, "")
     for text in overrides:
         cfg = _merge(cfg, parse_override(text), "")

@@ -35,7 +35,7 @@ def resolve_shards(spec: str, what: str = "data.path", role: str | None = None) 
         raise DataError(f"{what} is empty: expected a directory, glob or file of .bin shards")
     p = Path(spec).expanduser()
     if p.is_dir():
-        files = sorted(p.glob("*.bin"))
+        files = sorted(f for f in p.glob("*.bin") if f.is_file())  # a directory named *.bin is no shard
         if role is not None:
             named = [f for f in files if role in f.name]
             if named:

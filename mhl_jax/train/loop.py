@@ -101,7 +101,8 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
     checkpoint of it: `Interrupted`; a second one ends the process at once (mhl_jax.train.interrupt). A checkpoint
     that cannot be saved raises CheckpointSaveError at the next step."""
     run_dir = Path(cfg.logging.run_dir)
-    created = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
+    # deepest first: the directories this call may create (an existing run directory can still gain checkpoints/)
+    created = [d for d in (run_dir / "checkpoints", run_dir, *run_dir.parents) if not d.exists()]
     lead = is_lead()
     notes = {"phase": "setting up"}  # what _train learned before an error: its phase, the step's memory estimate
 
@@ -109,7 +110,7 @@ def train(cfg: Config, resume: str | None = None, stop_after: int | None = None,
         if "autotune" in notes:
             notes["autotune"].discard()
         if created and not (run_dir / "config.yaml").exists():  # each process: what it created
-            for d in [run_dir / "checkpoints", *created]:
+            for d in created:
                 try:
                     d.rmdir()  # only if empty
                 except OSError:

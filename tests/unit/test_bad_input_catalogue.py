@@ -192,6 +192,23 @@ for _id, _override, _fragment in [
      "(--set data.path= --set data.val_path=) to train on the built-in corpus"),
     ("builtin-with-gpt2", "data.tokenizer=gpt2", "data.tokenizer='gpt2' with data.source='builtin': the built-in "
      "corpus is byte-level"),
+    # settings that would poison the state: not finite, or out of their range
+    ("lr-inf", "optimizer.lr=.inf", "optimizer.lr=inf: must be a finite number"),
+    ("lr-negative", "optimizer.lr=-1e-3", "optimizer.lr=-0.001: must be positive"),
+    ("init-std-nan", "model.init_std=.nan", "model.init_std=nan: must be a finite number"),
+    ("final-lr-ratio-nan", "schedule.final_lr_ratio=.nan", "schedule.final_lr_ratio=nan: must be a finite number"),
+    ("peak-tflops-inf", "logging.peak_tflops=-.inf", "logging.peak_tflops=-inf: must be a finite number"),
+    ("beta1-one", "optimizer.beta1=1", "optimizer.beta1=1.0: must be in [0, 1)"),
+    ("beta2-negative", "optimizer.beta2=-0.5", "optimizer.beta2=-0.5: must be in [0, 1)"),
+    ("eps-zero", "optimizer.eps=0", "optimizer.eps=0.0: must be positive"),
+    ("weight-decay-negative", "optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1: must be >= 0"),
+    ("grad-clip-zero", "optimizer.grad_clip=0", "optimizer.grad_clip=0.0: must be positive or null"),
+    ("init-std-large", "model.init_std=3", "model.init_std=3.0: must be in (0, 1]"),
+    ("norm-eps-zero", "model.norm_eps=0", "model.norm_eps=0.0: must be positive"),
+    ("rope-base-below-one", "model.rope_base=0.5", "model.rope_base=0.5: must be > 1"),
+    ("balance-gamma-negative", "ffn.balance_gamma=-1", "ffn.balance_gamma=-1.0: must be >= 0"),
+    ("on-damage", "checkpoint.on_damage=ignore", "checkpoint.on_damage='ignore': expected one of ['fallback', "
+     "'stop']"),
 ]:
     CONFIG.add(_id, ConfigError, _fragment, calls(load_config, str(TINY), [_override]))
 for _id, _overrides, _fragment in [
@@ -215,10 +232,11 @@ CONFIG_FILES.add("a-directory", ConfigError, "is a directory; expected a YAML fi
                  lambda tmp, mp: partial(load_config, str(tmp)))
 
 
-def _config_file(text: str):
+def _config_file(text: str | bytes):
     def provoke(tmp, mp):
-        (tmp / "c.yaml").write_text(text)
-        return partial(load_config, str(tmp / "c.yaml"))
+        path = tmp / "c.yaml"
+        path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+        return partial(load_config, str(path))
     return provoke
 
 
@@ -227,14 +245,14 @@ CONFIG_FILES.add("top-level-list", ConfigError, "config: expected a mapping, got
 CONFIG_FILES.add("unknown-key", ConfigError, "unknown config key 'model.widht'", _config_file("model:\n  widht: 3\n"))
 CONFIG_FILES.add("wrong-type", ConfigError, "train.seed='zero': expected an integer",
                  _config_file("train:\n  seed: zero\n"))
+CONFIG_FILES.add("not-yaml", ConfigError, "c.yaml' is not valid YAML at line 2, column 1: expected ',' or ']', but "
+                 "got '<stream end>'", _config_file("model: [1, 2\n"))
+CONFIG_FILES.add("not-utf8", ConfigError, "c.yaml' is not UTF-8 text (byte 0: invalid start byte)",
+                 _config_file(b"\xff\xfe"))
+CONFIG_FILES.add("unknown-name", ConfigError, "config 'tiny_mo': no such file here, and no config of that name in ",
+                 calls(load_config, "tiny_mo"))
 
 
-def test_a_config_file_that_is_not_yaml_is_refused(tmp_path):
-    """Not a row yet: the message quotes PyYAML's error, which spans several lines (train.py prints them all after
-    `config error:`). Once it is one line, this becomes a config-file row."""
-    (tmp_path / "bad.yaml").write_text("model: [1, 2\n")
-    with pytest.raises(ConfigError, match="bad.yaml' is not valid YAML: "):
-        load_config(str(tmp_path / "bad.yaml"))
 
 
 # ============================================================================= batch sizes and the device mesh
@@ -355,6 +373,8 @@ SHARDS.add("empty-spec", DataError, "data.path is empty: expected a directory, g
            calls(resolve_shards, ""))
 SHARDS.add("no-train-shards", DataError, "the directory holds no train .bin shards (file names containing 'train')",
            lambda tmp, mp: partial(make_train_loader, _bin(tmp), **LOADER))
+SHARDS.add("directory-named-bin", DataError, "the directory holds no train .bin shards", lambda tmp, mp: (
+    (tmp / "s" / "train_x.bin").mkdir(parents=True), partial(make_train_loader, _bin(tmp / "s"), **LOADER))[1])
 SHARDS.add("glob-matches-nothing", DataError, "fineweb_*.bin': the glob matches no shard files",
            lambda tmp, mp: partial(make_train_loader, _bin(tmp / "fineweb_*.bin"), **LOADER))
 SHARDS.add("wrong-magic", DataError, "damaged.bin': wrong magic number 12345, expected 20240520",
@@ -767,6 +787,8 @@ RUN.add("prefetch-negative", DataError, "data.prefetch=-1", _train("data.prefetc
 RUN.add("val-fraction", DataError, "data.val_fraction=0.0: must be in (0, 1)", _train("data.val_fraction=0"))
 RUN.add("resume-missing", CheckpointError, "nowhere' does not exist (or is not a directory)",
         _train(resume="{tmp}/nowhere"))
+RUN.add("resume-missing-into-an-existing-run-dir", CheckpointError, "nowhere' does not exist (or is not a directory)",
+        _train(resume="{tmp}/nowhere", setup=lambda tmp: (tmp / "run").mkdir()))
 RUN.add("resume-a-file", CheckpointError, "a_file' does not exist (or is not a directory)",
         _train(resume="{tmp}/a_file", setup=lambda tmp: (tmp / "a_file").write_text("x")))
 
