@@ -5,7 +5,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mhl_jax.config.schema import Config, ConfigError
+from mhl_jax.config.schema import (
+    Config,
+    ConfigError,
+    FFNConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -30,7 +39,15 @@ def _finite_numbers(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Cross-field checks. Raises ConfigError naming the keys and values that disagree."""
     _finite_numbers(cfg)
-    m, f, p, t, s = cfg.model, cfg.ffn, cfg.parallel, cfg.train, cfg.schedule
+    _check_model(cfg.model)
+    _check_ffn(cfg.ffn, cfg.model)
+    _check_parallel(cfg.parallel, cfg.ffn)
+    _check_batch_and_schedule(cfg.train, cfg.schedule)
+    _check_optimizer(cfg.optimizer)
+    _check_data_and_logging(cfg)
+
+
+def _check_model(m: ModelConfig) -> None:
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "context"):
         _require(getattr(m, name) > 0, f"model.{name}={getattr(m, name)}: must be positive")
     _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: RoPE needs an even head dim")
@@ -39,6 +56,9 @@ def validate(cfg: Config) -> None:
     _require(m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be positive")
     _require(m.rope_base > 1, f"model.rope_base={m.rope_base}: must be > 1 (RoPE's frequencies base^(-2i/d) fall "
                               "with i)")
+
+
+def _check_ffn(f: FFNConfig, m: ModelConfig) -> None:
     _require(f.balance_gamma is None or f.balance_gamma >= 0,
              f"ffn.balance_gamma={f.balance_gamma}: must be >= 0 (or null: 50 x optimizer.lr)")
     if f.kind == "mlp":
@@ -60,6 +80,9 @@ def validate(cfg: Config) -> None:
         _require(f.num_heads * f.head_dim == f.latent_dim,
                  f"ffn.num_heads={f.num_heads} x ffn.head_dim={f.head_dim} = {f.num_heads * f.head_dim} does not "
                  f"match the projection width ffn.latent_dim={f.latent_dim} (W_in: d -> Nh*dh)")
+
+
+def _check_parallel(p: ParallelConfig, f: FFNConfig) -> None:
     _require(p.hp >= 1 and p.ep >= 1, f"parallel.hp={p.hp}, parallel.ep={p.ep}: must be >= 1")
     _require(p.data == -1 or p.data >= 1, f"parallel.data={p.data}: must be -1 (auto) or >= 1")
     _require(p.devices == -1 or p.devices >= 1, f"parallel.devices={p.devices}: must be -1 (all) or >= 1")
@@ -73,6 +96,9 @@ def validate(cfg: Config) -> None:
                  f"parallel.ep={p.ep} needs ffn.kind moe or latent_moe (got {f.kind!r})")
         _require(f.num_experts % p.ep == 0,
                  f"ffn.num_experts={f.num_experts} is not divisible by parallel.ep={p.ep}")
+
+
+def _check_batch_and_schedule(t: TrainConfig, s: ScheduleConfig) -> None:
     _require(t.global_batch > 0 and t.micro_batch > 0,
              f"train.global_batch={t.global_batch}, train.micro_batch={t.micro_batch}: must be positive")
     _require(t.global_batch % t.micro_batch == 0,
@@ -88,7 +114,9 @@ def validate(cfg: Config) -> None:
     _require(s.decay_steps > 0 or (s.final_lr_ratio == 0.0 and s.decay == "linear"),
              f"schedule.decay={s.decay!r}, final_lr_ratio={s.final_lr_ratio} shape the decay, and "
              "schedule.decay_steps=0 has none; set decay_steps > 0 (or leave them at linear / 0)")
-    o = cfg.optimizer
+
+
+def _check_optimizer(o: OptimizerConfig) -> None:
     _require(o.lr > 0, f"optimizer.lr={o.lr}: must be positive")
     for name in ("beta1", "beta2"):
         _require(0 <= getattr(o, name) < 1, f"optimizer.{name}={getattr(o, name)}: must be in [0, 1)")
@@ -96,6 +124,9 @@ def validate(cfg: Config) -> None:
                         "a parameter that never had a gradient)")
     _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay}: must be >= 0")
     _require(o.grad_clip is None or o.grad_clip > 0, f"optimizer.grad_clip={o.grad_clip}: must be positive or null")
+
+
+def _check_data_and_logging(cfg: Config) -> None:
     if cfg.data.source in ("bin", "hf"):
         _require(bool(cfg.data.path), f"data.source={cfg.data.source!r} needs data.path")
     _require(cfg.data.val_sequences >= 0, f"data.val_sequences={cfg.data.val_sequences}: must be >= 0")
