@@ -11,13 +11,13 @@ import os
 # Must be set before jax initialises its backends anywhere in the test process.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# Many tests (and the train.py runs they start) compile the same small programs: JAX's persistent compilation
-# cache, shared by the xdist workers and the subprocesses through the environment, compiles each once. Entries are
-# keyed by the program and the compiler options, so a cached executable is the one a fresh compile would give.
+# Many tests (and the train.py runs they start) compile the same train steps: JAX's persistent compilation cache,
+# shared by the xdist workers and the subprocesses through the environment, compiles each once. Entries are keyed by
+# the program and the compiler options, so a cached executable is the one a fresh compile would give. Only compiles
+# of a second or more are kept (JAX's default): caching the thousands of small ones costs more than it saves. No size
+# limit: with one, JAX scans the whole directory under a lock at every write.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -5,12 +5,16 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import mhl_jax.moe.gpu.experts as experts_triton
 import mhl_jax.moe.gpu.fused as moe_triton
 import mhl_jax.moe.gpu.grouped as experts_grouped
 import mhl_jax.moe.gpu.router as router_triton
 from mhl_jax.config import load_config
+from mhl_jax.model.balancing import RouterBias
+from mhl_jax.model.gpt import build_model
+from mhl_jax.train.step import loss_fn
 
 
 def emulate_kernels(monkeypatch) -> None:
@@ -48,4 +52,19 @@ def jax_expert_inputs(seed: int, n: int, h: int, dh: int, ne: int, de: int, k: i
     w1 = jax.random.normal(ks[3], (h, ne, dh, de)) * dh ** -0.5
     w2 = jax.random.normal(ks[4], (h, ne, de, dh)) * de ** -0.5
     return x, idx, gates, w1, w2
+
+
+
+def loss_and_grads(cfg, executor, tokens):
+    """(loss, expert loads, gradients) of the model of `cfg` through `executor`, the router biases spread so that
+    they take part."""
+    graphdef, params, biases = nnx.split(build_model(cfg, executor=executor), nnx.Param, RouterBias)
+    biases = jax.tree.map(lambda b: b + jnp.linspace(-0.3, 0.3, b.shape[-1]), biases)  # bias in play
+
+    @jax.jit
+    def f(p, b, t):
+        return jax.value_and_grad(lambda p_: loss_fn(graphdef, p_, b, t), has_aux=True)(p)
+
+    (loss, loads), grads = f(params, biases, tokens)
+    return loss, loads, grads
 

@@ -20,7 +20,7 @@ from mhl_jax.runtime.errors import EXIT_INTERRUPTED, CheckpointSaveError
 from mhl_jax.train import interrupt
 from mhl_jax.train.interrupt import SAVE_FAILED, SIGNALLED, PreemptionSignals, Stopping
 from mhl_jax.train.loop import train
-from tests.e2e.test_resume import final_params, losses
+from tests.runs import final_params, losses
 
 ROOT = Path(__file__).resolve().parents[2]
 TOTAL = 60  # steps of ~10 ms: a signal sent at step 5 lands well before the end

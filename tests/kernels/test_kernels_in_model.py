@@ -23,20 +23,7 @@ from mhl_jax.moe.context import ExpertContext, StepContext
 from mhl_jax.moe.core import LocalMoE
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import make_mesh
-from mhl_jax.train.step import loss_fn
-from tests.models import small, tokens
-
-
-def loss_and_grads(cfg, executor, tokens):
-    graphdef, params, biases = nnx.split(build_model(cfg, executor=executor), nnx.Param, RouterBias)
-    biases = jax.tree.map(lambda b: b + jnp.linspace(-0.3, 0.3, b.shape[-1]), biases)  # bias in play
-
-    @jax.jit
-    def f(p, b, t):
-        return jax.value_and_grad(lambda p_: loss_fn(graphdef, p_, b, t), has_aux=True)(p)
-
-    (loss, loads), grads = f(params, biases, tokens)
-    return loss, loads, grads
+from tests.models import loss_and_grads, small, tokens
 
 
 def assert_close(a, b):

@@ -26,7 +26,7 @@ from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
 from mhl_jax.runtime.checkpoint import model_fingerprint
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
-from tests.models import small, tokens
+from tests.models import loss_and_grads, small, tokens
 
 
 def _remat_regions(jaxpr) -> int:
@@ -119,7 +119,7 @@ def test_gpu_block_remat_gives_the_same_gradients(kind):
     algorithms than the first one, so a bf16 activation can differ by an ulp (on an H100, 48 of 24576 expert-weight
     entries were off by up to 2.8e-4 after one Adam step, whose first update is about lr * sign(g), so near-zero
     gradients flip it): compared here are the gradients themselves, by relative norm per leaf."""
-    from tests.kernels.test_kernels_in_model import loss_and_grads
+
 
     extra = ("ffn.latent_dim=64", "ffn.head_dim=16") if kind == "mh_latent_moe" else ()
     base = small(kind, *extra, "model.compute_dtype=bfloat16", "ffn.num_experts=12", "ffn.expert_hidden=32",
