@@ -31,7 +31,7 @@ def _logits(model, x):
 @pytest.mark.parametrize("kind, impl, devices", [
     ("mlp", "reference", 1), ("moe", "triton", 1), ("mh_latent_moe", "reference", 1),
     ("mh_latent_moe", "triton", 1), ("moe", "triton", 2), ("mh_latent_moe", "triton", 2)])
-def test_decoding_steps_give_the_forwards_logits(emulated, kind, impl, devices):  # noqa: F811
+def test_decoding_steps_give_the_forwards_logits(emulated, kind, impl, devices):
     """On 2 devices: Expert Parallel (ep = 2) or Head Parallel (hp = 2), the rows split over the devices."""
     extra = (("ffn.latent_dim=64", "ffn.head_dim=16", f"parallel.hp={devices}") if kind == "mh_latent_moe" else
              (f"parallel.ep={devices}",) if kind == "moe" else ())
@@ -79,7 +79,7 @@ def test_decoding_steps_give_the_forwards_logits(emulated, kind, impl, devices):
 
 
 @pytest.mark.parametrize("kind", ["moe", "mh_latent_moe"])
-def test_decoding_with_the_expert_weights_cast_once(emulated, kind):  # noqa: F811
+def test_decoding_with_the_expert_weights_cast_once(emulated, kind):
     """bf16 compute on the Triton path: the expert weights cast once for all the steps (a step context of
     `build_step_context`, as generate passes it) give each step bitwise the logits of the layers casting their own."""
     extra = ("ffn.latent_dim=64", "ffn.head_dim=16") if kind == "mh_latent_moe" else ()
