@@ -74,16 +74,31 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 def _install(staging: Path, out: Path) -> None:
     """Move the finished shards from `staging` into `out`, replacing the shards there (set aside first, deleted
-    once the new ones are in place)."""
+    once the new ones are in place; put back if the move stops part-way, Ctrl-C included)."""
     old = _shards_in(out)
-    if old:
-        aside = Path(tempfile.mkdtemp(dir=out, prefix=".prepare-old-"))
+    aside = Path(tempfile.mkdtemp(dir=out, prefix=".prepare-old-")) if old else None
+    moved = []
+    try:
         for f in old:
             f.rename(aside / f.name)
-    for f in _shards_in(staging):
-        f.rename(out / f.name)
-    if old:
+        for f in _shards_in(staging):
+            f.rename(out / f.name)
+            moved.append(out / f.name)
+    except BaseException:
+        for f in moved:
+            f.unlink(missing_ok=True)
+        if aside is not None:
+            _restore_set_aside(aside, out)
+        raise
+    if aside is not None:
         shutil.rmtree(aside)
+
+
+def _restore_set_aside(aside: Path, out: Path) -> None:
+    """Put the shards an interrupted `_install` set aside back into `out`, then remove `aside`."""
+    for f in aside.iterdir():
+        f.replace(out / f.name)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -170,7 +185,9 @@ def prepare(args: argparse.Namespace) -> list[Path]:
         raise DataError(f"--out {str(out)!r} cannot be created: {e}") from e
     # the shards are written into a staging directory and moved into --out only once the whole input is read: a
     # failure (bad input, a bad row halfway) leaves --out as it was, its old shards too
-    for left in out.glob(".prepare-*"):  # a killed run's staging or set-aside shards (one prepare per --out)
+    for left in out.glob(".prepare-old-*"):  # a run killed while installing: its old shards go back first
+        _restore_set_aside(left, out)
+    for left in out.glob(".prepare-*"):  # a killed run's staging directory (one prepare per --out)
         shutil.rmtree(left, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(dir=out, prefix=".prepare-"))
     try:

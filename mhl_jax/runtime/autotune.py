@@ -195,6 +195,8 @@ def autotune_file(setting: str, run_dir: Path, resume: str | None = None, backen
         shared = _own((cache or shared_dir()) / f"{key}.txt", process_index)
         candidates.append(shared)
     load = next((c for c in candidates if c.is_file()), None)
+    if load is not None and load == shared and not _looks_like_results(load):
+        load = None  # the cache's file is not the user's setting: tune afresh, and the commit writes it anew
     if load is not None and not _looks_like_results(load):
         raise ConfigError(f"train.xla_autotune_file={setting!r}: {load} is not a file of XLA autotuning results; "
                           "delete it (XLA then tunes afresh and writes a new one) or set train.xla_autotune_file=''")

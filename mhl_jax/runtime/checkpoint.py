@@ -42,6 +42,7 @@ from mhl_jax.runtime.checkpoint_integrity import (
     DamagedCheckpoint,
     agree_intact,
     damage_advice,
+    is_damage,
     move_aside,
     seal,
     verify,
@@ -178,6 +179,9 @@ class Checkpointer:
             check_free_space(self.directory, nbytes, f"checkpoint step {step}", self._kept())
         except CheckpointSaveError as e:
             failure = e
+        except Exception as e:  # any other failure is this process's too: the others must hear of it, not wait
+            failure = CheckpointSaveError(f"checkpoint step {step} not saved: {write_failure(e)}; {self._kept()}")
+            failure.__cause__ = e
         others = failed_processes(failure is None)
         if failure is not None:
             raise failure
@@ -186,7 +190,13 @@ class Checkpointer:
                                       f"(their errors say why); {self._kept()}")
 
     def _kept(self) -> str:
-        """Which checkpoint a failed save left intact, and what the same command then does."""
+        """Which checkpoint a failed save left intact, and what the same command then does. Read from the directory:
+        Orbax's own list drops the step a save would rotate out (checkpoint.keep) when the save starts, and the step
+        that failed, while the older step's files are still there."""
+        try:
+            self._manager.reload()
+        except Exception:  # the directory is what failed: the list as it was
+            pass
         latest = self.latest_step()
         if latest is None:
             return "no earlier checkpoint was written: the same command starts the run again"
@@ -210,7 +220,8 @@ class Checkpointer:
             self._manager.wait_until_finished()
         except Exception as e:
             if step is None:
-                raise
+                raise CheckpointSaveError(f"a checkpoint could not be written to {str(self.directory)!r}: "
+                                          f"{write_failure(e)}; {self._kept()}") from e
             raise self._save_failed(step, e) from e
 
     def close(self) -> None:
@@ -282,6 +293,8 @@ class Checkpointer:
         except CheckpointError:
             raise
         except Exception as e:
+            if not is_damage(e):  # the machine's fault, not the checkpoint's: no checkpoint is moved aside for it
+                raise
             first = (str(e).strip().splitlines() or [""])[0]
             first = re.split(r" \[tensorstore_spec| See full TensorStore details", first)[0][:300]  # long specs
             raise DamagedCheckpoint(f"checkpoint {where}: its {what} cannot be read ({type(e).__name__}: {first}); "

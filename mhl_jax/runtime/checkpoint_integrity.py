@@ -22,6 +22,7 @@ falls back to an older one and moves the damaged step directory aside (`move_asi
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from jax.experimental import multihost_utils
 
 from mhl_jax.runtime.checkpoint_tree import is_prng_key
 from mhl_jax.runtime.errors import CheckpointError
+from mhl_jax.runtime.memory import is_out_of_memory
 
 ALGORITHM = "u32-sum+fmix32-v1"  # stored with the checksums: another algorithm's are not mistaken for damage
 _GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spreads consecutive positions over the word
@@ -215,3 +217,12 @@ def move_aside(step_dir: Path) -> Path:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"moved aside {step_dir}")
     return target
+
+
+def is_damage(e: BaseException) -> bool:
+    """Whether a failed read says the checkpoint is damaged: not when the machine failed it (out of memory on the
+    host or the devices, no permission, a file system that went away), which a fallback to an older checkpoint
+    would only turn into lost training."""
+    if isinstance(e, (MemoryError, PermissionError)) or is_out_of_memory(e):
+        return False
+    return not (isinstance(e, OSError) and e.errno in (errno.EACCES, errno.ESTALE, errno.EIO, errno.ENOSPC))

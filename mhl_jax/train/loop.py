@@ -329,7 +329,8 @@ def _run_steps(run: Run, step_fn: Callable, state: dict, progress: Progress, sto
         if stopping.poll(progress.save_failure):
             if pending is not None:
                 progress.finish(*pending, ahead=False, state=state)
-            _interrupt(run, progress, state, step, start, stopping.signals.requested or "another process's signal")
+            _interrupt(run, progress, stopping, state, step, start,
+                       stopping.signals.requested or "another process's signal")
         progress.dispatching(step + 1)
         batch = np.asarray(next(run.loader)).reshape(run.accum, -1, t + 1)
         state, m_device = step_fn(state, global_array(batch, run.batch_sharding))
@@ -345,17 +346,23 @@ def _run_steps(run: Run, step_fn: Callable, state: dict, progress: Progress, sto
     stopping.poll(progress.save_failure, last=True)  # the last checkpoint written (a signal now changes nothing)
 
 
-def _interrupt(run: Run, progress: Progress, state: dict, step: int, start: int, signal_name: str) -> NoReturn:
+def _interrupt(run: Run, progress: Progress, stopping: Stopping, state: dict, step: int, start: int,
+               signal_name: str) -> NoReturn:
     """The run stops at a preemption signal after step `step` (`state` is its state): a checkpoint of it saved and
     committed (unless checkpoint.every=0 or no step ran; the step's own checkpoint when it just saved one), then
-    Interrupted."""
+    Interrupted. Whether the save worked is shared between the processes (`Stopping.poll`), so that all of them say
+    the same."""
     ckpt, every = progress.ckpt, run.cfg.checkpoint.every
     saved = step > start and every > 0
     if saved:
+        failure = None
         try:
             if ckpt.latest_step() != step:
                 ckpt.save(step, state, run.loader)
-            ckpt.wait()
+        except CheckpointSaveError as e:
+            failure = e
+        try:
+            stopping.poll(failure, last=True)  # waits for the write; raises the failure of any process
         except CheckpointSaveError as e:
             raise CheckpointSaveError(f"interrupted ({signal_name}) at step {step}, and {e}") from e
     raise Interrupted(interrupted_line(step, start, saved, every, bool(run.resume)), step, saved)

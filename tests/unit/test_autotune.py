@@ -106,6 +106,9 @@ def test_fresh_runs_of_one_config_share_the_cache(tmp_path):
     (second / DEFAULT_NAME).write_text(RESULTS + "\n")
     assert autotune_file("auto", second, key="k1", cache=cache).load == (second / DEFAULT_NAME).resolve()
     assert autotune_file(str(tmp_path / "mine.txt"), second, key="k1", cache=cache).shared is None
+    (cache / "k3.txt").write_text("not autotuning results\n")  # a damaged cache entry: tuned afresh, not refused
+    (tmp_path / "third").mkdir()
+    assert autotune_file("auto", tmp_path / "third", key="k3", cache=cache).load is None
     # a cache that cannot be written leaves the run's own file in place
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the cache's directory would be")

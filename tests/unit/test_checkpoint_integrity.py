@@ -178,6 +178,23 @@ def test_a_flipped_bit_falls_back_to_the_previous_step(tmp_path):
     again.close()
 
 
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"), MemoryError(),
+                                   OSError(116, "Stale file handle")])
+def test_a_read_the_machine_failed_moves_nothing_aside(tmp_path, monkeypatch, error):
+    """Out of memory, no permission, a file system gone: the checkpoint is not at fault, so the error is raised as it
+    is and no checkpoint is moved aside for an older one (the fallback would lose training)."""
+    d = tmp_path / "ck"
+    saved(d, [1, 2]).close()
+    ck = Checkpointer(d, SYNC, FP)
+    real = ck._manager.restore
+    monkeypatch.setattr(ck._manager, "restore", lambda step, **kw: (_ for _ in ()).throw(error) if "state" in str(
+        kw.get("args")) else real(step, **kw))
+    with pytest.raises(type(error)):
+        ck.restore(make_state(0), warn=pytest.fail)
+    assert listing(d) == ["1", "2"]
+    ck.close()
+
+
 def test_on_damage_stop_an_explicit_checkpoint_and_a_reader_refuse(tmp_path):
     d = tmp_path / "ck"
     saved(d, [1, 2]).close()

@@ -12,6 +12,7 @@ import pytest
 
 from mhl_jax.config import load_config
 from mhl_jax.data import BYTE_EOT, DataError
+from mhl_jax.data import prepare as prepare_mod
 from mhl_jax.data import recipes as recipes_mod
 from mhl_jax.data.bin_shards import resolve_shards
 from mhl_jax.data.prepare import cli, main
@@ -107,3 +108,34 @@ def test_fineweb10B_without_the_hub_says_so_in_one_line(tmp_path, monkeypatch, c
     assert cli(["fineweb10B", "--no-progress"]) == 2
     assert "HF_HUB_OFFLINE is set" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()
+
+
+def test_an_install_stopped_part_way_puts_the_old_shards_back(tmp_path, monkeypatch):
+    """--overwrite replaces the shards of --out only whole: a move that stops part-way (here the second new shard's
+    rename, as a Ctrl-C there would) leaves the old shards as they were, and so does a run killed in the middle (its
+    set-aside shards go back when the next prepare starts)."""
+    out, staging = tmp_path / "out", tmp_path / "out" / ".prepare-stage"
+    staging.mkdir(parents=True)
+    for name in ("train_000000.bin", "val_000000.bin"):
+        (out / name).write_bytes(b"old " + name.encode())
+        (staging / name).write_bytes(b"new " + name.encode())
+    real, calls = Path.rename, []
+
+    def rename(self, target):
+        calls.append(self)
+        if len(calls) == 4:  # 2 old shards set aside, then the second new one
+            raise KeyboardInterrupt
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_mod._install(staging, out)
+    monkeypatch.undo()
+    assert {f.name: f.read_bytes() for f in out.glob("*.bin")} == {
+        "train_000000.bin": b"old train_000000.bin", "val_000000.bin": b"old val_000000.bin"}
+    assert not list(out.glob(".prepare-old-*"))
+    aside = out / ".prepare-old-x"  # as a kill after setting the shards aside leaves it
+    aside.mkdir()
+    (out / "train_000000.bin").rename(aside / "train_000000.bin")
+    prepare_mod._restore_set_aside(aside, out)
+    assert (out / "train_000000.bin").read_bytes() == b"old train_000000.bin" and not aside.exists()
