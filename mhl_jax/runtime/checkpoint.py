@@ -147,10 +147,11 @@ class Checkpointer:
         if self.read_only:
             raise CheckpointError(f"cannot save into {str(self.directory)!r}: opened read-only")
         named, _ = named_leaves(state)
-        self._before_save(step, state_bytes(describe(leaf) for _, leaf in named))
+        described = [describe(leaf) for _, leaf in named]
+        self._before_save(step, state_bytes(described))
         stored = [(n, storable(leaf)) for n, leaf in named]
         meta = {"format": FORMAT, "step": int(step), "fingerprint": self.fingerprint,
-                "leaves": [[list(names), *describe(leaf)] for names, leaf in named],
+                "leaves": [[list(names), *d] for (names, _), d in zip(named, described)],
                 "key_impls": {"/".join(names): str(jax.random.key_impl(leaf)) for names, leaf in named
                               if is_prng_key(leaf)},
                 # checksums, from one pass over the state on its devices; a non-finite state is refused here
@@ -176,7 +177,7 @@ class Checkpointer:
         failure = None
         try:
             self.wait()
-            check_free_space(self.directory, nbytes, f"checkpoint step {step}", self._kept())
+            check_free_space(self.directory, nbytes, f"checkpoint step {step}", self._kept)
         except CheckpointSaveError as e:
             failure = e
         except Exception as e:  # any other failure is this process's too: the others must hear of it, not wait

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -50,15 +51,15 @@ def size(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-def check_free_space(directory: Path, nbytes: int, what: str, kept: str) -> None:
+def check_free_space(directory: Path, nbytes: int, what: str, kept: Callable[[], str]) -> None:
     """CheckpointSaveError when the file system of `directory` has less free than a checkpoint of a state of `nbytes`
-    needs (`needed_bytes`): the figures, the directory, `what` was refused and `kept` (which checkpoint is intact, and
-    what the same command then does)."""
+    needs (`needed_bytes`): the figures, the directory, `what` was refused and `kept()` (which checkpoint is intact,
+    and what the same command then does; asked only on a refusal, since finding out reads the directory)."""
     needed, free = needed_bytes(nbytes), free_bytes(directory)
     if free < needed:
         raise CheckpointSaveError(f"{what} not saved: it needs about {size(needed)} (the state's {size(nbytes)} plus "
                                   f"a margin) and the file system of {str(directory)!r} has {size(free)} free; free "
-                                  f"some space there (or move logging.run_dir); {kept}")
+                                  f"some space there (or move logging.run_dir); {kept()}")
 
 
 def write_failure(e: BaseException) -> str:
