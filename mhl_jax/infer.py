@@ -282,7 +282,7 @@ def _read_prompt(args) -> str:
 
 def _generate_cli(args) -> None:
     cfg = run_config(args.run_dir, args.overrides)  # the tokenizer and prompt checked before the weights are read
-    tok = get_tokenizer(cfg.data.tokenizer)
+    tok = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_file)
     text = _read_prompt(args)
     # documents are trained as [EOT] + text: a prompt starts a document the same way
     prompt = [tok.eot] + [int(i) for i in tok.encode(text)]

@@ -133,6 +133,8 @@ class DataConfig:
     path: str = ""  # bin: directory or glob of train shards; hf: dataset name or local data files
     val_path: str = ""  # bin: validation shard(s); hf: empty means hold out from the train split
     tokenizer: Literal["byte", "gpt2"] = "byte"  # byte-level (always there) or GPT-2 via tiktoken
+    # gpt2: a local rank file (tiktoken's r50k_base.tiktoken) read instead of tiktoken's download; empty: download
+    tokenizer_file: str = ""
     text_column: str = "text"  # hf: column holding the text
     hf_split: str = "train"  # hf: split to read
     val_sequences: int = 64  # fixed held-out sequences used for validation perplexity

@@ -139,6 +139,9 @@ def _check_data_and_logging(cfg: Config) -> None:
     _require(cfg.data.source != "builtin" or cfg.data.tokenizer == "byte",
              f"data.tokenizer={cfg.data.tokenizer!r} with data.source='builtin': the built-in corpus is byte-level "
              "(data.tokenizer: byte); gpt2 tokenizes data.source='hf' text (and names how .bin shards were prepared)")
+    _require(not cfg.data.tokenizer_file or cfg.data.tokenizer == "gpt2",
+             f"data.tokenizer_file={cfg.data.tokenizer_file!r} with data.tokenizer={cfg.data.tokenizer!r}, which reads "
+             "no file: the file is GPT-2's vocabulary (set data.tokenizer=gpt2), or leave data.tokenizer_file empty")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every}: must be >= 1")
     _require(0 <= cfg.logging.profile_start <= cfg.schedule.total_steps,

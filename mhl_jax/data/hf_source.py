@@ -200,9 +200,10 @@ def iter_file_documents(files: list[Path], *, text_column: str = "text", what: s
 
 
 @functools.lru_cache(maxsize=4)
-def hf_tokens(spec: str, hf_config: str, split: str, text_column: str, tokenizer: str, what: str) -> np.ndarray:
+def hf_tokens(spec: str, hf_config: str, split: str, text_column: str, tokenizer: str, what: str,
+              tokenizer_file: str = "") -> np.ndarray:
     """All documents of one split, EOT-separated and tokenized: (n,) uint32, read-only (cached)."""
-    tok = get_tokenizer(tokenizer)
+    tok = get_tokenizer(tokenizer, tokenizer_file)
     docs = iter_documents(spec, hf_config=hf_config, split=split, text_column=text_column, what=what)
     tokens = encode_documents(tok, docs)
     tokens.flags.writeable = False
@@ -220,11 +221,14 @@ def hf_split(cfg, part: str) -> np.ndarray:
             raise DataError(f"data.val_path={cfg.val_path!r} is not a local file, directory or glob (a split name "
                             f"applies to a dataset name only), and data.path={cfg.path!r} is local files: name the "
                             "validation files, or leave data.val_path empty to hold out data.val_fraction")
-    train = hf_tokens(cfg.path, cfg.hf_config, cfg.hf_split, cfg.text_column, cfg.tokenizer, "data.path")
+    train = hf_tokens(cfg.path, cfg.hf_config, cfg.hf_split, cfg.text_column, cfg.tokenizer, "data.path",
+                       cfg.tokenizer_file)
     if not cfg.val_path:
         return split_tail(train, cfg.val_fraction, f"data.path={cfg.path!r}")[0 if part == "train" else 1]
     if part == "train":
         return train
     if val_local:
-        return hf_tokens(cfg.val_path, cfg.hf_config, "train", cfg.text_column, cfg.tokenizer, "data.val_path")
-    return hf_tokens(cfg.path, cfg.hf_config, cfg.val_path, cfg.text_column, cfg.tokenizer, "data.val_path")
+        return hf_tokens(cfg.val_path, cfg.hf_config, "train", cfg.text_column, cfg.tokenizer, "data.val_path",
+                         cfg.tokenizer_file)
+    return hf_tokens(cfg.path, cfg.hf_config, cfg.val_path, cfg.text_column, cfg.tokenizer, "data.val_path",
+                     cfg.tokenizer_file)

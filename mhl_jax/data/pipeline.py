@@ -63,7 +63,7 @@ def source_windows(cfg: DataConfig, part: str, *, seq_len: int, vocab_size: int)
     if cfg.source == "hf":
         if not cfg.path:
             raise DataError("data.source='hf' needs data.path (local data files or a dataset name)")
-        check_vocab(get_tokenizer(cfg.tokenizer), vocab_size)
+        check_vocab(get_tokenizer(cfg.tokenizer, cfg.tokenizer_file), vocab_size)
         name = f"data.val_path={cfg.val_path!r}" if part == "val" and cfg.val_path else f"data.path={cfg.path!r}"
         return _array_windows(hf_split(cfg, part), f"{name} ({part})", seq_len=seq_len, vocab_size=vocab_size)
     raise DataError(f"data.source={cfg.source!r}: expected 'builtin', 'bin' or 'hf'")

@@ -115,6 +115,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--text-column", default=None,
                    help="column holding the text (json/csv/parquet, datasets; default: text)")
     p.add_argument("--tokenizer", choices=["byte", "gpt2"], default=None)
+    p.add_argument("--tokenizer-file", default="", metavar="PATH",
+                   help="gpt2: a local r50k_base.tiktoken, read instead of tiktoken's download (no network needed)")
     p.add_argument("--out", default=None, help="output directory (a NAME's default: where its configs read it)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000,
                    help="tokens per shard (default: %(default)s)")
@@ -170,7 +172,7 @@ def prepare(args: argparse.Namespace) -> list[Path]:
     """Tokenize and write the shards; returns their paths (val first)."""
     if args.recipe:
         check_hub(RECIPES[args.recipe])
-    tok = get_tokenizer(args.tokenizer)
+    tok = get_tokenizer(args.tokenizer, args.tokenizer_file)
     if tok.vocab_size > MAX_VOCAB:
         raise DataError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids; .bin shards store uint16 ids "
                         f"(< {MAX_VOCAB})")

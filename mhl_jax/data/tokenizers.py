@@ -1,12 +1,19 @@
-"""Tokenizers: byte-level (always available) and GPT-2 through tiktoken (needs its cached files).
+"""Tokenizers: byte-level (always available) and GPT-2 through tiktoken.
 
 Both turn a document into token ids; `encode_documents` concatenates documents, each one preceded
 by the end-of-text token (the modded-nanogpt / FineWeb convention), so EOT separates documents.
+
+GPT-2's vocabulary needs a file: tiktoken downloads and caches it on first use, and a machine without network reads
+it from a local rank file instead (`data.tokenizer_file`, prepare's `--tokenizer-file`): tiktoken's
+`r50k_base.tiktoken`, one `base64(token) rank` line per token, ranks 0..50255, which holds GPT-2's merges.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -70,30 +77,79 @@ class TiktokenTokenizer:
         return self._enc.decode([int(i) for i in ids])
 
 
-def gpt2_tokenizer() -> TiktokenTokenizer:
-    """GPT-2's BPE (50257 ids, EOT 50256). tiktoken downloads its two files on first use and caches
-    them (TIKTOKEN_CACHE_DIR, else <tmp>/data-gym-cache); without network they must be cached."""
+GPT2_RANKS = 50256  # BPE tokens of GPT-2 (r50k_base); its end-of-text token is the next id
+GPT2_FILE_HINT = ("copy tiktoken's r50k_base.tiktoken (GPT-2's vocabulary, 50256 lines) from a machine with network "
+                  "and set data.tokenizer_file=PATH (prepare: --tokenizer-file PATH)")
+
+
+def _tiktoken():
     try:
         import tiktoken
     except ImportError as e:
         raise DataError("tokenizer 'gpt2' needs the tiktoken package (pip install tiktoken)") from e
+    return tiktoken
+
+
+def read_ranks(path: str) -> dict[bytes, int]:
+    """A .tiktoken rank file: {token bytes: rank}, ranks exactly 0..n-1, every single byte a token (BPE starts from
+    bytes: a byte without a rank could not be encoded)."""
+    try:
+        lines = Path(path).expanduser().read_bytes().splitlines()
+    except OSError as e:
+        raise DataError(f"data.tokenizer_file={path!r} cannot be read ({e.strerror or e}); {GPT2_FILE_HINT}") from e
+    ranks: dict[bytes, int] = {}
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error) as e:
+            raise DataError(f"data.tokenizer_file={path!r} line {i}: {line[:60]!r} is not 'base64(token) rank' "
+                            "(the .tiktoken format)") from e
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise DataError(f"data.tokenizer_file={path!r}: its {len(ranks)} ranks are not 0..{len(ranks) - 1}, each once")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise DataError(f"data.tokenizer_file={path!r}: byte {missing[0]} (and {len(missing) - 1} more) has no rank; "
+                        "a BPE vocabulary holds every single byte")
+    return ranks
+
+
+def gpt2_tokenizer(tokenizer_file: str = "") -> TiktokenTokenizer:
+    """GPT-2's BPE (50257 ids, EOT 50256), from `tokenizer_file` (a local r50k_base.tiktoken) or else from tiktoken,
+    which downloads its files on first use and caches them (TIKTOKEN_CACHE_DIR, else <tmp>/data-gym-cache)."""
+    tiktoken = _tiktoken()
+    if tokenizer_file:
+        ranks = read_ranks(tokenizer_file)
+        if len(ranks) != GPT2_RANKS:
+            raise DataError(f"data.tokenizer_file={tokenizer_file!r} holds {len(ranks)} tokens, GPT-2's "
+                            f"r50k_base.tiktoken {GPT2_RANKS}: it is another vocabulary")
+        from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-split pattern (words, numbers, spaces)
+
+        enc = tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                special_tokens={"<|endoftext|>": GPT2_RANKS})
+        return TiktokenTokenizer(enc, "gpt2")
     try:
         enc = tiktoken.get_encoding("gpt2")
     except Exception as e:  # requests/urllib errors when offline, OSError for unreadable caches
         raise DataError(
-            "tokenizer 'gpt2': tiktoken could not load the GPT-2 encoding files (vocab.bpe, encoder.json). "
-            "They are downloaded on first use and cached; this machine has no network or no cached copy. "
-            "Copy a cache made elsewhere and point TIKTOKEN_CACHE_DIR at it, or use tokenizer 'byte'. "
+            "tokenizer 'gpt2': tiktoken could not load the GPT-2 encoding files (vocab.bpe, encoder.json): they are "
+            "downloaded on first use and cached (TIKTOKEN_CACHE_DIR), and this machine has no network or no cached "
+            f"copy. Either {GPT2_FILE_HINT}, or use tokenizer 'byte'. "
             f"Underlying error: {type(e).__name__}: {e}") from e
     return TiktokenTokenizer(enc, "gpt2")
 
 
-def get_tokenizer(name: str) -> Tokenizer:
-    """'byte' or 'gpt2'; anything else is a DataError."""
+def get_tokenizer(name: str, tokenizer_file: str = "") -> Tokenizer:
+    """'byte' or 'gpt2' (from `tokenizer_file` if given); anything else is a DataError."""
     if name == "byte":
+        if tokenizer_file:
+            raise DataError(f"data.tokenizer_file={tokenizer_file!r} with tokenizer 'byte', which reads no file: "
+                            "set data.tokenizer=gpt2, or leave data.tokenizer_file empty")
         return ByteTokenizer()
     if name == "gpt2":
-        return gpt2_tokenizer()
+        return gpt2_tokenizer(tokenizer_file)
     raise DataError(f"tokenizer {name!r}: expected 'byte' or 'gpt2'")
 
 

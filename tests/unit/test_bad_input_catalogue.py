@@ -17,6 +17,7 @@ files and small pytrees; the rows that run `train` are refused before its step i
 
 from __future__ import annotations
 
+import base64
 import builtins
 import dataclasses
 import json
@@ -190,6 +191,8 @@ for _id, _override, _fragment in [
     ("builtin-with-path", "data.path=data/x", "data.path='data/x' / data.val_path='' with data.source='builtin', which "
      "reads the built-in corpus and no files: set data.source=bin (prepared .bin shards) or hf (text), or empty them "
      "(--set data.path= --set data.val_path=) to train on the built-in corpus"),
+    ("tokenizer-file-with-byte", "data.tokenizer_file=r50k_base.tiktoken", "data.tokenizer_file='r50k_base.tiktoken' "
+     "with data.tokenizer='byte', which reads no file: the file is GPT-2's vocabulary (set data.tokenizer=gpt2)"),
     ("builtin-with-gpt2", "data.tokenizer=gpt2", "data.tokenizer='gpt2' with data.source='builtin': the built-in "
      "corpus is byte-level"),
     # settings that would poison the state: not finite, or out of their range
@@ -524,6 +527,28 @@ def gpt2_files_offline(tmp, mp):
     return partial(get_tokenizer, "gpt2")
 
 
+
+
+def _rank_file(tmp, body: bytes) -> str:
+    (tmp / "r50k_base.tiktoken").write_bytes(body)
+    return str(tmp / "r50k_base.tiktoken")
+
+
+BYTE_RANKS = b"".join(base64.b64encode(bytes([i])) + b" %d\n" % i for i in range(256))
+TEXT.add("tokenizer-file-missing", DataError, "data.tokenizer_file='nowhere.tiktoken' cannot be read (No such file or "
+         "directory); copy tiktoken's r50k_base.tiktoken (GPT-2's vocabulary, 50256 lines) from a machine with "
+         "network and set data.tokenizer_file=PATH", calls(get_tokenizer, "gpt2", "nowhere.tiktoken"))
+TEXT.add("tokenizer-file-with-byte", DataError, "data.tokenizer_file='r50k_base.tiktoken' with tokenizer 'byte', "
+         "which reads no file", calls(get_tokenizer, "byte", "r50k_base.tiktoken"))
+for _id, _body, _msg in [
+        ("tokenizer-file-line", b"YQ== 0\nnot-base64! 1\n", "line 2: b'not-base64! 1' is not 'base64(token) rank' "
+         "(the .tiktoken format)"),
+        ("tokenizer-file-ranks", BYTE_RANKS.replace(b" 7\n", b" 700\n"), "its 256 ranks are not 0..255, each once"),
+        ("tokenizer-file-bytes", b"YQ== 0\n", "byte 0 (and 254 more) has no rank; a BPE vocabulary holds every "
+         "single byte"),
+        ("tokenizer-file-size", BYTE_RANKS, "holds 256 tokens, GPT-2's r50k_base.tiktoken 50256: it is another "
+         "vocabulary")]:
+    TEXT.add(_id, DataError, _msg, lambda tmp, mp, body=_body: partial(get_tokenizer, "gpt2", _rank_file(tmp, body)))
 TEXT.add("vocab-below-tokenizer", DataError, "tokenizer 'byte' has 257 ids but model.vocab_size=200; "
          "model.vocab_size must be >= 257", calls(make_train_loader, DataConfig(), seq_len=64, batch_size=16, seed=0,
                                                  vocab_size=200))

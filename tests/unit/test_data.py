@@ -4,6 +4,7 @@ Expected values come from an independent reading of the format (np.fromfile) and
 token stream directly, never from the pipeline under test.
 """
 
+import base64
 import dataclasses
 import json
 from pathlib import Path
@@ -291,3 +292,42 @@ def test_tokenizers(monkeypatch):
     assert (wrapped.vocab_size, wrapped.eot) == (258, 257)
     expected = [257, 256, 99, 257] + list(b"<|endoftext|>")  # special tokens in text stay text
     assert encode_documents(wrapped, ["abc", "<|endoftext|>"]).tolist() == expected
+
+
+def _bpe_reference(ranks: dict[bytes, int], piece: bytes) -> list[int]:
+    """Byte-pair encoding of one pre-split piece, written out: start from single bytes and merge, again and again,
+    the adjacent pair whose joined bytes have the lowest rank (the leftmost on a tie), until no joined pair has one."""
+    parts = [bytes([b]) for b in piece]
+    while True:
+        joined = [(ranks.get(a + b), i) for i, (a, b) in enumerate(zip(parts, parts[1:])) if a + b in ranks]
+        if not joined:
+            return [ranks[p] for p in parts]
+        _, i = min(joined)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+
+
+def test_gpt2_from_a_local_rank_file(tmp_path):
+    """data.tokenizer_file: GPT-2 from a .tiktoken rank file, no download. A made-up vocabulary of GPT-2's size (the
+    256 bytes, then letter pairs and triples in a shuffled order, so merges compete by rank): ids as the BPE written
+    out above gives them, piece by piece over GPT-2's split into words with their leading space; EOT is 50256. (Files
+    that are not such a vocabulary: the bad-input catalogue.)"""
+    rng = np.random.default_rng(0)
+    letters = [bytes([c]) for c in b" abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"]
+    pairs = [a + b for a in letters for b in letters]
+    triples = [a + b + c for a in letters for b in letters for c in letters[1:]]
+    # every pair is a token, so every triple can be reached by merges (as in a vocabulary BPE learned; tiktoken
+    # takes a whole piece that is a token at once)
+    merged = [pairs[i] for i in rng.permutation(len(pairs))] + [triples[i] for i in rng.permutation(len(triples))]
+    merged = merged[:50256 - 256]
+    ranks = {bytes([i]): i for i in range(256)} | {t: 256 + i for i, t in enumerate(merged)}
+    path = tmp_path / "r50k_base.tiktoken"
+    path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in ranks.items()))
+
+    tok = get_tokenizer("gpt2", str(path))
+    assert (tok.name, tok.vocab_size, tok.eot) == ("gpt2", 50257, 50256)
+    text = "Merges compete by rank in the words of this sentence"
+    pieces = [text.split(" ")[0]] + [" " + w for w in text.split(" ")[1:]]
+    want = [i for p in pieces for i in _bpe_reference(ranks, p.encode())]
+    assert tok.encode(text).tolist() == want and len(want) < len(text)  # merges happened
+    assert tok.decode(want) == text
+    assert encode_documents(tok, [text]).tolist() == [50256, *want]
