@@ -11,8 +11,8 @@ then one `error:` line).
 
 One section per kind of input, in the order a run meets them: config, config files, mesh, launch options, .bin
 shards, text sources, prepare, checkpoints, a run's setup, a run's other files, generation, then the commands
-(train.py, infer, compare, prepare). A new refusal is one more row in its section. Rows stay cheap: calls on tiny
-files and small pytrees; the rows that run `train` are refused before its step is compiled.
+(train.py, infer, compare, export, prepare). A new refusal is one more row in its section. Rows stay cheap: calls on
+tiny files and small pytrees; the rows that run `train` are refused before its step is compiled.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import train as train_py
-from mhl_jax import compare, infer
+from mhl_jax import compare, export, infer
 from mhl_jax.config import CheckpointConfig, ConfigError, DataConfig, dump_config, load_config
 from mhl_jax.data import DataError, load_val_sequences, make_train_loader, prepare
 from mhl_jax.data.bin_shards import resolve_shards, write_shard
@@ -1070,6 +1070,31 @@ def plot_without_matplotlib(tmp, mp):
     return _compare("{run}", "--plot", "{tmp}/curves.png", config="tiny", metrics=RECORDS)(tmp, mp)
 
 
+EXPORT_CLI = Section("export")
+
+
+def _export(*argv: str):
+    """export's main with `argv` ({run}: tmp/run, a run at step 2; {tmp}/taken: a directory holding a file)."""
+    def provoke(tmp, mp):
+        saved_run(tmp, optimizer=False)
+        (tmp / "taken").mkdir()
+        (tmp / "taken" / "mine.txt").write_text("kept")
+        return partial(export.main, [a.format(tmp=tmp, run=tmp / "run") for a in argv])
+    return provoke
+
+
+for _id, _error, _argv, _fragment in [
+    ("no-out", SystemExit, ["{run}"], "the following arguments are required: --out"),
+    ("out-holds-files", ConfigError, ["{run}", "--out", "{tmp}/taken"], "config error: --out '"),
+    ("out-is-a-file", ConfigError, ["{run}", "--out", "{tmp}/taken/mine.txt"], "mine.txt' exists and is not an empty "
+     "directory: export writes a new directory (name another, or remove it)"),
+    ("run-missing", ConfigError, ["{tmp}/nowhere", "--out", "{tmp}/new"], "config error: run directory '"),
+    ("no-such-step", CheckpointError, ["{run}", "--out", "{tmp}/new", "--step", "40"], "checkpoint error: no "
+     "checkpoint of step 40 in"),
+]:
+    EXPORT_CLI.add(_id, _error, _fragment, _export(*_argv))
+
+
 PREPARE_CLI = Section("prepare")
 for _id, _argv, _fragment in [
     ("no-source", ["--tokenizer", "byte", "--out", "o"],
@@ -1102,7 +1127,8 @@ def test_refused_in_one_line_leaving_nothing_behind(provoke, error, fragment, tm
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("provoke, error, fragment", [*TRAIN_CLI, *INFER_CLI, *COMPARE_CLI, *PREPARE_CLI])
+@pytest.mark.parametrize("provoke, error, fragment", [*TRAIN_CLI, *INFER_CLI, *COMPARE_CLI, *EXPORT_CLI,
+                                                      *PREPARE_CLI])
 def test_command_exits_2_with_one_line(provoke, error, fragment, tmp_path, monkeypatch, capsys):
     """`error` SystemExit: argparse's refusal (its usage lines, then one `error:` line); else the command's own."""
     call = provoke(tmp_path, monkeypatch)
