@@ -1,6 +1,7 @@
 """Compare training runs: a table of where each run stands, and optionally their loss curves.
 
     python -m mhl_jax.compare runs/mlp runs/moe runs/mh_latent_moe [--smooth 20] [--plot curves.png] [--json]
+    python -m mhl_jax.compare --plot-load runs/mh_latent_moe [--out loads.png]
 
 Each RUN_DIR is a `logging.run_dir` written by train.py; only its `config.yaml` and `metrics.jsonl` are read (a run
 still training can be compared). Per run: the model (ffn.kind, active / total parameters, counted from the config's
@@ -10,7 +11,8 @@ last validation loss and perplexity and their step, the median tokens/s and MFU 
 (which includes compilation; a resumed launch's first records include its own, which the median mostly leaves out),
 and the largest expert load relative to uniform at the last step (1.00: perfect balance; MoE runs only). `--plot
 FILE` draws the training loss (a moving average over `--smooth` steps) and the validation loss against tokens seen,
-one line per run (needs matplotlib).
+one line per run (needs matplotlib). `--plot-load RUN_DIR` draws one run's expert-load maps instead
+(`mhl_jax.load_maps`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 
 from mhl_jax.config import Config, ConfigError, load_config
+from mhl_jax.load_maps import plot_loads
 from mhl_jax.model.params import count_params
 from mhl_jax.runtime.errors import EXIT_BAD_INPUT, EXIT_OK
 
@@ -183,14 +186,25 @@ def plot(run_dirs: list[str], path: str | Path, smooth: int = 20) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mhl_jax.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="logging.run_dir of a train.py run")
+    ap.add_argument("runs", nargs="*", metavar="RUN_DIR", help="logging.run_dir of a train.py run")
     ap.add_argument("--smooth", type=int, default=20, help="steps averaged for the loss (default 20)")
     ap.add_argument("--plot", default=None, metavar="FILE", help="write the loss curves to FILE (e.g. curves.png)")
     ap.add_argument("--json", action="store_true", help="print one JSON line per run instead of the table")
+    ap.add_argument("--plot-load", default=None, metavar="RUN_DIR",
+                    help="draw this run's expert-load maps (mhl_jax/load_maps.py) instead of the table")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="--plot-load's image (default: <run name>-loads.png)")
     args = ap.parse_args(argv)
     if args.smooth < 1:
         ap.error(f"--smooth {args.smooth}: must be >= 1")
+    if bool(args.runs) == bool(args.plot_load):
+        ap.error("give RUN_DIRs to compare, or --plot-load RUN_DIR")
     try:
+        if args.plot_load:
+            out = args.out or f"{Path(args.plot_load).resolve().name}-loads.png"
+            plot_loads(args.plot_load, out, read_run(args.plot_load)[1])
+            print(f"load maps: {out}")
+            return EXIT_OK
         rows = [summarize(r, args.smooth) for r in args.runs]
         if args.plot:
             plot(args.runs, args.plot, args.smooth)

@@ -144,6 +144,7 @@ def _check_data_and_logging(cfg: Config) -> None:
              "no file: the file is GPT-2's vocabulary (set data.tokenizer=gpt2), or leave data.tokenizer_file empty")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every}: must be >= 1")
+    _require(cfg.logging.loads_every >= 0, f"logging.loads_every={cfg.logging.loads_every}: must be >= 0 (0: never)")
     _require(0 <= cfg.logging.profile_start <= cfg.schedule.total_steps,
              f"logging.profile_start={cfg.logging.profile_start}: must be a step of the run, 1 to schedule.total_steps="
              f"{cfg.schedule.total_steps} (or 0: no profile)")

@@ -64,6 +64,12 @@ class Progress:
     def saves(self, n: int) -> bool:
         return bool(self.cfg.checkpoint.every and (n % self.cfg.checkpoint.every == 0 or n == self.end))
 
+    def records_loads(self, n: int) -> bool:
+        """Whether step n's per-expert loads go to loads.jsonl: at every logging.loads_every steps and the run's last
+        (a function of the step alone, so a resumed run writes the records a straight one does)."""
+        every = self.cfg.logging.loads_every
+        return bool(every) and (n % every == 0 or n == self.total)
+
     def needs_state(self, n: int) -> bool:
         """Whether the end of step `n` (1-based) evaluates, checkpoints, ends the run or the profile: those read the
         state of step `n` (or its end) and must see its loss first, so its metrics are fetched before step n + 1 is
@@ -80,8 +86,11 @@ class Progress:
         """Step `n`'s metrics fetched (waiting for the step), checked, recorded and shown; then its evaluation and
         checkpoint when due, from `state` (step n's own when they are: `needs_state`). `ahead`: step n + 1 was
         dispatched first (StepClock)."""
-        m = {k: float(v) for k, v in jax.device_get(m_device).items()}
+        fetched = jax.device_get(m_device)
+        m = {k: float(v) for k, v in fetched.items() if not k.startswith("loads/")}
         m["step"] = n
+        if self.records_loads(n):
+            self.records.write_loads(n, {k.split("/")[1]: v for k, v in fetched.items() if k.startswith("loads/")})
         m.update(self.comm)
         m["tokens_per_s"] = self.clock.finish(time.perf_counter(), ahead)
         m["mfu"] = mfu(self.flops_tok, m["tokens_per_s"], self.devices, self.peak)

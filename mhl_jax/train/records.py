@@ -1,5 +1,6 @@
 """The run directory's files: config.yaml (and the earlier config when a resumed run changed settings), run.json
-(what this launch ran on, and its kernel plan), metrics.jsonl (one JSON record per step) and the TensorBoard events.
+(what this launch ran on, and its kernel plan), metrics.jsonl (one JSON record per step), loads.jsonl (the per-expert
+loads every logging.loads_every steps) and the TensorBoard events.
 
 Process 0 alone writes them. A relaunch or resume first drops the records past the step it restarts from, so that
 metrics.jsonl holds exactly one record per step whatever the run went through.
@@ -26,9 +27,10 @@ def write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int, what: str = "metrics record") -> None:
     """Drop records past `step` (written by a run killed after its last checkpoint), atomically; a last line cut
-    short (the run killed while writing it) goes too. ConfigError for a malformed line before the last."""
+    short (the run killed while writing it) goes too. ConfigError for a malformed line before the last (`what`: the
+    kind of record the error names)."""
     if not path.exists():
         return
     lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -40,7 +42,7 @@ def truncate_metrics(path: Path, step: int) -> None:
         except (json.JSONDecodeError, TypeError, KeyError) as e:
             if i == len(lines) - 1:
                 break
-            raise ConfigError(f"{path}: line {i + 1} is not a metrics record ({type(e).__name__}: {e}); remove it, "
+            raise ConfigError(f"{path}: line {i + 1} is not a {what} ({type(e).__name__}: {e}); remove it, "
                               "or the file") from e
         if n <= step:
             keep.append(line)
@@ -53,10 +55,11 @@ def config_changes(old: dict, new: dict) -> str:
 
 
 class Records:
-    """Where each step's metrics go: metrics.jsonl and TensorBoard (process 0), nothing on the others."""
+    """Where each step's metrics go: metrics.jsonl and TensorBoard (process 0), nothing on the others; and every
+    logging.loads_every steps the per-expert loads, to loads.jsonl."""
 
-    def __init__(self, metrics_file=None, board: TensorBoardLog | None = None) -> None:
-        self.metrics_file, self.board = metrics_file, board
+    def __init__(self, metrics_file=None, board: TensorBoardLog | None = None, loads_file=None) -> None:
+        self.metrics_file, self.board, self.loads_file = metrics_file, board, loads_file
 
     def write(self, m: dict) -> None:
         if self.metrics_file is not None:
@@ -65,11 +68,17 @@ class Records:
         if self.board is not None:
             self.board.write(m)
 
+    def write_loads(self, step: int, loads: dict) -> None:
+        """{layer: (H, Ne) routed-slot counts} of `step` as one line {"step": n, "loads": {layer: [[...], ...]}}."""
+        if self.loads_file is not None:
+            self.loads_file.write(json.dumps({"step": step, "loads": {k: v.tolist() for k, v in loads.items()}})
+                                  + "\n")
+            self.loads_file.flush()
+
     def close(self) -> None:
-        if self.metrics_file is not None:
-            self.metrics_file.close()
-        if self.board is not None:
-            self.board.close()
+        for f in (self.metrics_file, self.board, self.loads_file):
+            if f is not None:
+                f.close()
 
 
 def open_records(cfg: Config, run_dir: Path, lead: bool, restoring: bool, start: int, info: dict, log) -> Records:
@@ -90,6 +99,9 @@ def open_records(cfg: Config, run_dir: Path, lead: bool, restoring: bool, start:
             write_atomic(run_dir / "run.json", json.dumps(info, indent=1) + "\n")
             truncate_metrics(run_dir / "metrics.jsonl", start)
             records.metrics_file = open(run_dir / "metrics.jsonl", "a")
+            truncate_metrics(run_dir / "loads.jsonl", start, "loads record")
+            if cfg.logging.loads_every:
+                records.loads_file = open(run_dir / "loads.jsonl", "a")
             if cfg.logging.tensorboard:
                 records.board = TensorBoardLog(run_dir / "tensorboard")
         except (OSError, ConfigError) as e:

@@ -96,6 +96,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
         metrics = {"loss": lsum / accum, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
         for i, counts in loads.items():
             metrics[f"load_max/{i}"], metrics[f"load_min/{i}"] = load_stats(counts)
+            metrics[f"loads/{i}"] = counts  # (H, Ne): what the load maps draw (loads.jsonl)
         return new_state, metrics
 
     return train_step

@@ -184,6 +184,7 @@ for _id, _override, _fragment in [
     ("checkpoint-every", "checkpoint.every=-1", "checkpoint.every=-1: must be >= 0 (0: no checkpoints)"),
     ("checkpoint-keep", "checkpoint.keep=0", "checkpoint.keep=0: must be >= 1"),
     ("log-every", "logging.log_every=0", "logging.log_every=0: must be >= 1"),
+    ("loads-every", "logging.loads_every=-1", "logging.loads_every=-1: must be >= 0 (0: never)"),
     ("profile-start", "logging.profile_start=400", "logging.profile_start=400: must be a step of the run, 1 to "
      "schedule.total_steps=300"),
     ("profile-steps", "logging.profile_steps=0", "logging.profile_steps=0: must be >= 1"),
@@ -1023,9 +1024,9 @@ def run_without_checkpoints(tmp, mp):
 COMPARE_CLI = Section("compare")
 
 
-def _compare(*argv: str, config: str | None = None, metrics: str | None = None):
-    """compare's main with `argv` ({run}: tmp/r, holding `config` and `metrics` when given: 'tiny' writes the tiny
-    config)."""
+def _compare(*argv: str, config: str | None = None, metrics: str | None = None, loads: str | None = None):
+    """compare's main with `argv` ({run}: tmp/r, holding `config`, `metrics` and `loads` (loads.jsonl) when given:
+    'tiny' writes the tiny config)."""
     def provoke(tmp, mp):
         run = tmp / "r"
         if config is not None or metrics is not None:
@@ -1034,6 +1035,8 @@ def _compare(*argv: str, config: str | None = None, metrics: str | None = None):
             (run / "config.yaml").write_text(dump_config(small(tmp)) if config == "tiny" else config)
         if metrics is not None:
             (run / "metrics.jsonl").write_text(metrics)
+        if loads is not None:
+            (run / "loads.jsonl").write_text(loads)
         return partial(compare.main, [a.format(tmp=tmp, run=run) for a in argv])
     return provoke
 
@@ -1059,6 +1062,17 @@ for _id, _error, _setup, _argv, _fragment in [
     ("no-records", ConfigError, dict(config="tiny", metrics=""), ["{run}"], "metrics.jsonl holds no records yet"),
     ("plot-unwritable", ConfigError, dict(config="tiny", metrics=RECORDS), ["{run}", "--plot", "{tmp}/no/curves.png"],
      "curves.png': cannot write it (No such file or directory)"),
+    ("runs-and-plot-load", SystemExit, {}, ["{run}", "--plot-load", "{run}"], "give RUN_DIRs to compare, or "
+     "--plot-load RUN_DIR"),
+    ("neither-runs-nor-plot-load", SystemExit, {}, [], "give RUN_DIRs to compare, or --plot-load RUN_DIR"),
+    ("plot-load-without-loads", ConfigError, dict(config="tiny", metrics=RECORDS), ["--plot-load", "{run}", "--out",
+     "{tmp}/maps.png"], "r' holds no loads.jsonl (it records per-expert loads every logging.loads_every steps"),
+    ("plot-load-line", ConfigError, dict(config="tiny", metrics=RECORDS, loads='{"step": 1, "loads": [1]}\n'),
+     ["--plot-load", "{run}", "--out", "{tmp}/maps.png"], "loads.jsonl: line 1 is not a loads record"),
+    ("plot-load-layers-change", ConfigError, dict(config="tiny", metrics=RECORDS, loads=(
+        '{"step": 1, "loads": {"1": [[1, 2]]}}\n{"step": 2, "loads": {"1": [[1, 2, 3]]}}\n')),
+     ["--plot-load", "{run}", "--out", "{tmp}/maps.png"], "loads.jsonl: step 1 records other layers or shapes than "
+     "step 2"),
 ]:
     COMPARE_CLI.add(_id, _error, _fragment, _compare(*_argv, **_setup))
 
