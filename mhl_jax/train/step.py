@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mhl_jax.model.balancing import load_stats, update_bias
 from mhl_jax.model.context import build_step_context, expert_grad_sums, summed_in_place
@@ -113,7 +115,9 @@ def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gam
     them (`mhl_jax.runtime.autotune.AutotuneFile.compiler_options`: XLA's autotuning results loaded / written)."""
     options = train_step_compiler_options(deterministic, cudnn_attention) if compiler_options is None \
         else compiler_options
+    # the metrics whole on every device: each process reads them (the loads of Head Parallel's heads included)
+    metrics_sharding = None if batch_sharding is None else NamedSharding(batch_sharding.mesh, P())
     return jax.jit(make_train_step(graphdef, tx, gamma, schedule), in_shardings=(state_shardings, batch_sharding),
-                   out_shardings=(state_shardings, None), donate_argnums=0 if donate else (),
+                   out_shardings=(state_shardings, metrics_sharding), donate_argnums=0 if donate else (),
                    compiler_options={**options, **(autotune_options or {})})
 
