@@ -37,7 +37,7 @@ def torch_config(cfg: Config) -> dict:
             "head_dim": m.head_dim, "rope_base": m.rope_base, "norm_eps": m.norm_eps, "ffn_kind": f.kind,
             "stem_layers": f.stem_layers if f.kind != "mlp" else m.n_layers, "top_k": f.top_k,
             "num_experts": f.num_experts, "expert_hidden": f.expert_hidden, "ffn_heads": f.num_heads,
-            "ffn_head_dim": f.head_dim, "latent_dim": f.latent_dim}
+            "ffn_head_dim": f.head_dim, "latent_dim": f.latent_dim, "routing_tokens": f.routing_tokens}
 
 
 def named_arrays(loaded: Loaded) -> dict[str, np.ndarray]:

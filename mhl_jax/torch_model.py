@@ -14,7 +14,8 @@ halves of each head rotated) and an FFN; layers below `stem_layers` have a dense
   mlp            gelu(x W1) W2                       (tanh gelu, as jax.nn.gelu)
   moe            H = 1 MoE on x: route x, experts on x
   latent_moe     route x; experts on x W_down (d -> l); their sum W_up (l -> d)
-  mh_latent_moe  x W_in split into Nh sub-tokens; head h is its own MoE; heads joined by W_out
+  mh_latent_moe  x W_in split into Nh sub-tokens; head h is its own MoE; heads joined by W_out (with separate
+                 routing sub-tokens, head h routes on x W_route's h-th sub-token instead of its own)
 where an MoE of a (sub-)token: scores s = x_route W_r[h]; the k experts of largest s + bias (the balancing bias
 takes part in the choice only); gates = softmax of their s; y = sum_j gate_j * gelu(x_expert W1[h,e_j]) W2[h,e_j].
 """
@@ -99,9 +100,10 @@ class GPT(nn.Module):
             y = moe_heads(xs, xs, experts, c["top_k"])
         elif c["ffn_kind"] == "latent_moe":
             y = moe_heads(xs, xs @ w["ffn.w_down"], experts, c["top_k"]) @ w["ffn.w_up"]
-        else:  # mh_latent_moe
+        else:  # mh_latent_moe; with separate routing sub-tokens (w_route), each head routes on its own projection
             sub = torch.einsum("nd,dhc->nhc", xs[:, 0], w["ffn.w_in"])
-            y = torch.einsum("nhc,hcd->nd", moe_heads(sub, sub, experts, c["top_k"]), w["ffn.w_out"])
+            route = torch.einsum("nd,dhc->nhc", xs[:, 0], w["ffn.w_route"]) if "ffn.w_route" in w else sub
+            y = torch.einsum("nhc,hcd->nd", moe_heads(route, sub, experts, c["top_k"]), w["ffn.w_out"])
         return y.reshape(b, t, d)
 
     @torch.no_grad()

@@ -50,6 +50,10 @@ class FFNConfig:
     num_heads: int = 8  # sub-tokens per token Nh (mh_latent_moe)
     head_dim: int = 128  # sub-token width dh (mh_latent_moe)
     latent_dim: int = 1024  # latent width l: latent_moe's d -> l projection; mh_latent_moe's W_in output (= Nh*dh)
+    # mh_latent_moe: each head routes on its own sub-token (shared, the paper's design), or on a second sub-token
+    # projected for routing alone (separate: W_in gives 2 x Nh sub-tokens; the paper's ablation; Head Parallel then
+    # exchanges both, twice the bytes)
+    routing_tokens: Literal["shared", "separate"] = "shared"
     balance_gamma: Optional[float] = None  # step of the aux-loss-free balancing bias; null: 50 x optimizer.lr
     # auto: the kernel plan (mhl_jax/moe/plan.py) picks each MoE op's implementation from the shapes, dtype and
     # device: Gluon on Hopper, Triton on other NVIDIA GPUs, grouped GEMMs for expert widths above 128, pure JAX on

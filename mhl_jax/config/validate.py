@@ -72,6 +72,9 @@ def _check_ffn(f: FFNConfig, m: ModelConfig) -> None:
         _require(f.top_k <= f.num_experts,
                  f"ffn.top_k={f.top_k} > ffn.num_experts={f.num_experts}: k cannot exceed Ne")
         _require(f.expert_hidden > 0, f"ffn.expert_hidden={f.expert_hidden}: must be positive")
+    _require(f.routing_tokens == "shared" or f.kind == "mh_latent_moe",
+             f"ffn.routing_tokens={f.routing_tokens!r} with ffn.kind={f.kind!r}: separate routing sub-tokens are a "
+             "Multi-Head LatentMoE option (ffn.kind=mh_latent_moe)")
     if f.kind == "latent_moe":
         _require(f.latent_dim > 0, f"ffn.latent_dim={f.latent_dim}: must be positive")
     if f.kind == "mh_latent_moe":

@@ -39,7 +39,7 @@ def make_ffn(cfg: Config, layer: int, rngs: nnx.Rngs, executor: MoEExecutor) -> 
                          rngs, executor, layer)
     if f.kind == "mh_latent_moe":
         return MHLatentMoE(m.d_model, f.num_heads, f.head_dim, f.num_experts, f.expert_hidden, f.top_k,
-                           std, out_std, rngs, executor, layer)
+                           std, out_std, rngs, executor, layer, f.routing_tokens)
     raise ValueError(f"ffn.kind={f.kind!r}: expected mlp, moe, latent_moe or mh_latent_moe")
 
 

@@ -74,25 +74,30 @@ class LatentMoE(nnx.Module):
 
 class MHLatentMoE(nnx.Module):
     def __init__(self, d: int, heads: int, head_dim: int, num_experts: int, hidden: int, k: int,
-                 std: float, out_std: float, rngs: nnx.Rngs, executor: MoEExecutor | None = None, layer: int = 0):
+                 std: float, out_std: float, rngs: nnx.Rngs, executor: MoEExecutor | None = None, layer: int = 0,
+                 routing_tokens: str = "shared"):
+        """routing_tokens "separate": a second projection W_route (d -> Nh*dh) gives each head a sub-token to route
+        on, apart from the one its experts compute on (the paper's ablation; together W_in and W_route are its
+        2d x d W_in, split)."""
         self.w_in = normal_param(rngs, (d, heads, head_dim), std)
         self.w_out = normal_param(rngs, (heads, head_dim, d), out_std)
         self.experts = ExpertBank(heads, head_dim, head_dim, num_experts, hidden, k, std, std, rngs, layer)
+        self.w_route = normal_param(rngs, (d, heads, head_dim), std) if routing_tokens == "separate" else None
         self.executor = executor or LocalMoE()
 
     def __call__(self, x: jax.Array, ctx: StepContext | None = None) -> tuple[jax.Array, jax.Array]:
         """x: (B, T, d) compute dtype -> (B, T, d), load (Nh, Ne) int32."""
         b, t, d = x.shape
-        w_in, w_out = self.w_in[...].astype(x.dtype), self.w_out[...].astype(x.dtype)
+        x = x.reshape(b * t, d)
         groups = getattr(self.executor, "head_groups", 1)
-        if groups == 1:
-            sub = jnp.einsum("nd,dhc->nhc", x.reshape(b * t, d), w_in)
-            y, load = self.experts(self.executor, sub, sub, ctx)
-            out = jnp.einsum("nhc,hcd->nd", y, w_out)
-        else:
-            sub = grouped_project_in(x.reshape(b * t, d), w_in, groups)
-            y, load = self.experts(self.executor, sub, sub, ctx)
-            out = grouped_project_out(y, w_out)
+        project = (lambda w: jnp.einsum("nd,dhc->nhc", x, w)) if groups == 1 else \
+            (lambda w: grouped_project_in(x, w, groups))
+        sub = project(self.w_in[...].astype(x.dtype))
+        # shared: the same array routes and computes (the fused core takes it once; Head Parallel sends it once)
+        route = sub if self.w_route is None else project(self.w_route[...].astype(x.dtype))
+        y, load = self.experts(self.executor, route, sub, ctx)
+        w_out = self.w_out[...].astype(x.dtype)
+        out = jnp.einsum("nhc,hcd->nd", y, w_out) if groups == 1 else grouped_project_out(y, w_out)
         return out.reshape(b, t, d), load
 
 

@@ -90,8 +90,9 @@ def comm_bytes_per_layer(cfg: Config, mesh: Mesh, tokens_per_device: int) -> dic
     """Metrics for the training log: bytes one device sends per MoE layer, each way, from shapes.
 
     tokens_per_device: tokens one device holds in one forward (micro_batch * context).
-    HP: {'comm/a2a_bytes': exact}. EP: {'comm/a2a_bytes_uniform', 'comm/a2a_bytes_worst',
-    'comm/meta_bytes'}. MLP, or a single device on the model axis: {} (no exchange).
+    HP: {'comm/a2a_bytes': exact} (the dispatch's; with separate routing sub-tokens the combine sends half of it).
+    EP: {'comm/a2a_bytes_uniform', 'comm/a2a_bytes_worst', 'comm/meta_bytes'}. MLP, or a single device on the model
+    axis: {} (no exchange).
     """
     f = cfg.ffn
     if f.kind == "mlp" or mesh.size == 1:
@@ -99,7 +100,9 @@ def comm_bytes_per_layer(cfg: Config, mesh: Mesh, tokens_per_device: int) -> dic
     itemsize = jnp.dtype(cfg.model.compute_dtype).itemsize
     if f.kind == "mh_latent_moe":
         hp = mesh.shape["hp"]
-        return {"comm/a2a_bytes": float(hp_bytes(tokens_per_device, f.num_heads, f.head_dim, hp, itemsize))}
+        # separate routing sub-tokens travel too, to the device of their head: twice the dispatch's bytes
+        sent = hp_bytes(tokens_per_device, f.num_heads, f.head_dim, hp, itemsize)
+        return {"comm/a2a_bytes": float(sent * (2 if f.routing_tokens == "separate" else 1))}
     ep = mesh.shape["ep"]
     width = cfg.model.d_model if f.kind == "moe" else f.latent_dim
     return {

@@ -21,12 +21,12 @@ torch = pytest.importorskip("torch")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 
-def _saved_run(tmp_path, kind: str):
+def _saved_run(tmp_path, kind: str, *sets: str):
     """A run directory holding config.yaml and a checkpoint of step 3 of a freshly built 2-layer model (a dense stem
     layer, then the FFN of `kind`), its balancing biases random so that they change which experts are chosen."""
     run = tmp_path / kind
     cfg = load_config(str(ROOT / f"configs/tiny_{kind}.yaml"), [
-        "model.n_layers=2", "model.context=32", "parallel.devices=1", f"logging.run_dir={run}"])
+        "model.n_layers=2", "model.context=32", "parallel.devices=1", f"logging.run_dir={run}", *sets])
     # random weights, drawn in numpy: building the model eagerly would compile each of its initialisers
     graphdef, params, biases = nnx.split(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param, RouterBias)
     rng = np.random.default_rng(1)
@@ -43,9 +43,10 @@ def _saved_run(tmp_path, kind: str):
     return run, nnx.merge(graphdef, params, biases), cfg
 
 
-@pytest.mark.parametrize("kind", ["mlp", "moe", "latent_moe", "mh_latent_moe"])
-def test_exported_torch_module_gives_the_models_logits(tmp_path, kind, capsys):
-    run, model, cfg = _saved_run(tmp_path, kind)
+@pytest.mark.parametrize("kind, sets", [("mlp", ()), ("moe", ()), ("latent_moe", ()), ("mh_latent_moe", ()),
+                                        ("mh_latent_moe", ("ffn.routing_tokens=separate",))])
+def test_exported_torch_module_gives_the_models_logits(tmp_path, kind, sets, capsys):
+    run, model, cfg = _saved_run(tmp_path, kind, *sets)
     out = tmp_path / "exported"
     assert export_main([str(run), "--out", str(out)]) == 0
     assert f"exported step 3 of {run}" in capsys.readouterr().out
@@ -55,7 +56,7 @@ def test_exported_torch_module_gives_the_models_logits(tmp_path, kind, capsys):
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (3, cfg.model.context))
     want = np.asarray(nnx.jit(lambda m, t: m(t)[0])(model, tokens))
     # the copy in the export directory, imported as a user would, with nothing of mhl_jax
-    spec = importlib.util.spec_from_file_location(f"modeling_{kind}", out / "modeling.py")
+    spec = importlib.util.spec_from_file_location(f"modeling_{kind}_{len(sets)}", out / "modeling.py")
     modeling = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(modeling)
     got = modeling.load(out)(torch.from_numpy(tokens)).numpy()

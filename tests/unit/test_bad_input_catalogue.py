@@ -223,6 +223,8 @@ for _id, _overrides, _fragment in [
     ("decay-shape-without-decay", ["schedule.decay_steps=0", "schedule.decay=cosine"],
      "schedule.decay='cosine', final_lr_ratio=0.0 shape the decay, and schedule.decay_steps=0 has none"),
     ("bin-without-path", ["data.source=bin"], "data.source='bin' needs data.path"),
+    ("routing-tokens-kind", ["ffn.routing_tokens=separate"], "ffn.routing_tokens='separate' with ffn.kind='moe': "
+     "separate routing sub-tokens are a Multi-Head LatentMoE option (ffn.kind=mh_latent_moe)"),
 ]:
     CONFIG.add(_id, ConfigError, _fragment, calls(load_config, str(TINY_MOE), _overrides))
 
