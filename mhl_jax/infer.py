@@ -3,12 +3,14 @@
     python -m mhl_jax.infer evaluate RUN_DIR [--step N] [--set data.val_sequences=256 ...]
     python -m mhl_jax.infer generate RUN_DIR --prompt "Once upon a time" [--max-new-tokens 200]
                                      [--temperature 0.8] [--top-k 50] [--num-samples 4] [--seed 0]
+    python -m mhl_jax.infer lm-eval RUN_DIR --tasks piqa,arc_easy [--limit 500] [--include-path my_tasks/]
 
 RUN_DIR is a `logging.run_dir` written by train.py: its `config.yaml` gives the model, data and mesh, and its
 `checkpoints/` the weights (the latest, or `--step N`, or `--checkpoint PATH`). `--set key=value` overrides the saved
 config as in train.py (another validation set, micro-batch, mesh or kernels; a change to the model itself is refused
 by the checkpoint's fingerprint). Only the parameters and balancing biases are read (not the optimizer state), and
-nothing in RUN_DIR is written or cleaned up: both are safe while the run is still training there.
+nothing in RUN_DIR is written or cleaned up but lm-eval's results file: safe while the run is still training there.
+`lm-eval` runs lm-evaluation-harness tasks (`mhl_jax.harness`) and writes their results JSON beside the run.
 
 `evaluate` computes the mean next-token NLL over the config's fixed validation sequences exactly as the train loop
 does (the same sequences, batches and step function: at a step where the run evaluated, the same `val_loss` as its
@@ -314,6 +316,14 @@ def _generate_cli(args) -> None:
             print(text + body)
 
 
+def _lm_eval_cli(args) -> None:
+    try:
+        from mhl_jax import harness
+    except ImportError as e:
+        raise ConfigError(f"lm-eval needs the lm-eval package (pip install -e '.[eval]'): {e}") from e
+    harness.cli(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mhl_jax.infer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -344,6 +354,15 @@ def main(argv: list[str] | None = None) -> int:
                         "rounding)")
     g.add_argument("--no-stop-at-eot", action="store_true",
                    help=f"go on past the end-of-text token (shown as {EOT_MARK})")
+    h = sub.add_parser("lm-eval", parents=[common], help="lm-evaluation-harness tasks on a checkpoint "
+                       "(mhl_jax.harness; pip install -e '.[eval]')")
+    h.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (e.g. piqa,arc_easy)")
+    h.add_argument("--num-fewshot", type=int, default=None, help="examples in each prompt (default: the task's)")
+    h.add_argument("--limit", type=int, default=None, help="at most this many examples per task")
+    h.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
+    h.add_argument("--include-path", default=None, metavar="DIR", help="a directory of task YAML files of your own")
+    h.add_argument("--out", default=None, metavar="FILE",
+                   help="the results JSON (default: RUN_DIR/lm_eval-step<N>.json, beside the run's records)")
     args = ap.parse_args(argv)
     if args.command == "generate":
         if args.num_samples < 1:
@@ -364,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r) if args.json else
                   f"step {r['step']}: val_loss {r['val_loss']:.4f} val_ppl {r['val_ppl']:.2f} ({r['sequences']} "
                   f"validation sequences of {r['context']} tokens, in batches of {r['batch']}{left})")
+        elif args.command == "lm-eval":
+            _lm_eval_cli(args)
         else:
             _generate_cli(args)
     except INPUT_ERRORS as e:
