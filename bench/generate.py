@@ -1,4 +1,4 @@
-"""Per-token time of `mhl_jax.infer.generate` with the KV cache against without it (each token a forward over the
+"""Per-token time of `mhl_jax.generation.generate` with the KV cache against without it (each token a forward over the
 window), in one process, on one run's checkpoint or on a config's freshly initialised weights (`--config`: no
 training run needed; the timing does not depend on the weights' values).
 
@@ -16,21 +16,22 @@ import time
 import jax
 
 from bench.common import JsonLines, parser, today
-from mhl_jax import infer
+from mhl_jax import generation
 from mhl_jax.config import load_config
 from mhl_jax.parallel.mesh import make_mesh
+from mhl_jax.runtime.restore import Loaded, load_run
 from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.optimizer import make_optimizer
 
 
-def initialised(config: str, sets: list[str]) -> infer.Loaded:
-    """A config's model at its step-0 weights (the train loop's initialisation), as `infer.load_run` gives one."""
+def initialised(config: str, sets: list[str]) -> Loaded:
+    """A config's model at its step-0 weights (the train loop's initialisation), as `load_run` gives one."""
     cfg = load_config(config, sets)
     mesh = make_mesh(cfg)
     graphdef, create, _ = state_creator(cfg, mesh, make_optimizer(cfg))
     state = create()
     del state["opt_state"]  # (AdamW's moments: not needed here)
-    return infer.Loaded(cfg, mesh, graphdef, state["params"], state["biases"], 0)
+    return Loaded(cfg, mesh, graphdef, state["params"], state["biases"], 0)
 
 
 def main(argv=None) -> None:
@@ -44,7 +45,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if (args.run_dir is None) == (args.config is None):
         ap.error("give exactly one of RUN_DIR and --config")
-    loaded = infer.load_run(args.run_dir, args.sets) if args.config is None else initialised(args.config, args.sets)
+    loaded = load_run(args.run_dir, args.sets) if args.config is None else initialised(args.config, args.sets)
     dev = jax.local_devices()[0]
     prompt = [256] + list(b"The ")  # byte-tokenizer ids: end-of-text, then the prompt
     tokens = min(args.tokens, loaded.cfg.model.context - len(prompt))  # all within the context: cached throughout
@@ -58,15 +59,15 @@ def main(argv=None) -> None:
             for cached in settings:
                 kw = dict(temperature=0, kv_cache=cached)
                 first = time.perf_counter()
-                infer.generate(loaded, [prompt] * rows, tokens, **kw)
+                generation.generate(loaded, [prompt] * rows, tokens, **kw)
                 t0 = time.perf_counter()
-                ids[cached] = infer.generate(loaded, [prompt] * rows, tokens, **kw)
+                ids[cached] = generation.generate(loaded, [prompt] * rows, tokens, **kw)
                 t1 = time.perf_counter()
                 emit({"bench": "generate", "device": f"{jax.local_device_count()} x {dev.device_kind}",
                       "date": today(), "config": loaded.cfg.name,
                       "weights": "initial" if args.config else f"step {loaded.step}",
                       "context": loaded.cfg.model.context, "rows": rows, "tokens": tokens, "kv_cache": cached,
-                      "decode_chunk": infer.DECODE_CHUNK if cached else None, "first_call_s": round(t0 - first, 3),
+                      "decode_chunk": generation.DECODE_CHUNK if cached else None, "first_call_s": round(t0 - first, 3),
                       "s": round(t1 - t0, 4), "ms_per_token": round((t1 - t0) / tokens * 1e3, 3)})
             if len(settings) == 2:
                 agree = sum(a == b for x, y in zip(ids[False], ids[True]) for a, b in zip(x, y))

@@ -11,7 +11,7 @@ three request kinds on the run's mesh, in batches:
 - `loglikelihood_rolling(text)`: a text's whole log-likelihood over windows of model.context tokens (lm-eval's own
   rolling windows: every window after the first conditions on the full context before it);
 - `generate_until(context, {until, max_gen_toks})`: greedy continuation with the KV cache
-  (`mhl_jax.infer.generate`), cut at the first stop string.
+  (`mhl_jax.generation.generate`), cut at the first stop string.
 A document starts with the end-of-text token, as the model was trained. Any trailing spaces of a context move to
 the front of its continuation (lm-eval's convention: a byte or BPE tokenizer then sees " word" as it saw it in
 training).
@@ -38,7 +38,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from mhl_jax.data.tokenizers import get_tokenizer
-from mhl_jax.infer import generate
+from mhl_jax.generation import generate
 from mhl_jax.runtime.restore import Loaded, load_run
 
 

@@ -77,7 +77,7 @@ class Block(nnx.Module):
 
 def check_positions(pos, tokens_shape: tuple[int, ...], length: int) -> None:
     """`GPT.decode`'s positions, where they are known (not under jit: there its callers keep them in range, as
-    `mhl_jax.infer.generate` does): one per row, each in [0, length) of the caches. Out of range, the cache write
+    `mhl_jax.generation.generate` does): one per row, each in [0, length) of the caches. Out of range, the cache write
     would be dropped and the mask would show the token the whole cache, silently."""
     try:
         p = np.asarray(pos)

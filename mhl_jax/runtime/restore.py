@@ -32,7 +32,7 @@ class Loaded:
     biases: nnx.State
     step: int
     compiler_options: dict = dataclasses.field(default_factory=dict)  # the run's autotuning results (GPU)
-    # generate's jitted functions per sampler (`mhl_jax.infer._generation_fns`): they compile once for this model
+    # generate's jitted functions per sampler (`mhl_jax.generation._generation_fns`): they compile once for this model
     jitted: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 

@@ -16,10 +16,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mhl_jax import infer as infer_mod
+from mhl_jax import generation
 from mhl_jax.config import ConfigError, load_config
-from mhl_jax.infer import evaluate_run, generate, load_run, main, next_logits, sample_logits
+from mhl_jax.generation import generate, next_logits, sample_logits
+from mhl_jax.infer import main
 from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
+from mhl_jax.runtime.evaluate import evaluate_run
+from mhl_jax.runtime.restore import load_run
 from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.loop import train
 from mhl_jax.train.optimizer import make_optimizer
@@ -132,15 +135,15 @@ def cached_logits(loaded, seqs, steps):
     then `steps` decoding steps, each feeding every row the next byte of TEXT after it (so the rows stay real text),
     and the sequences at each of those points."""
     seqs = [list(q) for q in seqs]
-    prefill = jax.jit(partial(infer_mod._prefill_logits, loaded.graphdef))
-    decode = jax.jit(partial(infer_mod._decode_logits, loaded.graphdef))
-    logits, caches = prefill(loaded.params, loaded.biases, *infer_mod._windows(loaded, seqs))
-    casts = jax.jit(partial(infer_mod._weight_casts, loaded.graphdef))(loaded.params, loaded.biases)
+    prefill = jax.jit(partial(generation._prefill_logits, loaded.graphdef))
+    decode = jax.jit(partial(generation._decode_logits, loaded.graphdef))
+    logits, caches = prefill(loaded.params, loaded.biases, *generation._windows(loaded, seqs))
+    casts = jax.jit(partial(generation._weight_casts, loaded.graphdef))(loaded.params, loaded.biases)
     out, seen = [np.asarray(logits)[:len(seqs)]], [[list(q) for q in seqs]]
     for _ in range(steps):
         for q in seqs:
             q.append(TEXT[len(q) - 1])  # q = [256] + TEXT[:n]: its next byte
-        toks, pos = infer_mod._decode_inputs(loaded, seqs)  # generate's own: rows padded over the mesh
+        toks, pos = generation._decode_inputs(loaded, seqs)  # generate's own: rows padded over the mesh
         assert [int(p) for p in pos][:len(seqs)] == [len(q) - 1 for q in seqs]
         logits, caches = decode(loaded.params, loaded.biases, casts, caches, toks, pos)
         out.append(np.asarray(logits)[:len(seqs)])
@@ -176,7 +179,7 @@ def test_kv_cache_decoding_gives_the_forwards_logits(run_dir):
 def recording_decodes(loaded, monkeypatch, calls):
     """Make generate's decoding loops (`_decode_loop`, jitted as generate jits it) append each call's (positions of the
     real and padded rows, count, steps run) to `calls`."""
-    real = infer_mod._generation_fns
+    real = generation._generation_fns
 
     def fns(loaded_, sampler):
         step, prefill, decode, cast = real(loaded_, sampler)
@@ -186,7 +189,7 @@ def recording_decodes(loaded, monkeypatch, calls):
             calls.append((np.asarray(args[5]).tolist(), int(args[8]), int(steps)))
             return ids, caches, steps
         return step, prefill, recorded, cast
-    monkeypatch.setattr(infer_mod, "_generation_fns", fns)
+    monkeypatch.setattr(generation, "_generation_fns", fns)
 
 
 @pytest.mark.parametrize("chunk", [4, 32])  # 4: calls of 4 steps and of 1; 32: one call, cut at the context
@@ -196,7 +199,7 @@ def test_kv_cache_generation_is_generation_without_it(run_dir, monkeypatch, chun
     stop token that ends one row while the others go on; and a prompt of exactly the context (it slides from its
     second token: no cache is made). chunk: decoding steps per call of the device loop (a chunk cut at the context
     and by the stop too)."""
-    monkeypatch.setattr(infer_mod, "DECODE_CHUNK", chunk)
+    monkeypatch.setattr(generation, "DECODE_CHUNK", chunk)
     loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
     prompts = [[256] + TEXT[:3], [256] + TEXT[:26], [256] + TEXT[10:15]]  # the second fills the context after 6
     for kw in (dict(temperature=0), dict(temperature=1.0, seed=3)):

@@ -35,6 +35,7 @@ from mhl_jax.data import DataError, load_val_sequences, make_train_loader, prepa
 from mhl_jax.data.bin_shards import resolve_shards, write_shard
 from mhl_jax.data.pipeline import source_windows
 from mhl_jax.data.tokenizers import get_tokenizer
+from mhl_jax.generation import generate
 from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.runtime.autotune import DEFAULT_NAME, autotune_file
 from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError, model_fingerprint
@@ -910,7 +911,7 @@ for _id, _kw, _fragment in [
     ("empty-prompt", dict(prompts=[[1], []]), "every prompt needs at least one token"),
     ("stop-past-vocab", dict(vocab=257, stop=257), "stop=257: must be an id in [0, 257)"),
 ]:
-    GENERATE.add(_id, ConfigError, _fragment, calls(infer.generate, None, **{"prompts": [[1]], "max_new_tokens": 1,
+    GENERATE.add(_id, ConfigError, _fragment, calls(generate, None, **{"prompts": [[1]], "max_new_tokens": 1,
                                                                               **_kw}))
 
 
