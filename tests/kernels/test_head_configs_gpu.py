@@ -21,21 +21,25 @@ def test_gpu_head_configurations_and_separate_routing(heads, dh, separate):
     from mhl_jax.moe import plan
     from mhl_jax.moe.core import moe_heads
 
-    n, ne, k, de = 4096, 384, 4, 256
+    n, ne, k, de = 2048, 384, 4, 256
     ks = jax.random.split(jax.random.key(heads), 7)
-    x = jax.random.normal(ks[0], (n, heads, dh))
-    r = jax.random.normal(ks[1], (n, heads, dh)) if separate else None
+    # sub-tokens that bf16 holds exactly: the fp32 reference then routes on the same values as the bf16 paths (the
+    # routers score in fp32 either way), so all three choose the same experts but for near-ties of the scores'
+    # last bits; routed on other values, a few percent of other choices would move this loss by tens of percent
+    x = jax.random.normal(ks[0], (n, heads, dh)).astype(jnp.bfloat16).astype(jnp.float32)
+    r = jax.random.normal(ks[1], (n, heads, dh)).astype(jnp.bfloat16).astype(jnp.float32) if separate else None
     w_r = jax.random.normal(ks[2], (heads, dh, ne)) * dh ** -0.5
     bias = jax.random.normal(ks[3], (heads, ne)) * 0.01
     w1 = jax.random.normal(ks[4], (heads, ne, dh, de)) * dh ** -0.5
     w2 = jax.random.normal(ks[5], (heads, ne, de, dh)) * de ** -0.5
-    wy = jax.random.normal(ks[6], (n, heads, dh))
+    wy = jax.random.uniform(ks[6], (n, heads, dh), minval=0.5, maxval=1.5)
 
     def loss(x, r, w_r, w1, w2, impl, dtype):
         xe = x.astype(dtype)
         xr = xe if r is None else r.astype(dtype)
         y, load = moe_heads(xr, xe, w_r, bias, w1, w2, k, impl)
-        return jnp.sum(y.astype(jnp.float32) * wy), load
+        # a weighted sum of squares: no cancellation, so the loss compares as closely as each output does
+        return 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32)) * wy), load
 
     argnums = (0, 1, 2, 3, 4) if separate else (0, 2, 3, 4)
     res = {}
@@ -46,8 +50,9 @@ def test_gpu_head_configurations_and_separate_routing(heads, dh, separate):
             (val, load), grads = f(x, r, w_r, w1, w2, impl, dt)
         res[name] = (float(val), np.asarray(load), [np.asarray(g) for g in grads])
     assert plan.triton_expert_path(dh) == ("grouped" if dh > plan.MAX_TRITON_EXPERT_WIDTH else "fused")
-    # the same routing up to near-ties of the fp32 scores, which the two routers may order apart
-    assert np.abs(res["triton"][1] - res["reference"][1]).sum() <= 1e-3 * n * heads * k
+    # the same routing up to near-ties of the fp32 scores, which the routers may order apart
+    for name in ("reference", "fp32"):
+        assert np.abs(res["triton"][1] - res[name][1]).sum() <= 1e-3 * n * heads * k, name
     assert (res["triton"][1].sum(-1) == n * k).all()
     truth = res["fp32"]
     for name in ("triton", "reference"):
