@@ -1,5 +1,6 @@
 """Where the tests' runs of several processes go (the CPU's host devices or 2 GPUs), and the check they share: two
-processes of one run train as one process of all the devices."""
+processes of one run train as one process of all the devices. On the CPU the one-process runs go in the test process
+(`here`)."""
 
 import os
 import shutil
@@ -11,6 +12,8 @@ import jax
 import numpy as np
 import pytest
 
+from mhl_jax.config import load_config
+from mhl_jax.train.loop import train
 from tests.runs import ROOT, common, final_params, losses
 
 
@@ -82,6 +85,28 @@ class Machine:
         return [out for _, out, _ in runs]
 
 
+def here(args) -> list[dict]:
+    """`python train.py ARGS` of one process, run in this test process instead: the same config (train.py's --config
+    and --set) through the same `train`, without a process start and with this process's compiles reused. ARGS must
+    set parallel.devices (this process has 8 host devices). Where the process boundary is what a test checks, the
+    runs go through `Machine`."""
+    config, sets, stop_after, resume = "configs/tiny_mh_latent_moe.yaml", [], None, None
+    for flag, value in zip(args[::2], args[1::2]):
+        if flag == "--config":
+            config = value
+        elif flag == "--set":
+            sets.append(value)
+        elif flag == "--stop-after":
+            stop_after = int(value)
+        elif flag == "--resume":
+            resume = value
+        else:
+            raise ValueError(f"here: {flag} is not an option of a one-process run")
+    cfg = load_config(str(ROOT / config), sets)
+    assert cfg.parallel.devices != -1, "here: set parallel.devices (this process's 8 host devices are not the run's)"
+    return train(cfg, resume=resume, stop_after=stop_after)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -111,6 +136,13 @@ def two_processes_train_as_one(tmp_path, machine: Machine, rel: float, *extra: s
     machine.two_processes(machine.args(two, *tuned))  # resumes step 2 with two processes
     machine.one_process(machine.args(moved, *tuned))  # the two processes' checkpoint of step 2, resumed by one process
 
+    assert_trained_as_one(one, two, moved, rel)
+
+
+def assert_trained_as_one(one, two, moved, rel: float):
+    """Runs `two` (two processes, resumed by two at step 2) and `moved` (their checkpoint of step 2 resumed by one
+    process) against `one` (one process, straight through 4 steps): the losses, and the parameters and optimizer
+    state of step 4."""
     ref = losses(one)
     assert len(ref) == 4 and ref[-1][2] is not None
     assert_close_runs(losses(two), ref, rel)  # one record per step: process 1 writes none

@@ -4,6 +4,7 @@ count, one set of records. On the CPU: two processes of two host devices each (g
 four; on a machine with 2 GPUs (marker gpu): a process per GPU (NCCL) against one process of both."""
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,8 +24,16 @@ from mhl_jax.runtime.checkpoint import CheckpointError
 from mhl_jax.runtime.checkpoint_data import shared_data_state
 from mhl_jax.runtime.distributed import ENV, Launch, parse_launch
 from mhl_jax.train.records import truncate_metrics
-from tests.parallel.machine import Machine, assert_close_runs, free_port, gpus, two_processes_train_as_one
-from tests.runs import losses
+from tests.parallel.machine import (
+    Machine,
+    assert_close_runs,
+    assert_trained_as_one,
+    free_port,
+    gpus,
+    here,
+    two_processes_train_as_one,
+)
+from tests.runs import final_params, losses
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,8 +120,31 @@ def test_data_state_of_another_process_count(tmp_path):
 # ----------------------------------------------------------------------------- two processes against one
 
 
+CPU = Machine(gpu=False)
+# The CPU runs of this file: one MoE layer (no dense stem), as what the processes must agree on (the collectives, the
+# checkpoint's shards, the records) does not depend on the depth; parallel.devices=4 (as the two processes' 2 + 2) lets
+# the one-process runs go in this test process (`here`, 8 host devices) with the two processes' config. The runs that
+# reach the train step with the same model and schedule share its compile (JAX's persistent cache).
+SMALL = ("--set", "model.n_layers=1", "--set", "ffn.stem_layers=0", "--set", "parallel.devices=4")
+
+
 def test_two_processes_train_as_one(tmp_path):
-    two_processes_train_as_one(tmp_path, Machine(gpu=False), rel=1e-5)
+    """Two processes of 2 CPU devices each (gloo collectives; hp 4, so the heads' all-to-all crosses the processes)
+    against one process of the 4: `assert_trained_as_one`, straight through, resumed by two processes and by one.
+    The two processes start with AdamW's moments split over both processes' devices (parallel.shard_optimizer: the
+    split state created, stepped and saved across processes) and resume step 2 with them copied: the one scenario
+    covers both layouts across processes and the switch between them. The one process resumes their split checkpoint
+    of step 2 with the moments copied, as the reference's; the switch the other way: test_shard_optimizer.py."""
+    two, moved, one = tmp_path / "two", tmp_path / "moved", tmp_path / "one"
+    here(CPU.args(one, *SMALL))  # all devices in one process, moments copied, straight through
+    split = ("--set", "parallel.shard_optimizer=true")
+    outs = CPU.two_processes(CPU.args(two, *SMALL, *split, "--stop-after", "2"))  # checkpoint at step 2
+    assert "step 2/4" in outs[0] and "step " not in outs[1]  # process 0 alone prints
+    shutil.copytree(two, moved)
+    outs = CPU.two_processes(CPU.args(two, *SMALL))  # resumes step 2, the moments copied
+    assert "resuming with changed settings" in outs[0] and "shard_optimizer" in outs[0], outs[0][-2000:]
+    here(CPU.args(moved, *SMALL))  # the two processes' checkpoint of step 2, resumed by one process
+    assert_trained_as_one(one, two, moved, rel=1e-5)
 
 
 def _expert_parallel_as_one(tmp_path, machine: Machine, rel: float):
@@ -124,10 +156,6 @@ def _expert_parallel_as_one(tmp_path, machine: Machine, rel: float):
     ref = losses(one)
     assert len(ref) == 4
     assert_close_runs(losses(two), ref, rel)
-
-
-def test_two_processes_expert_parallel_as_one(tmp_path):
-    _expert_parallel_as_one(tmp_path, Machine(gpu=False), rel=1e-5)
 
 
 @pytest.mark.gpu
@@ -176,11 +204,12 @@ def test_a_run_directory_the_processes_do_not_share_is_refused(tmp_path):
 
 def test_a_write_failing_on_process_0_stops_every_process(tmp_path):
     """config.yaml a directory: process 0's write fails; both processes stop with status 2 (the other is not left
-    waiting in the first step)."""
+    waiting in the first step). The write comes once the train step is compiled and the state made: the model is
+    nothing to it, so the one-layer dense model, the quickest to compile."""
     run = tmp_path / "run"
     (run / "config.yaml").mkdir(parents=True)
-    machine = Machine(gpu=False)
-    runs = machine.run_two(lambda i: machine.args(run))
+    mlp = ("--config", "configs/tiny_mlp.yaml", "--set", "parallel.hp=1", "--set", "model.n_layers=1")
+    runs = CPU.run_two(lambda i: CPU.args(run, *mlp))
     codes, errs = [c for c, _, _ in runs], [e for _, _, e in runs]
     assert codes == [2, 2], errs
     assert "config error: logging.run_dir=" in errs[0] and "cannot write the run's files" in errs[0], errs[0][-2000:]
@@ -203,16 +232,18 @@ def test_coordinator_port_in_use_is_refused_at_once(tmp_path):
 def test_a_signal_to_one_process_stops_every_process_at_one_step(tmp_path):
     """Ctrl-C (SIGINT) on process 1 alone, mid-run: the processes agree to stop before the same step (the flags they
     exchange each step), both save that step's checkpoint although checkpoint.every does not fall on it, and both
-    exit with status 3; process 0 says where."""
-    machine = Machine(gpu=False)
+    exit with status 3; process 0 says where. The run is the tiny MoE with its experts split over both processes'
+    devices (ep 4: the dispatch and the combine cross the processes; the model is nothing to the interrupt): its
+    records up to that step (the losses, the evaluation of step 2) and the checkpoint saved at the signal are those of
+    one process of the 4 devices stopped at that step."""
     log = [tmp_path / f"p{i}.txt" for i in range(2)]
     port = free_port()
-    run = tmp_path / "run"
-    args = machine.args(run, "--set", "schedule.total_steps=400", "--set", "checkpoint.every=1000",
-                        "--set", "data.eval_every=0", "--set", "logging.log_every=1")
-    procs = [subprocess.Popen([sys.executable, "train.py", *args, "--coordinator", f"localhost:{port}",
-                               "--num-processes", "2", "--process-id", str(i)], cwd=ROOT, env=machine.env(2),
-                              stdout=open(log[i], "w"), stderr=subprocess.STDOUT) for i in range(2)]
+    run, one = tmp_path / "run", tmp_path / "one"
+    extra = (*SMALL, "--set", "schedule.total_steps=400", "--set", "checkpoint.every=1000", "--set",
+             "data.eval_every=2", "--set", "logging.log_every=1")
+    procs = [subprocess.Popen([sys.executable, "train.py", *CPU.args(run, *extra, moe=True), "--coordinator",
+                               f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)], cwd=ROOT,
+                              env=CPU.env(2), stdout=open(log[i], "w"), stderr=subprocess.STDOUT) for i in range(2)]
     try:
         deadline = time.time() + 300
         while "step 3/400" not in log[0].read_text():
@@ -232,6 +263,15 @@ def test_a_signal_to_one_process_stops_every_process_at_one_step(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints" / str(step) / "data").glob("process_*")) == [
         "process_0-of-2.json", "process_1-of-2.json"]
     assert "Traceback" not in out + log[1].read_text()
+
+    here(CPU.args(one, *extra, "--stop-after", str(step), moe=True))
+    ref = losses(one)
+    assert len(ref) == step and ref[1][2] is not None
+    assert_close_runs(losses(run), ref, rel=1e-5)
+    (sa, la), (sb, lb) = final_params(run), final_params(one)
+    assert sa == sb == step and len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
 def test_distributed_auto_without_a_cluster_says_so(tmp_path):

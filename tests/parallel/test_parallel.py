@@ -33,10 +33,10 @@ from mhl_jax.train.step import jit_train_step, loss_fn, make_train_step
 B, T = 8, 16  # 128 tokens: 16 per device on 8 devices
 
 
-def small_cfg(kind: str, hp: int = 1, ep: int = 1, data: int = -1, layers: int = 1) -> Config:
+def small_cfg(kind: str, hp: int = 1, ep: int = 1, data: int = -1) -> Config:
     ne = 8 if kind == "mh_latent_moe" else 16
     return load_config(None, [
-        "model.vocab_size=64", "model.d_model=64", f"model.n_layers={layers}", "model.n_heads=2", "model.head_dim=32",
+        "model.vocab_size=64", "model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.head_dim=32",
         f"model.context={T}", "model.compute_dtype=float32", "model.attention_impl=xla",
         f"ffn.kind={kind}", "ffn.stem_layers=0", "ffn.num_heads=8", "ffn.head_dim=8", "ffn.latent_dim=64",
         f"ffn.num_experts={ne}", "ffn.top_k=2", "ffn.expert_hidden=16", "ffn.kernels=reference",
@@ -113,21 +113,16 @@ def assert_same(got, want):
         np.testing.assert_allclose(g, r, atol=2e-5 * scale, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("data,hp", [(1, 1), (1, 4), (1, 8), (2, 4), (8, 1)])  # hp 2: tests/kernels
+# The distinct branches: hp 1 (data parallelism through the HP executor; the model projects its sub-tokens token-major,
+# head_groups 1) and hp > 1 with data > 1 (the model's head-group-major sub-tokens, the all-to-alls over hp, the loads'
+# psum over data); another hp size or data 1 (one device included) runs the same code, and hp 2 runs in tests/kernels.
+@pytest.mark.parametrize("data,hp", [(8, 1), (2, 4)])
 def test_head_parallel_matches_single_device(data, hp):
-    cfg = small_cfg("mh_latent_moe", hp=hp, data=data)
-    devices = jax.devices()[:data * hp]
-    # one device: force the shard_map path (make_executor would pick LocalMoE there)
-    executor = HeadParallelMoE(make_mesh(cfg, devices)) if len(devices) == 1 else None
-    got = loss_grads(cfg, devices, executor)
-    assert isinstance(got[3], HeadParallelMoE)
-    assert_same(got, reference("mh_latent_moe"))
-
-
-@pytest.mark.parametrize("data,hp", [(1, 1), (2, 4)])
-def test_head_loss_chunks_under_sharding_match_single_device(data, hp):
-    """The LM head's loss in several chunks (2 tokens per device: 16 chunks of one position on one device, 8 of two
-    positions on 8 devices) gives the single-device model's loss and gradients (whose 128 tokens make one chunk)."""
+    """The HP model gives the single-device model's loss, gradients and loads, bitwise the same when rerun. Its LM
+    head's loss goes in chunks of 2 tokens per device (8 chunks of two positions on each of the 8 devices) against the
+    single-device model's one chunk of its 128 tokens: the chunks under sharding checked by the same compile (one
+    device's chunks: tests/unit/test_params.py; the train step's own loss under HP:
+    test_sharded_train_step_matches_single_device)."""
     want = reference("mh_latent_moe")  # one chunk
 
     def chunked_loss(graphdef, p, b, t):
@@ -137,7 +132,9 @@ def test_head_loss_chunks_under_sharding_match_single_device(data, hp):
         return lm_head_loss(x, w, t[:, 1:], model.batch_shards, chunk_tokens=2), loads
 
     cfg = small_cfg("mh_latent_moe", hp=hp, data=data)
-    assert_same(loss_grads(cfg, jax.devices()[:data * hp], repeat=2, loss=chunked_loss), want)
+    got = loss_grads(cfg, jax.devices()[:data * hp], repeat=2, loss=chunked_loss)
+    assert isinstance(got[3], HeadParallelMoE) and got[3].hp == hp
+    assert_same(got, want)
 
 
 def test_head_loss_reduces_its_weight_gradient_once():
@@ -165,20 +162,16 @@ def test_head_loss_reduces_its_weight_gradient_once():
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("data,ep", [(1, 1), (1, 4), (1, 8), (2, 4)])  # ep 2: tests/kernels
-def test_expert_parallel_matches_single_device(data, ep):
-    cfg = small_cfg("moe", ep=ep, data=data)
-    devices = jax.devices()[:data * ep]
-    executor = ExpertParallelMoE(make_mesh(cfg, devices)) if len(devices) == 1 else None
-    got = loss_grads(cfg, devices, executor, repeat=2 if data > 1 else 1)
-    assert isinstance(got[3], ExpertParallelMoE) and got[3].ep_impl == "padded"
-    assert_same(got, reference("moe"))
-
-
-def test_expert_parallel_data_only_and_latent_moe():
-    # ep=1 on 4 devices is plain data parallelism through the EP executor
-    assert_same(loss_grads(small_cfg("moe", ep=1), jax.devices()[:4]), reference("moe"))
-    assert_same(loss_grads(small_cfg("latent_moe", ep=4, data=2), jax.devices()), reference("latent_moe"))
+# ep > 1 with data > 1 (the padded exchange over ep, the loads' psum over data), for each FFN kind the EP executor runs:
+# another ep size, ep 1 (data parallelism only) or data 1 (one device included) runs the same code without a branch of
+# its own, and ep 2 runs in tests/kernels.
+@pytest.mark.parametrize("kind,data,ep", [("moe", 2, 4), ("latent_moe", 2, 4)])
+def test_expert_parallel_matches_single_device(kind, data, ep):
+    """The EP model gives the single-device model's loss, gradients and loads, bitwise the same when rerun."""
+    cfg = small_cfg(kind, ep=ep, data=data)
+    got = loss_grads(cfg, jax.devices()[:data * ep], repeat=2)
+    assert isinstance(got[3], ExpertParallelMoE) and got[3].ep == ep and got[3].ep_impl == "padded"
+    assert_same(got, reference(kind))
 
 
 def test_expert_parallel_worst_case_skew_is_dropless():
@@ -212,11 +205,11 @@ def test_expert_parallel_worst_case_skew_is_dropless():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-@pytest.mark.parametrize("data,hp", [(1, 4), (2, 2)])
-def test_head_parallel_token_major_and_grouped_layouts(data, hp):
-    """Both input layouts of the HP executor (token-major (N, Nh, dh) and the head-group-major
-    (hp, N, Nh / hp, dh) the model emits) equal the local MoE heads: outputs, gradients, loads."""
-    from mhl_jax.model.moe import grouped_project_in, grouped_project_out
+def test_head_parallel_token_major_layout():
+    """The HP executor's token-major input layout (N, Nh, dh), which the model never sends with hp > 1 (it emits the
+    head-group-major one there: checked against the single-device model by test_head_parallel_matches_single_device),
+    equals the local MoE heads: outputs, gradients, loads. data 2 x hp 2: every all-to-all and psum of the executor;
+    hp 4 on data 1 runs the same code."""
     from mhl_jax.moe.core import moe_heads
 
     rng = np.random.default_rng(5)
@@ -225,30 +218,23 @@ def test_head_parallel_token_major_and_grouped_layouts(data, hp):
     x, w_in, w_out = arr(n, d), arr(d, heads, c), arr(heads, c, d, sd=0.3)
     w_r, bias = arr(heads, c, ne), arr(heads, ne, sd=0.5)
     w1, w2 = arr(heads, ne, c, de, sd=0.3), arr(heads, ne, de, c, sd=0.3)
-    ex = HeadParallelMoE(make_mesh(small_cfg("mh_latent_moe", hp=hp, data=data), jax.devices()[:data * hp]))
-    assert ex.head_groups == hp
+    ex = HeadParallelMoE(make_mesh(small_cfg("mh_latent_moe", hp=2, data=2), jax.devices()[:4]))
 
-    def token_major(run, x, w_in, w_r, w1, w2, w_out):
-        sub = jnp.einsum("nd,dhc->nhc", x, w_in)
-        y, load = run(sub, sub, w_r, bias, w1, w2, k)
-        return jnp.einsum("nhc,hcd->nd", y, w_out), load
+    def value_grads(run):
+        def f(x, w_in, w_r, w1, w2, w_out):
+            sub = jnp.einsum("nd,dhc->nhc", x, w_in)
+            y, load = run(sub, sub, w_r, bias, w1, w2, k)
+            out = jnp.einsum("nhc,hcd->nd", y, w_out)
+            return jnp.sum(out * jnp.sin(x)), (out, load)
 
-    def grouped(run, x, w_in, w_r, w1, w2, w_out):
-        sub = grouped_project_in(x, w_in, hp)
-        y, load = run(sub, sub, w_r, bias, w1, w2, k)
-        return grouped_project_out(y, w_out), load
-
-    def value_grads(layer, run):
-        f = lambda *a: (lambda o: (jnp.sum(o[0] * jnp.sin(a[0])), o))(layer(run, *a))  # noqa: E731
         (_, (out, load)), g = jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))(
             x, w_in, w_r, w1, w2, w_out)
         return [out, load, *g]
 
-    want = value_grads(token_major, lambda *a: moe_heads(*a, "reference"))
-    for layer in (token_major, grouped):
-        for got, ref in zip(value_grads(layer, ex), want):
-            ref = np.asarray(ref)
-            np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * max(np.abs(ref).max(), 1))
+    want = value_grads(lambda *a: moe_heads(*a, "reference"))
+    for got, ref in zip(value_grads(ex), want):
+        ref = np.asarray(ref)
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * max(np.abs(ref).max(), 1))
 
 
 def test_received_groups_against_numpy():
@@ -306,8 +292,9 @@ def test_ragged_plan_moves_every_row_to_its_place(parts):
 
 def test_sharded_train_step_matches_single_device():
     """A whole train step (2 accumulation micro-batches, AdamW, bias update) on a 2 x 4 data x hp mesh
-    equals the single-device step; expert leaves and their Adam moments stay split over hp."""
-    cfg = small_cfg("mh_latent_moe", hp=4, data=2, layers=2)
+    equals the single-device step; expert leaves and their Adam moments stay split over hp. One layer: the sharding
+    and the step are per leaf."""
+    cfg = small_cfg("mh_latent_moe", hp=4, data=2)
     batch = tokens(cfg, 5, (2, B, T + 1))
     results = []
     for devices in (jax.devices()[:1], jax.devices()):
@@ -325,7 +312,7 @@ def test_sharded_train_step_matches_single_device():
             step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh,
                                   bsh)
             new, metrics = step(jax.device_put(state, sh), jax.device_put(batch, bsh))
-            w1 = new["params"]["blocks"][1]["ffn"]["experts"]["w1"]
+            w1 = new["params"]["blocks"][0]["ffn"]["experts"]["w1"]
             assert w1.sharding.spec == P("hp", None, None, None)
             assert w1.addressable_shards[0].data.shape[0] == cfg.ffn.num_heads // 4
             mu = jax.tree.leaves(new["opt_state"], is_leaf=lambda x: hasattr(x, "sharding"))

@@ -2,7 +2,8 @@
 
 CPU (host devices): where `spread_over_copies` puts the copies' axes, the bytes each device then holds (counted from
 the leaves' shapes, not from the code under test), and training: the same losses and final state as with the moments
-copied, and a checkpoint resumed across the switch.
+copied, and a checkpoint resumed across the switch; split over two processes' devices:
+tests/parallel/test_multiprocess.py's `test_two_processes_train_as_one`.
 """
 
 import jax
@@ -15,8 +16,10 @@ from mhl_jax.config import load_config
 from mhl_jax.parallel.mesh import make_mesh, spread_over_copies
 from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.optimizer import make_optimizer
-from tests.parallel.machine import Machine, gpus, two_processes_train_as_one
+from tests.parallel.machine import Machine, gpus, here
 from tests.runs import ROOT, final_params, losses
+
+CPU = Machine(gpu=False)
 
 
 def _mesh(data, inner):
@@ -91,19 +94,25 @@ def _split_as_copied(tmp_path, machine, rel):
     _run(machine, switched, "--set", "parallel.shard_optimizer=true")
     _run(machine, back, "--set", "parallel.shard_optimizer=true", "--stop-after", "2")
     _run(machine, back, "--set", "parallel.shard_optimizer=false")
+    _assert_as_copied(off, [(on, 0), (switched, 0), (back, 0)], rel, machine.gpu)
+
+
+def _assert_as_copied(off, others, rel, gpu):
+    """Runs `others` [(run directory, the step its records start after)] against `off` (4 steps, the moments copied):
+    the losses, and the final parameters and optimizer state."""
     ref = losses(off)
     assert len(ref) == 4 and ref[-1][2] is not None
     (s0, ref_leaves) = final_params(off)
-    for other in (on, switched, back):
-        got = losses(other)
-        assert [s for s, *_ in got] == [s for s, *_ in ref]
-        for (_, la, va), (_, lb, vb) in zip(got, ref):
+    for other, start in others:
+        got, want = losses(other), ref[start:]
+        assert [s for s, *_ in got] == [s for s, *_ in want]
+        for (_, la, va), (_, lb, vb) in zip(got, want):
             assert la == pytest.approx(lb, rel=rel, abs=0) and (va is None) == (vb is None)
             assert va is None or va == pytest.approx(vb, rel=rel)
         s1, leaves = final_params(other)
         assert s0 == s1 == 4 and len(leaves) == len(ref_leaves)
         for x, y in zip(leaves, ref_leaves):
-            if machine.gpu:
+            if gpu:
                 _assert_close_but_flips(np.asarray(x), np.asarray(y), rtol=10 * rel, atol=rel / 10)
             else:
                 np.testing.assert_allclose(x, y, rtol=10 * rel, atol=rel / 10)
@@ -125,19 +134,27 @@ def _assert_close_but_flips(x, y, rtol, atol, lr=3e-3):
 
 
 def test_training_with_split_moments_is_training_with_copied_ones(tmp_path):
-    """4 CPU devices (data 2 x hp 2), 4 steps: the losses and the final parameters and moments as with the moments
-    copied; a checkpoint of step 2 saved with them copied and resumed with them split (and back) continues the
-    same."""
-    _split_as_copied(tmp_path, Machine(gpu=False), rel=1e-6)
+    """4 CPU devices (data 2 x hp 2: the expert leaves' moments split over data, the others' over both), one process,
+    4 steps: the run with the moments copied throughout, its checkpoint of step 2 resumed with them split (steps 3-4,
+    a checkpoint each), and that run's split checkpoint of step 3 resumed with them copied again: the losses, the
+    final parameters and moments (the split ones of step 4 too) as the copied run's. The runs go in this test process
+    (`here`: one process is no part of what is checked), one MoE layer (the split is per leaf, the same in every
+    layer). The split state created from scratch, and the moments split over two processes' devices:
+    tests/parallel/test_multiprocess.py's `test_two_processes_train_as_one`."""
+    rel = 1e-6
+    off, switched, back = (tmp_path / n for n in ("off", "switched", "back"))
+
+    def args(run, split, *extra):
+        return CPU.args(run, "--set", "model.n_layers=1", "--set", "ffn.stem_layers=0", "--set", "parallel.devices=4",
+                        "--set", "parallel.hp=2", "--set", f"parallel.shard_optimizer={str(split).lower()}", *extra)
+
+    here(args(off, False))  # the reference: copied throughout (checkpoints of steps 2 and 4)
+    here(args(switched, True, "--set", "checkpoint.every=1", "--resume", str(off / "checkpoints" / "2")))
+    here(args(back, False, "--resume", str(switched / "checkpoints" / "3")))
+    _assert_as_copied(off, [(switched, 2), (back, 3)], rel, gpu=False)  # records from the step resumed on
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(gpus() < 2, reason="needs 2 GPUs")
 def test_gpu_training_with_split_moments_is_training_with_copied_ones(tmp_path):
     _split_as_copied(tmp_path, Machine(gpu=True), rel=1e-4)
-
-
-def test_two_processes_with_split_moments_train_as_one(tmp_path):
-    """The moments split over devices of two processes (2 CPU processes x 2 devices, hp 4): the losses and final
-    state as one process of the 4 devices, also across a checkpoint resumed by one process."""
-    two_processes_train_as_one(tmp_path, Machine(gpu=False), 1e-5, "--set", "parallel.shard_optimizer=true")
