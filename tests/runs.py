@@ -70,12 +70,15 @@ def assert_same_state(a, b):
         assert x.dtype == y.dtype and np.array_equal(x, y)
 
 
-def tiny(tmp_path, *extra):
-    """The tiny MH-LatentMoE config for an in-process `train`, 40 steps on one device, in tmp_path/run."""
-    return load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), [
-        "schedule.total_steps=40", "schedule.warmup_steps=5", "schedule.decay_steps=10", "data.eval_every=20",
-        "model.context=64",
-        "data.val_sequences=16", "logging.progress_bar=false", "logging.log_every=20", "checkpoint.every=0",
+def tiny(tmp_path, *extra, config="tiny_mh_latent_moe"):
+    """configs/<config>.yaml for an in-process `train`, 40 steps on one device, in tmp_path/run: 2 layers (the dense
+    stem and one MoE layer), context 32, batch 8. The schedule has no decay, so the train step's program does not
+    depend on total_steps: the tests that differ only in steps, evaluations, checkpoints or logging share one
+    compilation (JAX's persistent cache)."""
+    return load_config(str(ROOT / f"configs/{config}.yaml"), [
+        "schedule.total_steps=40", "schedule.warmup_steps=2", "schedule.decay_steps=0", "model.n_layers=2",
+        "model.context=32", "train.global_batch=8", "train.micro_batch=8", "data.eval_every=20",
+        "data.val_sequences=8", "logging.progress_bar=false", "logging.log_every=20", "checkpoint.every=0",
         f"logging.run_dir={tmp_path / 'run'}", "parallel.devices=1", *extra])
 
 

@@ -34,15 +34,33 @@ TOKENIZER_VOCAB = 257  # byte tokenizer; the tiny model's embedding has 320 rows
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A tiny MH-LatentMoE run of 60 steps on one device, checkpoints and evaluations at steps 30 and 60."""
+    """A tiny MH-LatentMoE run of 60 steps on one device, checkpoints and evaluations at steps 30 and 60. One layer,
+    an MoE one: every program here compiles in about half the time of two layers' (the caches of several layers:
+    tests/e2e/test_kv_cache.py)."""
     d = tmp_path_factory.mktemp("infer") / "run"
     cfg = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), [
-        "schedule.total_steps=60", "schedule.warmup_steps=5", "schedule.decay_steps=10", "model.n_layers=2",
-        f"model.context={CONTEXT}", "train.global_batch=8", "train.micro_batch=4", "data.val_sequences=12",
-        "data.eval_every=30", "checkpoint.every=30", "checkpoint.async_save=false", "logging.progress_bar=false",
-        f"logging.run_dir={d}", "parallel.devices=1"])
+        "schedule.total_steps=60", "schedule.warmup_steps=5", "schedule.decay_steps=10", "model.n_layers=1",
+        "ffn.stem_layers=0", f"model.context={CONTEXT}", "train.global_batch=8", "train.micro_batch=4",
+        "data.val_sequences=12", "data.eval_every=30", "checkpoint.every=30", "checkpoint.async_save=false",
+        "logging.progress_bar=false", f"logging.run_dir={d}", "parallel.devices=1"])
     train(cfg, log=lambda *a, **k: None)
     return d
+
+
+@pytest.fixture(scope="module")
+def two(run_dir):
+    """The latest checkpoint on 2 devices at hp = 2 (3 rows padded to 4), shared by the generation tests: generate keeps
+    its jitted functions per sampler in it (`Loaded.jitted`), so each sampler and shape compiles once for the file."""
+    return load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
+
+
+@pytest.fixture(scope="module")
+def forward(run_dir):
+    """The reference: the model's own forward on one device (Head Parallel splits a batch's tokens evenly), logits
+    (T, V) of one row of T real tokens; one compile per T."""
+    one = load_run(run_dir)
+    model = nnx.merge(one.graphdef, one.params, one.biases)
+    return jax.jit(lambda toks: model(toks)[0][0])
 
 
 def records(run_dir):
@@ -65,7 +83,7 @@ def test_evaluate_on_another_mesh_and_validation_set(run_dir):
     two = evaluate_run(load_run(run_dir, ["data.val_sequences=8", "parallel.devices=2", "parallel.hp=2"]))
     assert base["sequences"] == two["sequences"] == 8  # 2 batches of 4, 1 of 4 x 2 devices
     assert two["val_loss"] == pytest.approx(base["val_loss"], rel=1e-5)
-    other = evaluate_run(load_run(run_dir, ["data.val_sequences=4", "train.micro_batch=2"]))
+    other = evaluate_run(load_run(run_dir, ["data.val_sequences=4"]))  # one batch of 4, as base's
     assert other["sequences"] == 4 and abs(other["val_loss"] - base["val_loss"]) > 1e-6  # another set, another loss
     # a micro-batch the run's global batch (8) does not divide: the evaluation needs none; 2 of 10 left out, said so
     wide = evaluate_run(load_run(run_dir, ["data.val_sequences=10", "train.micro_batch=8"]))
@@ -92,12 +110,11 @@ def test_load_reads_the_saved_parameters_and_biases(run_dir):
     assert any(float(jnp.abs(b).max()) > 0 for b in jax.tree.leaves(loaded.biases))  # trained, not the initial 0s
 
 
-def reference_logits(loaded, prompt, out):
+def reference_logits(forward, prompt, out):
     """fp32 logits (len(out), TOKENIZER_VOCAB) of each of `out`'s tokens given what precedes it (the last CONTEXT
-    tokens), from the model's own forward over unpadded windows of the real tokens: one window of the first CONTEXT
-    tokens serves every step it covers (the model is causal), then one window per step that slides."""
-    model = nnx.merge(loaded.graphdef, loaded.params, loaded.biases)
-    forward = jax.jit(lambda toks: model(toks)[0][0])
+    tokens), from the model's own forward (the `forward` fixture) over unpadded windows of the real tokens: one window
+    of the first CONTEXT tokens serves every step it covers (the model is causal), then one window per step that
+    slides."""
     full = list(prompt) + list(out)
     head = np.asarray(forward(jnp.asarray([full[:CONTEXT]], jnp.int32)))
     rows = []
@@ -113,19 +130,19 @@ def reference_logits(loaded, prompt, out):
 TEXT = list(b"The function returns the value of the object, or raises an exception if it is not found.")
 
 
-def test_next_token_logits_are_the_unpadded_forwards(run_dir):
+def test_next_token_logits_are_the_unpadded_forwards(two, forward):
     """generate's padded, batched windows give the logits of the model's own forward over the real tokens only (on 2
     devices at hp = 2, so that rows are padded too; one device runs the same code without the padding rows)."""
-    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
-    one = load_run(run_dir)  # the reference runs on one device (Head Parallel splits a batch's tokens evenly)
-    model = nnx.merge(one.graphdef, one.params, one.biases)
-    forward = jax.jit(lambda toks: model(toks)[0][0, -1])
     # within the context; one short of it; longer than it (the window slides); 3 rows padded to 4 on 2 devices
     seqs = [[256] + TEXT[:3], [256] + TEXT[:30], [256] + TEXT[:45]]
-    ours = next_logits(loaded, seqs)
+    ours = next_logits(two, seqs)
     assert ours.shape == (3, 320) and ours.dtype == np.float32
-    for seq, row in zip(seqs, ours):
-        ref = np.asarray(forward(jnp.asarray([seq[-CONTEXT:]], jnp.int32)))
+    # the first two are prefixes of the third's first CONTEXT tokens: the model is causal, so one forward over those
+    # real tokens gives both (one shape, one compile)
+    head = np.asarray(forward(jnp.asarray([seqs[2][:CONTEXT]], jnp.int32)))
+    refs = [head[len(seqs[0]) - 1], head[len(seqs[1]) - 1],
+            np.asarray(forward(jnp.asarray([seqs[2][-CONTEXT:]], jnp.int32)))[-1]]
+    for row, ref in zip(ours, refs):
         np.testing.assert_allclose(row, ref, rtol=1e-5, atol=1e-5)
     assert np.abs(ours[0] - ours[1]).max() > 1e-2  # the rows differ: each reads its own last token
 
@@ -151,17 +168,13 @@ def cached_logits(loaded, seqs, steps):
     return np.stack(out), seen
 
 
-def test_kv_cache_decoding_gives_the_forwards_logits(run_dir):
+def test_kv_cache_decoding_gives_the_forwards_logits(two, forward):
     """A KV cache filled by one forward over the padded windows, then one decoding step per token: at every step
     each row's logits are the model's own forward over that row's real tokens (rows of 4, 21 and 11 tokens, up to
     the full context; 3 rows padded to 4 on 2 devices at hp = 2)."""
-    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
-    one = load_run(run_dir)
-    model = nnx.merge(one.graphdef, one.params, one.biases)
-    forward = jax.jit(lambda toks: model(toks)[0][0])
     seqs = [[256] + TEXT[:3], [256] + TEXT[:20], [256] + TEXT[:10]]
     steps = CONTEXT - 21  # the longest row reaches the context
-    logits, seen = cached_logits(loaded, seqs, steps)
+    logits, seen = cached_logits(two, seqs, steps)
     assert logits.shape == (steps + 1, 3, 320)
     assert len(seen[-1][1]) == CONTEXT
     # each row's every step is a prefix of its last sequence: the model is causal, so one forward over that sequence
@@ -192,15 +205,16 @@ def recording_decodes(loaded, monkeypatch, calls):
     monkeypatch.setattr(generation, "_generation_fns", fns)
 
 
-@pytest.mark.parametrize("chunk", [4, 32])  # 4: calls of 4 steps and of 1; 32: one call, cut at the context
-def test_kv_cache_generation_is_generation_without_it(run_dir, monkeypatch, chunk):
+def test_kv_cache_generation_is_generation_without_it(two, monkeypatch):
     """The same ids with and without the cache: greedy and sampled (the same seed), 3 rows padded to 4 on a 2-device
     mesh, one of which outgrows the context half-way (from there each token is a forward over sliding windows); a
     stop token that ends one row while the others go on; and a prompt of exactly the context (it slides from its
-    second token: no cache is made). chunk: decoding steps per call of the device loop (a chunk cut at the context
-    and by the stop too)."""
+    second token: no cache is made). Decoding steps run in calls of the device loop of up to DECODE_CHUNK steps,
+    here 4: calls of 4 steps and of 1, so that a call is cut by the chunk, then by the context (and by the stop too);
+    the default chunk takes the same branches (the other generation tests run it)."""
+    chunk = 4
     monkeypatch.setattr(generation, "DECODE_CHUNK", chunk)
-    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
+    loaded = two
     prompts = [[256] + TEXT[:3], [256] + TEXT[:26], [256] + TEXT[10:15]]  # the second fills the context after 6
     for kw in (dict(temperature=0), dict(temperature=1.0, seed=3)):
         calls = []
@@ -219,38 +233,44 @@ def test_kv_cache_generation_is_generation_without_it(run_dir, monkeypatch, chun
     b = generate(loaded, prompts, max_new_tokens=12, vocab=TOKENIZER_VOCAB, temperature=1.0, seed=3, stop=stop,
                  kv_cache=False)
     assert a == b and a[0][-1] == stop and len(a[0]) <= 3 and max(map(len, a)) > 3, (stop, a)
-    full = [[256] + TEXT[:CONTEXT - 1]]
-    assert generate(loaded, full, 3, temperature=0) == generate(loaded, full, 3, temperature=0, kv_cache=False)
+    full = [[256] + TEXT[:CONTEXT - 1]] * 3
+    assert generate(loaded, full, 3, temperature=0, vocab=TOKENIZER_VOCAB) == generate(
+        loaded, full, 3, temperature=0, vocab=TOKENIZER_VOCAB, kv_cache=False)
 
 
-def test_greedy_generation_takes_the_most_likely_tokens(run_dir):
-    loaded = load_run(run_dir)
-    prompts = [[256] + TEXT[:3], [256] + TEXT[:30]]  # the second slides past the context after two tokens
-    outs = generate(loaded, prompts, max_new_tokens=9, temperature=0, vocab=TOKENIZER_VOCAB)
-    assert [len(o) for o in outs] == [9, 9]
+def test_greedy_generation_takes_the_most_likely_tokens(two, forward):
+    # the second slides past the context after two tokens; 3 rows padded to 4 (the shapes the other tests compile)
+    prompts = [[256] + TEXT[:3], [256] + TEXT[:30], [256] + TEXT[10:15]]
+    outs = generate(two, prompts, max_new_tokens=9, temperature=0, vocab=TOKENIZER_VOCAB)
+    assert [len(o) for o in outs] == [9, 9, 9]
     for prompt, out in zip(prompts, outs):
-        for tok, ref in zip(out, reference_logits(loaded, prompt, out)):
+        for tok, ref in zip(out, reference_logits(forward, prompt, out)):
             assert ref[tok] >= ref.max() - 1e-5 * max(1.0, abs(ref.max())), (tok, int(ref.argmax()))
 
 
-def test_sampling_stays_in_the_top_k_and_repeats_with_its_seed(run_dir):
-    loaded = load_run(run_dir)
-    prompt = [256, 84, 104, 101, 32]
+# Prompts longer than the context: every token is drawn by the step over the windows, which alone compiles for a new
+# sampler; the decoding loop draws through the same `sample_logits` and the same keys (the same ids:
+# test_kv_cache_generation_is_generation_without_it).
+LONG = [256] + TEXT[:40]
+
+
+def test_sampling_stays_in_the_top_k_and_repeats_with_its_seed(two, forward):
+    prompt = LONG
     kw = dict(max_new_tokens=12, temperature=2.0, top_k=3, vocab=TOKENIZER_VOCAB)
-    a = generate(loaded, [prompt, prompt, prompt], seed=1, **kw)  # 3 rows on a 1-device mesh
-    assert a == generate(loaded, [prompt, prompt, prompt], seed=1, **kw)
-    assert a != generate(loaded, [prompt, prompt, prompt], seed=2, **kw)
+    a = generate(two, [prompt, prompt, prompt], seed=1, **kw)  # 3 rows padded to 4 on 2 devices
+    assert a == generate(two, [prompt, prompt, prompt], seed=1, **kw)
+    assert a != generate(two, [prompt, prompt, prompt], seed=2, **kw)
     assert len({tuple(o) for o in a}) > 1  # each row draws its own tokens
     for out in a:
-        for tok, ref in zip(out, reference_logits(loaded, prompt, out)):
+        for tok, ref in zip(out, reference_logits(forward, prompt, out)):
             kth = np.sort(ref)[-3]
             assert ref[tok] >= kth - 1e-5 * max(1.0, abs(kth)), (tok, np.argsort(ref)[-3:])
 
 
-def test_generation_stops_at_the_stop_token_and_pads_rows_over_the_mesh(run_dir):
-    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
+def test_generation_stops_at_the_stop_token_and_pads_rows_over_the_mesh(two):
+    loaded = two
     prompt = [256, 84, 104, 101]
-    greedy = generate(loaded, [prompt], max_new_tokens=8, temperature=0, vocab=TOKENIZER_VOCAB)[0]
+    greedy = generate(loaded, [prompt] * 3, max_new_tokens=8, temperature=0, vocab=TOKENIZER_VOCAB)[0]
     stop = greedy[3]
     first = greedy.index(stop)
     three = generate(loaded, [prompt] * 3, max_new_tokens=8, temperature=0, vocab=TOKENIZER_VOCAB, stop=stop)
@@ -259,10 +279,10 @@ def test_generation_stops_at_the_stop_token_and_pads_rows_over_the_mesh(run_dir)
         generate(loaded, [prompt], 3, vocab=TOKENIZER_VOCAB, stop=TOKENIZER_VOCAB)
 
 
-def test_decoding_loop_ends_when_the_real_rows_are_done(run_dir, monkeypatch):
+def test_decoding_loop_ends_when_the_real_rows_are_done(two, monkeypatch):
     """One sampled row on 2 devices (padded with a second row that draws its own ids): the device loop stops at the
     step that draws the stop id, not at the call's count, and never starts for a row already done."""
-    loaded = load_run(run_dir, ["parallel.devices=2", "parallel.hp=2"])
+    loaded = two
     prompt = [256] + TEXT[:5]
     kw = dict(max_new_tokens=12, temperature=1.0, seed=5, vocab=TOKENIZER_VOCAB)
     free = generate(loaded, [prompt], **kw)[0]
@@ -302,11 +322,10 @@ def test_sampler_rules():
         generate(None, [[1]], 1, top_p=0)
 
 
-def test_generation_draws_only_ids_of_the_tokenizer(run_dir):
-    loaded = load_run(run_dir)
-    outs = generate(loaded, [[256, 84]] * 4, max_new_tokens=8, temperature=1.0, top_k=0, vocab=2)
+def test_generation_draws_only_ids_of_the_tokenizer(two):
+    outs = generate(two, [LONG] * 4, max_new_tokens=8, temperature=1.0, top_k=0, vocab=2)  # (LONG: see above)
     assert {i for o in outs for i in o} <= {0, 1}
-    free = generate(loaded, [[256, 84]] * 4, max_new_tokens=8, temperature=1.0, top_k=0)
+    free = generate(two, [LONG] * 4, max_new_tokens=8, temperature=1.0, top_k=0, vocab=TOKENIZER_VOCAB)
     assert not {i for o in free for i in o} <= {0, 1}
 
 
@@ -328,7 +347,9 @@ def test_cli_evaluate_and_generate(run_dir, capsys):
     assert main(["generate", str(run_dir), "--prompt", "The ", "--max-new-tokens", "5", "--temperature", "0",
                  "--no-stop-at-eot", "--json", "--no-kv-cache"]) == 0
     assert json.loads(capsys.readouterr().out.strip())["ids"] == lines[0]["ids"]
-    assert main(["generate", str(run_dir), "--prompt", "The ", "--max-new-tokens", "5"]) == 0
+    # the text output (greedy, 2 samples: the programs of the first generate, in the persistent compilation cache)
+    assert main(["generate", str(run_dir), "--prompt", "The ", "--num-samples", "2", "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("The ")
 
 

@@ -1,8 +1,10 @@
 """Graceful preemption: a train.py process signalled at several moments (SIGINT during its setup and compilation,
 SIGTERM between steps, SIGUSR1 while it saves a checkpoint every step, and a second signal) stops with one line and
 status 3 (128 + signum for the second signal) and, run again, ends bitwise where an uninterrupted run ends: the same
-per-step losses and final parameters. Also: the handlers put back when train() returns, train() from another thread,
-and the processes' agreement on stopping (exchanged flags, simulated with threads as processes)."""
+per-step losses and final parameters. (Every train.py process here runs one config: the first compiles, the others
+read its programs from the persistent compilation cache.) Also: the handlers put back when train() returns, train()
+from another thread, and the processes' agreement on stopping (exchanged flags, simulated with threads as
+processes)."""
 
 import os
 import signal
@@ -12,15 +14,20 @@ import threading
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from mhl_jax.config import load_config
+from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.runtime import distributed
+from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
 from mhl_jax.runtime.errors import EXIT_INTERRUPTED, CheckpointSaveError
+from mhl_jax.runtime.state import state_creator
 from mhl_jax.train import interrupt
 from mhl_jax.train.interrupt import SAVE_FAILED, SIGNALLED, PreemptionSignals, Stopping
 from mhl_jax.train.loop import train
-from tests.runs import final_params, losses
+from mhl_jax.train.optimizer import make_optimizer
+from tests.runs import losses
 
 ROOT = Path(__file__).resolve().parents[2]
 TOTAL = 60  # steps of ~10 ms: a signal sent at step 5 lands well before the end
@@ -71,9 +78,19 @@ def interrupted_step(r) -> int:
     return step
 
 
+def final_state(run_dir):
+    """(step, every leaf as numpy) of the run's newest checkpoint, restored on one device into the state's shapes
+    (`state_creator`'s abstract state: no model is built, which, op by op, takes seconds)."""
+    cfg = load_config(str(Path(run_dir) / "config.yaml"), ["parallel.devices=1"])
+    _, _, abstract = state_creator(cfg, make_mesh(cfg), make_optimizer(cfg))
+    with Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
+        step, state = ckpt.restore(abstract)
+    return step, [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
 def assert_same_run(run_dir, reference):
     assert losses(run_dir) == losses(reference)  # bitwise-equal floats, one record per step
-    (sa, la), (sb, lb) = final_params(run_dir), final_params(reference)
+    (sa, la), (sb, lb) = final_state(run_dir), final_state(reference)
     assert sa == sb == TOTAL and len(la) == len(lb)
     for x, y in zip(la, lb):
         assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
@@ -93,31 +110,29 @@ def reference(tmp_path_factory):
     return run
 
 
-def test_sigterm_between_steps_saves_that_step_and_resumes_exactly(tmp_path, reference):
+def test_signals_stop_with_a_checkpoint_and_the_relaunches_resume_exactly(tmp_path, reference):
+    """One run stopped three times, each relaunch resuming where the stop before left it, the last one ending bitwise
+    where the uninterrupted run ends (each relaunch is the same command but for the checkpoint settings its signal
+    needs: one process per signal, and no straight run of its own to compare with):
+    - SIGTERM between steps saves that step (checkpoint.every=1000: off its cycle);
+    - SIGUSR1 with a checkpoint every step, written in the background, finds the step it stops at already saved (or
+      being saved), which is waited for, not saved twice;
+    - a second signal (SIGINT right after SIGTERM) stops at once, without saving: the last complete checkpoint (one
+      every 4 steps) is intact, and the next relaunch resumes from it."""
     run = tmp_path / "run"
-    step = interrupted_step(signalled(run, "step 5/", [signal.SIGTERM]))
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [str(step)]  # checkpoint.every=1000: off cycle
-    assert losses(run)[-1][0] == step
-    r = again(run)
-    assert f"resumed from step {step}" in r.stdout
-    assert_same_run(run, reference)
+    first = interrupted_step(signalled(run, "step 5/", [signal.SIGTERM]))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [str(first)]
+    assert losses(run)[-1][0] == first
 
-
-def test_sigusr1_at_a_checkpoint_step_keeps_that_checkpoint(tmp_path, reference):
-    """A checkpoint every step, written in the background: the signal finds the step it stops at already saved (or
-    being saved), which is waited for, not saved twice."""
-    run = tmp_path / "run"
     every = ("--set", "checkpoint.every=1", "--set", "checkpoint.async_save=true")
-    step = interrupted_step(signalled(run, "step 5/", [signal.SIGUSR1], *every))
-    assert max(int(p.name) for p in (run / "checkpoints").iterdir()) == step
-    again(run, *every)
-    assert_same_run(run, reference)
+    r = signalled(run, f"step {first + 5}/", [signal.SIGUSR1], *every)
+    assert f"resumed from step {first}" in r.stdout
+    second = interrupted_step(r)
+    assert second > first and max(int(p.name) for p in (run / "checkpoints").iterdir()) == second
 
-
-def test_a_second_signal_stops_at_once_and_the_last_checkpoint_resumes(tmp_path, reference):
-    run = tmp_path / "run"
     every = ("--set", "checkpoint.every=4")
-    r = signalled(run, "step 9/", [signal.SIGTERM, signal.SIGINT], *every)
+    r = signalled(run, f"step {second + 6}/", [signal.SIGTERM, signal.SIGINT], *every)
+    assert f"resumed from step {second}" in r.stdout
     assert r.returncode == 128 + signal.SIGINT, r.stderr[-3000:]
     assert r.stderr == ("second signal (SIGINT) after SIGTERM: stopping now, without saving; the last complete "
                         "checkpoint is intact\n")

@@ -6,6 +6,7 @@ import json
 import struct
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,17 +15,37 @@ from jax.profiler import ProfileData
 from mhl_jax.config import ConfigError, load_config
 from mhl_jax.data import DataError
 from mhl_jax.data.bin_shards import write_shard
+from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError, model_fingerprint
+from mhl_jax.runtime.state import state_creator
 from mhl_jax.train import loop, progress
 from mhl_jax.train.loop import train
 from mhl_jax.train.metrics import StepClock, duration, format_line
-from tests.runs import dir_snapshot, final_params, records, tiny
+from mhl_jax.train.optimizer import make_optimizer
+from tests.runs import dir_snapshot, records, tiny
 
-ROOT = Path(__file__).resolve().parents[2]
+
+def _tensorboard_scalars(directory):
+    """{(tag, step): value} from the TFRecord event files in `directory` (read here, frame by frame)."""
+    from tensorboardX.proto import event_pb2
+
+    out = {}
+    for f in sorted(Path(directory).glob("events.out.tfevents.*")):
+        data = f.read_bytes()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4  # length, its crc, the record, its crc
+            for v in event.summary.value:
+                out[(v.tag, event.step)] = v.simple_value
+    return out
 
 
-def test_tiny_run_loss_falls_and_logs(tmp_path, capsys):
-    hist = train(tiny(tmp_path))
+def test_tiny_run_loss_falls_logs_and_writes_tensorboard(tmp_path, capsys):
+    """The tiny default trains 40 steps: its loss falls, validation improves, the records, the progress lines and the
+    TensorBoard scalars (the records' values, read back from the event files) are written."""
+    hist = train(tiny(tmp_path, "logging.tensorboard=true"))
     losses = [m["loss"] for m in hist]
     assert len(losses) == 40
     assert losses[0] > 5.0  # ~ln(320) at init
@@ -34,7 +55,7 @@ def test_tiny_run_loss_falls_and_logs(tmp_path, capsys):
     assert len(vals) == 2 and vals[1] < vals[0]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     rec = json.loads(lines[-1])
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "load_max/1", "load_min/3", "val_ppl"):
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "load_max/1", "load_min/1", "val_ppl"):  # layer 1: MoE
         assert key in rec
     out = capsys.readouterr().out
     assert "active" in out and "total parameters" in out
@@ -42,6 +63,17 @@ def test_tiny_run_loss_falls_and_logs(tmp_path, capsys):
     progress = [line for line in out.splitlines() if line.startswith("step ")]
     assert progress and all(("ETA " in line) == (not line.startswith("step 40/")) for line in progress[1:]), progress
     assert "ETA" not in progress[-1]  # the last step: nothing left
+    board = _tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    want = {}
+    for m in hist:
+        for k, v in m.items():
+            if k != "step" and isinstance(v, (int, float)):
+                tag = "val/" + k[4:] if k.startswith("val_") else k if "/" in k else "train/" + k
+                want[(tag, m["step"])] = v
+    assert ("val/loss", 20) in want and ("load_max/1", 1) in want and ("train/loss", 40) in want
+    assert set(board) == set(want)
+    for key, v in want.items():
+        assert board[key] == pytest.approx(v, rel=1e-6, abs=1e-30), key  # float32 in the event files
 
 
 def test_progress_line_durations():
@@ -53,11 +85,7 @@ def test_progress_line_durations():
 
 @pytest.mark.parametrize("kind", ["tiny_moe", "tiny_latent_moe", "tiny_mlp"])
 def test_other_variants_train(tmp_path, kind):
-    cfg = load_config(str(ROOT / f"configs/{kind}.yaml"), [
-        "schedule.total_steps=10", "schedule.warmup_steps=2", "schedule.decay_steps=2", "data.val_sequences=0",
-        "model.context=64",
-        "logging.progress_bar=false", "checkpoint.every=0", f"logging.run_dir={tmp_path / kind}",
-        "parallel.devices=1"])
+    cfg = tiny(tmp_path, "schedule.total_steps=10", "data.val_sequences=0", config=kind)
     losses = [m["loss"] for m in train(cfg)]
     assert losses[-1] < losses[0] - 0.5
 
@@ -176,10 +204,8 @@ def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, cap
     for ahead in (False, True):
         monkeypatch.setattr(progress.Progress, "needs_state", own_step if ahead else lambda self, n: True)
         run_dir = tmp_path / f"ahead_{ahead}"
-        cfg = tiny(tmp_path, "schedule.total_steps=11", "schedule.decay_steps=4", "data.eval_every=4",
-                   "checkpoint.every=5", "checkpoint.keep=5", "checkpoint.async_save=false", "logging.log_every=3",
-                   "model.n_layers=2",
-                   f"logging.run_dir={run_dir}")
+        cfg = tiny(tmp_path, "schedule.total_steps=11", "data.eval_every=4", "checkpoint.every=5", "checkpoint.keep=5",
+                   "checkpoint.async_save=false", "logging.log_every=3", f"logging.run_dir={run_dir}")
         calls = []
         monkeypatch.setattr(progress, "StepClock", _recording_clock(calls))
         hist = train(cfg)
@@ -199,9 +225,11 @@ def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, cap
         assert shown == [round(c[1] / 1e3, 1) for c in calls if c[0] == "line"]
         timed = ("tok/s", "MFU", "ETA")  # readings of the clock, which differ between the runs
         lines = [[p for p in parts if not any(t in p for t in timed)] for parts in lines]
+        # restored into the state's layout (state_creator's abstract state: no model built eagerly for each)
+        abstract = state_creator(cfg, make_mesh(cfg), make_optimizer(cfg))[2]
         with Checkpointer(run_dir / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
             saved = ckpt.all_steps()
-        states = {n: final_params(run_dir, n)[1] for n in saved}
+            states = {n: [np.asarray(x) for x in jax.tree.leaves(ckpt.restore(abstract, step=n)[1])] for n in saved}
         for n in saved:  # the state's step counter (its last leaf: the keys sort as biases, ..., rng, step) is n
             assert states[n][-1].shape == () and int(states[n][-1]) == n
         runs[ahead] = (records(run_dir), lines, saved, len(hist))
@@ -220,9 +248,9 @@ def test_fetch_ahead_matches_fetching_each_step_first(tmp_path, monkeypatch, cap
 def test_non_finite_loss_stops_before_a_checkpoint(tmp_path):
     """A loss that turns non-finite stops the run with the step named; no checkpoint or record holds a later state
     (with fetch-ahead the next step is already dispatched when the loss is seen: it is dropped)."""
-    cfg = tiny(tmp_path, "schedule.total_steps=12", "schedule.warmup_steps=1", "schedule.decay_steps=1",
-               "optimizer.lr=1e30", "optimizer.grad_clip=null", "data.val_sequences=0", "checkpoint.every=2",
-               "checkpoint.keep=20", "checkpoint.async_save=false", "model.n_layers=2")
+    cfg = tiny(tmp_path, "schedule.total_steps=12", "schedule.warmup_steps=1", "optimizer.lr=1e30",
+               "optimizer.grad_clip=null", "data.val_sequences=0", "checkpoint.every=2", "checkpoint.keep=20",
+               "checkpoint.async_save=false")
     with pytest.raises(FloatingPointError, match=r"(loss|gradient norm) is (nan|inf|-inf) at step (\d+)") as err:
         train(cfg)
     # 2 on the CPU: step 2's gradient norm is nan while its loss is still finite (its state is not saved: the
@@ -240,8 +268,7 @@ def test_profile_traces_the_asked_steps(tmp_path, capsys):
     """logging.profile_start / profile_steps: a JAX profiler trace in run_dir/profile from the dispatch of the first
     asked step to the end of the last: the host dispatched the train step exactly that many times inside it (the
     step after the last is dispatched only once the trace has ended); the run's losses are those of a run without."""
-    common = ["schedule.total_steps=6", "schedule.decay_steps=2", "schedule.warmup_steps=2", "model.n_layers=2",
-              "data.val_sequences=0"]
+    common = ["schedule.total_steps=6", "data.val_sequences=0"]
     plain = [m["loss"] for m in train(tiny(tmp_path, *common, f"logging.run_dir={tmp_path / 'plain'}"))]
     hist = train(tiny(tmp_path, *common, "logging.profile_start=2", "logging.profile_steps=3"))
     assert [m["loss"] for m in hist] == plain
@@ -275,8 +302,7 @@ def test_a_non_finite_metric_stops_before_its_record_and_checkpoint(tmp_path, mo
     monkeypatch.setattr(loop, "jit_train_step", nan_norm_at_step_3)
     # step 3 is not a checkpoint step: its metrics are read after step 4 was dispatched (fetch-ahead), and step 4
     # is a checkpoint step, so the check must come before step 4's save
-    cfg = tiny(tmp_path, "schedule.total_steps=6", "schedule.warmup_steps=1", "schedule.decay_steps=1",
-               "data.val_sequences=0", "checkpoint.every=2", "checkpoint.keep=10", "model.n_layers=2")
+    cfg = tiny(tmp_path, "schedule.total_steps=6", "data.val_sequences=0", "checkpoint.every=2", "checkpoint.keep=10")
     with pytest.raises(FloatingPointError, match=rf"^{what} is nan at step 3; stopping"):
         train(cfg)
     run_dir = tmp_path / "run"
@@ -288,8 +314,8 @@ def test_a_non_finite_metric_stops_before_its_record_and_checkpoint(tmp_path, mo
 def test_resuming_an_older_checkpoint_into_a_run_with_later_ones_is_refused_first(tmp_path):
     """--resume of step 2 into the run directory that holds steps 2 and 4: refused before a step is trained, with the
     later steps named; metrics, config and checkpoints left as they were. Into a fresh run directory it resumes."""
-    common = ("schedule.total_steps=4", "schedule.warmup_steps=1", "schedule.decay_steps=1", "data.val_sequences=0",
-              "checkpoint.every=2", "checkpoint.keep=5", "checkpoint.async_save=false", "model.n_layers=2")
+    common = ("schedule.total_steps=4", "data.val_sequences=0", "checkpoint.every=2", "checkpoint.keep=5",
+              "checkpoint.async_save=false")
     straight = train(tiny(tmp_path, *common))
     run_dir = tmp_path / "run"
     before = dir_snapshot(run_dir)
@@ -305,8 +331,7 @@ def test_a_fresh_run_over_an_earlier_runs_records(tmp_path):
     """No checkpoint to resume, metrics.jsonl of an earlier launch there: the same config relaunched (a job killed
     before its first checkpoint) starts over, its records replaced; another config is refused (its records would be
     dropped), the directory left as it was."""
-    common = ("schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1", "data.val_sequences=0",
-              "model.n_layers=2")
+    common = ("schedule.total_steps=2", "data.val_sequences=0")
     first = train(tiny(tmp_path, *common))
     run_dir = tmp_path / "run"
     before = dir_snapshot(run_dir)
@@ -323,7 +348,7 @@ def test_a_fresh_run_over_an_earlier_runs_records(tmp_path):
 
 def test_nothing_to_train_says_where_the_run_starts(tmp_path):
     lines = []
-    assert train(tiny(tmp_path, "model.n_layers=2"), stop_after=0, log=lines.append) == []
+    assert train(tiny(tmp_path), stop_after=0, log=lines.append) == []
     assert lines[-1] == "nothing to train: the run starts at step 0, and this run stops at --stop-after 0"
 
 
@@ -333,8 +358,8 @@ def test_run_ends_with_a_summary_line(tmp_path):
     after an explicit resume too (where rerunning with --resume would be refused: the directory then holds a later
     checkpoint). A resumed run whose settings changed names them and keeps the earlier config.yaml."""
     lines = []
-    cfg = tiny(tmp_path, "model.n_layers=2", "schedule.total_steps=12", "schedule.decay_steps=2", "data.eval_every=5",
-               "checkpoint.every=4", "checkpoint.async_save=false")
+    sets = ("schedule.total_steps=12", "data.eval_every=5", "checkpoint.every=4", "checkpoint.async_save=false")
+    cfg = tiny(tmp_path, *sets)
     hist = train(cfg, stop_after=8, log=lines.append)
     run = tmp_path / "run"
     val = [m for m in hist if "val_loss" in m][-1]
@@ -345,12 +370,8 @@ def test_run_ends_with_a_summary_line(tmp_path):
     assert (f"| loss {hist[-1]['loss']:.4f} | val_loss {val['val_loss']:.4f} val_ppl {val['val_ppl']:.2f} (step 5) | "
             f"records {run / 'metrics.jsonl'} | checkpoints {run / 'checkpoints'}") in lines[-1], lines[-1]
 
-    # resumed explicitly from step 4 into another directory, with a changed learning rate, and stopped at 6
-    other = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), [
-        *[f"{k}={v}" for k, v in (("model.n_layers", 2), ("schedule.total_steps", 12), ("schedule.decay_steps", 2),
-                                  ("data.eval_every", 5), ("checkpoint.every", 4), ("checkpoint.async_save", False))],
-        "model.context=64", "data.val_sequences=16", "logging.progress_bar=false", "logging.log_every=20",
-        "schedule.warmup_steps=5", "parallel.devices=1", f"logging.run_dir={tmp_path / 'other'}"])
+    # resumed explicitly from step 4 into another directory, and stopped at 6
+    other = tiny(tmp_path, *sets, f"logging.run_dir={tmp_path / 'other'}")
     train(other, resume=str(run / "checkpoints" / "4"), stop_after=6, log=lines.append)
     assert lines[-1].startswith("stopped after step 6 (--stop-after; to continue, run the same command without "
                                 "--stop-after and without --resume / checkpoint.resume: the run directory's latest "
@@ -358,10 +379,12 @@ def test_run_ends_with_a_summary_line(tmp_path):
     hist = train(other, log=lines.append)  # as advised: no resume, no stop
     assert hist[0]["step"] == 7 and lines[-1].startswith("done: steps 7-12 of 12 in "), lines[-1]
 
-    changed = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, lr=1e-4))
-    hist = train(changed, log=lines.append)  # resumed from step 8 to the end, with another learning rate
-    assert f"resuming with changed settings: optimizer.lr: {cfg.optimizer.lr!r} -> 0.0001 (the earlier config.yaml " \
-           "is kept as config-until-step8.yaml)" in lines, lines
+    # resumed from step 8 to the end with another setting (one outside the train step's program: no compilation of
+    # its own; every setting is compared alike)
+    changed = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, log_every=2))
+    hist = train(changed, log=lines.append)
+    assert "resuming with changed settings: logging.log_every: 20 -> 2 (the earlier config.yaml is kept as " \
+           "config-until-step8.yaml)" in lines, lines
     assert load_config(str(run / "config-until-step8.yaml")) == cfg
     assert load_config(str(run / "config.yaml")) == changed
     val = hist[-1]
@@ -376,44 +399,8 @@ def test_no_validation_data_is_read_without_evaluation(tmp_path):
     d = tmp_path / "trainonly"
     d.mkdir()
     write_shard(d / "train_000000.bin", np.random.default_rng(0).integers(0, 256, 20000).astype(np.uint16))
-    small = ("schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1", "model.n_layers=2",
-             "data.source=bin", f"data.path={d}")
+    small = ("schedule.total_steps=2", "data.source=bin", f"data.path={d}")
     with pytest.raises(DataError, match=r"holds no val .bin shards"):
         train(tiny(tmp_path, *small, f"logging.run_dir={tmp_path / 'a'}"))
     hist = train(tiny(tmp_path, *small, "data.eval_every=0", f"logging.run_dir={tmp_path / 'b'}"))
     assert [m["step"] for m in hist] == [1, 2] and all("val_loss" not in m for m in hist)
-
-
-def _tensorboard_scalars(directory):
-    """{(tag, step): value} from the TFRecord event files in `directory` (read here, frame by frame)."""
-    from tensorboardX.proto import event_pb2
-
-    out = {}
-    for f in sorted(Path(directory).glob("events.out.tfevents.*")):
-        data = f.read_bytes()
-        i = 0
-        while i < len(data):
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
-            i += 12 + n + 4  # length, its crc, the record, its crc
-            for v in event.summary.value:
-                out[(v.tag, event.step)] = v.simple_value
-    return out
-
-
-def test_tensorboard_scalars_are_the_records(tmp_path):
-    hist = train(tiny(tmp_path, "schedule.total_steps=20", "logging.tensorboard=true", "logging.log_every=100"),
-                 log=lambda *a, **k: None)
-    board = _tensorboard_scalars(tmp_path / "run" / "tensorboard")
-    want = {}
-    for m in hist:
-        for k, v in m.items():
-            if k != "step" and isinstance(v, (int, float)):
-                tag = "val/" + k[4:] if k.startswith("val_") else k if "/" in k else "train/" + k
-                want[(tag, m["step"])] = v
-    assert ("val/loss", 20) in want and ("load_max/1", 1) in want and ("train/loss", 20) in want
-    assert set(board) == set(want)
-    for key, v in want.items():
-        assert board[key] == pytest.approx(v, rel=1e-6, abs=1e-30), key  # float32 in the event files
-
-

@@ -23,51 +23,49 @@ from mhl_jax.moe.context import ExpertContext, StepContext
 from mhl_jax.moe.core import LocalMoE
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import make_mesh
-from tests.models import loss_and_grads, small, tokens
+from tests.models import loss_and_grads_each, small, tokens
 
 
-def assert_close(a, b):
+def assert_close(a, b, name=""):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb)
     for x, y in zip(la, lb):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("kind", ["mh_latent_moe", "moe"])
-def test_triton_path_matches_reference_on_one_device(emulated, kind):
-    cfg = small(kind, "ffn.latent_dim=64", "ffn.head_dim=16") if kind == "mh_latent_moe" else small(kind)
-    t = tokens(cfg)
-    ref = loss_and_grads(cfg, LocalMoE("reference"), t)
-    tri = loss_and_grads(cfg, LocalMoE("triton"), t)
-    np.testing.assert_allclose(tri[0], ref[0], rtol=1e-5)
-    for i in ref[1]:
-        np.testing.assert_array_equal(tri[1][i], ref[1][i])
-    assert_close(tri[2], ref[2])
+MH = ("ffn.latent_dim=64", "ffn.head_dim=16")  # MH-LatentMoE heads of 16: the fused kernels
+
+
+def _check_against_reference(cfg, parallel_cfg, t):
+    """The model of `cfg` through the Triton path (emulated) on one device and through the executor of
+    `parallel_cfg`'s mesh, against the reference path: same loss, expert loads and gradients. The three in one
+    program (one compile; a parallel config changes the executor, not the parameters)."""
+    executor = make_executor(parallel_cfg, make_mesh(parallel_cfg))
+    executor.impl = "triton"  # what ffn.kernels=auto resolves to on a GPU
+    ref, *tri = loss_and_grads_each([(cfg, LocalMoE("reference")), (cfg, LocalMoE("triton")),
+                                     (parallel_cfg, executor)], t)
+    for name, got in zip(("one device", repr(executor)), tri):
+        np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, err_msg=name)
+        for i in ref[1]:
+            np.testing.assert_array_equal(got[1][i], ref[1][i], err_msg=name)
+        assert_close(got[2], ref[2], name)
 
 
 @pytest.mark.parametrize("kind, par", [("mh_latent_moe", "parallel.hp=2"), ("moe", "parallel.ep=2")])
-def test_triton_path_under_shard_map(emulated, kind, par):
-    extra = ("ffn.latent_dim=64", "ffn.head_dim=16") if kind == "mh_latent_moe" else ()
-    cfg = small(kind, *extra, par, "parallel.devices=4", "ffn.kernels=reference")
-    mesh = make_mesh(cfg)
-    t = tokens(cfg)
-    ref = loss_and_grads(cfg, LocalMoE("reference"), t)
-    executor = make_executor(cfg, mesh)
-    executor.impl = "triton"  # what ffn.kernels=auto resolves to on a GPU
-    tri = loss_and_grads(cfg, executor, t)
-    np.testing.assert_allclose(tri[0], ref[0], rtol=1e-5)
-    assert_close(tri[2], ref[2])
+def test_triton_path_matches_reference(emulated, kind, par):
+    """On one device and under shard_map: Head Parallel (hp 2 x data 2) for MH-LatentMoE, Expert Parallel (ep 2 x
+    data 2) for MoE at d_model 64 (the fused kernels)."""
+    extra = MH if kind == "mh_latent_moe" else ()
+    cfg = small(kind, *extra)
+    _check_against_reference(cfg, small(kind, *extra, par, "parallel.devices=4", "ffn.kernels=reference"), tokens(cfg))
 
 
-@pytest.mark.parametrize("devices", [1, 4])
-def test_wide_moe_triton_path_runs_grouped_experts(emulated, monkeypatch, devices):
+def test_wide_moe_triton_path_runs_grouped_experts(emulated, monkeypatch):
     """MoE with experts wider than the fused kernels take (d_model 288 > 256): `triton` runs the grouped-GEMM
     binding (and the reference router), on one device and under Expert Parallel (ep = 2, data = 2), with
     the same loss, loads and gradients as the reference path."""
-    cfg = small("moe", "model.d_model=288", "ffn.expert_hidden=32", "parallel.ep=2",
-                f"parallel.devices={devices}")
-    t = tokens(cfg)
-    ref = loss_and_grads(cfg, LocalMoE("reference"), t)
+    wide = ("model.d_model=288", "ffn.expert_hidden=32", "parallel.ep=2")
+    cfg = small("moe", *wide, "parallel.devices=1")
     calls = []
     emulate = experts_grouped.expert_ffn_grouped
 
@@ -77,14 +75,8 @@ def test_wide_moe_triton_path_runs_grouped_experts(emulated, monkeypatch, device
 
     monkeypatch.setattr(moe_triton, "moe_heads_fused", functools.partial(moe_triton.moe_heads_fused, backend="emulate"))
     monkeypatch.setattr(experts_grouped, "expert_ffn_grouped", counting)
-    executor = LocalMoE("triton") if devices == 1 else make_executor(cfg, make_mesh(cfg))
-    executor.impl = "triton"  # what ffn.kernels=triton resolves to on a GPU
-    tri = loss_and_grads(cfg, executor, t)
-    assert calls and all(shape[-1] == 288 for shape in calls)
-    np.testing.assert_allclose(tri[0], ref[0], rtol=1e-5)
-    for i in ref[1]:
-        np.testing.assert_array_equal(tri[1][i], ref[1][i])
-    assert_close(tri[2], ref[2])
+    _check_against_reference(cfg, small("moe", *wide, "parallel.devices=4"), tokens(cfg))
+    assert len(calls) == 2 and all(shape[-1] == 288 for shape in calls)  # one device, and EP
 
 
 def test_kernel_choice_and_expert_path(monkeypatch):
@@ -161,7 +153,10 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
     holds no cast of an expert weight; without the context it does), and hands the expert weights' running gradient
     sums to the MoE op, whose backward returns sum + gradient (the loop body then holds no add of an expert weight's
     shape; without it, or with data parallelism, where shard_map would sum the accumulators over `data`, it does).
-    Every part of the context gives bitwise the new state and metrics of the step without one."""
+    The whole context gives bitwise the new state and metrics of the step without one. Each part alone ("casts",
+    "sums": MH-LatentMoE on one device) is checked in the step's program only: the casts alone are what the context
+    holds under hp x data (run there), the sums alone are the op's grad_acc without weights_cast
+    (test_moe_heads_grad_acc_returns_sum_plus_gradient)."""
     from jax.sharding import NamedSharding
 
     import mhl_jax.train.step as step_mod
@@ -186,7 +181,7 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
     shapes = {s for w in weights for h in (w.shape[0], w.shape[0] // 2) for s in ((h, *w.shape[1:]),
                                                                                 (h * w.shape[1], *w.shape[2:]))}
     in_place_possible = devices < 4
-    parts = ["none", "all"] + (["casts", "sums"] if devices == 1 else [])
+    parts = ["none", "all"] + (["casts", "sums"] if (kind, devices) == ("mh_latent_moe", 1) else [])
     outs = []
     for part in parts:
         monkeypatch.setattr(step_mod, "build_step_context",
@@ -198,7 +193,8 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
             sh, bsh = state_shardings(cfg, mesh, state), NamedSharding(mesh, batch_spec(mesh))
             fn = step_mod.jit_train_step(graphdef, tx, cfg.balance_gamma, sched, sh, bsh)
             args = (jax.device_put(state, sh), jax.device_put(batch, bsh))
-        jaxpr = jax.make_jaxpr(step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, sched))(state, batch).jaxpr
+        traced = fn.trace(*args)  # the program that is then compiled and run
+        jaxpr = traced.jaxpr.jaxpr
         bodies = list(_scan_bodies(jaxpr))
         assert len(bodies) == 1
         once, in_place = part in ("all", "casts"), part in ("all", "sums")
@@ -208,29 +204,33 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
             assert _weight_casts_in(jaxpr, shapes) >= 2  # w1 and w2 of the MoE layer, outside the loop
         adds = _weight_adds_in(bodies[0], {w.shape for w in weights})
         assert adds == (0 if in_place and in_place_possible else 2), (part, adds)
-        outs.append(jax.device_get(fn(*args)))
-    for out in outs[1:]:
-        for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(out)):
-            np.testing.assert_array_equal(a, b)
+        if part in ("none", "all"):
+            outs.append(jax.device_get(traced.lower().compile()(*args)))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_array_equal(a, b)
 
 
 def _moe_args(seed: int, n: int, h: int, dh: int, ne: int, de: int, scale: float):
-    """(x bf16, W_r, w1, w2) of an MoE core and random running sums (acc1, acc2) shaped as w1 / w2."""
-    ks = jax.random.split(jax.random.key(seed), 6)
-    w1 = scale * jax.random.normal(ks[2], (h, ne, dh, de))
-    w2 = scale * jax.random.normal(ks[3], (h, ne, de, dh))
-    args = (jax.random.normal(ks[0], (n, h, dh)).astype(jnp.bfloat16), jax.random.normal(ks[1], (h, dh, ne)), w1, w2)
-    return args, (jax.random.normal(ks[4], w1.shape), jax.random.normal(ks[5], w2.shape))
+    """(x bf16, W_r, w1, w2) of an MoE core and random running sums (acc1, acc2) shaped as w1 / w2 (numpy's
+    generator: JAX's compiles a program per shape)."""
+    rng = np.random.default_rng(seed)
+    x, w_r, w1, w2, acc1, acc2 = (rng.standard_normal(s, dtype=np.float32) for s in (
+        (n, h, dh), (h, dh, ne), (h, ne, dh, de), (h, ne, de, dh), (h, ne, dh, de), (h, ne, de, dh)))
+    args = (jnp.asarray(x.astype(jnp.bfloat16)), jnp.asarray(w_r), jnp.asarray(scale * w1), jnp.asarray(scale * w2))
+    return args, (jnp.asarray(acc1), jnp.asarray(acc2))
 
 
-def _assert_sum_plus_gradient(run, args, acc):
+def _assert_sum_plus_gradient(run, args, acc, one_program=False):
     """run(x, w_r, w1, w2, grad_acc) -> y: with grad_acc the gradients of w1 / w2 are bitwise acc + those without, x's
-    and W_r's the same."""
-    def grads(grad_acc):
+    and W_r's the same. one_program: both gradients in one jitted program (one compile: XLA shares their forward)."""
+    def grads(grad_acc, *a):
         loss = lambda *a: jnp.sum(run(*a, grad_acc).astype(jnp.float32) ** 2)  # noqa: E731
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(*a)
 
-    plain, summed = grads(None), grads(acc)
+    if one_program:
+        plain, summed = jax.jit(lambda acc_, *a: (grads(None, *a), grads(acc_, *a)))(acc, *args)
+    else:
+        plain, summed = (jax.jit(functools.partial(grads, g))(*args) for g in (None, acc))
     for a, b in zip(plain[:2], summed[:2]):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(summed[2], acc[0] + plain[2])
@@ -253,7 +253,7 @@ def test_moe_heads_grad_acc_returns_sum_plus_gradient(emulated, path):
         xr = x if path != "apart" else x + jnp.bfloat16(0)  # another array: routed apart from the experts' input
         return moe_heads(xr, x, w_r, jnp.zeros((h, ne)), w1, w2, k, impl, grad_acc=grad_acc)[0]
 
-    _assert_sum_plus_gradient(run, args, acc)
+    _assert_sum_plus_gradient(run, args, acc, one_program=True)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,8 @@
 """Packing (mhl_jax/moe/packing.py and its Triton twin, mhl_jax/moe/gpu/packing.py): layout invariants, round trips,
 the torch twin, extreme skew. The Triton kernels run under the interpreter without a GPU (tests/conftest.py)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,18 +12,23 @@ from mhl_jax.moe import packing as pk
 from mhl_jax.moe.core import expert_ffn
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _random_idx(key, n, h, ne, k):
     return jnp.argsort(jax.random.uniform(key, (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
 
 
-_jit_pack = jax.jit(pk.pack, static_argnums=(1, 2))  # one compile per case, not one per eager op
+# Every JAX op of these tests runs under jit: one compile per shape, not one per eager op and shape.
+_jit_pack = jax.jit(pk.pack, static_argnums=(1, 2))
+_jit_group_blocks = jax.jit(pk.group_blocks, static_argnums=1)
 
 
 def _case_idx(case: str, seed: int) -> tuple[jax.Array, int]:
     """(idx (N, H, k), Ne) of a packing-equality case: random, skew (every token on the same 3 experts),
-    empty_slots (-1 slots as in an EP receive buffer), tiny (one slot), many_experts (Ne 300: the Triton
-    packing's histograms span two column blocks and, at small chunks, several chunk tiles)."""
-    n, h, k, ne = {"tiny": (1, 1, 1, 1), "many_experts": (200, 2, 2, 300)}.get(case, (53, 3, 3, 7))
+    empty_slots (-1 slots as in an EP receive buffer), tiny (one slot), many_experts (Ne 40: the offsets
+    kernel's expert columns span two blocks, the last one partial). Local slots per head: 33 (chunks of 16 and
+    32 leave a partial last chunk) or 48 (chunks of 16 divide it); chunk 1024 is one chunk for the whole head.
+    Few slots: the interpreter's cost is the chunks' in-register sorts."""
+    n, h, k, ne = {"tiny": (1, 1, 1, 1), "many_experts": (24, 2, 2, 40)}.get(case, (11, 2, 3, 7))
     idx = _random_idx(jax.random.key(seed), n, h, ne, k)
     if case == "skew":
         idx = jnp.broadcast_to(jnp.array([6, 0, 2], jnp.int32), (n, h, k))
@@ -49,7 +56,7 @@ def _dense_expert_ffn(x, idx, gates, w1, w2):
 def _check_layout(idx, num_experts, block):
     n, h, k = idx.shape
     m = n * h * k
-    p = pk.pack(idx, num_experts, block)
+    p = _jit_pack(idx, num_experts, block)
     row_slot, slot_row = np.asarray(p.row_slot), np.asarray(p.slot_row)
     bg, sizes, nb = np.asarray(p.block_group), np.asarray(p.group_sizes), int(p.num_blocks)
     assert row_slot.shape == (pk.padded_rows(m, h * num_experts, block),)
@@ -71,7 +78,7 @@ def _check_layout(idx, num_experts, block):
     assert (np.diff(group[real_rows]) >= 0).all()
     same = np.diff(group[real_rows]) == 0
     assert (np.diff(real_rows)[same] > 0).all()
-    start, count = (np.asarray(a) for a in pk.group_blocks(p.group_sizes, block))
+    start, count = (np.asarray(a) for a in _jit_group_blocks(p.group_sizes, block))
     for g in np.nonzero(sizes)[0]:
         assert (bg[start[g]:start[g] + count[g]] == g).all()
     return p
@@ -91,23 +98,32 @@ def test_pack_layout_extreme_skew():
     assert (sizes[:, [0, 5, 7]] == n).all() and sizes.sum() == n * h * k
 
 
-@pytest.mark.parametrize("atomic_min_bins", [1, 1 << 30], ids=["atomic_hist", "tl_histogram"])
 @pytest.mark.parametrize("case", ["random", "skew", "empty_slots", "tiny", "many_experts"])
-def test_triton_pack_kernels_equal_jax_pack(case, atomic_min_bins):
+def test_triton_pack_kernels_equal_jax_pack(case):
     """kernels/triton/packing.py (under the Triton interpreter without a GPU) returns exactly `pack`'s arrays:
-    chunks that do and do not divide N * k, one chunk for the whole head, empty slots, extreme skew; the
-    chunk histograms by atomic adds and by tl.histogram."""
+    chunks that do and do not divide N * k, one chunk for the whole head, empty slots, extreme skew. The chunk
+    histograms by atomic adds and by tl.histogram: the same histogram buffer, and the launches after it read
+    nothing else of that choice, so one of them runs them (the other would repeat the costly scatter sorts)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from kernels.torch.packing import pack_triton_torch
+    from kernels.torch.packing import pack_triton_torch, run_launches_torch
+    from kernels.triton.packing import launch_shapes, pack_launches
+    from kernels.tuning import PACK_OFFSETS_EB
 
     idx, ne = _case_idx(case, 7)
+    n, h, k = idx.shape
+    if case == "many_experts":
+        assert launch_shapes(n, h, k, ne)["NEP"] // PACK_OFFSETS_EB == 2 and ne % PACK_OFFSETS_EB
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    for block, chunk in ((4, 16), (16, 32), (8, 1024)):  # many_experts at chunk 16: 25 chunks, 2 tiles of 16
+    tidx = torch.from_numpy(np.array(idx)).to(dev)
+    for block, chunk in ((4, 16), (16, 32), (8, 1024)):
         ref = _jit_pack(idx, ne, block)
-        got = pack_triton_torch(torch.from_numpy(np.array(idx)).to(dev), ne, block, chunk, atomic_min_bins)
+        got = pack_triton_torch(tidx, ne, block, chunk, 1)  # atomic histograms
         for name, a, b in zip(ref._fields, ref, got):
             assert np.array_equal(np.asarray(a).reshape(-1), b.cpu().numpy().reshape(-1)), (case, block, chunk, name)
+        hists = [run_launches_torch(pack_launches(n, h, k, ne, block, got[0].shape[0], chunk, bins)[:1],
+                                    {"idx": tidx.to(torch.int32)})["hist"] for bins in (1, 1 << 30)]
+        assert torch.equal(hists[0], hists[1]), (case, block, chunk)
 
 
 @pytest.mark.gpu
@@ -136,11 +152,16 @@ def test_gather_combine_round_trip():
     x = jax.random.normal(ks[0], (n, h, dh))
     idx = _random_idx(ks[1], n, h, ne, k)
     gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
-    p = pk.pack(idx, ne, 4)
-    rows = pk.gather_rows(x, p, k)
+
+    @jax.jit
+    def round_trip(x, idx, gates):
+        p = pk.pack(idx, ne, 4)
+        rows = pk.gather_rows(x, p, k)
+        # identity experts: combine(gather(x)) = x * sum_j gate_j = x
+        return p, rows, pk.combine_rows(rows, p, gates)
+
+    p, rows, y = round_trip(x, idx, gates)
     assert np.all(np.asarray(rows)[np.asarray(p.row_slot) < 0] == 0)
-    # identity experts: combine(gather(x)) = x * sum_j gate_j = x
-    y = pk.combine_rows(rows, p, gates)
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
 
 
@@ -149,9 +170,9 @@ def test_torch_pack_matches_jax():
     from kernels.torch.experts import pack_torch
 
     idx = _random_idx(jax.random.key(3), 41, 2, 7, 3)
-    p = pk.pack(idx, 7, 8)
+    p = _jit_pack(idx, 7, 8)
     t = pack_torch(torch.from_numpy(np.array(idx)), 7, 8)
-    start, count = pk.group_blocks(p.group_sizes, 8)
+    start, count = _jit_group_blocks(p.group_sizes, 8)
     for a, b in ((p.row_slot, t.row_slot), (p.slot_row, t.slot_row), (p.block_group, t.block_group),
                  (p.group_sizes, t.group_sizes), (start, t.group_block_start), (count, t.group_nblocks)):
         assert np.array_equal(np.asarray(a), b.numpy())
@@ -170,7 +191,7 @@ def test_reference_expert_ffn_dropless(skew):
     w1 = jax.random.normal(ks[3], (h, ne, dh, de)) / 3
     w2 = jax.random.normal(ks[4], (h, ne, de, dh)) / 3
     with jax.default_matmul_precision("highest"):
-        y, load = expert_ffn(x, idx, gates, w1, w2, "reference")
+        y, load = jax.jit(expert_ffn, static_argnums=5)(x, idx, gates, w1, w2, "reference")
     ref = _dense_expert_ffn(x, idx, gates, w1, w2)
     assert np.linalg.norm(np.asarray(y) - ref) / np.linalg.norm(ref) < 1e-5
     assert int(load.sum()) == n * h * k
@@ -207,7 +228,7 @@ def test_custom_vjp_plumbing_matches_reference(skew, variant):
             return jnp.sum(expert_ffn(x, idx, g, a, b, "reference")[0] * wy)
 
         args64 = [a.astype(jnp.float64) for a in (x, gates, w1, w2)]
-        g_ref = jax.grad(loss_ref, argnums=(0, 1, 2, 3))(*args64)
+        g_ref = jax.jit(jax.grad(loss_ref, argnums=(0, 1, 2, 3)))(*args64)
     finally:
         jax.config.update("jax_enable_x64", False)
     with jax.default_matmul_precision("highest"):

@@ -33,7 +33,9 @@ def _check_against_xla(fn, t, rtol, atol, grad_tol):
         np.testing.assert_allclose(a, b, rtol=grad_tol, atol=grad_tol / 10)
 
 
-@pytest.mark.parametrize("t", [64, 4, 100])  # 4 and 100: padded to a multiple of the 64-token tile
+# 64: one whole tile; 100: padded to two tiles of 64 (a T short of one tile takes the same padding branch; the GPU
+# test below checks such T where the compiled kernel's tiles matter)
+@pytest.mark.parametrize("t", [64, 100])
 def test_pallas_attention_matches_xla_with_gradients(t):
     for fn in (pallas_attention, lambda q, k, v: sharded_pallas_attention(q, k, v, None)):
         _check_against_xla(fn, t, 1e-5, 2e-6, 1e-4)

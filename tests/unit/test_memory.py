@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bench.memory import eager_state
-from mhl_jax.config import ConfigError, load_config
+from mhl_jax.config import ConfigError, dump_config, load_config
 from mhl_jax.parallel.mesh import make_mesh, state_shardings
 from mhl_jax.runtime.autotune import AutotuneFile
 from mhl_jax.runtime.memory import (
@@ -31,11 +31,14 @@ from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.state import shard_optimizer_saving
 from tests.runs import ROOT, dir_snapshot, tiny
 
+# The state of the tiny models at 2 layers (the dense stem and one MoE layer: every kind of leaf), with 32 experts:
+# split 4 ways they are about half of the state, as in the 4-layer default.
+STATE_SETS = ("model.n_layers=2", "ffn.num_experts=32", "train.global_batch=8", "train.micro_batch=2")
+
 
 @pytest.mark.parametrize("config, axis", [("tiny_mh_latent_moe", "hp"), ("tiny_moe", "ep")])
 def test_state_created_in_its_shardings_is_bitwise_the_eager_one(config, axis):
-    cfg = load_config(str(ROOT / f"configs/{config}.yaml"), [f"parallel.{axis}=4", "parallel.devices=4",
-                                                             "train.global_batch=8", "train.micro_batch=2"])
+    cfg = load_config(str(ROOT / f"configs/{config}.yaml"), [f"parallel.{axis}=4", "parallel.devices=4", *STATE_SETS])
     mesh = make_mesh(cfg)
     tx = make_optimizer(cfg)
     graphdef, state, shardings = init_state(cfg, mesh, tx)
@@ -62,14 +65,14 @@ def test_state_creation_holds_only_each_devices_share():
     """The creating program's buffers per device (XLA's analysis): that device's shards and almost nothing else, not
     the whole model that the eager build put on the first device."""
     cfg = load_config(str(ROOT / "configs/tiny_mh_latent_moe.yaml"), ["parallel.hp=4", "parallel.devices=4",
-                                                                      "train.global_batch=8", "train.micro_batch=2"])
+                                                                      *STATE_SETS])
     mesh = make_mesh(cfg)
     _, create, _ = state_creator(cfg, mesh, make_optimizer(cfg))
     state = create()
     whole = sum(a.nbytes for a in jax.tree.leaves(state))
     share = sum(sh.data.nbytes for a in jax.tree.leaves(state) for sh in a.addressable_shards
                 if sh.device == mesh.devices.flat[0])
-    assert share < 0.6 * whole  # the experts (split 4 ways) are about half of the tiny model
+    assert share < 0.6 * whole  # the experts (split 4 ways) are about half of the model
     m = step_memory(create.lower().compile())
     assert 0 <= m.outputs - share < 4096  # (and the output tuple's table of pointers)
     assert m.outputs + m.temporaries < 0.9 * whole  # the eager build held `whole` there, then the share as well
@@ -165,10 +168,9 @@ def test_device_limit_is_the_smallest_and_peak_the_largest():
     assert device_limit(jax.devices("cpu")) is None and peak_in_use(jax.devices("cpu")) is None
 
 
-def test_out_of_memory_in_a_step_is_one_line_naming_the_estimate(tmp_path, monkeypatch, capsys):
+def test_out_of_memory_in_a_step_is_one_line_naming_the_estimate(tmp_path, monkeypatch):
     """XLA's out-of-memory error at step 2 (raised by a wrapped step: the CPU has no device limit to run into):
-    DeviceMemoryError naming the phase and the step's estimate; any other runtime error passes through as it is;
-    the summary line gives the devices' peak where the platform reports one."""
+    DeviceMemoryError naming the phase and the step's estimate; any other runtime error passes through as it is."""
     real = loop.jit_train_step
     calls = []
 
@@ -185,8 +187,7 @@ def test_out_of_memory_in_a_step_is_one_line_naming_the_estimate(tmp_path, monke
             return wrapped
         return make
 
-    cfg = tiny(tmp_path, "schedule.total_steps=3", "schedule.warmup_steps=1", "schedule.decay_steps=1",
-               "data.val_sequences=0")
+    cfg = tiny(tmp_path, "schedule.total_steps=3", "data.val_sequences=0")
     oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB.\nmore")
     monkeypatch.setattr(loop, "jit_train_step", failing_at_step_2(oom))
     with pytest.raises(DeviceMemoryError) as e:
@@ -199,22 +200,24 @@ def test_out_of_memory_in_a_step_is_one_line_naming_the_estimate(tmp_path, monke
     other = jax.errors.JaxRuntimeError("INTERNAL: a kernel failed")
     monkeypatch.setattr(loop, "jit_train_step", failing_at_step_2(other))
     with pytest.raises(jax.errors.JaxRuntimeError) as e:
-        loop.train(tiny(tmp_path, "schedule.total_steps=3", "schedule.warmup_steps=1", "schedule.decay_steps=1",
-                        "data.val_sequences=0", f"logging.run_dir={tmp_path / 'other'}"))
+        loop.train(tiny(tmp_path, "schedule.total_steps=3", "data.val_sequences=0",
+                        f"logging.run_dir={tmp_path / 'other'}"))
     assert e.value is other
-    monkeypatch.setattr(loop, "jit_train_step", real)
-    monkeypatch.setattr(loop, "peak_in_use", lambda devices: 3 * GIB)
-    capsys.readouterr()
-    loop.train(tiny(tmp_path, "schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1",
-                    "data.val_sequences=0", f"logging.run_dir={tmp_path / 'third'}"))
-    assert "| peak device memory 3.00 GiB |" in capsys.readouterr().out.splitlines()[-1]
+
+
+class _NoDumpOption(AutotuneFile):
+    """An autotuning file without XLA's dump option, which the CPU's compiler ignores: with it (a path of this test's
+    own) the step's compilation could not come from the persistent cache; the dump is written by the test instead."""
+
+    def compiler_options(self) -> dict:
+        return {}
 
 
 def test_a_refused_run_removes_xla_autotuning_dump(tmp_path, monkeypatch):
     """On a GPU XLA dumps its autotuning results while it compiles the step (into the run directory): a refused run
     removes that dump, so the directory it created goes too."""
-    cfg = tiny(tmp_path, "schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1")
-    tuned = AutotuneFile(path=tmp_path / "run" / "xla_autotune.txt")
+    cfg = tiny(tmp_path, "schedule.total_steps=2")
+    tuned = _NoDumpOption(path=tmp_path / "run" / "xla_autotune.txt")
     monkeypatch.setattr(loop, "autotune_file", lambda *a, **k: tuned)
 
     def limit_after_dump(devices):  # called after the compile: where XLA has written its dump on a GPU
@@ -235,8 +238,9 @@ def test_step_memory_reads_xla_analysis():
 
 def test_train_refuses_a_step_over_the_device_limit_before_writing(tmp_path, monkeypatch, capsys):
     """A limit below the step's estimate (as a GPU reports one; the CPU reports none): refused with the figures named,
-    before the run directory gets any file; above it, the run goes on and logs the estimate."""
-    cfg = tiny(tmp_path, "schedule.total_steps=2", "schedule.warmup_steps=1", "schedule.decay_steps=1")
+    before the run directory gets any file; above it, the run goes on and logs the estimate, and its summary line
+    gives the devices' peak (where the platform reports one)."""
+    cfg = tiny(tmp_path, "schedule.total_steps=2")
     seen = {}
 
     def fake_limit(devices):
@@ -244,20 +248,22 @@ def test_train_refuses_a_step_over_the_device_limit_before_writing(tmp_path, mon
         return seen["limit"], "FakeGPU 1GB"
 
     monkeypatch.setattr(loop, "device_limit", fake_limit)
-    seen["limit"] = int(0.05 * GIB)  # above the state (0.02 GiB), below the step (0.13)
+    seen["limit"] = int(0.01 * GIB)  # above the state (0.007 GiB), below the step (0.023)
     with pytest.raises(ConfigError) as e:
         loop.train(cfg)
-    assert "more than the 0.05 GiB that JAX may allocate on each FakeGPU 1GB" in str(e.value)
+    assert "more than the 0.01 GiB that JAX may allocate on each FakeGPU 1GB" in str(e.value)
     assert f"train.micro_batch (now {cfg.train.micro_batch};" in str(e.value)
     assert not (tmp_path / "run").exists()  # the directory this run created is gone again: nothing written
     assert seen["devices"] == jax.local_devices()
     seen["limit"] = 64 * GIB
+    monkeypatch.setattr(loop, "peak_in_use", lambda devices: 3 * GIB)
     hist = loop.train(cfg)
     assert [m["step"] for m in hist] == [1, 2]
     out = capsys.readouterr().out
     lines = [s for s in out.splitlines() if s.startswith("train step memory per device")]
-    assert len(lines) == 2 and "of 0.05 GiB that JAX may allocate on each FakeGPU 1GB (" in lines[0]
+    assert len(lines) == 2 and "of 0.01 GiB that JAX may allocate on each FakeGPU 1GB (" in lines[0]
     assert "of 64.00 GiB that JAX may allocate on each FakeGPU 1GB (" in lines[1]
+    assert "| peak device memory 3.00 GiB |" in out.splitlines()[-1]
 
 
 @pytest.mark.gpu
@@ -316,31 +322,35 @@ def test_gpu_running_out_of_memory_is_one_line(tmp_path, monkeypatch):
 
 
 def test_check_compiles_reports_and_writes_nothing(tmp_path):
-    """train.py --check: the memory line and the verdict, status 0, no run directory left behind."""
+    """train.py --check: the memory line and the verdict, status 0, no run directory left behind; on one device no
+    parallel.shard_optimizer hint (nothing to split), on two the hint with its saving. The CLI runs in a process of
+    its own once, on the config the other tests here train (its step compiled already: JAX's persistent cache, whose
+    key holds the XLA flags, which it inherits); the 2-device verdict is the same `train(check=True)` in this
+    process."""
     run = tmp_path / "a" / "run"
-    r = subprocess.run([sys.executable, "train.py", "--check", "--set", f"logging.run_dir={run}"], cwd=ROOT,
-                       capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})  # one CPU device
+    config = tmp_path / "tiny.yaml"
+    config.write_text(dump_config(tiny(tmp_path)))
+    r = subprocess.run([sys.executable, "train.py", "--check", "--config", str(config), "--set",
+                        f"logging.run_dir={run}"], cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "train step memory per device (XLA's estimate)" in r.stdout
     assert "check done: the train step compiles (no device limit to check it against here); nothing was written" \
         in r.stdout
     assert not (tmp_path / "a").exists()
     assert "shard_optimizer" not in r.stdout  # one device: nothing to split
-    r = subprocess.run([sys.executable, "train.py", "--check", "--set", f"logging.run_dir={run}", "--set",
-                        "parallel.devices=2", "--set", "train.micro_batch=8"], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    assert r.returncode == 0, r.stderr[-2000:]
-    line = next((x for x in r.stdout.splitlines() if "shard_optimizer" in x), "")
+    lines = []
+    assert loop.train(tiny(tmp_path, "parallel.devices=2", "train.micro_batch=4", f"logging.run_dir={run}"),
+                      check=True, log=lines.append) == []
+    line = next((x for x in lines if "shard_optimizer" in x), "")
     assert line.startswith("parallel.shard_optimizer=true would hold ") and " MiB less per device (AdamW's" in line, \
-        r.stdout
-    assert not (tmp_path / "a").exists()
+        lines
+    assert lines[-1].startswith("check done: ") and not (tmp_path / "a").exists()
 
 
 def test_check_of_a_run_with_checkpoints_changes_nothing(tmp_path, monkeypatch, capsys):
     """--check in a run directory that holds a checkpoint: says where the run would resume, reads no state and leaves
     every file as it was; over a (fake) device limit it is refused like the run itself."""
-    cfg = tiny(tmp_path, "schedule.total_steps=4", "schedule.warmup_steps=1", "schedule.decay_steps=1",
-               "checkpoint.every=2", "data.val_sequences=0")
+    cfg = tiny(tmp_path, "schedule.total_steps=4", "checkpoint.every=2", "data.val_sequences=0")
     loop.train(cfg, stop_after=2)
     before = dir_snapshot(tmp_path / "run")
     monkeypatch.setattr(loop.Checkpointer, "restore", lambda *a, **k: pytest.fail("--check restored the state"))

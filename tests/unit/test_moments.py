@@ -21,6 +21,7 @@ from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.loop import train
 from mhl_jax.train.optimizer import make_optimizer, stored_in
 from mhl_jax.train.state import moment_dtype_saving
+from tests.runs import tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,27 +76,27 @@ def _losses(run_dir):
 
 
 def _tiny(tmp_path, name, *extra):
-    return _cfg("schedule.total_steps=24", "schedule.warmup_steps=4", "schedule.decay_steps=8", "model.context=32",
-                "model.n_layers=2", "train.global_batch=8", "train.micro_batch=8", "data.eval_every=0",
-                "checkpoint.every=12", "checkpoint.async_save=false", "logging.progress_bar=false",
-                "parallel.devices=1", f"logging.run_dir={tmp_path / name}", *extra)
+    """tests.runs.tiny at one layer (the dense stem: the moments are stored alike for every parameter, and its steps
+    compile in a fraction of a MoE layer's time), 16 steps, a checkpoint at 8."""
+    return tiny(tmp_path, "model.n_layers=1", "schedule.total_steps=16", "data.eval_every=0", "checkpoint.every=8",
+                "checkpoint.async_save=false", f"logging.run_dir={tmp_path / name}", *extra)
 
 
 def test_bf16_moments_train_repeat_and_resume_bitwise(tmp_path):
     quiet = lambda *a, **k: None  # noqa: E731
     bf16 = ("optimizer.moment_dtype=bfloat16",)
     train(_tiny(tmp_path, "a", *bf16), log=quiet)
-    train(_tiny(tmp_path, "b", *bf16), log=quiet, stop_after=12)
-    train(_tiny(tmp_path, "b", *bf16), log=quiet)  # resumed from step 12
+    train(_tiny(tmp_path, "b", *bf16), log=quiet, stop_after=8)
+    train(_tiny(tmp_path, "b", *bf16), log=quiet)  # resumed from step 8
     train(_tiny(tmp_path, "f32"), log=quiet)
     a, b, f32 = _losses(tmp_path / "a"), _losses(tmp_path / "b"), _losses(tmp_path / "f32")
-    assert len(a) == len(b) == 24 and a == b  # repeat and resume: bitwise
+    assert len(a) == len(b) == 16 and a == b  # repeat and resume: bitwise
     assert a[-1] < a[0] - 1.0  # it trains
     assert a[:1] == f32[:1] and a != f32  # the first step's loss precedes any update; then the rounding shows
     np.testing.assert_allclose(a, f32, rtol=0.03)
     with pytest.raises(CheckpointError, match=r"bfloat16\(4, 32, 128\) \(the optimizer's moments: set optimizer."
                                               r"moment_dtype=float32 as the run that wrote it had\)"):
-        train(_tiny(tmp_path, "f32", *bf16, "schedule.total_steps=30"), log=quiet)  # the other setting: named
+        train(_tiny(tmp_path, "f32", *bf16, "schedule.total_steps=20"), log=quiet)  # the other setting: named
 
 
 @pytest.mark.parametrize("config, devices, sets", [

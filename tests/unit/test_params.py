@@ -1,6 +1,8 @@
 """Parameter counts of the paper's configs against its 'active - total' column (Table 1); the LM head and its loss
 (`mhl_jax.model.loss`) against the whole-logits cross-entropy."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,31 +76,36 @@ def test_head_logits_backward_runs_in_the_compute_dtype():
 
 def test_head_loss_chunks_match_the_whole_logits_loss():
     """`head_loss` (the LM head's loss in chunks along T, the logits' gradient kept in the compute dtype) against
-    `cross_entropy` of `head_logits`' whole logits: in fp32 the same loss and gradients to fp32 rounding at every chunk
-    length (1 .. T); in bf16 the same loss to fp32 rounding (the logits are the same products) and gradients within
-    bf16 rounding; a cotangent other than 1 scales both gradients."""
+    `cross_entropy` of `head_logits`' whole logits: in fp32 the same loss and gradients to fp32 rounding at chunk
+    lengths 1 (a chunk per position), 4 (several chunks of several positions) and T (one chunk; any other length runs
+    the scan over chunks as 4 does); in bf16 the same loss to fp32 rounding (the logits are the same products) and
+    gradients within bf16 rounding; a cotangent other than 1 scales both gradients."""
     k = jax.random.split(jax.random.key(1), 3)
     b, t, d, v = 3, 12, 32, 50
     x, w = jax.random.normal(k[0], (b, t, d)), 0.3 * jax.random.normal(k[1], (d, v))
     tgt = jax.random.randint(k[2], (b, t), 0, v)
-    plain = jax.value_and_grad(lambda x, w: cross_entropy(head_logits(x, w), tgt), (0, 1))
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def losses(x, w, tcs):  # the reference and head_loss at chunk lengths tcs in one program: one compilation
+        plain = jax.value_and_grad(lambda x, w: cross_entropy(head_logits(x, w), tgt), (0, 1))(x, w)
+        chunked = [jax.value_and_grad(lambda x, w, tc=tc: head_loss(x, w, tgt, tc), (0, 1))(x, w) for tc in tcs]
+        primal = [head_loss(x, w, tgt, tc) for tc in tcs]
+        g3 = jax.grad(lambda x, w: 3.0 * head_loss(x, w, tgt, tcs[0]), (0, 1))(x, w)
+        return plain, chunked, primal, g3
+
     with jax.default_matmul_precision("highest"):  # fp32 products on a GPU too (not TF32)
-        v0, g0 = plain(x, w)
-        for tc in (1, 2, 3, 4, 6, 12):
-            v1, g1 = jax.value_and_grad(lambda x, w, tc=tc: head_loss(x, w, tgt, tc), (0, 1))(x, w)
-            np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
-            # the primal (no gradient kept: evaluation) is the same sum; XLA may fuse it otherwise (GPU: last bits)
-            np.testing.assert_allclose(float(head_loss(x, w, tgt, tc)), float(v1), rtol=1e-6)
-            for a, r in zip(g1, g0):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5,
-                                           atol=1e-6 * float(jnp.max(jnp.abs(r))))
-        g3 = jax.grad(lambda x, w: 3.0 * head_loss(x, w, tgt, 4), (0, 1))(x, w)
-    for a, r in zip(g3, g0):
+        (v0, g0), chunked, primal, g3 = losses(x, w, (4, 1, 12))
+    for (v1, g1), p1 in zip(chunked, primal, strict=True):
+        np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
+        # the primal (no gradient kept: evaluation) is the same sum; XLA may fuse it otherwise (GPU: last bits)
+        np.testing.assert_allclose(float(p1), float(v1), rtol=1e-6)
+        for a, r in zip(g1, g0):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(r))))
+    for a, r in zip(g3, g0):  # 3 x the loss at chunk length 4
         np.testing.assert_allclose(np.asarray(a), 3.0 * np.asarray(r), rtol=1e-5,
                                    atol=1e-5 * float(jnp.max(jnp.abs(r))))
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    vb0, gb0 = plain(xb, wb)
-    vb1, gb1 = jax.value_and_grad(lambda x, w: head_loss(x, w, tgt, 4), (0, 1))(xb, wb)
+    (vb0, gb0), [(vb1, gb1)], _, _ = losses(xb, wb, (4,))
     np.testing.assert_allclose(float(vb1), float(vb0), rtol=1e-6)
     for a, r in zip(gb1, gb0):
         assert a.dtype == jnp.bfloat16
@@ -130,11 +137,12 @@ def test_head_loss_keeps_no_logits_for_the_backward():
 def test_loss_chunk_len_and_the_model_loss():
     """`loss_chunk_len`: the largest divisor of T with B x length <= the chunk's tokens (at least 1). `GPT.loss` (one
     chunk here) and the loss in chunks of 4 positions (`lm_head_loss` over `GPT.hidden`) agree with `cross_entropy`
-    of the model's logits, loss and every parameter's gradient."""
+    of the model's logits, loss and every parameter's gradient. One layer (the dense stem): the head's loss sees only
+    the last block's output, whatever the blocks; the three in one program (one compilation)."""
     assert [loss_chunk_len(*a) for a in [(8, 2048, 4096), (16, 2048, 4096), (3, 7, 4096), (5, 2048, 4096),
                                          (64, 2048, 16), (2, 12, 8)]] == [512, 256, 7, 512, 1, 4]
     assert LOSS_CHUNK_TOKENS == 4096
-    cfg = load_config("configs/tiny_mh_latent_moe.yaml", ["model.n_layers=2", "model.context=16"])
+    cfg = load_config("configs/tiny_mh_latent_moe.yaml", ["model.n_layers=1", "model.context=16"])
     graphdef, state = nnx.split(build_model(cfg))
     tok = jax.random.randint(jax.random.key(0), (2, 17), 0, cfg.model.vocab_size)
 
@@ -147,9 +155,12 @@ def test_loss_chunk_len_and_the_model_loss():
     def model_loss(m):
         return m.loss(tok[:, :-1], tok[:, 1:])[0]
 
+    @jax.jit
+    def losses_and_grads(s):
+        return [jax.value_and_grad(lambda s_, f=f: f(nnx.merge(graphdef, s_)))(s) for f in (whole, chunked, model_loss)]
+
     with jax.default_matmul_precision("highest"):  # fp32 products on a GPU too (TF32 differs by ~1e-4 there)
-        (v0, g0), (v1, g1), (v2, g2) = (jax.jit(jax.value_and_grad(lambda s, f=f: f(nnx.merge(graphdef, s))))(state)
-                                        for f in (whole, chunked, model_loss))
+        (v0, g0), (v1, g1), (v2, g2) = losses_and_grads(state)
     for v in (v1, v2):
         np.testing.assert_allclose(float(v), float(v0), rtol=1e-6)
     for g in (g1, g2):  # every parameter's gradient through the model
