@@ -14,7 +14,9 @@ from flax import nnx
 from mhl_jax.config import load_config
 from mhl_jax.model.balancing import RouterBias
 from mhl_jax.model.gpt import build_model
+from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
+from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.optimizer import make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +61,16 @@ def final_params(run_dir, step=None):
     ck = Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint, model_fingerprint(cfg))
     step, state = ck.restore(template, None, step=step)
     ck.close()
+    return step, [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def final_state(run_dir):
+    """(step, every leaf as numpy) of the run's newest checkpoint, restored on one device into the state's shapes
+    (`state_creator`'s abstract state: no model is built, which, op by op, takes seconds)."""
+    cfg = load_config(str(Path(run_dir) / "config.yaml"), ["parallel.devices=1"])
+    _, _, abstract = state_creator(cfg, make_mesh(cfg), make_optimizer(cfg))
+    with Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
+        step, state = ckpt.restore(abstract)
     return step, [np.asarray(x) for x in jax.tree.leaves(state)]
 
 

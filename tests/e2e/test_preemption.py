@@ -14,20 +14,15 @@ import threading
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 
 from mhl_jax.config import load_config
-from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.runtime import distributed
-from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
 from mhl_jax.runtime.errors import EXIT_INTERRUPTED, CheckpointSaveError
-from mhl_jax.runtime.state import state_creator
 from mhl_jax.train import interrupt
 from mhl_jax.train.interrupt import SAVE_FAILED, SIGNALLED, PreemptionSignals, Stopping
 from mhl_jax.train.loop import train
-from mhl_jax.train.optimizer import make_optimizer
-from tests.runs import losses
+from tests.runs import final_state, losses
 
 ROOT = Path(__file__).resolve().parents[2]
 TOTAL = 60  # steps of ~10 ms: a signal sent at step 5 lands well before the end
@@ -76,16 +71,6 @@ def interrupted_step(r) -> int:
     step = int(r.stderr.split()[3].rstrip(":"))
     assert 5 <= step < TOTAL, r.stderr  # not the run's own end: the test proves something
     return step
-
-
-def final_state(run_dir):
-    """(step, every leaf as numpy) of the run's newest checkpoint, restored on one device into the state's shapes
-    (`state_creator`'s abstract state: no model is built, which, op by op, takes seconds)."""
-    cfg = load_config(str(Path(run_dir) / "config.yaml"), ["parallel.devices=1"])
-    _, _, abstract = state_creator(cfg, make_mesh(cfg), make_optimizer(cfg))
-    with Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
-        step, state = ckpt.restore(abstract)
-    return step, [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
 def assert_same_run(run_dir, reference):

@@ -17,33 +17,17 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
-from mhl_jax.config import load_config
 from mhl_jax.data.prepare import main as prepare_main
-from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.runtime.autotune import DEFAULT_NAME
-from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
-from mhl_jax.runtime.state import state_creator
-from mhl_jax.train.optimizer import make_optimizer
-from tests.runs import assert_same_state, common, losses, run
+from tests.runs import assert_same_state, common, final_state, losses, run
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 4
 TOTAL = 40  # steps enough for a SIGKILL sent at the first checkpoint to land well before the end
 EVERY = 10  # checkpoint.every: the last two (keep 2) are TOTAL - EVERY and TOTAL
-
-
-def final_state(run_dir):
-    """(step, every leaf as numpy) of the run's newest checkpoint, restored on one device into the state's shapes
-    (`state_creator`'s abstract state: no model is built, which, op by op, takes seconds)."""
-    cfg = load_config(str(Path(run_dir) / "config.yaml"), ["parallel.devices=1"])
-    _, _, abstract = state_creator(cfg, make_mesh(cfg), make_optimizer(cfg))
-    with Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint, model_fingerprint(cfg)) as ckpt:
-        step, state = ckpt.restore(abstract)
-    return step, [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
 def assert_same_final_state(a, b):
