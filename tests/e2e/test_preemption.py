@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -39,8 +40,15 @@ def args(run_dir, *extra):
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
 
 
+def pending(pid: int, signum: int) -> bool:
+    """Whether signal `signum`, sent to process `pid`, has not reached it yet (Linux: /proc/PID/status's masks)."""
+    masks = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return any(int(masks[k], 16) >> (signum - 1) & 1 for k in ("SigPnd", "ShdPnd"))
+
+
 def signalled(run_dir, when: str, signals, *extra) -> subprocess.CompletedProcess:
-    """train.py, sent `signals` (one after the other, at once) as soon as it prints a line containing `when`."""
+    """train.py, sent `signals` (one after the other, each once the one before has reached it: two pending at once
+    would reach it lowest number first) as soon as it prints a line containing `when`."""
     p = subprocess.Popen([sys.executable, "train.py", *args(run_dir, *extra)], cwd=ROOT, env=ENV, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -50,6 +58,8 @@ def signalled(run_dir, when: str, signals, *extra) -> subprocess.CompletedProces
             if when in line:
                 for s in signals:
                     p.send_signal(s)
+                    while pending(p.pid, s):
+                        time.sleep(0.001)
                 break
         out, err = p.communicate(timeout=300)
     finally:
