@@ -38,43 +38,25 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-# bench.layer's two tests run one shape (tokens / Ne / k / de): the reference layer's gradient compiles once, the
-# second time read from the persistent compilation cache.
-LAYER_SHAPE = (48, 6, 2, 32)
-
-
-def test_layer_runs_at_a_tiny_shape(tmp_path):
-    """bench.layer on the reference ops at one tiny shape: one record with the table's fields, and its JSON line
-    appended to --out."""
-    from bench import layer
-
-    out = tmp_path / "layer.jsonl"
-    tokens, ne, k, de = LAYER_SHAPE
-    layer.main(["--tokens", str(tokens), "--configs", f"{ne}/{k}/{de}", "--impl", "reference", "--out", str(out)])
-    (r,) = _records(out)
-    assert r["bench"] == "layer" and "error" not in r, r
-    assert r["params"] == dict(tokens=tokens, d=1024, nh=8, dh=128, ne=ne, k=k, de=de, expert_weights="float32")
-    assert r["ms"] > 0 and r["ms_fwd"] > 0 and r["peak_gib"] > 0 and r["tflops"] > 0 and "authors" not in r
-
-
-def test_layer_on_the_emulated_kernels_has_the_reference_gradients(monkeypatch):
-    """bench.layer's layer on the Triton path with the bindings swapped for their emulating stand-ins (CPU): its
-    gradients equal those of the same layer on the reference ops. Guards the GPU runs, where a crash costs device
-    time."""
-    import functools
-
+def test_layer_runs_at_a_tiny_shape_with_the_reference_gradients_on_the_triton_path(tmp_path, emulated):
+    """bench.layer on the Triton path at one tiny shape, the bindings swapped for their emulating stand-ins (CPU):
+    one record with the table's fields, and its JSON line appended to --out; then the layer's gradients there
+    (bench.layer's own functions, its compiles read back from the persistent compilation cache) equal those of the
+    same layer on the reference ops. Guards the GPU runs, where a crash costs device time. (The reference ops take
+    no branch of bench.layer's own: `impl` is handed to `moe_heads`.)"""
     import jax.numpy as jnp
     import numpy as np
 
-    import mhl_jax.moe.gpu.experts as et
-    import mhl_jax.moe.gpu.fused as mt
-    import mhl_jax.moe.gpu.router as rt
     from bench import layer as bl
 
-    monkeypatch.setattr(rt, "route_topk_triton", functools.partial(rt.route_topk_triton, backend="emulate"))
-    monkeypatch.setattr(et, "expert_ffn_triton", functools.partial(et.expert_ffn_triton, backend="emulate"))
-    monkeypatch.setattr(mt, "moe_heads_fused", functools.partial(mt.moe_heads_fused, backend="emulate"))
-    tokens, ne, k, de = LAYER_SHAPE
+    tokens, ne, k, de = 48, 6, 2, 32
+    out = tmp_path / "layer.jsonl"
+    bl.main(["--tokens", str(tokens), "--configs", f"{ne}/{k}/{de}", "--impl", "triton", "--out", str(out)])
+    (r,) = _records(out)
+    assert r["bench"] == "layer" and r["impl"] == "triton" and "error" not in r, r
+    assert r["params"] == dict(tokens=tokens, d=1024, nh=8, dh=128, ne=ne, k=k, de=de, expert_weights="float32")
+    assert r["ms"] > 0 and r["ms_fwd"] > 0 and r["peak_gib"] > 0 and r["tflops"] > 0 and "authors" not in r
+
     params = bl.init_params(jax.random.key(0), ne, de)
     x = jax.random.normal(jax.random.key(1), (tokens, bl.D)).astype(jnp.bfloat16)
     g_tri, g_ref = (bl.layer_fns(k, impl)[1](params, x)[0] for impl in ("triton", "reference"))
