@@ -5,9 +5,12 @@ non-finite is never saved."""
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from mhl_jax.config import load_config
+from mhl_jax.train import loop
 from mhl_jax.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,11 +48,25 @@ def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_run_trains_the_same_
     assert [(r["step"], r["loss"]) for r in records] == [(m["step"], m["loss"]) for m in first]
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 1e39 into float32, as meant
-def test_a_state_that_turned_non_finite_is_not_saved(tmp_path):
-    """lr 1e39 is a finite setting, and inf in float32: step 1's loss and gradient are finite, its update makes the
-    parameters inf or NaN. Its checkpoint is refused (FloatingPointError: train.py's status 1) naming a parameter."""
-    cfg = smallest(tmp_path, "optimizer.lr=1e39", "optimizer.grad_clip=null", "checkpoint.every=1")
+def test_a_state_that_turned_non_finite_is_not_saved(tmp_path, monkeypatch):
+    """Step 1's loss and gradient are finite, its update makes the parameters inf or NaN (as a step that diverges:
+    here its new parameters times inf, on the compiled step of the test above; Checkpointer's own check is
+    tests/unit/test_checkpoint_integrity.py's). Its checkpoint is refused (FloatingPointError: train.py's status 1)
+    naming a parameter, and nothing is written."""
+    real = loop.jit_train_step
+    blow_up = jax.jit(lambda params: jax.tree.map(lambda p: p * jnp.inf, params))
+
+    def diverging(*args, **kwargs):
+        step_fn = real(*args, **kwargs)
+
+        def wrapped(state, batch):
+            new, m = step_fn(state, batch)
+            return {**new, "params": blow_up(new["params"])}, m
+        wrapped.lower = step_fn.lower  # the loop's memory check compiles the step ahead (the same program)
+        return wrapped
+
+    monkeypatch.setattr(loop, "jit_train_step", diverging)
+    cfg = smallest(tmp_path, "checkpoint.every=1")
     with pytest.raises(FloatingPointError, match=r"^the state of step 1 is not finite: leaf params/\S+ holds \d+ "
                                                  r"NaN/inf values \(\d+ of \d+ leaves hold some\); its checkpoint is "
                                                  r"not written \(there is no earlier one\)$"):
