@@ -54,6 +54,19 @@ def jax_expert_inputs(seed: int, n: int, h: int, dh: int, ne: int, de: int, k: i
     return x, idx, gates, w1, w2
 
 
+def np_expert_inputs(seed: int, n: int, h: int, dh: int, ne: int, de: int, k: int):
+    """`jax_expert_inputs` drawn by numpy's generator: on the CPU, JAX's compiles a program for each shape it draws
+    (seconds each), numpy's compiles nothing."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, h, dh), dtype=np.float32).astype(jnp.bfloat16)
+    idx = np.argsort(rng.random((n, h, ne)), axis=-1)[..., :k].astype(np.int32)
+    z = rng.standard_normal((n, h, k))
+    gates = (np.exp(z) / np.exp(z).sum(-1, keepdims=True)).astype(np.float32)
+    w1 = rng.standard_normal((h, ne, dh, de), dtype=np.float32) * np.float32(dh ** -0.5)
+    w2 = rng.standard_normal((h, ne, de, dh), dtype=np.float32) * np.float32(de ** -0.5)
+    return tuple(jnp.asarray(a) for a in (x, idx, gates, w1, w2))
+
+
 
 def loss_and_grads(cfg, executor, tokens):
     """(loss, expert loads, gradients) of the model of `cfg` through `executor`, the router biases spread so that

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from kernels.tuning import default_config, dgates_in_kernels  # noqa: E402
-from tests.models import jax_expert_inputs  # noqa: E402
+from tests.models import np_expert_inputs  # noqa: E402
 
 
 def test_plan_picks_expert_kernels(monkeypatch):
@@ -117,14 +117,14 @@ def test_binding_sums_partial_dx_rows_and_gate_gradients(monkeypatch):
     n, h, dh, de, ne, k = 64, 2, 16, 32, 4, 2
     cfg = default_config(n * h * k, h * ne, dh, de)  # the transposed dW kernel: the kernels make the dgates
     assert cfg.dw_form == "t" and dgates_in_kernels(cfg, de)
-    x, idx, gates, w1, w2 = jax_expert_inputs(3, n, h, dh, ne, de, k)
+    x, idx, gates, w1, w2 = np_expert_inputs(3, n, h, dh, ne, de, k)
 
-    def grads():
+    def grads():  # jitted: one compile, not one per eager op (the backward is traced with the _bwd_emulate of now)
         def loss(x, g, a, b):
             y = expert_ffn_triton(x, idx, g, a, b, cfg=cfg, backend="emulate")[0]
             return jnp.sum(y.astype(jnp.float32) ** 2)
 
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, gates, w1, w2)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, gates, w1, w2)
 
     whole = grads()
     real = ek._bwd_emulate
@@ -211,8 +211,9 @@ def test_binding_schedule_matches_launch_grid(monkeypatch):
 
     n, h, dh, de, ne, k = 64, 2, 128, 256, 8, 2
     cfg = default_config(n * h * k, h * ne, dh, de)
-    idx = jnp.argsort(jax.random.uniform(jax.random.key(0), (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
-    _, meta = et.packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, "emulate", None, "test")
+    idx = np_expert_inputs(0, n, h, dh, ne, de, k)[1]
+    _, meta = jax.jit(et.packed_meta, static_argnums=(1, 2, 3, 4, 5, 6))(idx, ne, cfg.pack_block, cfg.pack_impl,
+                                                                        "emulate", None, "test")
     st = ek.Static(cfg, k, "triton", "float32")
     xs = jnp.zeros((n * h, dh), jnp.bfloat16)
     gates = jnp.zeros((n * h * k,), jnp.float32)

@@ -11,6 +11,7 @@ GPU (marker gpu): the binding on Triton in bf16 at dh = 1024, de = 256 against t
 bitwise-deterministic weight gradients.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -154,15 +155,17 @@ def test_emulate_stand_ins_match_interpreted_kernels():
     cfg, dh, de = CASES["subblock"]
     x, idx, gates, w1, w2 = _jax_inputs(4, 24, 2, 2, 3, dh, de)
     g, k = 6, 2
-    jp = packing.pack(idx, 3, cfg.pack_block)
-    start, count = packing.group_blocks(jp.group_sizes, cfg.pack_block)
-    meta = eg.Meta(jp.row_slot, jp.slot_row, jp.block_group, start, count, jp.group_sizes)
     st = eg.Static(cfg, k, "emulate", "float32")
     xs, g32 = x.reshape(48, dh), gates.reshape(-1)
     w1g, w2g = w1.reshape(g, dh, de), w2.reshape(g, de, dh)
-    dy = jax.random.normal(jax.random.key(0), (48, dh))
+    dy = jnp.asarray(np.random.default_rng(0).standard_normal((48, dh), dtype=np.float32))
     common = dict(epi_gelu=False, hpre=None, out_dtype=jnp.float32)
-    with jax.default_matmul_precision("highest"):
+
+    @jax.jit
+    def stand_ins(idx, xs, g32, w1g, w2g, dy):  # one program: one compile, not one per eager op
+        jp = packing.pack(idx, 3, cfg.pack_block)
+        start, count = packing.group_blocks(jp.group_sizes, cfg.pack_block)
+        meta = eg.Meta(jp.row_slot, jp.slot_row, jp.block_group, start, count, jp.group_sizes)
         hpre, act = eg._rows_emulate(st, xs, g32, meta, w1g, a_mode=GATHER, transpose_w=False,
                                      **dict(common, epi_gelu=True))
         out = eg._rows_emulate(st, act, g32, meta, w2g, a_mode=ROWS, transpose_w=False, **common)
@@ -172,6 +175,10 @@ def test_emulate_stand_ins_match_interpreted_kernels():
         wg = dict(num_groups=g, dw_dtype=jnp.float32)
         dw1 = eg._wgrad_emulate(st, xs, dh_rows, g32, meta, a_mode=GATHER, d_mode=ROWS, **wg)
         dw2 = eg._wgrad_emulate(st, act, dy, g32, meta, a_mode=ROWS, d_mode=GATHER_GATED, **wg)
+        return jp, (hpre, act, out, dh_rows, dx_rows, dw1, dw2)
+
+    with jax.default_matmul_precision("highest"):
+        jp, (hpre, act, out, dh_rows, dx_rows, dw1, dw2) = stand_ins(idx, xs, g32, w1g, w2g, dy)
 
     tp = pack_torch(torch.tensor(np.asarray(idx)), 3, cfg.pack_block)
     assert np.array_equal(tp.row_slot.numpy(), np.asarray(jp.row_slot))
@@ -183,38 +190,53 @@ def test_emulate_stand_ins_match_interpreted_kernels():
         assert rel(a, b) < 1e-5, (name, rel(a, b))
 
 
-@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
-def test_jax_binding_emulate_vs_reference(skew):
-    """Value and the gradients of x, gates, w1, w2 (fp32, highest precision, jitted) against the pure-JAX
-    reference; padding blocks, sub-block rows, K loop over several steps."""
+@functools.cache
+def _binding_vs_reference():
+    """One jitted program for both cases of test_jax_binding_emulate_vs_reference (idx an argument: one compile):
+    value, load and the gradients of x, gates, w1, w2 of the binding at the test's config and of the reference,
+    and the outputs of the binding at the default config fitted to the shapes and of the reference."""
     import jax
     import jax.numpy as jnp
 
     from mhl_jax.moe.core import expert_ffn
     from mhl_jax.moe.gpu.grouped import expert_ffn_grouped
 
-    x, idx, gates, w1, w2 = _jax_inputs(5, 24, 2, 2, 3, 64, 32, skew)
     cfg = GroupedConfig(32, GemmTile(16, 32, 16), GemmTile(32, 16, 16), group_m=3)
-    wy = jax.random.normal(jax.random.key(1), x.shape)
 
-    def loss(fn):
+    def loss(fn, idx, wy):
         def f(x, g, a, b):
             y, load = fn(x, idx, g, a, b)
             return jnp.sum(y * wy), load
 
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
 
+    @jax.jit
+    def run(x, idx, gates, w1, w2, wy):
+        args = (x, gates, w1, w2)
+        return (loss(lambda *a: expert_ffn_grouped(*a, cfg=cfg, backend="emulate"), idx, wy)(*args),
+                loss(lambda *a: expert_ffn(*a, impl="reference"), idx, wy)(*args),
+                expert_ffn_grouped(x, idx, gates, w1, w2, backend="emulate")[0], expert_ffn(x, idx, gates, w1, w2)[0])
+
+    return run
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
+def test_jax_binding_emulate_vs_reference(skew):
+    """Value and the gradients of x, gates, w1, w2 (fp32, highest precision, jitted) against the pure-JAX
+    reference; padding blocks, sub-block rows, K loop over several steps; and the binding at its default config
+    fitted to the shapes."""
+    import jax
+
+    x, idx, gates, w1, w2 = _jax_inputs(5, 24, 2, 2, 3, 64, 32, skew)
+    wy = jax.numpy.asarray(np.random.default_rng(1).standard_normal(x.shape, dtype=np.float32))
     with jax.default_matmul_precision("highest"):
-        (v, load), grads = loss(lambda *a: expert_ffn_grouped(*a, cfg=cfg, backend="emulate"))(x, gates, w1, w2)
-        (v_ref, load_ref), grads_ref = loss(lambda *a: expert_ffn(*a, impl="reference"))(x, gates, w1, w2)
+        ((v, load), grads), ((v_ref, load_ref), grads_ref), y, y_ref = _binding_vs_reference()(x, idx, gates, w1,
+                                                                                              w2, wy)
     assert np.array_equal(np.asarray(load), np.asarray(load_ref))
     assert abs(float(v) - float(v_ref)) <= 1e-5 * abs(float(v_ref))
     for name, a, b in zip(("x", "gates", "w1", "w2"), grads, grads_ref):
         assert a.dtype == b.dtype, name
         assert rel(a, b) < 1e-5, (name, rel(a, b))
-    with jax.default_matmul_precision("highest"):  # eager call, default config fitted to the shapes
-        y = expert_ffn_grouped(x, idx, gates, w1, w2, backend="emulate")[0]
-        y_ref = expert_ffn(x, idx, gates, w1, w2)[0]
     assert rel(y, y_ref) < 1e-5
 
 
@@ -229,12 +251,14 @@ def test_jax_binding_bf16_dtypes():
 
     x, idx, gates, w1, w2 = _jax_inputs(6, 24, 2, 2, 3, 32, 16, dtype=jnp.bfloat16)
 
-    def grads(fn):
+    def grads(fn, *args):
         f = lambda x, g, a, b: jnp.sum(fn(x, idx, g, a, b)[0].astype(jnp.float32) ** 2)
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, gates, w1, w2)
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3))(*args)
 
-    v, (dx, dg, dw1, dw2) = grads(lambda *a: expert_ffn_grouped(*a, backend="emulate"))
-    v_ref, ref = grads(lambda *a: expert_ffn(*a, impl="reference"))
+    # the binding and the reference in one program: one compile
+    (v, (dx, dg, dw1, dw2)), (v_ref, ref) = jax.jit(lambda *args: (
+        grads(lambda *a: expert_ffn_grouped(*a, backend="emulate"), *args),
+        grads(lambda *a: expert_ffn(*a, impl="reference"), *args)))(x, gates, w1, w2)
     assert (dx.dtype, dg.dtype, dw1.dtype, dw2.dtype) == (jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32)
     assert abs(float(v) - float(v_ref)) <= 2e-2 * abs(float(v_ref))
     for name, a, b in zip(("x", "gates", "w1", "w2"), (dx, dg, dw1, dw2), ref):
@@ -332,19 +356,21 @@ def test_empty_slots_give_zero_and_match_reference(binding):
     from mhl_jax.moe.gpu.grouped import expert_ffn_grouped
 
     x, idx, gates, w1, w2 = _jax_inputs(7, 24, 2, 2, 3, 32, 16)
-    idx = idx.at[5:].set(jnp.where(jnp.arange(24 - 5)[:, None, None] % 3 == 0, -1, idx[5:]))  # some slots empty
-    idx = idx.at[-4:].set(-1)  # the last 4 tokens: all slots empty, and they are the highest packed slots
+    idx = np.array(idx)
+    idx[5:][np.arange(24 - 5) % 3 == 0] = -1  # some slots empty
+    idx[-4:] = -1  # the last 4 tokens: all slots empty, and they are the highest packed slots
+    idx = jnp.asarray(idx)
     fn = ((lambda *a: expert_ffn_grouped(*a, backend="emulate")) if binding == "grouped"
           else (lambda *a: expert_ffn_triton(*a, backend="emulate")))
-    wy = jax.random.normal(jax.random.key(2), x.shape)
+    wy = jnp.asarray(np.random.default_rng(2).standard_normal(x.shape, dtype=np.float32))
 
-    def run(f):
+    def run(f, x, gates, w1, w2):
         loss = lambda x, g, a, b: jnp.sum(f(x, idx, g, a, b)[0] * wy)  # noqa: E731
-        with jax.default_matmul_precision("highest"):
-            return f(x, idx, gates, w1, w2), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, gates, w1, w2)
+        return f(x, idx, gates, w1, w2), jax.grad(loss, argnums=(0, 1, 2, 3))(x, gates, w1, w2)
 
-    (y, load), grads = run(fn)
-    (y_ref, load_ref), grads_ref = run(lambda *a: expert_ffn(*a, impl="reference"))
+    with jax.default_matmul_precision("highest"):  # the binding and the reference in one program: one compile
+        ((y, load), grads), ((y_ref, load_ref), grads_ref) = jax.jit(
+            lambda *a: (run(fn, *a), run(lambda *b: expert_ffn(*b, impl="reference"), *a)))(x, gates, w1, w2)
     assert np.array_equal(np.asarray(load), np.asarray(load_ref))
     assert int(np.asarray(load).sum()) == int((np.asarray(idx) >= 0).sum())
     assert np.all(np.asarray(y[-4:]) == 0) and np.all(np.asarray(grads[0][-4:]) == 0)

@@ -144,18 +144,16 @@ def _partial_context(part: str):
     return build
 
 
-@pytest.mark.parametrize("kind, devices", [("mh_latent_moe", 1), ("mh_latent_moe", 2), ("mh_latent_moe", 4),
-                                           ("moe", 1)])
-def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch, kind, devices):
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch, devices):
     """bf16 compute, fp32 masters, the fused Triton core (emulated), on one device, under Head Parallel (hp 2, data 1)
-    and hp 2 x data 2; and MoE with experts wider than the fused kernels take (the grouped kernels) on one device.
-    The step context (`build_step_context`) casts the expert weights before the micro-batch loop (the loop body then
-    holds no cast of an expert weight; without the context it does), and hands the expert weights' running gradient
-    sums to the MoE op, whose backward returns sum + gradient (the loop body then holds no add of an expert weight's
-    shape; without it, or with data parallelism, where shard_map would sum the accumulators over `data`, it does).
-    The whole context gives bitwise the new state and metrics of the step without one. Each part alone ("casts",
-    "sums": MH-LatentMoE on one device) is checked in the step's program only: the casts alone are what the context
-    holds under hp x data (run there), the sums alone are the op's grad_acc without weights_cast
+    and hp 2 x data 2. The step context (`build_step_context`) casts the expert weights before the micro-batch loop
+    (the loop body then holds no cast of an expert weight; without the context it does), and hands the expert weights'
+    running gradient sums to the MoE op, whose backward returns sum + gradient (the loop body then holds no add of an
+    expert weight's shape; without it, or with data parallelism, where shard_map would sum the accumulators over
+    `data`, it does). The context gives bitwise the new state and metrics of the step without one.
+    Each part of the context alone (on one device) is checked in the step's program; their values, and the grouped
+    experts' (MoE wider than the fused kernels take: the same step, context and executor), in the op's
     (test_moe_heads_grad_acc_returns_sum_plus_gradient)."""
     from jax.sharding import NamedSharding
 
@@ -164,9 +162,8 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
     from mhl_jax.train.optimizer import make_optimizer
     from mhl_jax.train.schedule import make_schedule
 
-    extra = (("ffn.latent_dim=64", "ffn.head_dim=16", "parallel.hp=2") if kind == "mh_latent_moe" else
-             ("model.d_model=288",))
-    cfg = small(kind, *extra, "model.compute_dtype=bfloat16", "ffn.num_experts=12", "ffn.expert_hidden=32",
+    cfg = small("mh_latent_moe", "ffn.latent_dim=64", "ffn.head_dim=16", "parallel.hp=2",
+                "model.compute_dtype=bfloat16", "ffn.num_experts=12", "ffn.expert_hidden=32",
                 f"parallel.devices={devices}", "ffn.kernels=reference")  # expert weight shapes no activation has
     mesh = make_mesh(cfg) if devices > 1 else None
     executor = LocalMoE("triton") if mesh is None else make_executor(cfg, mesh)
@@ -181,7 +178,7 @@ def test_train_step_expert_weight_casts_and_in_place_sums(emulated, monkeypatch,
     shapes = {s for w in weights for h in (w.shape[0], w.shape[0] // 2) for s in ((h, *w.shape[1:]),
                                                                                 (h * w.shape[1], *w.shape[2:]))}
     in_place_possible = devices < 4
-    parts = ["none", "all"] + (["casts", "sums"] if (kind, devices) == ("mh_latent_moe", 1) else [])
+    parts = ["none", "all"] + (["casts", "sums"] if devices == 1 else [])
     outs = []
     for part in parts:
         monkeypatch.setattr(step_mod, "build_step_context",
@@ -220,17 +217,14 @@ def _moe_args(seed: int, n: int, h: int, dh: int, ne: int, de: int, scale: float
     return args, (jnp.asarray(acc1), jnp.asarray(acc2))
 
 
-def _assert_sum_plus_gradient(run, args, acc, one_program=False):
+def _assert_sum_plus_gradient(run, args, acc):
     """run(x, w_r, w1, w2, grad_acc) -> y: with grad_acc the gradients of w1 / w2 are bitwise acc + those without, x's
-    and W_r's the same. one_program: both gradients in one jitted program (one compile: XLA shares their forward)."""
-    def grads(grad_acc, *a):
+    and W_r's the same."""
+    def grads(grad_acc):
         loss = lambda *a: jnp.sum(run(*a, grad_acc).astype(jnp.float32) ** 2)  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(*a)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
 
-    if one_program:
-        plain, summed = jax.jit(lambda acc_, *a: (grads(None, *a), grads(acc_, *a)))(acc, *args)
-    else:
-        plain, summed = (jax.jit(functools.partial(grads, g))(*args) for g in (None, acc))
+    plain, summed = grads(None), grads(acc)
     for a, b in zip(plain[:2], summed[:2]):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(summed[2], acc[0] + plain[2])
@@ -242,18 +236,48 @@ def test_moe_heads_grad_acc_returns_sum_plus_gradient(emulated, path):
     """`moe_heads(..., grad_acc=(a1, a2))`: the gradients of w1 / w2 come back as a + dW, bitwise the add of the plain
     gradients, on the reference path, the fused Triton core (added in its backward), the Triton ops apart (x_route
     not x_expert: `accumulate_grad`) and the grouped experts (dh > 256: added by the wgrad kernel); the other
-    gradients unchanged."""
+    gradients unchanged. On the Triton paths the same with the expert weights handed in cast (`weights_cast`, as the
+    train step's context makes them; the reference path refuses them), with and without grad_acc: the cast weights
+    change no gradient. All variants in one program (one compile: XLA shares their forward)."""
     from mhl_jax.moe.core import moe_heads
 
     h, ne, k = 2, 8, 2
     args, acc = _moe_args(3, 32, h, 16 if path != "grouped" else 272, ne, 32, 0.2)
     impl = "reference" if path == "reference" else "triton"
 
-    def run(x, w_r, w1, w2, grad_acc):
-        xr = x if path != "apart" else x + jnp.bfloat16(0)  # another array: routed apart from the experts' input
-        return moe_heads(xr, x, w_r, jnp.zeros((h, ne)), w1, w2, k, impl, grad_acc=grad_acc)[0]
+    def grads(grad_acc, weights_cast, *a):
+        def loss(x, w_r, w1, w2):
+            xr = x if path != "apart" else x + jnp.bfloat16(0)  # another array: routed apart from the experts' input
+            y = moe_heads(xr, x, w_r, jnp.zeros((h, ne)), w1, w2, k, impl, weights_cast=weights_cast,
+                          grad_acc=grad_acc)[0]
+            return jnp.sum(y.astype(jnp.float32) ** 2)
 
-    _assert_sum_plus_gradient(run, args, acc, one_program=True)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(*a)
+
+    sums = [False, True]
+    casts = [False] + ([True] if impl == "triton" else [])
+    variants = [(s, c) for c in casts for s in sums]
+
+    @jax.jit
+    def every_variant(acc, x, w_r, w1, w2):
+        cast = (w1.astype(x.dtype), w2.astype(x.dtype))  # made outside the differentiated function, as the step's
+        return [grads(acc if s else None, cast if c else None, x, w_r, w1, w2) for s, c in variants]
+
+    if impl == "triton":  # given the casts, the op casts no expert weight itself (the step's loop body: no cast)
+        shapes = {t for w in args[2:] for t in (w.shape, (h * ne, *w.shape[2:]))}
+        for c in casts:
+            jaxpr = jax.make_jaxpr(lambda x, w_r, w1, w2, c1, c2, c=c: grads(acc, (c1, c2) if c else None,
+                                                                             x, w_r, w1, w2))
+            n = _weight_casts_in(jaxpr(*args, *(jax.ShapeDtypeStruct(w.shape, jnp.bfloat16) for w in args[2:])).jaxpr,
+                                 shapes)
+            assert (n == 0) if c else (n >= 2), (c, n)
+    plain, *others = every_variant(acc, *args)
+    for (s, c), got in zip(variants[1:], others):
+        for a, b in zip(plain[:2], got[:2]):
+            np.testing.assert_array_equal(a, b, err_msg=f"grad_acc {s}, weights_cast {c}")
+        for i in (2, 3):
+            np.testing.assert_array_equal(got[i], acc[i - 2] + plain[i] if s else plain[i],
+                                          err_msg=f"grad_acc {s}, weights_cast {c}")
 
 
 @pytest.mark.gpu
@@ -296,9 +320,9 @@ def test_weights_cast_and_grad_acc_errors(emulated):
         moe_triton.moe_heads_fused(x, w_r, bias, w1, w2, 2, cast=True, weights_cast=casts)
     with pytest.raises(ValueError, match="grad_acc .* must be shaped and typed as w1"):
         moe_triton.moe_heads_fused(x, w_r, bias, w1, w2, 2, grad_acc=casts)
-    with pytest.raises(ValueError, match="grad_acc must be shaped and typed as fp32 w1"):
-        experts_grouped.expert_ffn_grouped(x, jnp.zeros((16, 2, 2), jnp.int32), jnp.ones((16, 2, 2)), w1, w2,
-                                           grad_acc=casts)
+    with pytest.raises(ValueError, match="grad_acc must be shaped and typed as fp32 w1"):  # traced: not run
+        jax.eval_shape(lambda: experts_grouped.expert_ffn_grouped(x, jnp.zeros((16, 2, 2), jnp.int32),
+                                                                  jnp.ones((16, 2, 2)), w1, w2, grad_acc=casts))
     mesh = make_mesh(small("mh_latent_moe", "ffn.latent_dim=64", "ffn.head_dim=16", "parallel.hp=2",
                            "parallel.devices=4"))
     with pytest.raises(ValueError, match="grad_acc= needs a mesh without data parallelism"):

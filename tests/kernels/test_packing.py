@@ -1,8 +1,6 @@
 """Packing (mhl_jax/moe/packing.py and its Triton twin, mhl_jax/moe/gpu/packing.py): layout invariants, round trips,
 the torch twin, extreme skew. The Triton kernels run under the interpreter without a GPU (tests/conftest.py)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,12 +10,26 @@ from mhl_jax.moe import packing as pk
 from mhl_jax.moe.core import expert_ffn
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _random_idx(key, n, h, ne, k):
     return jnp.argsort(jax.random.uniform(key, (n, h, ne)), axis=-1)[..., :k].astype(jnp.int32)
 
 
-# Every JAX op of these tests runs under jit: one compile per shape, not one per eager op and shape.
+# The CPU tests draw their inputs with numpy (JAX's generator compiles a program per shape) and run every JAX op
+# under jit (one compile per shape, not one per eager op and shape).
+def _np_idx(seed, n, h, ne, k):
+    """idx (n, h, k): k distinct experts of ne per sub-token, at random."""
+    return np.argsort(np.random.default_rng(seed).random((n, h, ne)), axis=-1)[..., :k].astype(np.int32)
+
+
+def _np_normal(rng, *shape, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+
+
+def _np_gates(rng, n, h, k):
+    z = rng.standard_normal((n, h, k))
+    return jnp.asarray((np.exp(z) / np.exp(z).sum(-1, keepdims=True)).astype(np.float32))
+
+
 _jit_pack = jax.jit(pk.pack, static_argnums=(1, 2))
 _jit_group_blocks = jax.jit(pk.group_blocks, static_argnums=1)
 
@@ -29,12 +41,13 @@ def _case_idx(case: str, seed: int) -> tuple[jax.Array, int]:
     32 leave a partial last chunk) or 48 (chunks of 16 divide it); chunk 1024 is one chunk for the whole head.
     Few slots: the interpreter's cost is the chunks' in-register sorts."""
     n, h, k, ne = {"tiny": (1, 1, 1, 1), "many_experts": (24, 2, 2, 40)}.get(case, (11, 2, 3, 7))
-    idx = _random_idx(jax.random.key(seed), n, h, ne, k)
+    idx = _np_idx(seed, n, h, ne, k)
     if case == "skew":
-        idx = jnp.broadcast_to(jnp.array([6, 0, 2], jnp.int32), (n, h, k))
+        idx = np.broadcast_to(np.array([6, 0, 2], np.int32), (n, h, k))
     if case == "empty_slots":
-        idx = idx.at[::4, :, 1].set(-1).at[n - 5:].set(-1)
-    return idx, ne
+        idx[::4, :, 1] = -1
+        idx[n - 5:] = -1
+    return jnp.asarray(idx), ne
 
 
 def _dense_expert_ffn(x, idx, gates, w1, w2):
@@ -86,13 +99,12 @@ def _check_layout(idx, num_experts, block):
 
 @pytest.mark.parametrize("block", [4, 16])
 def test_pack_layout_random(block):
-    idx = _random_idx(jax.random.key(1), 37, 3, 5, 2)
-    _check_layout(idx, 5, block)
+    _check_layout(jnp.asarray(_np_idx(1, 37, 3, 5, 2)), 5, block)
 
 
 def test_pack_layout_extreme_skew():
     n, h, k, ne = 50, 2, 3, 8
-    idx = jnp.broadcast_to(jnp.array([5, 0, 7], jnp.int32), (n, h, k))  # every token picks the same experts
+    idx = jnp.asarray(np.broadcast_to(np.array([5, 0, 7], np.int32), (n, h, k)))  # every token: the same experts
     p = _check_layout(idx, ne, 8)
     sizes = np.asarray(p.group_sizes).reshape(h, ne)
     assert (sizes[:, [0, 5, 7]] == n).all() and sizes.sum() == n * h * k
@@ -148,10 +160,8 @@ def test_gpu_triton_pack_binding_equals_jax_pack():
 
 def test_gather_combine_round_trip():
     n, h, k, ne, dh = 29, 2, 3, 6, 8
-    ks = jax.random.split(jax.random.key(2), 3)
-    x = jax.random.normal(ks[0], (n, h, dh))
-    idx = _random_idx(ks[1], n, h, ne, k)
-    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
+    rng = np.random.default_rng(2)
+    x, idx, gates = _np_normal(rng, n, h, dh), jnp.asarray(_np_idx(2, n, h, ne, k)), _np_gates(rng, n, h, k)
 
     @jax.jit
     def round_trip(x, idx, gates):
@@ -169,7 +179,7 @@ def test_torch_pack_matches_jax():
     torch = pytest.importorskip("torch")
     from kernels.torch.experts import pack_torch
 
-    idx = _random_idx(jax.random.key(3), 41, 2, 7, 3)
+    idx = jnp.asarray(_np_idx(3, 41, 2, 7, 3))
     p = _jit_pack(idx, 7, 8)
     t = pack_torch(torch.from_numpy(np.array(idx)), 7, 8)
     start, count = _jit_group_blocks(p.group_sizes, 8)
@@ -183,13 +193,11 @@ def test_torch_pack_matches_jax():
 def test_reference_expert_ffn_dropless(skew):
     """expert_ffn(reference) equals the float64 per-slot reference: every routed slot is computed."""
     n, h, k, ne, dh, de = 33, 2, 2, 5, 8, 16
-    ks = jax.random.split(jax.random.key(4), 5)
-    x = jax.random.normal(ks[0], (n, h, dh))
-    idx = (jnp.broadcast_to(jnp.array([3, 1], jnp.int32), (n, h, k)) if skew
-           else _random_idx(ks[1], n, h, ne, k))
-    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
-    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) / 3
-    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) / 3
+    rng = np.random.default_rng(4)
+    x = _np_normal(rng, n, h, dh)
+    idx = jnp.asarray(np.broadcast_to(np.array([3, 1], np.int32), (n, h, k)) if skew else _np_idx(4, n, h, ne, k))
+    gates = _np_gates(rng, n, h, k)
+    w1, w2 = _np_normal(rng, h, ne, dh, de, scale=1 / 3), _np_normal(rng, h, ne, de, dh, scale=1 / 3)
     with jax.default_matmul_precision("highest"):
         y, load = jax.jit(expert_ffn, static_argnums=5)(x, idx, gates, w1, w2, "reference")
     ref = _dense_expert_ffn(x, idx, gates, w1, w2)
@@ -205,14 +213,12 @@ def test_custom_vjp_plumbing_matches_reference(skew, variant):
     from mhl_jax.moe.gpu.experts import expert_ffn_triton
 
     n, h, k, ne, dh, de = 40, 2, 3, 5, 16, 32
-    ks = jax.random.split(jax.random.key(5), 6)
-    x = jax.random.normal(ks[0], (n, h, dh))
-    idx = (jnp.broadcast_to(jnp.array([4, 0, 2], jnp.int32), (n, h, k)) if skew
-           else _random_idx(ks[1], n, h, ne, k))
-    gates = jax.nn.softmax(jax.random.normal(ks[2], (n, h, k)), axis=-1)
-    w1 = jax.random.normal(ks[3], (h, ne, dh, de)) / 4
-    w2 = jax.random.normal(ks[4], (h, ne, de, dh)) / 4
-    wy = jax.random.normal(ks[5], (n, h, dh))
+    rng = np.random.default_rng(5)
+    x = _np_normal(rng, n, h, dh)
+    idx = jnp.asarray(np.broadcast_to(np.array([4, 0, 2], np.int32), (n, h, k)) if skew else _np_idx(5, n, h, ne, k))
+    gates = _np_gates(rng, n, h, k)
+    w1, w2 = _np_normal(rng, h, ne, dh, de, scale=1 / 4), _np_normal(rng, h, ne, de, dh, scale=1 / 4)
+    wy = _np_normal(rng, n, h, dh)
     cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 32))
     if variant == "t":  # the transposed dW kernel
         cfg = ExpertsConfig(16, Tile(16, 16), Tile(16, 16), Tile(16, 16), dw_form="t")
@@ -227,8 +233,8 @@ def test_custom_vjp_plumbing_matches_reference(skew, variant):
         def loss_ref(x, g, a, b):
             return jnp.sum(expert_ffn(x, idx, g, a, b, "reference")[0] * wy)
 
-        args64 = [a.astype(jnp.float64) for a in (x, gates, w1, w2)]
-        g_ref = jax.jit(jax.grad(loss_ref, argnums=(0, 1, 2, 3)))(*args64)
+        g_ref = jax.jit(lambda *a: jax.grad(loss_ref, argnums=(0, 1, 2, 3))(*(b.astype(jnp.float64) for b in a)))(
+            x, gates, w1, w2)
     finally:
         jax.config.update("jax_enable_x64", False)
     with jax.default_matmul_precision("highest"):

@@ -4,6 +4,7 @@ the custom_vjp with pure-JAX kernel stand-ins (backend="emulate") against the re
 expert-weight cast. On a GPU: tests/kernels/test_router_gpu.py.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -26,7 +27,7 @@ def _jax_inputs(seed, n, h, dh, ne, bias_scale=0.1):
     x, w, b = router_inputs(seed, n, h, dh, ne, bias_scale)
     import jax.numpy as jnp
 
-    return jnp.asarray(x.float().numpy()).astype(jnp.bfloat16), jnp.asarray(w.numpy()), jnp.asarray(b.numpy())
+    return jnp.asarray(x.float().numpy().astype(jnp.bfloat16)), jnp.asarray(w.numpy()), jnp.asarray(b.numpy())
 
 
 def test_router_kind_rule(monkeypatch):
@@ -101,8 +102,9 @@ def test_ws_router_launch_pairs_kernel_object_and_consumers(monkeypatch, k, nc):
     xs, wp, bias, c1, c2 = seen["args"]  # c1, c2: the caster's (unused) one-element inputs
     assert xs is x and bias is b and wp.shape == (3, 8, 128, 768) and c1.shape == c2.shape == (1,)
     assert c["CAST_N"] == 0
-    # with a cast: two consumers beside the caster warp group at every k, the kernel object of that launch
-    a = jnp.zeros((8, 768, 128, 256), jnp.float32)
+    # with a cast: two consumers beside the caster warp group at every k, the kernel object of that launch (any two
+    # fp32 arrays of one size: the launch reads their size; small ones, not the 0.8 GB of an (8, 768, 128, 256) W1)
+    a = jnp.zeros((8, 768, 16, 16), jnp.float32)
     vals, idx, casts = rt._fwd_triton(st, x, w, b, cast=(a, a))
     c = seen["consts"]
     assert (c["NC"], c["CAST_N"]) == (2, a.size) and seen["kernel"] is gr.ws_router_kernel(2, True)
@@ -112,6 +114,7 @@ def test_ws_router_launch_pairs_kernel_object_and_consumers(monkeypatch, k, nc):
 @interp
 @pytest.mark.parametrize("n,ne", [(41, 24), (7, 64)])
 def test_jax_metadata_matches_torch_and_drives_the_kernels(n, ne):
+    import jax
     import jax.numpy as jnp
 
     from mhl_jax.moe.gpu.router import dw_metadata
@@ -121,7 +124,7 @@ def test_jax_metadata_matches_torch_and_drives_the_kernels(n, ne):
     b[:, 5] = 50.0  # one hot expert: a group over several blocks (n = 41); n = 7: most groups empty
     tiles = router_tiles(ne, k, block_n=16, block_e=16, dx_block_n=16, dw_block=16, dw_sub=16, red_block_e=16)
     _, idx = ktr.router_fwd(x, w, b, k, tiles)
-    mj = dw_metadata(jnp.asarray(idx.numpy()), ne, tiles.dw_block)
+    mj = jax.jit(dw_metadata, static_argnums=(1, 2))(jnp.asarray(idx.numpy()), ne, tiles.dw_block)
     mt = ktr.dw_metadata(idx, ne, tiles.dw_block)
     for name, a, c in zip(mt._fields, mj, mt):
         assert np.array_equal(np.asarray(a), c.numpy()), name
@@ -137,6 +140,7 @@ def test_dw_layout_from_the_experts_packing_drives_the_kernels(pack_block, dw_bl
     """The dW layout cut from the experts' packing (padding rows never read) has the same blocks as the
     sort-based one, gives the float64 gradient through the Triton kernels, and the same dW_r to the bit
     as the sort-based layout; with a hot expert over several blocks and, at n = 7, most groups empty."""
+    import jax
     import jax.numpy as jnp
 
     from mhl_jax.moe import packing as pk
@@ -148,9 +152,13 @@ def test_dw_layout_from_the_experts_packing_drives_the_kernels(pack_block, dw_bl
     tiles = router_tiles(ne, k, block_n=16, block_e=16, dx_block_n=16, red_block_e=16, dw_block=dw_block,
                             dw_sub=16)
     _, idx = ktr.router_fwd(x, w, b, k, tiles)
-    idx_j = jnp.asarray(idx.numpy())
-    from_pack = dw_metadata_from_packing(pk.pack(idx_j, ne, pack_block), h, k, pack_block, dw_block)
-    sorted_ = dw_metadata(idx_j, ne, dw_block)
+
+    @jax.jit
+    def layouts(idx):  # the JAX side in one program: one compile, not one per eager op
+        packing = pk.pack(idx, ne, pack_block)
+        return packing, dw_metadata_from_packing(packing, h, k, pack_block, dw_block), dw_metadata(idx, ne, dw_block)
+
+    packing, from_pack, sorted_ = layouts(jnp.asarray(idx.numpy()))
     for name in ("block_group", "group_bstart", "group_size", "group_nblk"):
         assert np.array_equal(getattr(from_pack, name), getattr(sorted_, name)), name
     metas = [ktr.DwMeta(*[torch.from_numpy(np.array(a)) for a in m]) for m in (from_pack, sorted_)]
@@ -164,7 +172,6 @@ def test_dw_layout_from_the_experts_packing_drives_the_kernels(pack_block, dw_bl
     # the packing's row_slot read as global slots: the same arrays and the same dW_r to the bit
     from kernels.torch.packing import cut_blocks_torch
 
-    packing = pk.pack(idx_j, ne, pack_block)
     sizes = torch.from_numpy(np.array(packing.group_sizes))
     _, _, start, _ = cut_blocks_torch(sizes, pack_block, 1)
     bstart, nblk, _, bg = cut_blocks_torch(sizes, dw_block, from_pack.block_group.shape[0])
@@ -182,6 +189,7 @@ def test_group_blocks_launches_match_the_jax_scans(block, nb_extra):
     op's and the router's block arrays) against packing.group_blocks and the router binding's _cut_groups: over more
     groups than one scan step (GROUP_SCAN_STEP), empty groups, a group over many blocks, and a block bound past the
     blocks in use (-1 there)."""
+    import jax
     import jax.numpy as jnp
 
     from kernels.torch.packing import cut_blocks_torch
@@ -195,8 +203,10 @@ def test_group_blocks_launches_match_the_jax_scans(block, nb_extra):
     sizes[5] = 40 * block + 1
     nb = int(((sizes + block - 1) // block).sum()) + nb_extra
     gstart, gcount, pstart, bg = (t.numpy() for t in cut_blocks_torch(torch.from_numpy(sizes), block, nb))
-    start, count = (np.asarray(a) for a in pk.group_blocks(jnp.asarray(sizes), block))
-    ref = _cut_groups(jnp.zeros((1,), jnp.int32), jnp.zeros((g,), jnp.int32), jnp.asarray(sizes), block, nb)
+    jax_scans = jax.jit(lambda s: (pk.group_blocks(s, block), _cut_groups(jnp.zeros((1,), jnp.int32),
+                                                                           jnp.zeros((g,), jnp.int32), s, block, nb)))
+    (start, count), ref = jax_scans(jnp.asarray(sizes))
+    start, count = np.asarray(start), np.asarray(count)
     assert np.array_equal(gstart, start) and np.array_equal(gcount, count)
     assert np.array_equal(pstart, start * block)
     assert np.array_equal(gstart, np.asarray(ref.group_bstart)) and np.array_equal(bg, np.asarray(ref.block_group))
@@ -220,16 +230,19 @@ def test_jax_route_with_packing_emulate():
     tiles = router_tiles(ne, k, dw_block=16, dw_sub=16)
     plain = lambda x, w: route_topk_triton(x, w, b, k, tiles=tiles, backend="emulate")
     packed = lambda x, w: route_topk_triton(x, w, b, k, tiles=tiles, backend="emulate", pack=(block, "triton"))
-    v1, i1 = plain(x, w)
-    v2, i2, packing = jax.jit(packed)(x, w)
+
+    @jax.jit
+    def run(x, w):  # one program: one compile, not one per eager op and gradient
+        v1, i1 = plain(x, w)
+        grads = [jax.grad(lambda x, w, f=f: jnp.vdot(f(x, w)[0], dv), argnums=(0, 1))(x, w) for f in (plain, packed)]
+        return (v1, i1), packed(x, w), pk.pack(i1, ne, block), grads
+
+    (v1, i1), (v2, i2, packing), want, (g1, g2) = run(x, w)
     assert np.array_equal(i1, i2) and np.array_equal(v1, v2)
-    want = pk.pack(i1, ne, block)
     for name, a, c in zip(want._fields, packing, want):
         assert np.array_equal(a, c), name
-    g1 = jax.jit(jax.grad(lambda x, w: jnp.vdot(plain(x, w)[0], dv), argnums=(0, 1)))(x, w)
-    g2 = jax.jit(jax.grad(lambda x, w: jnp.vdot(packed(x, w)[0], dv), argnums=(0, 1)))(x, w)
     assert np.array_equal(g1[0], g2[0])  # dx: same kernel, same inputs
-    dw64 = grads64(torch.from_numpy(np.asarray(x.astype(jnp.float32))), torch.from_numpy(np.asarray(w)),
+    dw64 = grads64(torch.from_numpy(np.asarray(x).astype(np.float32)), torch.from_numpy(np.array(w)),
                    np.asarray(i1), dv)[1]
     assert_close(g2[1], dw64)
     assert np.array_equal(g2[1], g1[1])  # same dW blocks, same partial sums
@@ -239,10 +252,10 @@ def test_jax_route_with_packing_emulate():
         route_topk_triton(x, w, b, k, backend="emulate", pack=(32, "bogus"))
 
 
-def _check_router_casts(backend, n, h, dh, ne, k, de, gluon=False):
+def _check_router_casts(backend, n, h, dh, ne, k, de, gluon=False, one_program=False):
     """moe_core.moe_heads_triton with the router casting the expert weights (`router_casts_weights` forced on) and
     without: the cast asked for only when on (gluon: and handed to the Gluon kernel's caster), the same loss and every
-    gradient bitwise."""
+    gradient bitwise. one_program: both traced (in turn) into one jitted program (on the CPU: one compile)."""
     import jax
     import jax.numpy as jnp
 
@@ -258,16 +271,21 @@ def _check_router_casts(backend, n, h, dh, ne, k, de, gluon=False):
         y, _ = mc.moe_heads_triton(x, x, w, b, w1, w2, k, backend=backend)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
-    got, casts_asked, kernel_casts = [], [], []
+    casts_asked, kernel_casts = [], []
     saved = mc.router_casts_weights
     real, real_gluon = router_triton.router_static, router_triton._fwd_gluon
     try:
         # both the fused core and route_topk_triton take the router's arguments through router_static
         router_triton.router_static = lambda *a, **kw: casts_asked.append(kw["cast"] is not None) or real(*a, **kw)
         router_triton._fwd_gluon = lambda *a: kernel_casts.append(a[4] is not None) or real_gluon(*a)
-        for on in (False, True):
-            mc.router_casts_weights = lambda *a, on=on: on  # the rule's token count (tested below) aside
-            got.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w, w1, w2))
+        def grads(on, *args):
+            mc.router_casts_weights = lambda *a: on  # the rule's token count (tested below) aside
+            return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(*args)
+
+        if one_program:
+            got = jax.jit(lambda *args: [grads(on, *args) for on in (False, True)])(x, w, w1, w2)
+        else:
+            got = [jax.jit(functools.partial(grads, on))(x, w, w1, w2) for on in (False, True)]
     finally:
         mc.router_casts_weights = saved
         router_triton.router_static, router_triton._fwd_gluon = real, real_gluon
@@ -283,6 +301,7 @@ def test_router_casts_weights_emulate():
     """route_topk_triton(cast=(a, b)) also returns a, b in x's dtype, without gradient, and the MoE core with the
     router casting the expert weights gives the same loss and every gradient bitwise (the emulated path: XLA
     casts)."""
+    import jax
     import jax.numpy as jnp
 
     from mhl_jax.moe.gpu.router import route_topk_triton
@@ -292,13 +311,14 @@ def test_router_casts_weights_emulate():
     rng = np.random.default_rng(7)
     w1 = jnp.asarray(rng.standard_normal((h, ne, dh, de), dtype=np.float32) * 0.1)
     w2 = jnp.asarray(rng.standard_normal((h, ne, de, dh), dtype=np.float32) * 0.1)
-    v, i, casts = route_topk_triton(x, w, b, k, backend="emulate", cast=(w1, w2))
-    v0, i0 = route_topk_triton(x, w, b, k, backend="emulate")
+    (v, i, casts), (v0, i0) = jax.jit(lambda x, w, b, w1, w2: (  # one program: one compile
+        route_topk_triton(x, w, b, k, backend="emulate", cast=(w1, w2)),
+        route_topk_triton(x, w, b, k, backend="emulate")))(x, w, b, w1, w2)
     assert np.array_equal(v, v0) and np.array_equal(i, i0)
     assert all(c.dtype == jnp.bfloat16 and np.array_equal(c, a.astype(jnp.bfloat16)) for c, a in zip(casts, (w1, w2)))
     with pytest.raises(ValueError, match="cast wants two fp32 arrays of one size"):
         route_topk_triton(x, w, b, k, backend="emulate", cast=(w1, w2.astype(jnp.bfloat16)))
-    _check_router_casts("emulate", n, h, dh, ne, k, de)
+    _check_router_casts("emulate", n, h, dh, ne, k, de, one_program=True)
 
 
 @pytest.mark.gpu
@@ -334,12 +354,13 @@ def test_router_casts_weights_rule():
 
 @interp
 def test_jax_split_bf16_matches_torch():
+    import jax
     import jax.numpy as jnp
 
     from mhl_jax.moe.gpu.router import split_bf16
 
     w = np.random.default_rng(1).standard_normal((3, 32, 40), dtype=np.float32)
-    a = np.asarray(split_bf16(jnp.asarray(w), 3).astype(jnp.float32))
+    a = np.asarray(jax.jit(lambda w: split_bf16(w, 3).astype(jnp.float32))(jnp.asarray(w)))
     assert np.array_equal(a, ktr.split_bf16(torch.from_numpy(w), 3).float().numpy())
 
 
@@ -361,12 +382,12 @@ def test_jax_custom_vjp_emulate_vs_reference():
 
     ours = lambda x, w, b: route_topk_triton(x, w, b, k, tiles=tiles, backend="emulate")
     ref = lambda x, w, b: route_topk_reference(x, w, b, k)
-    (v1, i1), (v2, i2) = jax.jit(ours)(x, w, b), ref(x, w, b)
+    # one program: one compile, not one per eager op
+    (v1, i1), (v2, i2), g1, g2 = jax.jit(lambda *a: (ours(*a), ref(*a), jax.grad(loss(ours), argnums=(0, 1, 2))(*a),
+                                                     jax.grad(loss(ref), argnums=(0, 1, 2))(*a)))(x, w, b)
     assert np.array_equal(i1, i2) and np.allclose(v1, v2, rtol=1e-6, atol=1e-6)
-    g1 = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(x, w, b)
-    g2 = jax.grad(loss(ref), argnums=(0, 1, 2))(x, w, b)
     assert g1[0].dtype == jnp.bfloat16 and g1[1].dtype == jnp.float32
-    dx64, dw64 = grads64(torch.from_numpy(np.asarray(x.astype(jnp.float32))), torch.from_numpy(np.asarray(w)),
+    dx64, dw64 = grads64(torch.from_numpy(np.asarray(x).astype(np.float32)), torch.from_numpy(np.array(w)),
                          np.asarray(i1), dv)
     assert_close(g1[1], dw64)
     assert_close(g1[0], dx64, rtol=1e-2)
@@ -390,8 +411,13 @@ def test_jax_shard_map_over_heads_emulate():
     sm = jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "hp"), P("hp"), P("hp")),
                        out_specs=(P(None, "hp"), P(None, "hp")))
     dv = jnp.asarray(np.random.default_rng(4).standard_normal((n, h, k), dtype=np.float32))
-    outs = [jax.jit(f)(x, w, b) for f in (fn, sm)]
-    assert np.array_equal(outs[0][1], outs[1][1]) and np.array_equal(outs[0][0], outs[1][0])
-    grads = [jax.jit(jax.grad(lambda x, w, f=f: jnp.vdot(f(x, w, b)[0], dv), argnums=(0, 1)))(x, w) for f in (fn, sm)]
-    for a, c in zip(*grads):
+
+    @jax.jit
+    def run(x, w):  # one program: one compile
+        return [(f(x, w, b), jax.grad(lambda x, w, f=f: jnp.vdot(f(x, w, b)[0], dv), argnums=(0, 1))(x, w))
+                for f in (fn, sm)]
+
+    (out0, g0), (out1, g1) = run(x, w)
+    assert np.array_equal(out0[1], out1[1]) and np.array_equal(out0[0], out1[0])
+    for a, c in zip(g0, g1):
         assert np.array_equal(a, c)

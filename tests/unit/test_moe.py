@@ -201,8 +201,8 @@ def test_moe_heads_triton_shares_one_packing(dh, n, ne, k):
     gradients (fp32), and one sort fewer in the compiled gradient than the router and expert ops called
     separately. dh 144 runs the grouped expert op, dh 16 the fused one; there 100 slots per group make the
     default config pack 64-row blocks (not the router's dW block) with the Triton packing (emulated: the JAX
-    sort). The fused op at its small-shape config (16-row blocks, the rows dW form) goes through the same
-    sharing: tests/kernels/test_kernels_in_model.py runs it in the model against the reference."""
+    sort). The fused op at the default config of smaller shapes (the rows dW form, the JAX sort's packing) goes
+    through the same sharing in the models of tests/kernels/test_kernels_in_model.py, against the reference."""
     from mhl_jax.moe.core import expert_ffn, moe_heads_triton
     from mhl_jax.moe.gpu.router import route_topk_triton
     from mhl_jax.moe.plan import packing_spec as triton_packing_spec

@@ -43,7 +43,7 @@ def _remat_regions(jaxpr) -> int:
 
 
 def _step(cfg, triton: bool):
-    """(new state, metrics) of one train step of 2 micro-batches, and the step's jaxpr."""
+    """(new state, metrics) of one train step of 2 micro-batches, and the step's jaxpr (the trace it compiles)."""
     mesh = make_mesh(cfg) if cfg.parallel.devices > 1 else None
     executor = LocalMoE(resolve_kernels(cfg.ffn.kernels)) if mesh is None else make_executor(cfg, mesh)
     if triton:
@@ -52,15 +52,15 @@ def _step(cfg, triton: bool):
     tx = make_optimizer(cfg)
     state = {"params": params, "opt_state": tx.init(params), "biases": biases, "step": jnp.int32(0)}
     batch = jnp.stack([tokens(cfg, 4), tokens(cfg, 4)[::-1]])
-    step = step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule))
-    jaxpr = jax.make_jaxpr(step)(state, batch).jaxpr
+    schedule = make_schedule(cfg.optimizer, cfg.schedule)
     if mesh is None:
-        out = jax.jit(step)(state, batch)
+        step = jax.jit(step_mod.make_train_step(graphdef, tx, cfg.balance_gamma, schedule))
     else:
         sh, bsh = state_shardings(cfg, mesh, state), NamedSharding(mesh, batch_spec(mesh))
-        out = step_mod.jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule),
-                                      sh, bsh)(jax.device_put(state, sh), jax.device_put(batch, bsh))
-    return jax.device_get(out), jaxpr
+        step = step_mod.jit_train_step(graphdef, tx, cfg.balance_gamma, schedule, sh, bsh)
+        state, batch = jax.device_put(state, sh), jax.device_put(batch, bsh)
+    traced = step.trace(state, batch)
+    return jax.device_get(traced.lower().compile()(state, batch)), traced.jaxpr.jaxpr
 
 
 @pytest.mark.parametrize("kind, axis", [("mh_latent_moe", "hp"), ("moe", "ep")])
