@@ -136,8 +136,11 @@ class DataConfig:
     source: Literal["builtin", "bin", "hf"] = "builtin"  # builtin corpus, .bin shards, or HF datasets
     path: str = ""  # bin: directory or glob of train shards; hf: dataset name or local data files
     val_path: str = ""  # bin: validation shard(s); hf: empty means hold out from the train split
-    tokenizer: Literal["byte", "gpt2"] = "byte"  # byte-level (always there) or GPT-2 via tiktoken
-    # gpt2: a local rank file (tiktoken's r50k_base.tiktoken) read instead of tiktoken's download; empty: download
+    # byte-level (always there), GPT-2 via tiktoken, or bpe: a byte-level BPE from data.tokenizer_file (e.g. one
+    # `prepare --train-tokenizer` learned; its vocabulary is the file's ranks + 1, for end-of-text)
+    tokenizer: Literal["byte", "gpt2", "bpe"] = "byte"
+    # a .tiktoken rank file. gpt2: tiktoken's r50k_base.tiktoken, read instead of its download (empty: download);
+    # bpe: required
     tokenizer_file: str = ""
     text_column: str = "text"  # hf: column holding the text
     hf_split: str = "train"  # hf: split to read

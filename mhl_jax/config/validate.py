@@ -141,10 +141,15 @@ def _check_data_and_logging(cfg: Config) -> None:
              "empty them (--set data.path= --set data.val_path=) to train on the built-in corpus")
     _require(cfg.data.source != "builtin" or cfg.data.tokenizer == "byte",
              f"data.tokenizer={cfg.data.tokenizer!r} with data.source='builtin': the built-in corpus is byte-level "
-             "(data.tokenizer: byte); gpt2 tokenizes data.source='hf' text (and names how .bin shards were prepared)")
-    _require(not cfg.data.tokenizer_file or cfg.data.tokenizer == "gpt2",
+             "(data.tokenizer: byte); gpt2 and bpe tokenize data.source='hf' text (and name how .bin shards were "
+             "prepared)")
+    _require(not cfg.data.tokenizer_file or cfg.data.tokenizer != "byte",
              f"data.tokenizer_file={cfg.data.tokenizer_file!r} with data.tokenizer={cfg.data.tokenizer!r}, which reads "
-             "no file: the file is GPT-2's vocabulary (set data.tokenizer=gpt2), or leave data.tokenizer_file empty")
+             "no file: the file is GPT-2's vocabulary (set data.tokenizer=gpt2) or another BPE's (data.tokenizer=bpe), "
+             "or leave data.tokenizer_file empty")
+    _require(cfg.data.tokenizer != "bpe" or cfg.data.tokenizer_file,
+             "data.tokenizer='bpe' needs data.tokenizer_file=PATH, its .tiktoken rank file (e.g. the "
+             "tokenizer.tiktoken `python -m mhl_jax.data.prepare --train-tokenizer` writes beside its shards)")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every}: must be >= 1")
     _require(cfg.logging.loads_every >= 0, f"logging.loads_every={cfg.logging.loads_every}: must be >= 0 (0: never)")

@@ -50,6 +50,8 @@ def source_windows(cfg: DataConfig, part: str, *, seq_len: int, vocab_size: int)
         tokens = train if part == "train" else val
         return _array_windows(tokens, f"built-in corpus ({part})", seq_len=seq_len, vocab_size=vocab_size)
     if cfg.source == "bin":
+        if cfg.tokenizer_file:  # a local vocabulary (cheap to read): the model must cover it, as generation samples it
+            check_vocab(get_tokenizer(cfg.tokenizer, cfg.tokenizer_file), vocab_size)
         verify = cfg.verify_tokens
         if part == "train":
             return _bin_windows(cfg.path, "data.path", "train", seq_len=seq_len, vocab_size=vocab_size, verify=verify)

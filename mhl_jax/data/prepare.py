@@ -13,6 +13,12 @@ files are trained on, *val_* validate).
     python -m mhl_jax.data.prepare --input 'books/*.txt' --tokenizer byte --out data/books
     python -m mhl_jax.data.prepare --hf-dataset HuggingFaceFW/fineweb-edu --hf-config sample-10BT \\
         --streaming --tokenizer gpt2 --out data/fineweb_edu10B
+    python -m mhl_jax.data.prepare --input 'books/*.txt' --train-tokenizer 16384 --out data/books_bpe
+
+--train-tokenizer VOCAB first learns a byte-level BPE of VOCAB ids on the --input documents (bpe_train.py), writes it
+as OUT/tokenizer.tiktoken, then encodes with that file (train with data.tokenizer=bpe
+data.tokenizer_file=OUT/tokenizer.tiktoken); --tokenizer bpe --tokenizer-file PATH encodes with an existing one (and
+copies it into OUT). The tokenizer file is staged and installed with the shards.
 
 Exit status: 0 done, 2 bad input (one line says why), 1 a failure while writing, 3 interrupted (--out as it was).
 """
@@ -23,12 +29,14 @@ import argparse
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
 
 from mhl_jax.data.bin_shards import MAX_VOCAB, read_header
+from mhl_jax.data.bpe_train import MIN_VOCAB, train_rank_file
 from mhl_jax.data.errors import DataError
 from mhl_jax.data.hf_source import iter_documents, iter_file_documents, local_files
 from mhl_jax.data.recipes import RECIPES, check_hub
@@ -38,6 +46,7 @@ from mhl_jax.runtime.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
 
 VAL_FRACTION = 0.005  # the default --val-fraction
 VAL_MAX_TOKENS = 100_000_000  # the default --val-max-tokens: a 10B-token corpus's 0.5% is 50M
+TOKENIZER_FILE = "tokenizer.tiktoken"  # a bpe tokenizer's rank file, beside the shards it encoded
 
 
 def _input_files(patterns: list[str]) -> list[Path]:
@@ -58,8 +67,10 @@ def _documents(args: argparse.Namespace) -> Iterator[str]:
 
 
 def _shards_in(out: Path) -> list[Path]:
-    """The shards in `out`, of any name prefix (so that a run with another prefix does not add to them)."""
-    return sorted({*out.glob("*train_*.bin"), *out.glob("*val_*.bin")})
+    """What prepare writes in `out`: the shards, of any name prefix (so that a run with another prefix does not add to
+    them), then the tokenizer file if there is one (it belongs to the shards: replaced, or removed, with them)."""
+    shards = sorted({*out.glob("*train_*.bin"), *out.glob("*val_*.bin")})
+    return shards + [f for f in [out / TOKENIZER_FILE] if f.is_file()]
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -73,8 +84,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 
 def _install(staging: Path, out: Path) -> None:
-    """Move the finished shards from `staging` into `out`, replacing the shards there (set aside first, deleted
-    once the new ones are in place; put back if the move stops part-way, Ctrl-C included)."""
+    """Move the finished shards (and tokenizer file) from `staging` into `out`, replacing those there (set aside
+    first, deleted once the new ones are in place; put back if the move stops part-way, Ctrl-C included)."""
     old = _shards_in(out)
     aside = Path(tempfile.mkdtemp(dir=out, prefix=".prepare-old-")) if old else None
     moved = []
@@ -114,9 +125,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--streaming", action="store_true", help="stream the dataset instead of downloading it first")
     p.add_argument("--text-column", default=None,
                    help="column holding the text (json/csv/parquet, datasets; default: text)")
-    p.add_argument("--tokenizer", choices=["byte", "gpt2"], default=None)
+    p.add_argument("--tokenizer", choices=["byte", "gpt2", "bpe"], default=None)
     p.add_argument("--tokenizer-file", default="", metavar="PATH",
-                   help="gpt2: a local r50k_base.tiktoken, read instead of tiktoken's download (no network needed)")
+                   help="gpt2: a local r50k_base.tiktoken, read instead of tiktoken's download (no network "
+                        f"needed); bpe: the .tiktoken rank file to encode with (required; copied into --out, as "
+                        f"{TOKENIZER_FILE})")
+    p.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB",
+                   help=f"with --input: learn a byte-level BPE of VOCAB ids (256 bytes, merges, end-of-text) on the "
+                        f"input, write it as --out/{TOKENIZER_FILE} and encode with it (instead of --tokenizer)")
     p.add_argument("--out", default=None, help="output directory (a NAME's default: where its configs read it)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000,
                    help="tokens per shard (default: %(default)s)")
@@ -142,6 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--val-fraction={args.val_fraction}: must be in (0, 1)")
     if args.val_max_tokens < 1:
         p.error(f"--val-max-tokens={args.val_max_tokens}: must be >= 1")
+    _check_tokenizer_args(p, args)
     args.prefix = ""
     if args.recipe:
         r = RECIPES[args.recipe]
@@ -161,6 +178,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _check_tokenizer_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--train-tokenizer (on --input, instead of --tokenizer) and --tokenizer bpe (with its --tokenizer-file)."""
+    if args.train_tokenizer is not None:
+        if args.input is None:
+            p.error("--train-tokenizer learns from --input files; give --input FILES")
+        if args.tokenizer is not None or args.tokenizer_file:
+            p.error("--train-tokenizer and --tokenizer/--tokenizer-file: give one (learn a BPE, or encode with one)")
+        if not MIN_VOCAB <= args.train_tokenizer <= MAX_VOCAB:
+            p.error(f"--train-tokenizer={args.train_tokenizer}: must be in [{MIN_VOCAB}, {MAX_VOCAB}] (256 bytes, "
+                    "at least one merge and end-of-text; .bin shards store uint16 ids)")
+        args.tokenizer = "bpe"
+    elif args.tokenizer == "bpe" and not args.tokenizer_file:
+        p.error("--tokenizer bpe needs --tokenizer-file PATH (a .tiktoken rank file), or learn one with "
+                "--train-tokenizer VOCAB")
+
+
 def holdout_of(args: argparse.Namespace) -> Holdout:
     """The validation part `args` asks for: --val-tokens, else --val-fraction (default 0.5%) up to --val-max-tokens."""
     if args.val_tokens is not None:
@@ -168,14 +201,30 @@ def holdout_of(args: argparse.Namespace) -> Holdout:
     return Holdout.spread(VAL_FRACTION if args.val_fraction is None else args.val_fraction, args.val_max_tokens)
 
 
+def _checked_tokenizer(name: str, tokenizer_file: str):
+    tok = get_tokenizer(name, tokenizer_file)
+    if tok.vocab_size > MAX_VOCAB:
+        raise DataError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids; .bin shards store uint16 ids "
+                        f"(< {MAX_VOCAB})")
+    return tok
+
+
+def _train_tokenizer(args: argparse.Namespace, path: Path):
+    """Learn the --train-tokenizer BPE on the input, write its rank file to `path`, and load it as training will."""
+    if not args.no_progress:
+        print(f"prepare: learning a byte-level BPE of {args.train_tokenizer} ids on the input", file=sys.stderr)
+    start = time.perf_counter()
+    ranks = train_rank_file(_documents(args), args.train_tokenizer, path)
+    if not args.no_progress:
+        print(f"prepare: {ranks} ranks learned in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    return _checked_tokenizer("bpe", str(path))
+
+
 def prepare(args: argparse.Namespace) -> list[Path]:
     """Tokenize and write the shards; returns their paths (val first)."""
     if args.recipe:
         check_hub(RECIPES[args.recipe])
-    tok = get_tokenizer(args.tokenizer, args.tokenizer_file)
-    if tok.vocab_size > MAX_VOCAB:
-        raise DataError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids; .bin shards store uint16 ids "
-                        f"(< {MAX_VOCAB})")
+    tok = None if args.train_tokenizer else _checked_tokenizer(args.tokenizer, args.tokenizer_file)
     holdout = holdout_of(args)
     docs = _documents(args)  # local files are found (or refused) here, before --out is touched
     out = Path(args.out)
@@ -193,6 +242,10 @@ def prepare(args: argparse.Namespace) -> list[Path]:
         shutil.rmtree(left, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(dir=out, prefix=".prepare-"))
     try:
+        if tok is None:
+            tok, docs = _train_tokenizer(args, staging / TOKENIZER_FILE), _documents(args)  # the input read again
+        elif args.tokenizer == "bpe":
+            shutil.copyfile(Path(args.tokenizer_file).expanduser(), staging / TOKENIZER_FILE)
         writer = ShardWriter(staging, args.shard_tokens, holdout, args.prefix)
         with tqdm(desc=f"prepare {out}", unit="tok", unit_scale=True, disable=args.no_progress,
                   file=sys.stderr) as bar:
@@ -219,6 +272,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     print(f"wrote {len(written)} shards to {args.out}: validation {n_val} tokens ({len(val)} shard(s), "
           f"{100 * n_val / (n_val + n_train):.2f}%), train {n_train} tokens ({len(train)} shard(s), "
           f"{train[0].name} .. {train[-1].name})")
+    if args.tokenizer == "bpe":
+        tok = get_tokenizer("bpe", str(Path(args.out) / TOKENIZER_FILE))
+        print(f"its tokenizer: {Path(args.out) / TOKENIZER_FILE} ({tok.vocab_size} ids, end-of-text {tok.eot}): train "
+              f"with data.tokenizer=bpe data.tokenizer_file={Path(args.out) / TOKENIZER_FILE} and model.vocab_size >= "
+              f"{tok.vocab_size}")
     return written
 
 

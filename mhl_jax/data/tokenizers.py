@@ -1,11 +1,14 @@
-"""Tokenizers: byte-level (always available) and GPT-2 through tiktoken.
+"""Tokenizers: byte-level (always available), and byte-level BPEs through tiktoken: GPT-2's, or any rank file.
 
-Both turn a document into token ids; `encode_documents` concatenates documents, each one preceded
+Each turns a document into token ids; `encode_documents` concatenates documents, each one preceded
 by the end-of-text token (the modded-nanogpt / FineWeb convention), so EOT separates documents.
 
 GPT-2's vocabulary needs a file: tiktoken downloads and caches it on first use, and a machine without network reads
 it from a local rank file instead (`data.tokenizer_file`, prepare's `--tokenizer-file`): tiktoken's
 `r50k_base.tiktoken`, one `base64(token) rank` line per token, ranks 0..50255, which holds GPT-2's merges.
+`bpe` is the same kind of tokenizer from any such rank file (`data.tokenizer_file`, required), e.g. one that
+`prepare --train-tokenizer` learned on the user's corpus (bpe_train.py): GPT-2's pre-split, the end-of-text id the
+number of ranks. `gpt2` is `bpe` with GPT-2's file, checked to be that size.
 """
 
 from __future__ import annotations
@@ -78,25 +81,27 @@ class TiktokenTokenizer:
 
 
 GPT2_RANKS = 50256  # BPE tokens of GPT-2 (r50k_base); its end-of-text token is the next id
+BPE_FILE_HINT = ("name a .tiktoken rank file, e.g. the tokenizer.tiktoken that `python -m mhl_jax.data.prepare "
+                 "--train-tokenizer VOCAB` writes beside its shards")
 GPT2_FILE_HINT = ("copy tiktoken's r50k_base.tiktoken (GPT-2's vocabulary, 50256 lines) from a machine with network "
                   "and set data.tokenizer_file=PATH (prepare: --tokenizer-file PATH)")
 
 
-def _tiktoken():
+def _tiktoken(name: str):
     try:
         import tiktoken
     except ImportError as e:
-        raise DataError("tokenizer 'gpt2' needs the tiktoken package (pip install tiktoken)") from e
+        raise DataError(f"tokenizer {name!r} needs the tiktoken package (pip install tiktoken)") from e
     return tiktoken
 
 
-def read_ranks(path: str) -> dict[bytes, int]:
+def read_ranks(path: str, hint: str = GPT2_FILE_HINT) -> dict[bytes, int]:
     """A .tiktoken rank file: {token bytes: rank}, ranks exactly 0..n-1, every single byte a token (BPE starts from
-    bytes: a byte without a rank could not be encoded)."""
+    bytes: a byte without a rank could not be encoded). `hint`: where to get a file, said when it cannot be read."""
     try:
         lines = Path(path).expanduser().read_bytes().splitlines()
     except OSError as e:
-        raise DataError(f"data.tokenizer_file={path!r} cannot be read ({e.strerror or e}); {GPT2_FILE_HINT}") from e
+        raise DataError(f"data.tokenizer_file={path!r} cannot be read ({e.strerror or e}); {hint}") from e
     ranks: dict[bytes, int] = {}
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -116,20 +121,35 @@ def read_ranks(path: str) -> dict[bytes, int]:
     return ranks
 
 
+def rank_tokenizer(ranks: dict[bytes, int], name: str) -> TiktokenTokenizer:
+    """The byte-level BPE of `ranks` (read_ranks) over GPT-2's pre-split; its end-of-text id is len(ranks)."""
+    tiktoken = _tiktoken(name)
+    from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-split pattern (words, numbers, spaces)
+
+    enc = tiktoken.Encoding(name, pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": len(ranks)})
+    return TiktokenTokenizer(enc, name)
+
+
+def bpe_tokenizer(tokenizer_file: str) -> TiktokenTokenizer:
+    """The byte-level BPE of a .tiktoken rank file (n ranks: n + 1 ids, EOT n)."""
+    if not tokenizer_file:
+        raise DataError(f"tokenizer 'bpe' needs its rank file: data.tokenizer_file=PATH (prepare: --tokenizer-file "
+                        f"PATH); {BPE_FILE_HINT}")
+    return rank_tokenizer(read_ranks(tokenizer_file, BPE_FILE_HINT), "bpe")
+
+
 def gpt2_tokenizer(tokenizer_file: str = "") -> TiktokenTokenizer:
     """GPT-2's BPE (50257 ids, EOT 50256), from `tokenizer_file` (a local r50k_base.tiktoken) or else from tiktoken,
     which downloads its files on first use and caches them (TIKTOKEN_CACHE_DIR, else <tmp>/data-gym-cache)."""
-    tiktoken = _tiktoken()
+    tiktoken = _tiktoken("gpt2")
     if tokenizer_file:
         ranks = read_ranks(tokenizer_file)
         if len(ranks) != GPT2_RANKS:
             raise DataError(f"data.tokenizer_file={tokenizer_file!r} holds {len(ranks)} tokens, GPT-2's "
-                            f"r50k_base.tiktoken {GPT2_RANKS}: it is another vocabulary")
-        from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-split pattern (words, numbers, spaces)
-
-        enc = tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                                special_tokens={"<|endoftext|>": GPT2_RANKS})
-        return TiktokenTokenizer(enc, "gpt2")
+                            f"r50k_base.tiktoken {GPT2_RANKS}: it is another vocabulary (data.tokenizer=bpe reads "
+                            "any rank file)")
+        return rank_tokenizer(ranks, "gpt2")
     try:
         enc = tiktoken.get_encoding("gpt2")
     except Exception as e:  # requests/urllib errors when offline, OSError for unreadable caches
@@ -142,15 +162,18 @@ def gpt2_tokenizer(tokenizer_file: str = "") -> TiktokenTokenizer:
 
 
 def get_tokenizer(name: str, tokenizer_file: str = "") -> Tokenizer:
-    """'byte' or 'gpt2' (from `tokenizer_file` if given); anything else is a DataError."""
+    """'byte', 'gpt2' (from `tokenizer_file` if given) or 'bpe' (from `tokenizer_file`, required); anything else is a
+    DataError."""
     if name == "byte":
         if tokenizer_file:
             raise DataError(f"data.tokenizer_file={tokenizer_file!r} with tokenizer 'byte', which reads no file: "
-                            "set data.tokenizer=gpt2, or leave data.tokenizer_file empty")
+                            "set data.tokenizer=gpt2 or bpe, or leave data.tokenizer_file empty")
         return ByteTokenizer()
     if name == "gpt2":
         return gpt2_tokenizer(tokenizer_file)
-    raise DataError(f"tokenizer {name!r}: expected 'byte' or 'gpt2'")
+    if name == "bpe":
+        return bpe_tokenizer(tokenizer_file)
+    raise DataError(f"tokenizer {name!r}: expected 'byte' or 'gpt2', or 'bpe' with a rank file")
 
 
 def iter_encoded(tokenizer: Tokenizer, docs: Iterable[str], batch: int = 256) -> Iterator[np.ndarray]:

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("mhl_jax", "kernels")
 # Optional dependencies (extras) and the modules that import them at their top: imported where they are used.
-OPTIONAL = ("triton", "jax_triton", "torch", "tensorboardX", "matplotlib", "lm_eval", "datasets", "tiktoken",
+OPTIONAL = ("triton", "jax_triton", "torch", "tensorboardX", "matplotlib", "lm_eval", "datasets", "tiktoken", "tokenizers",
             "safetensors", "kernels", "mhl_jax.moe.gpu", "mhl_jax.harness", "jax.experimental.pallas", "pydoc_data",
             "absl")
 
