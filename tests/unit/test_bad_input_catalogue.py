@@ -1119,8 +1119,8 @@ for _id, _argv, _fragment in [
     ("two-sources", ["--input", "a", "--hf-dataset", "b", "--tokenizer", "byte", "--out", "o"],
      "give one source: a NAME (fineweb10B), --input FILES or --hf-dataset NAME"),
     ("no-tokenizer", ["--input", "a", "--out", "o"], "--tokenizer is required with --input or --hf-dataset"),
-    ("unknown-tokenizer", ["--input", "a", "--tokenizer", "bpe", "--out", "o"], "argument --tokenizer: invalid choice: "
-     "'bpe'"),
+    ("unknown-tokenizer", ["--input", "a", "--tokenizer", "wordpiece", "--out", "o"], "argument --tokenizer: invalid "
+     "choice: 'wordpiece'"),
     ("shard-tokens-zero", ["--input", "a", "--tokenizer", "byte", "--out", "o", "--shard-tokens", "0"],
      "--shard-tokens=0: must be >= 1"),
     ("val-tokens-zero", ["--input", "a", "--tokenizer", "byte", "--out", "o", "--val-tokens", "0"],
