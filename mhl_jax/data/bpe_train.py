@@ -7,8 +7,9 @@ bytes (rank b is byte b), then each merged token in the order it was learned. En
 the code path training and generation use; the end-of-text id is the number of ranks.
 
 tiktoken merges, in a piece, the adjacent pair whose joined bytes have the lowest rank; HF's BPE the pair whose
-merge was learned first. With ranks in merge order the two agree on the merges training learned, as they do for
-GPT-2's own vocabulary (tests/unit/test_bpe.py checks them against each other on held-out text).
+merge was learned first. With ranks in merge order the two give the same ids, as they do for GPT-2's own vocabulary
+(tests/unit/test_bpe.py compares them on held-out text); they could differ only where a token's bytes can also be
+joined from a pair that training never merged.
 """
 
 from __future__ import annotations
