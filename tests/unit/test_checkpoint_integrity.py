@@ -301,7 +301,7 @@ def test_the_leftovers_of_failed_reads_are_kept_off_stderr(monkeypatch, caplog):
 
 
 # ----------------------------------------------------------------------------- settings that poison a state
-# (those refused are rows of tests/unit/test_bad_input_catalogue.py)
+# (those refused are rows of tests/unit/bad_input/test_config.py)
 
 
 def test_edge_settings_that_are_meant_still_load():
