@@ -9,7 +9,9 @@ the code path training and generation use; the end-of-text id is the number of r
 tiktoken merges, in a piece, the adjacent pair whose joined bytes have the lowest rank; HF's BPE the pair whose
 merge was learned first. With ranks in merge order the two give the same ids, as they do for GPT-2's own vocabulary
 (tests/unit/test_bpe.py compares them on held-out text); they could differ only where a token's bytes can also be
-joined from a pair that training never merged.
+joined from a pair that training never merged. The rank file is the tokenizer: training, evaluation and generation
+all encode through it, never through HF's model. Another `tokenizers` version may learn other merges from the same
+text, so a run's tokenizer.tiktoken, not the version, is what to keep.
 """
 
 from __future__ import annotations
