@@ -115,8 +115,9 @@ def floors(cfg: Config, accum: int, devices: int = 1) -> dict[str, dict[str, flo
 
 
 def floor_ms(work: dict[str, float] | None, peak_tflops: float, peak_tbs: float) -> tuple[float | None, str]:
-    """(ms at the peaks, "flop" or "byte"): the larger of the two times; (None, "") for no floor."""
-    if not work:
+    """(ms at the peaks, "flop" or "byte"): the larger of the two times; (None, "") for no floor (or a zero one, as
+    the gradient accumulation's without accumulation)."""
+    if not work or not any(work.values()):
         return None, ""
     t_flop = work.get("flops", 0.0) / (peak_tflops * 1e12) * 1e3
     t_byte = work.get("bytes", 0.0) / (peak_tbs * 1e12) * 1e3
@@ -126,10 +127,11 @@ def floor_ms(work: dict[str, float] | None, peak_tflops: float, peak_tbs: float)
 def category_times(events: list[tuple[int, int, str, str]], ops: dict, calls: int, module: str = "") -> dict:
     """Traced op events (start ns, duration ns, HLO op, HLO module) of `calls` calls -> per call: `ms`, `fwd_ms`,
     `bwd_ms` per category, `busy_ms` (the union of the kernels' intervals), `unmapped_ms` and the `unmapped` ops with
-    the most time. Events of another module than `module` (when both name one) are left out, and so are those of
-    ops that launch nothing themselves (a loop or a call: the kernels inside it have their own events)."""
+    the most time, and the `other_top` ops (what no scope covers). Events of another module than `module` (when both
+    name one) are left out, and so are those of ops that launch nothing themselves (a loop or a call: the kernels
+    inside it have their own events)."""
     ms = {c: {"ms": 0.0, "fwd_ms": 0.0, "bwd_ms": 0.0} for c in CATEGORIES}
-    unmapped, spans = {}, []
+    unmapped, other, spans = {}, {}, []
     for start, dur, name, mod in events:
         if module and mod and mod != module:
             continue
@@ -141,11 +143,15 @@ def category_times(events: list[tuple[int, int, str, str]], ops: dict, calls: in
             unmapped[name] = unmapped.get(name, 0.0) + dur / 1e6 / calls
             continue
         ms[op.category]["ms"] += dur / 1e6 / calls
+        if op.category == "other":
+            other[name] = other.get(name, 0.0) + dur / 1e6 / calls
         if op.phase:
             ms[op.category][f"{op.phase}_ms"] += dur / 1e6 / calls
-    top = sorted(unmapped.items(), key=lambda kv: -kv[1])[:10]
+    def top(d):
+        return [(k, round(v, 4)) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:10]]
+
     return {"categories": ms, "busy_ms": union_ms(spans) / calls, "unmapped_ms": sum(unmapped.values()),
-            "unmapped": [(k, round(v, 4)) for k, v in top], "events": len(spans)}
+            "unmapped": top(unmapped), "other_top": top(other), "events": len(spans)}
 
 
 def module_name(hlo_text: str) -> str:

@@ -2,6 +2,8 @@
 
 State is a plain dict pytree {params, opt_state, biases, step} so that it checkpoints as is.
 `batch` is (accum, micro_global, T + 1) int32: `accum` micro-batches, each split over the data axis.
+Its parts run under `jax.named_scope`s (grad_accum, optimizer, balancing; the expert weights' casts under experts),
+as the model's do: names in the compiled program only, for `bench/step_profile.py`.
 """
 
 from __future__ import annotations

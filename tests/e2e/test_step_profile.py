@@ -84,6 +84,7 @@ def test_times_from_the_trace_map_to_the_compiled_ops(record):
         assert t["categories"][part]["ms"] > 0, part
     assert t["wall_ms"] > 0 and t["busy_ms"] > 0
     assert record["lines"]["experts"]["x_floor"] > 0
+    assert record["lines"]["balancing"]["floor_ms"] is None and record["lines"]["balancing"]["x_floor"] is None
     assert "| experts |" in sp.table(record) and "host gaps" in sp.table(record)
 
 
@@ -100,7 +101,7 @@ def test_category_times_sums_kernels_by_op():
     assert c["experts"] == pytest.approx({"ms": 60 / 2e6, "fwd_ms": 20 / 2e6, "bwd_ms": 40 / 2e6})
     assert c["optimizer"]["ms"] == 10 / 2e6 and c["other"]["ms"] == 0
     assert t["unmapped"] == [("cublas?", round(4 / 2e6, 4))] and t["unmapped_ms"] == 4 / 2e6
-    assert t["busy_ms"] == (50 + 10 + 4) / 2e6 and t["events"] == 4
+    assert t["busy_ms"] == (50 + 10 + 4) / 2e6 and t["events"] == 4 and t["other_top"] == []
 
 
 def test_scope_of_takes_the_innermost_scope():
@@ -142,3 +143,9 @@ def test_cli_refuses_bad_input(capsys):
     with pytest.raises(SystemExit) as e:
         sp.main(["--config", "configs/tiny_mh_latent_moe.yaml", "--set", "model.n_layerz=1"])
     assert e.value.code == 2 and "FAILED" in capsys.readouterr().out
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        sp.main(["--help"])
+    assert e.value.code == 0 and "usage" in capsys.readouterr().out
