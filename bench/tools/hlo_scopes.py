@@ -11,7 +11,9 @@ HLO instruction's `metadata={op_name="..."}` and XLA keeps it through compilatio
   communication op (by opcode, whatever its scope: all-to-all, all-reduce, all-gather, reduce-scatter,
   collective-permute, send / recv, and fusions or async ops wrapping one), else "other". A fusion is one kernel
   whose parts may come from several scopes: it takes its own op_name, which XLA copies from the fused computation's
-  root (the last op it computes), so a norm fused into the matmul after it counts as that matmul's;
+  root (the last op it computes), so a norm fused into the matmul after it counts as that matmul's. An instruction
+  XLA made without an op_name (a copy it inserted, a dot a pass rewrote) takes the category of its first operand
+  that has one, and inside a fusion that of the fusion;
 - its phase: "bwd" when the path holds a `transpose(...)` (autodiff's backward; a rematerialised forward recomputed
   there counts as backward, and a custom_vjp's backward runs under `transpose(jvp(scope))/...`), else "fwd";
 - how often it runs per call: the product of the known trip counts of the while loops around it (the micro-batch
@@ -197,12 +199,21 @@ def hlo_map(text: str) -> dict[str, Op]:
     comps, entry = parse_hlo(text)
     shapes = {i.name: i.shape for ins in comps.values() for i in ins}
     runs, top = _runs(comps, entry)
+    scope = {i.name: scope_of(i.op_name) for ins in comps.values() for i in ins}
+    for comp in top:  # in text order: an operand's category is settled before its users'
+        for ins in comps[comp]:
+            if not ins.op_name:
+                scope[ins.name] = next((scope[o] for o in ins.operands if scope.get(o, ("other",))[0] != "other"),
+                                       scope[ins.name])
+    for ins in (i for c in top for i in comps[c] if i.opcode == "fusion"):
+        for _, called in ins.called:
+            for inner in comps.get(called, ()):
+                if not inner.op_name:
+                    scope[inner.name] = scope[ins.name]
     out = {}
     for comp, instrs in comps.items():
         for ins in instrs:
-            category, phase = scope_of(ins.op_name)
-            if _is_collective(ins, comps):
-                category, phase = "collectives", ""
+            category, phase = ("collectives", "") if _is_collective(ins, comps) else scope[ins.name]
             out[ins.name] = Op(category, phase, ins.opcode, runs.get(comp, 0), _dot_flops(ins, shapes),
                                comp in top and ins.opcode not in NO_KERNEL_OPS)
     return out

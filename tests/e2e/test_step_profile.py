@@ -149,3 +149,56 @@ def test_cli_help(capsys):
     with pytest.raises(SystemExit) as e:
         sp.main(["--help"])
     assert e.value.code == 0 and "usage" in capsys.readouterr().out
+
+
+HANDWRITTEN = """HloModule jit_f, is_scheduled=true
+
+%fused (p0: f32[4,8], p1: f32[8,16]) -> f32[4,16] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[8,16]{1,0} parameter(1)
+  ROOT %dot.1 = f32[4,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (t: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %t = (s32[], f32[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%t), index=1
+  %w = f32[8,16]{1,0} constant({...})
+  %mm = f32[4,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused, metadata={op_name="jit(f)/while/body/jvp(experts)/x"}
+  %cp = f32[4,16]{1,0} copy(%mm)
+  %a2a = f32[4,16]{1,0} all-to-all(%cp), dimensions={0}, metadata={op_name="jit(f)/while/body/jvp(moe)/all_to_all"}
+  %s = f32[4,8]{1,0} slice(%a2a), slice={[0:4], [0:8]}, metadata={op_name="jit(f)/while/body/transpose(jvp(combine))/s"}
+  ROOT %out = (s32[], f32[4,8]{1,0}) tuple(%i, %s)
+}
+
+%cond (t: (s32[], f32[4,8])) -> pred[] {
+  %t = (s32[], f32[4,8]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[4,8]{1,0}) tuple(%z, %a)
+  %loop = (s32[], f32[4,8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %r = f32[4,8]{1,0} get-tuple-element(%loop), index=1
+  ROOT %upd = f32[4,8]{1,0} multiply(%r, %r), metadata={op_name="jit(f)/optimizer/mul"}
+}
+"""
+
+
+def test_hlo_map_reads_handwritten_hlo():
+    """hlo_map on a module written by hand: a fused dot without an op_name takes its fusion's scope and its FLOPs
+    count 3 times (the loop's trip count); a copy without one takes its operand's; an all-to-all is a collective
+    under any scope; a loop, tuples and constants launch nothing."""
+    ops = hs.hlo_map(HANDWRITTEN)
+    assert ops["dot.1"] == hs.Op("experts", "fwd", "dot", 3, 2.0 * 4 * 16 * 8, False)
+    assert ops["mm"] == hs.Op("experts", "fwd", "fusion", 3, 0.0, True)
+    assert ops["cp"].category == "experts" and ops["cp"].kernel
+    assert (ops["a2a"].category, ops["a2a"].phase) == ("collectives", "")
+    assert (ops["s"].category, ops["s"].phase) == ("combine", "bwd")
+    assert ops["upd"] == hs.Op("optimizer", "", "multiply", 1, 0.0, True)
+    assert not ops["loop"].kernel and not ops["w"].kernel and not ops["out"].kernel
+    s = hs.summary(ops)
+    assert s["experts"]["dot_flops"] == 3 * 2.0 * 4 * 16 * 8 and s["experts"]["kernels"] == 2
+    assert s["experts"]["runs"] == 6 and s["collectives"]["runs"] == 3
