@@ -113,8 +113,8 @@ def test_scope_of_takes_the_innermost_scope():
 
 
 def test_collectives_are_classed_by_opcode_on_a_head_parallel_mesh():
-    """The Head Parallel executor's forward and backward on a 2-device ('data', 'hp') mesh: its all-to-alls and the
-    loads' psum are collectives whatever scope they run under; the rest keeps its scope."""
+    """The Head Parallel executor's forward on a 2-device ('data', 'hp') mesh (the step's backward is checked above):
+    its all-to-alls are collectives whatever scope they run under; the rest keeps its scope."""
     from mhl_jax.parallel.head_parallel import HeadParallelMoE
 
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "hp"))
@@ -124,16 +124,15 @@ def test_collectives_are_classed_by_opcode_on_a_head_parallel_mesh():
     x = jax.random.normal(ks[0], (n, h, dh))
     w_r, w1, w2 = (jax.random.normal(k, s) for k, s in zip(ks[1:], [(h, dh, ne), (h, ne, dh, de), (h, ne, de, dh)]))
 
-    def loss(x, w1):
+    def layer(x, w1):
         with jax.named_scope("moe"):
-            y, _ = ex(x, x, w_r, jnp.zeros((h, ne)), w1, w2, 2)
-        return jnp.sum(y * y)
+            return ex(x, x, w_r, jnp.zeros((h, ne)), w1, w2, 2)
 
-    ops = hs.hlo_map(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w1).compile().as_text())
+    ops = hs.hlo_map(jax.jit(layer).lower(x, w1).compile().as_text())
     coll = [o for o in ops.values() if o.category == "collectives"]
-    assert {o.opcode for o in coll} >= {"all-to-all"} and all(o.phase == "" for o in coll)
-    assert sum(o.opcode == "all-to-all" for o in coll) >= 4  # there and back, forward and backward
-    assert any(o.category == "experts" and o.phase == "bwd" for o in ops.values())
+    assert all(o.phase == "" for o in coll)
+    assert sum(o.opcode == "all-to-all" for o in coll) == 2  # there and back
+    assert any(o.category == "experts" and o.kernel for o in ops.values())
 
 
 def test_cli_refuses_bad_input(capsys):
