@@ -63,12 +63,13 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from bench.common import GIB, JsonLines, memory_gib, parser, today
 from bench.tools.trace import device_time_split
@@ -154,15 +155,26 @@ def run_peak(before: list[int] | None, after: list[int] | None) -> tuple[float |
     return max(after) / GIB, bool(risen) and max(risen) >= max(stale, default=0)
 
 
-def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, warmup: int, seed: int,
-            profile: bool = False, repeat: bool = False) -> dict:
-    """Compile and run len(batches) train steps of `cfg` on `devices`; batches (steps, global_batch, T + 1).
-    repeat: then the same steps again from the same initial state with the same executable (run-to-run determinism
-    in one process: `repeat_losses`, `repeat_bitwise`)."""
-    mesh = make_mesh(cfg, devices)
-    n = mesh.size
-    micro_global = cfg.train.micro_batch * n
-    accum = accumulation_steps(cfg, n)
+class CompiledStep(NamedTuple):
+    """`compile_step`'s: the executable, the mesh, and what a call of it takes."""
+    compiled: Any  # (state, batch) -> (state, metrics), the state donated
+    mesh: Mesh
+    executor: str  # the MoE executor's repr
+    fresh_state: Callable[[], dict]  # the initial state on the mesh, from the host-built params
+    batch_sharding: NamedSharding
+    accum: int  # micro-batches per step
+    compile_s: float
+
+    def batches(self, tokens: np.ndarray) -> np.ndarray:
+        """(steps, global_batch, T + 1) tokens -> (steps, accum, micro_batch x devices, T + 1): the step's layout."""
+        return tokens.reshape(len(tokens), self.accum, -1, tokens.shape[-1])
+
+
+def compile_step(cfg: Config, mesh: Mesh, params, biases, seed: int, tokens: np.ndarray) -> CompiledStep:
+    """The train step of `cfg` on `mesh` as `train.py` builds it (`jit_train_step`, the state donated, XLA's
+    autotuning file), compiled ahead of time for one step's tokens (global_batch, T + 1); params, biases: the
+    host-built initial state (`host_state`)."""
+    accum = accumulation_steps(cfg, mesh.size)
     executor = make_executor(cfg, mesh)
     graphdef, p_abs, b_abs = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=seed, executor=executor,
                                                                            mesh=mesh)),
@@ -173,9 +185,11 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     init_state = state_init(tx)
     sh = state_shardings(cfg, mesh, jax.eval_shape(init_state, params, biases))
     bsh = NamedSharding(mesh, batch_spec(mesh))
-    before = device_peaks(mesh.devices.flat)
-    state = jax.jit(init_state, out_shardings=sh, donate_argnums=(0, 1))(
-        *jax.device_put((params, biases), (sh["params"], sh["biases"])))
+
+    def fresh_state():
+        return jax.jit(init_state, out_shardings=sh, donate_argnums=(0, 1))(
+            *jax.device_put((params, biases), (sh["params"], sh["biases"])))
+
     # train.xla_autotune_file as a path: XLA's autotuning results loaded from it if it exists, written to it (this
     # bench has no run directory: "auto" is off here, as "")
     setting = cfg.train.xla_autotune_file
@@ -184,11 +198,26 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
                           donate=True, deterministic=cfg.train.xla_deterministic_ops,
                           cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
                           autotune_options=tuned.compiler_options())
-    shaped = batches.reshape(len(batches), accum, micro_global, -1)
+    state = jax.eval_shape(init_state, params, biases)
     t0 = time.perf_counter()
-    compiled = step.lower(state, jax.device_put(shaped[0], bsh)).compile()
+    compiled = step.lower(state, jax.device_put(tokens.reshape(accum, -1, tokens.shape[-1]), bsh)).compile()
     compile_s = time.perf_counter() - t0
     tuned.commit()
+    return CompiledStep(compiled, mesh, repr(executor), fresh_state, bsh, accum, compile_s)
+
+
+def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, warmup: int, seed: int,
+            profile: bool = False, repeat: bool = False) -> dict:
+    """Compile and run len(batches) train steps of `cfg` on `devices`; batches (steps, global_batch, T + 1).
+    repeat: then the same steps again from the same initial state with the same executable (run-to-run determinism
+    in one process: `repeat_losses`, `repeat_bitwise`)."""
+    mesh = make_mesh(cfg, devices)
+    n = mesh.size
+    before = device_peaks(mesh.devices.flat)
+    cs = compile_step(cfg, mesh, params, biases, seed, batches[0])
+    compiled, bsh, accum, compile_s = cs.compiled, cs.batch_sharding, cs.accum, cs.compile_s
+    state = cs.fresh_state()
+    shaped = cs.batches(batches)
     mem_compiled = memory_gib(compiled.memory_analysis())
     losses, gnorms, times = [], [], []
     for b in shaped:
@@ -206,21 +235,21 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     del state
     again = None
     if repeat:
-        state = jax.jit(init_state, out_shardings=sh, donate_argnums=(0, 1))(
-            *jax.device_put((params, biases), (sh["params"], sh["biases"])))
+        state = cs.fresh_state()
         again = []
         for b in shaped:
             state, m = compiled(state, jax.device_put(b, bsh))
             again.append(float(m["loss"]))
         del state
-    del compiled, step
+    executor = cs.executor
+    del compiled, cs
     mem_peak, exact = run_peak(before, after)
     step_s = float(np.median(times[warmup:]))
     tokens = cfg.train.global_batch * cfg.model.context
     flops_tok = train_flops_per_token(cfg)
     peak = device_peak_flops(cfg.logging.peak_tflops)
     return {"mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "mesh_shape": list(mesh.devices.shape),
-            "executor": repr(executor), "accum": accum, "losses": losses, "grad_norms": gnorms,
+            "executor": executor, "accum": accum, "losses": losses, "grad_norms": gnorms,
             "step_times_s": times, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / n, "flops_per_token": flops_tok,
             "peak_tflops": None if peak is None else peak / 1e12, "mfu": mfu(flops_tok, tokens / step_s, n, peak),

@@ -1,4 +1,5 @@
-"""JAX profiler traces read back: GPU 0's kernel lines, and a jitted call's device time split into communication and
+"""JAX profiler traces read back: GPU 0's kernel lines, the events of a plane by the HLO op they ran (`op_events`,
+read by `bench.step_profile`), and a jitted call's device time split into communication and
 compute (`python -m bench.train_scale --profile`, `python -m bench.tools.profile_layer`).
 
     split = device_time_split(fn, *args, calls=2)
@@ -47,6 +48,44 @@ def gpu0_lines(trace_dir: str) -> tuple[int, list[tuple[str, list[tuple[int, int
             lines += [(line.name, [(int(ev.start_ns), int(ev.duration_ns), ev.name) for ev in line.events])
                       for line in plane.lines]
     return len(files), lines
+
+
+def op_events(trace_dir: str, plane: str = "/device:GPU:0") -> tuple[str, list[tuple[int, int, str, str]]]:
+    """The events of the first plane named `plane...` that name the HLO op they ran -> (where the names came from,
+    [(start ns, duration ns, HLO op, HLO module or "")]). A GPU kernel's and a CPU thunk's events carry the op in an
+    `hlo_op` stat (and the program in `hlo_module`): those of the plane's own lines ("kernel stats"). Without such
+    stats, the events of the "XLA Ops" line, named by their op ("XLA Ops line"); ("none", []) without either."""
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    planes = [p for p in (ProfileData.from_file(files[0]).planes if files else []) if p.name.startswith(plane)]
+    if not planes:
+        return "none", []
+    events, named = [], []
+    for line in planes[0].lines:
+        for ev in line.events:
+            span = (int(ev.start_ns), int(ev.duration_ns))
+            if line.name == "XLA Ops":
+                named.append((*span, ev.name, ""))
+            elif not line.name.startswith(DERIVED_LINES):
+                stats = dict(s for s in ev.stats if s[0] is not None)
+                if "hlo_op" in stats:
+                    events.append((*span, str(stats["hlo_op"]), str(stats.get("hlo_module", ""))))
+    if events:
+        return "kernel stats", events
+    return ("XLA Ops line", named) if named else ("none", [])
+
+
+def traced_op_events(fn, calls: int, plane: str = "/device:GPU:0") -> tuple[str, list[tuple[int, int, str, str]]]:
+    """`calls` back-to-back calls of the warmed fn() inside one JAX profiler trace -> `op_events` of the trace."""
+    tmp = tempfile.mkdtemp(prefix="mhl_prof_")
+    try:
+        jax.profiler.start_trace(tmp)
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        return op_events(tmp, plane)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def union_ms(intervals: list[tuple[int, int]]) -> float:

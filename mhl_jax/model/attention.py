@@ -140,8 +140,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, keep_kv: bool = False):
         """x (B, T, d) -> (B, T, d); keep_kv: and the KV cache of the T positions (`causal_attention`)."""
-        return causal_attention(x, self.w_qkv[...], self.w_o[...], self.n_heads, self.head_dim,
-                                self.rope_base, attention_impl(self.impl), self.mesh, keep_kv)
+        with jax.named_scope("attention"):
+            return causal_attention(x, self.w_qkv[...], self.w_o[...], self.n_heads, self.head_dim,
+                                    self.rope_base, attention_impl(self.impl), self.mesh, keep_kv)
 
     def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array):
         """One token per row at pos against the cache (`decode_attention`)."""

@@ -3,6 +3,10 @@
 Layers [0, stem_layers) use a dense MLP of width `ffn.stem_hidden`; the rest use the configured FFN.
 Master weights are fp32; matmuls run in `model.compute_dtype`; the residual stream, norms, router,
 softmax and loss are fp32.
+
+Each part runs under a `jax.named_scope` (embed, norm, attention, residual, mlp, lm_head_loss here; moe_proj, moe,
+router, packing, experts, combine in the MoE layers): names in the compiled program's metadata only, by which
+`bench/step_profile.py` splits a train step's time.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ class Block(nnx.Module):
 
     def __call__(self, h: jax.Array, ctx: StepContext | None = None) -> tuple[jax.Array, jax.Array | None]:
         """h: (B, T, d) fp32 residual stream -> updated h, expert load (H, Ne) int32 or None (dense FFN)."""
-        h = h + self.attn(self.norm1(h).astype(self.dtype)).astype(jnp.float32)
+        a = self.attn(self.norm1(h).astype(self.dtype))
+        with jax.named_scope("residual"):
+            h = h + a.astype(jnp.float32)
         return self._ffn_residual(h, ctx)
 
     def prefill(self, h: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -72,7 +78,8 @@ class Block(nnx.Module):
     def _ffn_residual(self, h: jax.Array, ctx: StepContext | None = None) -> tuple[jax.Array, jax.Array | None]:
         """h + ffn(norm2(h)), and the expert load (`__call__`'s)."""
         y, load = self.ffn(self.norm2(h).astype(self.dtype), ctx)
-        return h + y.astype(jnp.float32), load
+        with jax.named_scope("residual"):
+            return h + y.astype(jnp.float32), load
 
 
 def check_positions(pos, tokens_shape: tuple[int, ...], length: int) -> None:
@@ -111,7 +118,8 @@ class GPT(nnx.Module):
         """tokens: (B, T) int32 -> the final norm's output (B, T, d) in the compute dtype (the head's input), loads
         {layer index: (H, Ne) int32} per MoE layer. ctx: the step context, for the expert layers (None: each casts its
         own expert weights, and their gradients are plain gradients)."""
-        h = embed_lookup(self.embed[...], tokens)  # deterministic gradient (mhl_jax/gather.py)
+        with jax.named_scope("embed"):
+            h = embed_lookup(self.embed[...], tokens)  # deterministic gradient (mhl_jax/gather.py)
         loads = {}
         call = _remat_block if self.remat == "block" else _call_block
         for i, block in enumerate(self.blocks):
@@ -155,7 +163,8 @@ class GPT(nnx.Module):
         """Mean next-token NLL (fp32) of targets (B, T) after tokens (B, T), and the loads (`lm_head_loss`: the LM
         head's loss in chunks along T)."""
         x, loads = self.hidden(tokens, ctx)
-        return lm_head_loss(x, self.head[...].astype(self.dtype), targets, self.batch_shards), loads
+        with jax.named_scope("lm_head_loss"):
+            return lm_head_loss(x, self.head[...].astype(self.dtype), targets, self.batch_shards), loads
 
 
 def _call_block(block: Block, h: jax.Array, ctx: StepContext | None):

@@ -22,4 +22,5 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, ctx=None) -> tuple[jax.Array, None]:
         """x: (..., d) compute dtype -> (..., d), no expert load. ctx: the step context, which concerns only expert
         layers (taken so that every FFN has one call)."""
-        return mlp(x, self.w1[...], self.w2[...]), None
+        with jax.named_scope("mlp"):
+            return mlp(x, self.w1[...], self.w2[...]), None

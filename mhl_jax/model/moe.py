@@ -38,7 +38,8 @@ class ExpertBank(nnx.Module):
         """`MoEExecutor`'s call on this bank's weights, with this layer's part of the step context, if any."""
         args = (x_route, x_expert, self.w_router[...], self.bias[...], self.w1[...], self.w2[...], self.k)
         mine = None if ctx is None else ctx.expert(self.layer)
-        return executor(*args) if mine is None else executor(*args, ctx=mine)
+        with jax.named_scope("moe"):  # the executor's own work: layouts, exchanges; its parts scope themselves
+            return executor(*args) if mine is None else executor(*args, ctx=mine)
 
 
 class MoE(nnx.Module):
@@ -67,9 +68,11 @@ class LatentMoE(nnx.Module):
         """x: (B, T, d) compute dtype -> (B, T, d), load (1, Ne) int32: routed on x, the experts on its projection."""
         b, t, d = x.shape
         xs = x.reshape(b * t, 1, d)
-        latent = xs @ self.w_down[...].astype(x.dtype)
+        with jax.named_scope("moe_proj"):
+            latent = xs @ self.w_down[...].astype(x.dtype)
         y, load = self.experts(self.executor, xs, latent, ctx)
-        return (y @ self.w_up[...].astype(x.dtype)).reshape(b, t, d), load
+        with jax.named_scope("moe_proj"):
+            return (y @ self.w_up[...].astype(x.dtype)).reshape(b, t, d), load
 
 
 class MHLatentMoE(nnx.Module):
@@ -92,13 +95,15 @@ class MHLatentMoE(nnx.Module):
         groups = getattr(self.executor, "head_groups", 1)
         project = (lambda w: jnp.einsum("nd,dhc->nhc", x, w)) if groups == 1 else \
             (lambda w: grouped_project_in(x, w, groups))
-        sub = project(self.w_in[...].astype(x.dtype))
-        # shared: the same array routes and computes (the fused core takes it once; Head Parallel sends it once)
-        route = sub if self.w_route is None else project(self.w_route[...].astype(x.dtype))
+        with jax.named_scope("moe_proj"):
+            sub = project(self.w_in[...].astype(x.dtype))
+            # shared: the same array routes and computes (the fused core takes it once; Head Parallel sends it once)
+            route = sub if self.w_route is None else project(self.w_route[...].astype(x.dtype))
         y, load = self.experts(self.executor, route, sub, ctx)
-        w_out = self.w_out[...].astype(x.dtype)
-        out = jnp.einsum("nhc,hcd->nd", y, w_out) if groups == 1 else grouped_project_out(y, w_out)
-        return out.reshape(b, t, d), load
+        with jax.named_scope("moe_proj"):
+            w_out = self.w_out[...].astype(x.dtype)
+            out = jnp.einsum("nhc,hcd->nd", y, w_out) if groups == 1 else grouped_project_out(y, w_out)
+            return out.reshape(b, t, d), load
 
 
 def grouped_project_in(x: jax.Array, w_in: jax.Array, groups: int) -> jax.Array:

@@ -19,4 +19,5 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps)
+        with jax.named_scope("norm"):
+            return rms_norm(x, self.scale[...], self.eps)

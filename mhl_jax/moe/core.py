@@ -51,8 +51,9 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
     if impl == "triton" and x_route.shape[2] <= MAX_TRITON_ROUTER_WIDTH:
         return moe_heads_triton(x_route, x_expert, w_r, bias, w1, w2, k, cfg, weights_cast=weights_cast,
                                 grad_acc=grad_acc)
-    values, idx = route_topk(x_route, w_r, bias, k, impl)
-    gates = router_gates(values)  # fp32
+    with jax.named_scope("router"):
+        values, idx = route_topk(x_route, w_r, bias, k, impl)
+        gates = router_gates(values)  # fp32
     return expert_ffn(x_expert, idx, gates, w1, w2, impl, cfg=cfg, weights_cast=weights_cast, grad_acc=grad_acc)
 
 
@@ -122,9 +123,11 @@ def moe_heads_triton(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bi
         return moe_triton.moe_heads_fused(x_expert, w_r, bias, w1, w2, k, cfg, cast=cast, weights_cast=weights_cast,
                                           grad_acc=grad_acc, **kw)
     spec = plan.packing_spec(x_expert.shape, k, w1.shape, cfg, backend or "triton")
-    out = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, cast=(w1, w2) if cast else None, **kw)
-    values, idx, packing = out[:3]
-    gates = router_gates(values)  # fp32
+    with jax.named_scope("router"):  # its kernel packs the slots too
+        out = router_triton.route_topk_triton(x_route, w_r, bias, k, pack=spec, cast=(w1, w2) if cast else None,
+                                              **kw)
+        values, idx, packing = out[:3]
+        gates = router_gates(values)  # fp32
     return expert_ffn(x_expert, idx, gates, w1, w2, "triton", cfg=cfg, packing=packing, backend=backend,
                       weights_cast=out[3] if cast else weights_cast, grad_acc=grad_acc)
 
@@ -154,14 +157,15 @@ def expert_ffn(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Array, w2
         from mhl_jax.moe.gpu import grouped as experts_grouped
 
         kw = {} if backend is None else {"backend": backend}
-        if triton_expert_path(dh) == "grouped":
-            return experts_grouped.expert_ffn_grouped(x, idx, gates, w1, w2, cfg=cfg, packing=packing,
-                                                      weights_cast=weights_cast, grad_acc=grad_acc, **kw)
-        if grad_acc is not None:
+        if grad_acc is not None and triton_expert_path(dh) != "grouped":
             raise ValueError(f"expert_ffn: grad_acc= belongs to the grouped Triton expert path (dh={dh} takes the "
                              "fused one)")
-        return experts_triton.expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg, packing=packing,
-                                                weights_cast=weights_cast, **kw)
+        with jax.named_scope("experts"):  # the fused path's packing and combine scope themselves inside
+            if triton_expert_path(dh) == "grouped":
+                return experts_grouped.expert_ffn_grouped(x, idx, gates, w1, w2, cfg=cfg, packing=packing,
+                                                          weights_cast=weights_cast, grad_acc=grad_acc, **kw)
+            return experts_triton.expert_ffn_triton(x, idx, gates, w1, w2, cfg=cfg, packing=packing,
+                                                    weights_cast=weights_cast, **kw)
     if impl != "reference":
         raise ValueError(f"expert_ffn: impl={impl!r}, expected 'reference' or 'triton'")
     if packing is not None or backend is not None or weights_cast is not None or grad_acc is not None:

@@ -48,9 +48,12 @@ def expert_ffn_reference(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax
     REFERENCE_BLOCK. Returns y (N, H, dh) in x.dtype and the per-(head, expert) load counts (H, Ne) int32."""
     _, h, dh = x.shape
     _, ne, _, de = w1.shape
-    packing = pk.pack(idx, ne, REFERENCE_BLOCK)
-    rows = pk.gather_rows(x, packing, idx.shape[2])
-    out = expert_rows_reference(rows, packing.block_group, w1.reshape(h * ne, dh, de),
-                                w2.reshape(h * ne, de, dh), REFERENCE_BLOCK)
-    y = pk.combine_rows(out, packing, gates)
+    with jax.named_scope("packing"):
+        packing = pk.pack(idx, ne, REFERENCE_BLOCK)
+        rows = pk.gather_rows(x, packing, idx.shape[2])
+    with jax.named_scope("experts"):
+        out = expert_rows_reference(rows, packing.block_group, w1.reshape(h * ne, dh, de),
+                                    w2.reshape(h * ne, de, dh), REFERENCE_BLOCK)
+    with jax.named_scope("combine"):
+        y = pk.combine_rows(out, packing, gates)
     return y, packing.group_sizes.reshape(h, ne)

@@ -253,36 +253,39 @@ def ep_moe_local(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: 
     groups = heads * ne_local  # local (head, expert) groups, g = h * Ne/P + e_local
 
     # route on the full router (all-gathered: its transpose reduce-scatters the router gradient)
-    w_full = lax.all_gather(w_r, axis, axis=2, tiled=True)
-    b_full = lax.all_gather(bias, axis, axis=1, tiled=True)
-    values, idx = route_topk(x_route, w_full, b_full, k, impl)
-    gates = router_gates(values)  # (n, H, k) fp32
+    with jax.named_scope("router"):
+        w_full = lax.all_gather(w_r, axis, axis=2, tiled=True)
+        b_full = lax.all_gather(bias, axis, axis=1, tiled=True)
+        values, idx = route_topk(x_route, w_full, b_full, k, impl)
+        gates = router_gates(values)  # (n, H, k) fp32
 
-    # sort the M = n * H * k slots by (destination, head, local expert); stable: token order inside
-    dest = idx // ne_local
-    local_group = jnp.arange(heads, dtype=jnp.int32)[None, :, None] * ne_local + idx % ne_local
-    key = (dest * groups + local_group).reshape(-1)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # sorted position -> slot
-    my_counts = jnp.bincount(key, length=peers * groups).astype(jnp.int32).reshape(peers, groups)
+    with jax.named_scope("packing"):
+        # sort the M = n * H * k slots by (destination, head, local expert); stable: token order inside
+        dest = idx // ne_local
+        local_group = jnp.arange(heads, dtype=jnp.int32)[None, :, None] * ne_local + idx % ne_local
+        key = (dest * groups + local_group).reshape(-1)
+        order = jnp.argsort(key, stable=True).astype(jnp.int32)  # sorted position -> slot
+        my_counts = jnp.bincount(key, length=peers * groups).astype(jnp.int32).reshape(peers, groups)
 
-    # metadata: every sender's counts per (destination, local group)
-    counts = lax.all_gather(my_counts, axis)  # (P src, P dst, G)
-    plan = make_plan(jnp.sum(counts, axis=2), me)
-    cap = receive_capacity(n, heads, k, ne_local)
+        # metadata: every sender's counts per (destination, local group)
+        counts = lax.all_gather(my_counts, axis)  # (P src, P dst, G)
+        plan = make_plan(jnp.sum(counts, axis=2), me)
+        cap = receive_capacity(n, heads, k, ne_local)
 
-    # k-duplicate by broadcast, then permute: the transposes are a fixed-order sum over k and a
-    # permutation, so the gradient needs no scatter-add over duplicate indices (deterministic on GPU)
-    rows = jnp.take(jnp.repeat(x_expert.reshape(n * heads, c), k, axis=0), order, axis=0)  # (M, c)
-    recv = dispatch(rows, plan, cap, ep_impl, axis)  # (P * cap, c)
-    group = received_groups(counts[:, me, :], recv_chunk_starts(plan, cap, ep_impl), peers * cap)
+        # k-duplicate by broadcast, then permute: the transposes are a fixed-order sum over k and a
+        # permutation, so the gradient needs no scatter-add over duplicate indices (deterministic on GPU)
+        rows = jnp.take(jnp.repeat(x_expert.reshape(n * heads, c), k, axis=0), order, axis=0)  # (M, c)
+        recv = dispatch(rows, plan, cap, ep_impl, axis)  # (P * cap, c)
+        group = received_groups(counts[:, me, :], recv_chunk_starts(plan, cap, ep_impl), peers * cap)
     ones = jnp.ones((peers * cap, 1, 1), jnp.float32)
-    out, _ = expert_ffn(recv[:, None, :], group[:, None, None], ones, w1.reshape(1, groups, c, -1),
-                        w2.reshape(1, groups, -1, c), impl)
-    back = combine(out[:, 0, :], plan, cap, n * heads * k, ep_impl, axis)  # (M, c) sorted order
-
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-    per_slot = jnp.take(back, inverse, axis=0).reshape(n, heads, k, c)
-    y = jnp.sum(per_slot.astype(jnp.float32) * gates[..., None], axis=2).astype(x_expert.dtype)
+    with jax.named_scope("experts"):  # one slot per received row: its packing is the local experts' own
+        out, _ = expert_ffn(recv[:, None, :], group[:, None, None], ones, w1.reshape(1, groups, c, -1),
+                            w2.reshape(1, groups, -1, c), impl)
+    with jax.named_scope("combine"):
+        back = combine(out[:, 0, :], plan, cap, n * heads * k, ep_impl, axis)  # (M, c) sorted order
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+        per_slot = jnp.take(back, inverse, axis=0).reshape(n, heads, k, c)
+        y = jnp.sum(per_slot.astype(jnp.float32) * gates[..., None], axis=2).astype(x_expert.dtype)
 
     load = jnp.sum(counts[:, me, :], axis=0).reshape(heads, ne_local)  # this device's experts, ep group
     if data_axis is not None:

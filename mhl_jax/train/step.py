@@ -2,6 +2,8 @@
 
 State is a plain dict pytree {params, opt_state, biases, step} so that it checkpoints as is.
 `batch` is (accum, micro_global, T + 1) int32: `accum` micro-batches, each split over the data axis.
+Its parts run under `jax.named_scope`s (grad_accum, optimizer, balancing; the expert weights' casts under experts),
+as the model's do: names in the compiled program only, for `bench/step_profile.py`.
 """
 
 from __future__ import annotations
@@ -70,35 +72,44 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, ga
         params, biases = state["params"], state["biases"]
         # the expert weights cast once for every micro-batch (XLA leaves casts inside the loop); running sums handed
         # to the in-place layers only from two micro-batches on (with one, the kernels would add to zeros)
-        ctx = build_step_context(nnx.merge(graphdef, params, biases), accumulate=batch.shape[0] > 1)
+        with jax.named_scope("experts"):  # the expert weights' casts
+            ctx = build_step_context(nnx.merge(graphdef, params, biases), accumulate=batch.shape[0] > 1)
 
         def micro(carry, tokens):
             gsum, lsum, loadsum = carry
             (loss, loads), grads = grad_fn(params, biases, tokens, expert_grad_sums(ctx, gsum))
-            # the in-place layers' expert weights came back as sum + gradient already: the same fp32 add
-            gsum = jax.tree_util.tree_map_with_path(lambda p, a, g: g if summed_in_place(ctx, p) else a + g,
-                                                    gsum, grads)
-            loadsum = {i: loadsum[i] + loads[i] for i in loadsum}
-            return (gsum, lsum + loss, loadsum), None
+            with jax.named_scope("grad_accum"):
+                # the in-place layers' expert weights came back as sum + gradient already: the same fp32 add
+                gsum = jax.tree_util.tree_map_with_path(lambda p, a, g: g if summed_in_place(ctx, p) else a + g,
+                                                        gsum, grads)
+                loadsum = {i: loadsum[i] + loads[i] for i in loadsum}
+                return (gsum, lsum + loss, loadsum), None
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        _, load_shapes = jax.eval_shape(lambda: loss_fn(graphdef, params, biases, batch[0]))
-        load0 = {i: jnp.zeros(s.shape, s.dtype) for i, s in load_shapes.items()}
+        with jax.named_scope("grad_accum"):
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            _, load_shapes = jax.eval_shape(lambda: loss_fn(graphdef, params, biases, batch[0]))
+            load0 = {i: jnp.zeros(s.shape, s.dtype) for i, s in load_shapes.items()}
         (gsum, lsum, loads), _ = jax.lax.scan(micro, (zeros, jnp.float32(0.0), load0), batch)
         accum = batch.shape[0]
-        grads = jax.tree.map(lambda g: g / accum, gsum)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        with jax.named_scope("optimizer"):  # the mean gradient, its norm, AdamW
+            grads = jax.tree.map(lambda g: g / accum, gsum)
+            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            new_params = optax.apply_updates(params, updates)
+            grad_norm = optax.tree.norm(grads)
+        with jax.named_scope("balancing"):
+            new_biases = apply_balancing(biases, loads, gamma)
+            load_metrics = {}
+            for i, counts in loads.items():
+                load_metrics[f"load_max/{i}"], load_metrics[f"load_min/{i}"] = load_stats(counts)
+                load_metrics[f"loads/{i}"] = counts  # (H, Ne): what the load maps draw (loads.jsonl)
         new_state = {
             **state,  # carried unchanged: the rng key data
-            "params": optax.apply_updates(params, updates),
+            "params": new_params,
             "opt_state": opt_state,
-            "biases": apply_balancing(biases, loads, gamma),
+            "biases": new_biases,
             "step": state["step"] + 1,
         }
-        metrics = {"loss": lsum / accum, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-        for i, counts in loads.items():
-            metrics[f"load_max/{i}"], metrics[f"load_min/{i}"] = load_stats(counts)
-            metrics[f"loads/{i}"] = counts  # (H, Ne): what the load maps draw (loads.jsonl)
+        metrics = {"loss": lsum / accum, "grad_norm": grad_norm, "lr": schedule(state["step"]), **load_metrics}
         return new_state, metrics
 
     return train_step

@@ -112,7 +112,8 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
         w1c = w1c.reshape(h * ne, dh, de).astype(x.dtype)
         w2c = w2c.reshape(h * ne, de, dh).astype(x.dtype)
         out_rows = forward_rows(kernel, st, xs, meta, w1c, w2c, h)
-    y = combine_rows(out_rows, meta.slot_row, gates.astype(jnp.float32), x.dtype, st.backend)
+    with jax.named_scope("combine"):
+        y = combine_rows(out_rows, meta.slot_row, gates.astype(jnp.float32), x.dtype, st.backend)
     # the output rows are kept for the backward only where no kernel makes the gate gradients
     keep = None if dgates_in_kernels(st.cfg, de) else out_rows
     return y, (xs, gates, keep, w1c, w2c, meta)
@@ -159,8 +160,9 @@ def slot_dgates(res, dy, dgate_rows):
 
 def _experts_bwd(st: Static, res, dy):
     dxr, dw1, dw2, dgate_rows = experts_bwd_kernels(st, res, dy)
-    dgates = slot_dgates(res, dy, dgate_rows)
-    return bwd_cotangents(dxr, dgates, dw1, dw2, res[0].dtype, res[5]) + (None,)  # the weights' cast: none
+    with jax.named_scope("combine"):  # the backward of the output combine and of the dispatch gather
+        dgates = slot_dgates(res, dy, dgate_rows)
+        return bwd_cotangents(dxr, dgates, dw1, dw2, res[0].dtype, res[5]) + (None,)  # the weights' cast: none
 
 
 def bwd_cotangents(dx_rows, dgates, dw1, dw2, x_dtype, meta: Meta):
@@ -197,7 +199,9 @@ def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Ar
         raise ValueError(f"expert_ffn_triton: shapes disagree: x {x.shape}, idx {idx.shape}, gates "
                          f"{gates.shape}, w1 {w1.shape}, w2 {w2.shape}")
     st = experts_static(x, idx.shape[2], w1, w2, cfg, backend, weights_cast)
-    packing, meta = packed_meta(idx, ne, st.cfg.pack_block, st.cfg.pack_impl, backend, packing, "expert_ffn_triton")
+    with jax.named_scope("packing"):
+        packing, meta = packed_meta(idx, ne, st.cfg.pack_block, st.cfg.pack_impl, backend, packing,
+                                    "expert_ffn_triton")
     y = _experts(st, x, gates.astype(jnp.float32), w1, w2, meta, weights_cast)
     return y, packing.group_sizes.reshape(h, ne)
 

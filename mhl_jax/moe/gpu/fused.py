@@ -75,11 +75,14 @@ def dx_combine(dx_rows, slot_row, dgate_rows, gates, idx, wt, x_dtype, tiles: Co
 
 
 def _forward(st: Static, x, w_r, bias, w1, w2, wc):
-    vals, idx, packing, *made = rtr._forward(st.router, x, w_r, bias, (w1, w2) if st.cast else None)
-    gates = router_gates(vals)  # fp32
-    _, meta = ext.packed_meta(idx, w1.shape[1], st.experts.cfg.pack_block, st.experts.cfg.pack_impl,
-                              st.experts.backend, packing, "moe_heads_fused")
-    y, res = ext._forward(st.experts, x, gates, w1, w2, meta, made[0] if made else wc)
+    with jax.named_scope("router"):  # its kernel packs the slots too
+        vals, idx, packing, *made = rtr._forward(st.router, x, w_r, bias, (w1, w2) if st.cast else None)
+        gates = router_gates(vals)  # fp32
+    with jax.named_scope("packing"):
+        _, meta = ext.packed_meta(idx, w1.shape[1], st.experts.cfg.pack_block, st.experts.cfg.pack_impl,
+                                  st.experts.backend, packing, "moe_heads_fused")
+    with jax.named_scope("experts"):  # the output combine scopes itself inside
+        y, res = ext._forward(st.experts, x, gates, w1, w2, meta, made[0] if made else wc)
     return (y, packing.group_sizes.reshape(w1.shape[:2])), (x, w_r, bias, idx, packing, res)
 
 
@@ -96,12 +99,15 @@ def _moe_fwd(st: Static, x, w_r, bias, w1, w2, wc, acc):
 def _moe_bwd(st: Static, res, cts):
     x, w_r, bias, idx, packing, res_e, acc = res
     dy = cts[0]  # the load's cotangent is float0
-    dxr, dw1, dw2, dgate_rows = ext.experts_bwd_kernels(st.experts, res_e, dy, acc)
+    with jax.named_scope("experts"):
+        dxr, dw1, dw2, dgate_rows = ext.experts_bwd_kernels(st.experts, res_e, dy, acc)
     by_slot = dgate_rows is None  # no gate gradients from the kernels (`dgates_in_kernels` False): XLA's, per slot
-    dg = ext.slot_dgates(res_e, dy, None) if by_slot else dgate_rows
-    dx, dvals = dx_combine(dxr, res_e[5].slot_row, dg, res_e[1], idx, rtr.transposed_weights(w_r), x.dtype,
-                           st.combine, st.experts.backend, by_slot)
-    dw_r = rtr.router_dw(st.router, x, w_r, idx, packing, dvals)
+    with jax.named_scope("combine"):  # the backward of the output combine and of the dispatch gather
+        dg = ext.slot_dgates(res_e, dy, None) if by_slot else dgate_rows
+        dx, dvals = dx_combine(dxr, res_e[5].slot_row, dg, res_e[1], idx, rtr.transposed_weights(w_r), x.dtype,
+                               st.combine, st.experts.backend, by_slot)
+    with jax.named_scope("router"):
+        dw_r = rtr.router_dw(st.router, x, w_r, idx, packing, dvals)
     h, ne = w_r.shape[0], w_r.shape[2]
     # the weights' cast (wc) and the accumulators (acc): no cotangents; w1 and w2 get theirs (acc + dW with acc)
     return (dx, dw_r, jnp.zeros_like(bias), dw1.reshape(h, ne, *dw1.shape[1:]), dw2.reshape(h, ne, *dw2.shape[1:]),

@@ -1,0 +1,203 @@
+"""bench.step_profile on CPU: a tiny MH-LatentMoE train step's HLO split by the model's and the step's named scopes
+(every part found, the expert FFN's backward marked as such, the floors' FLOPs equal to the HLO's dots), the CPU's
+own trace read back through the same code a GPU's goes through, and collectives classed by opcode on a 2-device
+Head Parallel mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from bench import step_profile as sp
+from bench import train_scale
+from bench.tools import hlo_scopes as hs
+from mhl_jax.model.balancing import RouterBias
+from mhl_jax.model.gpt import build_model
+
+# one stem MLP layer and one MoE layer, 2 micro-batches: every part of the step, compiled in seconds
+TINY = ["model.compute_dtype=float32", "model.n_layers=2", "ffn.stem_layers=1", "model.context=32",
+        "train.global_batch=8", "train.micro_batch=4"]
+MODEL_PARTS = ("embed", "norm", "attention", "residual", "mlp", "moe_proj", "router", "packing", "experts", "combine",
+               "lm_head_loss")
+
+
+def random_state(cfg, seed):
+    """A stand-in for `train_scale.host_state` (which builds the model eagerly: one compile per op, ~8 s here): the
+    same trees, random values from numpy (the split of a step does not depend on them)."""
+    _, params, biases = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=seed)), nnx.Param, RouterBias)
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), (params, biases))
+
+
+@pytest.fixture(scope="module")
+def record():
+    """The tiny step's record, its times read from the CPU plane's thunk events (a GPU's come from its kernels')."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_scale, "host_state", random_state)
+        return sp.profile_config("configs/tiny_mh_latent_moe.yaml", TINY, devices=1, steps=1, calls=1,
+                                 plane="/host:CPU")
+
+
+def test_every_part_of_the_step_is_found_and_other_is_small(record):
+    """Each part of the model and of the step has kernels of its own (none would without the named scopes: all
+    would be "other"); what no scope covers (XLA's copies, the loop counter, the schedule) is a small share."""
+    hlo = record["hlo"]
+    for part in (*MODEL_PARTS, "grad_accum", "optimizer", "balancing"):
+        assert hlo[part]["kernels"] > 0 and hlo[part]["runs"] >= hlo[part]["kernels"], (part, hlo[part])
+    assert hlo["collectives"]["kernels"] == 0  # one device
+    assert record["other_share"]["runs"] < 0.08, record["other_share"]
+    # the micro-batch loop runs twice: a matmul inside it runs twice per step, the optimizer's kernels once
+    assert record["accum"] == 2 and hlo["mlp"]["runs"] == 2 * hlo["mlp"]["kernels"]
+    assert hlo["optimizer"]["runs"] == hlo["optimizer"]["kernels"]
+
+
+def test_backward_ops_are_marked_bwd(record):
+    """The expert FFN's backward (dX and dW of both matmuls: twice the forward's FLOPs) is marked bwd, its forward
+    fwd; the step's own parts have no phase."""
+    for part in ("experts", "attention", "mlp", "moe_proj"):
+        s = record["hlo"][part]
+        assert 0 < s["bwd_kernels"] < s["kernels"], (part, s)
+        assert s["bwd_dot_flops"] == pytest.approx(2 / 3 * s["dot_flops"]), (part, s)
+    assert record["hlo"]["optimizer"]["bwd_kernels"] == 0
+
+
+def test_floors_flops_equal_the_hlo_dots(record):
+    """The floors' FLOPs from the config's shapes against the dots XLA compiled (shapes x trip counts): equal where
+    the step computes exactly the needed matmuls; the reference experts compute padding rows too, XLA's attention
+    the whole T x T score matrix (the floor counts the causal half)."""
+    hlo, fl = record["hlo"], record["floors"]
+    for part in ("mlp", "moe_proj", "router", "lm_head_loss"):
+        assert hlo[part]["dot_flops"] == pytest.approx(fl[part]["flops"], rel=1e-9), part
+    assert hlo["experts"]["dot_flops"] > fl["experts"]["flops"]
+    assert fl["attention"]["flops"] < hlo["attention"]["dot_flops"] < 1.2 * fl["attention"]["flops"]
+
+
+def test_times_from_the_trace_map_to_the_compiled_ops(record):
+    """The CPU's trace read back by op name: every event of the step's module is one of its compiled ops, the model's
+    parts have time, and the record's lines and table carry it."""
+    t = record["times"]
+    assert t["source"] == "kernel stats" and t["events"] > 0
+    assert t["unmapped_ms"] == 0 and t["unmapped"] == [], t["unmapped"]
+    for part in ("attention", "experts", "optimizer"):
+        assert t["categories"][part]["ms"] > 0, part
+    assert t["wall_ms"] > 0 and t["busy_ms"] > 0
+    assert record["lines"]["experts"]["x_floor"] > 0
+    assert record["lines"]["balancing"]["floor_ms"] is None and record["lines"]["balancing"]["x_floor"] is None
+    assert "| experts |" in sp.table(record) and "host gaps" in sp.table(record)
+
+
+def test_category_times_sums_kernels_by_op():
+    """Injected events over a known map: kernel time summed per category and phase, per call; a loop's own event and
+    another program's events left out; an unknown op listed as unmapped; busy = the union of the intervals."""
+    op = hs.Op
+    ops = {"f.1": op("experts", "bwd", "fusion", 1, 0.0, True), "f.2": op("experts", "fwd", "fusion", 1, 0.0, True),
+           "a.1": op("optimizer", "", "fusion", 1, 0.0, True), "while.3": op("other", "", "while", 1, 0.0, False)}
+    events = [(0, 100, "while.3", "m"), (0, 40, "f.1", "m"), (30, 20, "f.2", "m"), (60, 10, "a.1", "m"),
+              (60, 1000, "f.1", "other_module"), (80, 4, "cublas?", "m")]
+    t = sp.category_times(events, ops, calls=2, module="m")
+    c = t["categories"]
+    assert c["experts"] == pytest.approx({"ms": 60 / 2e6, "fwd_ms": 20 / 2e6, "bwd_ms": 40 / 2e6})
+    assert c["optimizer"]["ms"] == 10 / 2e6 and c["other"]["ms"] == 0
+    assert t["unmapped"] == [("cublas?", round(4 / 2e6, 4))] and t["unmapped_ms"] == 4 / 2e6
+    assert t["busy_ms"] == (50 + 10 + 4) / 2e6 and t["events"] == 4 and t["other_top"] == []
+
+
+def test_scope_of_takes_the_innermost_scope():
+    assert hs.scope_of("jit(s)/while/body/closed_call/transpose(jvp(moe))/experts/dot_general") == ("experts", "bwd")
+    assert hs.scope_of("jit(s)/while/body/jvp(moe)/shard_map/all_to_all") == ("moe", "fwd")
+    assert hs.scope_of("jit(s)/optimizer/mul") == ("optimizer", "")
+    assert hs.scope_of("jit(s)/while/body/add") == ("other", "")
+    assert hs.scope_of("jit(s)/jit(expertsish)/mul") == ("other", "")
+
+
+def test_collectives_are_classed_by_opcode_on_a_head_parallel_mesh():
+    """The Head Parallel executor's forward on a 2-device ('data', 'hp') mesh (the step's backward is checked above):
+    its all-to-alls are collectives whatever scope they run under; the rest keeps its scope."""
+    from mhl_jax.parallel.head_parallel import HeadParallelMoE
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "hp"))
+    ex = HeadParallelMoE(mesh)
+    n, h, dh, ne, de = 8, 2, 8, 4, 8
+    ks = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(ks[0], (n, h, dh))
+    w_r, w1, w2 = (jax.random.normal(k, s) for k, s in zip(ks[1:], [(h, dh, ne), (h, ne, dh, de), (h, ne, de, dh)]))
+
+    def layer(x, w1):
+        with jax.named_scope("moe"):
+            return ex(x, x, w_r, jnp.zeros((h, ne)), w1, w2, 2)
+
+    ops = hs.hlo_map(jax.jit(layer).lower(x, w1).compile().as_text())
+    coll = [o for o in ops.values() if o.category == "collectives"]
+    assert all(o.phase == "" for o in coll)
+    assert sum(o.opcode == "all-to-all" for o in coll) == 2  # there and back
+    assert any(o.category == "experts" and o.kernel for o in ops.values())
+
+
+def test_cli_refuses_bad_input(capsys):
+    with pytest.raises(SystemExit) as e:
+        sp.main(["--config", "configs/tiny_mh_latent_moe.yaml", "--devices", "99"])
+    assert e.value.code == 2 and "--devices 99" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        sp.main(["--config", "configs/tiny_mh_latent_moe.yaml", "--set", "model.n_layerz=1"])
+    assert e.value.code == 2 and "FAILED" in capsys.readouterr().out
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        sp.main(["--help"])
+    assert e.value.code == 0 and "usage" in capsys.readouterr().out
+
+
+HANDWRITTEN = """HloModule jit_f, is_scheduled=true
+
+%fused (p0: f32[4,8], p1: f32[8,16]) -> f32[4,16] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[8,16]{1,0} parameter(1)
+  ROOT %dot.1 = f32[4,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (t: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %t = (s32[], f32[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%t), index=1
+  %w = f32[8,16]{1,0} constant({...})
+  %mm = f32[4,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused, metadata={op_name="jit(f)/while/body/jvp(experts)/x"}
+  %cp = f32[4,16]{1,0} copy(%mm)
+  %a2a = f32[4,16]{1,0} all-to-all(%cp), dimensions={0}, metadata={op_name="jit(f)/while/body/jvp(moe)/all_to_all"}
+  %s = f32[4,8]{1,0} slice(%a2a), slice={[0:4], [0:8]}, metadata={op_name="jit(f)/while/body/transpose(jvp(combine))/s"}
+  ROOT %out = (s32[], f32[4,8]{1,0}) tuple(%i, %s)
+}
+
+%cond (t: (s32[], f32[4,8])) -> pred[] {
+  %t = (s32[], f32[4,8]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[4,8]{1,0}) tuple(%z, %a)
+  %loop = (s32[], f32[4,8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %r = f32[4,8]{1,0} get-tuple-element(%loop), index=1
+  ROOT %upd = f32[4,8]{1,0} multiply(%r, %r), metadata={op_name="jit(f)/optimizer/mul"}
+}
+"""
+
+
+def test_hlo_map_reads_handwritten_hlo():
+    """hlo_map on a module written by hand: a fused dot without an op_name takes its fusion's scope and its FLOPs
+    count 3 times (the loop's trip count); a copy without one takes its operand's; an all-to-all is a collective
+    under any scope; a loop, tuples and constants launch nothing."""
+    ops = hs.hlo_map(HANDWRITTEN)
+    assert ops["dot.1"] == hs.Op("experts", "fwd", "dot", 3, 2.0 * 4 * 16 * 8, False)
+    assert ops["mm"] == hs.Op("experts", "fwd", "fusion", 3, 0.0, True)
+    assert ops["cp"].category == "experts" and ops["cp"].kernel
+    assert (ops["a2a"].category, ops["a2a"].phase) == ("collectives", "")
+    assert (ops["s"].category, ops["s"].phase) == ("combine", "bwd")
+    assert ops["upd"] == hs.Op("optimizer", "", "multiply", 1, 0.0, True)
+    assert not ops["loop"].kernel and not ops["w"].kernel and not ops["out"].kernel
+    s = hs.summary(ops)
+    assert s["experts"]["dot_flops"] == 3 * 2.0 * 4 * 16 * 8 and s["experts"]["kernels"] == 2
+    assert s["experts"]["runs"] == 6 and s["collectives"]["runs"] == 3
