@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -71,8 +72,12 @@ def make_plan(counts: jax.Array, me: jax.Array) -> ExchangePlan:
 
 
 def ep_crosses_processes(mesh: Mesh | None) -> bool:
-    """Whether some `ep` group of the mesh holds devices of more than one process."""
-    return mesh is not None and any(len({d.process_index for d in row}) > 1 for row in mesh.devices)
+    """Whether some `ep` group of the mesh (('data', 'ep') or ('data', 'hp', 'ep')) holds devices of more than one
+    process."""
+    if mesh is None:
+        return False
+    groups = np.moveaxis(mesh.devices, list(mesh.axis_names).index("ep"), -1).reshape(-1, mesh.shape["ep"])
+    return any(len({d.process_index for d in row}) > 1 for row in groups)
 
 
 def resolve_ep_impl(ep_impl: str, mesh: Mesh | None = None) -> str:
