@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -72,11 +71,11 @@ def make_plan(counts: jax.Array, me: jax.Array) -> ExchangePlan:
 
 
 def ep_crosses_processes(mesh: Mesh | None) -> bool:
-    """Whether some `ep` group of the mesh (('data', 'ep') or ('data', 'hp', 'ep')) holds devices of more than one
-    process."""
+    """Whether some `ep` group of the mesh holds devices of more than one process. `ep` is the last axis of both
+    meshes that have one, ('data', 'ep') and ('data', 'hp', 'ep'): a group is a row of the devices' last axis."""
     if mesh is None:
         return False
-    groups = np.moveaxis(mesh.devices, list(mesh.axis_names).index("ep"), -1).reshape(-1, mesh.shape["ep"])
+    groups = mesh.devices.reshape(-1, mesh.devices.shape[-1])
     return any(len({d.process_index for d in row}) > 1 for row in groups)
 
 

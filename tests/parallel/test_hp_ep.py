@@ -7,6 +7,9 @@ short training run on hp 2 x ep 2 resumes onto one device with the straight run'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +24,7 @@ from mhl_jax.model.gpt import build_model
 from mhl_jax.moe.core import LocalMoE
 from mhl_jax.parallel import traffic
 from mhl_jax.parallel.executors import make_executor
+from mhl_jax.parallel.expert_parallel import resolve_ep_impl
 from mhl_jax.parallel.head_expert_parallel import HeadExpertParallelMoE
 from mhl_jax.parallel.mesh import make_mesh, state_shardings
 from mhl_jax.train.loop import train
@@ -157,3 +161,22 @@ def test_hp_x_ep_train_resumes_onto_one_device(tmp_path):
                     resume=str(tmp_path / "run" / "checkpoints" / "2"))
     assert [m["step"] for m in resumed] == [3, 4]
     np.testing.assert_allclose([m["loss"] for m in resumed], [m["loss"] for m in straight[2:]], rtol=1e-5)
+
+
+def test_ep_groups_of_a_three_axis_mesh_decide_the_exchange(monkeypatch):
+    """On GPUs the ragged EP exchange stays where every ep group is inside one process; hp groups may span processes
+    (HP between hosts, EP within), while an ep group across processes takes the padded exchange."""
+    @dataclass(frozen=True)
+    class Dev:
+        id: int
+        process_index: int
+
+    def mesh(process_of):  # (data 1, hp 2, ep 2) devices, process of each device id
+        devices = np.empty((1, 2, 2), object)
+        for i in range(4):
+            devices.flat[i] = Dev(i, process_of(i))
+        return SimpleNamespace(devices=devices)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_ep_impl("auto", mesh(lambda i: i // 2)) == "ragged"  # ep pairs (0, 1), (2, 3): one process each
+    assert resolve_ep_impl("auto", mesh(lambda i: i % 2)) == "padded"
