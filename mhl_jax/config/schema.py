@@ -63,12 +63,15 @@ class FFNConfig:
 
 @dataclass
 class ParallelConfig:
-    """The device mesh: data x hp (MH-LatentMoE) or data x ep (MoE, LatentMoE)."""
+    """The device mesh: data x hp (MH-LatentMoE), data x hp x ep (MH-LatentMoE with ep > 1) or data x ep (MoE,
+    LatentMoE)."""
 
     devices: int = -1  # devices to use: -1 all visible, N the first N
     data: int = -1  # data-parallel size; -1 fills the devices left after hp/ep
     hp: int = 1  # head-parallel size (mh_latent_moe only); must divide num_heads
-    ep: int = 1  # expert-parallel size (moe, latent_moe only); must divide num_experts
+    # expert-parallel size; must divide num_experts. mh_latent_moe: each head's experts split over ep inside its hp
+    # group (the mesh is data x hp x ep)
+    ep: int = 1
     # EP exchange: auto = ragged on GPU, padded on CPU and where an ep group spans several processes
     ep_impl: Literal["auto", "ragged", "padded"] = "auto"
     # Split AdamW's moments (2/3 of the fp32 state) over the devices that hold copies of their parameter (ZeRO stage

@@ -95,8 +95,9 @@ def _check_parallel(p: ParallelConfig, f: FFNConfig) -> None:
         _require(f.num_heads % p.hp == 0,
                  f"ffn.num_heads={f.num_heads} is not divisible by parallel.hp={p.hp}")
     if p.ep > 1:
-        _require(f.kind in ("moe", "latent_moe"),
-                 f"parallel.ep={p.ep} needs ffn.kind moe or latent_moe (got {f.kind!r})")
+        # mh_latent_moe: each head's experts split over ep inside its hp group (parallel/head_expert_parallel.py)
+        _require(f.kind in ("moe", "latent_moe", "mh_latent_moe"),
+                 f"parallel.ep={p.ep} needs ffn.kind moe, latent_moe or mh_latent_moe (got {f.kind!r})")
         _require(f.num_experts % p.ep == 0,
                  f"ffn.num_experts={f.num_experts} is not divisible by parallel.ep={p.ep}")
 

@@ -1,4 +1,4 @@
-"""Pick the MoE executor for a mesh: local on one device, else Head / Expert Parallel via shard_map."""
+"""Pick the MoE executor for a mesh: local on one device, else Head / Expert Parallel (or both) via shard_map."""
 
 from __future__ import annotations
 
@@ -8,15 +8,19 @@ from mhl_jax.config import Config
 from mhl_jax.moe.core import LocalMoE, MoEExecutor
 from mhl_jax.moe.plan import resolve_kernels
 from mhl_jax.parallel.expert_parallel import ExpertParallelMoE
+from mhl_jax.parallel.head_expert_parallel import HeadExpertParallelMoE
 from mhl_jax.parallel.head_parallel import HeadParallelMoE
 
 
 def make_executor(cfg: Config, mesh: Mesh) -> MoEExecutor:
     """The executor the model's MoE layers run through: Head Parallel for MH-LatentMoE (its heads split over `hp`),
-    Expert Parallel for MoE / LatentMoE (experts over `ep`); on one device, or for the dense model, `LocalMoE`."""
+    with Expert Parallel inside on a mesh with an `ep` axis, Expert Parallel for MoE / LatentMoE (experts over `ep`);
+    on one device, or for the dense model, `LocalMoE`."""
     impl = resolve_kernels(cfg.ffn.kernels)
     if mesh.size == 1 or cfg.ffn.kind == "mlp":
         return LocalMoE(impl)
+    if cfg.ffn.kind == "mh_latent_moe" and "ep" in mesh.axis_names:
+        return HeadExpertParallelMoE(mesh, impl, cfg.parallel.ep_impl)
     if cfg.ffn.kind == "mh_latent_moe":
         return HeadParallelMoE(mesh, impl)
     return ExpertParallelMoE(mesh, impl, cfg.parallel.ep_impl)

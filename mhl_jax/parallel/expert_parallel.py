@@ -71,8 +71,12 @@ def make_plan(counts: jax.Array, me: jax.Array) -> ExchangePlan:
 
 
 def ep_crosses_processes(mesh: Mesh | None) -> bool:
-    """Whether some `ep` group of the mesh holds devices of more than one process."""
-    return mesh is not None and any(len({d.process_index for d in row}) > 1 for row in mesh.devices)
+    """Whether some `ep` group of the mesh holds devices of more than one process. `ep` is the last axis of both
+    meshes that have one, ('data', 'ep') and ('data', 'hp', 'ep'): a group is a row of the devices' last axis."""
+    if mesh is None:
+        return False
+    groups = mesh.devices.reshape(-1, mesh.devices.shape[-1])
+    return any(len({d.process_index for d in row}) > 1 for row in groups)
 
 
 def resolve_ep_impl(ep_impl: str, mesh: Mesh | None = None) -> str:

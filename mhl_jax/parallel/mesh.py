@@ -1,11 +1,14 @@
-"""The device mesh from the config: ('data', 'hp') for MH-LatentMoE, ('data', 'ep') otherwise.
+"""The device mesh from the config: ('data', 'hp') for MH-LatentMoE, ('data', 'hp', 'ep') for MH-LatentMoE with
+parallel.ep > 1, ('data', 'ep') otherwise.
 
-The batch is split over every device (both axes); non-expert parameters are replicated; expert
-weights, routers and balancing biases are split over the second axis (by head for hp, by expert
-for ep).
+The batch is split over every device (all axes); non-expert parameters are replicated; expert weights, routers and
+balancing biases are split over the model axes (by head over hp, by expert over ep: on data x hp x ep, each expert
+weight lives on one device of its (hp, ep) cell).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import numpy as np
@@ -16,8 +19,15 @@ from mhl_jax.config import Config, ConfigError
 
 
 def model_axis(cfg: Config) -> str:
-    """Name of the second mesh axis: 'hp' for mh_latent_moe, 'ep' otherwise."""
+    """Name of the axis that splits the expert weights first: 'hp' for mh_latent_moe, 'ep' otherwise."""
     return "hp" if cfg.ffn.kind == "mh_latent_moe" else "ep"
+
+
+def mesh_axes(cfg: Config) -> tuple[str, ...]:
+    """The mesh's axis names: 'data', then the model axes ('hp' and 'ep' for mh_latent_moe with parallel.ep > 1)."""
+    if cfg.ffn.kind == "mh_latent_moe" and cfg.parallel.ep > 1:
+        return ("data", "hp", "ep")
+    return ("data", model_axis(cfg))
 
 
 def more_devices_hint(need: int) -> str:
@@ -27,29 +37,33 @@ def more_devices_hint(need: int) -> str:
     return f"; on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count={need} makes {need} of them"
 
 
-def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int]:
-    """(data, hp|ep) sizes, validated against the device count and the head / expert counts."""
+def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, ...]:
+    """The sizes of `mesh_axes` (data first), validated against the device count and the head / expert counts."""
     par, f = cfg.parallel, cfg.ffn
-    axis = model_axis(cfg)
-    inner = par.hp if axis == "hp" else par.ep
-    if inner < 1 or num_devices < 1:
-        raise ConfigError(f"parallel.{axis}={inner} on {num_devices} devices: both must be >= 1")
+    axes = mesh_axes(cfg)[1:]
+    sizes = [par.hp if a == "hp" else par.ep for a in axes]
+    for a, size in zip(axes, sizes):
+        if size < 1 or num_devices < 1:
+            raise ConfigError(f"parallel.{a}={size} on {num_devices} devices: both must be >= 1")
+    inner = math.prod(sizes)
+    named = " x ".join(f"parallel.{a}={size}" for a, size in zip(axes, sizes))
+    label = named if len(axes) == 1 else f"{named} = {inner}"
     if inner > num_devices:
-        raise ConfigError(f"parallel.{axis}={inner} exceeds the {num_devices} devices of the mesh (parallel.devices="
-                          f"{par.devices}, -1: all visible){more_devices_hint(inner * max(par.data, 1))}")
+        raise ConfigError(f"{label} exceeds the {num_devices} devices of the mesh (parallel.devices={par.devices}, "
+                          f"-1: all visible){more_devices_hint(inner * max(par.data, 1))}")
     if num_devices % inner:
-        raise ConfigError(f"parallel.{axis}={inner} does not divide the {num_devices} devices of the mesh")
-    if axis == "hp" and f.num_heads % inner:
-        raise ConfigError(f"ffn.num_heads={f.num_heads} is not divisible by parallel.hp={inner}")
-    if axis == "ep" and f.kind != "mlp" and f.num_experts % inner:
-        raise ConfigError(f"ffn.num_experts={f.num_experts} is not divisible by parallel.ep={inner}")
+        raise ConfigError(f"{label} does not divide the {num_devices} devices of the mesh")
+    if "hp" in axes and f.num_heads % par.hp:
+        raise ConfigError(f"ffn.num_heads={f.num_heads} is not divisible by parallel.hp={par.hp}")
+    if "ep" in axes and f.kind != "mlp" and f.num_experts % par.ep:
+        raise ConfigError(f"ffn.num_experts={f.num_experts} is not divisible by parallel.ep={par.ep}")
     data = num_devices // inner if par.data == -1 else par.data
     if data * inner != num_devices:
         more = more_devices_hint(data * inner) if data * inner > num_devices else ""
-        raise ConfigError(f"parallel.data={par.data} x parallel.{axis}={inner} = {data * inner} "
-                          f"devices, but the mesh has {num_devices} (parallel.devices={par.devices}, -1: all "
-                          f"visible; parallel.data=-1 fills them){more}")
-    return data, inner
+        raise ConfigError(f"parallel.data={par.data} x {named} = {data * inner} devices, but the mesh has "
+                          f"{num_devices} (parallel.devices={par.devices}, -1: all visible; parallel.data=-1 fills "
+                          f"them){more}")
+    return (data, *sizes)
 
 
 def check_batch(global_batch: int, num_devices: int) -> None:
@@ -60,7 +74,7 @@ def check_batch(global_batch: int, num_devices: int) -> None:
 
 
 def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
-    """('data', 'hp') mesh for mh_latent_moe, ('data', 'ep') otherwise, over `devices` (default: all).
+    """The mesh of `mesh_axes` over `devices` (default: all).
 
     Raises ConfigError when the sizes do not fit the devices, the heads / experts or the batch."""
     if devices is None:
@@ -75,12 +89,13 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
         devices = devices if want == -1 else devices[:want]
     devices = list(devices)
     if jax.process_count() > 1:
-        # process by process, so that the inner (hp / ep) axis stays inside a process (a host's NVLink) when it fits
-        # there, and each process holds a contiguous range of the batch rows
+        # process by process, so that the inner (hp / ep) axes stay inside a process (a host's NVLink) when they fit
+        # there, and each process holds a contiguous range of the batch rows; on data x hp x ep the innermost, ep,
+        # fills a host first (EP within a node, HP between nodes)
         devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     shape = mesh_shape(cfg, len(devices))
     check_batch(cfg.train.global_batch, len(devices))
-    return Mesh(np.asarray(devices).reshape(shape), ("data", model_axis(cfg)))
+    return Mesh(np.asarray(devices).reshape(shape), mesh_axes(cfg))
 
 
 def batch_spec(mesh: Mesh) -> P:
@@ -96,17 +111,17 @@ def expert_leaf_spec(cfg: Config, name: str, ndim: int) -> P | None:
     """PartitionSpec of an ExpertBank leaf (or its optimizer moments) by its attribute name.
 
     hp: every leaf is split by head (dim 0). ep: split by expert: w_router (H, dr, Ne) on dim 2,
-    bias (H, Ne) on dim 1, w1/w2 (H, Ne, ., .) on dim 1. Other leaves: None (replicated).
+    bias (H, Ne) on dim 1, w1/w2 (H, Ne, ., .) on dim 1. hp x ep: both, so each (head, expert) weight
+    lives on the one device of its (hp, ep) cell. Other leaves: None (replicated).
     """
-    axis = model_axis(cfg)
-    if axis == "ep":
-        dims = {"w_router": 2, "bias": 1, "w1": 1, "w2": 1}
-    else:
-        dims = {"w_router": 0, "bias": 0, "w1": 0, "w2": 0}
-    if name not in dims:
+    axes = mesh_axes(cfg)[1:]
+    by_head = {"w_router": 0, "bias": 0, "w1": 0, "w2": 0}
+    by_expert = {"w_router": 2, "bias": 1, "w1": 1, "w2": 1}
+    if name not in by_head:
         return None
     spec = [None] * ndim
-    spec[dims[name]] = axis
+    for axis in axes:
+        spec[(by_head if axis == "hp" else by_expert)[name]] = axis
     return P(*spec)
 
 

@@ -8,6 +8,8 @@ Pure functions of shapes (and, for EP, of the routing counts): what the all-to-a
 - EP: the k-duplicated rows routed to experts on other devices, plus the count metadata
   (an all-gather of P x H x Ne/P int32 per device). Uniform routing sends (P - 1) / P of the
   tokens * H * k rows; the worst case sends every choice that fits on other devices' experts.
+- HP x EP (`head_expert_parallel.py`): the HP exchange as above, then EP over the hp * tokens
+  the device holds after it, on its Nh / hp heads (the same n * Nh * k slots per device).
 """
 
 from __future__ import annotations
@@ -91,13 +93,16 @@ def comm_bytes_per_layer(cfg: Config, mesh: Mesh, tokens_per_device: int) -> dic
 
     tokens_per_device: tokens one device holds in one forward (micro_batch * context).
     HP: {'comm/a2a_bytes': exact} (the dispatch's; with separate routing sub-tokens the combine sends half of it).
-    EP: {'comm/a2a_bytes_uniform', 'comm/a2a_bytes_worst', 'comm/meta_bytes'}. MLP, or a single device on the model
-    axis: {} (no exchange).
+    EP: {'comm/a2a_bytes_uniform', 'comm/a2a_bytes_worst', 'comm/meta_bytes'}. HP x EP: one set per link kind,
+    `hp_ep_bytes`. MLP, or a single device on the model axis: {} (no exchange).
     """
     f = cfg.ffn
     if f.kind == "mlp" or mesh.size == 1:
         return {}
     itemsize = jnp.dtype(cfg.model.compute_dtype).itemsize
+    if f.kind == "mh_latent_moe" and "ep" in mesh.axis_names:
+        return hp_ep_bytes(tokens_per_device, f.num_heads, f.head_dim, f.top_k, f.num_experts, mesh.shape["hp"],
+                           mesh.shape["ep"], itemsize, f.routing_tokens == "separate")
     if f.kind == "mh_latent_moe":
         hp = mesh.shape["hp"]
         # separate routing sub-tokens travel too, to the device of their head: twice the dispatch's bytes
@@ -110,6 +115,29 @@ def comm_bytes_per_layer(cfg: Config, mesh: Mesh, tokens_per_device: int) -> dic
         "comm/a2a_bytes_worst": float(ep_bytes_worst(tokens_per_device, 1, f.top_k, ep, f.num_experts, width,
                                                      itemsize)),
         "comm/meta_bytes": float(ep_metadata_bytes(ep, 1, f.num_experts)),
+    }
+
+
+def hp_ep_bytes(tokens: int, heads: int, head_dim: int, k: int, num_experts: int, hp: int, ep: int, itemsize: int,
+                separate_routing: bool = False) -> dict[str, float]:
+    """Bytes one device sends per MoE layer on a data x hp x ep mesh, each way, per link kind.
+
+    tokens: tokens on the device before the HP exchange. The HP exchange ('comm/hp_a2a_bytes': exact; doubled with
+    separate routing sub-tokens, which travel to their head's devices too) leaves the device holding hp * tokens
+    tokens on Nh / hp heads; the EP exchange sends their k-duplicated rows of width dh to the ep peers
+    ('comm/ep_a2a_bytes_uniform', 'comm/ep_a2a_bytes_worst') after the counts ('comm/ep_meta_bytes'). The routing
+    sub-tokens stay on their device for EP: it routes before it exchanges."""
+    _positive(hp=hp, ep=ep)
+    if heads % hp or num_experts % ep:
+        raise ValueError(f"hp_ep_bytes: Nh={heads}, Ne={num_experts} must be divisible by hp={hp}, ep={ep}")
+    local_tokens, local_heads = hp * tokens, heads // hp
+    hp_sent = hp_bytes(tokens, heads, head_dim, hp, itemsize) * (2 if separate_routing else 1)
+    return {
+        "comm/hp_a2a_bytes": float(hp_sent),
+        "comm/ep_a2a_bytes_uniform": float(ep_bytes_uniform(local_tokens, local_heads, k, ep, head_dim, itemsize)),
+        "comm/ep_a2a_bytes_worst": float(ep_bytes_worst(local_tokens, local_heads, k, ep, num_experts, head_dim,
+                                                        itemsize)),
+        "comm/ep_meta_bytes": float(ep_metadata_bytes(ep, local_heads, num_experts)),
     }
 
 

@@ -49,7 +49,6 @@ for _id, _override, _fragment in [
     ("data-zero", "parallel.data=0", "parallel.data=0: must be -1 (auto) or >= 1"),
     ("devices-zero", "parallel.devices=0", "parallel.devices=0: must be -1 (all) or >= 1"),
     ("hp-not-dividing-heads", "parallel.hp=3", "ffn.num_heads=4 is not divisible by parallel.hp=3"),
-    ("ep-with-mh-latent-moe", "parallel.ep=2", "parallel.ep=2 needs ffn.kind moe or latent_moe (got 'mh_latent_moe')"),
     ("batch-zero", "train.global_batch=0", "train.global_batch=0, train.micro_batch=16: must be positive"),
     ("micro-not-dividing", "train.micro_batch=5", "train.global_batch=16 is not a multiple of train.micro_batch=5"),
     ("total-steps", "schedule.total_steps=0", "schedule.total_steps=0: must be positive"),

@@ -30,6 +30,13 @@ for _id, _config, _sets, _devices, _fragment in [
      "parallel.data=4 x parallel.ep=2 = 8 devices, but the mesh has 4"),
     ("batch-over-devices", TINY_MOE, ["parallel.ep=2", "train.global_batch=12", "train.micro_batch=4"], 8,
      "train.global_batch=12 sequences cannot be split over 8 devices"),
+    # data x hp x ep (mh_latent_moe with parallel.ep > 1)
+    ("hp-x-ep-not-dividing-devices", TINY, ["parallel.hp=2", "parallel.ep=2"], 6,
+     "parallel.hp=2 x parallel.ep=2 = 4 does not divide the 6 devices of the mesh"),
+    ("hp-x-ep-past-devices", TINY, ["parallel.hp=4", "parallel.ep=4"], 8,
+     "parallel.hp=4 x parallel.ep=4 = 16 exceeds the 8 devices of the mesh"),
+    ("data-x-hp-x-ep", TINY, ["parallel.hp=2", "parallel.ep=2", "parallel.data=4"], 8,
+     "parallel.data=4 x parallel.hp=2 x parallel.ep=2 = 16 devices, but the mesh has 8"),
 ]:
     MESH.add(_id, ConfigError, _fragment, lambda tmp, mp, c=_config, s=_sets, n=_devices:
              partial(make_mesh, load_config(str(c), s), CPU[:n]))
@@ -47,6 +54,26 @@ def experts_not_dividing_ep(tmp, mp):
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=8),
                               ffn=dataclasses.replace(cfg.ffn, num_experts=12))
     return partial(make_mesh, cfg, CPU)
+
+
+@MESH.refusal(ConfigError, "ffn.num_experts=10 is not divisible by parallel.ep=4")
+def experts_not_dividing_ep_of_hp_x_ep(tmp, mp):  # past load_config's own check (the config rows below)
+    cfg = small(tmp)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, hp=2, ep=4),
+                              ffn=dataclasses.replace(cfg.ffn, num_experts=10))
+    return partial(make_mesh, cfg, CPU)
+
+
+for _id, _config, _sets, _fragment in [
+    ("hp-x-ep-experts", TINY, ["parallel.hp=2", "parallel.ep=3"], "ffn.num_experts=16 is not divisible by "
+     "parallel.ep=3"),
+    ("hp-x-ep-heads", TINY, ["parallel.hp=3", "parallel.ep=2"], "ffn.num_heads=4 is not divisible by parallel.hp=3"),
+    ("hp-x-ep-with-moe", TINY_MOE, ["parallel.hp=2", "parallel.ep=2"], "parallel.hp=2 needs ffn.kind=mh_latent_moe "
+     "(got 'moe'); use parallel.ep"),
+    ("ep-with-mlp", TINY_MOE, ["ffn.kind=mlp", "parallel.ep=2"], "parallel.ep=2 needs ffn.kind moe, latent_moe or "
+     "mh_latent_moe (got 'mlp')"),
+]:
+    MESH.add(_id, ConfigError, _fragment, calls(load_config, str(_config), _sets))
 
 
 @MESH.refusal(ConfigError, "parallel.hp=0 on 8 devices: both must be >= 1")
