@@ -1,4 +1,5 @@
-"""A small-scale version of the paper's Table 2 and its two ablations, on real English text that installs offline.
+"""A small-scale version of the paper's Table 2 and its two ablations, on real text (mostly English) that installs
+offline.
 
     python -m bench.quality corpus --out data/debian_text
     python -m mhl_jax.data.prepare --input 'data/debian_text/*.jsonl' --train-tokenizer 16384 \\
