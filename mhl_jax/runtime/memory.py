@@ -104,7 +104,10 @@ def check_fits(m: StepMemory, limit: tuple[int, str] | None, cfg: Config, device
     optimizer.moment_dtype=bfloat16 would (`mhl_jax.train.state.moment_dtype_saving`)."""
     if limit is None or m.total <= limit[0]:
         return
-    axis = "hp" if cfg.ffn.kind == "mh_latent_moe" else "ep"
+    # MH-LatentMoE splits its experts by head first; once hp has reached the head count, ep splits each head's
+    # experts further (the data x hp x ep mesh)
+    heads_split = cfg.ffn.kind == "mh_latent_moe" and cfg.parallel.hp < cfg.ffn.num_heads
+    axis = "hp" if heads_split else "ep"
     inner = cfg.parallel.hp if axis == "hp" else cfg.parallel.ep
     state_fits = m.arguments + m.outputs - m.aliased <= limit[0]
     hints = []

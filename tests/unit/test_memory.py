@@ -104,6 +104,9 @@ def test_check_fits_names_the_figures_and_what_to_change():
     moe = load_config(str(ROOT / "configs/moe_ep_2.2b.yaml"))
     with pytest.raises(ConfigError, match=r"parallel.ep \(now 1"):
         check_fits(m, (int(60 * GIB), "H100"), moe, 1)
+    heads_all_split = load_config(str(ROOT / "configs/mh_latent_moe_hp_4.2b.yaml"), ["parallel.hp=8"])
+    with pytest.raises(ConfigError, match=r"parallel.ep \(now 1"):  # hp at Nh = 8: ep splits each head's experts
+        check_fits(m, (int(60 * GIB), "H100"), heads_all_split, 8)
 
 
 def test_describe_and_out_of_memory_lines():
