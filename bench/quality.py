@@ -40,6 +40,10 @@ from pathlib import Path
 
 from bench.common import JsonLines, device_name, today, user_env
 from mhl_jax.compare import read_run, summarize
+from mhl_jax.config import ConfigError
+from mhl_jax.data.errors import DataError
+from mhl_jax.data.tokenizers import read_ranks
+from mhl_jax.plots import pyplot, save
 
 ROOT = Path(__file__).resolve().parents[1]  # train.py and configs/ are found from here, whatever the working directory
 
@@ -147,7 +151,10 @@ def vocab_of(data: Path) -> int:
     path = data / "tokenizer.tiktoken"
     if not path.is_file():
         sys.exit(f"--data {str(data)!r}: no tokenizer.tiktoken there (prepare it with --train-tokenizer)")
-    return sum(1 for line in path.read_bytes().splitlines() if line.strip()) + 1
+    try:
+        return len(read_ranks(str(path))) + 1
+    except DataError as e:
+        sys.exit(f"--data {str(data)!r}: {e}")
 
 
 def run_settings(name: str, data: Path, run_dir: Path, args: argparse.Namespace) -> dict:
@@ -215,11 +222,7 @@ def label(row: dict) -> str:
 def plot(rows: list[dict], path: str) -> None:
     """Validation loss against tokens: Table 2's models (left; one line style per seed) and the MH-LatentMoE variants
     at seed 0 (right: head configurations, routing tokens, the learning-rate and balancing-rate checks)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("plot")
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     colors: dict[str, str] = {}
     lows = [min(v for _, v in r["val_curve"]) for r in rows if r.get("val_curve")]
@@ -243,8 +246,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_ylim(min(lows) - 0.1, min(lows) + 1.0)  # the last stretch, where the models part; the start is off
     left.set_ylabel("validation loss (nats / token)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, "plot --out", dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, metavar="FILE.png")
     args = ap.parse_args(argv)
     if args.cmd == "plot":
-        plot([json.loads(line) for f in args.results for line in Path(f).read_text().splitlines() if line], args.out)
+        try:
+            plot([json.loads(line) for f in args.results for line in Path(f).read_text().splitlines() if line],
+                 args.out)
+        except ConfigError as e:
+            sys.exit(f"quality: {e}")
         return 0
     if args.cmd == "corpus":
         corpus(Path(args.out), Path(args.cache))

@@ -58,11 +58,12 @@ from bench.tools.trace import traced_op_events, union_ms
 from mhl_jax.config import Config, ConfigError
 from mhl_jax.model.params import count_params
 from mhl_jax.parallel.mesh import make_mesh
+from mhl_jax.train.metrics import PEAK_BF16_FLOPS
 
 DEFAULT_CONFIGS = ["configs/mlp_0.2b.yaml", "configs/mh_latent_moe_hp_2.2b.yaml", "configs/moe_ep_2.2b.yaml",
                    "configs/latent_moe_ep_2.2b.yaml"]
 DEFAULT_SETS = ["train.global_batch=32", "train.micro_batch=8"]
-H200_PEAK_TFLOPS = 989.0  # dense bf16, datasheet
+H200_PEAK_TFLOPS = PEAK_BF16_FLOPS["H200"] / 1e12  # dense bf16, datasheet (the MFU table's figure)
 H200_PEAK_TBS = 4.8  # HBM3e, datasheet
 FLOP_CATEGORIES = ("attention", "mlp", "moe_proj", "router", "experts", "lm_head_loss")
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from mhl_jax.config import Config, ConfigError, load_config
 from mhl_jax.load_maps import plot_loads
 from mhl_jax.model.params import count_params
+from mhl_jax.plots import pyplot, save
 from mhl_jax.runtime.errors import EXIT_BAD_INPUT, EXIT_OK
 
 
@@ -150,13 +151,7 @@ def moving_average(xs: list[float], n: int) -> list[float]:
 
 def plot(run_dirs: list[str], path: str | Path, smooth: int = 20) -> None:
     """Training loss (moving average) and validation loss against tokens seen, one line per run, into `path`."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ConfigError("--plot needs matplotlib (pip install matplotlib)") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("--plot")
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
     for run in run_dirs:
         cfg, recs, earlier = read_run(run)
@@ -175,12 +170,7 @@ def plot(run_dirs: list[str], path: str | Path, smooth: int = 20) -> None:
         if ax.lines:
             ax.legend()
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as e:
-        raise ConfigError(f"--plot {str(path)!r}: cannot write it ({e.strerror or e})") from e
-    finally:
-        plt.close(fig)
+    save(fig, path, "--plot", dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:

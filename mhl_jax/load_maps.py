@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from mhl_jax.config import ConfigError
+from mhl_jax.plots import pyplot, save
 
 LOADS = "loads.jsonl"
 
@@ -55,12 +56,7 @@ def relative_loads(counts: np.ndarray) -> np.ndarray:
 
 def plot_loads(run_dir: str | Path, out: str | Path, records: list[dict]) -> None:
     """Draw the load maps of `run_dir` into the image file `out`; `records`: its metrics records (the spreads)."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ConfigError("--plot-load needs matplotlib (pip install matplotlib)") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("--plot-load")
     from matplotlib.colors import TwoSlopeNorm
 
     steps, loads = read_loads(run_dir)
@@ -93,9 +89,4 @@ def plot_loads(run_dir: str | Path, out: str | Path, records: list[dict]) -> Non
         ax_spread.grid(alpha=0.3)
         ax_spread.legend()
     fig.tight_layout()
-    try:
-        fig.savefig(out, dpi=100)
-    except OSError as e:
-        raise ConfigError(f"--out {str(out)!r}: cannot write it ({e.strerror or e})") from e
-    finally:
-        plt.close(fig)
+    save(fig, out, "--out", dpi=100)

@@ -28,14 +28,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 
 from bench.common import JsonLines, parser, time_jax, today
 from bench.layer import D, init_params, layer_fns
-from bench.tools.trace import DERIVED_LINES, gpu0_lines, union_ms
+from bench.tools.trace import DERIVED_LINES, gpu0_lines, traced_calls, union_ms
 
 
 def build(tokens: int, config: str):
@@ -60,13 +59,7 @@ def child(tokens: int, config: str) -> None:
 def trace_events(fn, args, calls: int):
     """`calls` back-to-back calls of the warmed fn(*args) inside one JAX profiler trace -> (kernel events, "XLA Ops"
     events, the line names) of GPU 0; events (start ns, duration ns, name), sorted by start."""
-    tmp = tempfile.mkdtemp(prefix="mhl_prof_")
-    try:
-        jax.profiler.start_trace(tmp)
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        jax.profiler.stop_trace()
+    def read(tmp):
         events, ops, names = [], [], []
         for name, evs in gpu0_lines(tmp)[1]:
             names.append(name)
@@ -75,8 +68,8 @@ def trace_events(fn, args, calls: int):
             if not name.startswith(DERIVED_LINES):
                 events += evs
         return sorted(events), sorted(ops), names
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    return traced_calls(lambda: fn(*args), calls, read)[0]
 
 
 def jax_trace(tokens: int, config: str, calls: int, hlo_out: str | None = None):

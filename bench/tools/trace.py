@@ -74,18 +74,26 @@ def op_events(trace_dir: str, plane: str = "/device:GPU:0") -> tuple[str, list[t
     return ("XLA Ops line", named) if named else ("none", [])
 
 
-def traced_op_events(fn, calls: int, plane: str = "/device:GPU:0") -> tuple[str, list[tuple[int, int, str, str]]]:
-    """`calls` back-to-back calls of the warmed fn() inside one JAX profiler trace -> `op_events` of the trace."""
+def traced_calls(fn, calls: int, read):
+    """`calls` back-to-back calls of the warmed fn() inside one JAX profiler trace -> (read(trace directory), wall ms
+    per call). The directory is deleted afterwards."""
     tmp = tempfile.mkdtemp(prefix="mhl_prof_")
     try:
         jax.profiler.start_trace(tmp)
+        t0 = time.perf_counter()
         for _ in range(calls):
             out = fn()
         jax.block_until_ready(out)
+        wall = (time.perf_counter() - t0) * 1e3 / calls
         jax.profiler.stop_trace()
-        return op_events(tmp, plane)
+        return read(tmp), wall
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def traced_op_events(fn, calls: int, plane: str = "/device:GPU:0") -> tuple[str, list[tuple[int, int, str, str]]]:
+    """`calls` back-to-back calls of the warmed fn() inside one JAX profiler trace -> `op_events` of the trace."""
+    return traced_calls(fn, calls, lambda tmp: op_events(tmp, plane))[0]
 
 
 def union_ms(intervals: list[tuple[int, int]]) -> float:
@@ -102,50 +110,44 @@ def union_ms(intervals: list[tuple[int, int]]) -> float:
 
 def device_time_split(fn, *args, calls: int = 2, top_ops: int = 40) -> dict:
     """The split described above, of `calls` calls of the warmed fn(*args)."""
-    tmp = tempfile.mkdtemp(prefix="mhl_prof_")
-    try:
-        jax.block_until_ready(fn(*args))
-        jax.profiler.start_trace(tmp)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        wall = (time.perf_counter() - t0) * 1e3 / calls
-        jax.profiler.stop_trace()
-        files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            return {"wall_ms": wall, "split": "no profile written"}
-        per_device, by_op = [], {}
-        planes = list(ProfileData.from_file(files[0]).planes)
-        for plane in planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            comm, comp, spans = 0, 0, []
-            lines = list(plane.lines)
-            # XLA's per-op line where the trace has one, else the streams' kernel lines (a long step's trace may come
-            # without the derived lines, as a 2.2B train step's did on an H100)
-            ops = [line for line in lines if line.name == "XLA Ops"] or [
-                line for line in lines if not line.name.startswith(DERIVED_LINES)]
-            for line in ops:
-                for ev in line.events:
-                    start, dur = int(ev.start_ns), int(ev.duration_ns)
-                    spans.append((start, start + dur))
-                    if not per_device:  # the first GPU's ops by name
-                        by_op[ev.name] = by_op.get(ev.name, 0) + dur
-                    if is_comm(ev.name):
-                        comm += dur
-                    else:
-                        comp += dur
-            if spans:
-                per_device.append({"device": plane.name, "comm_ms": comm / 1e6 / calls,
-                                   "compute_ms": comp / 1e6 / calls, "busy_ms": union_ms(spans) / calls})
-        if not per_device:
-            return {"wall_ms": wall, "split": "no GPU planes in the profile", "files": len(files),
-                    "planes": [(p.name, [line.name for line in p.lines][:8]) for p in planes][:12]}
-        med = lambda key: float(np.median([d[key] for d in per_device]))  # noqa: E731
-        top = sorted(by_op.items(), key=lambda kv: -kv[1])[:top_ops]
-        return {"devices": len(per_device), "wall_ms": wall, "comm_ms": med("comm_ms"),
-                "compute_ms": med("compute_ms"), "busy_ms": med("busy_ms"), "per_device": per_device,
-                "top_ops_ms": [(name, round(d / 1e6 / calls, 3)) for name, d in top]}
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    jax.block_until_ready(fn(*args))
+    split, wall = traced_calls(lambda: fn(*args), calls, lambda tmp: _split(tmp, calls, top_ops))
+    return {"wall_ms": wall, **split}
+
+
+def _split(trace_dir: str, calls: int, top_ops: int) -> dict:
+    files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        return {"split": "no profile written"}
+    per_device, by_op = [], {}
+    planes = list(ProfileData.from_file(files[0]).planes)
+    for plane in planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        comm, comp, spans = 0, 0, []
+        lines = list(plane.lines)
+        # XLA's per-op line where the trace has one, else the streams' kernel lines (a long step's trace may come
+        # without the derived lines, as a 2.2B train step's did on an H100)
+        ops = [line for line in lines if line.name == "XLA Ops"] or [
+            line for line in lines if not line.name.startswith(DERIVED_LINES)]
+        for line in ops:
+            for ev in line.events:
+                start, dur = int(ev.start_ns), int(ev.duration_ns)
+                spans.append((start, start + dur))
+                if not per_device:  # the first GPU's ops by name
+                    by_op[ev.name] = by_op.get(ev.name, 0) + dur
+                if is_comm(ev.name):
+                    comm += dur
+                else:
+                    comp += dur
+        if spans:
+            per_device.append({"device": plane.name, "comm_ms": comm / 1e6 / calls,
+                               "compute_ms": comp / 1e6 / calls, "busy_ms": union_ms(spans) / calls})
+    if not per_device:
+        return {"split": "no GPU planes in the profile", "files": len(files),
+                "planes": [(p.name, [line.name for line in p.lines][:8]) for p in planes][:12]}
+    med = lambda key: float(np.median([d[key] for d in per_device]))  # noqa: E731
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:top_ops]
+    return {"devices": len(per_device), "comm_ms": med("comm_ms"), "compute_ms": med("compute_ms"),
+            "busy_ms": med("busy_ms"), "per_device": per_device,
+            "top_ops_ms": [(name, round(d / 1e6 / calls, 3)) for name, d in top]}

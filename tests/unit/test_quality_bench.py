@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import stat
@@ -18,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("name", list(quality.MODELS))
 def test_every_model_is_its_paper_config_scaled_down(name, tmp_path):
-    (tmp_path / "tokenizer.tiktoken").write_text("".join(f"AA== {i}\n" for i in range(16383)))  # 16383 ranks
+    tokens = [bytes([b]) for b in range(256)] + [bytes([a, b]) for a in range(64) for b in range(256)][:16383 - 256]
+    (tmp_path / "tokenizer.tiktoken").write_text(  # 16383 ranks: every byte, then byte pairs
+        "".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
     args = argparse.Namespace(steps=700, evals=10, seed=0, batch=32, lr=1e-3, val_sequences=480)
     sets = quality.run_settings(name, tmp_path, tmp_path / "run", args)
     cfg = load_config(str(ROOT / "configs" / f"{quality.MODELS[name][0]}.yaml"), [f"{k}={v}" for k, v in sets.items()])
