@@ -57,6 +57,7 @@ from bench.tools.hlo_scopes import CATEGORIES, STEP_SCOPES, hlo_map, summary
 from bench.tools.trace import traced_op_events, union_ms
 from mhl_jax.config import Config, ConfigError
 from mhl_jax.model.params import count_params
+from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.train.metrics import PEAK_BF16_FLOPS
 
@@ -72,9 +73,12 @@ def _itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
 
 
-def floors(cfg: Config, accum: int, devices: int = 1) -> dict[str, dict[str, float]]:
+def floors(cfg: Config, accum: int, devices: int = 1, cast: bool = False,
+           in_place: bool = False) -> dict[str, dict[str, float]]:
     """Per category {flops, bytes}: the least work a step of `cfg` (accum micro-batches) must do there, per device
-    (the step's work split evenly over `devices`). Module docstring: which work counts."""
+    (the step's work split evenly over `devices`). cast, in_place: whether the expert weights are cast once a step
+    and their gradients added into the fp32 sums in place (the step context: `step_context`). Module docstring:
+    which work counts."""
     m, f = cfg.model, cfg.ffn
     n = cfg.train.global_batch * m.context  # tokens a step
     cb = _itemsize(m.compute_dtype)
@@ -90,13 +94,19 @@ def floors(cfg: Config, accum: int, devices: int = 1) -> dict[str, dict[str, flo
     slots = n * heads * f.top_k * moe_layers  # routed (token, head, choice) slots of every MoE layer
     params = count_params(cfg).total
     moment = _itemsize(cfg.optimizer.moment_dtype)
+    expert_params = moe_layers * heads * f.num_experts * 2 * width * f.expert_hidden
+    # the expert weights' bytes: cast once (fp32 read, copy written), then every micro-batch the forward and the
+    # backward read them and the gradient is added into its fp32 sum (read and written) or written
+    w_read = cb if cast else 4
+    expert_bytes = expert_params * ((4 + cb) * cast + accum * (2 * w_read + (8 if in_place else 4)))
+    summed_apart = params - expert_params * in_place  # gradients the accumulation adds outside the kernels
     out = {
         # x 6: forward 2 FLOPs a multiply-add, backward twice the forward
         "attention": {"flops": m.n_layers * n * 6 * (4 * m.d_model * attn + m.context * attn)},
         "mlp": {"flops": n * 6 * 2 * m.d_model * mlp_width},
         "moe_proj": {"flops": n * 6 * projections[f.kind] * moe_layers},
         "router": {"flops": n * 6 * heads * route_width * f.num_experts * moe_layers},
-        "experts": {"flops": slots * 6 * 2 * width * f.expert_hidden},
+        "experts": {"flops": slots * 6 * 2 * width * f.expert_hidden, "bytes": expert_bytes},
         "lm_head_loss": {"flops": n * 6 * m.d_model * m.vocab_size},
         # gather forward (row read + write), its gradient (row read, table row write)
         "embed": {"bytes": n * m.d_model * 4 * 3 + m.vocab_size * m.d_model * 4},
@@ -109,10 +119,24 @@ def floors(cfg: Config, accum: int, devices: int = 1) -> dict[str, dict[str, flo
         "packing": {"bytes": slots * 4 * 4},
         # forward: k rows read per sub-token, its output written; backward: dy read k times, the gate gradients
         "combine": {"bytes": 2 * slots * width * cb + 2 * (slots // f.top_k) * width * cb},
-        "grad_accum": {"bytes": (accum - 1) * params * 12},
+        "grad_accum": {"bytes": (accum - 1) * summed_apart * 12},
         "optimizer": {"bytes": params * (4 + 4 + 4 + 4 + 4 * moment)},
     }
     return {c: {k: v / devices for k, v in w.items()} for c, w in out.items()}
+
+
+def step_context(cfg: Config, mesh, accum: int) -> tuple[bool, bool]:
+    """(cast, in_place) of the MoE layers' executor on `mesh`, as `mhl_jax.model.context` asks it: whether the step
+    casts the expert weights once and whether the micro-batches add their gradients in place (only with
+    accumulation)."""
+    if cfg.ffn.kind == "mlp":
+        return False, False
+    ex = make_executor(cfg, mesh)
+    dh = cfg.ffn.head_dim if cfg.ffn.kind == "mh_latent_moe" else (
+        cfg.ffn.latent_dim if cfg.ffn.kind == "latent_moe" else cfg.model.d_model)
+    shape = (cfg.model.compute_dtype, "float32", dh)
+    ask = lambda q: bool(getattr(ex, q, None) and getattr(ex, q)(*shape))  # noqa: E731
+    return ask("reads_weights_cast"), accum > 1 and ask("accumulates_in_place")
 
 
 def floor_ms(work: dict[str, float] | None, peak_tflops: float, peak_tbs: float) -> tuple[float | None, str]:
@@ -210,8 +234,8 @@ def profile_config(path: str, overrides: list[str], devices: int, steps: int = 4
     m = cfg.model
     params, biases = train_scale.host_state(cfg, cfg.train.seed)
     tokens = train_scale.synthetic_tokens(seed, m.vocab_size, (cfg.train.global_batch, m.context + 1))
-    cs = train_scale.compile_step(cfg, make_mesh(cfg, jax.devices()[:devices]), params, biases, cfg.train.seed,
-                                  tokens)
+    mesh = make_mesh(cfg, jax.devices()[:devices])
+    cs = train_scale.compile_step(cfg, mesh, params, biases, cfg.train.seed, tokens)
     text = cs.compiled.as_text()
     ops = hlo_map(text)
     hlo = summary(ops)
@@ -223,7 +247,7 @@ def profile_config(path: str, overrides: list[str], devices: int, steps: int = 4
            "context": m.context, "compute_dtype": m.compute_dtype, "kernels": cfg.ffn.kernels,
            "executor": cs.executor, "compile_s": cs.compile_s, "overrides": overrides,
            "peak_tflops": peak_tflops, "peak_tbs": peak_tbs, "hlo": hlo,
-           "floors": floors(cfg, cs.accum, devices),
+           "floors": floors(cfg, cs.accum, devices, *step_context(cfg, mesh, cs.accum)),
            "other_share": {"kernels": hlo["other"]["kernels"] / max(kernels, 1),
                            "runs": hlo["other"]["runs"] / max(runs, 1)}}
     if plane is None and jax.default_backend() == "gpu":

@@ -74,6 +74,25 @@ def test_floors_flops_equal_the_hlo_dots(record):
     assert fl["attention"]["flops"] < hlo["attention"]["dot_flops"] < 1.2 * fl["attention"]["flops"]
 
 
+def test_expert_weight_bytes_move_from_the_accumulation_to_the_experts():
+    """With the step context (weights cast once, gradients summed in place by the expert kernels), the expert weights'
+    accumulation leaves the grad_accum floor and their bytes join the experts' floor: checked against the expert
+    weights counted from the model's own parameter tree."""
+    cfg = train_scale.run_config("configs/tiny_mh_latent_moe.yaml", TINY, 1)
+    _, params, _ = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed=0)), nnx.Param, RouterBias)
+    keys = lambda path: {getattr(k, "key", None) for k in path}  # noqa: E731
+    experts = sum(int(np.prod(leaf.shape)) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                  if {"experts", "w1"} <= keys(path) or {"experts", "w2"} <= keys(path))
+    assert experts > 0
+    plain, ctx = sp.floors(cfg, 4), sp.floors(cfg, 4, cast=True, in_place=True)
+    assert plain["grad_accum"]["bytes"] - ctx["grad_accum"]["bytes"] == 3 * experts * 12
+    assert plain["experts"]["bytes"] == experts * 4 * (4 + 4 + 4)  # fp32 weights read twice, gradient written
+    # the cast (fp32 read, a copy in the compute dtype, fp32 here, written), then per micro-batch two reads of the
+    # copy and the fp32 sum read and written
+    assert ctx["experts"]["bytes"] == experts * (4 + 4 + 4 * (2 * 4 + 8))
+    assert ctx["experts"]["flops"] == plain["experts"]["flops"]
+
+
 def test_times_from_the_trace_map_to_the_compiled_ops(record):
     """The CPU's trace read back by op name: every event of the step's module is one of its compiled ops, the model's
     parts have time, and the record's lines and table carry it."""
