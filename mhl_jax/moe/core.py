@@ -24,6 +24,7 @@ from mhl_jax.moe.context import ExpertContext
 from mhl_jax.moe.experts import REFERENCE_BLOCK, expert_ffn_reference
 from mhl_jax.moe.plan import MAX_TRITON_ROUTER_WIDTH, fused_core, router_casts_weights, triton_expert_path
 from mhl_jax.moe.router import check_router_shapes, route_topk_reference, router_gates
+from mhl_jax.moe.wide_router import route_topk_wide
 
 
 def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax.Array, w1: jax.Array,
@@ -59,10 +60,15 @@ def moe_heads(x_route: jax.Array, x_expert: jax.Array, w_r: jax.Array, bias: jax
 
 def route_topk(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, impl: str) -> tuple[jax.Array, jax.Array]:
     """The router of `impl` (contract: `mhl_jax.moe.router.route_topk_reference`): "reference" the pure-JAX one;
-    "triton" the kernel binding (`mhl_jax.moe.gpu.router`), or the reference for inputs wider than the kernels take
-    (`plan.MAX_TRITON_ROUTER_WIDTH`)."""
+    "triton" the kernel binding (`mhl_jax.moe.gpu.router`), or for inputs wider than the kernels take
+    (`plan.MAX_TRITON_ROUTER_WIDTH`) the split-W_r bf16 GEMMs of `mhl_jax.moe.wide_router` (bf16 x, fp32 W_r;
+    else the reference)."""
     check_router_shapes(x, w_r, bias, k)
-    if impl == "reference" or (impl == "triton" and x.shape[2] > MAX_TRITON_ROUTER_WIDTH):
+    if impl == "triton" and x.shape[2] > MAX_TRITON_ROUTER_WIDTH:
+        if x.dtype == jnp.bfloat16 and w_r.dtype == jnp.float32:
+            return route_topk_wide(x, w_r, bias, k)
+        return route_topk_reference(x, w_r, bias, k)
+    if impl == "reference":
         return route_topk_reference(x, w_r, bias, k)
     if impl != "triton":
         raise ValueError(f"route_topk: impl={impl!r}, expected 'reference' or 'triton'")

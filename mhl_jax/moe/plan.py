@@ -5,7 +5,8 @@
     experts  (dh <= MAX_TRITON_EXPERT_WIDTH)  the fused IO-aware kernels (kernels/triton/experts.py), whose forward
              and backward run as warp-specialised Gluon kernels (kernels/gluon/) in bf16 on Hopper where they take
              the shape; wider experts run the grouped-GEMM kernels (kernels/triton/grouped.py)
-    router   (width <= MAX_TRITON_ROUTER_WIDTH) the Triton router (Gluon on Hopper); wider inputs route in JAX
+    router   (width <= MAX_TRITON_ROUTER_WIDTH) the Triton router (Gluon on Hopper); wider inputs route in JAX, on bf16
+             GEMMs over a split W_r (`mhl_jax.moe.wide_router`)
     core     sub-tokens routed on themselves (MH-LatentMoE) on the fused experts: router, gates and experts under one
              custom_vjp whose backward sums the expert and router dX in one kernel (`mhl_jax.moe.gpu.fused`)
 
@@ -76,7 +77,7 @@ def on_hopper() -> bool:
     return bool(hopper_sms())
 
 
-# Widest input the Triton router takes (it keeps x and W_r blocks on chip); wider inputs route with the reference.
+# Widest input the Triton router takes (it keeps x and W_r blocks on chip); wider inputs route in JAX.
 MAX_TRITON_ROUTER_WIDTH = 256
 
 # Widest expert input the fused IO-aware expert kernels take: their tiles hold a (BLOCK_M, DH) X tile, a (BLOCK_M, DH)
@@ -204,7 +205,7 @@ class KernelPlan:
     count the choices were made for (they depend on it: packing block, tiles, the Gluon dX warp group)."""
 
     impl: str  # "triton" | "reference": the executor's implementation
-    router: str  # "gluon" | "triton" | "reference"
+    router: str  # "gluon" | "triton" | "split-bf16" (wider than the kernels take, bf16) | "reference"
     experts: str  # "fused" | "grouped" | "reference"
     experts_fwd: str = "none"  # `expert_fwd_kernel`'s names, "grouped", "reference"
     experts_bwd: str = "none"  # `expert_bwd_kernel`'s names, "grouped", "reference"
@@ -240,8 +241,9 @@ def plan_for_config(cfg) -> KernelPlan:
     ne, de, k = f.num_experts // cfg.parallel.ep, f.expert_hidden, f.top_k
     tokens = cfg.train.micro_batch * cfg.model.context
     hopper = on_hopper()
-    router = "reference" if width > MAX_TRITON_ROUTER_WIDTH else ("gluon" if hopper else "triton")
     x_dtype = jnp.dtype(cfg.model.compute_dtype)
+    wide = "split-bf16" if x_dtype == jnp.bfloat16 else "reference"  # `mhl_jax.moe.wide_router`, or fp32's reference
+    router = wide if width > MAX_TRITON_ROUTER_WIDTH else ("gluon" if hopper else "triton")
     slots, groups = tokens * heads * k, heads * ne
     path = triton_expert_path(width)
     if path == "grouped":

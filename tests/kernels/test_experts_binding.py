@@ -77,7 +77,9 @@ def test_plan_for_config_reports_each_op(monkeypatch):
     assert (p.router, p.experts_fwd, p.experts_bwd) == ("triton", "triton", "triton-fused"), p
     cfg.ffn.kind = "moe"
     p = plan.plan_for_config(cfg)
-    assert (p.router, p.experts, p.experts_bwd, p.combine) == ("reference", "grouped", "grouped", "xla"), p
+    assert (p.router, p.experts, p.experts_bwd, p.combine) == ("split-bf16", "grouped", "grouped", "xla"), p
+    cfg.model.compute_dtype = "float32"  # the wide router's split needs bf16 x: fp32 routes with the reference
+    assert plan.plan_for_config(cfg).router == "reference"
 
 
 def test_ws_forward_shapes_checked_and_chosen():
