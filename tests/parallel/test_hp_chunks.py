@@ -8,12 +8,16 @@ gradients sum C chunks'). Per-token comparisons catch chunks put back in the wro
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+from bench import a2a, train_scale
 from mhl_jax.config import load_config
 from mhl_jax.moe.context import ExpertContext
 from mhl_jax.moe.core import LocalMoE
@@ -46,6 +50,14 @@ def grouped(x: jax.Array, groups: int) -> jax.Array:
     return x.reshape(n, groups, h // groups, c).transpose(1, 0, 2, 3)
 
 
+def forward(executor, args, groups: int = 1) -> np.ndarray:
+    """y token-major of `executor` on `args` (`inputs`)."""
+    x, w_r, bias, w1, w2, _ = args
+    xs = x if groups == 1 else grouped(x, groups)
+    y = jax.jit(lambda xs: executor(xs, xs, w_r, bias, w1, w2, K)[0])(xs)
+    return np.asarray(y if groups == 1 else y.transpose(1, 0, 2, 3).reshape(x.shape))
+
+
 def run(executor, args, groups: int = 1, ctx=None):
     """(y token-major, load, gradients of sum(y * g) for x, w_r, w1, w2) of `executor` on `args` (`inputs`)."""
     x, w_r, bias, w1, w2, g = args
@@ -71,10 +83,10 @@ def mesh(shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:
 
 
 def assert_matches(got, unchunked, one_device):
-    """Outputs bitwise the unchunked executor's, per token; loads exactly one device's; outputs and gradients one
-    device's to fp32 rounding."""
+    """Outputs bitwise the unchunked executor's (`forward`), per token; loads exactly one device's; outputs and
+    gradients one device's to fp32 rounding."""
     y, load, grads = got
-    np.testing.assert_array_equal(y, unchunked[0])
+    np.testing.assert_array_equal(y, unchunked)
     np.testing.assert_array_equal(load, one_device[1])
     np.testing.assert_allclose(y, one_device[0], rtol=1e-5, atol=1e-5)
     for name, d, r in zip(("x", "w_r", "w1", "w2"), grads, one_device[2]):
@@ -82,8 +94,7 @@ def assert_matches(got, unchunked, one_device):
 
 
 # data x hp (token-major and grouped; 2 and 4 chunks) and data x hp x ep (both layouts)
-@pytest.mark.parametrize("data,hp,ep,chunks,groups", [(2, 4, 1, 2, 4), (1, 8, 1, 4, 1), (2, 2, 2, 2, 2),
-                                                      (1, 2, 4, 2, 1)])
+@pytest.mark.parametrize("data,hp,ep,chunks,groups", [(2, 4, 1, 2, 4), (1, 8, 1, 4, 1), (2, 2, 2, 2, 2)])
 def test_chunked_hp_gives_unchunked_outputs_and_single_device_grads_and_loads(data, hp, ep, chunks, groups,
                                                                               one_device):
     if ep == 1:
@@ -93,25 +104,26 @@ def test_chunked_hp_gives_unchunked_outputs_and_single_device_grads_and_loads(da
         m = mesh((data, hp, ep), ("data", "hp", "ep"))
         make = lambda c: HeadExpertParallelMoE(m, "reference", "padded", chunks=c)  # noqa: E731
     args = inputs()
-    assert_matches(run(make(chunks), args, groups), run(make(1), args, groups), one_device)
+    assert_matches(run(make(chunks), args, groups), forward(make(1), args, groups), one_device)
 
 
-def test_chunked_ep_gives_unchunked_outputs_and_single_device_grads_and_loads():
-    """data x ep (MoE / LatentMoE's executor, here on 8 heads): each chunk routes and exchanges its own counts."""
-    m = mesh((2, 4), ("data", "ep"))
+def test_chunked_ep_gives_unchunked_outputs_and_single_device_grads_and_loads(one_device):
+    """data x ep (MoE / LatentMoE's executor, here on 8 heads; token-major): each chunk routes and exchanges its own
+    counts."""
+    m = mesh((1, 8), ("data", "ep"))
     args = inputs()
     assert_matches(run(ExpertParallelMoE(m, "reference", "padded", chunks=2), args),
-                   run(ExpertParallelMoE(m, "reference", "padded"), args), run(LocalMoE("reference"), args))
+                   forward(ExpertParallelMoE(m, "reference", "padded"), args), one_device)
 
 
 def test_gradient_sums_are_added_once_over_the_chunks():
-    """grad_acc (data x hp only) goes to one chunk: w1 / w2's gradients are acc + dW, not chunks x acc + dW."""
+    """grad_acc (data x hp only) goes to one chunk: w1 / w2's gradients are acc + dW, not 2 acc + dW."""
     m = mesh((1, 8), ("data", "hp"))
     args = inputs()
     acc = (jnp.full(args[3].shape, 3.0), jnp.full(args[4].shape, -2.0))
-    _, _, plain = run(HeadParallelMoE(m, "reference"), args)
-    y, _, summed = run(HeadParallelMoE(m, "reference", chunks=4), args, ctx=ExpertContext(grad_acc=acc))
-    np.testing.assert_array_equal(y, run(HeadParallelMoE(m, "reference"), args)[0])
+    y1, _, plain = run(HeadParallelMoE(m, "reference"), args)
+    y, _, summed = run(HeadParallelMoE(m, "reference", chunks=2), args, ctx=ExpertContext(grad_acc=acc))
+    np.testing.assert_array_equal(y, y1)
     for d, p, a in zip(summed[2:], plain[2:], acc):
         np.testing.assert_allclose(d, np.asarray(a) + p, rtol=1e-6, atol=1e-6)
 
@@ -161,3 +173,38 @@ def test_config_reaches_every_executor():
         cfg = load_config(path, base + sets)
         ex = make_executor(cfg, make_mesh(cfg))
         assert isinstance(ex, kind) and ex.chunks == 4, ex
+
+
+def test_a2a_bench_times_the_chunked_layer_on_one_device_and_takes_a_three_axis_mesh(tmp_path):
+    """bench.a2a --layer at a tiny shape on one device (the overhead of the chunks where nothing overlaps): a record
+    per chunk count, the unchunked one first, the chunked outputs bitwise the unchunked ones. On data 2 x hp 2 x ep 2
+    (not timed here: the chunked HP x EP executor runs in the tests above) its executor and inputs are those the
+    training run would hold."""
+    out = tmp_path / "layer.jsonl"
+    tiny = ["--config", "configs/tiny_mh_latent_moe.yaml", "--set", "model.compute_dtype=float32"]
+    a2a.main(["--layer", "--mesh", "1", "1", "1", "--chunks", "2", "--layer-tokens", "32", *tiny, "--repeats", "2",
+              "--out", str(out)])
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["params"]["chunks"] for r in recs] == [1, 2]
+    assert all(r["params"]["mesh"] == {"data": 1, "hp": 1} and r["bitwise_vs_unchunked"] and r["ms"] > 0
+               and r["ms_unchunked"] == recs[0]["ms"] for r in recs), recs
+    assert "chunks=2" in recs[1]["executor"]
+    cfg = a2a.layer_config(tiny[1], tiny[3:], (2, 2, 2))
+    m = make_mesh(cfg, jax.devices())
+    ex = a2a.layer_executor(cfg, m, 2)
+    assert isinstance(ex, HeadExpertParallelMoE) and ex.chunks == 2 and m.devices.shape == (2, 2, 2)
+    x, w_r, bias, w1, *_ = a2a.layer_inputs(cfg, m, 32, seed=0)
+    assert x.shape == (2, 256, 2, 32) and x.sharding.spec == P(None, ("data", "hp", "ep"))
+    assert w1.sharding.spec == P("hp", "ep", None, None) and w_r.sharding.spec == P("hp", None, "ep")
+
+
+def test_train_scale_runs_hp_x_ep_with_chunks():
+    """bench.train_scale --ep 2 with parallel.hp_chunks=2 on 4 devices: the mesh data 1 x hp 2 x ep 2, the chunked
+    executor, a falling loss. (Its loss check: tests/e2e/test_bench_scripts.py; the chunked layer against one
+    device: the tests above.)"""
+    sets = ["model.compute_dtype=float32", "model.n_layers=1", "ffn.stem_layers=0", "model.context=32",
+            "train.global_batch=16", "parallel.hp_chunks=2"]
+    (r,) = train_scale.run(["configs/tiny_mh_latent_moe.yaml"], [4], steps=2, overrides=sets, ep=2,
+                           emit=lambda r: None, log=lambda s: None)
+    assert r["mesh"] == {"data": 1, "hp": 2, "ep": 2} and r["hp_chunks"] == 2 and "chunks=2" in r["executor"], r
+    assert r["ok"] and r["losses"][1] < r["losses"][0]
