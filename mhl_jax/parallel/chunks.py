@@ -13,7 +13,8 @@ and the backward, which transposes each chunk on its own, overlaps alike. What s
 one chunk's return, plus whatever part of the exchange is longer than the compute beside it (docs/parallel.md).
 
 The results do not change. Routing is per sub-token and every expert output row depends on its own input row only, so
-each token's output is bitwise the unchunked one; the loads are integer sums. A weight's gradient is the sum of C
+each token's output is the unchunked one (bitwise on the reference ops; kernels that pick their tiles by the row count
+may sum in another fp32 order); the loads are integer sums. A weight's gradient is the sum of C
 chunks' gradients instead of one sum over all rows: equal up to fp32 summation order.
 """
 

@@ -21,6 +21,7 @@ from bench import a2a, train_scale
 from mhl_jax.config import load_config
 from mhl_jax.moe.context import ExpertContext
 from mhl_jax.moe.core import LocalMoE
+from mhl_jax.parallel import exchange_model
 from mhl_jax.parallel.chunks import chunk_count, over_chunks
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.expert_parallel import ExpertParallelMoE
@@ -116,6 +117,19 @@ def test_chunked_ep_gives_unchunked_outputs_and_single_device_grads_and_loads(on
                    forward(ExpertParallelMoE(m, "reference", "padded"), args), one_device)
 
 
+def test_separate_routing_sub_tokens_travel_with_their_chunk():
+    """x_route apart from x_expert (ffn.routing_tokens=separate): each chunk sends its own routing sub-tokens, so the
+    outputs and loads are the unchunked ones bitwise (a chunk routed on another chunk's sub-tokens would differ)."""
+    m = mesh((2, 4), ("data", "hp"))
+    x, w_r, bias, w1, w2, _ = inputs()
+    xr = grouped(jax.random.normal(jax.random.key(7), x.shape), 4)
+    xe = grouped(x, 4)
+    call = lambda c: jax.jit(HeadParallelMoE(m, "reference", chunks=c).__call__, static_argnums=6)  # noqa: E731
+    got, want = call(2)(xr, xe, w_r, bias, w1, w2, K), call(1)(xr, xe, w_r, bias, w1, w2, K)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_gradient_sums_are_added_once_over_the_chunks():
     """grad_acc (data x hp only) goes to one chunk: w1 / w2's gradients are acc + dW, not 2 acc + dW."""
     m = mesh((1, 8), ("data", "hp"))
@@ -208,3 +222,26 @@ def test_train_scale_runs_hp_x_ep_with_chunks():
                            emit=lambda r: None, log=lambda s: None)
     assert r["mesh"] == {"data": 1, "hp": 2, "ep": 2} and r["hp_chunks"] == 2 and "chunks=2" in r["executor"], r
     assert r["ok"] and r["losses"][1] < r["losses"][0]
+
+
+def test_exchange_model_is_a_hand_count():
+    """16 GPUs, 8 per node, the 2.2B shapes (16384 tokens per device, Nh 8 x dh 128, Ne 384, k 4, bf16)."""
+    # 1 x 2 x 8: device 0's hp partner is device 8 (the other node), its ep group devices 0-7 (its node). HP sends the
+    # 4 heads of the other group: 16384 x 4 x 128 x 2 B over the network at 50 GB/s; EP sends the 2 x 16384 tokens' 4
+    # heads x 4 choices, 7/8 of them to other devices, 128 x 2 B each, over NVLink at 210 GB/s; four of each per layer
+    # (MB / (GB/s) = ms)
+    hp_mb, ep_mb = 16384 * 4 * 128 * 2 / 1e6, 2 * 16384 * 4 * 4 * 7 / 8 * 128 * 2 / 1e6
+    x = exchange_model.exchange((1, 2, 8), 16384, 8, 128, 4, 384)
+    assert (x.hp_peers_off_node, x.ep_peers_off_node) == (1, 0)
+    np.testing.assert_allclose([x.hp_mb, x.ep_mb, x.ms], [hp_mb, ep_mb, 4 * (hp_mb / 50 + ep_mb / 210)])
+    # 1 x 8 x 2: hp group 0, 2, ..., 14: 3 peers on the node, 4 off; the network's 4/7 of the bytes are the slower
+    x = exchange_model.exchange((1, 8, 2), 16384, 8, 128, 4, 384)
+    hp_mb = 16384 * 7 * 128 * 2 / 1e6
+    assert x.hp_peers_off_node == 4
+    np.testing.assert_allclose(x.ms, 4 * (hp_mb * 4 / 7 / 50 + x.ep_mb / 210))
+    # 2 x 8 x 1: the data pair (0, 8) all-reduces its eighth of the layer's 201M fp32 expert gradients over the network
+    np.testing.assert_allclose(exchange_model.expert_grad_allreduce_ms((2, 8, 1), 201326592), 201326592 / 8 * 4 / 50e6)
+    assert exchange_model.expert_grad_allreduce_ms((1, 8, 2), 201326592) == 0.0
+    # overlap: one chunk's share left when the compute is longer, else the excess over the compute beside it
+    assert exchange_model.exposed_ms(1.0, 3.0, 4) == 0.25 and exchange_model.exposed_ms(3.0, 1.0, 4) == 2.25
+    assert exchange_model.exposed_ms(3.0, 1.0, 1) == 3.0
