@@ -9,6 +9,7 @@ gradients sum C chunks'). Per-token comparisons catch chunks put back in the wro
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -245,3 +246,5 @@ def test_exchange_model_is_a_hand_count():
     # overlap: one chunk's share left when the compute is longer, else the excess over the compute beside it
     assert exchange_model.exposed_ms(1.0, 3.0, 4) == 0.25 and exchange_model.exposed_ms(3.0, 1.0, 4) == 2.25
     assert exchange_model.exposed_ms(3.0, 1.0, 1) == 3.0
+    # docs/parallel.md shows the model's table as it is
+    assert exchange_model.table() in (Path(__file__).resolve().parents[2] / "docs" / "parallel.md").read_text()
