@@ -3,6 +3,8 @@ time and memory per device.
 
     python -m bench.a2a [--tokens 81920] [--d 1024] [--heads 8] [--ks 1 2 4 8] [--skews 0 1 2]
                         [--ep-impls ragged padded] [--repeats 20] [--unroll 8] [--ragged-unroll 1] [--out FILE]
+    python -m bench.a2a --layer [--mesh DATA HP EP] [--chunks 1 2 4] [--layer-tokens 16384]
+                        [--config configs/mh_latent_moe_hp_2.2b.yaml] [--set key=value ...] [--out FILE]
 
 Per device: `tokens` tokens of width d, bf16 (81920 x 1024 by default, the layer table's larger shape).
 - HP: the sub-tokens head-group-major, (P, n, Nh/P, dh) per device as the model's W_in emits them under Head Parallel,
@@ -21,6 +23,14 @@ XLA gives each ragged_all_to_all's buffers their own collective memory, not reus
 Memory: XLA's buffer assignment of the compiled exchange per device (shapes are static: this is the peak). EP's
 receive buffer is the static worst case (P * n * k rows); `recv_rows_used_max` is what the skew filled on the busiest
 device. Every timed exchange is checked to return its input bit for bit. A table last.
+
+--layer times the MoE layer's executor instead (exchanges, router and experts: what `parallel.hp_chunks` splits),
+forward + backward on the sub-tokens head-group-major as the model emits them, on a data x hp (x ep) mesh of the
+config's MH-LatentMoE shapes (default: the 2.2B model, `--layer-tokens` per device = micro-batch 8 x 2048), once per
+`--chunks` count. One record per count: `ms`, the unchunked `ms_unchunked` and `overhead` = ms / ms_unchunked - 1,
+whether the outputs are bitwise the unchunked ones, and the bytes each device sends (`traffic.comm_bytes_per_layer`).
+On one GPU, `--mesh 1 1 1 --chunks 1 2 4` measures what the chunks cost where there is nothing to overlap (a mesh of
+one device still runs the Head Parallel executor here; a training run there takes the local one and ignores chunks).
 """
 
 from __future__ import annotations
@@ -32,10 +42,16 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bench.common import JsonLines, compiled_gib, parser, time_calls, today
+from bench.common import JsonLines, compiled_gib, memory_gib, parser, time_calls, time_jax, today
+from mhl_jax.config import Config, load_config
+from mhl_jax.moe.plan import resolve_kernels
 from mhl_jax.parallel import traffic
 from mhl_jax.parallel.expert_parallel import combine, dispatch, make_plan
-from mhl_jax.parallel.head_parallel import to_local_heads, to_local_tokens
+from mhl_jax.parallel.head_expert_parallel import HeadExpertParallelMoE
+from mhl_jax.parallel.head_parallel import HeadParallelMoE, to_local_heads, to_local_tokens
+from mhl_jax.parallel.mesh import expert_leaf_spec, make_mesh
+
+LAYER_CONFIG = "configs/mh_latent_moe_hp_2.2b.yaml"
 
 
 def zipf_counts(tokens: int, k: int, peers: int, skew: float, seed: int) -> np.ndarray:
@@ -163,6 +179,98 @@ def bench(args, device: str, date: str, emit) -> list[dict]:
     return recs
 
 
+# ----------------------------------------------------------------------------- the chunked layer (--layer)
+
+
+def layer_config(path: str, overrides: list[str], mesh: tuple[int, int, int]) -> Config:
+    """The MH-LatentMoE config at `path` with the overrides, on a data x hp (x ep) mesh of sizes `mesh`."""
+    data, hp, ep = mesh
+    cfg = load_config(path, [*overrides, f"parallel.data={data}", f"parallel.hp={hp}", f"parallel.ep={ep}",
+                             f"parallel.devices={data * hp * ep}"])
+    if cfg.ffn.kind != "mh_latent_moe":
+        raise SystemExit(f"--layer times the Head Parallel executors: {path} has ffn.kind={cfg.ffn.kind!r}, expected "
+                         "mh_latent_moe")
+    return cfg
+
+
+def layer_executor(cfg: Config, mesh: Mesh, chunks: int):
+    """The executor `make_executor` picks for the mesh, with `chunks`; Head Parallel on one device too."""
+    impl = resolve_kernels(cfg.ffn.kernels)
+    if "ep" in mesh.axis_names:
+        return HeadExpertParallelMoE(mesh, impl, cfg.parallel.ep_impl, chunks=chunks)
+    return HeadParallelMoE(mesh, impl, chunks=chunks)
+
+
+def layer_inputs(cfg: Config, mesh: Mesh, tokens: int, seed: int) -> tuple:
+    """(x, w_r, bias, w1, w2, g) on the mesh: bf16 sub-tokens (hp, N, Nh / hp, dh) split over every device on the
+    token axis (N = tokens x devices) and their cotangent g; fp32 router (unit variance: no ties), bias and experts
+    split as the training state holds them (`expert_leaf_spec`)."""
+    f, hp = cfg.ffn, mesh.shape["hp"]
+    dtype = jnp.dtype(cfg.model.compute_dtype)
+    n = tokens * mesh.size
+    shapes = {"x": ((hp, n, f.num_heads // hp, f.head_dim), P(None, tuple(mesh.axis_names)), dtype, 1.0),
+              "w_router": ((f.num_heads, f.head_dim, f.num_experts), None, jnp.float32, 1.0),
+              "bias": ((f.num_heads, f.num_experts), None, jnp.float32, 0.0),
+              "w1": ((f.num_heads, f.num_experts, f.head_dim, f.expert_hidden), None, jnp.float32, 0.02),
+              "w2": ((f.num_heads, f.num_experts, f.expert_hidden, f.head_dim), None, jnp.float32, 0.02)}
+    shapes["g"] = shapes["x"]
+    out = []
+    for i, (name, (shape, spec, dt, std)) in enumerate(shapes.items()):
+        spec = spec or expert_leaf_spec(cfg, name, len(shape))
+        make = jax.jit(lambda key, shape=shape, dt=dt, std=std: (std * jax.random.normal(key, shape)).astype(dt),
+                       out_shardings=NamedSharding(mesh, spec))
+        out.append(make(jax.random.key(seed + i)))
+    return tuple(out)
+
+
+def layer_step(executor, k: int, inputs: tuple):
+    """Forward + backward, compiled for `inputs`: inputs -> (gradients of sum(y * g) for x, w_r, w1, w2; y)."""
+    def loss(x, w_r, bias, w1, w2, g):
+        y, _ = executor(x, x, w_r, bias, w1, w2, k)
+        return jnp.sum(y.astype(jnp.float32) * g.astype(jnp.float32)), y
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 3, 4), has_aux=True)).lower(*inputs).compile()
+
+
+def bench_layer(args, device: str, date: str, emit) -> list[dict]:
+    """--layer: the executor's forward + backward at each chunk count (the unchunked one first, the reference)."""
+    mesh_sizes = tuple(args.mesh) if args.mesh else (1, len(jax.devices()), 1)
+    cfg = layer_config(args.config, args.overrides, mesh_sizes)
+    mesh = make_mesh(cfg, jax.devices()[:int(np.prod(mesh_sizes))])
+    inputs = layer_inputs(cfg, mesh, args.layer_tokens, seed=0)
+    f = cfg.ffn
+    comm = traffic.comm_bytes_per_layer(cfg, mesh, args.layer_tokens)
+    recs, ref = [], None
+    for chunks in sorted(set([1, *args.chunks])):
+        executor = layer_executor(cfg, mesh, chunks)
+        step = layer_step(executor, f.top_k, inputs)
+        y = step(*inputs)[1]
+        ms = time_jax(step, [inputs], args.repeats)
+        if ref is None:
+            ref = (y, ms)
+        rec = {"bench": "a2a", "impl": "layer_chunks", "device": device, "date": date,
+               "params": {"mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "tokens_per_device":
+                          args.layer_tokens, "chunks": chunks, "heads": f.num_heads, "head_dim": f.head_dim,
+                          "experts": f.num_experts, "k": f.top_k, "expert_hidden": f.expert_hidden,
+                          "dtype": cfg.model.compute_dtype, "kernels": executor.impl, "config": cfg.name},
+               "executor": repr(executor), "ms": ms, "ms_unchunked": ref[1], "overhead": ms / ref[1] - 1.0,
+               "bitwise_vs_unchunked": bool(jnp.array_equal(y, ref[0])),
+               "peak_gib": memory_gib(step.memory_analysis()), "comm_bytes": comm}
+        emit(rec)
+        recs.append(rec)
+        del y
+    return recs
+
+
+def layer_table(recs: list[dict]) -> str:
+    lines = [f"{'mesh':>16} {'chunks':>6} | {'fwd+bwd ms':>10} {'overhead':>8} {'bitwise':>7} {'GiB':>6}"]
+    for r in recs:
+        mesh = "x".join(str(v) for v in r["params"]["mesh"].values())
+        lines.append(f"{mesh:>16} {r['params']['chunks']:>6} | {r['ms']:10.3f} {100 * r['overhead']:7.1f}% "
+                     f"{str(r['bitwise_vs_unchunked']):>7} {r['peak_gib'] or 0:6.2f}")
+    return "\n".join(lines)
+
+
 def table(recs: list[dict]) -> str:
     hp = {(r["params"]["k"], r["params"]["skew"]): r for r in recs if r.get("impl") == "hp"}
     ep = {(r["params"]["k"], r["params"]["skew"]): r for r in recs if r.get("impl") == "ep_ragged"}
@@ -191,10 +299,24 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--unroll", type=int, default=8)
     ap.add_argument("--ragged-unroll", type=int, default=1)
+    ap.add_argument("--layer", action="store_true", help="time the MoE layer's executor at each --chunks count "
+                    "instead of the bare exchanges")
+    ap.add_argument("--mesh", type=int, nargs=3, metavar=("DATA", "HP", "EP"), default=None,
+                    help="--layer's mesh (default: 1, every device, 1)")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4], help="--layer's chunk counts "
+                    "(parallel.hp_chunks); 1 is always run, as the reference")
+    ap.add_argument("--layer-tokens", type=int, default=16384, help="--layer's tokens per device (8 x 2048)")
+    ap.add_argument("--config", default=LAYER_CONFIG, help="--layer's MH-LatentMoE config (its ffn shapes, dtype, "
+                    "kernels)")
+    ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                    help="--layer's config overrides")
     args = ap.parse_args(argv)
     devs = jax.devices()
     print(f"# {len(devs)} x {devs[0].device_kind}, jax {jax.__version__}, backend {jax.default_backend()}", flush=True)
     with JsonLines(args.out) as emit:
+        if args.layer:
+            print(layer_table(bench_layer(args, devs[0].device_kind, today(), emit)), flush=True)
+            return
         recs = bench(args, devs[0].device_kind, today(), emit)
     print(table(recs), flush=True)
     if jax.default_backend() == "gpu":

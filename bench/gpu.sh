@@ -9,13 +9,15 @@
 #   train               bench.train_scale on 1 GPU: the 2.2B MH-LatentMoE and MoE configs, micro-batch 8,
 #                       global batch 32 x 2048, one process per config
 #   a2a                 bench.a2a over every visible GPU
+#   chunks              bench.a2a --layer: the 2.2B layer's executor at parallel.hp_chunks 1, 2, 4 on one GPU (their
+#                       overhead) and, with more GPUs, on data 1 x hp (all of them, up to 8) x ep 1 (their overlap)
 # Wheels carried in .whl/ (bench/tools/fetch_gpu_wheels.sh) are installed first. Every stage runs under `timeout`
 # (T_LIMIT seconds, default 570) and a failed or timed-out stage does not stop the next. Logs and JSON lines go to
 # ${OUT:-/tmp/bench_out}; the exit status is 1 when any stage failed.
 set -uo pipefail
 
 if [ $# -eq 0 ]; then
-    sed -n '2,16p' "$0"
+    sed -n '2,18p' "$0"
     exit 2
 fi
 OUT=${OUT:-/tmp/bench_out}
@@ -76,6 +78,11 @@ for suite in "$@"; do
                     --warmup 1 --set train.micro_batch=8 --out "$OUT/train_scale.jsonl"
             done ;;
         a2a) stage a2a python3 -m bench.a2a --out "$OUT/a2a.jsonl" ;;
+        chunks)
+            stage chunks-1 python3 -m bench.a2a --layer --mesh 1 1 1 --chunks 1 2 4 --out "$OUT/chunks.jsonl"
+            n=$(nvidia-smi -L | wc -l); [ "$n" -gt 8 ] && n=8
+            [ "$n" -gt 1 ] && stage "chunks-$n" python3 -m bench.a2a --layer --mesh 1 "$n" 1 --chunks 1 2 4 \
+                --out "$OUT/chunks.jsonl" ;;
         *) echo "unknown suite '$suite' (see: bash bench/gpu.sh)" | tee -a "$LOG"; failed+=("$suite") ;;
     esac
 done

@@ -1,6 +1,6 @@
 """Training throughput and loss agreement of a config on 1, 2, 4, ... devices.
 
-    python -m bench.train_scale [--config FILE ...] [--devices 1 2 4] [--steps 4] [--warmup 1]
+    python -m bench.train_scale [--config FILE ...] [--devices 1 2 4] [--data 1] [--ep 1] [--steps 4] [--warmup 1]
                                 [--set key=value ...] [--tol 1e-2] [--profile] [--repeat] [--out FILE]
 
 For each config (default: configs/mh_latent_moe_hp_2.2b.yaml and configs/moe_ep_2.2b.yaml) and each
@@ -13,6 +13,8 @@ synthetic batches (numpy seed `--seed`; no dataset is read): tokens drawn i.i.d.
 frequencies, as in text, so the routing is as skewed as text's unigram statistics make it (uniform
 tokens would balance the experts perfectly and flatter EP) and the loss falls in the first steps as
 the model learns the unigram distribution (uniform tokens start at the optimum ln V and barely move).
+
+`--data D --ep E`: data D x hp P / (D E) x ep E (ep: MH-LatentMoE only); chunks: `--set parallel.hp_chunks=C`.
 
 Defaults applied before `--set` (so `--set` can undo them):
     train.global_batch=32  train.micro_batch=4  schedule.warmup_steps=1
@@ -91,12 +93,17 @@ DEFAULT_CONFIGS = ["configs/mh_latent_moe_hp_2.2b.yaml", "configs/moe_ep_2.2b.ya
 DEFAULT_SETS = ["train.global_batch=32", "train.micro_batch=4", "schedule.warmup_steps=1"]
 
 
-def run_config(path: str, overrides: list[str], devices: int) -> Config:
-    """The config at `path` with the overrides, on `devices` devices, all of them on the model axis;
-    ConfigError when the mesh or the batch does not fit."""
+def run_config(path: str, overrides: list[str], devices: int, data: int = 1, ep: int = 1) -> Config:
+    """The config at `path` with the overrides, on `devices` devices: `data` of them data-parallel, `ep` (MH-LatentMoE)
+    splitting each head's experts, the rest on the model axis; ConfigError when the mesh or the batch does not fit."""
     axis = model_axis(load_config(path, overrides))
-    cfg = load_config(path, [*overrides, f"parallel.{axis}={devices}", "parallel.data=-1",
-                             f"parallel.devices={devices}"])
+    if ep > 1 and axis != "hp":
+        raise ConfigError(f"--ep {ep} splits MH-LatentMoE heads' experts (data x hp x ep); {path} puts its devices on "
+                          "ep already")
+    if data < 1 or ep < 1 or devices % (data * ep):
+        raise ConfigError(f"--data {data} x --ep {ep} does not divide {devices} devices")
+    cfg = load_config(path, [*overrides, f"parallel.{axis}={devices // (data * ep)}", f"parallel.data={data}",
+                             f"parallel.devices={devices}", *([f"parallel.ep={ep}"] if ep > 1 else [])])
     mesh_shape(cfg, devices)
     accumulation_steps(cfg, devices)  # ConfigError when the batch does not split
     return cfg
@@ -278,8 +285,9 @@ def loss_check(records: list[dict], tol: float) -> None:
 
 def run(configs: list[str], device_counts: list[int], steps: int = 4, warmup: int = 1, overrides=(),
         tol: float = 1e-2, seed: int = 0, date: str = "", emit=print, log=print, profile: bool = False,
-        repeat: bool = False) -> list[dict]:
-    """Every (config, device count); returns the records (each with `ok`). Device counts run largest first."""
+        repeat: bool = False, data: int = 1, ep: int = 1) -> list[dict]:
+    """Every (config, device count); returns the records (each with `ok`). Device counts run largest first; data, ep:
+    as `run_config`."""
     avail = jax.devices()
     if max(device_counts) > len(avail):
         raise SystemExit(f"--devices {max(device_counts)} asked, but only {len(avail)} devices are visible: {avail}")
@@ -288,7 +296,7 @@ def run(configs: list[str], device_counts: list[int], steps: int = 4, warmup: in
     overrides = [*DEFAULT_SETS, *overrides]
     for path in configs:  # every (config, device count) is valid before any device time is spent
         for n in device_counts:
-            run_config(path, overrides, n)
+            run_config(path, overrides, n, data, ep)
     out = []
     for path in configs:
         base = load_config(path, overrides)
@@ -299,11 +307,12 @@ def run(configs: list[str], device_counts: list[int], steps: int = 4, warmup: in
         log(f"# {base.name}: initial state built in {time.perf_counter() - t0:.1f} s")
         records = []
         for n in sorted(set(device_counts), reverse=True):
-            cfg = run_config(path, overrides, n)
+            cfg = run_config(path, overrides, n, data, ep)
             rec = {"bench": "train_scale", "config": cfg.name, "config_file": path, "kind": cfg.ffn.kind,
                    "devices": n, "device": avail[0].device_kind, "date": date, "jax": jax.__version__,
                    "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
                    "context": m.context, "compute_dtype": m.compute_dtype, "kernels": cfg.ffn.kernels,
+                   "hp_chunks": cfg.parallel.hp_chunks,
                    "steps": steps, "warmup": warmup, "seed": seed, "overrides": overrides}
             try:
                 rec.update(measure(cfg, avail[:n], params, biases, batches, warmup, base.train.seed,
@@ -353,6 +362,9 @@ def main(argv=None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--config", action="append", default=None, help="YAML config (repeatable)")
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4], help="device counts to run")
+    ap.add_argument("--data", type=int, default=1, help="data-parallel devices of each run (the rest: model axes)")
+    ap.add_argument("--ep", type=int, default=1, help="MH-LatentMoE: ep devices splitting each head's experts "
+                    "(mesh data x hp x ep)")
     ap.add_argument("--steps", type=int, default=4, help="train steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the median step time")
     ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
@@ -373,7 +385,7 @@ def main(argv=None) -> None:
         try:
             recs = run(args.config or DEFAULT_CONFIGS, args.devices, args.steps, args.warmup, args.overrides,
                        args.tol, args.seed, today(), emit, log=lambda s: print(s, flush=True),
-                       profile=args.profile, repeat=args.repeat)
+                       profile=args.profile, repeat=args.repeat, data=args.data, ep=args.ep)
         except ConfigError as e:
             print(f"# FAILED: {e}", flush=True)
             sys.exit(1)

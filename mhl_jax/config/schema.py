@@ -74,6 +74,11 @@ class ParallelConfig:
     ep: int = 1
     # EP exchange: auto = ragged on GPU, padded on CPU and where an ep group spans several processes
     ep_impl: Literal["auto", "ragged", "padded"] = "auto"
+    # Run each MoE layer's exchange and experts in this many chunks of each device's tokens, so that XLA can send
+    # chunk i + 1 while the router and experts work on chunk i (and return chunk i while chunk i + 1 computes): the
+    # exchange hides behind the compute. The same results (to fp32 rounding; outputs bitwise on the reference ops);
+    # HP, HP x EP and EP meshes; must divide train.micro_batch x model.context; docs/parallel.md says when it pays
+    hp_chunks: int = 1
     # Split AdamW's moments (2/3 of the fp32 state) over the devices that hold copies of their parameter (ZeRO stage
     # 1): every device updates its slice, and XLA exchanges the gradients and updated parameters for it. Saves the
     # moments' bytes x (1 - 1 / copies) per device; mhl_jax/parallel/mesh.py (spread_over_copies).

@@ -42,6 +42,7 @@ def validate(cfg: Config) -> None:
     _check_model(cfg.model)
     _check_ffn(cfg.ffn, cfg.model)
     _check_parallel(cfg.parallel, cfg.ffn)
+    _check_chunks(cfg)
     _check_batch_and_schedule(cfg.train, cfg.schedule)
     _check_optimizer(cfg.optimizer)
     _check_data_and_logging(cfg)
@@ -100,6 +101,19 @@ def _check_parallel(p: ParallelConfig, f: FFNConfig) -> None:
                  f"parallel.ep={p.ep} needs ffn.kind moe, latent_moe or mh_latent_moe (got {f.kind!r})")
         _require(f.num_experts % p.ep == 0,
                  f"ffn.num_experts={f.num_experts} is not divisible by parallel.ep={p.ep}")
+
+
+def _check_chunks(cfg: Config) -> None:
+    """parallel.hp_chunks splits each device's micro-batch tokens (train.micro_batch x model.context) into equal
+    chunks, in the MoE layers' exchange."""
+    chunks, tokens = cfg.parallel.hp_chunks, cfg.train.micro_batch * cfg.model.context
+    _require(chunks >= 1, f"parallel.hp_chunks={chunks}: must be >= 1")
+    if chunks > 1:
+        _require(cfg.ffn.kind != "mlp", f"parallel.hp_chunks={chunks} needs an MoE ffn.kind (got 'mlp', which "
+                 "exchanges nothing)")
+        _require(tokens % chunks == 0, f"parallel.hp_chunks={chunks} does not divide the {tokens} tokens of a "
+                 f"device's micro-batch (train.micro_batch={cfg.train.micro_batch} x model.context="
+                 f"{cfg.model.context})")
 
 
 def _check_batch_and_schedule(t: TrainConfig, s: ScheduleConfig) -> None:

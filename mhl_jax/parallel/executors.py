@@ -16,11 +16,11 @@ def make_executor(cfg: Config, mesh: Mesh) -> MoEExecutor:
     """The executor the model's MoE layers run through: Head Parallel for MH-LatentMoE (its heads split over `hp`),
     with Expert Parallel inside on a mesh with an `ep` axis, Expert Parallel for MoE / LatentMoE (experts over `ep`);
     on one device, or for the dense model, `LocalMoE`."""
-    impl = resolve_kernels(cfg.ffn.kernels)
+    impl, chunks = resolve_kernels(cfg.ffn.kernels), cfg.parallel.hp_chunks
     if mesh.size == 1 or cfg.ffn.kind == "mlp":
-        return LocalMoE(impl)
+        return LocalMoE(impl)  # nothing to exchange: chunks would only cost
     if cfg.ffn.kind == "mh_latent_moe" and "ep" in mesh.axis_names:
-        return HeadExpertParallelMoE(mesh, impl, cfg.parallel.ep_impl)
+        return HeadExpertParallelMoE(mesh, impl, cfg.parallel.ep_impl, chunks=chunks)
     if cfg.ffn.kind == "mh_latent_moe":
-        return HeadParallelMoE(mesh, impl)
-    return ExpertParallelMoE(mesh, impl, cfg.parallel.ep_impl)
+        return HeadParallelMoE(mesh, impl, chunks=chunks)
+    return ExpertParallelMoE(mesh, impl, cfg.parallel.ep_impl, chunks=chunks)

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from mhl_jax.moe.context import ExpertContext
 from mhl_jax.moe.core import expert_ffn, route_topk
 from mhl_jax.moe.router import router_gates
+from mhl_jax.parallel.chunks import over_chunks
 
 EP_IMPLS = ("auto", "ragged", "padded")
 
@@ -303,14 +304,21 @@ class ExpertParallelMoE:
     Called on global arrays (`mhl_jax.moe.core.MoEExecutor`): x_route (N, H, dr),
     x_expert (N, H, c) with N split over every device; w_r (H, dr, Ne) and bias (H, Ne) split over
     `ep` on the expert axis; w1 (H, Ne, c, de), w2 (H, Ne, de, c) split over `ep` on dim 1.
-    Returns y (N, H, c) split like the tokens and the global load (H, Ne) int32 split over `ep`.
+    Returns y (N, H, c) split like the tokens and the global load (H, Ne) int32 split over `ep`. chunks: the local
+    tokens in this many chunks, each routed, exchanged and computed on its own, so that one chunk's exchange overlaps
+    another's experts (`chunks.py`; each chunk exchanges its own counts, and its receive buffer is 1 / chunks of the
+    unchunked one).
     """
 
-    def __init__(self, mesh: Mesh, impl: str = "reference", ep_impl: str = "auto", check_vma: bool = False):
+    def __init__(self, mesh: Mesh, impl: str = "reference", ep_impl: str = "auto", check_vma: bool = False,
+                 chunks: int = 1):
         if tuple(mesh.axis_names) != ("data", "ep"):
             raise ValueError(f"ExpertParallelMoE: mesh axes must be ('data', 'ep'), got {mesh.axis_names}")
+        if chunks < 1:
+            raise ValueError(f"ExpertParallelMoE: chunks={chunks}, expected >= 1")
         self.mesh = mesh
         self.impl = impl
+        self.chunks = chunks
         self.ep_impl = resolve_ep_impl(ep_impl, mesh)
         self.check_vma = check_vma  # off: custom kernels (jax-triton calls) carry no varying-axes rules
 
@@ -333,11 +341,16 @@ class ExpertParallelMoE:
             raise ValueError(f"ExpertParallelMoE: {n} tokens are not divisible by the {self.mesh.size} devices "
                              f"of the mesh {dict(self.mesh.shape)}")
         tok = P(("data", "ep"))
-        body = partial(ep_moe_local, k=k, impl=self.impl, ep_impl=self.ep_impl)
+        layer = partial(ep_moe_local, k=k, impl=self.impl, ep_impl=self.ep_impl)
+
+        def body(xr, xe, *weights):
+            return over_chunks(lambda i, xr, xe: layer(xr, xe, *weights), (xr, xe), self.chunks, axis=0)
+
         fn = jax.shard_map(body, mesh=self.mesh,
                            in_specs=(tok, tok, P(None, None, "ep"), P(None, "ep"), P(None, "ep"), P(None, "ep")),
                            out_specs=(tok, P(None, "ep")), check_vma=self.check_vma)
         return fn(x_route, x_expert, w_r, bias, w1, w2)
 
     def __repr__(self) -> str:
-        return f"ExpertParallelMoE(mesh={dict(self.mesh.shape)}, impl={self.impl!r}, ep_impl={self.ep_impl!r})"
+        return (f"ExpertParallelMoE(mesh={dict(self.mesh.shape)}, impl={self.impl!r}, ep_impl={self.ep_impl!r}, "
+                f"chunks={self.chunks})")

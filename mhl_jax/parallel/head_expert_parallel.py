@@ -25,6 +25,9 @@ separate routing sub-tokens); the EP exchange sends the rows of the n * Nh * k s
 ((ep - 1) / ep of them under uniform routing; c elements each) and (ep - 1) * Nh / hp * Ne int32 counts.
 `traffic.comm_bytes_per_layer` computes both from the shapes.
 
+Chunks (`parallel.hp_chunks`): the local tokens in C chunks, each through both exchanges and the experts on its own,
+so that one chunk's exchanges overlap another's compute (`chunks.py`).
+
 Gradients need no rule of their own: the all_to_all's transpose is the reverse all_to_all, EP's exchanges carry
 their own (`expert_parallel.py`), the all-gathered router columns reduce-scatter their gradient over `ep`, and
 shard_map sums the gradients of the data-replicated weights over `data`.
@@ -39,6 +42,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mhl_jax.moe.context import ExpertContext
+from mhl_jax.parallel.chunks import over_chunks
 from mhl_jax.parallel.expert_parallel import ep_moe_local, resolve_ep_impl
 from mhl_jax.parallel.head_parallel import (
     grouped_to_local_heads,
@@ -57,14 +61,19 @@ class HeadExpertParallelMoE:
     or (hp, N, Nh / hp, dh) head-group-major (`head_groups`), N split over every device; w_r (Nh, dr, Ne) split
     over `hp` on dim 0 and `ep` on dim 2; bias (Nh, Ne), w1 (Nh, Ne, dh, de), w2 (Nh, Ne, de, dh) over `hp` on dim
     0 and `ep` on dim 1. Returns y shaped and split like x_expert and the global load (Nh, Ne) int32 split over
-    ('hp', 'ep'). Takes no step context (as `ExpertParallelMoE`: its experts cast their own weights).
+    ('hp', 'ep'). Takes no step context (as `ExpertParallelMoE`: its experts cast their own weights). chunks: the
+    local tokens in this many chunks whose exchanges overlap the others' compute (the module doc).
     """
 
-    def __init__(self, mesh: Mesh, impl: str = "reference", ep_impl: str = "auto", check_vma: bool = False):
+    def __init__(self, mesh: Mesh, impl: str = "reference", ep_impl: str = "auto", check_vma: bool = False,
+                 chunks: int = 1):
         if tuple(mesh.axis_names) != AXES:
             raise ValueError(f"HeadExpertParallelMoE: mesh axes must be {AXES}, got {mesh.axis_names}")
+        if chunks < 1:
+            raise ValueError(f"HeadExpertParallelMoE: chunks={chunks}, expected >= 1")
         self.mesh = mesh
         self.impl = impl
+        self.chunks = chunks
         self.ep_impl = resolve_ep_impl(ep_impl, mesh)
         self.check_vma = check_vma  # off: custom kernels (jax-triton calls) carry no varying-axes rules
 
@@ -106,10 +115,13 @@ class HeadExpertParallelMoE:
         experts = partial(ep_moe_local, k=k, impl=self.impl, ep_impl=self.ep_impl, axis="ep", data_axis="data")
 
         def local(xr, xe, w_r, bias, w1, w2):
-            xe_h = send(xe)
-            xr_h = xe_h if shared else send(xr)
-            y, load = experts(xr_h, xe_h, w_r, bias, w1, w2)
-            return back(y), load
+            def chunk(i, xr, xe):
+                xe_h = send(xe)
+                xr_h = xe_h if shared else send(xr)
+                y, load = experts(xr_h, xe_h, w_r, bias, w1, w2)
+                return back(y), load
+
+            return over_chunks(chunk, (xr, xe), self.chunks, axis=1 if grouped else 0)
 
         cell = P("hp", "ep")  # (head, expert) leaves: bias, w1, w2 and the load
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok, P("hp", None, "ep"), cell, cell, cell),
@@ -118,4 +130,4 @@ class HeadExpertParallelMoE:
 
     def __repr__(self) -> str:
         return (f"HeadExpertParallelMoE(mesh={dict(self.mesh.shape)}, impl={self.impl!r}, "
-                f"ep_impl={self.ep_impl!r})")
+                f"ep_impl={self.ep_impl!r}, chunks={self.chunks})")

@@ -23,6 +23,11 @@ then block p already is destination p's data and the exchange is a plain contigu
 
 Gradients need no hand-written rule: the transpose of an all_to_all is the reverse all_to_all, and
 shard_map sums the gradients of the data-replicated weights over `data`.
+
+Chunks (`parallel.hp_chunks`): the local tokens in C chunks, each sent, routed, computed and returned on its own, so
+that one chunk's exchange overlaps another's experts (`chunks.py`). The step context's casts serve every chunk; its
+gradient sums go to the first chunk alone (the others' weight gradients add to what it returns), since C chunks each
+returning sum + dW_i would count the sum C times.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from mhl_jax.moe.context import ExpertContext
 from mhl_jax.moe.core import accumulates_in_place, moe_heads, reads_weights_cast
+from mhl_jax.parallel.chunks import over_chunks
 
 
 def to_local_heads(x: jax.Array, axis: str = "hp") -> jax.Array:
@@ -68,14 +74,18 @@ class HeadParallelMoE:
     x_route (N, Nh, dr), x_expert (N, Nh, dh) with N split over every device; w_r (Nh, dr, Ne),
     bias (Nh, Ne), w1 (Nh, Ne, dh, de), w2 (Nh, Ne, de, dh) split over `hp` by head.
     Returns y (N, Nh, dh) split like the tokens, and the global load (Nh, Ne) int32 split over `hp`.
-    When x_route is x_expert (MH-LatentMoE routes each sub-token on itself) it is sent once.
+    When x_route is x_expert (MH-LatentMoE routes each sub-token on itself) it is sent once. chunks: the local tokens
+    in this many chunks whose exchanges overlap the others' compute (the module doc).
     """
 
-    def __init__(self, mesh: Mesh, impl: str = "reference", check_vma: bool = False):
+    def __init__(self, mesh: Mesh, impl: str = "reference", check_vma: bool = False, chunks: int = 1):
         if tuple(mesh.axis_names) != ("data", "hp"):
             raise ValueError(f"HeadParallelMoE: mesh axes must be ('data', 'hp'), got {mesh.axis_names}")
+        if chunks < 1:
+            raise ValueError(f"HeadParallelMoE: chunks={chunks}, expected >= 1")
         self.mesh = mesh
         self.impl = impl
+        self.chunks = chunks
         # check_vma=False: custom kernels (jax-triton custom calls) carry no varying-axes rules
         self.check_vma = check_vma
 
@@ -131,15 +141,21 @@ class HeadParallelMoE:
         acc = () if ctx.grad_acc is None else tuple(ctx.grad_acc)
 
         def local(xr, xe, w_r, bias, w1, w2, *extra):  # extra: this device's heads of the casts, then of the sums
-            xe_h = send(xe)
-            xr_h = xe_h if shared else send(xr)
-            y, load = moe_heads(xr_h, xe_h, w_r, bias, w1, w2, k, impl, weights_cast=extra[:len(wc)] or None,
-                                grad_acc=extra[len(wc):] or None)
-            return back(y), lax.psum(load, "data")
+            casts, sums = extra[:len(wc)] or None, extra[len(wc):] or None
+
+            def chunk(i, xr, xe):
+                xe_h = send(xe)
+                xr_h = xe_h if shared else send(xr)
+                y, load = moe_heads(xr_h, xe_h, w_r, bias, w1, w2, k, impl, weights_cast=casts,
+                                    grad_acc=sums if i == 0 else None)
+                return back(y), load
+
+            y, load = over_chunks(chunk, (xr, xe), self.chunks, axis=1 if grouped else 0)
+            return y, lax.psum(load, "data")
 
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok) + (head,) * (4 + len(wc) + len(acc)),
                            out_specs=(tok, head), check_vma=self.check_vma)
         return fn(x_route, x_expert, w_r, bias, w1, w2, *wc, *acc)
 
     def __repr__(self) -> str:
-        return f"HeadParallelMoE(mesh={dict(self.mesh.shape)}, impl={self.impl!r})"
+        return f"HeadParallelMoE(mesh={dict(self.mesh.shape)}, impl={self.impl!r}, chunks={self.chunks})"

@@ -49,6 +49,9 @@ for _id, _override, _fragment in [
     ("data-zero", "parallel.data=0", "parallel.data=0: must be -1 (auto) or >= 1"),
     ("devices-zero", "parallel.devices=0", "parallel.devices=0: must be -1 (all) or >= 1"),
     ("hp-not-dividing-heads", "parallel.hp=3", "ffn.num_heads=4 is not divisible by parallel.hp=3"),
+    ("hp-chunks-zero", "parallel.hp_chunks=0", "parallel.hp_chunks=0: must be >= 1"),
+    ("hp-chunks-not-dividing", "parallel.hp_chunks=3", "parallel.hp_chunks=3 does not divide the 2048 tokens of a "
+     "device's micro-batch (train.micro_batch=16 x model.context=128)"),
     ("batch-zero", "train.global_batch=0", "train.global_batch=0, train.micro_batch=16: must be positive"),
     ("micro-not-dividing", "train.micro_batch=5", "train.global_batch=16 is not a multiple of train.micro_batch=5"),
     ("total-steps", "schedule.total_steps=0", "schedule.total_steps=0: must be positive"),
@@ -98,6 +101,8 @@ for _id, _override, _fragment in [
 for _id, _overrides, _fragment in [
     ("hp-with-moe", ["parallel.hp=2"], "parallel.hp=2 needs ffn.kind=mh_latent_moe (got 'moe'); use parallel.ep"),
     ("ep-not-dividing-experts", ["parallel.ep=3"], "ffn.num_experts=16 is not divisible by parallel.ep=3"),
+    ("hp-chunks-with-mlp", ["ffn.kind=mlp", "parallel.hp_chunks=2"], "parallel.hp_chunks=2 needs an MoE ffn.kind "
+     "(got 'mlp', which exchanges nothing)"),
     ("dense-hidden", ["ffn.kind=mlp", "ffn.hidden=0"], "ffn.hidden=0: must be positive"),
     ("latent-dim", ["ffn.kind=latent_moe", "ffn.latent_dim=0"], "ffn.latent_dim=0: must be positive"),
     ("decay-shape-without-decay", ["schedule.decay_steps=0", "schedule.decay=cosine"],
