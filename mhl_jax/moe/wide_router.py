@@ -12,7 +12,8 @@ so the scores are fp32 dot products of bf16 x and fp32 W_r, as the reference's, 
 Backward, from the cotangent g (N, H, k) of the selected scores, dS (N, H, Ne) zero but at the selected experts:
 
     dW_r = x^T dS      dS = d1 + d2 + d3 split like W_r: exact products, fp32 sums (one GEMM, K = 3 N)
-    dx   = dS W_r^T    (d1 + d2) (w1 + w2) less the d2 w2 term: ~16 mantissa bits, for a bf16 dx
+    dx   = dS W_r^T    the six products d_i w_j with i + j <= 4 (one GEMM, K = 6 Ne): ~22 significant bits,
+                       then rounded to x's bf16
 
 No atomics (dS is written by compares, not a scatter): repeatable to the bit.
 """
@@ -27,13 +28,20 @@ import jax.numpy as jnp
 from mhl_jax.moe.router import check_router_shapes
 
 
+def _top_bits(a: jax.Array) -> jax.Array:
+    """fp32 a truncated to its sign, exponent and top 7 mantissa bits: a value bf16 holds exactly."""
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def split3(a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """fp32 a -> (a1, a2, a3) bf16 with a1 + a2 + a3 == a (in fp32, exactly for normal values: each term holds the next
-    8 of the 24 mantissa bits; terms below bf16's smallest normal round, ~1e-38 absolute)."""
-    a1 = a.astype(jnp.bfloat16)
-    r = a - a1.astype(jnp.float32)
-    a2 = r.astype(jnp.bfloat16)
-    return a1, a2, (r - a2.astype(jnp.float32)).astype(jnp.bfloat16)
+    """fp32 a -> (a1, a2, a3) bf16 with a1 + a2 + a3 == a exactly (for normal values; each term holds the next 8 of the
+    24 significant bits). By truncating bit masks, not by rounding casts: XLA may drop an fp32 -> bf16 -> fp32 round
+    trip as excess precision (the GPU default), which would leave the remainders zero."""
+    a1 = _top_bits(a)
+    r = a - a1  # exact: the low 16 bits of a's significand
+    a2 = _top_bits(r)
+    return a1.astype(jnp.bfloat16), a2.astype(jnp.bfloat16), (r - a2).astype(jnp.bfloat16)  # all three exact
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -75,8 +83,9 @@ def _route_bwd(k, res, cts):
     ds = jnp.sum(jnp.where(idx[..., None] == experts, g[..., None], 0.0), axis=-2)  # (N, H, Ne), k nonzeros a row
     d1, d2, d3 = split3(ds)
     dw = _dot("nhd,nhe->hde", jnp.concatenate([x] * 3, axis=0), jnp.concatenate([d1, d2, d3], axis=0))
-    w1, w2, _ = split3(w_r)
-    dx = _dot("nhe,hde->nhd", jnp.concatenate([d1, d1, d2], axis=-1), jnp.concatenate([w1, w2, w1], axis=-1))
+    w1, w2, w3 = split3(w_r)
+    dx = _dot("nhe,hde->nhd", jnp.concatenate([d1, d1, d2, d1, d2, d3], axis=-1),
+              jnp.concatenate([w1, w2, w1, w3, w2, w1], axis=-1))
     return dx.astype(x.dtype), dw, jnp.zeros_like(bias)
 
 

@@ -48,11 +48,12 @@ def test_wide_router_matches_the_fp32_reference():
     vals_ref, _ = route_topk_reference(x, w, b, 4)
     vals, _ = route_topk_wide(x, w, b, 4)
     np.testing.assert_allclose(np.asarray(vals), np.asarray(vals_ref), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(got[3]), np.asarray(ref[3]), rtol=1e-6, atol=1e-6)  # dW_r
+    np.testing.assert_allclose(np.asarray(got[3]), np.asarray(ref[3]), rtol=1e-5, atol=1e-5)  # dW_r
     assert got[2].dtype == jnp.bfloat16
     dx, dx_ref = np.asarray(got[2], np.float32), np.asarray(ref[2], np.float32)
-    np.testing.assert_allclose(dx, dx_ref, rtol=2 ** -7, atol=1e-6)  # bf16 rounding of the same fp32 sum
-    assert np.mean(dx == dx_ref) > 0.99
+    # bf16 rounding of nearly the same sum (to ~2^-22 of the largest term: atol for results near zero)
+    np.testing.assert_allclose(dx, dx_ref, rtol=2 ** -7, atol=1e-5)
+    assert np.mean(dx == dx_ref) > 0.999
     # the gradient only touches the selected experts: a cotangent of zeros gives zero dW_r and dx
     zero = loss_and_grads(route_topk_wide, x, w, b, jnp.zeros_like(cot))
     assert not np.any(np.asarray(zero[3])) and not np.any(np.asarray(zero[2], np.float32))
