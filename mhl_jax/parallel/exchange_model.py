@@ -11,9 +11,9 @@ the others through its own network adapter, both at once, so one all-to-all take
 (no latency term: at these sizes, tens of MB per all-to-all, it is small). The mesh lists devices in order (data,
 hp, ep), ep innermost, process by process (`mesh.make_mesh`): device (d, h, e) is number (d hp + h) ep + e, and node
 number // gpus_per_node. With `parallel.hp_chunks` = C the exchange of one chunk runs beside the router and experts of
-another (`chunks.py`); what stays exposed is one chunk's share when the compute is the longer, else the excess:
-`exposed_ms`. The predictions and their assumptions: docs/parallel.md (`python -m mhl_jax.parallel.exchange_model`
-prints its table).
+another (`chunks.py`); what stays exposed is one chunk's share when the compute is the longer, else the excess
+(`exposed_ms`), and each extra chunk adds its own cost (`chunk_overhead_ms`). The predictions and their assumptions:
+docs/parallel.md (`python -m mhl_jax.parallel.exchange_model` prints its table).
 """
 
 from __future__ import annotations
@@ -104,6 +104,23 @@ def expert_grad_allreduce_ms(mesh: tuple[int, int, int], expert_params: int, gpu
 # The 2.2B MH-LatentMoE (configs/mh_latent_moe_hp_2.2b.yaml) at micro-batch 8 x 2048 tokens per device
 SHAPES = dict(tokens=8 * 2048, heads=8, head_dim=128, k=4, num_experts=384)
 EXPERT_PARAMS = 8 * 384 * 2 * 128 * 256  # per layer: Nh x Ne experts of two dh x de matrices
+# One more chunk per MoE layer call, forward + backward: each chunk reads the device's bf16 expert weights in both
+# passes and writes its own fp32 weight gradients, which are then added. Calibrated on one measurement
+# (docs/parallel.md): the 2.2B MH-LatentMoE train step on 2 H200s at hp 2 (half of each layer's expert parameters per
+# device) took 8.0 ms more at C = 2 than at C = 1 over its 40 layer calls, 0.20 ms a call, plus the 0.16 ms of
+# exchange the model has C = 2 hide there: 0.36 ms. Scaled by the expert parameters a device holds.
+CHUNK_MS = 0.36
+CHUNK_MS_CELLS = 2
+
+
+def chunk_overhead_ms(cells: int, chunks: int) -> float:
+    """The extra time of `chunks` chunks over one, per MoE layer call, on a device holding 1 / cells (hp x ep) of the
+    layer's experts: CHUNK_MS per extra chunk at CHUNK_MS_CELLS cells, in proportion to the expert weights held."""
+    if chunks < 1 or cells < 1:
+        raise ValueError(f"chunk_overhead_ms: cells={cells}, chunks={chunks}; expected both >= 1")
+    return (chunks - 1) * CHUNK_MS * CHUNK_MS_CELLS / cells
+
+
 MESHES = {8: [(1, 8, 1), (2, 4, 1), (1, 4, 2), (1, 2, 4), (1, 1, 8)],
           16: [(2, 8, 1), (1, 8, 2), (1, 2, 8), (2, 4, 2), (1, 4, 4), (4, 4, 1)]}
 
@@ -124,13 +141,14 @@ def compute_ms(cells: int) -> float:
 def table() -> str:
     """The Markdown table of predictions for 8 and 16 GPUs (docs/parallel.md)."""
     lines = ["| GPUs | data x hp x ep | hp / ep peers off the node | HP / EP MB per all-to-all | exchange ms | "
-             "compute ms | exposed ms at C = 1 / 2 / 4 | expert-gradient all-reduce ms per step |",
+             "compute ms | exposed + chunks' cost, ms at C = 1 / 2 / 4 | expert-gradient all-reduce ms per step |",
              "|" + "---|" * 8]
     for gpus, meshes in MESHES.items():
         for mesh in meshes:
             x = exchange(mesh, **SHAPES)
             c = compute_ms(mesh[1] * mesh[2])
-            exposed = " / ".join(f"{exposed_ms(x.ms, c, n):.2f}" for n in (1, 2, 4))
+            cells = mesh[1] * mesh[2]
+            exposed = " / ".join(f"{exposed_ms(x.ms, c, n) + chunk_overhead_ms(cells, n):.2f}" for n in (1, 2, 4))
             lines.append(f"| {gpus} | {' x '.join(map(str, mesh))} | {x.hp_peers_off_node} / {x.ep_peers_off_node} | "
                          f"{x.hp_mb:.1f} / {x.ep_mb:.1f} | {x.ms:.2f} | {c:.2f} | {exposed} | "
                          f"{expert_grad_allreduce_ms(mesh, EXPERT_PARAMS):.2f} |")

@@ -246,5 +246,8 @@ def test_exchange_model_is_a_hand_count():
     # overlap: one chunk's share left when the compute is longer, else the excess over the compute beside it
     assert exchange_model.exposed_ms(1.0, 3.0, 4) == 0.25 and exchange_model.exposed_ms(3.0, 1.0, 4) == 2.25
     assert exchange_model.exposed_ms(3.0, 1.0, 1) == 3.0
+    # each extra chunk's cost: the calibration point at 2 cells, a quarter of it at 8 (a quarter of the experts held)
+    assert exchange_model.chunk_overhead_ms(2, 1) == 0.0 and exchange_model.chunk_overhead_ms(2, 2) == 0.36
+    assert exchange_model.chunk_overhead_ms(8, 4) == pytest.approx(3 * 0.36 / 4)
     # docs/parallel.md shows the model's table as it is
     assert exchange_model.table() in (Path(__file__).resolve().parents[2] / "docs" / "parallel.md").read_text()

@@ -75,8 +75,6 @@ def test_core_takes_it_for_wide_bf16_inputs_only(monkeypatch):
 def test_wide_router_on_gpu_matches_and_repeats():
     """MoE's shape (one head of 1024, Ne 384, k 4) compiled on a GPU: the selection equals the reference's, dW_r to
     fp32 rounding, and two runs are equal to the bit."""
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
     x, w, b, cot = inputs(n=8192, h=1, dh=1024, ne=384, seed=3)
     fn = jax.jit(lambda *a: loss_and_grads(route_topk_wide, *a))
     got, again = fn(x, w, b, cot), fn(x, w, b, cot)
@@ -87,5 +85,6 @@ def test_wide_router_on_gpu_matches_and_repeats():
                                rtol=2 ** -7, atol=1e-5)
     for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(again)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
-    if np.all(same):
-        np.testing.assert_allclose(np.asarray(got[3]), np.asarray(ref[3]), rtol=1e-5, atol=1e-5)
+    if np.all(same):  # fp32 sums over 8192 rows in another order: the error scales with the largest sums
+        dw_ref = np.asarray(ref[3])
+        np.testing.assert_allclose(np.asarray(got[3]), dw_ref, rtol=1e-5, atol=4e-6 * np.abs(dw_ref).max())
