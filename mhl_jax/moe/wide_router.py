@@ -35,9 +35,10 @@ def _top_bits(a: jax.Array) -> jax.Array:
 
 
 def split3(a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """fp32 a -> (a1, a2, a3) bf16 with a1 + a2 + a3 == a exactly (for normal values; each term holds the next 8 of the
-    24 significant bits). By truncating bit masks, not by rounding casts: XLA may drop an fp32 -> bf16 -> fp32 round
-    trip as excess precision (the GPU default), which would leave the remainders zero."""
+    """fp32 a -> (a1, a2, a3) bf16 with a1 + a2 + a3 == a exactly for finite |a| >= 2^-109 (each term holds the next 8
+    of the 24 significant bits; below, the remainders are subnormal and lose bits under 2^-133; inf gives NaN). By
+    truncating bit masks, not by rounding casts: XLA may drop an fp32 -> bf16 -> fp32 round trip as excess precision
+    (the GPU default), which would leave the remainders zero."""
     a1 = _top_bits(a)
     r = a - a1  # exact: the low 16 bits of a's significand
     a2 = _top_bits(r)

@@ -107,18 +107,27 @@ EXPERT_PARAMS = 8 * 384 * 2 * 128 * 256  # per layer: Nh x Ne experts of two dh 
 # One more chunk per MoE layer call, forward + backward: each chunk reads the device's bf16 expert weights in both
 # passes and writes its own fp32 weight gradients, which are then added. Calibrated on one measurement
 # (docs/parallel.md): the 2.2B MH-LatentMoE train step on 2 H200s at hp 2 (half of each layer's expert parameters per
-# device) took 8.0 ms more at C = 2 than at C = 1 over its 40 layer calls, 0.20 ms a call, plus the 0.16 ms of
-# exchange the model has C = 2 hide there: 0.36 ms. Scaled by the expert parameters a device holds.
-CHUNK_MS = 0.36
+# device; 10 MoE layers x 2 micro-batches = 20 layer calls a step) at C = 1 and C = 2.
+CALIBRATION_STEP_S = (0.168285, 0.175679)  # bench/results/train_scale-h200x2-2026-11-29.jsonl
+CALIBRATION_CALLS = 20
 CHUNK_MS_CELLS = 2
 
 
 def chunk_overhead_ms(cells: int, chunks: int) -> float:
     """The extra time of `chunks` chunks over one, per MoE layer call, on a device holding 1 / cells (hp x ep) of the
-    layer's experts: CHUNK_MS per extra chunk at CHUNK_MS_CELLS cells, in proportion to the expert weights held."""
+    layer's experts: per extra chunk, `chunk_ms()` at CHUNK_MS_CELLS cells, in proportion to the expert weights
+    held."""
     if chunks < 1 or cells < 1:
         raise ValueError(f"chunk_overhead_ms: cells={cells}, chunks={chunks}; expected both >= 1")
-    return (chunks - 1) * CHUNK_MS * CHUNK_MS_CELLS / cells
+    return (chunks - 1) * chunk_ms() * CHUNK_MS_CELLS / cells
+
+
+def chunk_ms() -> float:
+    """One extra chunk's cost per layer call at the calibration point: the measured step difference per layer call,
+    plus the exchange time the model has the second chunk hide there (which the measurement netted out)."""
+    measured = (CALIBRATION_STEP_S[1] - CALIBRATION_STEP_S[0]) * 1e3 / CALIBRATION_CALLS
+    x = exchange((1, CHUNK_MS_CELLS, 1), **SHAPES)
+    return measured + x.ms - exposed_ms(x.ms, compute_ms(CHUNK_MS_CELLS), 2)
 
 
 MESHES = {8: [(1, 8, 1), (2, 4, 1), (1, 4, 2), (1, 2, 4), (1, 1, 8)],
