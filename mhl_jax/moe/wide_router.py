@@ -35,8 +35,8 @@ def _top_bits(a: jax.Array) -> jax.Array:
 
 
 def split3(a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """fp32 a -> (a1, a2, a3) bf16 with a1 + a2 + a3 == a exactly for finite |a| >= 2^-109 (each term holds the next 8
-    of the 24 significant bits; below, the remainders are subnormal and lose bits under 2^-133; inf gives NaN). By
+    """fp32 a -> (a1, a2, a3) bf16 with a1 + a2 + a3 == a exactly for finite |a| >= 2^-103 (each term holds the next 8
+    of the 24 significant bits; below, a3 can be subnormal, which a device may flush to zero; inf gives NaN). By
     truncating bit masks, not by rounding casts: XLA may drop an fp32 -> bf16 -> fp32 round trip as excess precision
     (the GPU default), which would leave the remainders zero."""
     a1 = _top_bits(a)

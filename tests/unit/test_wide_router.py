@@ -32,7 +32,7 @@ def loss_and_grads(route, x, w, b, cot):
 
 def test_split_is_exact():
     rng = np.random.default_rng(1)
-    edges = np.float32(2.0 ** -109) * (1 + rng.integers(0, 2 ** 23, 64) / 2 ** 23)  # the smallest exact magnitudes
+    edges = np.float32(2.0 ** -103) * (1 + rng.integers(0, 2 ** 23, 64) / 2 ** 23)  # the smallest exact magnitudes
     w = np.concatenate([rng.standard_normal(4096) * 10.0 ** np.linspace(-20, 20, 4096), edges, -edges,
                         [0.0, np.finfo(np.float32).max, -np.finfo(np.float32).max]])
     w = jnp.asarray(w, jnp.float32)
