@@ -85,7 +85,8 @@ def test_wide_router_on_gpu_matches_and_repeats():
     vals_ref, idx_ref = jax.jit(route_topk_reference, static_argnums=3)(x, w, b, 4)
     same = np.all(np.asarray(idx) == np.asarray(idx_ref), axis=(1, 2))
     assert same.mean() > 0.99, same.mean()
-    np.testing.assert_allclose(np.asarray(vals)[same], np.asarray(vals_ref)[same], rtol=1e-6, atol=1e-6)
+    # two fp32 sums of 1024 products (scores ~1) in different orders: ~sqrt(1024) fp32 ulps apart
+    np.testing.assert_allclose(np.asarray(vals)[same], np.asarray(vals_ref)[same], rtol=1e-5, atol=2e-5)
     cot = jnp.where(jnp.asarray(same)[:, None, None], cot, 0.0)
     fn = jax.jit(lambda *a: loss_and_grads(route_topk_wide, *a))
     got, again = fn(x, w, b, cot), fn(x, w, b, cot)
