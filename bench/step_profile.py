@@ -56,7 +56,9 @@ from bench.common import JsonLines, parser, today
 from bench.tools.hlo_scopes import CATEGORIES, STEP_SCOPES, hlo_map, summary
 from bench.tools.trace import traced_op_events, union_ms
 from mhl_jax.config import Config, ConfigError
+from mhl_jax.model.context import executor_says
 from mhl_jax.model.params import count_params
+from mhl_jax.moe.plan import expert_width
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.train.metrics import PEAK_BF16_FLOPS
@@ -126,17 +128,14 @@ def floors(cfg: Config, accum: int, devices: int = 1, cast: bool = False,
 
 
 def step_context(cfg: Config, mesh, accum: int) -> tuple[bool, bool]:
-    """(cast, in_place) of the MoE layers' executor on `mesh`, as `mhl_jax.model.context` asks it: whether the step
-    casts the expert weights once and whether the micro-batches add their gradients in place (only with
+    """(cast, in_place) of the MoE layers' executor on `mesh`, asked as `mhl_jax.model.context` asks it: whether the
+    step casts the expert weights once and whether the micro-batches add their gradients in place (only with
     accumulation)."""
     if cfg.ffn.kind == "mlp":
         return False, False
-    ex = make_executor(cfg, mesh)
-    dh = cfg.ffn.head_dim if cfg.ffn.kind == "mh_latent_moe" else (
-        cfg.ffn.latent_dim if cfg.ffn.kind == "latent_moe" else cfg.model.d_model)
-    shape = (cfg.model.compute_dtype, "float32", dh)
-    ask = lambda q: bool(getattr(ex, q, None) and getattr(ex, q)(*shape))  # noqa: E731
-    return ask("reads_weights_cast"), accum > 1 and ask("accumulates_in_place")
+    ex, shape = make_executor(cfg, mesh), (cfg.model.compute_dtype, "float32", expert_width(cfg))
+    cast = executor_says(ex, "reads_weights_cast", shape)
+    return cast, accum > 1 and executor_says(ex, "accumulates_in_place", shape)
 
 
 def floor_ms(work: dict[str, float] | None, peak_tflops: float, peak_tbs: float) -> tuple[float | None, str]:

@@ -28,9 +28,9 @@ def build_step_context(model: nnx.Module, accumulate: bool = False) -> StepConte
     for bank, executor in _expert_banks(model):
         w1, w2 = bank.w1[...], bank.w2[...]
         shape = (model.dtype, w1.dtype, w1.shape[2])
-        if _asks(executor, "reads_weights_cast", shape):
+        if executor_says(executor, "reads_weights_cast", shape):
             casts[bank.layer] = (w1.astype(model.dtype), w2.astype(model.dtype))
-        if accumulate and _asks(executor, "accumulates_in_place", shape):
+        if accumulate and executor_says(executor, "accumulates_in_place", shape):
             accumulating.append(bank.layer)
     return StepContext(casts=casts, accumulating=tuple(accumulating))
 
@@ -69,7 +69,7 @@ def _expert_banks(model: nnx.Module) -> Iterator[tuple[ExpertBank, MoEExecutor]]
             yield bank, block.ffn.executor
 
 
-def _asks(executor: MoEExecutor, question: str, shape: tuple) -> bool:
+def executor_says(executor: MoEExecutor, question: str, shape: tuple) -> bool:
     """executor.<question>(x_dtype, w_dtype, dh), False for an executor without that method."""
     fn = getattr(executor, question, None)
     return fn is not None and fn(*shape)

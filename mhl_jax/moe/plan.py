@@ -224,6 +224,13 @@ class KernelPlan:
         return {key: str(v) for key, v in asdict(self).items()}
 
 
+def expert_width(cfg) -> int:
+    """The width the experts of a config's MoE layers take (and route on): d_model (MoE), the latent (LatentMoE), the
+    sub-token (MH-LatentMoE)."""
+    f = cfg.ffn
+    return {"moe": cfg.model.d_model, "latent_moe": f.latent_dim, "mh_latent_moe": f.head_dim}[f.kind]
+
+
 def plan_for_config(cfg) -> KernelPlan:
     """The `KernelPlan` of a run's config (`mhl_jax.config.Config`) on this process's devices, for the per-device
     micro-batch: train.micro_batch x model.context tokens (each device's sequences; expert parallelism receives
@@ -236,7 +243,7 @@ def plan_for_config(cfg) -> KernelPlan:
     if impl == "reference":
         return KernelPlan(impl, "reference", "reference", "reference", "reference", "xla", "jax")
     mh = f.kind == "mh_latent_moe"
-    width = {"moe": cfg.model.d_model, "latent_moe": f.latent_dim, "mh_latent_moe": f.head_dim}[f.kind]
+    width = expert_width(cfg)
     heads = f.num_heads // cfg.parallel.hp if mh else 1
     ne, de, k = f.num_experts // cfg.parallel.ep, f.expert_hidden, f.top_k
     tokens = cfg.train.micro_batch * cfg.model.context

@@ -108,7 +108,7 @@ EXPERT_PARAMS = 8 * 384 * 2 * 128 * 256  # per layer: Nh x Ne experts of two dh 
 # passes and writes its own fp32 weight gradients, which are then added. Calibrated on one measurement
 # (docs/parallel.md): the 2.2B MH-LatentMoE train step on 2 H200s at hp 2 (half of each layer's expert parameters per
 # device; 10 MoE layers x 2 micro-batches = 20 layer calls a step) at C = 1 and C = 2.
-CALIBRATION_STEP_S = (0.168285, 0.175679)  # bench/results/train_scale-h200x2-2026-11-29.jsonl
+CALIBRATION_STEP_S = (0.168285, 0.175679)  # the two steps, s (the run: docs/parallel.md)
 CALIBRATION_CALLS = 20
 CHUNK_MS_CELLS = 2
 

@@ -93,6 +93,22 @@ def test_expert_weight_bytes_move_from_the_accumulation_to_the_experts():
     assert ctx["experts"]["flops"] == plain["experts"]["flops"]
 
 
+def test_step_context_is_the_executors_answer(monkeypatch):
+    """step_context asks the executor the step would run: the reference ops neither cast nor sum in place; the Triton
+    ones (bf16 activations, fp32 weights) cast, and sum in place only with accumulation; the dense model neither."""
+    from mhl_jax.parallel import executors
+    from mhl_jax.parallel.mesh import make_mesh
+
+    cfg = train_scale.run_config("configs/tiny_mh_latent_moe.yaml", ["model.compute_dtype=bfloat16"], 1)
+    mesh = make_mesh(cfg, jax.devices()[:1])
+    assert sp.step_context(cfg, mesh, 4) == (False, False)  # CPU: the reference ops
+    monkeypatch.setattr(executors, "resolve_kernels", lambda choice: "triton")
+    assert sp.step_context(cfg, mesh, 4) == (True, True)
+    assert sp.step_context(cfg, mesh, 1) == (True, False)
+    cfg.ffn.kind = "mlp"
+    assert sp.step_context(cfg, mesh, 4) == (False, False)
+
+
 def test_times_from_the_trace_map_to_the_compiled_ops(record):
     """The CPU's trace read back by op name: every event of the step's module is one of its compiled ops, the model's
     parts have time, and the record's lines and table carry it."""
