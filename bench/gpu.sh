@@ -6,8 +6,10 @@
 #                       ~8 minutes on one H200; together they are the whole GPU suite (tests/parallel needs 2+ GPUs
 #                       and skips on one). `tests` runs all four.
 #   layer               bench.layer at 8192 and 81920 tokens (the layer table)
-#   train               bench.train_scale on 1 GPU: the 2.2B MH-LatentMoE and MoE configs, micro-batch 8,
-#                       global batch 32 x 2048, one process per config
+#   train               bench.train_scale on 1 GPU: the dense MLP 0.2B and the 2.2B MH-LatentMoE, MoE and LatentMoE
+#                       configs in one process (the step table of docs/performance.md), micro-batch 8, global batch
+#                       32 x 2048
+#   profile             bench.step_profile of the same four, XLA's command buffers off (every kernel names its op)
 #   a2a                 bench.a2a over every visible GPU
 #   chunks              bench.a2a --layer: the 2.2B layer's executor at parallel.hp_chunks 1, 2, 4 on one GPU (their
 #                       overhead) and, with more GPUs, on data 1 x hp (all of them, up to 8) x ep 1 (their overlap)
@@ -73,10 +75,12 @@ for suite in "$@"; do
         tests) for i in 1 2 3 4; do v="TESTS_$i"; tests "tests-$i" ${!v}; done ;;
         layer) stage layer python3 -m bench.layer --tokens 8192 81920 --out "$OUT/layer.jsonl" ;;
         train)
-            for c in mh_latent_moe_hp_2.2b moe_ep_2.2b; do
-                stage "train-$c" python3 -m bench.train_scale --config "configs/$c.yaml" --devices 1 --steps 4 \
-                    --warmup 1 --set train.micro_batch=8 --out "$OUT/train_scale.jsonl"
-            done ;;
+            stage train python3 -m bench.train_scale --devices 1 --steps 5 --warmup 1 --set train.micro_batch=8 \
+                --config configs/mlp_0.2b.yaml --config configs/mh_latent_moe_hp_2.2b.yaml \
+                --config configs/moe_ep_2.2b.yaml --config configs/latent_moe_ep_2.2b.yaml \
+                --out "$OUT/train_scale.jsonl" ;;
+        profile) stage profile env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m bench.step_profile \
+                     --out "$OUT/step_profile.jsonl" ;;
         a2a) stage a2a python3 -m bench.a2a --out "$OUT/a2a.jsonl" ;;
         chunks)
             stage chunks-1 python3 -m bench.a2a --layer --mesh 1 1 1 --chunks 1 2 4 --out "$OUT/chunks.jsonl"
