@@ -18,7 +18,8 @@ computes).
 On a GPU: after `--steps` timed steps (the median is the step's wall time; each closed by block_until_ready), `--calls`
 more run inside one JAX profiler trace; every kernel of GPU 0 that names its HLO op (`bench.tools.trace.op_events`)
 adds its time to the op's category, per call. `busy_ms` is the union of the kernels' intervals and `host_gap_ms` =
-wall - busy: the time the GPU waits for the host (launches, the loop's bookkeeping). Kernels whose op is not in the
+wall - busy: the time the GPU waits for the host (launches, the loop's bookkeeping); `gaps_top` names the kernels
+on either side of the longest idle stretches. Kernels whose op is not in the
 compiled module's text are `unmapped` (listed, with their time: a GPU run checks first that this is ~0).
 
 Each category's floor, the whole step's work split evenly over the devices (exact for 1): FLOPs at `--peak-tflops`
@@ -155,7 +156,7 @@ def category_times(events: list[tuple[int, int, str, str]], ops: dict, calls: in
     name one) are left out, and so are those of ops that launch nothing themselves (a loop or a call: the kernels
     inside it have their own events)."""
     ms = {c: {"ms": 0.0, "fwd_ms": 0.0, "bwd_ms": 0.0} for c in CATEGORIES}
-    unmapped, other, spans = {}, {}, []
+    unmapped, other, spans, named = {}, {}, [], []
     for start, dur, name, mod in events:
         if module and mod and mod != module:
             continue
@@ -163,6 +164,7 @@ def category_times(events: list[tuple[int, int, str, str]], ops: dict, calls: in
         if op is not None and not op.kernel:
             continue
         spans.append((start, start + dur))
+        named.append((start, start + dur, name if op is None else f"{op.category}:{name}"))
         if op is None:
             unmapped[name] = unmapped.get(name, 0.0) + dur / 1e6 / calls
             continue
@@ -175,7 +177,24 @@ def category_times(events: list[tuple[int, int, str, str]], ops: dict, calls: in
         return [(k, round(v, 4)) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:10]]
 
     return {"categories": ms, "busy_ms": union_ms(spans) / calls, "unmapped_ms": sum(unmapped.values()),
-            "unmapped": top(unmapped), "other_top": top(other), "events": len(spans)}
+            "unmapped": top(unmapped), "other_top": top(other), "events": len(spans),
+            "gaps_top": idle_gaps(named, calls)}
+
+
+def idle_gaps(events: list[tuple[int, int, str]], calls: int, n: int = 10) -> list[tuple[str, str, float, int]]:
+    """Where the device sat idle between kernels: (start ns, end ns, label) events -> the n (kernel before, kernel
+    after) pairs with the most idle time between them, each (before, after, ms per call, gaps per call). The gaps sum
+    to the traced span less the busy time (host time before the first and after the last kernel is not in them)."""
+    gaps, end, last = {}, None, ""
+    for start, stop, label in sorted(events):
+        if end is not None and start > end:
+            g = gaps.setdefault((last, label), [0.0, 0])
+            g[0] += (start - end) / 1e6 / calls
+            g[1] += 1
+        if end is None or stop > end:
+            end, last = stop, label
+    ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(a, b, round(t, 6), round(c / calls, 2)) for (a, b), (t, c) in ranked]
 
 
 def module_name(hlo_text: str) -> str:
@@ -327,6 +346,8 @@ def main(argv=None) -> None:
             rec["date"] = today()
             emit(rec)
             print(table(rec) + "\n", flush=True)
+            for before, after, ms, count in (rec["times"] or {}).get("gaps_top", [])[:5]:
+                print(f"# idle {ms:.2f} ms in {count:g} gaps: {before} -> {after}", flush=True)
     if failed:
         print("# FAILED: " + " | ".join(failed), flush=True)
         sys.exit(1)

@@ -118,6 +118,8 @@ def test_times_from_the_trace_map_to_the_compiled_ops(record):
     for part in ("attention", "experts", "optimizer"):
         assert t["categories"][part]["ms"] > 0, part
     assert t["wall_ms"] > 0 and t["busy_ms"] > 0
+    # the idle stretches between the step's kernels, each named by the mapped kernels on either side
+    assert t["gaps_top"] and all(g[0].split(":")[0] in hs.CATEGORIES and g[2] > 0 for g in t["gaps_top"])
     assert record["lines"]["experts"]["x_floor"] > 0
     assert record["lines"]["balancing"]["floor_ms"] is None and record["lines"]["balancing"]["x_floor"] is None
     assert "| experts |" in sp.table(record) and "host gaps" in sp.table(record)
@@ -137,6 +139,9 @@ def test_category_times_sums_kernels_by_op():
     assert c["optimizer"]["ms"] == 10 / 2e6 and c["other"]["ms"] == 0
     assert t["unmapped"] == [("cublas?", round(4 / 2e6, 4))] and t["unmapped_ms"] == 4 / 2e6
     assert t["busy_ms"] == (50 + 10 + 4) / 2e6 and t["events"] == 4 and t["other_top"] == []
+    # idle: 50..60 after experts:f.2 (the later end of the overlapping f.1 / f.2), 70..80 after optimizer:a.1
+    assert t["gaps_top"] == [("experts:f.2", "optimizer:a.1", 10 / 2e6, 0.5),
+                             ("optimizer:a.1", "cublas?", 10 / 2e6, 0.5)]
 
 
 def test_scope_of_takes_the_innermost_scope():
