@@ -75,9 +75,10 @@ class ParallelConfig:
     # EP exchange: auto = ragged on GPU, padded on CPU and where an ep group spans several processes
     ep_impl: Literal["auto", "ragged", "padded"] = "auto"
     # Run each MoE layer's exchange and experts in this many chunks of each device's tokens, so that XLA can send
-    # chunk i + 1 while the router and experts work on chunk i (and return chunk i while chunk i + 1 computes): the
-    # exchange hides behind the compute. The same results (to fp32 rounding; outputs bitwise on the reference ops);
-    # HP, HP x EP and EP meshes; must divide train.micro_batch x model.context; docs/parallel.md says when it pays
+    # chunk i + 1 while the router and experts work on chunk i (and return chunk i while chunk i + 1 computes). The
+    # same results (to fp32 rounding); HP, HP x EP and EP meshes (ignored where hp = ep = 1); must divide
+    # train.micro_batch x model.context. Each extra chunk moves the device's expert weights again: on 2 NVLink GPUs
+    # C = 2 made the 2.2B step slower, hence 1; docs/parallel.md says when it is predicted to pay
     hp_chunks: int = 1
     # Split AdamW's moments (2/3 of the fp32 state) over the devices that hold copies of their parameter (ZeRO stage
     # 1): every device updates its slice, and XLA exchanges the gradients and updated parameters for it. Saves the

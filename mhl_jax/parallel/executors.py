@@ -16,9 +16,12 @@ def make_executor(cfg: Config, mesh: Mesh) -> MoEExecutor:
     """The executor the model's MoE layers run through: Head Parallel for MH-LatentMoE (its heads split over `hp`),
     with Expert Parallel inside on a mesh with an `ep` axis, Expert Parallel for MoE / LatentMoE (experts over `ep`);
     on one device, or for the dense model, `LocalMoE`."""
-    impl, chunks = resolve_kernels(cfg.ffn.kernels), cfg.parallel.hp_chunks
+    impl = resolve_kernels(cfg.ffn.kernels)
     if mesh.size == 1 or cfg.ffn.kind == "mlp":
-        return LocalMoE(impl)  # nothing to exchange: chunks would only cost
+        return LocalMoE(impl)
+    # chunks overlap the hp / ep exchange; on a mesh where both are 1 (data parallelism only) they would only cost
+    exchanges = any(mesh.shape.get(axis, 1) > 1 for axis in ("hp", "ep"))
+    chunks = cfg.parallel.hp_chunks if exchanges else 1
     if cfg.ffn.kind == "mh_latent_moe" and "ep" in mesh.axis_names:
         return HeadExpertParallelMoE(mesh, impl, cfg.parallel.ep_impl, chunks=chunks)
     if cfg.ffn.kind == "mh_latent_moe":

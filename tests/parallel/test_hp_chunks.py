@@ -179,7 +179,8 @@ def test_over_chunks_puts_each_chunk_back_in_its_place():
 
 
 def test_config_reaches_every_executor():
-    """parallel.hp_chunks from the config into the executor make_executor picks, for each kind of mesh."""
+    """parallel.hp_chunks from the config into the executor make_executor picks, for each kind of mesh with an
+    exchange."""
     base = ["model.n_layers=1", "model.context=32", "parallel.hp_chunks=4", "parallel.devices=4"]
     for path, sets, kind in [("configs/tiny_mh_latent_moe.yaml", ["parallel.hp=4"], HeadParallelMoE),
                              ("configs/tiny_mh_latent_moe.yaml", ["parallel.hp=2", "parallel.ep=2"],
@@ -188,6 +189,10 @@ def test_config_reaches_every_executor():
         cfg = load_config(path, base + sets)
         ex = make_executor(cfg, make_mesh(cfg))
         assert isinstance(ex, kind) and ex.chunks == 4, ex
+    # data parallelism alone exchanges nothing: no chunks
+    cfg = load_config("configs/tiny_mh_latent_moe.yaml", base + ["parallel.data=4"])
+    ex = make_executor(cfg, make_mesh(cfg))
+    assert isinstance(ex, HeadParallelMoE) and ex.chunks == 1, ex
 
 
 def test_a2a_bench_times_the_chunked_layer_on_one_device_and_takes_a_three_axis_mesh(tmp_path):
