@@ -28,6 +28,13 @@ import jax.numpy as jnp
 from jax import lax
 
 
+def checked_chunks(chunks: int, owner: str) -> int:
+    """`chunks` if it is a valid chunk count (>= 1), else a ValueError naming `owner` (the executor it configures)."""
+    if chunks < 1:
+        raise ValueError(f"{owner}: chunks={chunks}, expected >= 1")
+    return chunks
+
+
 def chunk_count(chunks: int, tokens: int) -> int:
     """The chunks to run for `tokens` local tokens: `chunks`, or where it does not divide them (a decode step of
     generation holds a few tokens), the largest count dividing both: the same results, with less overlap."""

@@ -18,6 +18,7 @@ docs/parallel.md (`python -m mhl_jax.parallel.exchange_model` prints its table).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 from mhl_jax.parallel import traffic
@@ -103,7 +104,9 @@ def expert_grad_allreduce_ms(mesh: tuple[int, int, int], expert_params: int, gpu
 
 # The 2.2B MH-LatentMoE (configs/mh_latent_moe_hp_2.2b.yaml) at micro-batch 8 x 2048 tokens per device
 SHAPES = dict(tokens=8 * 2048, heads=8, head_dim=128, k=4, num_experts=384)
-EXPERT_PARAMS = 8 * 384 * 2 * 128 * 256  # per layer: Nh x Ne experts of two dh x de matrices
+EXPERT_HIDDEN = 256
+# per layer: Nh x Ne experts of two dh x de matrices
+EXPERT_PARAMS = SHAPES["heads"] * SHAPES["num_experts"] * 2 * SHAPES["head_dim"] * EXPERT_HIDDEN
 # One more chunk per MoE layer call, forward + backward: each chunk reads the device's bf16 expert weights in both
 # passes and writes its own fp32 weight gradients, which are then added. Calibrated on one measurement
 # (docs/parallel.md): the 2.2B MH-LatentMoE train step on 2 H200s at hp 2 (half of each layer's expert parameters per
@@ -122,6 +125,7 @@ def chunk_overhead_ms(cells: int, chunks: int) -> float:
     return (chunks - 1) * chunk_ms() * CHUNK_MS_CELLS / cells
 
 
+@functools.cache
 def chunk_ms() -> float:
     """One extra chunk's cost per layer call at the calibration point: the measured step difference per layer call,
     plus the exchange time the model has the second chunk hide there (which the measurement netted out)."""
@@ -154,9 +158,8 @@ def table() -> str:
              "|" + "---|" * 8]
     for gpus, meshes in MESHES.items():
         for mesh in meshes:
-            x = exchange(mesh, **SHAPES)
-            c = compute_ms(mesh[1] * mesh[2])
-            cells = mesh[1] * mesh[2]
+            x, cells = exchange(mesh, **SHAPES), mesh[1] * mesh[2]
+            c = compute_ms(cells)
             exposed = " / ".join(f"{exposed_ms(x.ms, c, n) + chunk_overhead_ms(cells, n):.2f}" for n in (1, 2, 4))
             lines.append(f"| {gpus} | {' x '.join(map(str, mesh))} | {x.hp_peers_off_node} / {x.ep_peers_off_node} | "
                          f"{x.hp_mb:.1f} / {x.ep_mb:.1f} | {x.ms:.2f} | {c:.2f} | {exposed} | "

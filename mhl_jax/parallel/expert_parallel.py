@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from mhl_jax.moe.context import ExpertContext
 from mhl_jax.moe.core import expert_ffn, route_topk
 from mhl_jax.moe.router import router_gates
-from mhl_jax.parallel.chunks import over_chunks
+from mhl_jax.parallel.chunks import checked_chunks, over_chunks
 
 EP_IMPLS = ("auto", "ragged", "padded")
 
@@ -314,11 +314,9 @@ class ExpertParallelMoE:
                  chunks: int = 1):
         if tuple(mesh.axis_names) != ("data", "ep"):
             raise ValueError(f"ExpertParallelMoE: mesh axes must be ('data', 'ep'), got {mesh.axis_names}")
-        if chunks < 1:
-            raise ValueError(f"ExpertParallelMoE: chunks={chunks}, expected >= 1")
         self.mesh = mesh
         self.impl = impl
-        self.chunks = chunks
+        self.chunks = checked_chunks(chunks, "ExpertParallelMoE")
         self.ep_impl = resolve_ep_impl(ep_impl, mesh)
         self.check_vma = check_vma  # off: custom kernels (jax-triton calls) carry no varying-axes rules
 

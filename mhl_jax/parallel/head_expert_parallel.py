@@ -42,7 +42,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mhl_jax.moe.context import ExpertContext
-from mhl_jax.parallel.chunks import over_chunks
+from mhl_jax.parallel.chunks import checked_chunks, over_chunks
 from mhl_jax.parallel.expert_parallel import ep_moe_local, resolve_ep_impl
 from mhl_jax.parallel.head_parallel import (
     grouped_to_local_heads,
@@ -69,11 +69,9 @@ class HeadExpertParallelMoE:
                  chunks: int = 1):
         if tuple(mesh.axis_names) != AXES:
             raise ValueError(f"HeadExpertParallelMoE: mesh axes must be {AXES}, got {mesh.axis_names}")
-        if chunks < 1:
-            raise ValueError(f"HeadExpertParallelMoE: chunks={chunks}, expected >= 1")
         self.mesh = mesh
         self.impl = impl
-        self.chunks = chunks
+        self.chunks = checked_chunks(chunks, "HeadExpertParallelMoE")
         self.ep_impl = resolve_ep_impl(ep_impl, mesh)
         self.check_vma = check_vma  # off: custom kernels (jax-triton calls) carry no varying-axes rules
 

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from mhl_jax.moe.context import ExpertContext
 from mhl_jax.moe.core import accumulates_in_place, moe_heads, reads_weights_cast
-from mhl_jax.parallel.chunks import over_chunks
+from mhl_jax.parallel.chunks import checked_chunks, over_chunks
 
 
 def to_local_heads(x: jax.Array, axis: str = "hp") -> jax.Array:
@@ -81,11 +81,9 @@ class HeadParallelMoE:
     def __init__(self, mesh: Mesh, impl: str = "reference", check_vma: bool = False, chunks: int = 1):
         if tuple(mesh.axis_names) != ("data", "hp"):
             raise ValueError(f"HeadParallelMoE: mesh axes must be ('data', 'hp'), got {mesh.axis_names}")
-        if chunks < 1:
-            raise ValueError(f"HeadParallelMoE: chunks={chunks}, expected >= 1")
         self.mesh = mesh
         self.impl = impl
-        self.chunks = chunks
+        self.chunks = checked_chunks(chunks, "HeadParallelMoE")
         # check_vma=False: custom kernels (jax-triton custom calls) carry no varying-axes rules
         self.check_vma = check_vma
 
