@@ -1,14 +1,15 @@
-"""Causal attention at the 2.2B configs' shape on one GPU: cuDNN, XLA and the Pallas flash kernel, fwd+bwd time,
+"""Causal attention at the 2.2B configs' shape on one GPU: cuDNN, XLA and our Triton flash attention, fwd+bwd time,
 run-to-run repeatability of the gradients and their error against an fp32 reference.
 
-    python -m bench.attention [--batch 8] [--seq 2048] [--heads 8] [--head-dim 128] [--impls cudnn xla pallas]
+    python -m bench.attention [--batch 8] [--seq 2048] [--heads 8] [--head-dim 128] [--impls cudnn xla triton]
                               [--out FILE]
 
-`model.attention_impl` picks one of these in the model (`mhl_jax.model.attention`; pallas runs its `PALLAS_CONFIG`).
+`model.attention_impl` picks one of these in the model (`mhl_jax.model.attention`; triton runs the tiles of
+`kernels.tuning.ATTENTION_TILES`).
 Per implementation one JSON line: fwd and fwd+bwd ms (bf16 q, k, v; the gradient of sum(o * g) for a fixed random
 g), `repeat_bitwise` (dq, dk, dv of five calls on the same inputs all bitwise equal), and `rel_err`: per gradient,
 max |d - d_ref| / max |d_ref| against XLA's attention in fp32 at the highest matmul precision.
-`python -m bench.tools.attention_tiles` sweeps the Pallas kernel's tiles.
+`python -m bench.tools.attention_tiles` sweeps the Triton kernels' tiles.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import mhl_jax.model.attention as att
 from bench.common import JsonLines, error_text, parser, time_jax, today
 
 
 def attention_fn(impl: str):
-    """(q, k, v) -> causal attention output, by `impl`: "pallas" (the model's kernel and config), "cudnn" or "xla"."""
-    if impl == "pallas":
-        return lambda q, k, v: att.pallas_attention(q, k, v, config=att.PALLAS_CONFIG)
+    """(q, k, v) -> causal attention output, by `impl`: "triton" (the model's kernels and tiles), "cudnn" or "xla"."""
+    if impl == "triton":
+        from mhl_jax.model.flash_attention import flash_attention
+
+        return flash_attention
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
 
@@ -68,7 +70,8 @@ def add_shape_args(ap) -> None:
 def main(argv=None) -> None:
     ap = parser(__doc__)
     add_shape_args(ap)
-    ap.add_argument("--impls", nargs="+", default=["cudnn", "xla", "pallas"], choices=["cudnn", "xla", "pallas"])
+    ap.add_argument("--impls", nargs="+", default=["cudnn", "xla", "triton"],
+                    choices=["cudnn", "xla", "triton"])
     args = ap.parse_args(argv)
     shape = (args.batch, args.seq, args.heads, args.head_dim)
     ref, bf16_inputs = inputs(shape)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -34,59 +31,28 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
 
 
-# The Pallas (Triton) flash attention's kernel settings, `attention_impl: pallas`: forward q / kv tiles, backward q / kv
-# tiles of its dK-dV and dQ passes, warps (both passes) and the forward's pipeline stages. Chosen by the sweep of
-# bench/attention.py (H100, 8 x 2048 tokens x 8 heads x 128): fwd+bwd 0.96 ms against 1.05 at (128, 128) forward tiles
-# with 8 warps. Its backward makes dK / dV per kv block and dQ per
-# q block in separate passes, so no float atomics: bitwise repeatable, where cuDNN's flash attention backward is not at
-# 2048 tokens.
-PALLAS_CONFIG = dict(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=32,
-                     num_warps=4, num_stages=3)
-
-
-def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool | None = None,
-                     config: dict | None = None) -> jax.Array:
-    """Causal flash attention of (B, T, nh, hd) q, k, v by `jax.experimental.pallas.ops.gpu.attention.mha` with
-    `config` (None: PALLAS_CONFIG) (interpret: the Pallas interpreter; None: where there is no GPU, i.e. in the CPU
-    tests). A T that is not a multiple of every tile is zero-padded at the end to one, and the output cut back:
-    under the causal mask no real query sees a padded key, and the padded queries' outputs (cut) get no gradient, so
-    the result is the unpadded attention's (tiles capped at a short T instead gave wrong outputs on an H100 at T = 4:
-    Triton's dot needs tiles of at least 16)."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    cfg = dict(PALLAS_CONFIG if config is None else config)
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    t, tile = q.shape[1], math.lcm(*cfg.values())  # a whole number of every tile
-    pad = -t % tile
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-    o = pallas_mha.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True,
-                       block_sizes=pallas_mha.BlockSizes(**cfg), num_warps=warps, num_stages=stages,
-                       interpret=interpret)
-    return o[:, :t] if pad else o
-
-
-def sharded_pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh | None) -> jax.Array:
-    """`pallas_attention` with the batch split over every axis of `mesh` (the train and eval batches' layout,
-    `mhl_jax.parallel.mesh.batch_spec`): the Pallas call is opaque to XLA's partitioner, which would gather q, k, v to
-    every device; under shard_map each device attends over its own sequences."""
+def sharded_attention(kernel, q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """kernel(q, k, v), a causal attention kernel (`flash_attention`), with the batch split over every axis of `mesh`
+    (the train and eval batches' layout, `mhl_jax.parallel.mesh.batch_spec`): a kernel call is opaque to XLA's
+    partitioner, which would gather q, k, v to every device; under shard_map each device attends over its own
+    sequences."""
     if mesh is None or mesh.size == 1:
-        return pallas_attention(q, k, v)
+        return kernel(q, k, v)
     if q.shape[0] % mesh.size:
         raise ValueError(f"attention: a batch of {q.shape[0]} sequences does not split over the {mesh.size} devices of "
                          f"the mesh {dict(mesh.shape)}")
     spec = P(tuple(mesh.axis_names))
-    return jax.shard_map(pallas_attention, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                         check_vma=False)(q, k, v)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
 
 
 def attention_impl(choice: str) -> str:
-    """'auto' -> pallas on GPU (bitwise repeatable; cudnn's backward is not), xla elsewhere. 'cudnn' needs a GPU."""
+    """'auto' -> triton on GPU (our flash attention, bitwise repeatable; cudnn's backward is not), xla elsewhere.
+    'triton' and 'cudnn' need a GPU."""
     if choice == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    if choice == "cudnn" and jax.default_backend() != "gpu":
-        raise ConfigError(f"model.attention_impl='cudnn' needs a GPU JAX backend; backend is "
-                          f"{jax.default_backend()!r}. Use model.attention_impl=auto, xla or pallas.")
+        return "triton" if jax.default_backend() == "gpu" else "xla"
+    if choice in ("triton", "cudnn") and jax.default_backend() != "gpu":
+        raise ConfigError(f"model.attention_impl={choice!r} needs a GPU JAX backend; backend is "
+                          f"{jax.default_backend()!r}. Use model.attention_impl=auto or xla.")
     return choice
 
 
@@ -103,11 +69,13 @@ def causal_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, n_heads: in
                      rope_base: float, impl: str, mesh: Mesh | None = None,
                      keep_kv: bool = False) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """x: (B, T, d) compute dtype; w_qkv: (d, 3, nh, hd); w_o: (nh, hd, d) -> (B, T, d) compute dtype. mesh: the
-    device mesh the batch is split over (pallas only). keep_kv: also return the rotated keys and the values (B, T, nh,
+    device mesh the batch is split over (triton only). keep_kv: also return the rotated keys and the values (B, T, nh,
     hd), a KV cache of the T positions (`decode_attention`)."""
     q, k, v = _qkv(x, w_qkv, head_dim, rope_base)
-    if impl == "pallas":
-        o = sharded_pallas_attention(q, k, v, mesh)
+    if impl == "triton":
+        from mhl_jax.model.flash_attention import flash_attention  # needs triton (the `kernels` extra)
+
+        o = sharded_attention(flash_attention, q, k, v, mesh)
     else:
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     o = jnp.einsum("btnh,nhd->btd", o, w_o.astype(x.dtype))
@@ -132,7 +100,7 @@ def decode_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, head_dim: i
 class Attention(nnx.Module):
     def __init__(self, d: int, n_heads: int, head_dim: int, rope_base: float, impl: str,
                  std: float, out_std: float, rngs: nnx.Rngs, mesh: Mesh | None = None):
-        """mesh: the devices the batch is split over (`sharded_pallas_attention`; None: one device)."""
+        """mesh: the devices the batch is split over (`sharded_attention`; None: one device)."""
         self.w_qkv = normal_param(rngs, (d, 3, n_heads, head_dim), std)
         self.w_o = normal_param(rngs, (n_heads, head_dim, d), out_std)
         self.n_heads, self.head_dim, self.rope_base, self.impl = n_heads, head_dim, rope_base, impl

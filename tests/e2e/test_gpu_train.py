@@ -24,7 +24,7 @@ def gpus() -> int:
 @pytest.mark.parametrize("kernels,attention,dtype", [("reference", "xla", "float32"),
                                                      ("reference", "cudnn", "bfloat16"),
                                                      ("triton", "cudnn", "bfloat16"),
-                                                     ("triton", "pallas", "bfloat16")])
+                                                     ("triton", "triton", "bfloat16")])
 def test_train_steps_bitwise_repeatable_on_one_gpu(kernels, attention, dtype):
     """Compiled as train.py compiles it (no XLA exclude-nondeterministic option: determinism by
     construction), the same steps twice give the same losses to the bit."""

@@ -369,7 +369,7 @@ def test_reading_leaves_the_run_directory_alone(run_dir):
 
 @pytest.mark.gpu
 def test_gpu_evaluate_gives_the_record_and_generate_reads_the_unpadded_logits(tmp_path):
-    """On a GPU (Triton MoE kernels, Pallas attention, bf16): the evaluation, with the run's autotuning results
+    """On a GPU (Triton MoE kernels and attention, bf16): the evaluation, with the run's autotuning results
     loaded, repeats the run's own val_loss bitwise; the padded windows' logits, and the KV cache's decoding steps',
     are the unpadded forward's."""
     d = tmp_path / "run"

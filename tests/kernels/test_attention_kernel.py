@@ -1,0 +1,157 @@
+"""The causal flash attention kernels (kernels/triton/attention.py).
+
+CPU: the kernels under the Triton interpreter (torch launcher) against float64 numpy: the output, the base-2 lse and
+dq, dk, dv, at several tiles (many blocks per sequence, the diagonal split into sub-tiles, tiles the size of the
+sequence), and the shape checks.
+GPU (marker gpu): the JAX binding compiled against XLA's attention in fp32 (output and gradients, in the model's
+layout, with sequences that need padding), gradients bitwise repeatable, and the jax-triton launch's output bitwise
+equal to the torch launch's.
+"""
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import kernels.triton.attention as ka  # noqa: E402
+from kernels.tuning import AttentionTiles  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET and type(ka.attn_fwd_kernel).__name__ != "InterpretedFunction":
+    ka = importlib.reload(ka)  # another module of this process imported the kernel compiled
+import kernels.torch.attention as kta  # noqa: E402
+
+if INTERPRET:
+    kta = importlib.reload(kta)  # bind the reloaded kernels
+
+interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (CPU)")
+
+
+def _inputs(seed, b, t, nh, hd):
+    """bf16 q, k, v, g as torch tensors (fp32 holding the bf16 values under the interpreter, whose bf16 arithmetic
+    is broken) and in float64 for the reference."""
+    rng = np.random.default_rng(seed)
+    q, k, v, g = (rng.standard_normal((b, t, nh, hd), dtype=np.float32) for _ in range(4))
+    bf = [torch.from_numpy(a).to(torch.bfloat16) for a in (q, k, v, g)]
+    ref = [x.float().numpy().astype(np.float64) for x in bf]
+    return ([x.float() for x in bf] if INTERPRET else bf), ref
+
+
+def _ref64(q, k, v, g):
+    """Causal softmax attention in float64: o, lse (natural log, (B, nh, T)), and dq, dk, dv of sum(o * g)."""
+    t, hd = q.shape[1], q.shape[-1]
+    scale = hd ** -0.5
+    s = np.einsum("bqnh,bknh->bnqk", q, k) * scale
+    s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    lse = (m + np.log(e.sum(-1, keepdims=True)))[..., 0]
+    p = e / e.sum(-1, keepdims=True)
+    o = np.einsum("bnqk,bknh->bqnh", p, v)
+    dv = np.einsum("bnqk,bqnh->bknh", p, g)
+    dp = np.einsum("bqnh,bknh->bnqk", g, v)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
+    dq = np.einsum("bnqk,bknh->bqnh", ds, k)
+    dk = np.einsum("bnqk,bqnh->bknh", ds, q)
+    return o, lse, dq, dk, dv
+
+
+def _rel(a, ref):
+    return float(np.max(np.abs(a.float().numpy() - ref)) / np.max(np.abs(ref)))
+
+
+@interp
+@pytest.mark.parametrize("t,hd,tiles", [
+    (64, 16, AttentionTiles(32, 16, 4, 1, 16, 32, 16, 4, 1)),  # 2 q blocks, 2 kv sub-tiles on the diagonal
+    (96, 32, AttentionTiles(32, 32, 4, 1, 16, 32, 32, 4, 1)),  # 3 blocks, square forward tiles
+    (32, 16, AttentionTiles(32, 16, 4, 1, 32, 32, 16, 4, 1)),  # one block: only diagonal tiles
+])
+def test_kernels_vs_float64(t, hd, tiles):
+    (q, k, v, g), ref_in = _inputs(t + hd, 2, t, 3, hd)
+    o_ref, lse_ref, *grads_ref = _ref64(*ref_in)
+    o, lse = kta.attention_fwd_torch(q, k, v, tiles)
+    assert _rel(o, o_ref) < 1e-2
+    np.testing.assert_allclose(lse.numpy() / np.log2(np.e), lse_ref, atol=1e-4)  # stored in base 2
+    grads = kta.attention_bwd_torch(q, k, v, o, lse, g, tiles)
+    for name, d, d_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert _rel(d, d_ref) < 2e-2, name
+    # the first query sees only the first key: its output is that value row, exactly
+    assert torch.equal(o[:, 0], v[:, 0])
+
+
+def test_shape_checks():
+    with pytest.raises(ValueError, match="head_dim=48 must be a power of two"):
+        ka.check_shape(128, 48, 64, 64, 32, 64, 32)
+    with pytest.raises(ValueError, match="sequence length 96 must be a multiple of block_m=64"):
+        ka.check_shape(96, 64, 64, 32, 32, 32, 32)
+    with pytest.raises(ValueError, match="block_n=64 must divide block_m=32"):
+        ka.check_shape(128, 64, 32, 64, 32, 64, 32)
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_jax():
+    import jax
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU JAX backend")
+    return jax
+
+
+@pytest.mark.gpu
+# 1000, 100, 4: padded to the tiles (4: shorter than one tile)
+@pytest.mark.parametrize("b,t,nh,hd", [(2, 2048, 4, 128), (3, 1000, 2, 64), (2, 100, 2, 128), (1, 4, 2, 128)])
+def test_binding_vs_xla_fp32(b, t, nh, hd):
+    jax = _gpu_jax()
+    import jax.numpy as jnp
+
+    from mhl_jax.model.flash_attention import flash_attention
+
+    q, k, v, g = (jax.random.normal(key, (b, t, nh, hd), jnp.float32) for key in jax.random.split(jax.random.key(t), 4))
+    qb, kb, vb, gb = (x.astype(jnp.bfloat16) for x in (q, k, v, g))
+
+    def loss(fn, *a):
+        return jnp.sum(fn(*a).astype(jnp.float32) * gb.astype(a[0].dtype))
+
+    def xla(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(jax.value_and_grad(lambda *a: loss(xla, *a), (0, 1, 2)))(
+            *(x.astype(jnp.float32) for x in (qb, kb, vb)))
+    step = jax.jit(jax.value_and_grad(lambda *a: loss(flash_attention, *a), (0, 1, 2)))
+    got = step(qb, kb, vb)
+    o = jax.jit(flash_attention)(qb, kb, vb).astype(jnp.float32)
+    o_ref = jax.jit(xla)(*(x.astype(jnp.float32) for x in (qb, kb, vb)))
+    assert float(jnp.max(jnp.abs(o - o_ref))) < 2e-2 * float(jnp.max(jnp.abs(o_ref)))
+    for d, r in zip(got[1], ref[1]):
+        assert float(jnp.max(jnp.abs(d.astype(jnp.float32) - r))) < 2e-2 * float(jnp.max(jnp.abs(r)))
+    again = step(qb, kb, vb)
+    for d, e in zip(got[1], again[1]):
+        assert np.array_equal(np.asarray(d).view(np.uint16), np.asarray(e).view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_binding_equals_torch_launch():
+    jax = _gpu_jax()
+    import jax.numpy as jnp
+
+    from mhl_jax.model import flash_attention as fa
+
+    (q, k, v, g), _ = _inputs(5, 2, 1024, 4, 128)
+    tq = [x.cuda() for x in (q, k, v, g)]
+    o_t, lse_t = kta.attention_fwd_torch(*tq[:3])
+    grads_t = kta.attention_bwd_torch(*tq[:3], o_t, lse_t, tq[3])
+    jq = [jnp.asarray(x.float().numpy()).astype(jnp.bfloat16) for x in (q, k, v, g)]
+    o_j, vjp = jax.vjp(fa.flash_attention, *jq[:3])
+    grads_j = vjp(jq[3])
+    assert np.array_equal(o_t.cpu().view(torch.int16).numpy(), np.asarray(o_j).view(np.int16))
+    # the gradients agree to their rounding only: each launcher sums delta = rowsum(o * do) its own way
+    for a, b in zip(grads_t, grads_j):
+        a, b = a.float().cpu().numpy(), np.asarray(b.astype(jnp.float32))
+        assert np.max(np.abs(a - b)) < 1e-2 * np.max(np.abs(a))
