@@ -10,6 +10,8 @@
 #                       configs in one process (the step table of docs/performance.md), micro-batch 8, global batch
 #                       32 x 2048
 #   profile             bench.step_profile of the same four, XLA's command buffers off (every kernel names its op)
+#   attention           bench.tools.attention_tiles: the Triton flash attention's tile sweep beside cuDNN (the
+#                       attention table of docs/performance.md)
 #   a2a                 bench.a2a over every visible GPU
 #   chunks              bench.a2a --layer: the 2.2B layer's executor at parallel.hp_chunks 1, 2, 4 on one GPU (their
 #                       overhead) and, with more GPUs, on data 1 x hp (all of them, up to 8) x ep 1 (their overlap)
@@ -19,7 +21,7 @@
 set -uo pipefail
 
 if [ $# -eq 0 ]; then
-    sed -n '2,18p' "$0"
+    sed -n '2,20p' "$0"
     exit 2
 fi
 OUT=${OUT:-/tmp/bench_out}
@@ -81,6 +83,7 @@ for suite in "$@"; do
                 --out "$OUT/train_scale.jsonl" ;;
         profile) stage profile env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m bench.step_profile \
                      --out "$OUT/step_profile.jsonl" ;;
+        attention) stage attention python3 -m bench.tools.attention_tiles --out "$OUT/attention.jsonl" ;;
         a2a) stage a2a python3 -m bench.a2a --out "$OUT/a2a.jsonl" ;;
         chunks)
             stage chunks-1 python3 -m bench.a2a --layer --mesh 1 1 1 --chunks 1 2 4 --out "$OUT/chunks.jsonl"

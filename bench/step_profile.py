@@ -19,7 +19,8 @@ On a GPU: after `--steps` timed steps (the median is the step's wall time; each 
 more run inside one JAX profiler trace; every kernel of GPU 0 that names its HLO op (`bench.tools.trace.op_events`)
 adds its time to the op's category, per call. `busy_ms` is the union of the kernels' intervals and `host_gap_ms` =
 wall - busy: the time the GPU waits for the host (launches, the loop's bookkeeping); `gaps_top` names the kernels
-on either side of the longest idle stretches. Kernels whose op is not in the
+on either side of the longest idle stretches, and `kernels_top` each category's ops with the most time (printed for
+every category too). Kernels whose op is not in the
 compiled module's text are `unmapped` (listed, with their time: a GPU run checks first that this is ~0).
 
 Each category's floor, the whole step's work split evenly over the devices (exact for 1): FLOPs at `--peak-tflops`
@@ -152,11 +153,12 @@ def floor_ms(work: dict[str, float] | None, peak_tflops: float, peak_tbs: float)
 def category_times(events: list[tuple[int, int, str, str]], ops: dict, calls: int, module: str = "") -> dict:
     """Traced op events (start ns, duration ns, HLO op, HLO module) of `calls` calls -> per call: `ms`, `fwd_ms`,
     `bwd_ms` per category, `busy_ms` (the union of the kernels' intervals), `unmapped_ms` and the `unmapped` ops with
-    the most time, and the `other_top` ops (what no scope covers). Events of another module than `module` (when both
+    the most time, and per category the ops with the most time (`kernels_top`: op, ms and runs per call; its "other"
+    entry is what no scope covers). Events of another module than `module` (when both
     name one) are left out, and so are those of ops that launch nothing themselves (a loop or a call: the kernels
     inside it have their own events)."""
     ms = {c: {"ms": 0.0, "fwd_ms": 0.0, "bwd_ms": 0.0} for c in CATEGORIES}
-    unmapped, other, spans, named = {}, {}, [], []
+    unmapped, per_op, spans, named = {}, {c: {} for c in CATEGORIES}, [], []
     for start, dur, name, mod in events:
         if module and mod and mod != module:
             continue
@@ -169,15 +171,20 @@ def category_times(events: list[tuple[int, int, str, str]], ops: dict, calls: in
             unmapped[name] = unmapped.get(name, 0.0) + dur / 1e6 / calls
             continue
         ms[op.category]["ms"] += dur / 1e6 / calls
-        if op.category == "other":
-            other[name] = other.get(name, 0.0) + dur / 1e6 / calls
+        t_runs = per_op[op.category].setdefault(name, [0.0, 0])
+        t_runs[0] += dur / 1e6 / calls
+        t_runs[1] += 1
         if op.phase:
             ms[op.category][f"{op.phase}_ms"] += dur / 1e6 / calls
     def top(d):
         return [(k, round(v, 4)) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:10]]
 
+    def ranked(d):
+        return [(k, round(t, 6), round(n / calls, 2)) for k, (t, n) in sorted(d.items(), key=lambda kv: -kv[1][0])[:8]]
+
+    kernels_top = {c: ranked(d) for c, d in per_op.items() if d}
     return {"categories": ms, "busy_ms": union_ms(spans) / calls, "unmapped_ms": sum(unmapped.values()),
-            "unmapped": top(unmapped), "other_top": top(other), "events": len(spans),
+            "unmapped": top(unmapped), "kernels_top": kernels_top, "events": len(spans),
             "gaps_top": idle_gaps(named, calls)}
 
 
@@ -346,8 +353,11 @@ def main(argv=None) -> None:
             rec["date"] = today()
             emit(rec)
             print(table(rec) + "\n", flush=True)
-            for before, after, ms, count in (rec["times"] or {}).get("gaps_top", [])[:5]:
+            times = rec["times"] or {}
+            for before, after, ms, count in times.get("gaps_top", [])[:5]:
                 print(f"# idle {ms:.2f} ms in {count:g} gaps: {before} -> {after}", flush=True)
+            for cat, ops in times.get("kernels_top", {}).items():
+                print(f"# {cat}: " + ", ".join(f"{op} {ms:.2f} ms x{runs:g}" for op, ms, runs in ops[:3]), flush=True)
     if failed:
         print("# FAILED: " + " | ".join(failed), flush=True)
         sys.exit(1)

@@ -138,7 +138,10 @@ def test_category_times_sums_kernels_by_op():
     assert c["experts"] == pytest.approx({"ms": 60 / 2e6, "fwd_ms": 20 / 2e6, "bwd_ms": 40 / 2e6})
     assert c["optimizer"]["ms"] == 10 / 2e6 and c["other"]["ms"] == 0
     assert t["unmapped"] == [("cublas?", round(4 / 2e6, 4))] and t["unmapped_ms"] == 4 / 2e6
-    assert t["busy_ms"] == (50 + 10 + 4) / 2e6 and t["events"] == 4 and t["other_top"] == []
+    assert t["busy_ms"] == (50 + 10 + 4) / 2e6 and t["events"] == 4
+    # per category its ops by time: ms and runs per call
+    assert t["kernels_top"] == {"experts": [("f.1", 40 / 2e6, 0.5), ("f.2", 20 / 2e6, 0.5)],
+                                "optimizer": [("a.1", 10 / 2e6, 0.5)]}
     # idle: 50..60 after experts:f.2 (the later end of the overlapping f.1 / f.2), 70..80 after optimizer:a.1
     assert t["gaps_top"] == [("experts:f.2", "optimizer:a.1", 10 / 2e6, 0.5),
                              ("optimizer:a.1", "cublas?", 10 / 2e6, 0.5)]
