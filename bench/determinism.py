@@ -69,7 +69,7 @@ def train_losses(cfg: Config, devices: list, batches: np.ndarray,
     bsh = NamedSharding(mesh, batch_spec(mesh))
     step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh, bsh,
                           deterministic=cfg.train.xla_deterministic_ops,
-                          cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
+                          cudnn_attention=attention_impl(cfg.model.attention_impl, cfg.model.compute_dtype) == "cudnn",
                           compiler_options=compiler_options)
     state = jax.device_put(state, sh)
     losses = []

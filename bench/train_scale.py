@@ -203,7 +203,7 @@ def compile_step(cfg: Config, mesh: Mesh, params, biases, seed: int, tokens: np.
     tuned = autotune_file("" if setting == "auto" else setting, Path("."), backend=jax.default_backend())
     step = jit_train_step(graphdef, tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule), sh, bsh,
                           donate=True, deterministic=cfg.train.xla_deterministic_ops,
-                          cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
+                          cudnn_attention=attention_impl(cfg.model.attention_impl, cfg.model.compute_dtype) == "cudnn",
                           autotune_options=tuned.compiler_options())
     state = jax.eval_shape(init_state, params, biases)
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ fix_interpreter_scalar_index()  # the kernels' loop bounds are computed from the
 def attention_fwd_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: AttentionTiles = ATTENTION_TILES):
     """(B, T, nh, hd) q, k, v -> (o (B, T, nh, hd), lse (B, nh, T) fp32, base 2)."""
     b, t, nh, hd = q.shape
-    ka.check_shape(t, hd, tiles.block_m, tiles.block_n, tiles.block_m1, tiles.block_n1, tiles.block_n2)
+    ka.check_shape(b, t, nh, hd, tiles.block_m, tiles.block_n, tiles.block_m1, tiles.block_n1, tiles.block_n2)
     o = torch.empty_like(q)
     lse = torch.empty((b, nh, t), dtype=torch.float32, device=q.device)
     ka.attn_fwd_kernel[(t // tiles.block_m, b * nh)](

@@ -11,9 +11,9 @@ Backward, grid (T / BLOCK_N1, B * NH), in one launch and without atomics: progra
 (the q blocks from the diagonal down, in BLOCK_M1 steps) and then dQ of q block j (the kv blocks from the left up to
 the diagonal, in BLOCK_N2 steps). Each output element is written by one program, so the gradients are bitwise
 repeatable. With BLOCK_M2 == BLOCK_N1 the two halves' work adds to the same count for every j (kv block j meets
-T / BLOCK_N1 - j q blocks, q block j meets j + 1 kv blocks): the grid is balanced under the causal mask. S and P
-are computed twice (once per half), the price of having no float atomics: 7 matmuls against the 5 a single pass with
-atomic dQ sums would do.
+T / BLOCK_N1 - j q blocks, q block j meets j + 1 kv blocks): the grid is balanced under the causal mask. The scores S
+and dP are computed twice (once per half), the price of having no float atomics: 7 matmuls against the 5 a single pass
+with atomic dQ sums would do.
 
 Parameters follow jax-triton's binding order: inputs, then one pointer per output, then constexprs.
 """
@@ -74,8 +74,8 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, T: tl.constexpr, NH: tl
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, offs_n, offs_d, lo, hi, QK_SCALE: tl.constexpr,
                  ROW: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr):
-    """dK, dV (BLOCK_N, HD) of the keys offs_n from the queries [lo, hi) in BLOCK_M steps, transposed tiles
-    (keys x queries) so that no tile is transposed in registers."""
+    """dK, dV (BLOCK_N, HD) of the keys offs_n from the queries [lo, hi) in BLOCK_M steps, on transposed tiles (keys x
+    queries: the probabilities come out in the orientation dV's and dK's products take)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         qt = tl.load(q_ptr + offs_m[None, :] * ROW + offs_d[:, None])
@@ -142,14 +142,21 @@ def attn_bwd_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_
     tl.store(dq_ptr + base + tile, (dq * SM_SCALE).to(dq_ptr.dtype.element_ty))
 
 
-def check_shape(t: int, hd: int, block_m: int, block_n: int, block_m1: int, block_n1: int, block_n2: int) -> None:
-    """The kernels' shape rules: T a whole number of every tile, the diagonal tiles nested, HD a power of 2."""
-    if hd < 16 or hd & (hd - 1):
-        raise ValueError(f"triton attention: head_dim={hd} must be a power of two >= 16")
-    for name, b in (("block_m", block_m), ("block_n", block_n), ("block_m1", block_m1), ("block_n1", block_n1),
+def check_shape(b: int, t: int, nh: int, hd: int, block_m: int, block_n: int, block_m1: int, block_n1: int,
+                block_n2: int) -> None:
+    """The kernels' shape rules: HD and the tiles powers of two >= 16 (tl.arange, tl.dot), T a whole number of every
+    tile, the diagonal tiles nested, and offsets that fit int32."""
+    for name, v in (("head_dim", hd), ("block_m", block_m), ("block_n", block_n), ("block_m1", block_m1),
+                    ("block_n1", block_n1), ("block_n2", block_n2)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"triton attention: {name}={v} must be a power of two >= 16")
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_m1", block_m1), ("block_n1", block_n1),
                     ("block_n2", block_n2)):
-        if t % b:
-            raise ValueError(f"triton attention: sequence length {t} must be a multiple of {name}={b}")
+        if t % v:
+            raise ValueError(f"triton attention: sequence length {t} must be a multiple of {name}={v}")
     if block_m % block_n or block_n1 % block_m1 or block_n1 % block_n2:
         raise ValueError(f"triton attention: block_n={block_n} must divide block_m={block_m}, and block_m1="
                          f"{block_m1} and block_n2={block_n2} must divide block_n1={block_n1}")
+    if b * t * nh * hd >= 2 ** 31:
+        raise ValueError(f"triton attention: {b} x {t} x {nh} x {hd} elements per device; the kernels' int32 offsets "
+                         "take fewer than 2^31 (split the batch over more devices or micro-batches)")

@@ -28,8 +28,8 @@ class ModelConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon
     init_std: float = 0.02  # N(0, init_std) for every weight; residual-writing ones also / sqrt(2L)
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # matmul dtype (weights stay fp32)
-    # auto: triton on GPU (our flash attention kernels, bitwise repeatable), xla elsewhere; cudnn: its flash attention,
-    # ~3% faster fwd+bwd at the 2.2B shape on an H200, but its backward is not repeatable
+    # auto: triton on a GPU in bf16 (our flash attention kernels, bitwise repeatable), xla elsewhere (CPU, float32);
+    # cudnn: its flash attention, ~3% faster fwd+bwd at the 2.2B shape on an H200, but its backward is not repeatable
     attention_impl: Literal["auto", "cudnn", "xla", "triton"] = "auto"
     # activation checkpointing: "block" keeps only each block's input for the backward and recomputes the rest of
     # the block there (less activation memory, one more forward pass); "none" keeps what autodiff keeps

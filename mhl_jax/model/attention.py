@@ -45,14 +45,19 @@ def sharded_attention(kernel, q: jax.Array, k: jax.Array, v: jax.Array, mesh: Me
     return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
 
 
-def attention_impl(choice: str) -> str:
-    """'auto' -> triton on GPU (our flash attention, bitwise repeatable; cudnn's backward is not), xla elsewhere.
-    'triton' and 'cudnn' need a GPU."""
+def attention_impl(choice: str, compute_dtype: str = "bfloat16") -> str:
+    """'auto' -> triton on a GPU in bf16 (our flash attention, bitwise repeatable; cudnn's backward is not), xla
+    elsewhere (the CPU, and float32 models, whose attention the bf16 kernels would round). 'triton' needs a GPU and
+    bf16, 'cudnn' a GPU."""
+    gpu = jax.default_backend() == "gpu"
     if choice == "auto":
-        return "triton" if jax.default_backend() == "gpu" else "xla"
-    if choice in ("triton", "cudnn") and jax.default_backend() != "gpu":
+        return "triton" if gpu and compute_dtype == "bfloat16" else "xla"
+    if choice in ("triton", "cudnn") and not gpu:
         raise ConfigError(f"model.attention_impl={choice!r} needs a GPU JAX backend; backend is "
                           f"{jax.default_backend()!r}. Use model.attention_impl=auto or xla.")
+    if choice == "triton" and compute_dtype != "bfloat16":
+        raise ConfigError(f"model.attention_impl='triton' runs bf16 kernels; model.compute_dtype is {compute_dtype!r}. "
+                          "Use model.attention_impl=auto or xla, or model.compute_dtype=bfloat16.")
     return choice
 
 
@@ -110,7 +115,8 @@ class Attention(nnx.Module):
         """x (B, T, d) -> (B, T, d); keep_kv: and the KV cache of the T positions (`causal_attention`)."""
         with jax.named_scope("attention"):
             return causal_attention(x, self.w_qkv[...], self.w_o[...], self.n_heads, self.head_dim,
-                                    self.rope_base, attention_impl(self.impl), self.mesh, keep_kv)
+                                    self.rope_base, attention_impl(self.impl, jnp.dtype(x.dtype).name), self.mesh,
+                                    keep_kv)
 
     def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array):
         """One token per row at pos against the cache (`decode_attention`)."""

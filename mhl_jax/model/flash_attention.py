@@ -28,7 +28,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, tiles: AttentionTi
 
 def _forward(q, k, v, tiles: AttentionTiles):
     b, t, nh, hd = q.shape
-    ka.check_shape(t, hd, tiles.block_m, tiles.block_n, tiles.block_m1, tiles.block_n1, tiles.block_n2)
+    ka.check_shape(b, t, nh, hd, tiles.block_m, tiles.block_n, tiles.block_m1, tiles.block_n1, tiles.block_n2)
     o, lse = import_jax_triton().triton_call(
         q, k, v, kernel=ka.attn_fwd_kernel,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, nh, t), jnp.float32)],

@@ -274,7 +274,8 @@ def _compile_checked(run: Run, notes: dict) -> tuple[Callable, bool]:
     step_fn = jit_train_step(run.graphdef, run.tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule),
                              shardings_of(run.abstract), run.batch_sharding, donate=True,
                              deterministic=cfg.train.xla_deterministic_ops,
-                             cudnn_attention=attention_impl(cfg.model.attention_impl) == "cudnn",
+                             cudnn_attention=attention_impl(cfg.model.attention_impl,
+                                                            cfg.model.compute_dtype) == "cudnn",
                              autotune_options=run.compile_options)
     batch_shape = jax.ShapeDtypeStruct((run.accum, cfg.train.global_batch // run.accum, cfg.model.context + 1),
                                        np.int32, sharding=run.batch_sharding)

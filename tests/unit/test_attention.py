@@ -23,14 +23,20 @@ def _xla(q, k, v):
 
 
 def test_attention_impl_choice():
-    assert attention_impl("auto") == ("triton" if jax.default_backend() == "gpu" else "xla")
-    assert attention_impl("xla") == "xla"
+    gpu = jax.default_backend() == "gpu"
+    assert attention_impl("auto") == ("triton" if gpu else "xla")
+    assert attention_impl("auto", "float32") == "xla"  # the bf16 kernels would round a float32 model's attention
+    assert attention_impl("xla") == "xla" and attention_impl("xla", "float32") == "xla"
     for choice in ("triton", "cudnn"):
-        if jax.default_backend() == "gpu":
+        if gpu:
             assert attention_impl(choice) == choice
         else:  # a config error before anything is traced, not a kernel's own failure deep in XLA
             with pytest.raises(ConfigError, match=f"model.attention_impl='{choice}' needs a GPU JAX backend"):
                 attention_impl(choice)
+    if gpu:
+        with pytest.raises(ConfigError, match="attention_impl='triton' runs bf16 kernels; model.compute_dtype is "
+                                              "'float32'"):
+            attention_impl("triton", "float32")
 
 
 def _model_loss_and_grads(cfg, executor, mesh, tokens):
@@ -53,7 +59,7 @@ def test_kernel_attention_in_the_model_under_a_mesh(monkeypatch):
 
     seen = []
     monkeypatch.setattr(fa, "flash_attention", lambda q, k, v: seen.append(q.shape) or _xla(q, k, v))
-    monkeypatch.setattr(att, "attention_impl", lambda choice: "triton" if choice == "triton" else "xla")
+    monkeypatch.setattr(att, "attention_impl", lambda choice, dtype: "triton" if choice == "triton" else "xla")
     sets = ["model.vocab_size=64", "model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.head_dim=32",
             "model.context=16", "model.compute_dtype=float32", "ffn.kind=mlp", "ffn.hidden=64", "ffn.stem_layers=0",
             "parallel.devices=4"]

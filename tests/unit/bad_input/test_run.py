@@ -46,6 +46,8 @@ RUN.add("batch-over-the-devices", ConfigError, "train.global_batch=16 is not a m
 RUN.add("devices-not-visible", ConfigError, "parallel.devices=99 but ", _train("parallel.devices=99"))
 RUN.add("cudnn-without-gpu", ConfigError, "model.attention_impl='cudnn' needs a GPU JAX backend",
         _train("model.attention_impl=cudnn"), cpu_only=True)
+RUN.add("triton-attention-without-gpu", ConfigError, "model.attention_impl='triton' needs a GPU JAX backend",
+        _train("model.attention_impl=triton"), cpu_only=True)
 RUN.add("triton-without-gpu", ConfigError, "ffn.kernels='triton' needs a GPU JAX backend and jax-triton",
         _train("ffn.kernels=triton"), cpu_only=True)
 RUN.add("shards-missing-fresh-dirs-removed", DataError, "no_shards': no such file or directory",
