@@ -9,7 +9,8 @@
 #   train               bench.train_scale on 1 GPU: the dense MLP 0.2B and the 2.2B MH-LatentMoE, MoE and LatentMoE
 #                       configs in one process (the step table of docs/performance.md), micro-batch 8, global batch
 #                       32 x 2048
-#   profile             bench.step_profile of the same four, XLA's command buffers off (every kernel names its op)
+#   profile             bench.step_profile of the same four, XLA's command buffers off (every kernel names its op),
+#                       and its picture (bench.step_plot)
 #   attention           bench.tools.attention_tiles: the Triton flash attention's tile sweep beside cuDNN (the
 #                       attention table of docs/performance.md)
 #   a2a                 bench.a2a over every visible GPU
@@ -21,7 +22,7 @@
 set -uo pipefail
 
 if [ $# -eq 0 ]; then
-    sed -n '2,20p' "$0"
+    sed -n '2,21p' "$0"
     exit 2
 fi
 OUT=${OUT:-/tmp/bench_out}
@@ -81,8 +82,10 @@ for suite in "$@"; do
                 --config configs/mlp_0.2b.yaml --config configs/mh_latent_moe_hp_2.2b.yaml \
                 --config configs/moe_ep_2.2b.yaml --config configs/latent_moe_ep_2.2b.yaml \
                 --out "$OUT/train_scale.jsonl" ;;
-        profile) stage profile env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m bench.step_profile \
-                     --out "$OUT/step_profile.jsonl" ;;
+        profile)
+            stage profile env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m bench.step_profile \
+                --out "$OUT/step_profile.jsonl"
+            stage profile-plot python3 -m bench.step_plot "$OUT/step_profile.jsonl" --out "$OUT/step_profile.png" ;;
         attention) stage attention python3 -m bench.tools.attention_tiles --out "$OUT/attention.jsonl" ;;
         a2a) stage a2a python3 -m bench.a2a --out "$OUT/a2a.jsonl" ;;
         chunks)
