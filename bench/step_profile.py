@@ -20,8 +20,9 @@ more run inside one JAX profiler trace; every kernel of GPU 0 that names its HLO
 adds its time to the op's category, per call. `busy_ms` is the union of the kernels' intervals and `host_gap_ms` =
 wall - busy: the time the GPU waits for the host (launches, the loop's bookkeeping); `gaps_top` names the kernels
 on either side of the longest idle stretches, and `kernels_top` each category's ops with the most time (printed for
-every category too). Kernels whose op is not in the
-compiled module's text are `unmapped` (listed, with their time: a GPU run checks first that this is ~0).
+every category too), `kernels_info` what each of those ops is (opcode, custom-call target, shapes, scope). Kernels
+whose op is not in the compiled module's text are `unmapped` (listed, with their time: a GPU run checks first that
+this is ~0).
 
 Each category's floor, the whole step's work split evenly over the devices (exact for 1): FLOPs at `--peak-tflops`
 (the H200's dense bf16, 989) for the matmul categories (attention: projections + causal scores and values; mlp;
@@ -46,6 +47,7 @@ docs/performance.md. CPU smoke test:
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 import traceback
@@ -55,7 +57,7 @@ import numpy as np
 
 from bench import train_scale
 from bench.common import JsonLines, parser, today
-from bench.tools.hlo_scopes import CATEGORIES, STEP_SCOPES, hlo_map, summary
+from bench.tools.hlo_scopes import CATEGORIES, STEP_SCOPES, hlo_map, parse_hlo, summary
 from bench.tools.trace import traced_op_events, union_ms
 from mhl_jax.config import Config, ConfigError
 from mhl_jax.model.context import executor_says
@@ -204,6 +206,24 @@ def idle_gaps(events: list[tuple[int, int, str]], calls: int, n: int = 10) -> li
     return [(a, b, round(t, 6), round(c / calls, 2)) for (a, b), (t, c) in ranked]
 
 
+def kernels_info(hlo_text: str, kernels_top: dict[str, list]) -> dict[str, dict]:
+    """What each op of `kernels_top` is in the compiled program: its opcode, custom-call target (a cuBLAS GEMM, a
+    Triton kernel), result and operand shapes and the end of its scope path, so that a record tells which GEMM or
+    kernel a category's time goes to without the HLO text."""
+    comps, _ = parse_hlo(hlo_text)
+    by_name = {i.name: i for ins in comps.values() for i in ins}
+    out = {}
+    for op in sorted({op for ops in kernels_top.values() for op, *_ in ops}):
+        ins = by_name.get(op)
+        if ins is None:
+            continue
+        target = re.search(r'custom_call_target="([^"]+)"', ins.text)
+        out[op] = {"opcode": ins.opcode, "target": target.group(1) if target else None, "shape": ins.shape,
+                   "operands": [by_name[o].shape if o in by_name else None for o in ins.operands],
+                   "scope": ins.op_name[-200:]}
+    return out
+
+
 def module_name(hlo_text: str) -> str:
     """The module's name from the first line of its text ("HloModule jit_train_step, ...")."""
     return hlo_text.split(None, 2)[1].rstrip(",") if hlo_text.startswith("HloModule") else ""
@@ -280,6 +300,8 @@ def profile_config(path: str, overrides: list[str], devices: int, steps: int = 4
     rec["times"] = None if plane is None else measure_times(cs, tokens, ops, module_name(text), steps, calls, plane)
     if rec["times"] is None:
         rec["note"] = "no GPU: no time measured; the HLO's categories only"
+    else:
+        rec["kernels_info"] = kernels_info(text, rec["times"]["kernels_top"])
     rec["lines"] = lines(rec, peak_tflops, peak_tbs)
     return rec
 

@@ -120,6 +120,12 @@ def test_times_from_the_trace_map_to_the_compiled_ops(record):
     assert t["wall_ms"] > 0 and t["busy_ms"] > 0
     # the idle stretches between the step's kernels, each named by the mapped kernels on either side
     assert t["gaps_top"] and all(g[0].split(":")[0] in hs.CATEGORIES and g[2] > 0 for g in t["gaps_top"])
+    # each category's largest ops, and what each is in the program: the attention's largest op sits in its scope
+    info = record["kernels_info"]
+    assert set(info) == {op for ops in t["kernels_top"].values() for op, *_ in ops}
+    top_attention = t["kernels_top"]["attention"][0][0]
+    assert "attention" in info[top_attention]["scope"] and info[top_attention]["opcode"]
+    assert all(isinstance(v["operands"], list) for v in info.values())
     assert record["lines"]["experts"]["x_floor"] > 0
     assert record["lines"]["balancing"]["floor_ms"] is None and record["lines"]["balancing"]["x_floor"] is None
     assert "| experts |" in sp.table(record) and "host gaps" in sp.table(record)
