@@ -3,10 +3,10 @@
     python -m bench.step_plot RECORDS.jsonl [--out step_profile.png] [--dpi 120]
 
 One panel per timed record (a config), categories largest first as horizontal bars: the measured ms (forward and
-backward stacked for the model's parts, grey for the step's own) with the floor drawn as a black tick on the same bar,
-host gaps as a bar of their own. The LM head's loss makes its gradients inside its forward (`mhl_jax.model.loss`), so
-its whole time shows as forward. All panels share the time axis, so configs compare at a glance. Records without
-times (a CPU run) are left out; a file with none is an error.
+backward stacked for the model's parts, grey for the step's own) with the floor drawn as a tick on the same bar
+(black: a FLOP floor, purple: a byte floor), host gaps as a bar of their own. The LM head's loss makes its gradients
+inside its forward (`mhl_jax.model.loss`), so its whole time shows as forward. All panels share the time axis, so
+configs compare at a glance. Records without times (a CPU run) are left out; a file with none is an error.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from mhl_jax import plots
 from mhl_jax.config import ConfigError
 
 MIN_MS = 0.5  # categories below this are left off the picture (they are in the record and the table)
+FLOOR_COLORS = {"flop": "black", "byte": "#7b3294"}
 
 
 def timed_records(path: str) -> list[dict]:
@@ -44,21 +45,22 @@ def timed_records(path: str) -> list[dict]:
     return recs
 
 
-def bars(rec: dict) -> list[tuple[str, float, float, float, float | None]]:
-    """(category, fwd ms, bwd ms, unsplit ms, floor ms or None) per category of at least MIN_MS, largest first, then
-    host gaps. Parts of the model split into forward and backward; the step's own parts (optimizer, accumulation, what
-    no scope covers) do not."""
+def bars(rec: dict) -> list[tuple[str, float, float, float, float | None, str]]:
+    """(category, fwd ms, bwd ms, unsplit ms, floor ms or None, floor kind "flop" / "byte" / "") per category of at
+    least MIN_MS, largest first, then host gaps. Parts of the model split into forward and backward; the step's own
+    parts (optimizer, accumulation, what no scope covers) do not."""
     out = []
     for c, ln in rec["lines"].items():
         if ln["ms"] < MIN_MS:
             continue
         fwd, bwd = ln["fwd_ms"], ln["ms"] - ln["fwd_ms"]
-        out.append((c, fwd, bwd, 0.0, ln["floor_ms"]) if ln["fwd_ms"] + ln["bwd_ms"] > 0 else
-                   (c, 0.0, 0.0, ln["ms"], ln["floor_ms"]))
+        kind = ln["floor_kind"] if ln["floor_ms"] else ""
+        out.append((c, fwd, bwd, 0.0, ln["floor_ms"], kind) if ln["fwd_ms"] + ln["bwd_ms"] > 0 else
+                   (c, 0.0, 0.0, ln["ms"], ln["floor_ms"], kind))
     out.sort(key=lambda b: -sum(b[1:4]))
     gap = rec["times"]["host_gap_ms"]
     if gap >= MIN_MS:
-        out.append(("host gaps", 0.0, 0.0, gap, None))
+        out.append(("host gaps", 0.0, 0.0, gap, None, ""))
     return out
 
 
@@ -69,13 +71,16 @@ def plot(recs: list[dict], out: str, dpi: int = 120) -> None:
                              squeeze=False)
     for ax, rec, bs in zip(axes[0], recs, rows):
         y = range(len(bs))
-        names, fwd, bwd, whole, floor = zip(*bs)
+        names, fwd, bwd, whole, floor, kind = zip(*bs)
         ax.barh(y, fwd, color="#4c72b0", label="forward")
         ax.barh(y, bwd, left=fwd, color="#dd8452", label="backward")
         ax.barh(y, whole, color="#8c8c8c", label="the step's own (no fwd / bwd)")
-        for i, f in enumerate(floor):
+        labelled = set()
+        for i, (f, k) in enumerate(zip(floor, kind)):
             if f:
-                ax.plot([f, f], [i - 0.4, i + 0.4], color="black", lw=2, label="floor" if i == 0 else None)
+                ax.plot([f, f], [i - 0.4, i + 0.4], color=FLOOR_COLORS[k], lw=2,
+                        label=None if k in labelled else f"{k.upper() if k == 'flop' else k} floor")
+                labelled.add(k)
         ax.set_yticks(list(y), names)
         ax.invert_yaxis()
         ax.set_xlabel("ms per step")

@@ -90,7 +90,8 @@ def floors(cfg: Config, accum: int, devices: int = 1, cast: bool = False,
     cb = _itemsize(m.compute_dtype)
     attn = m.n_heads * m.head_dim
     moe_layers = 0 if f.kind == "mlp" else m.n_layers - f.stem_layers
-    mlp_width = m.n_layers * f.hidden if f.kind == "mlp" else f.stem_layers * f.stem_hidden
+    # the dense layers' hidden widths summed: the stems', and in the MLP baseline every other layer's
+    mlp_width = f.stem_layers * f.stem_hidden + (m.n_layers - f.stem_layers) * f.hidden * (f.kind == "mlp")
     heads, width = (f.num_heads, f.head_dim) if f.kind == "mh_latent_moe" else (1, m.d_model)
     route_width = width
     if f.kind == "latent_moe":

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from mhl_jax.config import ConfigError
 from mhl_jax.model.init import normal_param
+from mhl_jax.moe.plan import triton_available
 
 
 def rope_tables(seq_len: int | jax.Array, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
@@ -46,15 +47,17 @@ def sharded_attention(kernel, q: jax.Array, k: jax.Array, v: jax.Array, mesh: Me
 
 
 def attention_impl(choice: str, compute_dtype: str = "bfloat16") -> str:
-    """'auto' -> triton on a GPU in bf16 (our flash attention, bitwise repeatable; cudnn's backward is not), xla
-    elsewhere (the CPU, and float32 models, whose attention the bf16 kernels would round). 'triton' needs a GPU and
-    bf16, 'cudnn' a GPU."""
-    gpu = jax.default_backend() == "gpu"
+    """'auto' -> triton on a GPU in bf16 with jax-triton installed (our flash attention, bitwise repeatable; cudnn's
+    backward is not), xla elsewhere (the CPU, float32 models, whose attention the bf16 kernels would round, and
+    installs without the `kernels` extra). 'triton' needs all three, 'cudnn' a GPU."""
     if choice == "auto":
-        return "triton" if gpu and compute_dtype == "bfloat16" else "xla"
-    if choice in ("triton", "cudnn") and not gpu:
-        raise ConfigError(f"model.attention_impl={choice!r} needs a GPU JAX backend; backend is "
+        return "triton" if compute_dtype == "bfloat16" and triton_available() else "xla"
+    if choice == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"model.attention_impl='cudnn' needs a GPU JAX backend; backend is "
                           f"{jax.default_backend()!r}. Use model.attention_impl=auto or xla.")
+    if choice == "triton" and not triton_available():
+        raise ConfigError(f"model.attention_impl='triton' needs a GPU JAX backend and jax-triton (the `kernels` "
+                          f"extra); backend is {jax.default_backend()!r}. Use model.attention_impl=auto or xla.")
     if choice == "triton" and compute_dtype != "bfloat16":
         raise ConfigError(f"model.attention_impl='triton' runs bf16 kernels; model.compute_dtype is {compute_dtype!r}. "
                           "Use model.attention_impl=auto or xla, or model.compute_dtype=bfloat16.")

@@ -74,6 +74,16 @@ def test_floors_flops_equal_the_hlo_dots(record):
     assert fl["attention"]["flops"] < hlo["attention"]["dot_flops"] < 1.2 * fl["attention"]["flops"]
 
 
+def test_dense_floors_count_the_stems_and_the_layers(monkeypatch):
+    """The MLP baseline's floor: its stem layers at stem_hidden and the others at hidden, equal to the dots XLA
+    compiled (a floor that took every layer at `hidden` missed the stems' extra width)."""
+    monkeypatch.setattr(train_scale, "host_state", random_state)
+    rec = sp.profile_config("configs/tiny_mlp.yaml", [*TINY, "ffn.hidden=96"], devices=1)
+    assert rec["times"] is None
+    for part in ("mlp", "lm_head_loss"):
+        assert rec["hlo"][part]["dot_flops"] == pytest.approx(rec["floors"][part]["flops"], rel=1e-9), part
+
+
 def test_expert_weight_bytes_move_from_the_accumulation_to_the_experts():
     """With the step context (weights cast once, gradients summed in place by the expert kernels), the expert weights'
     accumulation leaves the grad_accum floor and their bytes join the experts' floor: checked against the expert

@@ -11,11 +11,11 @@ from mhl_jax.config import ConfigError
 
 def _record(config, gap=2.0):
     """A timed record as bench.step_profile writes it, with the fields the picture reads."""
-    lines = {"attention": dict(ms=30.0, fwd_ms=10.0, bwd_ms=20.0, floor_ms=12.0),
-             "experts": dict(ms=40.0, fwd_ms=8.0, bwd_ms=32.0, floor_ms=20.0),
-             "optimizer": dict(ms=6.0, fwd_ms=0.0, bwd_ms=0.0, floor_ms=5.0),
-             "other": dict(ms=3.0, fwd_ms=0.0, bwd_ms=0.0, floor_ms=None),
-             "embed": dict(ms=0.1, fwd_ms=0.0, bwd_ms=0.1, floor_ms=0.05)}
+    lines = {"attention": dict(ms=30.0, fwd_ms=10.0, bwd_ms=20.0, floor_ms=12.0, floor_kind="flop"),
+             "experts": dict(ms=40.0, fwd_ms=8.0, bwd_ms=32.0, floor_ms=20.0, floor_kind="byte"),
+             "optimizer": dict(ms=6.0, fwd_ms=0.0, bwd_ms=0.0, floor_ms=5.0, floor_kind="byte"),
+             "other": dict(ms=3.0, fwd_ms=0.0, bwd_ms=0.0, floor_ms=None, floor_kind=""),
+             "embed": dict(ms=0.1, fwd_ms=0.0, bwd_ms=0.1, floor_ms=0.05, floor_kind="byte")}
     return {"bench": "step_profile", "config": config, "devices": 1, "device": "GPU", "date": "d",
             "times": {"host_gap_ms": gap, "wall_ms": 81.1}, "lines": lines}
 
@@ -29,9 +29,9 @@ def test_bars_match_the_record(tmp_path):
     cpu = {"bench": "step_profile", "config": "cpu", "times": None}
     recs = sp.timed_records(_write(tmp_path / "r.jsonl", [_record("a"), cpu, {"bench": "other"}, _record("b", 0.1)]))
     assert [r["config"] for r in recs] == ["a", "b"]  # the timed step_profile records, in order
-    assert sp.bars(recs[0]) == [("experts", 8.0, 32.0, 0.0, 20.0), ("attention", 10.0, 20.0, 0.0, 12.0),
-                                ("optimizer", 0.0, 0.0, 6.0, 5.0), ("other", 0.0, 0.0, 3.0, None),
-                                ("host gaps", 0.0, 0.0, 2.0, None)]  # embed and b's gaps: under MIN_MS
+    assert sp.bars(recs[0]) == [("experts", 8.0, 32.0, 0.0, 20.0, "byte"), ("attention", 10.0, 20.0, 0.0, 12.0, "flop"),
+                                ("optimizer", 0.0, 0.0, 6.0, 5.0, "byte"), ("other", 0.0, 0.0, 3.0, None, ""),
+                                ("host gaps", 0.0, 0.0, 2.0, None, "")]  # embed and b's gaps: under MIN_MS
     assert [b[0] for b in sp.bars(recs[1])][-1] == "other"
 
 
