@@ -27,6 +27,7 @@ tuples, bitcasts, loops), their executions per call and the dot FLOPs per call.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
@@ -101,8 +102,10 @@ def _dims(typ: str) -> tuple[int, ...] | None:
     return tuple(int(d) for d in m.group(1).split(",") if d)
 
 
+@functools.lru_cache(maxsize=1)  # a profile reads one module's text twice (`hlo_map`, then its top ops' details)
 def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
-    """Compiled HLO module text -> ({computation: its instructions}, the entry computation's name)."""
+    """Compiled HLO module text -> ({computation: its instructions}, the entry computation's name); callers only
+    read the result (it is cached)."""
     comps, entry, current = {}, None, None
     for line in text.splitlines():
         h = _HEADER.match(line)

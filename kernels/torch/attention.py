@@ -15,23 +15,18 @@ fix_interpreter_scalar_index()  # the kernels' loop bounds are computed from the
 
 def attention_fwd_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: AttentionTiles = ATTENTION_TILES):
     """(B, T, nh, hd) q, k, v -> (o (B, T, nh, hd), lse (B, nh, T) fp32, base 2)."""
-    b, t, nh, hd = q.shape
-    ka.check_shape(b, t, nh, hd, tiles.block_m, tiles.block_n, tiles.block_m1, tiles.block_n1, tiles.block_n2)
+    b, t, nh, _ = q.shape
+    grid, kw = ka.fwd_launch(q.shape, tiles)
     o = torch.empty_like(q)
     lse = torch.empty((b, nh, t), dtype=torch.float32, device=q.device)
-    ka.attn_fwd_kernel[(t // tiles.block_m, b * nh)](
-        q, k, v, o, lse, T=t, NH=nh, HD=hd, QK_SCALE=hd ** -0.5 * ka.LOG2E, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages)
+    ka.attn_fwd_kernel[grid](q, k, v, o, lse, **kw)
     return o, lse
 
 
 def attention_bwd_torch(q, k, v, o, lse, do, tiles: AttentionTiles = ATTENTION_TILES):
     """The gradients (dq, dk, dv) of sum(o * do), from the forward's o and lse."""
-    b, t, nh, hd = q.shape
+    grid, kw = ka.bwd_launch(q.shape, tiles)
     delta = torch.einsum("btnh,btnh->bnt", o.float(), do.float()).contiguous()
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
-    ka.attn_bwd_kernel[(t // tiles.block_n1, b * nh)](
-        q, k, v, do.to(q.dtype).contiguous(), lse, delta, dq, dk, dv, T=t, NH=nh, HD=hd, SM_SCALE=hd ** -0.5,
-        QK_SCALE=hd ** -0.5 * ka.LOG2E, BLOCK_M1=tiles.block_m1, BLOCK_N1=tiles.block_n1, BLOCK_N2=tiles.block_n2,
-        num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages)
+    ka.attn_bwd_kernel[grid](q, k, v, do.to(q.dtype).contiguous(), lse, delta, dq, dk, dv, **kw)
     return dq, dk, dv

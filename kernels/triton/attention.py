@@ -25,6 +25,8 @@ import math
 import triton
 import triton.language as tl
 
+from kernels.tuning import AttentionTiles
+
 LOG2E = math.log2(math.e)
 
 
@@ -142,21 +144,40 @@ def attn_bwd_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_
     tl.store(dq_ptr + base + tile, (dq * SM_SCALE).to(dq_ptr.dtype.element_ty))
 
 
-def check_shape(b: int, t: int, nh: int, hd: int, block_m: int, block_n: int, block_m1: int, block_n1: int,
-                block_n2: int) -> None:
+def check_shape(b: int, t: int, nh: int, hd: int, tiles: AttentionTiles) -> None:
     """The kernels' shape rules: HD and the tiles powers of two >= 16 (tl.arange, tl.dot), T a whole number of every
     tile, the diagonal tiles nested, and offsets that fit int32."""
-    for name, v in (("head_dim", hd), ("block_m", block_m), ("block_n", block_n), ("block_m1", block_m1),
-                    ("block_n1", block_n1), ("block_n2", block_n2)):
+    blocks = (("block_m", tiles.block_m), ("block_n", tiles.block_n), ("block_m1", tiles.block_m1),
+              ("block_n1", tiles.block_n1), ("block_n2", tiles.block_n2))
+    for name, v in (("head_dim", hd), *blocks):
         if v < 16 or v & (v - 1):
             raise ValueError(f"triton attention: {name}={v} must be a power of two >= 16")
-    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_m1", block_m1), ("block_n1", block_n1),
-                    ("block_n2", block_n2)):
+    for name, v in blocks:
         if t % v:
             raise ValueError(f"triton attention: sequence length {t} must be a multiple of {name}={v}")
-    if block_m % block_n or block_n1 % block_m1 or block_n1 % block_n2:
-        raise ValueError(f"triton attention: block_n={block_n} must divide block_m={block_m}, and block_m1="
-                         f"{block_m1} and block_n2={block_n2} must divide block_n1={block_n1}")
+    if tiles.block_m % tiles.block_n or tiles.block_n1 % tiles.block_m1 or tiles.block_n1 % tiles.block_n2:
+        raise ValueError(f"triton attention: block_n={tiles.block_n} must divide block_m={tiles.block_m}, and "
+                         f"block_m1={tiles.block_m1} and block_n2={tiles.block_n2} must divide "
+                         f"block_n1={tiles.block_n1}")
     if b * t * nh * hd >= 2 ** 31:
         raise ValueError(f"triton attention: {b} x {t} x {nh} x {hd} elements per device; the kernels' int32 offsets "
                          "take fewer than 2^31 (split the batch over more devices or micro-batches)")
+
+
+def fwd_launch(shape: tuple[int, ...], tiles: AttentionTiles) -> tuple[tuple[int, int], dict]:
+    """(grid, keyword arguments: constexprs, warps, stages) of `attn_fwd_kernel` for q, k, v of `shape` (B, T, NH,
+    HD), after `check_shape`: the one launch both launchers make (jax-triton's binding, the torch tests')."""
+    b, t, nh, hd = shape
+    check_shape(b, t, nh, hd, tiles)
+    return (t // tiles.block_m, b * nh), dict(
+        T=t, NH=nh, HD=hd, QK_SCALE=hd ** -0.5 * LOG2E, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages)
+
+
+def bwd_launch(shape: tuple[int, ...], tiles: AttentionTiles) -> tuple[tuple[int, int], dict]:
+    """(grid, keyword arguments) of `attn_bwd_kernel`, as `fwd_launch`."""
+    b, t, nh, hd = shape
+    check_shape(b, t, nh, hd, tiles)
+    return (t // tiles.block_n1, b * nh), dict(
+        T=t, NH=nh, HD=hd, SM_SCALE=hd ** -0.5, QK_SCALE=hd ** -0.5 * LOG2E, BLOCK_M1=tiles.block_m1,
+        BLOCK_N1=tiles.block_n1, BLOCK_N2=tiles.block_n2, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages)

@@ -27,13 +27,11 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, tiles: AttentionTi
 
 
 def _forward(q, k, v, tiles: AttentionTiles):
-    b, t, nh, hd = q.shape
-    ka.check_shape(b, t, nh, hd, tiles.block_m, tiles.block_n, tiles.block_m1, tiles.block_n1, tiles.block_n2)
+    b, t, nh, _ = q.shape
+    grid, kw = ka.fwd_launch(q.shape, tiles)
     o, lse = import_jax_triton().triton_call(
-        q, k, v, kernel=ka.attn_fwd_kernel,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, nh, t), jnp.float32)],
-        grid=(t // tiles.block_m, b * nh), num_warps=tiles.fwd_warps, num_stages=tiles.fwd_stages,
-        T=t, NH=nh, HD=hd, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, QK_SCALE=hd ** -0.5 * ka.LOG2E)
+        q, k, v, kernel=ka.attn_fwd_kernel, grid=grid,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, nh, t), jnp.float32)], **kw)
     return o, lse
 
 
@@ -49,14 +47,11 @@ def _attention_fwd(q, k, v, tiles):
 
 def _attention_bwd(tiles, res, do):
     q, k, v, o, lse = res
-    b, t, nh, hd = q.shape
+    grid, kw = ka.bwd_launch(q.shape, tiles)
     delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
     dq, dk, dv = import_jax_triton().triton_call(
-        q, k, v, do.astype(q.dtype), lse, delta, kernel=ka.attn_bwd_kernel,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3,
-        grid=(t // tiles.block_n1, b * nh), num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
-        T=t, NH=nh, HD=hd, SM_SCALE=hd ** -0.5, QK_SCALE=hd ** -0.5 * ka.LOG2E, BLOCK_M1=tiles.block_m1,
-        BLOCK_N1=tiles.block_n1, BLOCK_N2=tiles.block_n2)
+        q, k, v, do.astype(q.dtype), lse, delta, kernel=ka.attn_bwd_kernel, grid=grid,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3, **kw)
     return dq, dk, dv
 
 

@@ -86,20 +86,24 @@ def test_kernels_vs_float64(t, hd, tiles):
     assert torch.equal(o[:, 0], v[:, 0])
 
 
-def test_shape_checks():
-    ka.check_shape(2, 128, 4, 64, 64, 32, 32, 64, 32)
-    with pytest.raises(ValueError, match="head_dim=48 must be a power of two"):
-        ka.check_shape(2, 128, 4, 48, 64, 64, 32, 64, 32)
-    with pytest.raises(ValueError, match="block_n2=24 must be a power of two"):
-        ka.check_shape(2, 96, 4, 64, 32, 32, 32, 32, 24)
-    with pytest.raises(ValueError, match="sequence length 96 must be a multiple of block_m=64"):
-        ka.check_shape(2, 96, 4, 64, 64, 32, 32, 32, 32)
-    with pytest.raises(ValueError, match="block_n=64 must divide block_m=32"):
-        ka.check_shape(2, 128, 4, 64, 32, 64, 32, 64, 32)
-    with pytest.raises(ValueError, match="block_m1=64 and block_n2=32 must divide block_n1=32"):
-        ka.check_shape(2, 128, 4, 64, 32, 32, 64, 32, 32)
-    with pytest.raises(ValueError, match="8 x 65536 x 32 x 128 elements per device"):
-        ka.check_shape(8, 65536, 32, 128, 64, 64, 64, 64, 32)
+def _tiles(m, n, m1, n1, n2):
+    return ATTENTION_TILES._replace(block_m=m, block_n=n, block_m1=m1, block_n1=n1, block_n2=n2)
+
+
+@pytest.mark.parametrize("shape,tiles,message", [
+    ((2, 128, 4, 48), _tiles(64, 64, 32, 64, 32), "head_dim=48 must be a power of two"),
+    ((2, 96, 4, 64), _tiles(32, 32, 32, 32, 24), "block_n2=24 must be a power of two"),
+    ((2, 96, 4, 64), _tiles(64, 32, 32, 32, 32), "sequence length 96 must be a multiple of block_m=64"),
+    ((2, 128, 4, 64), _tiles(32, 64, 32, 64, 32), "block_n=64 must divide block_m=32"),
+    ((2, 128, 4, 64), _tiles(32, 32, 64, 32, 32), "block_m1=64 and block_n2=32 must divide block_n1=32"),
+    ((8, 65536, 32, 128), _tiles(64, 64, 64, 64, 32), "8 x 65536 x 32 x 128 elements per device"),
+])
+def test_shape_checks(shape, tiles, message):
+    ka.check_shape(2, 128, 4, 64, _tiles(64, 32, 32, 64, 32))
+    with pytest.raises(ValueError, match=message):
+        ka.check_shape(*shape, tiles)
+    with pytest.raises(ValueError, match=message):  # both launch plans check first
+        ka.fwd_launch(shape, tiles)
 
 
 def test_padding_to_the_tiles_is_exact(monkeypatch):
