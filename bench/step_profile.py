@@ -20,9 +20,10 @@ more run inside one JAX profiler trace; every kernel of GPU 0 that names its HLO
 adds its time to the op's category, per call. `busy_ms` is the union of the kernels' intervals and `host_gap_ms` =
 wall - busy: the time the GPU waits for the host (launches, the loop's bookkeeping); `gaps_top` names the kernels
 on either side of the longest idle stretches, and `kernels_top` each category's ops with the most time (printed for
-every category too), `kernels_info` what each of those ops is (opcode, custom-call target, shapes, scope). Kernels
-whose op is not in the compiled module's text are `unmapped` (listed, with their time: a GPU run checks first that
-this is ~0).
+every category too), `kernels_info` what each of those ops is (opcode, custom-call target, shapes, scope), and
+`kernels_by_kind` each category's time by kind of op (`bench.tools.kernel_kinds`: the same computation in every layer
+summed; its largest kinds printed too). Kernels whose op is not in the compiled module's text are `unmapped` (listed,
+with their time: a GPU run checks first that this is ~0).
 
 Each category's floor, the whole step's work split evenly over the devices (exact for 1): FLOPs at `--peak-tflops`
 (the H200's dense bf16, 989) for the matmul categories (attention: projections + causal scores and values; mlp;
@@ -47,7 +48,6 @@ docs/performance.md. CPU smoke test:
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 import traceback
@@ -57,7 +57,8 @@ import numpy as np
 
 from bench import train_scale
 from bench.common import JsonLines, parser, today
-from bench.tools.hlo_scopes import CATEGORIES, STEP_SCOPES, hlo_map, parse_hlo, summary
+from bench.tools.hlo_scopes import CATEGORIES, STEP_SCOPES, hlo_map, summary
+from bench.tools.kernel_kinds import kernels_by_kind, kernels_info, kinds_line
 from bench.tools.trace import traced_op_events, union_ms
 from mhl_jax.config import Config, ConfigError
 from mhl_jax.model.context import executor_says
@@ -157,7 +158,8 @@ def category_times(events: list[tuple[int, int, str, str]], ops: dict, calls: in
     """Traced op events (start ns, duration ns, HLO op, HLO module) of `calls` calls -> per call: `ms`, `fwd_ms`,
     `bwd_ms` per category, `busy_ms` (the union of the kernels' intervals), `unmapped_ms` and the `unmapped` ops with
     the most time, and per category the ops with the most time (`kernels_top`: op, ms and runs per call; its "other"
-    entry is what no scope covers). Events of another module than `module` (when both
+    entry is what no scope covers) and all of them (`per_op`: {op: (ms, runs)} per call, for `kernels_by_kind`;
+    thousands of ops, not for the record). Events of another module than `module` (when both
     name one) are left out, and so are those of ops that launch nothing themselves (a loop or a call: the kernels
     inside it have their own events)."""
     ms = {c: {"ms": 0.0, "fwd_ms": 0.0, "bwd_ms": 0.0} for c in CATEGORIES}
@@ -186,8 +188,9 @@ def category_times(events: list[tuple[int, int, str, str]], ops: dict, calls: in
         return [(k, round(t, 6), round(n / calls, 2)) for k, (t, n) in sorted(d.items(), key=lambda kv: -kv[1][0])[:8]]
 
     kernels_top = {c: ranked(d) for c, d in per_op.items() if d}
+    every_op = {c: {k: (t, n / calls) for k, (t, n) in d.items()} for c, d in per_op.items() if d}
     return {"categories": ms, "busy_ms": union_ms(spans) / calls, "unmapped_ms": sum(unmapped.values()),
-            "unmapped": top(unmapped), "kernels_top": kernels_top, "events": len(spans),
+            "unmapped": top(unmapped), "kernels_top": kernels_top, "per_op": every_op, "events": len(spans),
             "gaps_top": idle_gaps(named, calls)}
 
 
@@ -205,24 +208,6 @@ def idle_gaps(events: list[tuple[int, int, str]], calls: int, n: int = 10) -> li
             end, last = stop, label
     ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:n]
     return [(a, b, round(t, 6), round(c / calls, 2)) for (a, b), (t, c) in ranked]
-
-
-def kernels_info(hlo_text: str, kernels_top: dict[str, list]) -> dict[str, dict]:
-    """What each op of `kernels_top` is in the compiled program: its opcode, custom-call target (a cuBLAS GEMM, a
-    Triton kernel), result and operand shapes and the end of its scope path, so that a record tells which GEMM or
-    kernel a category's time goes to without the HLO text."""
-    comps, _ = parse_hlo(hlo_text)
-    by_name = {i.name: i for ins in comps.values() for i in ins}
-    out = {}
-    for op in sorted({op for ops in kernels_top.values() for op, *_ in ops}):
-        ins = by_name.get(op)
-        if ins is None:
-            continue
-        target = re.search(r'custom_call_target="([^"]+)"', ins.text)
-        out[op] = {"opcode": ins.opcode, "target": target.group(1) if target else None, "shape": ins.shape,
-                   "operands": [by_name[o].shape if o in by_name else None for o in ins.operands],
-                   "scope": ins.op_name[-200:]}
-    return out
 
 
 def module_name(hlo_text: str) -> str:
@@ -302,7 +287,9 @@ def profile_config(path: str, overrides: list[str], devices: int, steps: int = 4
     if rec["times"] is None:
         rec["note"] = "no GPU: no time measured; the HLO's categories only"
     else:
+        per_op = rec["times"].pop("per_op")  # every op of the step: the grouping's input, too long for the record
         rec["kernels_info"] = kernels_info(text, rec["times"]["kernels_top"])
+        rec["kernels_by_kind"] = kernels_by_kind(text, per_op, ops)
     rec["lines"] = lines(rec, peak_tflops, peak_tbs)
     return rec
 
@@ -381,6 +368,8 @@ def main(argv=None) -> None:
                 print(f"# idle {ms:.2f} ms in {count:g} gaps: {before} -> {after}", flush=True)
             for cat, ops in times.get("kernels_top", {}).items():
                 print(f"# {cat}: " + ", ".join(f"{op} {ms:.2f} ms x{runs:g}" for op, ms, runs in ops[:3]), flush=True)
+            for cat, kinds in rec.get("kernels_by_kind", {}).items():
+                print(kinds_line(cat, kinds), flush=True)
     if failed:
         print("# FAILED: " + " | ".join(failed), flush=True)
         sys.exit(1)

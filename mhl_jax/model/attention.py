@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from mhl_jax.config import ConfigError
+from mhl_jax.model.batch_split import batch_sharded
 from mhl_jax.model.init import normal_param
 from mhl_jax.moe.plan import triton_available
 
@@ -30,20 +30,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x1, x2 = x32[..., :half], x32[..., half:]
     c, s = (cos[None, :, None, :], sin[None, :, None, :]) if cos.ndim == 2 else (cos[:, :, None], sin[:, :, None])
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
-
-
-def sharded_attention(kernel, q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh | None) -> jax.Array:
-    """kernel(q, k, v), a causal attention kernel (`flash_attention`), with the batch split over every axis of `mesh`
-    (the train and eval batches' layout, `mhl_jax.parallel.mesh.batch_spec`): a kernel call is opaque to XLA's
-    partitioner, which would gather q, k, v to every device; under shard_map each device attends over its own
-    sequences."""
-    if mesh is None or mesh.size == 1:
-        return kernel(q, k, v)
-    if q.shape[0] % mesh.size:
-        raise ValueError(f"attention: a batch of {q.shape[0]} sequences does not split over the {mesh.size} devices of "
-                         f"the mesh {dict(mesh.shape)}")
-    spec = P(tuple(mesh.axis_names))
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
 
 
 def attention_impl(choice: str, compute_dtype: str = "bfloat16") -> str:
@@ -83,7 +69,7 @@ def causal_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, n_heads: in
     if impl == "triton":
         from mhl_jax.model.flash_attention import flash_attention  # needs triton (the `kernels` extra)
 
-        o = sharded_attention(flash_attention, q, k, v, mesh)
+        o = batch_sharded(flash_attention, mesh, q, k, v, what="attention")
     else:
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     o = jnp.einsum("btnh,nhd->btd", o, w_o.astype(x.dtype))
@@ -108,7 +94,7 @@ def decode_attention(x: jax.Array, w_qkv: jax.Array, w_o: jax.Array, head_dim: i
 class Attention(nnx.Module):
     def __init__(self, d: int, n_heads: int, head_dim: int, rope_base: float, impl: str,
                  std: float, out_std: float, rngs: nnx.Rngs, mesh: Mesh | None = None):
-        """mesh: the devices the batch is split over (`sharded_attention`; None: one device)."""
+        """mesh: the devices the batch is split over (`batch_sharded`; None: one device)."""
         self.w_qkv = normal_param(rngs, (d, 3, n_heads, head_dim), std)
         self.w_o = normal_param(rngs, (n_heads, head_dim, d), out_std)
         self.n_heads, self.head_dim, self.rope_base, self.impl = n_heads, head_dim, rope_base, impl

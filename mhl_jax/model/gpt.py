@@ -112,6 +112,7 @@ class GPT(nnx.Module):
         self.head = normal_param(rngs, (m.d_model, m.vocab_size), m.init_std)
         self.dtype = jnp.dtype(m.compute_dtype)
         self.batch_shards = 1 if mesh is None else mesh.size  # the batch is split over every device of the mesh
+        self.mesh = mesh
         self.remat = m.remat
 
     def hidden(self, tokens: jax.Array, ctx: StepContext | None = None) -> tuple[jax.Array, dict[int, jax.Array]]:
@@ -164,7 +165,8 @@ class GPT(nnx.Module):
         head's loss in chunks along T)."""
         x, loads = self.hidden(tokens, ctx)
         with jax.named_scope("lm_head_loss"):
-            return lm_head_loss(x, self.head[...].astype(self.dtype), targets, self.batch_shards), loads
+            return lm_head_loss(x, self.head[...].astype(self.dtype), targets, self.batch_shards,
+                                mesh=self.mesh), loads
 
 
 def _call_block(block: Block, h: jax.Array, ctx: StepContext | None):

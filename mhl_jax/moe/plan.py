@@ -73,6 +73,13 @@ def hopper_sms() -> int:
     return int(getattr(dev, "core_count", 0) or 132)
 
 
+@functools.cache
+def device_sms() -> int:
+    """The SM count of the first JAX device (GPU; 132, an H100's or H200's, where JAX does not say): persistent grids
+    take a few programs per SM."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
 def on_hopper() -> bool:
     return bool(hopper_sms())
 

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from bench import step_profile as sp
 from bench import train_scale
 from bench.tools import hlo_scopes as hs
+from bench.tools import kernel_kinds as kk
 from mhl_jax.model.balancing import RouterBias
 from mhl_jax.model.gpt import build_model
 
@@ -136,6 +137,14 @@ def test_times_from_the_trace_map_to_the_compiled_ops(record):
     top_attention = t["kernels_top"]["attention"][0][0]
     assert "attention" in info[top_attention]["scope"] and info[top_attention]["opcode"]
     assert all(isinstance(v["operands"], list) for v in info.values())
+    # every op's time by kind: the full per-op table stays out of the record; a category's kinds hold at most its
+    # time (all of it when it has no more than 12 kinds), and the two layers' attention projections are one kind
+    assert "per_op" not in t
+    for cat, kinds in record["kernels_by_kind"].items():
+        total = sum(k["ms"] for k in kinds)
+        assert 0 < len(kinds) <= 12 and total <= t["categories"][cat]["ms"] + 1e-6, cat
+        assert len(kinds) == 12 or total == pytest.approx(t["categories"][cat]["ms"], abs=1e-5), cat
+    assert any(k["ops"] >= 2 for k in record["kernels_by_kind"]["attention"])
     assert record["lines"]["experts"]["x_floor"] > 0
     assert record["lines"]["balancing"]["floor_ms"] is None and record["lines"]["balancing"]["x_floor"] is None
     assert "| experts |" in sp.table(record) and "host gaps" in sp.table(record)
@@ -158,6 +167,8 @@ def test_category_times_sums_kernels_by_op():
     # per category its ops by time: ms and runs per call
     assert t["kernels_top"] == {"experts": [("f.1", 40 / 2e6, 0.5), ("f.2", 20 / 2e6, 0.5)],
                                 "optimizer": [("a.1", 10 / 2e6, 0.5)]}
+    assert t["per_op"] == {"experts": {"f.1": (40 / 2e6, 0.5), "f.2": (20 / 2e6, 0.5)},
+                           "optimizer": {"a.1": (10 / 2e6, 0.5)}}
     # idle: 50..60 after experts:f.2 (the later end of the overlapping f.1 / f.2), 70..80 after optimizer:a.1
     assert t["gaps_top"] == [("experts:f.2", "optimizer:a.1", 10 / 2e6, 0.5),
                              ("optimizer:a.1", "cublas?", 10 / 2e6, 0.5)]
@@ -260,3 +271,54 @@ def test_hlo_map_reads_handwritten_hlo():
     s = hs.summary(ops)
     assert s["experts"]["dot_flops"] == 3 * 2.0 * 4 * 16 * 8 and s["experts"]["kernels"] == 2
     assert s["experts"]["runs"] == 6 and s["collectives"]["runs"] == 3
+
+
+def _gemm(name: str, out: str, lhs: str, scope: str, target: str = "__cublas$lt$matmul") -> str:
+    return (f'  %{name} = f32[{out}]{{1,0}} custom-call(%{lhs}, %b), custom_call_target="{target}", '
+            f'metadata={{op_name="jit(k)/{scope}/dot_general"}}')
+
+
+KINDS_HLO = "\n".join([
+    "HloModule jit_k, is_scheduled=true", "",
+    "ENTRY %main (a: f32[4,8], b: f32[8,16], c: f32[2,8]) -> f32[4,16] {",
+    "  %a = f32[4,8]{1,0} parameter(0)", "  %b = f32[8,16]{1,0} parameter(1)", "  %c = f32[2,8]{1,0} parameter(2)",
+    _gemm("custom-call.1", "4,16", "a", "layer_0/jvp(attention)"),  # one GEMM in two layers
+    _gemm("custom-call.12", "4,16", "a", "layer_1/jvp(attention)"),
+    _gemm("custom-call.3", "2,16", "c", "layer_1/jvp(attention)"),  # another shape
+    _gemm("custom-call.4", "4,16", "a", "layer_0/transpose(jvp(attention))"),  # the backward
+    _gemm("custom-call.5", "4,16", "a", "layer_0/jvp(attention)", "triton_kernel_call"),  # another target
+    "  ROOT %t = (f32[4,16]{1,0}, f32[4,16]{1,0}) tuple(%custom-call.1, %custom-call.12)", "}", ""])
+
+
+def test_kernels_by_kind_sums_one_computation_over_the_layers():
+    """The same GEMM in two layers (custom-call.1, custom-call.12: same target, shapes and phase) is one kind, its
+    time and runs summed over both; the same GEMM at another shape, in the backward or with another target is a kind
+    of its own. Kinds are ranked by time and cut at n; the printed line names each with its shapes."""
+    ops = hs.hlo_map(KINDS_HLO)
+    assert (ops["custom-call.4"].category, ops["custom-call.4"].phase) == ("attention", "bwd")
+    ms = {"custom-call.1": 3, "custom-call.12": 2, "custom-call.3": 1, "custom-call.4": 3, "custom-call.5": 0.5}
+    # two calls, each op once per call: (start ns, duration ns, op, module)
+    events = [(int(10e6 * i), int(d * 1e6), op, "") for i, (op, d) in enumerate([*ms.items(), *ms.items()])]
+    t = sp.category_times(events, ops, calls=2)
+    kinds = kk.kernels_by_kind(KINDS_HLO, t["per_op"], ops)
+    gemm = {"kind": "custom-call", "target": "__cublas$lt$matmul", "phase": "fwd", "shape": (4, 16),
+            "operands": [(4, 8), (8, 16)]}
+    assert kinds == {"attention": [
+        {**gemm, "ms": 5.0, "ops": 2, "runs": 2.0, "example": "custom-call.1"},
+        {**gemm, "phase": "bwd", "ms": 3.0, "ops": 1, "runs": 1.0, "example": "custom-call.4"},
+        {**gemm, "shape": (2, 16), "operands": [(2, 8), (8, 16)], "ms": 1.0, "ops": 1, "runs": 1.0,
+         "example": "custom-call.3"},
+        {**gemm, "target": "triton_kernel_call", "ms": 0.5, "ops": 1, "runs": 1.0, "example": "custom-call.5"}]}
+    assert [k["example"] for k in kk.kernels_by_kind(KINDS_HLO, t["per_op"], ops, n=2)["attention"]] == [
+        "custom-call.1", "custom-call.4"]
+    assert kk.kinds_line("attention", kinds["attention"], n=2) == (
+        "# attention kinds: custom-call:__cublas$lt$matmul[fwd] (4,8) (8,16) -> (4,16) 5.00 ms 2 ops x1; "
+        "custom-call:__cublas$lt$matmul[bwd] (4,8) (8,16) -> (4,16) 3.00 ms 1 ops x1")
+
+
+def test_kind_of_strips_the_numeric_suffixes():
+    assert kk.kind_of("triton_kernel_call.164") == "triton_kernel_call"
+    assert kk.kind_of("gemm_fusion_dot.45") == "gemm_fusion_dot"
+    assert kk.kind_of("fusion.12.clone.3") == "fusion.clone" and kk.kind_of("mm") == "mm"
+    shapes = [(8, 2048, 8, 128)] * 6 + [(8, 2048), None, (1,), ()]
+    assert kk._shapes(shapes) == "(8,2048,8,128)x6 (8,2048) tuple +2"

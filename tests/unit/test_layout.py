@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("mhl_jax", "kernels")
 # Optional dependencies (extras) and the modules that import them at their top: imported where they are used.
 OPTIONAL = ("triton", "jax_triton", "torch", "tensorboardX", "matplotlib", "lm_eval", "datasets", "tiktoken",
-            "safetensors", "kernels", "mhl_jax.moe.gpu", "mhl_jax.model.flash_attention", "mhl_jax.harness",
+            "safetensors", "kernels", "mhl_jax.moe.gpu", "mhl_jax.model.flash_attention", "mhl_jax.model.cross_entropy",
+            "mhl_jax.harness",
             "pydoc_data", "absl", "tokenizers")
 
 
