@@ -276,8 +276,8 @@ def profile_config(path: str, overrides: list[str], devices: int, steps: int = 4
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
            "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch, "accum": cs.accum,
            "context": m.context, "compute_dtype": m.compute_dtype, "kernels": cfg.ffn.kernels,
-           "executor": cs.executor, "compile_s": cs.compile_s, "overrides": overrides,
-           "peak_tflops": peak_tflops, "peak_tbs": peak_tbs, "hlo": hlo,
+           **train_scale.implementations(cfg), "executor": cs.executor, "compile_s": cs.compile_s,
+           "overrides": overrides, "peak_tflops": peak_tflops, "peak_tbs": peak_tbs, "hlo": hlo,
            "floors": floors(cfg, cs.accum, devices, *step_context(cfg, mesh, cs.accum)),
            "other_share": {"kernels": hlo["other"]["kernels"] / max(kernels, 1),
                            "runs": hlo["other"]["runs"] / max(runs, 1)}}

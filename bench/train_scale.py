@@ -79,6 +79,7 @@ from mhl_jax.config import Config, ConfigError, load_config
 from mhl_jax.model.attention import attention_impl
 from mhl_jax.model.balancing import RouterBias
 from mhl_jax.model.gpt import build_model
+from mhl_jax.model.loss import xent_impl, xla_xent
 from mhl_jax.model.params import train_flops_per_token
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, mesh_shape, model_axis, state_shardings
@@ -107,6 +108,13 @@ def run_config(path: str, overrides: list[str], devices: int, data: int = 1, ep:
     mesh_shape(cfg, devices)
     accumulation_steps(cfg, devices)  # ConfigError when the batch does not split
     return cfg
+
+
+def implementations(cfg: Config) -> dict[str, str]:
+    """Which attention and LM-head loss the step runs (both chosen by the backend and the installed extras), for the
+    records."""
+    return {"attention_impl": attention_impl(cfg.model.attention_impl, cfg.model.compute_dtype),
+            "loss_impl": "xla" if xent_impl() is xla_xent else "triton"}
 
 
 def state_init(tx):
@@ -312,7 +320,7 @@ def run(configs: list[str], device_counts: list[int], steps: int = 4, warmup: in
                    "devices": n, "device": avail[0].device_kind, "date": date, "jax": jax.__version__,
                    "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch,
                    "context": m.context, "compute_dtype": m.compute_dtype, "kernels": cfg.ffn.kernels,
-                   "hp_chunks": cfg.parallel.hp_chunks,
+                   "hp_chunks": cfg.parallel.hp_chunks, **implementations(cfg),
                    "steps": steps, "warmup": warmup, "seed": seed, "overrides": overrides}
             try:
                 rec.update(measure(cfg, avail[:n], params, biases, batches, warmup, base.train.seed,

@@ -387,9 +387,8 @@ ATTENTION_TILES = AttentionTiles()
 
 class XentTiles(NamedTuple):
     """The LM head's cross-entropy kernel (kernels/triton/cross_entropy.py): columns per step, warps, pipeline
-    stages, and persistent programs per SM, each streaming one row at a time. Fewer rows in flight keep more of them
-    in L2 for the second read (at V 50304 a row is 201 KB), more hide more of each step's memory latency: the sweep
-    below prefers the latter."""
+    stages, and persistent programs per SM, each streaming one row (201 KB at V 50304) at a time: fewer rows in
+    flight would keep the second read in L2, more hide more memory latency, which the sweep below prefers."""
 
     block: int = 4096
     warps: int = 16
@@ -397,6 +396,6 @@ class XentTiles(NamedTuple):
     programs_per_sm: int = 4
 
 
-# The fastest in `python -m bench.loss --sweep` (H200, 4096 x 50304 fp32 logits): 0.50 ms against XLA's 0.77 (block
-# 4096 at 8 per SM next, 0.52; one per SM, 0.63-1.4 ms).
+# The fastest over the grid of `python -m bench.loss --sweep` (H200, 4096 x 50304 fp32 logits, docs/performance.md):
+# 0.50 ms against XLA's 0.77 (block 4096 at 8 per SM next, 0.52; one per SM, 0.63-1.4 ms).
 XENT_TILES = XentTiles()

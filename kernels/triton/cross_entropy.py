@@ -7,10 +7,11 @@ Per row r of the logits x (R, V) with target t_r and a scale s (1 / the tokens o
 
 The same expressions as the XLA form in `mhl_jax/model/loss.py` (`head_loss`), which reads the logits three times (the
 row maxima, the sums of exponentials, then the gradient). Here a program reads its row twice: once for lse
-by an online softmax (a running maximum and sum per lane, the sum rescaled as the maximum grows), once for d. The
-first read asks L2 to keep the row and the second to drop it, so that the second finds it there while the programs
-in flight hold less than L2 (a persistent grid of a few programs per SM, each streaming one row at a time).
-A target outside [0, V) gives a NaN nll, as XLA's gather does.
+by an online softmax (a running maximum and sum per lane, the sum rescaled as the maximum grows), once for d (a
+persistent grid of a few programs per SM, each streaming one row at a time). The first read asks L2 to keep the row
+and the second to drop it: with few rows in flight the second read finds it there, but the tuned grid keeps more
+rows in flight than L2 holds, which hides more latency (kernels/tuning.py, `XentTiles`).
+A target outside [0, V) gives a NaN nll (XLA's gather gives NaN above V and wraps negative targets around).
 
 Parameters follow jax-triton's binding order: inputs, then one pointer per output, then constexprs.
 """

@@ -55,7 +55,10 @@ def lm_head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, shards: int = 1
     devices, for the kernel's calls (`xent_impl`)."""
     shards = shards if x.shape[0] % shards == 0 else 1
     tc = loss_chunk_len(x.shape[0] // shards, x.shape[1], chunk_tokens)
-    return head_loss(x, w, targets, tc, shards, xent_impl(mesh if shards > 1 else None))
+    # a batch split over devices goes to the kernel only under its mesh (shard_map): called on the split batch
+    # without it, XLA would gather every chunk's logits to every device; XLA's own form it partitions itself
+    xent = xla_xent if shards > 1 and mesh is None else xent_impl(mesh if shards > 1 else None)
+    return head_loss(x, w, targets, tc, shards, xent)
 
 
 def xla_xent(logits: jax.Array, targets: jax.Array, scale: float, dtype) -> tuple[jax.Array, jax.Array]:
@@ -68,8 +71,8 @@ def xla_xent(logits: jax.Array, targets: jax.Array, scale: float, dtype) -> tupl
 
 def xent_impl(mesh: Mesh | None = None) -> Callable:
     """head_loss's chunk step: the Triton kernel on a GPU with jax-triton (`mhl_jax.model.cross_entropy`: the same
-    quantities with one read of the logits fewer, the second from L2), else `xla_xent`. mesh: the devices the batch
-    is split over (None: one)."""
+    quantities with one read of the logits fewer), else `xla_xent`. mesh: the devices the batch is split over (None:
+    one)."""
     if not triton_available():
         return xla_xent
     from mhl_jax.model.cross_entropy import KernelXent  # needs triton (the `kernels` extra)

@@ -70,7 +70,7 @@ def hopper_sms() -> int:
     dev = jax.devices()[0]
     if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9"):
         return 0
-    return int(getattr(dev, "core_count", 0) or 132)
+    return device_sms()
 
 
 @functools.cache

@@ -81,6 +81,7 @@ def test_dense_floors_count_the_stems_and_the_layers(monkeypatch):
     monkeypatch.setattr(train_scale, "host_state", random_state)
     rec = sp.profile_config("configs/tiny_mlp.yaml", [*TINY, "ffn.hidden=96"], devices=1)
     assert rec["times"] is None
+    assert (rec["attention_impl"], rec["loss_impl"]) == ("xla", "xla")  # the CPU's choices, recorded
     for part in ("mlp", "lm_head_loss"):
         assert rec["hlo"][part]["dot_flops"] == pytest.approx(rec["floors"][part]["flops"], rel=1e-9), part
 

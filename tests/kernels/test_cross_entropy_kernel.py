@@ -60,11 +60,28 @@ def test_kernel_matches_float64(rows, v, block, programs, spread):
 
 @interp
 def test_out_of_range_target_gives_nan():
-    x = np.zeros((2, 100), np.float32)
-    d, nll = ktx.xent_torch(torch.from_numpy(x), torch.tensor([3, 100], dtype=torch.int32), 0.5, torch.float32,
+    x = np.zeros((3, 100), np.float32)
+    d, nll = ktx.xent_torch(torch.from_numpy(x), torch.tensor([3, 100, -1], dtype=torch.int32), 0.5, torch.float32,
                             XentTiles(block=64, warps=4, stages=1, programs_per_sm=1), sms=1)
-    assert np.isfinite(nll[0].item()) and np.isnan(nll[1].item())
-    np.testing.assert_allclose(d[1].numpy(), np.full(100, 0.005, np.float32), rtol=1e-6)
+    assert np.isfinite(nll[0].item()) and np.isnan(nll[1].item()) and np.isnan(nll[2].item())
+    np.testing.assert_allclose(d[1:].numpy(), np.full((2, 100), 0.005, np.float32), rtol=1e-6)
+
+
+@interp
+def test_minus_infinity_logits():
+    """-inf logits (a masked vocabulary entry) take no probability, also filling whole blocks of a row: the online
+    softmax's lanes that have seen only -inf stay out of the sum."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 300)).astype(np.float32)
+    x[0, 5] = -np.inf
+    x[1, :128] = -np.inf  # the first two 64-column blocks
+    x[2, 64:] = -np.inf
+    t = np.array([7, 200, 3], np.int32)
+    d, nll = ktx.xent_torch(torch.from_numpy(x), torch.from_numpy(t), 0.25, torch.float32,
+                            XentTiles(block=64, warps=4, stages=1, programs_per_sm=1), sms=1)
+    nll_ref, d_ref = _ref64(x.astype(np.float64), t, 0.25)
+    np.testing.assert_allclose(nll.numpy(), nll_ref, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(d.numpy(), d_ref, rtol=2e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("rows,v,tiles,match", [
@@ -119,7 +136,27 @@ def test_binding_vs_xla(rows, v):
     d2, nll2 = jax.jit(lambda a, b: xent_rows(a, b, scale, jnp.bfloat16))(logits, tgt)
     assert np.array_equal(np.asarray(d).view(np.uint16), np.asarray(d2).view(np.uint16))
     assert np.array_equal(np.asarray(nll), np.asarray(nll2))
-    dt, nllt = ktx.xent_torch(torch.from_numpy(np.asarray(logits)).cuda(), torch.from_numpy(np.asarray(tgt)).cuda(),
+    dt, nllt = ktx.xent_torch(torch.from_numpy(np.array(logits)).cuda(), torch.from_numpy(np.array(tgt)).cuda(),
                               scale)
     assert np.array_equal(dt.cpu().view(torch.int16).numpy(), np.asarray(d).view(np.int16))
     assert np.array_equal(nllt.cpu().numpy(), np.asarray(nll))
+
+
+@pytest.mark.gpu
+def test_binding_past_int32_offsets():
+    """Logits of more than 2^31 elements (the kernel's offsets are int64): the last rows against XLA's form of them
+    alone."""
+    jax = _gpu_jax()
+    import jax.numpy as jnp
+
+    from mhl_jax.model.cross_entropy import xent_rows
+    from mhl_jax.model.loss import xla_xent
+
+    rows, v = 42800, 50304  # 2.15e9 elements
+    logits = jax.random.normal(jax.random.key(0), (rows, v), jnp.float32)
+    tgt = jnp.arange(rows, dtype=jnp.int32) % v
+    d, nll = jax.jit(lambda a, b: xent_rows(a, b, 1.0, jnp.bfloat16))(logits, tgt)
+    d_ref, nll_ref = jax.jit(lambda a, b: xla_xent(a[-8:], b[-8:], 1.0, jnp.bfloat16))(logits, tgt)
+    np.testing.assert_allclose(np.asarray(nll[-8:]), np.asarray(nll_ref), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(d[-8:].astype(jnp.float32)), np.asarray(d_ref.astype(jnp.float32)),
+                               rtol=2**-7, atol=1e-9)

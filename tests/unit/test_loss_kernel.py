@@ -24,10 +24,24 @@ def _loss_and_grads(cfg, executor, mesh, tokens):
     return jax.jit(jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, biases, t)[0]))(params, tokens)
 
 
-def test_xent_impl_is_xla_without_a_gpu():
-    from mhl_jax.model.loss import xent_impl, xla_xent
+def test_xent_impl_choice(monkeypatch):
+    """XLA's form without a GPU and jax-triton; the kernel with them, and then for a batch split over devices only
+    under its mesh (without one, XLA would gather each chunk's logits to every device for the kernel call)."""
+    pytest.importorskip("triton")
+    import mhl_jax.model.loss as loss
+    from mhl_jax.model.cross_entropy import KernelXent
 
-    assert jax.default_backend() != "gpu" and xent_impl() is xla_xent
+    monkeypatch.setattr(loss, "triton_available", lambda: False)
+    assert loss.xent_impl() is loss.xla_xent
+    monkeypatch.setattr(loss, "triton_available", lambda: True)
+    assert loss.xent_impl() == KernelXent(None)
+    chosen = []
+    monkeypatch.setattr(loss, "head_loss", lambda *a: chosen.append(a[5]))
+    x, w, t = jnp.zeros((4, 8, 16)), jnp.zeros((16, 32)), jnp.zeros((4, 8), jnp.int32)
+    loss.lm_head_loss(x, w, t, shards=2)  # split, no mesh
+    loss.lm_head_loss(x, w, t, shards=3)  # 4 rows do not split over 3: taken as one shard
+    loss.lm_head_loss(x, w, t)
+    assert chosen == [loss.xla_xent, KernelXent(None), KernelXent(None)]
 
 
 def test_kernel_loss_in_the_model_under_a_mesh(monkeypatch):
