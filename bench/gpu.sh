@@ -13,6 +13,7 @@
 #                       and its picture (bench.step_plot)
 #   attention           bench.tools.attention_tiles: the Triton flash attention's tile sweep beside cuDNN (the
 #                       attention table of docs/performance.md)
+#   loss                bench.loss --sweep: the LM head loss's kernel and its tiles against XLA's form
 #   a2a                 bench.a2a over every visible GPU
 #   chunks              bench.a2a --layer: the 2.2B layer's executor at parallel.hp_chunks 1, 2, 4 on one GPU (their
 #                       overhead) and, with more GPUs, on data 1 x hp (all of them, up to 8) x ep 1 (their overlap)
@@ -22,7 +23,7 @@
 set -uo pipefail
 
 if [ $# -eq 0 ]; then
-    sed -n '2,21p' "$0"
+    sed -n '2,22p' "$0"
     exit 2
 fi
 OUT=${OUT:-/tmp/bench_out}
@@ -87,6 +88,7 @@ for suite in "$@"; do
                 --out "$OUT/step_profile.jsonl"
             stage profile-plot python3 -m bench.step_plot "$OUT/step_profile.jsonl" --out "$OUT/step_profile.png" ;;
         attention) stage attention python3 -m bench.tools.attention_tiles --out "$OUT/attention.jsonl" ;;
+        loss) stage loss python3 -m bench.loss --sweep --out "$OUT/loss.jsonl" ;;
         a2a) stage a2a python3 -m bench.a2a --out "$OUT/a2a.jsonl" ;;
         chunks)
             stage chunks-1 python3 -m bench.a2a --layer --mesh 1 1 1 --chunks 1 2 4 --out "$OUT/chunks.jsonl"
