@@ -11,7 +11,8 @@ bfloat16` passes W1 / W2 in bf16 instead: no cast, bf16 gradients). fwd+bwd is j
 parameter and x. Per shape one JSON line: ms_fwd, ms (fwd+bwd), ms_bwd, dispatch_ms (host enqueue of one fwd+bwd),
 peak_gib (XLA's buffer assignment of the compiled step), tflops (model FLOPs: 3 x the forward's matmuls, the
 backward's recomputation not counted) and its fraction of the measured bf16 rate, and the authors' figures on one
-H100 with our speedup over them. A table follows.
+H100 with our speedup over them (`authors_h100`, `speedup_vs_authors_h100`: another GPU's figures unless this is an
+H100; `--authors` times theirs on this GPU). A table follows.
 
 --authors DIR: also time the authors' released PyTorch layer (their `src/` folder under DIR, imported from there at
 run time; needs torch with CUDA) at each shape, on this GPU: `authors_here` in each record.
@@ -91,8 +92,8 @@ def measure(tokens: int, ne: int, k: int, de: int, impl: str, expert_weights: st
         rec["frac_of_measured_peak"] = rec["tflops"] / MEASURED_BF16_TFLOPS
         a = AUTHORS.get((tokens, ne, k, de))
         if a:
-            rec["authors"] = dict(ms_fwd=a[0], ms=a[1], peak_gib=a[2])
-            rec["speedup_vs_authors"] = a[1] / rec["ms"]
+            rec["authors_h100"] = dict(ms_fwd=a[0], ms=a[1], peak_gib=a[2])  # same-GPU: --authors (authors_here)
+            rec["speedup_vs_authors_h100"] = a[1] / rec["ms"]
     except Exception as e:  # recorded: the other shapes are still worth measuring
         rec["error"] = error_text(e)
     return rec
@@ -100,9 +101,9 @@ def measure(tokens: int, ne: int, k: int, de: int, impl: str, expert_weights: st
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'tokens':>6} {'Ne/k/de':>11} {'impl':>9} {'fwd ms':>8} {'f+b ms':>8} {'GiB':>6} {'TF/s':>6} "
-             f"{'authors f+b':>11} {'GiB':>5} {'x':>6}"]
+             f"{'H100 auth':>11} {'GiB':>5} {'x':>6}"]
     for r in rows:
-        p, a = r["params"], r.get("authors", {})
+        p, a = r["params"], r.get("authors_h100", {})
         shape = f"{p['ne']:>5}/{p['k']}/{p['de']:<3}"
         if "ms" not in r:
             lines.append(f"{p['tokens']:>6} {shape} {r['impl']:>9} error: {r.get('error', '')[:60]}")
@@ -110,7 +111,7 @@ def table(rows: list[dict]) -> str:
         peak = float("nan") if r["peak_gib"] is None else r["peak_gib"]
         lines.append(f"{p['tokens']:>6} {shape} {r['impl']:>9} {r['ms_fwd']:8.2f} {r['ms']:8.2f} {peak:6.2f} "
                      f"{r['tflops']:6.1f} {a.get('ms', float('nan')):11.1f} {a.get('peak_gib', float('nan')):5.1f} "
-                     f"{r.get('speedup_vs_authors', float('nan')):6.1f}")
+                     f"{r.get('speedup_vs_authors_h100', float('nan')):6.1f}")
     return "\n".join(lines)
 
 
