@@ -62,6 +62,7 @@ from bench.tools.kernel_kinds import kernels_by_kind, kernels_info, kinds_line
 from bench.tools.trace import traced_op_events, union_ms
 from mhl_jax.config import Config, ConfigError
 from mhl_jax.model.context import executor_says
+from mhl_jax.model.gpt import implementations
 from mhl_jax.model.params import count_params
 from mhl_jax.moe.plan import expert_width
 from mhl_jax.parallel.executors import make_executor
@@ -276,7 +277,7 @@ def profile_config(path: str, overrides: list[str], devices: int, steps: int = 4
            "device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
            "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch, "accum": cs.accum,
            "context": m.context, "compute_dtype": m.compute_dtype, "kernels": cfg.ffn.kernels,
-           **train_scale.implementations(cfg), "executor": cs.executor, "compile_s": cs.compile_s,
+           **implementations(cfg), "executor": cs.executor, "compile_s": cs.compile_s,
            "overrides": overrides, "peak_tflops": peak_tflops, "peak_tbs": peak_tbs, "hlo": hlo,
            "floors": floors(cfg, cs.accum, devices, *step_context(cfg, mesh, cs.accum)),
            "other_share": {"kernels": hlo["other"]["kernels"] / max(kernels, 1),

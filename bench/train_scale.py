@@ -78,8 +78,7 @@ from bench.tools.trace import device_time_split
 from mhl_jax.config import Config, ConfigError, load_config
 from mhl_jax.model.attention import attention_impl
 from mhl_jax.model.balancing import RouterBias
-from mhl_jax.model.gpt import build_model
-from mhl_jax.model.loss import xent_impl, xla_xent
+from mhl_jax.model.gpt import build_model, implementations
 from mhl_jax.model.params import train_flops_per_token
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, mesh_shape, model_axis, state_shardings
@@ -108,13 +107,6 @@ def run_config(path: str, overrides: list[str], devices: int, data: int = 1, ep:
     mesh_shape(cfg, devices)
     accumulation_steps(cfg, devices)  # ConfigError when the batch does not split
     return cfg
-
-
-def implementations(cfg: Config) -> dict[str, str]:
-    """Which attention and LM-head loss the step runs (both chosen by the backend and the installed extras), for the
-    records."""
-    return {"attention_impl": attention_impl(cfg.model.attention_impl, cfg.model.compute_dtype),
-            "loss_impl": "xla" if xent_impl() is xla_xent else "triton"}
 
 
 def state_init(tx):

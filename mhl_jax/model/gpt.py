@@ -19,9 +19,9 @@ from jax.sharding import Mesh
 
 from mhl_jax.config import Config
 from mhl_jax.gather import embed_lookup
-from mhl_jax.model.attention import Attention
+from mhl_jax.model.attention import Attention, attention_impl
 from mhl_jax.model.init import normal_param, residual_std
-from mhl_jax.model.loss import head_logits, lm_head_loss
+from mhl_jax.model.loss import head_logits, lm_head_loss, xent_impl, xla_xent
 from mhl_jax.model.mlp import MLP
 from mhl_jax.model.moe import LatentMoE, MHLatentMoE, MoE
 from mhl_jax.model.norms import RMSNorm
@@ -183,6 +183,14 @@ def _remat_block(block: Block, h: jax.Array, ctx: StepContext | None):
         return _call_block(nnx.merge(graph, state), h, ctx)
 
     return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(state, h, ctx)
+
+
+def implementations(cfg: Config) -> dict[str, str]:
+    """Which attention and LM-head loss a config's model runs on this process's backend (chosen by the backend, the
+    dtype and the installed extras; the MoE ops are the kernel plan's, `mhl_jax.moe.plan`): shown at a run's start,
+    kept in run.json and in the benchmarks' records."""
+    return {"attention_impl": attention_impl(cfg.model.attention_impl, cfg.model.compute_dtype),
+            "loss_impl": "xla" if xent_impl() is xla_xent else "triton"}
 
 
 def build_model(cfg: Config, seed: int | None = None, executor: MoEExecutor | None = None,

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from mhl_jax.config import Config, ConfigError, dump_config
 from mhl_jax.data import load_val_sequences, make_train_loader
 from mhl_jax.model.attention import attention_impl
+from mhl_jax.model.gpt import implementations
 from mhl_jax.model.params import count_params, train_flops_per_token
 from mhl_jax.moe.plan import plan_for_config
 from mhl_jax.parallel.mesh import batch_spec, make_mesh
@@ -179,7 +180,8 @@ def _prepare(cfg: Config, run_dir: Path, resume: str | None, log, lead: bool, ch
     counts = count_params(cfg)
     log(f"model {cfg.ffn.kind}: {counts.active / 1e6:.1f}M active / {counts.total / 1e6:.1f}M total parameters")
     plan = plan_for_config(cfg)
-    log(plan.summary())
+    impls = implementations(cfg)
+    log(f"{plan.summary()}; attention: {impls['attention_impl']}, LM-head loss: {impls['loss_impl']}")
     mesh = make_mesh(cfg)
     accum = accumulation_steps(cfg, mesh.size)
     tx = make_optimizer(cfg)
@@ -200,7 +202,7 @@ def _prepare(cfg: Config, run_dir: Path, resume: str | None, log, lead: bool, ch
     notes["autotune"] = tuned
     return Run(cfg, run_dir, log, lead, resume, mesh, accum, tx, graphdef, create_state, abstract,
                NamedSharding(mesh, batch_spec(mesh)), loader, val, eval_batch, tuned,
-               {**tuned.compiler_options(), **xla_options(jax.default_backend())}, plan.as_dict())
+               {**tuned.compiler_options(), **xla_options(jax.default_backend())}, {**plan.as_dict(), **impls})
 
 
 def _make_run_dir(cfg: Config, run_dir: Path, check: bool) -> None:

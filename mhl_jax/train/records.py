@@ -118,6 +118,7 @@ def open_records(cfg: Config, run_dir: Path, lead: bool, restoring: bool, start:
 
 
 def run_info(plan: dict, start: int) -> dict:
-    """run.json: the launch's devices, processes, JAX version and kernel plan (`mhl_jax.moe.plan.KernelPlan`)."""
+    """run.json: the launch's devices, processes, JAX version and kernel plan (`mhl_jax.moe.plan.KernelPlan`, with the
+    attention's and the LM-head loss's implementations: `mhl_jax.model.gpt.implementations`)."""
     return {"start_step": start, "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
             "processes": jax.process_count(), "jax": jax.__version__, "kernel_plan": plan}

@@ -59,6 +59,9 @@ def test_tiny_run_loss_falls_logs_and_writes_tensorboard(tmp_path, capsys):
         assert key in rec
     out = capsys.readouterr().out
     assert "active" in out and "total parameters" in out
+    assert "attention: xla, LM-head loss: xla" in out  # the CPU's choices, shown and kept with the kernel plan
+    plan = json.loads((tmp_path / "run" / "run.json").read_text())["kernel_plan"]
+    assert (plan["attention_impl"], plan["loss_impl"]) == ("xla", "xla")
     assert "loss" in out and "tok/s" in out and "load max/min L1" in out
     progress = [line for line in out.splitlines() if line.startswith("step ")]
     assert progress and all(("ETA " in line) == (not line.startswith("step 40/")) for line in progress[1:]), progress
