@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from bench.tools.hlo_scopes import Instr, Op, parse_hlo
@@ -20,6 +21,7 @@ _SUFFIX = re.compile(r"\.\d+(?=\.|$)")  # XLA numbers every copy of a name: fusi
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 
+@functools.lru_cache(maxsize=2)  # kernels_info and kernels_by_kind read one module's text in turn
 def _instructions(hlo_text: str) -> dict[str, Instr]:
     comps, _ = parse_hlo(hlo_text)
     return {i.name: i for ins in comps.values() for i in ins}

@@ -55,10 +55,7 @@ def lm_head_loss(x: jax.Array, w: jax.Array, targets: jax.Array, shards: int = 1
     devices, for the kernel's calls (`xent_impl`)."""
     shards = shards if x.shape[0] % shards == 0 else 1
     tc = loss_chunk_len(x.shape[0] // shards, x.shape[1], chunk_tokens)
-    # a batch split over devices goes to the kernel only under its mesh (shard_map): called on the split batch
-    # without it, XLA would gather every chunk's logits to every device; XLA's own form it partitions itself
-    xent = xla_xent if shards > 1 and mesh is None else xent_impl(mesh if shards > 1 else None)
-    return head_loss(x, w, targets, tc, shards, xent)
+    return head_loss(x, w, targets, tc, shards, xent_impl(mesh, split=shards > 1))
 
 
 def xla_xent(logits: jax.Array, targets: jax.Array, scale: float, dtype) -> tuple[jax.Array, jax.Array]:
@@ -69,15 +66,16 @@ def xla_xent(logits: jax.Array, targets: jax.Array, scale: float, dtype) -> tupl
     return (d * scale).astype(dtype), nll
 
 
-def xent_impl(mesh: Mesh | None = None) -> Callable:
+def xent_impl(mesh: Mesh | None = None, split: bool = False) -> Callable:
     """head_loss's chunk step: the Triton kernel on a GPU with jax-triton (`mhl_jax.model.cross_entropy`: the same
-    quantities with one read of the logits fewer), else `xla_xent`. mesh: the devices the batch is split over (None:
-    one)."""
-    if not triton_available():
+    quantities with one read of the logits fewer), else `xla_xent`. split: the batch is split over the devices of
+    `mesh`, where the kernel runs per device under shard_map; a split batch without its mesh takes XLA's form, which
+    XLA partitions itself (the kernel call would have every chunk's logits gathered to every device)."""
+    if not triton_available() or (split and mesh is None):
         return xla_xent
     from mhl_jax.model.cross_entropy import KernelXent  # needs triton (the `kernels` extra)
 
-    return KernelXent(mesh if mesh is not None and mesh.size > 1 else None)
+    return KernelXent(mesh if split else None)
 
 
 def loss_chunk_len(batch: int, seq: int, tokens: int) -> int:

@@ -8,8 +8,6 @@ layout, with sequences that need padding), gradients bitwise repeatable, and the
 equal to the torch launch's.
 """
 
-import importlib
-import os
 
 import numpy as np
 import pytest
@@ -17,18 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-import kernels.triton.attention as ka  # noqa: E402
 from kernels.tuning import ATTENTION_TILES, AttentionTiles  # noqa: E402
+from tests.kernels.interpreted import INTERPRET, interp, interpreted  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET and type(ka.attn_fwd_kernel).__name__ != "InterpretedFunction":
-    ka = importlib.reload(ka)  # another module of this process imported the kernel compiled
-import kernels.torch.attention as kta  # noqa: E402
-
-if INTERPRET:
-    kta = importlib.reload(kta)  # bind the reloaded kernels
-
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (CPU)")
+ka, kta = interpreted("kernels.triton.attention", "kernels.torch.attention")
 
 
 def _inputs(seed, b, t, nh, hd):

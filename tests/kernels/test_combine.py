@@ -8,8 +8,6 @@ bitwise, dx within its rounding, and against the float64-checked reference path.
 GPU (marker gpu): the same on the GPU's kernels, and the jax-triton launch bitwise equal to the torch launch.
 """
 
-import importlib
-import os
 
 import numpy as np
 import pytest
@@ -17,13 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-import kernels.triton.combine as kc  # noqa: E402
+from tests.kernels.interpreted import interp, interpreted  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET and type(kc.dx_combine_kernel).__name__ != "InterpretedFunction":
-    kc = importlib.reload(kc)  # another module of this process imported the kernel compiled
-
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (CPU)")
+(kc,) = interpreted("kernels.triton.combine")
 
 
 def _case(seed, n, h, dh, ne, k, parts, empty=0.1):

@@ -6,8 +6,6 @@ softmax's rescaling), and an out-of-range target; the shape checks.
 GPU (marker gpu): the JAX binding compiled against the XLA form of the same quantities, bitwise repeatable.
 """
 
-import importlib
-import os
 
 import numpy as np
 import pytest
@@ -15,18 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-import kernels.triton.cross_entropy as kx  # noqa: E402
 from kernels.tuning import XentTiles  # noqa: E402
+from tests.kernels.interpreted import interp, interpreted  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET and type(kx.xent_kernel).__name__ != "InterpretedFunction":
-    kx = importlib.reload(kx)  # another module of this process imported the kernel compiled
-import kernels.torch.cross_entropy as ktx  # noqa: E402
-
-if INTERPRET:
-    ktx = importlib.reload(ktx)  # bind the reloaded kernel
-
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (CPU)")
+kx, ktx = interpreted("kernels.triton.cross_entropy", "kernels.torch.cross_entropy")
 
 
 def _ref64(x, t, scale):
