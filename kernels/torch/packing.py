@@ -32,8 +32,8 @@ def run_launches_torch(launches, bufs: dict) -> dict:
     for launch in launches:
         shapes = dict(launch.outputs)
         bufs.update({name: torch.full(shapes[name], value, **i32) for name, value in launch.fill})
-        filled = dict(launch.fill)
-        outs = [bufs[name] if name in filled else torch.empty(shape, **i32) for name, shape in launch.outputs]
+        given = {name: bufs[name] for name, _ in launch.fill} | {out: bufs[src] for out, src in launch.inplace}
+        outs = [given[name] if name in given else torch.empty(shape, **i32) for name, shape in launch.outputs]
         launch.kernel[launch.grid](*[bufs[name] for name in launch.inputs], *outs, num_warps=launch.num_warps,
                                    **launch.meta)
         bufs.update(zip(shapes, outs))

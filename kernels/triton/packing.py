@@ -172,7 +172,8 @@ def launch_shapes(n: int, h: int, k: int, ne: int, chunk: int = PACK_CHUNK) -> d
 class Launch:
     """One kernel launch of the packing, for either launcher (torch, jax-triton). Buffers are named; all
     int32. `fill`: outputs that exist before the launch, filled with a value and passed in as inputs too
-    (an aliased input in JAX: the kernel writes only some of their elements)."""
+    (an aliased input in JAX: the kernel writes only some of their elements). `inplace`: outputs written over an
+    input that is dead after the launch (each element read before the same program writes it)."""
 
     kernel: object
     inputs: tuple
@@ -181,6 +182,7 @@ class Launch:
     meta: dict
     num_warps: int = 4
     fill: tuple = ()  # ((name, value), ...)
+    inplace: tuple = ()  # ((output name, input name), ...)
 
 
 PACK_RESULT = ("row_slot", "slot_row", "block_group", "sizes", "nblocks")  # `Packing`'s fields, in order
@@ -221,8 +223,10 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
         # input pointer then unused: idx again)
         Launch(pack_hist_kernel, ("idx", "hist" if atomic else "idx"), (("hist", (h, nc, nep)),), (nc, h),
                dict(chunked, ATOMIC=atomic), fill=(("hist", 0),) if atomic else ()),
+        # base over hist: at Ne 2048 each is 42 MB (8 heads x 320 chunks x 4096 bins)
         Launch(pack_offsets_kernel, ("hist",), (("base", (h, nc, nep)), ("sizes", (g,))),
-               (h, nep // sh["EB"]), dict(NE=ne, NEP=nep, NC=nc, CB=sh["CB"], EB=sh["EB"])),
+               (h, nep // sh["EB"]), dict(NE=ne, NEP=nep, NC=nc, CB=sh["CB"], EB=sh["EB"]),
+               inplace=(("base", "hist"),)),
         group_blocks_launch(g, block),
         Launch(pack_scatter_kernel, ("idx", "base", "pstart", "row_slot"),
                (("slot_row", (n * h * k,)), ("row_slot", (p,))), (nc, h), dict(chunked, LOG_C=sh["LOG_C"]),

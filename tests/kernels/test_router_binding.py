@@ -1,5 +1,5 @@
 """The router's JAX binding (mhl_jax/moe/gpu/router.py): which kernel runs (`router_kind`), the Gluon launch, the
-dW metadata (the JAX sort and the one cut from the experts' packing) driving the Triton kernels under the interpreter,
+dW metadata (cut from a packing, against the torch launcher's sort) driving the Triton kernels under the interpreter,
 the custom_vjp with pure-JAX kernel stand-ins (backend="emulate") against the reference and float64, shard_map, the
 expert-weight cast. On a GPU: tests/kernels/test_router_gpu.py.
 """
@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import kernels.torch.router as ktr  # noqa: E402
-from kernels.tuning import router_tiles  # noqa: E402
+from kernels.tuning import DW_PACK_BLOCK, router_tiles  # noqa: E402
 from tests.references.router import assert_close, grads64, router_inputs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -112,39 +112,17 @@ def test_ws_router_launch_pairs_kernel_object_and_consumers(monkeypatch, k, nc):
 
 
 @interp
-@pytest.mark.parametrize("n,ne", [(41, 24), (7, 64)])
-def test_jax_metadata_matches_torch_and_drives_the_kernels(n, ne):
-    import jax
-    import jax.numpy as jnp
-
-    from mhl_jax.moe.gpu.router import dw_metadata
-
-    h, dh, k = 2, 16, 3
-    x, w, b = router_inputs(4, n, h, dh, ne)
-    b[:, 5] = 50.0  # one hot expert: a group over several blocks (n = 41); n = 7: most groups empty
-    tiles = router_tiles(ne, k, block_n=16, block_e=16, dx_block_n=16, dw_block=16, dw_sub=16, red_block_e=16)
-    _, idx = ktr.router_fwd(x, w, b, k, tiles)
-    mj = jax.jit(dw_metadata, static_argnums=(1, 2))(jnp.asarray(idx.numpy()), ne, tiles.dw_block)
-    mt = ktr.dw_metadata(idx, ne, tiles.dw_block)
-    for name, a, c in zip(mt._fields, mj, mt):
-        assert np.array_equal(np.asarray(a), c.numpy()), name
-    meta = ktr.DwMeta(*[torch.from_numpy(np.array(a)) for a in mj])
-    dv = torch.from_numpy(np.random.default_rng(8).standard_normal((n, h, k), dtype=np.float32))
-    _, dw = ktr.router_bwd(x, w, idx, dv, tiles, dx_dtype=torch.float32, meta=meta)
-    assert_close(dw, grads64(x, w, idx, dv)[1])
-
-
-@interp
-@pytest.mark.parametrize("pack_block,dw_block,n", [(16, 16, 41), (64, 16, 7), (16, 64, 41)])
+@pytest.mark.parametrize("pack_block,dw_block,n", [(16, 16, 41), (64, 16, 7), (16, 64, 41), (DW_PACK_BLOCK, 512, 41)])
 def test_dw_layout_from_the_experts_packing_drives_the_kernels(pack_block, dw_block, n):
-    """The dW layout cut from the experts' packing (padding rows never read) has the same blocks as the
-    sort-based one, gives the float64 gradient through the Triton kernels, and the same dW_r to the bit
-    as the sort-based layout; with a hot expert over several blocks and, at n = 7, most groups empty."""
+    """The dW layout cut from a packing (padding rows never read: the experts' packing, or the one the router alone
+    makes in rows of DW_PACK_BLOCK) has the same blocks as the torch launcher's sort-based layout (an independent
+    construction), gives the float64 gradient through the Triton kernels, and the same dW_r to the bit as the
+    sort-based layout; with a hot expert over several blocks and, at n = 7, most groups empty."""
     import jax
     import jax.numpy as jnp
 
     from mhl_jax.moe import packing as pk
-    from mhl_jax.moe.gpu.router import dw_metadata, dw_metadata_from_packing
+    from mhl_jax.moe.gpu.router import dw_metadata_from_packing
 
     h, dh, ne, k = 3, 16, 24, 3
     x, w, b = router_inputs(12, n, h, dh, ne)
@@ -156,12 +134,13 @@ def test_dw_layout_from_the_experts_packing_drives_the_kernels(pack_block, dw_bl
     @jax.jit
     def layouts(idx):  # the JAX side in one program: one compile, not one per eager op
         packing = pk.pack(idx, ne, pack_block)
-        return packing, dw_metadata_from_packing(packing, h, k, pack_block, dw_block), dw_metadata(idx, ne, dw_block)
+        return packing, dw_metadata_from_packing(packing, h, k, pack_block, dw_block)
 
-    packing, from_pack, sorted_ = layouts(jnp.asarray(idx.numpy()))
+    packing, from_pack = layouts(jnp.asarray(idx.numpy()))
+    sorted_ = ktr.dw_metadata(idx, ne, dw_block)
     for name in ("block_group", "group_bstart", "group_size", "group_nblk"):
-        assert np.array_equal(getattr(from_pack, name), getattr(sorted_, name)), name
-    metas = [ktr.DwMeta(*[torch.from_numpy(np.array(a)) for a in m]) for m in (from_pack, sorted_)]
+        assert np.array_equal(getattr(from_pack, name), getattr(sorted_, name).numpy()), name
+    metas = [ktr.DwMeta(*[torch.from_numpy(np.array(a)) for a in from_pack]), sorted_]
     if n == 41 and dw_block < n:
         assert int(metas[0].group_nblk.max()) >= 2  # the hot expert's group spans blocks
     dv = torch.from_numpy(np.random.default_rng(6).standard_normal((n, h, k), dtype=np.float32))
@@ -215,8 +194,8 @@ def test_group_blocks_launches_match_the_jax_scans(block, nb_extra):
 
 def test_jax_route_with_packing_emulate():
     """route_topk_triton(pack=...) returns the experts' packing of its indices (asked with the Triton packing, made
-    by the JAX sort when emulated: the same arrays), and its dW_r (taken from that packing) equals the sort-based
-    backward's and the float64 gradient."""
+    by the JAX sort when emulated: the same arrays), and its dW_r (taken from that packing) equals the router alone's
+    (from the packing it makes itself, in rows of DW_PACK_BLOCK) and the float64 gradient."""
     import jax
     import jax.numpy as jnp
 

@@ -79,7 +79,8 @@ def run_launches(launches, bufs: dict) -> dict:
             *[bufs[name] for name in launch.inputs], kernel=launch.kernel,
             out_shape=[jax.ShapeDtypeStruct(shape, jnp.int32) for _, shape in launch.outputs], grid=launch.grid,
             num_warps=launch.num_warps,
-            input_output_aliases={launch.inputs.index(name): names.index(name) for name, _ in launch.fill} or None,
+            input_output_aliases={launch.inputs.index(name): names.index(name) for name, _ in launch.fill}
+            | {launch.inputs.index(src): names.index(out) for out, src in launch.inplace} or None,
             **launch.meta)
         bufs.update(zip(names, outs))
     return bufs

@@ -11,12 +11,12 @@ forward   W_r split into three bf16 terms (exact products, fp32 accumulation; fp
           -> one kernel streams W_r blocks and keeps a running top-k on chip; writes only (N, H, k). Which kernel
           runs is `router_kind`'s choice: on Hopper the warp-specialised Gluon one (kernels/gluon/router.py, the
           same outputs to the bit) where it takes the shape, else the Triton one.
-backward  dx: k gathered rows of W_r^T per token (fixed order). dW_r: slots sorted per head by expert
-          (one uint32 radix sort of (expert << bits | slot) keys), cut into blocks of one
-          (head, expert) each; a kernel sums each block in order, another sums each expert's blocks
-          in order. No float atomics anywhere: gradients are bitwise reproducible.
-          With `pack=` (the model's path, `mhl_jax.moe.core`) the forward also packs the indices for the expert
-          op, and the dW_r blocks are cut from that packing: one slot sort per layer.
+backward  dx: k gathered rows of W_r^T per token (fixed order). dW_r: the slots grouped per (head, expert) by a
+          packing of the indices (`mhl_jax.moe.gpu.packing`: a stable counting sort), cut into blocks of one
+          group each; a kernel sums each block in order, another sums each group's blocks in order. No float
+          atomics anywhere: gradients are bitwise reproducible. With `pack=` (the model's path,
+          `mhl_jax.moe.core`) the forward packs the indices for the expert op and the backward cuts its blocks
+          from that packing; alone, the backward packs them itself (rows of DW_PACK_BLOCK).
 
 Memory: O(N k + H Ne dh); nothing of size N x Ne exists. Works under jit and inside shard_map (use
 it there: under plain jit jax-triton gathers sharded inputs). `backend="emulate"` runs the same
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from kernels.gluon import router as gluon_router
 from kernels.triton import router as kr
-from kernels.tuning import RouterTiles, router_tiles
+from kernels.tuning import DW_PACK_BLOCK, RouterTiles, router_tiles
 from mhl_jax.moe import packing as pk
 from mhl_jax.moe.gpu import gluon as gluon_bridge
 from mhl_jax.moe.gpu import packing as packing_triton
@@ -61,11 +61,11 @@ class Static(NamedTuple):
 
 
 class DwMeta(NamedTuple):
-    """Expert-sorted slot layout for the dW kernels (all int32; G = H * Ne groups, NB blocks)."""
+    """Expert-sorted slot layout for the dW kernels (all int32; G = H * Ne groups, NB blocks), cut from a packing
+    (`dw_metadata_from_packing`)."""
 
-    order: jax.Array  # (H * N * k,) per head, local slots n * k + j sorted by expert (stable); from a
-    # packing (`dw_metadata_from_packing`): (P,) the packed rows' local slots, or with global_slots the packing's
-    # row_slot itself (global slots (n * H + h) * k + j: the dW kernel's GLOBAL_SLOTS); padding rows never read
+    order: jax.Array  # (P,) the packed rows' local slots n * k + j, or with global_slots the packing's row_slot
+    # itself (global slots (n * H + h) * k + j: the dW kernel's GLOBAL_SLOTS); padding rows never read
     block_group: jax.Array  # (NB,) group h * Ne + e of each block, -1 past the used blocks
     group_start: jax.Array  # (G,) first position of the group in `order`
     group_bstart: jax.Array  # (G,) first block of the group
@@ -90,48 +90,6 @@ def split_bf16(w: jax.Array, parts: int) -> jax.Array:
     return jnp.stack(out)
 
 
-def _expert_sort(idx: jax.Array, ne: int) -> tuple[jax.Array, jax.Array]:
-    """idx (N, H, k) -> per head (H, N * k): the local slots n * k + j stably sorted by expert, and their experts.
-
-    One sort of all heads' unique uint32 keys ((head * Ne + expert) << bits | slot) where they fit 32 bits, else per
-    head (expert << bits | slot), else a stable argsort. XLA's batched per-head sort took 0.71-0.76 ms of the
-    router's backward at 81920 tokens on an H100; one flat sort about half that."""
-    n, h, k = idx.shape
-    mh = n * k
-    e = jnp.swapaxes(idx, 0, 1).reshape(h, mh).astype(jnp.int32)  # (H, N*k): local slot n * k + j
-    bits_m, bits_e = max(1, (mh - 1).bit_length()), max(1, (ne - 1).bit_length())
-    bits_g = max(1, (h * ne - 1).bit_length())
-    slots = jnp.arange(mh, dtype=jnp.uint32)[None]
-    if bits_m + bits_g <= 32:
-        heads_col = jnp.arange(h, dtype=jnp.uint32)[:, None]
-        key = ((heads_col * ne + e.astype(jnp.uint32)) << bits_m) | slots
-        sk = jnp.sort(key.reshape(h * mh)).reshape(h, mh)  # head-major: each row is its head's sort
-        order = (sk & jnp.uint32((1 << bits_m) - 1)).astype(jnp.int32)
-        return order, (sk >> bits_m).astype(jnp.int32) - jnp.arange(h, dtype=jnp.int32)[:, None] * ne
-    if bits_m + bits_e <= 32:
-        sk = jnp.sort((e.astype(jnp.uint32) << bits_m) | slots, axis=-1)  # unique keys: a stable sort by expert
-        return (sk & jnp.uint32((1 << bits_m) - 1)).astype(jnp.int32), (sk >> bits_m).astype(jnp.int32)
-    order = jnp.argsort(e, axis=-1, stable=True).astype(jnp.int32)
-    return order, jnp.take_along_axis(e, order, axis=-1)
-
-
-def dw_metadata(idx: jax.Array, ne: int, block: int) -> DwMeta:
-    """idx (N, H, k) int32 -> DwMeta with blocks of at most `block` slots (static shapes)."""
-    n, h, k = idx.shape
-    mh = n * k
-    order, se = _expert_sort(idx, ne)
-    heads = jnp.arange(h, dtype=jnp.int32)[:, None]
-    # first position of each run of equal experts, scattered by expert (the other positions are dropped, not sent to
-    # a dump cell: no atomic contention); a reverse running min then gives an empty expert the next expert's start
-    pos = jnp.arange(mh, dtype=jnp.int32)[None]
-    is_start = jnp.concatenate([jnp.ones((h, 1), bool), se[:, 1:] != se[:, :-1]], axis=1)
-    first = jnp.full((h, ne + 1), mh, jnp.int32).at[heads, jnp.where(is_start, se, ne + 1)].min(pos, mode="drop")
-    run0 = prefix_scan(jnp.minimum, first, axis=1, reverse=True).astype(jnp.int32)  # (H, Ne + 1): run starts
-    size = (run0[:, 1:] - run0[:, :-1]).reshape(-1)
-    start = (run0[:, :-1] + heads * mh).reshape(-1)
-    return _cut_groups(order.reshape(-1), start, size, block, kr.dw_num_blocks(n * h * k, h * ne, block))
-
-
 def _cut_groups(order, start, size, block: int, nb: int) -> DwMeta:
     """DwMeta for groups whose slots lie contiguous in `order` from `start` (G,), `size` (G,) long: each
     group cut into blocks of at most `block` slots, blocks numbered group after group (nb: static bound)."""
@@ -148,13 +106,13 @@ def _cut_groups(order, start, size, block: int, nb: int) -> DwMeta:
 
 def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, pack_block: int, block: int,
                              global_slots: bool = False) -> DwMeta:
-    """The dW layout taken from the experts' packing of the same indices (no sort of its own).
+    """The dW layout taken from a packing of the indices (no sort of its own).
 
-    The packing holds each (head, expert) group's slots in the same stable order as `dw_metadata`'s sort,
-    contiguous from the group's first padded row (its padding follows its last slot). So `order` is the
-    packed rows' local slots n * k + j (padding rows are never read: a block stops at its group's size)
-    and the groups are cut into dW blocks of at most `block` slots exactly as `dw_metadata` cuts them:
-    the same partial sums, so the same dW_r to the bit. Elementwise work and scans over the G groups.
+    The packing holds each (head, expert) group's slots in slot order (a stable sort by expert), contiguous from
+    the group's first padded row (its padding follows its last slot). So `order` is the packed rows' local slots
+    n * k + j (padding rows are never read: a block stops at its group's size) and the groups are cut into dW
+    blocks of at most `block` slots: whatever the packing's row block, the same blocks, so the same dW_r to the
+    bit. Elementwise work and scans over the G groups.
 
     global_slots (GPU, jax-triton): `order` is the packing's row_slot as it is (global slots (n * H + h) * k + j,
     which the dW kernel reads with GLOBAL_SLOTS) and the group scans run as Triton launches
@@ -298,15 +256,18 @@ def transposed_weights(w: jax.Array) -> jax.Array:
 
 
 def router_dw(st: Static, x, w, idx, packing, dvals):
-    """dW_r (H, dh, Ne) in w's dtype from the cotangent of the selected scores dvals (N, H, k) fp32; `packing`: the
-    experts' packing of idx when st.pack is set (its dW layout, no second sort), else None."""
+    """dW_r (H, dh, Ne) in w's dtype from the cotangent of the selected scores dvals (N, H, k) fp32. The dW layout is
+    cut from a packing of idx: the experts' (`packing`, when st.pack is set), else one made here in rows of
+    DW_PACK_BLOCK (emulated: by the JAX sort, the same arrays)."""
     ne = w.shape[2]
-    global_slots = st.pack is not None and st.backend == "triton"
-    if st.pack is None:
-        meta = dw_metadata(idx, ne, st.tiles.dw_block)
-    else:  # the experts' packing of the same indices: no second sort
-        meta = dw_metadata_from_packing(packing, x.shape[1], st.k, st.pack[0], st.tiles.dw_block, global_slots)
-    dw = (_dw_triton if st.backend == "triton" else _dw_emulate)(st, x, dvals, meta, ne, global_slots)
+    triton = st.backend == "triton"
+    if packing is None:
+        block = DW_PACK_BLOCK
+        packing = packing_triton.pack(idx, ne, block, "triton" if triton else "argsort")
+    else:
+        block = st.pack[0]
+    meta = dw_metadata_from_packing(packing, x.shape[1], st.k, block, st.tiles.dw_block, global_slots=triton)
+    dw = (_dw_triton if triton else _dw_emulate)(st, x, dvals, meta, ne, triton)
     return dw.astype(w.dtype)
 
 
