@@ -295,7 +295,7 @@ def out_combine_tiles(dh: int) -> CombineTiles:
 
 
 # Rows per block of the packing the router alone makes for its dW layout (`mhl_jax.moe.gpu.router.router_dw`): the
-# smallest the packing takes, so the least padding (the dW kernels never read it).
+# smallest row block `route_topk_triton(pack=)` accepts, so little padding (which the dW kernels never read).
 DW_PACK_BLOCK = 16
 
 

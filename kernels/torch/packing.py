@@ -37,6 +37,8 @@ def run_launches_torch(launches, bufs: dict) -> dict:
         launch.kernel[launch.grid](*[bufs[name] for name in launch.inputs], *outs, num_warps=launch.num_warps,
                                    **launch.meta)
         bufs.update(zip(shapes, outs))
+        for _, src in launch.inplace:  # overwritten: a later read of it fails loudly
+            del bufs[src]
     return bufs
 
 

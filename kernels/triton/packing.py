@@ -12,7 +12,7 @@ the order of its adds); every other output element is written by one program.
                           tl.histogram's ballot algorithm costs ~NEP / 32 instructions per slot; from
                           HIST_ATOMIC_MIN_BINS bins on, integer atomic adds into a zeroed buffer instead.
 2. `pack_offsets_kernel`  grid (H, NEP / EB): per (head, expert column block), over chunks in order:
-                          base[h, c, e] = slots of e in earlier chunks; group sizes.
+                          base[h, c, e] = slots of e in earlier chunks (written over hist); group sizes.
 3. `group_blocks_kernel`  grid (1,): each group's R-row blocks: count (G,), first block (G,) and its row
                           pstart = first block * R (G,), end bend (G,), blocks in use. The same launch cuts
                           groups into blocks elsewhere (`cut_launches`: the router's dW blocks).
@@ -223,7 +223,7 @@ def pack_launches(n: int, h: int, k: int, ne: int, block: int, p: int, chunk: in
         # input pointer then unused: idx again)
         Launch(pack_hist_kernel, ("idx", "hist" if atomic else "idx"), (("hist", (h, nc, nep)),), (nc, h),
                dict(chunked, ATOMIC=atomic), fill=(("hist", 0),) if atomic else ()),
-        # base over hist: at Ne 2048 each is 42 MB (8 heads x 320 chunks x 4096 bins)
+        # base over hist: each is 42 MB at 81920 tokens x 8 heads, k 4, Ne 2048 (320 chunks x 4096 bins per head)
         Launch(pack_offsets_kernel, ("hist",), (("base", (h, nc, nep)), ("sizes", (g,))),
                (h, nep // sh["EB"]), dict(NE=ne, NEP=nep, NC=nc, CB=sh["CB"], EB=sh["EB"]),
                inplace=(("base", "hist"),)),

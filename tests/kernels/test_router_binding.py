@@ -206,7 +206,7 @@ def test_jax_route_with_packing_emulate():
     x, w, b = _jax_inputs(21, n, h, dh, ne)
     b = b.at[:, 3].set(20.0)  # skew: a group over several row blocks
     dv = jnp.asarray(np.random.default_rng(4).standard_normal((n, h, k), dtype=np.float32))
-    tiles = router_tiles(ne, k, dw_block=16, dw_sub=16)
+    tiles = router_tiles(ne, k, dw_block=64, dw_sub=16)  # dW blocks unlike both packings' row blocks
     plain = lambda x, w: route_topk_triton(x, w, b, k, tiles=tiles, backend="emulate")
     packed = lambda x, w: route_topk_triton(x, w, b, k, tiles=tiles, backend="emulate", pack=(block, "triton"))
 

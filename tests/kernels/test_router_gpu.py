@@ -161,7 +161,7 @@ def test_gpu_shard_map_and_torch_launch_bitwise():
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skew"])
 def test_gpu_moe_heads_one_packing_vs_separate_ops(skew):
     """The model's Triton path (moe_heads: the router packs for the experts and cuts its dW_r blocks
-    from that packing) against the router and expert ops called separately (each with its own sort):
+    from that packing) against the router and expert ops called separately (each with its own packing):
     same output and every gradient to the bit (same packing, same dW blocks, same kernels), and bitwise
     repeatable. x_expert is a copy of x_route, so the two ops run apart with one packing (the fused core, whose dx
     comes from one combine kernel: tests/kernels/test_combine.py)."""

@@ -83,6 +83,8 @@ def run_launches(launches, bufs: dict) -> dict:
             | {launch.inputs.index(src): names.index(out) for out, src in launch.inplace} or None,
             **launch.meta)
         bufs.update(zip(names, outs))
+        for _, src in launch.inplace:  # donated to the output: a later read of it fails loudly
+            del bufs[src]
     return bufs
 
 

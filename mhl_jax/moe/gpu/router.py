@@ -293,7 +293,7 @@ def route_topk_triton(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, 
 
     pack = (row block, method): also return the experts' packing of the indices (`mhl_jax.moe.gpu.packing.pack`,
     a third output without gradient). The backward then takes the dW layout from it (`dw_metadata_from_packing`)
-    instead of sorting the slots a second time.
+    instead of packing the indices a second time.
 
     cast = (a, b), two fp32 arrays of one size (the expert weights): also return (a, b) in x's dtype as the last
     output, without gradient. Where the forward runs on the Gluon kernel (with two consumers then), its caster
