@@ -294,11 +294,6 @@ def out_combine_tiles(dh: int) -> CombineTiles:
 # Figures are kernel-alone times on an H100 at 81920 tokens x 8 heads unless said otherwise.
 
 
-# Rows per block of the packing the router alone makes for its dW layout (`mhl_jax.moe.gpu.router.router_dw`): the
-# smallest row block `route_topk_triton(pack=)` accepts, so little padding (which the dW kernels never read).
-DW_PACK_BLOCK = 16
-
-
 class RouterTiles(NamedTuple):
     """Tiles and launch settings of the Triton router kernels; `router_tiles` fills block_e and row_tiles by shape."""
 

@@ -22,7 +22,6 @@ from jax.sharding import Mesh, NamedSharding
 
 from mhl_jax.config import Config, ConfigError, dump_config
 from mhl_jax.data import load_val_sequences, make_train_loader
-from mhl_jax.model.attention import attention_impl
 from mhl_jax.model.gpt import implementations
 from mhl_jax.model.params import count_params, train_flops_per_token
 from mhl_jax.moe.plan import plan_for_config
@@ -276,8 +275,7 @@ def _compile_checked(run: Run, notes: dict) -> tuple[Callable, bool]:
     step_fn = jit_train_step(run.graphdef, run.tx, cfg.balance_gamma, make_schedule(cfg.optimizer, cfg.schedule),
                              shardings_of(run.abstract), run.batch_sharding, donate=True,
                              deterministic=cfg.train.xla_deterministic_ops,
-                             cudnn_attention=attention_impl(cfg.model.attention_impl,
-                                                            cfg.model.compute_dtype) == "cudnn",
+                             cudnn_attention=run.kernel_plan["attention_impl"] == "cudnn",
                              autotune_options=run.compile_options)
     batch_shape = jax.ShapeDtypeStruct((run.accum, cfg.train.global_batch // run.accum, cfg.model.context + 1),
                                        np.int32, sharding=run.batch_sharding)

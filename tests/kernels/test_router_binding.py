@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import kernels.torch.router as ktr  # noqa: E402
-from kernels.tuning import DW_PACK_BLOCK, router_tiles  # noqa: E402
+from kernels.tuning import router_tiles  # noqa: E402
+from mhl_jax.moe.gpu.router import MIN_PACK_BLOCK  # noqa: E402
 from tests.references.router import assert_close, grads64, router_inputs  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -112,10 +113,10 @@ def test_ws_router_launch_pairs_kernel_object_and_consumers(monkeypatch, k, nc):
 
 
 @interp
-@pytest.mark.parametrize("pack_block,dw_block,n", [(16, 16, 41), (64, 16, 7), (16, 64, 41), (DW_PACK_BLOCK, 512, 41)])
+@pytest.mark.parametrize("pack_block,dw_block,n", [(16, 16, 41), (64, 16, 7), (16, 64, 41), (MIN_PACK_BLOCK, 512, 41)])
 def test_dw_layout_from_the_experts_packing_drives_the_kernels(pack_block, dw_block, n):
     """The dW layout cut from a packing (padding rows never read: the experts' packing, or the one the router alone
-    makes in rows of DW_PACK_BLOCK) has the same blocks as the torch launcher's sort-based layout (an independent
+    makes in rows of MIN_PACK_BLOCK) has the same blocks as the torch launcher's sort-based layout (an independent
     construction), gives the float64 gradient through the Triton kernels, and the same dW_r to the bit as the
     sort-based layout; with a hot expert over several blocks and, at n = 7, most groups empty."""
     import jax
@@ -195,7 +196,7 @@ def test_group_blocks_launches_match_the_jax_scans(block, nb_extra):
 def test_jax_route_with_packing_emulate():
     """route_topk_triton(pack=...) returns the experts' packing of its indices (asked with the Triton packing, made
     by the JAX sort when emulated: the same arrays), and its dW_r (taken from that packing) equals the router alone's
-    (from the packing it makes itself, in rows of DW_PACK_BLOCK) and the float64 gradient."""
+    (from the packing it makes itself, in rows of MIN_PACK_BLOCK) and the float64 gradient."""
     import jax
     import jax.numpy as jnp
 

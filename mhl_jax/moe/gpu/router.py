@@ -16,7 +16,7 @@ backward  dx: k gathered rows of W_r^T per token (fixed order). dW_r: the slots 
           group each; a kernel sums each block in order, another sums each group's blocks in order. No float
           atomics anywhere: gradients are bitwise reproducible. With `pack=` (the model's path,
           `mhl_jax.moe.core`) the forward packs the indices for the expert op and the backward cuts its blocks
-          from that packing; alone, the backward packs them itself (rows of DW_PACK_BLOCK).
+          from that packing; alone, the backward packs them itself (rows of MIN_PACK_BLOCK).
 
 Memory: O(N k + H Ne dh); nothing of size N x Ne exists. Works under jit and inside shard_map (use
 it there: under plain jit jax-triton gathers sharded inputs). `backend="emulate"` runs the same
@@ -33,13 +33,17 @@ import jax.numpy as jnp
 
 from kernels.gluon import router as gluon_router
 from kernels.triton import router as kr
-from kernels.tuning import DW_PACK_BLOCK, RouterTiles, router_tiles
+from kernels.tuning import RouterTiles, router_tiles
 from mhl_jax.moe import packing as pk
 from mhl_jax.moe.gpu import gluon as gluon_bridge
 from mhl_jax.moe.gpu import packing as packing_triton
 from mhl_jax.moe.packing import prefix_scan
-from mhl_jax.moe.plan import MAX_TRITON_ROUTER_WIDTH, import_jax_triton
+from mhl_jax.moe.plan import MAX_TRITON_ROUTER_WIDTH, import_jax_triton, pack_method
 from mhl_jax.moe.router import check_router_shapes, route_topk_reference
+
+# The smallest packing row block the router takes (`pack=`): the router alone packs its indices for the dW layout in
+# blocks of this size, the least padding (which the dW kernels never read).
+MIN_PACK_BLOCK = 16
 
 
 def router_kind(dh: int, ne: int, k: int, dtype) -> str:
@@ -258,12 +262,12 @@ def transposed_weights(w: jax.Array) -> jax.Array:
 def router_dw(st: Static, x, w, idx, packing, dvals):
     """dW_r (H, dh, Ne) in w's dtype from the cotangent of the selected scores dvals (N, H, k) fp32. The dW layout is
     cut from a packing of idx: the experts' (`packing`, when st.pack is set), else one made here in rows of
-    DW_PACK_BLOCK (emulated: by the JAX sort, the same arrays)."""
+    MIN_PACK_BLOCK (emulated: by the JAX sort, the same arrays)."""
     ne = w.shape[2]
     triton = st.backend == "triton"
     if packing is None:
-        block = DW_PACK_BLOCK
-        packing = packing_triton.pack(idx, ne, block, "triton" if triton else "argsort")
+        block = MIN_PACK_BLOCK
+        packing = packing_triton.pack(idx, ne, block, pack_method("triton", st.backend))
     else:
         block = st.pack[0]
     meta = dw_metadata_from_packing(packing, x.shape[1], st.k, block, st.tiles.dw_block, global_slots=triton)
@@ -316,11 +320,10 @@ def router_static(x: jax.Array, w_r: jax.Array, bias: jax.Array, k: int, *, back
     kr.check_router_args(n, h, dh, ne, k, tiles)
     if pack is not None:
         block, method = pack
-        if block < 16 or block & (block - 1) or method not in packing_triton.PACK_METHODS:
-            raise ValueError(f"route_topk_triton: pack={pack!r}, expected (row block: a power of 2 >= 16, "
-                             f"method in {packing_triton.PACK_METHODS})")
-        # the Triton packing needs jax-triton; emulated, the JAX sort makes the same arrays
-        pack = (int(block), "argsort" if backend != "triton" else method)
+        if block < MIN_PACK_BLOCK or block & (block - 1) or method not in packing_triton.PACK_METHODS:
+            raise ValueError(f"route_topk_triton: pack={pack!r}, expected (row block: a power of 2 >= "
+                             f"{MIN_PACK_BLOCK}, method in {packing_triton.PACK_METHODS})")
+        pack = (int(block), pack_method(method, backend))
     if cast is not None:
         a, b = cast
         if a.size != b.size or a.dtype != jnp.float32 or b.dtype != jnp.float32 or x.dtype != jnp.bfloat16:
