@@ -1,7 +1,8 @@
-"""Where one Gluon expert kernel's warps wait, instruction by instruction: Nsight Compute's warp-state sampling
-per SASS instruction (SourceCounters), the kernel launched alone from torch at one shape.
+"""Where one Gluon kernel's warps wait (an expert kernel or the router forward), instruction by instruction: Nsight
+Compute's warp-state sampling per SASS instruction (SourceCounters), the kernel launched alone from torch at one
+shape (the router: uniform random x, W_r and bias).
 
-    python -m bench.tools.profile_sass [--kernel bwd_ws|dw_ws] [--tokens 81920] [--ne 768] [--k 8] [--de 128]
+    python -m bench.tools.profile_sass [--kernel bwd_ws|dw_ws|router_ws] [--tokens 81920] [--ne 768] [--k 8] [--de 128]
                                  [--top 40] [--out FILE] [--csv FILE]
 
 The parent runs itself under `ncu --section SourceCounters --page source --print-source sass --csv` (the last
@@ -22,7 +23,8 @@ import sys
 from bench.common import JsonLines, today
 
 NAMES = {"bwd_ws": "gluon_expert_bwd_ws_kernel", "bwd_xw": "gluon_expert_bwd_xw_kernel",
-         "dw_ws": "gluon_expert_dw_ws_kernel", "fwd_ws": "gluon_expert_fwd_ws_kernel"}
+         "dw_ws": "gluon_expert_dw_ws_kernel", "fwd_ws": "gluon_expert_fwd_ws_kernel",
+         "router_ws": "gluon_router_fwd_ws_kernel"}
 
 
 def child(kernel: str, tokens: int, ne: int, k: int, de: int) -> None:
@@ -34,6 +36,16 @@ def child(kernel: str, tokens: int, ne: int, k: int, de: int) -> None:
 
     nh, dh = 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)
+    if kernel == "router_ws":
+        from kernels.torch.router import gluon_router_fwd_ws
+
+        x = torch.randn(tokens, nh, dh, device="cuda", generator=g).to(torch.bfloat16)
+        w = torch.randn(nh, dh, ne, device="cuda", generator=g) * dh ** -0.5
+        b = 0.1 * torch.randn(nh, ne, device="cuda", generator=g)
+        for _ in range(2):
+            gluon_router_fwd_ws(x, w, b, k)
+        torch.cuda.synchronize()
+        return
     cfg = default_config(tokens * nh * k, nh * ne, dh, de)
     s = input_set(tokens, ne, k, cfg.pack_block, g, nh, dh)
     w1, w2 = expert_weights(ne, de, g, nh, dh)

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.gluon.common import _copy_layout, _wgmma_layout, _ws_barriers
-from kernels.gluon.router_select import _log2, finish_lists, init_lists, select_block, store_topk
+from kernels.gluon.router_select import _log2, block_bias, finish_lists, init_lists, select_block, store_topk
 from kernels.triton.router import WEIGHT_PARTS
 from kernels.tuning import (
     WS_ROUTER_CAST_MAXNREG,
@@ -99,11 +99,23 @@ def _router_producer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
 
 
 @gluon.jit
+def _next_scores(xs, w_smem, w_ready, w_empty, q, zero, NST: gl.constexpr, PARTS: gl.constexpr):
+    """The scores of the q-th W_r block of the ring (waits for it, hands its stage back after the products)."""
+    s = q % NST
+    mbarrier.wait(w_ready.index(s), (q // NST) & 1)
+    fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+    sc = _block_scores(xs, w_smem, s, zero, PARTS)
+    mbarrier.arrive(w_empty.index(s))
+    return sc
+
+
+@gluon.jit
 def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: gl.constexpr, K: gl.constexpr,
                      PARTS: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, C: gl.constexpr, THR: gl.constexpr):
     """Consumer C: rows [C * 64, C * 64 + 64) of every item, block by block (the other consumers' selections run
     under this one's products; issuing block b + 1's before block b's selection measured slower: the second
-    accumulator's registers)."""
+    accumulator's registers). The first block is peeled off: it is selected against a bound from its own scores
+    (`select_block` FIRST), the later ones against the lists'."""
     (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
     NW: gl.constexpr = gl.num_warps()
     KP: gl.constexpr = 1 << _log2(2 * K - 1)  # K rounded up to a power of 2
@@ -114,15 +126,17 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
         h = item % H
         xb = t % 2
         rv, ri = init_lists(NE, KP)
+        floor = gl.full_like(rv[0], float("-inf"))
+        bias = block_bias(b_ptr, h, 0, NE)  # before the waits: its L2 latency hides under them and the products
         mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
         xs = x_smem.index(xb * NC + C)
-        for e0 in range(0, NE, 64):
-            s = q % NST
-            mbarrier.wait(w_ready.index(s), (q // NST) & 1)
-            fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-            sc = _block_scores(xs, w_smem, s, zero, PARTS)
-            mbarrier.arrive(w_empty.index(s))
-            rv, ri = select_block(sc, e0, h, b_ptr, rv, ri, NE, KP, THR)
+        sc = _next_scores(xs, w_smem, w_ready, w_empty, q, zero, NST, PARTS)
+        rv, ri, floor = select_block(sc, 0, bias, rv, ri, floor, NE, KP, THR, True)
+        q += 1
+        for e0 in range(64, NE, 64):
+            bias = block_bias(b_ptr, h, e0, NE)
+            sc = _next_scores(xs, w_smem, w_ready, w_empty, q, zero, NST, PARTS)
+            rv, ri, floor = select_block(sc, e0, bias, rv, ri, floor, NE, KP, THR, False)
             q += 1
         mbarrier.arrive(x_empty.index(xb))
         t += 1

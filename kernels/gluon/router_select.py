@@ -9,10 +9,12 @@ order on non-NaN scores, so ties go exactly as there and every sorting network g
 - Sorting networks (`_net_merge`): Batcher's odd-even merge sort of groups of KP of a thread's 16 scores, merges
   of the groups (the better of a_t and b_{KP-1-t}, then a bitonic merge), then into the running list. No
   data-dependent control flow, no cross-thread work.
-- From the second block on most scores cannot enter any more, so `select_block` first bounds each row from its
-  four threads' lists and lets each thread insert only its scores above that bound, one per round, in as many
-  rounds as the warp group's most candidates; a block with more than THR of them goes through the networks. The
-  same total order, so the same lists: bitwise the networks' result.
+- Most scores cannot enter, so `select_block` first bounds each row and lets each thread insert only its scores
+  above that bound, one per round, in as many rounds as the warp group's most candidates; a block with more than
+  THR of them goes through the networks. From the second block on the bound comes from the four threads' lists;
+  in the first, where the lists are empty, from the block itself (the KP-th best of the threads' best two:
+  ~1 candidate per thread row at k 4, instead of sorting all 16). The same total order, so the same lists: bitwise
+  the networks' result.
 - `finish_lists`: two butterfly shuffles merge the four threads of a row; `store_topk` writes the row's best K.
 """
 
@@ -129,12 +131,21 @@ def _split_cols(t):
 
 
 @gluon.jit
-def _block_leaves(sc, e0, h, b_ptr, NE: gl.constexpr):
-    """The biased scores of one 64-expert block and their expert indices, each thread's 16 columns of its rows as 16
-    (64, 4) leaves (bit-reversed column order, `_split_cols`); sc (64, 64) in the wgmma layout."""
+def block_bias(b_ptr, h, e0, NE: gl.constexpr):
+    """bias[h, e0:e0 + 64] in the selection's column layout, 0 past NE (loaded before the block's scores are waited
+    for, so that its L2 latency hides under the products)."""
     l16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     cols = e0 + gl.arange(0, 64, layout=gl.SliceLayout(0, l16))
-    bias = gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
+    return gl.load(b_ptr + h * NE + cols, mask=cols < NE, other=0.0)
+
+
+@gluon.jit
+def _block_leaves(sc, e0, bias, NE: gl.constexpr):
+    """The biased scores of one 64-expert block and their expert indices, each thread's 16 columns of its rows as 16
+    (64, 4) leaves (bit-reversed column order, `_split_cols`); sc (64, 64) in the wgmma layout, bias from
+    `block_bias`."""
+    l16: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    cols = e0 + gl.arange(0, 64, layout=gl.SliceLayout(0, l16))
     sb = gl.convert_layout(sc, l16) + bias[None, :]
     # columns past NE are -inf. NaN scores are left as they are (the module docstring of kernels/gluon/router.py):
     # mapping them to -inf made the kernel 5-11% slower
@@ -225,22 +236,78 @@ def _row_bound(rv, KP: gl.constexpr):
 
 
 @gluon.jit
-def select_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr, THR: gl.constexpr):
-    """One 64-expert block by a threshold and insertions: only scores strictly above the row's threshold
-    (`_row_bound`) can enter, since KP scores of the row, of lower indices, are at or above it. Each thread inserts its
-    candidates one by one, lowest column first, in as many rounds as the most candidates any thread row of the warp
-    group has (one reduction per block). Above THR rounds the block goes through the sorting networks instead (the
-    first blocks, where the lists are still filling, and adversarial orders). Every score of the row's best KP enters
-    its thread's list and stays there, so the rows' final merge (`finish_lists`) gives exactly the networks' result."""
-    lv, li = _block_leaves(sc, e0, h, b_ptr, NE)
-    thr = _row_bound(rv, KP)
+def _top2(lv):
+    """Each thread's best two of its 16 leaves per row (values only, a tree of pairs: short dependency chains)."""
+    hi = ()
+    lo = ()
+    for u in gl.static_range(8):
+        hi = hi + (gl.maximum(lv[2 * u], lv[2 * u + 1]),)
+        lo = lo + (gl.minimum(lv[2 * u], lv[2 * u + 1]),)
+    for lvl in gl.static_range(3):
+        nh = ()
+        nl = ()
+        for u in gl.static_range(4 >> lvl):
+            nh = nh + (gl.maximum(hi[2 * u], hi[2 * u + 1]),)
+            nl = nl + (gl.maximum(gl.minimum(hi[2 * u], hi[2 * u + 1]), gl.maximum(lo[2 * u], lo[2 * u + 1])),)
+        hi = nh
+        lo = nl
+    return hi[0], lo[0]
+
+
+@gluon.jit
+def _block_bound(lv, KP: gl.constexpr):
+    """A threshold per row from the block itself, for its first block (the lists are empty then): the KP-th best of
+    the eight values {each of the row's four threads' best two}, so at least KP of the row's scores are at or above
+    it. Candidates at or above it are ~1 per thread row at KP 4 (the networks' first block sorts all 16)."""
+    a1, a2 = _top2(lv)
+    b1 = _shfl_bfly(a1, 1)
+    b2 = _shfl_bfly(a2, 1)
+    mid_hi = gl.minimum(a1, b1)
+    mid_lo = gl.maximum(a2, b2)
+    c = (gl.maximum(a1, b1), gl.maximum(mid_hi, mid_lo), gl.minimum(mid_hi, mid_lo), gl.minimum(a2, b2))
+    d = (_shfl_bfly(c[0], 2), _shfl_bfly(c[1], 2), _shfl_bfly(c[2], 2), _shfl_bfly(c[3], 2))
+    # the KP-th best of two better-first lists: the best over i of min(c's i-th, d's (KP - i)-th)
+    if KP == 1:
+        thr = gl.maximum(c[0], d[0])
+    elif KP == 2:
+        thr = gl.maximum(gl.maximum(c[1], d[1]), gl.minimum(c[0], d[0]))
+    elif KP == 4:
+        thr = gl.maximum(gl.maximum(c[3], d[3]), gl.maximum(gl.maximum(gl.minimum(c[0], d[2]),
+                                                                         gl.minimum(c[1], d[1])),
+                                                              gl.minimum(c[2], d[0])))
+    else:
+        thr = gl.minimum(c[3], d[3])
+    return thr
+
+
+@gluon.jit
+def select_block(sc, e0, bias, rv, ri, floor, NE: gl.constexpr, KP: gl.constexpr, THR: gl.constexpr,
+                 FIRST: gl.constexpr):
+    """One 64-expert block by a threshold and insertions. Later blocks: only scores strictly above the row's
+    threshold can enter (`_row_bound` of the lists, or `floor`, the first block's bound, whichever is higher), since KP
+    scores of the row, of lower indices, are at or above it. The first block (FIRST): scores at or above
+    `_block_bound` (KP of the block's own scores are), which becomes `floor`. Each thread inserts its candidates one
+    by one, lowest column first, in as many rounds as the most candidates any thread row of the warp group has (one
+    reduction per block). Above THR rounds the block goes through the sorting networks instead (lists still filling,
+    adversarial orders). Every score of the row's best KP enters its thread's list and stays there, so the rows'
+    final merge (`finish_lists`) gives exactly the networks' result. Returns the lists and the floor."""
+    gl.static_assert(THR < 16, "THR: a block whose bound is -inf (16 candidates) must go through the networks")
+    lv, li = _block_leaves(sc, e0, bias, NE)
+    if FIRST:
+        thr = _block_bound(lv, KP)
+        floor = thr
+    else:
+        thr = gl.maximum(_row_bound(rv, KP), floor)
     by_col = ()  # the leaves in column order
     for c in gl.static_range(16):
         by_col = by_col + (lv[_rev4(c)],)
     m = gl.zeros_like(ri[0])
     cnt = gl.zeros_like(ri[0])
     for c in gl.static_range(16):
-        ok = by_col[c] > thr
+        if FIRST:
+            ok = by_col[c] >= thr
+        else:
+            ok = by_col[c] > thr
         m = m | gl.where(ok, 1 << c, 0)
         cnt = cnt + ok.to(gl.int32)
     rounds = gl.max(cnt, axis=None)
@@ -261,7 +328,7 @@ def select_block(sc, e0, h, b_ptr, rv, ri, NE: gl.constexpr, KP: gl.constexpr, T
                 sel = nxt
             v = gl.where(low != 0, sel[0], float("-inf"))
             rv, ri = _insert_new(rv, ri, v, base + p, KP)
-    return rv, ri
+    return rv, ri, floor
 
 
 @gluon.jit
