@@ -10,11 +10,11 @@ order on non-NaN scores, so ties go exactly as there and every sorting network g
   of the groups (the better of a_t and b_{KP-1-t}, then a bitonic merge), then into the running list. No
   data-dependent control flow, no cross-thread work.
 - Most scores cannot enter, so `select_block` first bounds each row and lets each thread insert only its scores
-  above that bound, one per round, in as many rounds as the warp group's most candidates; a block with more than
-  THR of them goes through the networks. From the second block on the bound comes from the four threads' lists;
-  in the first, where the lists are empty, from the block itself (the KP-th best of the threads' best two:
-  ~1 candidate per thread row at k 4, instead of sorting all 16). The same total order, so the same lists: bitwise
-  the networks' result.
+  above that bound (at or above it in the first block), one per round, in as many rounds as the warp group's most
+  candidates; a block with more than THR of them goes through the networks. From the second block on the bound
+  comes from the four threads' lists; in the first, where the lists are empty, from the block itself (the KP-th
+  best of the threads' best two: ~1 candidate per thread row at k 4, instead of sorting all 16). Every score of a
+  row's best KP still reaches its thread's list, so the rows' merged results are bitwise the networks'.
 - `finish_lists`: two butterfly shuffles merge the four threads of a row; `store_topk` writes the row's best K.
 """
 
@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.language import PropagateNan
+
+_NAN = gl.constexpr(PropagateNan.ALL)
 
 
 @gluon.jit
@@ -198,7 +201,9 @@ def _bfind(x):
 @gluon.jit
 def _insert_new(rv, ri, v, i, KP: gl.constexpr):
     """(v, i) into the better-first list rv / ri (its last element dropped), where i is above every index in the
-    list, so v must be strictly larger to go before an element (an element not larger leaves the list as it is)."""
+    list, so v must be strictly larger to go before an element (an element not larger leaves the list as it is).
+    The empty lists' -inf fillers have indices above every expert's; the first block inserts none of -inf (its
+    bound is then -inf, 16 candidates: the networks take that block)."""
     nv = ()
     ni = ()
     gp = v > rv[0]
@@ -236,19 +241,32 @@ def _row_bound(rv, KP: gl.constexpr):
 
 
 @gluon.jit
+def _mx(a, b):
+    """max that propagates NaN (so that a NaN score makes its row's `_block_bound` NaN)."""
+    return gl.maximum(a, b, propagate_nan=_NAN)
+
+
+@gluon.jit
+def _mn(a, b):
+    """min that propagates NaN."""
+    return gl.minimum(a, b, propagate_nan=_NAN)
+
+
+@gluon.jit
 def _top2(lv):
-    """Each thread's best two of its 16 leaves per row (values only, a tree of pairs: short dependency chains)."""
+    """Each thread's best two of its 16 leaves per row (values only, a tree of pairs: short dependency chains); both
+    NaN where one of them is."""
     hi = ()
     lo = ()
     for u in gl.static_range(8):
-        hi = hi + (gl.maximum(lv[2 * u], lv[2 * u + 1]),)
-        lo = lo + (gl.minimum(lv[2 * u], lv[2 * u + 1]),)
+        hi = hi + (_mx(lv[2 * u], lv[2 * u + 1]),)
+        lo = lo + (_mn(lv[2 * u], lv[2 * u + 1]),)
     for lvl in gl.static_range(3):
         nh = ()
         nl = ()
         for u in gl.static_range(4 >> lvl):
-            nh = nh + (gl.maximum(hi[2 * u], hi[2 * u + 1]),)
-            nl = nl + (gl.maximum(gl.minimum(hi[2 * u], hi[2 * u + 1]), gl.maximum(lo[2 * u], lo[2 * u + 1])),)
+            nh = nh + (_mx(hi[2 * u], hi[2 * u + 1]),)
+            nl = nl + (_mx(_mn(hi[2 * u], hi[2 * u + 1]), _mx(lo[2 * u], lo[2 * u + 1])),)
         hi = nh
         lo = nl
     return hi[0], lo[0]
@@ -258,25 +276,25 @@ def _top2(lv):
 def _block_bound(lv, KP: gl.constexpr):
     """A threshold per row from the block itself, for its first block (the lists are empty then): the KP-th best of
     the eight values {each of the row's four threads' best two}, so at least KP of the row's scores are at or above
-    it. Candidates at or above it are ~1 per thread row at KP 4 (the networks' first block sorts all 16)."""
+    it. Candidates at or above it are ~1 per thread row at KP 4 (the networks' first block sorts all 16). NaN where
+    the row has a NaN score in the block."""
+    gl.static_assert(KP <= 8, "KP: eight values bound at most the 8th best")
     a1, a2 = _top2(lv)
     b1 = _shfl_bfly(a1, 1)
     b2 = _shfl_bfly(a2, 1)
-    mid_hi = gl.minimum(a1, b1)
-    mid_lo = gl.maximum(a2, b2)
-    c = (gl.maximum(a1, b1), gl.maximum(mid_hi, mid_lo), gl.minimum(mid_hi, mid_lo), gl.minimum(a2, b2))
+    mid_hi = _mn(a1, b1)
+    mid_lo = _mx(a2, b2)
+    c = (_mx(a1, b1), _mx(mid_hi, mid_lo), _mn(mid_hi, mid_lo), _mn(a2, b2))
     d = (_shfl_bfly(c[0], 2), _shfl_bfly(c[1], 2), _shfl_bfly(c[2], 2), _shfl_bfly(c[3], 2))
     # the KP-th best of two better-first lists: the best over i of min(c's i-th, d's (KP - i)-th)
     if KP == 1:
-        thr = gl.maximum(c[0], d[0])
+        thr = _mx(c[0], d[0])
     elif KP == 2:
-        thr = gl.maximum(gl.maximum(c[1], d[1]), gl.minimum(c[0], d[0]))
+        thr = _mx(_mx(c[1], d[1]), _mn(c[0], d[0]))
     elif KP == 4:
-        thr = gl.maximum(gl.maximum(c[3], d[3]), gl.maximum(gl.maximum(gl.minimum(c[0], d[2]),
-                                                                         gl.minimum(c[1], d[1])),
-                                                              gl.minimum(c[2], d[0])))
+        thr = _mx(_mx(c[3], d[3]), _mx(_mx(_mn(c[0], d[2]), _mn(c[1], d[1])), _mn(c[2], d[0])))
     else:
-        thr = gl.minimum(c[3], d[3])
+        thr = _mn(c[3], d[3])
     return thr
 
 
@@ -289,13 +307,15 @@ def select_block(sc, e0, bias, rv, ri, floor, NE: gl.constexpr, KP: gl.constexpr
     `_block_bound` (KP of the block's own scores are), which becomes `floor`. Each thread inserts its candidates one
     by one, lowest column first, in as many rounds as the most candidates any thread row of the warp group has (one
     reduction per block). Above THR rounds the block goes through the sorting networks instead (lists still filling,
-    adversarial orders). Every score of the row's best KP enters its thread's list and stays there, so the rows'
-    final merge (`finish_lists`) gives exactly the networks' result. Returns the lists and the floor."""
+    adversarial orders, a NaN score in the first block). Every score of the row's best KP enters its thread's list
+    and stays there, so the rows' final merge (`finish_lists`) gives exactly the networks' result. Returns the lists
+    and the floor."""
     gl.static_assert(THR < 16, "THR: a block whose bound is -inf (16 candidates) must go through the networks")
     lv, li = _block_leaves(sc, e0, bias, NE)
     if FIRST:
         thr = _block_bound(lv, KP)
-        floor = thr
+        bad = thr != thr  # a NaN score: this block through the networks, as if the bound were -inf
+        floor = gl.where(bad, float("-inf"), thr)
     else:
         thr = gl.maximum(_row_bound(rv, KP), floor)
     by_col = ()  # the leaves in column order
@@ -310,6 +330,8 @@ def select_block(sc, e0, bias, rv, ri, floor, NE: gl.constexpr, KP: gl.constexpr
             ok = by_col[c] > thr
         m = m | gl.where(ok, 1 << c, 0)
         cnt = cnt + ok.to(gl.int32)
+    if FIRST:
+        cnt = gl.where(bad, 16, cnt)
     rounds = gl.max(cnt, axis=None)
     if rounds > THR:
         rv, ri = _net_merge(lv, li, rv, ri, KP)
@@ -356,7 +378,9 @@ def init_lists(NE: gl.constexpr, KP: gl.constexpr):
 @gluon.jit
 def store_topk(rv, ri, row0, h, b_ptr, vals_ptr, idx_ptr, N: gl.constexpr, H: gl.constexpr, NE: gl.constexpr,
                K: gl.constexpr):
-    """Rows row0 + (0..63): the best K (the same in the row's four threads: the first of them stores)."""
+    """Rows row0 + (0..63): the best K (the same in the row's four threads: the first of them stores). A row with
+    NaN scores can end with a column past NE (Ne not a multiple of 64: every compare with NaN is false); it stores
+    expert 0 there, since the backward gathers W_r rows by these indices."""
     r, c = _net_grid()
     rows = row0 + r[0]
     mask = (rows < N) & (c[0] < 16)  # c[0] = 16 q: the row's first thread
@@ -364,7 +388,7 @@ def store_topk(rv, ri, row0, h, b_ptr, vals_ptr, idx_ptr, N: gl.constexpr, H: gl
     for j in gl.static_range(K):
         b_sel = gl.load(b_ptr + h * NE + ri[j], mask=mask & (ri[j] < NE), other=0.0)
         gl.store(vals_ptr + out + j, rv[j] - b_sel, mask=mask)
-        gl.store(idx_ptr + out + j, ri[j], mask=mask)
+        gl.store(idx_ptr + out + j, gl.where(ri[j] < NE, ri[j], 0), mask=mask)
 
 
 @gluon.jit

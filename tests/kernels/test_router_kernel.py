@@ -5,7 +5,8 @@ CPU: the Triton kernels under the interpreter (tests/conftest.py sets it without
 reference (tests/references/router.py): indices equal except near ties (and exact ties go to the lower index), values
 and gradients within fp32 tolerance; N not a multiple of the token block, Ne not a multiple of the expert block, dh
 not a power of 2, k = 2..8, skewed routing over many dW blocks, clear errors.
-GPU (marker gpu): the warp-specialised Gluon forward bitwise equal to the Triton one and against float64, its caster.
+GPU (marker gpu): the warp-specialised Gluon forward bitwise equal to the Triton one and against float64, experts
+for rows with NaN scores, its caster.
 """
 
 import os
@@ -244,6 +245,33 @@ def test_gpu_ws_router_vs_triton_and_float64(case):
         assert frac == 0.0
     again = ktr.gluon_router_fwd_ws(xc, wc, bc, k, programs=programs)
     assert torch.equal(again[0], vals) and torch.equal(again[1], idx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ne,k", [(384, 4), (768, 8), (256, 2), (200, 3), (16, 2)])
+def test_gpu_ws_router_nan_scores_select_experts(ne, k):
+    """NaN scores (a diverged model): which experts such a row gets is unspecified, but they are experts (indices in
+    [0, Ne): the backward gathers W_r rows by them; Ne 200 and 16 leave columns of the last 64-expert block past Ne),
+    the same in every run, and the rows without a NaN equal the Triton forward's. NaN in a token's x (every score of
+    its rows), and in one expert's W_r column of the first and of the last 64-expert block of head 0 (that expert's
+    score in every row of the head)."""
+    _gpu_setup()
+    n, h = 1500, 2
+    x, w, b = router_inputs(ne + k + 7, n, h, 128, ne)
+    x[3] = float("nan")
+    x[700, 1] = float("nan")
+    w[0, :, 5] = float("nan")
+    w[0, 17, ne - 3] = float("nan")
+    xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
+    vals, idx = ktr.gluon_router_fwd_ws(xc, wc, bc, k)
+    assert bool(((idx >= 0) & (idx < ne)).all()), idx[(idx < 0) | (idx >= ne)]
+    again = ktr.gluon_router_fwd_ws(xc, wc, bc, k)
+    assert torch.equal(again[1], idx) and torch.equal(again[0].nan_to_num(), vals.nan_to_num())
+    tv, ti = ktr.router_fwd(xc, wc, bc, k)
+    clean = torch.ones(n, h, dtype=torch.bool)
+    clean[3] = clean[700, 1] = clean[:, 0] = False
+    clean = clean.cuda()
+    assert torch.equal(idx[clean], ti[clean]) and torch.equal(vals[clean], tv[clean])
 
 
 @pytest.mark.gpu
