@@ -126,12 +126,11 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
         h = item % H
         xb = t % 2
         rv, ri = init_lists(NE, KP)
-        floor = gl.full_like(rv[0], float("-inf"))
         bias = block_bias(b_ptr, h, 0, NE)  # before the waits: its L2 latency hides under them and the products
         mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
         xs = x_smem.index(xb * NC + C)
         sc = _next_scores(xs, w_smem, w_ready, w_empty, q, zero, NST, PARTS)
-        rv, ri, floor = select_block(sc, 0, bias, rv, ri, floor, NE, KP, THR, True)
+        rv, ri, floor = select_block(sc, 0, bias, rv, ri, None, NE, KP, THR, True)  # the floor comes from here
         q += 1
         for e0 in range(64, NE, 64):
             bias = block_bias(b_ptr, h, e0, NE)

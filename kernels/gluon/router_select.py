@@ -220,11 +220,11 @@ def _insert_new(rv, ri, v, i, KP: gl.constexpr):
 @gluon.jit
 def select_block(sc, e0, bias, rv, ri, floor, NE: gl.constexpr, KP: gl.constexpr, THR: gl.constexpr,
                  FIRST: gl.constexpr):
-    """One 64-expert block by a threshold and insertions. Later blocks: only scores strictly above the row's
-    threshold can enter (`_row_bound` of the lists, or `floor`, the first block's bound, whichever is higher), since KP
-    scores of the row, of lower indices, are at or above it. The first block (FIRST): scores at or above
-    `_block_bound` (KP of the block's own scores are), which becomes `floor`. Each thread inserts its candidates one
-    by one, lowest column first, in as many rounds as the most candidates any thread row of the warp group has (one
+    """One 64-expert block by a threshold and insertions. Later blocks: only scores strictly above the row's threshold
+    can enter (`_row_bound` of the lists, or `floor`, the first block's bound, whichever is higher), since KP scores
+    of the row, of lower indices, are at or above it. The first block (FIRST): scores at or above `_block_bound` (KP
+    of the block's own scores are), which becomes `floor` (None in). Each thread inserts its candidates one by one,
+    lowest column first, in as many rounds as the most candidates any thread row of the warp group has (one
     reduction per block). Above THR rounds the block goes through the sorting networks instead (lists still filling,
     adversarial orders, a NaN score in the first block). Every score of the row's best KP enters its thread's list
     and stays there, so the rows' final merge (`finish_lists`) gives exactly the networks' result. Returns the lists
