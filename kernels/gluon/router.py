@@ -114,8 +114,8 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
                      PARTS: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, C: gl.constexpr, THR: gl.constexpr):
     """Consumer C: rows [C * 64, C * 64 + 64) of every item, block by block (the other consumers' selections run
     under this one's products; issuing block b + 1's before block b's selection measured slower: the second
-    accumulator's registers). The first block is peeled off: it is selected against a bound from its own scores
-    (`select_block` FIRST), the later ones against the lists'."""
+    accumulator's registers). The first block is selected against a bound from its own scores, the later ones
+    against the lists' (`select_block`)."""
     (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
     NW: gl.constexpr = gl.num_warps()
     KP: gl.constexpr = 1 << _log2(2 * K - 1)  # K rounded up to a power of 2
@@ -126,16 +126,13 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
         h = item % H
         xb = t % 2
         rv, ri = init_lists(NE, KP)
-        bias = block_bias(b_ptr, h, 0, NE)  # before the waits: its L2 latency hides under them and the products
+        floor = gl.full_like(rv[0], float("-inf"))  # made by the first block
         mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
         xs = x_smem.index(xb * NC + C)
-        sc = _next_scores(xs, w_smem, w_ready, w_empty, q, zero, NST, PARTS)
-        rv, ri, floor = select_block(sc, 0, bias, rv, ri, None, NE, KP, THR, True)  # the floor comes from here
-        q += 1
-        for e0 in range(64, NE, 64):
-            bias = block_bias(b_ptr, h, e0, NE)
+        for e0 in range(0, NE, 64):
+            bias = block_bias(b_ptr, h, e0, NE)  # before the waits: its L2 latency hides under them and the products
             sc = _next_scores(xs, w_smem, w_ready, w_empty, q, zero, NST, PARTS)
-            rv, ri, floor = select_block(sc, e0, bias, rv, ri, floor, NE, KP, THR, False)
+            rv, ri, floor = select_block(sc, e0, bias, rv, ri, floor, NE, KP, THR)
             q += 1
         mbarrier.arrive(x_empty.index(xb))
         t += 1

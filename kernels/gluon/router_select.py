@@ -218,39 +218,43 @@ def _insert_new(rv, ri, v, i, KP: gl.constexpr):
 
 
 @gluon.jit
-def select_block(sc, e0, bias, rv, ri, floor, NE: gl.constexpr, KP: gl.constexpr, THR: gl.constexpr,
-                 FIRST: gl.constexpr):
-    """One 64-expert block by a threshold and insertions. Later blocks: only scores strictly above the row's threshold
-    can enter (`_row_bound` of the lists, or `floor`, the first block's bound, whichever is higher), since KP scores
-    of the row, of lower indices, are at or above it. The first block (FIRST): scores at or above `_block_bound` (KP
-    of the block's own scores are), which becomes `floor` (None in). Each thread inserts its candidates one by one,
-    lowest column first, in as many rounds as the most candidates any thread row of the warp group has (one
-    reduction per block). Above THR rounds the block goes through the sorting networks instead (lists still filling,
-    adversarial orders, a NaN score in the first block). Every score of the row's best KP enters its thread's list
-    and stays there, so the rows' final merge (`finish_lists`) gives exactly the networks' result. Returns the lists
-    and the floor."""
+def _candidates(by_col, thr, STRICT: gl.constexpr):
+    """Per thread row: the mask of its columns whose score is above thr (STRICT) or at or above it, and their count."""
+    m = gl.zeros_like(thr, dtype=gl.int32)
+    cnt = gl.zeros_like(thr, dtype=gl.int32)
+    for c in gl.static_range(16):
+        if STRICT:
+            ok = by_col[c] > thr
+        else:
+            ok = by_col[c] >= thr
+        m = m | gl.where(ok, 1 << c, 0)
+        cnt = cnt + ok.to(gl.int32)
+    return m, cnt
+
+
+@gluon.jit
+def select_block(sc, e0, bias, rv, ri, floor, NE: gl.constexpr, KP: gl.constexpr, THR: gl.constexpr):
+    """One 64-expert block by a threshold and insertions. The first block (e0 0, a uniform branch): scores at or
+    above `_block_bound` (KP of the block's own scores are), which becomes `floor`. Later blocks: only scores strictly
+    above the row's threshold can enter (`_row_bound` of the lists, or `floor`, whichever is higher), since KP scores
+    of the row, of lower indices, are at or above it. Each thread inserts its candidates one by one, lowest column
+    first, in as many rounds as the most candidates any thread row of the warp group has (one reduction per block).
+    Above THR rounds the block goes through the sorting networks instead (adversarial orders, a NaN score in the
+    first block). Every score of the row's best KP enters its thread's list and stays there, so the rows' final
+    merge (`finish_lists`) gives exactly the networks' result. Returns the lists and the floor."""
     gl.static_assert(THR < 16, "THR: a block whose bound is -inf (16 candidates) must go through the networks")
     lv, li = _block_leaves(sc, e0, bias, NE)
-    if FIRST:
-        thr = _block_bound(lv, KP)
-        bad = thr != thr  # a NaN score: this block through the networks, as if the bound were -inf
-        floor = gl.where(bad, float("-inf"), thr)
-    else:
-        thr = gl.maximum(_row_bound(rv, KP), floor)
     by_col = ()  # the leaves in column order
     for c in gl.static_range(16):
         by_col = by_col + (lv[_rev4(c)],)
-    m = gl.zeros_like(ri[0])
-    cnt = gl.zeros_like(ri[0])
-    for c in gl.static_range(16):
-        if FIRST:
-            ok = by_col[c] >= thr
-        else:
-            ok = by_col[c] > thr
-        m = m | gl.where(ok, 1 << c, 0)
-        cnt = cnt + ok.to(gl.int32)
-    if FIRST:
+    if e0 == 0:
+        thr = _block_bound(lv, KP)
+        bad = thr != thr  # a NaN score: this block through the networks, as if the bound were -inf
+        floor = gl.where(bad, float("-inf"), thr)
+        m, cnt = _candidates(by_col, thr, False)
         cnt = gl.where(bad, 16, cnt)
+    else:
+        m, cnt = _candidates(by_col, gl.maximum(_row_bound(rv, KP), floor), True)
     rounds = gl.max(cnt, axis=None)
     if rounds > THR:
         rv, ri = _net_merge(lv, li, rv, ri, KP)

@@ -202,13 +202,12 @@ def test_gluon_router_compiles_warp_specialised(tmp_path, ne, k, warps, regs, li
     as the JAX binding does (no GPU): a producer and three consumer warp groups at k <= 4 (two above), the PTX
     requiring all of their threads, compiled at the launch limit of that consumer count (the kernel object
     `ws_router_kernel` picks), the workers' registers set by setmaxnreg, wgmma, at most a few spilled words
-    (eight or nine at k 4, where three consumers hold 152 registers each, with the first expert block's selection
-    peeled off the loop; none at k 8), within the 227 KB of shared memory."""
+    (two at k 4, where three consumers hold 152 registers each; none at k 8), within the 227 KB of shared memory."""
     pytest.importorskip("triton")
     (r,) = _kernel_report(tmp_path, "--tiles", "router_ws", "--de", str(ne), "--k", str(k))
     assert r["kernel"] == "router_ws" and r["warp_specialized"], r
     assert r["launch_warps"] == warps and r["reqntid"] == [32 * warps] and r["registers"] == limit, r
-    assert {regs, 40} <= set(r["setmaxnreg"]) and r["spill_store_bytes"] <= 40, r
+    assert {regs, 40} <= set(r["setmaxnreg"]) and r["spill_store_bytes"] <= 16, r
     assert not r["wgmma_serialized"], r  # ptxas keeps the wgmma pipeline (C7512 would serialise every k-step)
     assert r["sass_counts"]["HGMMA"] > 0 and r["shared_bytes"] <= 227 * 1024, r
 
