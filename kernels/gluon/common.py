@@ -83,10 +83,10 @@ def _ws_barriers(N: gl.constexpr, READY: gl.constexpr, CONSUMERS: gl.constexpr =
 
 
 @gluon.jit
-def _store_rows(ptr, rows, vals, DH: gl.constexpr, NW: gl.constexpr, live=None):
+def _store_rows(ptr, rows, vals, DH: gl.constexpr, NW: gl.constexpr):
     """Store vals (rows, DH) at ptr + rows * DH as 16-byte vectors, whole 32-byte sectors (stored from the wgmma
-    layout they go out as 4-byte pairs: half sectors, twice the L2 writes); live: a mask (a probe's)."""
+    layout they go out as 4-byte pairs: half sectors, twice the L2 writes)."""
     ls: gl.constexpr = _copy_layout(DH, NW)
     cols = gl.arange(0, DH, layout=gl.SliceLayout(0, ls))
     rows = gl.convert_layout(rows, gl.SliceLayout(1, ls))
-    gl.store(ptr + rows[:, None] * DH + cols[None, :], gl.convert_layout(vals, ls), mask=live)
+    gl.store(ptr + rows[:, None] * DH + cols[None, :], gl.convert_layout(vals, ls))

@@ -9,7 +9,6 @@ ptxas honours per partition), 32-row blocks of gathered X / dy rows (and their g
 next tile's weights in a second buffer. A split backward takes it where the whole Gluon backward does not run.
 
 Supported shapes: `kernels.tuning.gluon_dw_supported`; launch tables (stages, buffers, registers): `kernels.tuning`.
-PROBE constexprs (0 in every launch the library makes) mask traffic or math off for measurements: bench only.
 """
 
 from __future__ import annotations
@@ -50,12 +49,9 @@ def _dw_tile(t, group_block_start_ptr, group_size_ptr, DE: gl.constexpr, PACK_BL
 
 @gluon.jit
 def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
-                 BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
-                 C: gl.constexpr, PROBE: gl.constexpr = 0):
+                 BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr):
     """Per tile: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
-    once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring.
-    PROBE & 4 (a measurement, `bwd_xw_constexprs`' probe): the rows' gathers masked off by a condition false at run
-    time (the ring's stages zero-filled, no global loads of X / dy / gates)."""
+    once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     PW: gl.constexpr = gl.num_warps()
@@ -87,9 +83,6 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
             gslot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rg, mask=i + 1 < nsub, other=-1)
             valid = (slot >= 0)[:, None]
             gvalid = gslot >= 0
-            if PROBE & 4:  # false at run time (the compiler cannot tell)
-                valid = valid & (g < 0)
-                gvalid = gvalid & (g < 0)
             src = gl.where(slot >= 0, slot // K, 0).to(gl.int64)[:, None] * DH + cc[None, :]
             mbarrier.wait(d_empty.index(s), ((q // NST) & 1) ^ 1)
             fence_async_shared()
@@ -126,10 +119,128 @@ def _sum_partials(dg_smem, hb, BLOCK_M: gl.constexpr, NW: gl.constexpr):
 
 
 @gluon.jit
+def _block_products(w1t, w2c, xs, ds, gate, s_zero, acc2, d_empty, q, i, NST: gl.constexpr,
+                    FAST_TANH: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr, BLOCK_M: gl.constexpr,
+                    a_layout: gl.constexpr):
+    """One row block's H^T and dA'^T, its gelu, the dW2 product (issued, in flight) and dH_c^T -> (dht, dg, op2,
+    acc2); dg (FUSE, XW): this consumer's per-warp partials of <gelu(H) row, dA' row>, the activation rounded as the
+    forward's (16 de each, no exchange between the warps: consumer 0 (FUSE) or the dX warp group (XW) adds them)."""
+    NW: gl.constexpr = gl.num_warps()
+    cdt: gl.constexpr = xs.dtype
+    ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if FUSE or XW:  # H^T and dA'^T together (the gate gradient takes both)
+        ht, dat = warpgroup_mma_wait(num_outstanding=0, deps=(ht, dat))
+        if XW and i > 0:  # this also retired the block before's dW1 product: its stage is free
+            mbarrier.arrive(d_empty.index((q - 1) % NST))
+        act, dgelu = _gelu_and_grad(ht, FAST_TANH)
+        # first: the activation's registers are free once its A operand is made
+        dg = gl.sum(gl.reshape(act.to(cdt).to(gl.float32) * dat, (NW, 64 // NW, BLOCK_M)), axis=1)
+        op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
+        acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
+    else:  # H^T (the block before's products retired at its end)
+        ht = warpgroup_mma_wait(num_outstanding=1, deps=(ht,))
+        act, dgelu = _gelu_and_grad(ht, FAST_TANH)
+        op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
+        acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
+        dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
+        dg = dat  # no gate gradient here (unused)
+    dht = (dat * gate[None, :] * dgelu).to(cdt)
+    return dht, dg, op2, acc2
+
+
+@gluon.jit
+def _fused_dx(a, f, dht, dg, xs, s_zero, xr, xc, acc1, s, q, wb, row0, i, e0, DE: gl.constexpr, DH: gl.constexpr,
+              BLOCK_M: gl.constexpr, C: gl.constexpr):
+    """FUSE: hand dH_c^T and dg to the other consumer through shared memory, issue the dW1 product (A operand dH_c^T
+    from there), then make this consumer's 64 dh columns of the block's dX rows from both halves (consumer 0 also
+    the gate gradients) and free the block's stage. Every product of the block retires here (deferring the dX half
+    by one block measured slower); acc1 stays a wgmma accumulator: the next wait names it."""
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
+     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
+    (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
+    NW: gl.constexpr = gl.num_warps()
+    hb = q % 2
+    mbarrier.wait(h_empty.index(hb), ((q // 2) & 1) ^ 1)
+    dh_smem.index(hb * 2 + C).store(dht)
+    dg_smem.index(hb * 2 + C).store(dg)
+    fence_async_shared()  # the generic writes before the wgmma reads (the arrive syncs the warp group)
+    mbarrier.arrive(h_ready.index(hb))
+    acc1 = warpgroup_mma(dh_smem.index(hb * 2 + C), xs, acc1, is_async=True)  # dH_c^T from shared
+    mbarrier.wait(h_ready.index(hb), (q // 2) & 1)
+    w1a = w1_smem.index(wb * 2).slice(64 * C, 64, dim=0)  # (64, 64): W1[64 C:, :64]
+    w1b = w1_smem.index(wb * 2 + 1).slice(64 * C, 64, dim=0)  # W1[64 C:, 64:]
+    dxt = warpgroup_mma(w1a, dh_smem.index(hb * 2), s_zero, use_acc=False, is_async=True)
+    dxt = warpgroup_mma(w1b, dh_smem.index(hb * 2 + 1), dxt, is_async=True)
+    rows = row0 + i * BLOCK_M
+    NP: gl.constexpr = DE // 128  # the tiles' partial dX / gate gradients of a row, side by side
+    if C == 0:
+        dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
+        gl.store(dgate_ptr + (rows + gl.arange(0, BLOCK_M, layout=dg.type.layout)) * NP + e0 // 128, dg)
+    dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
+    mbarrier.arrive(d_empty.index(s))
+    mbarrier.arrive(h_empty.index(hb))
+    lxs: gl.constexpr = _copy_layout(64, NW)  # xr / xc's: 16-byte vectors of 8 dh
+    dxv = gl.convert_layout(gl.permute(dxt.to(w1_ptr.dtype.element_ty), (1, 0)), lxs)  # (BLOCK_M, 64)
+    dx_cols = (e0 // 128) * DH + 64 * C + xc  # this tile's partial, this consumer's dh half
+    gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + dx_cols[None, :], dxv)
+    return acc1
+
+
+@gluon.jit
+def _hand_over(f, dht, dg, xs, acc1, op2, q, HB: gl.constexpr, C: gl.constexpr):
+    """XW: dH_c^T and the gate gradient's half to the dX warp group through the HB-deep ring, and the dW1 product
+    (dH_c^T from shared memory: no A operand registers in flight; this consumer writes the slot again only after the
+    next block's first wait retired the product, HB >= 2 is for overlap). dW2's product (A operand op2 in registers)
+    retires here, dW1's at the next block's first wait: with dW2's in flight across the loop too, ptxas serialises
+    every wgmma of the kernel (C7512 "insufficient register resources": each k-step waits for the one before)."""
+    (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
+    hb = q % HB
+    mbarrier.wait(h_empty.index(hb), ((q // HB) & 1) ^ 1)
+    dh_smem.index(hb * 2 + C).store(dht)
+    dg_smem.index(hb * 2 + C).store(dg)
+    fence_async_shared()  # the generic writes before the wgmma reads (the arrive syncs the warp group)
+    mbarrier.arrive(h_ready.index(hb))
+    acc1 = warpgroup_mma(dh_smem.index(hb * 2 + C), xs, acc1, is_async=True)
+    op2 = warpgroup_mma_wait(num_outstanding=1, deps=(op2,))
+    return acc1, op2
+
+
+@gluon.jit
+def _store_dw(a, acc1, acc2, op1, op2, er, dc, g, e0, q, wb, nsub, DH: gl.constexpr, DE: gl.constexpr,
+              NST: gl.constexpr, C: gl.constexpr, XW: gl.constexpr, ACCUM: gl.constexpr):
+    """A tile's end: its last products retire, the weight buffer is freed, and this consumer's dW1 / dW2 columns are
+    stored (ACCUM: added in fp32 to the sum so far, what XLA's add of the two gives, bitwise). dW1's sum so far loads
+    while the last products retire (dW2's after dW1's store: registers); with XW (at 208 registers) after the wait:
+    loaded before it, the consumer spilled 504 bytes (sm_90a compile)."""
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
+     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
+    EARLY: gl.constexpr = ACCUM and not XW
+    if EARLY:
+        old1 = gl.load(dw1_ptr + g * (DH * DE) + dc[None, :] * DE + (e0 + C * 64 + er)[:, None])
+    acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
+    if XW and nsub > 0:  # the last block's dW1 product retired just now
+        mbarrier.arrive(d_empty.index((q - 1) % NST))
+    mbarrier.arrive(w_empty.index(wb))
+    e = e0 + C * 64 + er
+    # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
+    p1 = dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None]
+    if EARLY:
+        acc1 = old1 + acc1
+    elif ACCUM:
+        acc1 = gl.load(p1) + acc1
+    gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty))
+    p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
+    if ACCUM:
+        acc2 = gl.load(p2) + acc2
+    gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty))
+
+
+@gluon.jit
 def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
                  C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2,
-                 ACCUM: gl.constexpr = False, PROBE: gl.constexpr = 0):
+                 ACCUM: gl.constexpr = False):
     """Consumer C (one warp group): de rows [e0 + 64 C, + 64) of every tile, both gradients. Per row block,
     transposed as in `expert_dwt_kernel`, with the dy rows as stored and the gate on the products' columns:
         H^T = W1_c^T X^T, dA'^T = W2_c dy^T              (64, BLOCK_M): async wgmma from shared memory
@@ -145,25 +256,18 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     of the block's dX: dX^T_C = W1[64 C:, :64] dH_0^T + W1[64 C:, 64:] dH_1^T (the W1 tile already in shared
     memory; dW1's product also takes its A operand dH_c^T from there), and consumer 0 adds the two consumers'
     per-warp partials of <gelu(H) row, dA' row> (2 x NW of 16 de each, through shared memory: `_sum_partials`): the
-    gate gradient of every row, in a fixed order. The
-    block's products all retire before the next block (deferring the dX half by one block measured slower).
-    The gates of each block come from shared memory (`g_smem`, gathered by the producer).
+    gate gradient of every row, in a fixed order (`_fused_dx`). The gates of each block come from shared memory
+    (`g_smem`, gathered by the producer).
 
     XW (`gluon_expert_bwd_xw_kernel`, not with FUSE): FUSE's order without the dX products: each block's dW2 product
     retires at the block's end, its dW1 product at the next block's first wait, and the block's dH_c^T and this
-    consumer's half of the gate gradient go
-    to an HB-deep ring in shared memory (`f`'s h_ready / h_empty) for the dX warp group (`_dx_worker`), which makes
-    the dX rows and gate gradients off the consumers' chain. The gate gradient's half leaves as one partial per warp
-    (its 16 de rows: no exchange between the warps; the dX warp group adds them).
+    consumer's half of the gate gradient go to an HB-deep ring in shared memory (`_hand_over`) for the dX warp group
+    (`_dx_worker`), which makes the dX rows and gate gradients off the consumers' chain.
 
     ACCUM: dW1 / dW2 hold a gradient summed so far (the JAX binding aliases the accumulator to them): each tile adds
-    its own to it in fp32 (acc + dW, what XLA's add of the two gives, bitwise) instead of overwriting it.
-
-    PROBE & 1 (a measurement, `bwd_xw_constexprs`' probe): dW's loads and stores masked off by a condition false at
-    run time (the products still made; no dW traffic)."""
+    its own to it (`_store_dw`) instead of overwriting it."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
-    (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, NW)
@@ -173,8 +277,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     er = gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
     dc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
     s_zero = gl.zeros((64, BLOCK_M), gl.float32, s_layout)
-    s_rows = gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)).to(gl.float32) * 0.001  # PROBE & 64 only
-    lxs: gl.constexpr = _copy_layout(64, NW)  # the dX half's store: 16-byte vectors of 8 dh
+    lxs: gl.constexpr = _copy_layout(64, NW)  # FUSE's dX half's store: 16-byte vectors of 8 dh
     xr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lxs))
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     q = 0
@@ -197,112 +300,21 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
             fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
             gate = g_smem.index(s).load(cols.type.layout)  # the block's gates (gathered by the producer)
             xs = x_smem.index(s)
-            ds = dy_smem.index(s)
-            if PROBE & 64:  # a measurement (XW only): no H^T / dA'^T products (a value per element, unknown to the
-                # compiler: the math stays per element)
-                ht = gate[None, :] + s_zero + s_rows[:, None]
-                dat = gate[None, :] - s_zero - s_rows[:, None]
-            else:
-                ht = warpgroup_mma(w1t, xs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                dat = warpgroup_mma(w2c, ds.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if FUSE or XW:  # H^T and dA'^T together (the gate gradient takes both)
-                ht, dat = warpgroup_mma_wait(num_outstanding=0, deps=(ht, dat))
-                if XW and i > 0:  # this also retired the block before's dW1 product: its stage is free
-                    mbarrier.arrive(d_empty.index((q - 1) % NST))
-                if PROBE & 16:  # a measurement (XW only): no gelu math (act = H, gelu' = dA')
-                    act, dgelu = ht, dat
-                else:
-                    act, dgelu = _gelu_and_grad(ht, FAST_TANH)
-                # this consumer's half of <gelu(H) row, dA' row> (the activation rounded as the forward's), first:
-                # the activation's registers are free once its A operand is made
-                # per warp (16 de each, no exchange between the warps): consumer 0 (FUSE) or the dX warp group (XW)
-                # adds the eight partials
-                if not PROBE & 8:  # PROBE & 8 (a measurement, XW only): no gate gradient (none handed over)
-                    dg = gl.sum(gl.reshape(act.to(cdt).to(gl.float32) * dat, (NW, 64 // NW, BLOCK_M)), axis=1)
-                op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
-                acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
-            else:  # H^T (the block before's products retired at its end)
-                ht = warpgroup_mma_wait(num_outstanding=1, deps=(ht,))
-                act, dgelu = _gelu_and_grad(ht, FAST_TANH)
-                op2 = gl.convert_layout((act * gate[None, :]).to(cdt), a_layout)
-                acc2 = warpgroup_mma(op2, ds, acc2, is_async=True)
-                dat = warpgroup_mma_wait(num_outstanding=1, deps=(dat,))
-            dht = (dat * gate[None, :] * dgelu).to(cdt)
+            dht, dg, op2, acc2 = _block_products(w1t, w2c, xs, dy_smem.index(s), gate, s_zero, acc2, d_empty, q, i,
+                                                 NST, FAST_TANH, FUSE, XW, BLOCK_M, a_layout)
             if FUSE:
-                hb = q % 2
-                mbarrier.wait(h_empty.index(hb), ((q // 2) & 1) ^ 1)
-                dh_smem.index(hb * 2 + C).store(dht)
-                dg_smem.index(hb * 2 + C).store(dg)
-                fence_async_shared()  # the generic writes before the wgmma reads (the arrive syncs the warp group)
-                mbarrier.arrive(h_ready.index(hb))
-                acc1 = warpgroup_mma(dh_smem.index(hb * 2 + C), xs, acc1, is_async=True)  # dH_c^T from shared
-                mbarrier.wait(h_ready.index(hb), (q // 2) & 1)
-                w1a = w1_smem.index(wb * 2).slice(64 * C, 64, dim=0)  # (64, 64): W1[64 C:, :64]
-                w1b = w1_smem.index(wb * 2 + 1).slice(64 * C, 64, dim=0)  # W1[64 C:, 64:]
-                dxt = warpgroup_mma(w1a, dh_smem.index(hb * 2), s_zero, use_acc=False, is_async=True)
-                dxt = warpgroup_mma(w1b, dh_smem.index(hb * 2 + 1), dxt, is_async=True)
-                rows = row0 + i * BLOCK_M
-                NP: gl.constexpr = DE // 128  # the tiles' partial dX / gate gradients of a row, side by side
-                if C == 0:
-                    dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
-                    gl.store(dgate_ptr + (rows + gl.arange(0, BLOCK_M, layout=dg.type.layout)) * NP + e0 // 128, dg)
-                # retires the block's products (acc1 / acc2 stay wgmma accumulators: the next wait names them)
-                dxt = warpgroup_mma_wait(num_outstanding=0, deps=(dxt,))
-                mbarrier.arrive(d_empty.index(s))
-                mbarrier.arrive(h_empty.index(hb))
-                dxv = gl.convert_layout(gl.permute(dxt.to(cdt), (1, 0)), lxs)  # (BLOCK_M, 64)
-                dx_cols = (e0 // 128) * DH + 64 * C + xc  # this tile's partial, this consumer's dh half
-                gl.store(dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + dx_cols[None, :], dxv)
+                acc1 = _fused_dx(a, f, dht, dg, xs, s_zero, xr, xc, acc1, s, q, wb, row0, i, e0, DE, DH, BLOCK_M, C)
+            elif XW:
+                acc1, op2 = _hand_over(f, dht, dg, xs, acc1, op2, q, HB, C)
             else:
-                if XW:  # dH_c^T and the gate gradient's half to the dX warp group
-                    hb = q % HB
-                    mbarrier.wait(h_empty.index(hb), ((q // HB) & 1) ^ 1)
-                    dh_smem.index(hb * 2 + C).store(dht)
-                    if not PROBE & 8:
-                        dg_smem.index(hb * 2 + C).store(dg)
-                    fence_async_shared()  # the generic writes before the wgmma reads (the arrive syncs the warp group)
-                    mbarrier.arrive(h_ready.index(hb))
-                    # dH_c^T from shared memory: no A operand registers in flight (this consumer writes the slot again
-                    # only after the next block's first wait retired this product; HB >= 2 is for overlap)
-                    acc1 = warpgroup_mma(dh_smem.index(hb * 2 + C), xs, acc1, is_async=True)
-                    # dW2's product (A operand op2 in registers) retires here, dW1's at the next block's first
-                    # wait: with dW2's in flight across the loop too, ptxas serialises every wgmma of the kernel
-                    # (C7512 "insufficient register resources": each k-step waits for the one before)
-                    op2 = warpgroup_mma_wait(num_outstanding=1, deps=(op2,))
-                else:
-                    op1 = gl.convert_layout(dht, a_layout)
-                    acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
-                    # the block's products retire here (its stage is then free): in flight across the block loop
-                    # (register A operands op1, op2) ptxas serialised every wgmma of the kernel (C7512)
-                    op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(op1, op2))
-                    mbarrier.arrive(d_empty.index(s))
+                op1 = gl.convert_layout(dht, a_layout)
+                acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
+                # the block's products retire here (its stage is then free): in flight across the block loop
+                # (register A operands op1, op2) ptxas serialised every wgmma of the kernel (C7512)
+                op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(op1, op2))
+                mbarrier.arrive(d_empty.index(s))
             q += 1
-        # dW1's sum so far loads while the last products retire (dW2's after dW1's store: registers); with XW (at 208
-        # registers) after the wait: loaded before it, the consumer spilled 504 bytes (sm_90a compile). The
-        # address is spelled out here rather than p1 moved above the wait: that move changed the kernels' code without
-        # ACCUM (the XW consumer's spills 104 -> 100 B), which the layer measurements were not re-run for
-        EARLY: gl.constexpr = ACCUM and not XW
-        live = None
-        if PROBE & 1:  # false at run time (the compiler cannot tell)
-            live = g < 0
-        if EARLY:
-            old1 = gl.load(dw1_ptr + g * (DH * DE) + dc[None, :] * DE + (e0 + C * 64 + er)[:, None])
-        acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
-        if XW and nsub > 0:  # the last block's dW1 product retired just now
-            mbarrier.arrive(d_empty.index((q - 1) % NST))
-        mbarrier.arrive(w_empty.index(wb))
-        e = e0 + C * 64 + er
-        # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
-        p1 = dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None]
-        if EARLY:
-            acc1 = old1 + acc1
-        elif ACCUM:
-            acc1 = gl.load(p1, mask=live) + acc1
-        gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty), mask=live)
-        p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
-        if ACCUM:
-            acc2 = gl.load(p2, mask=live) + acc2
-        gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty), mask=live)
+        _store_dw(a, acc1, acc2, op1, op2, er, dc, g, e0, q, wb, nsub, DH, DE, NST, C, XW, ACCUM)
         n += 1
 
 
@@ -357,7 +369,7 @@ def gluon_expert_dw_ws_kernel(
                                         2, ACCUM)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, False,
                                         2, ACCUM)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 

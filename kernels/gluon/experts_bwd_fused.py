@@ -12,7 +12,7 @@ gradients: the consumers run the dW kernel's loop and hand their dH^T halves and
 a shared-memory ring, so neither the dX products nor the other consumer sit on a consumer's per-block chain (16
 warps). It pays from `kernels.tuning.BWD_XW_MIN_SLOTS` routed slots on.
 
-Supported shapes: `kernels.tuning.gluon_bwd_supported`. PROBE constexprs: bench only (0 in the library's launches).
+Supported shapes: `kernels.tuning.gluon_bwd_supported`.
 """
 
 from __future__ import annotations
@@ -85,19 +85,18 @@ def gluon_expert_bwd_ws_kernel(
                                         2, ACCUM)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True, False,
                                         2, ACCUM)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0))],
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
 def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-               WB: gl.constexpr, HB: gl.constexpr, PROBE: gl.constexpr = 0):
+               WB: gl.constexpr, HB: gl.constexpr):
     """The dX warp group of `gluon_expert_bwd_xw_kernel`: per row block, once both consumers handed over their dH_c^T
     (h_ready), the block's dX rows over the tile's 128 de, dh half D: dX^T_D = W1[64 D:, :64] dH_0^T + W1[64 D:, 64:]
     dH_1^T (W1 from the tile's weight buffer), stored as (BLOCK_M, DH) rows of this tile's partial; and the gate
     gradient (the consumers' per-warp partials, 16 de each, added in a fixed order). Frees the ring slot (h_empty)
-    once its products retired, the weight buffer (w_empty) after the tile's last block. PROBE & 2 (a measurement):
-    the dX rows' and gate gradients' stores masked off by a condition false at run time."""
+    once its products retired, the weight buffer (w_empty) after the tile's last block."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
@@ -116,32 +115,23 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
         g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
                                      BLOCK_M)
         wb = _wait_weights(w_ready, n, WB)
-        live = None
-        if PROBE & 2:  # false at run time (the compiler cannot tell)
-            live = g < 0
         for i in range(nsub):
             hb = q % HB
             mbarrier.wait(h_ready.index(hb), (q // HB) & 1)
             h0 = dh_smem.index(hb * 2)
             h1 = dh_smem.index(hb * 2 + 1)
             rows = row0 + i * BLOCK_M
-            if PROBE & 32:  # a measurement: no dX products (the rows stored are a value the compiler cannot fold)
-                d0 = s_zero + rows.to(gl.float32)
-                d1 = s_zero - rows.to(gl.float32)
-            else:
-                d0 = warpgroup_mma(w1_smem.index(wb * 2).slice(0, 64, dim=0), h0, s_zero, use_acc=False,
-                                   is_async=True)
-                d0 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(0, 64, dim=0), h1, d0, is_async=True)
-                d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False,
-                                   is_async=True)
-                d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
+            d0 = warpgroup_mma(w1_smem.index(wb * 2).slice(0, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
+            d0 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(0, 64, dim=0), h1, d0, is_async=True)
+            d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
+            d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
             dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
-            gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg, mask=live)
+            gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg)
             d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
             mbarrier.arrive(h_empty.index(hb))
             base = dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + (e0 // 128) * DH + xc[None, :]
-            gl.store(base, gl.convert_layout(gl.permute(d0.to(cdt), (1, 0)), lxs), mask=live)
-            gl.store(base + 64, gl.convert_layout(gl.permute(d1.to(cdt), (1, 0)), lxs), mask=live)
+            gl.store(base, gl.convert_layout(gl.permute(d0.to(cdt), (1, 0)), lxs))
+            gl.store(base + 64, gl.convert_layout(gl.permute(d1.to(cdt), (1, 0)), lxs))
             q += 1
         mbarrier.arrive(w_empty.index(wb))
         n += 1
@@ -155,14 +145,13 @@ def gluon_expert_bwd_xw_kernel(
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
-    ACCUM: gl.constexpr, PROBE: gl.constexpr,
+    ACCUM: gl.constexpr,
 ):
     """The whole expert backward as `gluon_expert_bwd_ws_kernel` computes it (same outputs, same sums in the same
     order), with a fourth warp group for the dX rows (`_dx_worker`): the consumers run the dW kernel's pipeline and
     hand each block's dH^T halves and gate-gradient halves over through an HB-deep ring (`_dw_consumer`, XW), so
     neither the dX products nor the other consumer sit on a consumer's per-block chain. 16 warps: launched with
-    maxnreg 128; worker registers (CONSUMER_REGS, PRODUCER_REGS, DX_REGS), the default consumer the rest. PROBE:
-    0, or a measurement (`bwd_xw_constexprs`' probe bits)."""
+    maxnreg 128; worker registers (CONSUMER_REGS, PRODUCER_REGS, DX_REGS), the default consumer the rest."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
@@ -171,11 +160,11 @@ def gluon_expert_bwd_xw_kernel(
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW, 3)
     f = _dh_ring(dx_ptr, dgate_ptr, HB, BLOCK_M, NW, 1)  # both consumers arrive on ready, the dX warp group on empty
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
-                                        HB, ACCUM, PROBE)),
+                                        HB, ACCUM)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
-                                        HB, ACCUM, PROBE)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, PROBE)),
-                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB, PROBE))],
+                                        HB, ACCUM)),
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB)),
+                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB))],
                        [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
 
 
@@ -194,21 +183,15 @@ def bwd_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = G
 
 def bwd_xw_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = GLUON_XW_STAGES,
                       wbuf: int = GLUON_XW_WBUF, regs: tuple[int, int, int] = GLUON_XW_REGS, hb: int = GLUON_XW_HB,
-                      accum: bool = False, probe: int = 0, block_m: int = GLUON_DW_BLOCK_M) -> dict:
+                      accum: bool = False, block_m: int = GLUON_DW_BLOCK_M) -> dict:
     """`gluon_expert_bwd_xw_kernel`'s constexpr arguments: the fused backward's, the dX warp group's registers and
-    the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take. probe: 0 (the
-    kernel), or a measurement that masks traffic off (bits 1 dW, 2 dX, 4 gathers), leaves consumer math out (8 the
-    gate gradient, 16 the gelu and its derivative) or leaves products out (32 the dX warp group's, 64 the consumers'
-    H^T / dA'^T): wrong outputs, bench only."""
-    if not 0 <= probe < 128:
-        raise ValueError(f"fused expert backward: probe={probe}, expected 0..127 (bits: 1 dW, 2 dX, 4 gathers, "
-                         "8 no gate gradient, 16 no gelu math, 32 no dX products, 64 no H^T / dA'^T products)")
+    the dH^T ring's depth; raises on unsupported shapes and on `regs` / `hb` the kernel cannot take."""
     if len(regs) != 3 or hb < 2:
         raise ValueError(f"fused expert backward with the dX warp group: regs={regs}, hb={hb}; expected three worker "
                          "register counts (consumer, producer, dX warp group) and hb >= 2")
     consts = dw_ws_constexprs(k, dh, de, pack_block, stages, wbuf, regs[:2], block_m, kernel="fused expert backward",
                               accum=accum)
-    return dict(consts, DX_REGS=regs[2], HB=hb, PROBE=probe)
+    return dict(consts, DX_REGS=regs[2], HB=hb)
 
 
 def bwd_kernel(xw: bool):

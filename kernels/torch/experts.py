@@ -278,7 +278,7 @@ def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, progr
                         dw_dtype=None, out=None, *, heads: int, deal: bool = True, **options):
     """Torch launcher (CUDA, Hopper): x, dy (S, dh) rows as stored, gates (S * k,) fp32, pk a
     `kernels.torch.experts.TorchPacking`, w1 (G, dh, de), w2 (G, de, dh) -> (dW1, dW2) in dw_dtype (fp32), or
-    written into `out` = (dW1, dW2) if given; options: `dw_ws_constexprs`' stages / wbuf / regs / block_m (probes)."""
+    written into `out` = (dW1, dW2) if given; options: `dw_ws_constexprs`' stages / wbuf / regs / block_m (sweeps)."""
     (_, dh), (_, _, de) = x.shape, w1.shape
     consts = dw_ws_constexprs(k, dh, de, pack_block, **options)
     dw_dtype = dw_dtype or torch.float32

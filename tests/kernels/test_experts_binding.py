@@ -259,12 +259,7 @@ def test_ws_bwd_shapes_checked():
     for bad in (dict(regs=(232, 40)), dict(hb=1)):
         with pytest.raises(ValueError, match="three worker register counts .* hb >= 2"):
             bwd_xw_constexprs(8, 128, 256, 64, **bad)
-    # the measurement probes (bench only): bits 1, 2, 4, 8, 16, 32, 64; the kernel itself at 0
-    assert consts["PROBE"] == 0 and bwd_xw_constexprs(8, 128, 256, 64, probe=96)["PROBE"] == 96
-    for bad in (-1, 128):
-        with pytest.raises(ValueError, match=f"probe={bad}, expected 0..127"):
-            bwd_xw_constexprs(8, 128, 256, 64, probe=bad)
-    # 64-row blocks (a probe: they spill at the kernel's registers) must divide the packing block
+    # 64-row blocks (a tile sweep's: they spill at the kernel's registers) must divide the packing block
     assert bwd_xw_constexprs(8, 128, 256, 128, block_m=64)["BLOCK_M"] == 64
     with pytest.raises(ValueError, match="pack_block=32, block_m=64"):
         bwd_xw_constexprs(8, 128, 256, 32, block_m=64)
