@@ -130,7 +130,7 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
         mbarrier.wait(x_ready.index(xb), (t // 2) & 1)
         xs = x_smem.index(xb * NC + C)
         for e0 in range(0, NE, 64):
-            bias = block_bias(b_ptr, h, e0, NE)  # before the waits: its L2 latency hides under them and the products
+            bias = block_bias(b_ptr, h, e0, NE)  # before the W_r wait: its L2 latency hides under it and the products
             sc = _next_scores(xs, w_smem, w_ready, w_empty, q, zero, NST, PARTS)
             rv, ri, floor = select_block(sc, e0, bias, rv, ri, floor, NE, KP, THR)
             q += 1
