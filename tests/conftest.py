@@ -48,7 +48,8 @@ def emulated(monkeypatch):
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on a GPU machine: bench/gpu.sh tests-1)")
+    skip = pytest.mark.skip(
+        reason="needs an NVIDIA GPU (on a GPU machine: python -m pytest -m gpu, or bench/gpu.sh tests)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

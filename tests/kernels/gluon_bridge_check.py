@@ -1,4 +1,4 @@
-"""Run by tests/kernels/test_experts_gpu.py in a process of its own (kernels compiled for sm_90 on the CPU, not
+"""Run by tests/kernels/test_gluon_bridge.py in a process of its own (kernels compiled for sm_90 on the CPU, not
 interpreted). `gluon_bridge.install` on a stand-in for jax-triton's `triton_lib` with the real Triton compiler behind it
 (only jaxlib's kernel object is recorded instead of built): a Triton kernel goes through jax-triton's own
 compile step untouched; the warp-specialised Gluon forward gets its IR from the Gluon builder, its
