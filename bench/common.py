@@ -37,19 +37,26 @@ def today() -> str:
     return datetime.date.today().isoformat()
 
 
-def time_jax(fn, arg_sets, reps: int = 20, inner: int = 3, budget_s: float = 10.0) -> float:
+def time_jax(fn, arg_sets, reps: int = 20, inner: int = 3, budget_s: float = 10.0,
+             batch_ms: float | None = None) -> float:
     """Median ms per call over `reps` batches of `inner` back-to-back calls, rotating input sets.
 
     Every input set runs once first (compile and warm-up). block_until_ready closes each batch rather than each call,
     so the figure is the device's time with the host's launch gaps amortised over `inner` calls. A slow function (one
     warm call x reps x inner over `budget_s`) gets fewer batches (at least 3) of one call each, so a sweep over large
     shapes still ends in reasonable time.
+
+    batch_ms: more calls per batch, each batch at least this long: the device's time per call in a stream of calls,
+    as a kernel runs inside a jitted step. Batches of 3 leave ~0.1 ms per call of the host's dispatch of a batch's
+    first call in a call of a few kernels (none measurable in a 10 ms one).
     """
     for a in arg_sets:
         jax.block_until_ready(fn(*a))
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*arg_sets[0]))
     one = time.perf_counter() - t0
+    if batch_ms is not None:
+        inner = max(inner, int(np.ceil(batch_ms / 1e3 / max(one, 1e-6))))
     if one * reps * inner > budget_s:
         reps, inner = max(3, min(reps, int(budget_s / max(one, 1e-9)))), 1
     ts = []
@@ -60,20 +67,6 @@ def time_jax(fn, arg_sets, reps: int = 20, inner: int = 3, budget_s: float = 10.
         jax.block_until_ready(out)
         ts.append((time.perf_counter() - t0) / inner * 1e3)
     return float(np.median(ts))
-
-
-def time_stream(fn, arg_sets, batch_ms: float = 20.0, reps: int = 10) -> float:
-    """Median ms per call over `reps` batches of back-to-back calls, each batch at least `batch_ms` long: the device's
-    time per call in a stream of calls (how a kernel runs inside a jitted step), the host's dispatch of each batch's
-    first call and the closing block_until_ready amortised. `time_jax`'s batches of 3 leave ~0.1 ms per call of them
-    in a call of a few kernels (and none measurable in a 10 ms one)."""
-    for a in arg_sets:
-        jax.block_until_ready(fn(*a))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*arg_sets[0]))
-    one_ms = (time.perf_counter() - t0) * 1e3
-    return time_jax(fn, arg_sets, reps=reps, inner=max(3, int(np.ceil(batch_ms / max(one_ms, 1e-3)))),
-                    budget_s=max(10.0, 2.0 * reps * batch_ms / 1e3))
 
 
 def time_calls(fn, arg_sets, repeats: int) -> float:

@@ -8,9 +8,9 @@ Shape: 81920 tokens (the paper's B=40 x T=2048) x 8 heads x dh 128, k = 4. Input
 fp32, bias (H, Ne) fp32, two input sets rotated; fwd+bwd = the value and gradients of sum(values * dv) with respect
 to x and w_r. Peak memory: JAX, the compiled executable's arguments + outputs + temporaries; torch,
 max_memory_allocated over one fwd+bwd, inputs included (the authors' convention). One JSON line per (impl, Ne) with
-ms_fwd, ms, ms_bwd (JAX: batches of 3 calls, `time_jax`), ms_fwd_stream and ms_stream (JAX: batches of >= 20 ms of
-calls, `time_stream`), peak_gib, the forward's TFLOP/s and its bandwidth against the byte floor, and the authors'
-fwd+bwd on one H100 where known; a table last.
+ms_fwd, ms, ms_bwd (JAX: batches of 3 calls, `time_jax`), ms_fwd_stream and ms_stream (JAX: batches of >= 20 ms
+of calls, `time_jax`'s batch_ms), peak_gib, the forward's TFLOP/s and its bandwidth against the byte floor, and the
+authors' fwd+bwd on one H100 where known; a table last.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from bench.common import GIB, JsonLines, compiled_gib, error_text, parser, time_jax, time_stream, today
+from bench.common import GIB, JsonLines, compiled_gib, error_text, parser, time_jax, today
 from mhl_jax.moe.plan import import_jax_triton
 from mhl_jax.moe.router import route_topk_reference
 
@@ -103,7 +103,7 @@ def measure(impl: str, sets, ne: int, k: int, device: str) -> dict:
         else:
             fwd, fb = jax_fns(impl, k)
             rec["ms_fwd"], rec["ms"] = time_jax(fwd, sets, reps=15), time_jax(fb, sets, reps=15)
-            rec["ms_fwd_stream"], rec["ms_stream"] = time_stream(fwd, sets), time_stream(fb, sets)
+            rec["ms_fwd_stream"], rec["ms_stream"] = (time_jax(f, sets, reps=10, batch_ms=20.0) for f in (fwd, fb))
             rec["peak_gib"], rec["peak_gib_fwd"] = compiled_gib(fb, *sets[0]), compiled_gib(fwd, *sets[0])
         floor_bytes = n * NH * DH * 2 + n * NH * k * 8 + NH * DH * ne * 4  # x in, (values, indices) out, W_r once
         rec.update(ms_bwd=rec["ms"] - rec["ms_fwd"], tflops=2.0 * n * NH * DH * ne / rec["ms_fwd"] / 1e9,
