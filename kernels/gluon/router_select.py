@@ -234,25 +234,31 @@ def _candidates(by_col, thr, STRICT: gl.constexpr):
 
 @gluon.jit
 def select_block(sc, e0, bias, rv, ri, floor, NE: gl.constexpr, KP: gl.constexpr, THR: gl.constexpr):
-    """One 64-expert block by a threshold and insertions. The first block (e0 0, a uniform branch): scores at or
-    above `_block_bound` (KP of the block's own scores are), which becomes `floor`. Later blocks: only scores strictly
-    above the row's threshold can enter (`_row_bound` of the lists, or `floor`, whichever is higher), since KP scores
-    of the row, of lower indices, are at or above it. Each thread inserts its candidates one by one, lowest column
-    first, in as many rounds as the most candidates any thread row of the warp group has (one reduction per block).
-    Above THR rounds the block goes through the sorting networks instead (adversarial orders, a NaN score in the
-    first block). Every score of the row's best KP enters its thread's list and stays there, so the rows' final
-    merge (`finish_lists`) gives exactly the networks' result. Returns the lists and the floor."""
+    """One 64-expert block by a threshold and insertions. The first block (e0 0, a uniform branch): at KP <= 4, scores
+    at or above `_block_bound` (KP of the block's own scores are), which becomes `floor`; at KP 8 the networks take it
+    (floor -inf), since that bound lets most of the block through anyway (~10 insertion rounds on average). Later
+    blocks: only scores strictly above the row's threshold can enter (`_row_bound` of the lists, or `floor`, whichever
+    is higher), since KP scores of the row, of lower indices, are at or above it. Each thread inserts its candidates one
+    by one, lowest column first, in as many rounds as the most candidates any thread row of the warp group has (one
+    reduction per block). Above THR rounds the block goes through the sorting networks instead (adversarial orders, a
+    NaN score in the first block). Every score of the row's best KP enters its thread's list and stays there, so the
+    rows' final merge (`finish_lists`) gives exactly the networks' result. Returns the lists and the floor."""
     gl.static_assert(THR < 16, "THR: a block whose bound is -inf (16 candidates) must go through the networks")
     lv, li = _block_leaves(sc, e0, bias, NE)
     by_col = ()  # the leaves in column order
     for c in gl.static_range(16):
         by_col = by_col + (lv[_rev4(c)],)
     if e0 == 0:
-        thr = _block_bound(lv, KP)
-        bad = thr != thr  # a NaN score: this block through the networks, as if the bound were -inf
-        floor = gl.where(bad, float("-inf"), thr)
-        m, cnt = _candidates(by_col, thr, False)
-        cnt = gl.where(bad, 16, cnt)
+        if KP > 4:  # the eight values bound KP 8 too loosely: the networks take the first block
+            floor = gl.full_like(rv[0], float("-inf"))
+            m = gl.zeros_like(ri[0])
+            cnt = gl.full_like(ri[0], 16)
+        else:
+            thr = _block_bound(lv, KP)
+            bad = thr != thr  # a NaN score: this block through the networks, as if the bound were -inf
+            floor = gl.where(bad, float("-inf"), thr)
+            m, cnt = _candidates(by_col, thr, False)
+            cnt = gl.where(bad, 16, cnt)
     else:
         m, cnt = _candidates(by_col, gl.maximum(_row_bound(rv, KP), floor), True)
     rounds = gl.max(cnt, axis=None)
