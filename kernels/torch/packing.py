@@ -14,8 +14,9 @@ from kernels.tuning import HIST_ATOMIC_MIN_BINS, PACK_CHUNK
 def pack_triton_torch(idx: torch.Tensor, num_experts: int, block: int, chunk: int = PACK_CHUNK,
                       hist_atomic_min_bins: int = HIST_ATOMIC_MIN_BINS):
     """idx: (N, H, k) int32 (-1 = empty slot) -> (row_slot (P,), slot_row (M,), block_group (P / block,),
-    group_sizes (G,), num_blocks (1,)) int32: the arrays of `mhl_jax.moe.packing.pack`. chunk and
-    hist_atomic_min_bins: `pack_launches`' (tests reach several chunks and both histogram forms at small sizes)."""
+    group_sizes (G,), num_blocks (1,), group_first_block (G,), group_nblocks (G,)) int32: the arrays of
+    `mhl_jax.moe.packing.pack`. chunk and hist_atomic_min_bins: `pack_launches`' (tests reach several chunks and both
+    histogram forms at small sizes)."""
     n, h, k = idx.shape
     p = padded_rows(n * h * k, h * num_experts, block)
     bufs = run_launches_torch(pack_launches(n, h, k, num_experts, block, p, chunk, hist_atomic_min_bins),

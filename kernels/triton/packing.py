@@ -185,7 +185,7 @@ class Launch:
     inplace: tuple = ()  # ((output name, input name), ...)
 
 
-PACK_RESULT = ("row_slot", "slot_row", "block_group", "sizes", "nblocks")  # `Packing`'s fields, in order
+PACK_RESULT = ("row_slot", "slot_row", "block_group", "sizes", "nblocks", "gstart", "gcount")  # `Packing`'s, in order
 
 
 def group_blocks_launch(g: int, block: int) -> Launch:

@@ -32,6 +32,8 @@ class Packing(NamedTuple):
     block_group: jax.Array  # (P // R,) int32: group h * Ne + e of each row block, -1 if all padding
     group_sizes: jax.Array  # (G,) int32: routed slots per group (the expert load, per head)
     num_blocks: jax.Array  # () int32: blocks in use (the rest are all padding)
+    group_first_block: jax.Array  # (G,) int32: each group's first row block (its first row: that times R)
+    group_nblocks: jax.Array  # (G,) int32: each group's row blocks (0 if empty)
 
 
 def padded_rows(num_slots: int, num_groups: int, block: int) -> int:
@@ -100,9 +102,8 @@ def _finish(n: int, h: int, k: int, ne: int, block: int, sizes, local, gid, rank
     m, g_count = n * h * k, h * ne
     p = padded_rows(m, g_count, block)
     nb = p // block
-    padded = (sizes + block - 1) // block * block
-    pend = prefix_scan(jnp.add, padded)
-    pstarts = pend - padded
+    first, nblk = group_blocks(sizes, block)
+    pstarts = first * block
     dest = jnp.where(valid, pstarts[gid] + rank, -1)  # padded row of each slot
     heads = jnp.arange(h, dtype=jnp.int32)[:, None]
     slot = (local // k * h + heads) * k + local % k  # global slot id (n * H + h) * k + j
@@ -110,15 +111,14 @@ def _finish(n: int, h: int, k: int, ne: int, block: int, sizes, local, gid, rank
     slot_row = jnp.full((m,), -1, jnp.int32).at[slot.reshape(-1)].set(dest.reshape(-1), mode="drop")
     row_slot = jnp.full((p,), -1, jnp.int32).at[jnp.where(valid, dest, p).reshape(-1)].set(
         slot.reshape(-1), mode="drop")
-    num_blocks = (pend[-1] // block).astype(jnp.int32)
+    num_blocks = first[-1] + nblk[-1]
     # group of each row block: mark each non-empty group's first block with the group (unique indices),
     # carry the mark forward with a running max
-    nblk = padded // block
-    marks = jnp.full((nb,), -1, jnp.int32).at[jnp.where(nblk > 0, pstarts // block, nb)].set(
+    marks = jnp.full((nb,), -1, jnp.int32).at[jnp.where(nblk > 0, first, nb)].set(
         jnp.arange(g_count, dtype=jnp.int32), mode="drop")
     bg = prefix_scan(jnp.maximum, marks)
     block_group = jnp.where(jnp.arange(nb) < num_blocks, bg, -1).astype(jnp.int32)
-    return Packing(row_slot, slot_row, block_group, sizes.astype(jnp.int32), num_blocks)
+    return Packing(row_slot, slot_row, block_group, sizes.astype(jnp.int32), num_blocks, first, nblk)
 
 
 def gather_rows(x: jax.Array, packing: Packing, k: int) -> jax.Array:

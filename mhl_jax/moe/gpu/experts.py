@@ -50,11 +50,8 @@ def packed_meta(idx: jax.Array, num_experts: int, block: int, pack_impl: str, ba
         if got != want:
             raise ValueError(f"{who}: the given packing has (rows, slots, groups) = {got}, expected {want} "
                              f"(row block {block}: make it with mhl_jax.moe.plan.packing_spec)")
-    if backend == "triton":
-        start, count, _ = packing_triton.group_blocks_triton(packing.group_sizes, block)
-    else:
-        start, count = pk.group_blocks(packing.group_sizes, block)
-    return packing, Meta(packing.row_slot, packing.slot_row, packing.block_group, start, count, packing.group_sizes)
+    return packing, Meta(packing.row_slot, packing.slot_row, packing.block_group, packing.group_first_block,
+                         packing.group_nblocks, packing.group_sizes)
 
 
 def take_slots(rows, slot_row):

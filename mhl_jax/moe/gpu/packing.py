@@ -30,8 +30,7 @@ def pack(idx: jax.Array, num_experts: int, block: int, method: str) -> pk.Packin
 
 
 def pack_triton(idx: jax.Array, num_experts: int, block: int) -> pk.Packing:
-    """idx (N, H, k) int32 (-1 = empty slot) -> `Packing` (row_slot, slot_row, block_group, group_sizes,
-    num_blocks), equal to `packing.pack(idx, num_experts, block)`.
+    """idx (N, H, k) int32 (-1 = empty slot) -> `Packing`, equal to `packing.pack(idx, num_experts, block)`.
 
     Integer in, integer out: nothing to differentiate, but under jax.grad the indices (outputs of the
     router's custom_vjp) carry zero tangents and jax-triton's call has no JVP rule ("triton_call does
@@ -62,8 +61,8 @@ def _launch(idx: jax.Array, *, num_experts: int, block: int) -> pk.Packing:
     n, h, k = idx.shape
     p = pk.padded_rows(n * h * k, h * num_experts, block)
     bufs = run_launches(pack_launches(n, h, k, num_experts, block, p), {"idx": idx.astype(jnp.int32)})
-    row_slot, slot_row, block_group, sizes, nblocks = (bufs[name] for name in PACK_RESULT)
-    return pk.Packing(row_slot, slot_row, block_group, sizes, nblocks.reshape(()))
+    row_slot, slot_row, block_group, sizes, nblocks, gstart, gcount = (bufs[name] for name in PACK_RESULT)
+    return pk.Packing(row_slot, slot_row, block_group, sizes, nblocks.reshape(()), gstart, gcount)
 
 
 def run_launches(launches, bufs: dict) -> dict:

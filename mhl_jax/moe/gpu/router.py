@@ -119,19 +119,18 @@ def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, pack_block
     bit. Elementwise work and scans over the G groups.
 
     global_slots (GPU, jax-triton): `order` is the packing's row_slot as it is (global slots (n * H + h) * k + j,
-    which the dW kernel reads with GLOBAL_SLOTS) and the group scans run as Triton launches
+    which the dW kernel reads with GLOBAL_SLOTS) and the groups are cut by Triton launches
     (`packing_triton.group_blocks_triton`) instead of ~15 small XLA kernels and a pass over the rows; the same
     blocks."""
     n_slots, g = packing.slot_row.shape[0], packing.group_sizes.shape[0]
     nb = kr.dw_num_blocks(n_slots, g, block)
+    start = packing.group_first_block * pack_block
     if global_slots:
-        _, _, start = packing_triton.group_blocks_triton(packing.group_sizes, pack_block)
         bstart, nblk, _, bg = packing_triton.group_blocks_triton(packing.group_sizes, block, nb)
         return DwMeta(packing.row_slot, bg, start, bstart, packing.group_sizes, nblk)
     s = packing.row_slot
     local = jnp.where(s >= 0, s // (heads * k) * k + s % k, 0).astype(jnp.int32)
-    first_block, _ = pk.group_blocks(packing.group_sizes, pack_block)
-    return _cut_groups(local, first_block * pack_block, packing.group_sizes, block, nb)
+    return _cut_groups(local, start, packing.group_sizes, block, nb)
 
 
 def _dhp(dh: int) -> int:
