@@ -114,8 +114,8 @@ def _router_consumer(a, N: gl.constexpr, H: gl.constexpr, DH: gl.constexpr, NE: 
                      PARTS: gl.constexpr, NST: gl.constexpr, NC: gl.constexpr, C: gl.constexpr, THR: gl.constexpr):
     """Consumer C: rows [C * 64, C * 64 + 64) of every item, block by block (the other consumers' selections run
     under this one's products; issuing block b + 1's before block b's selection measured slower: the second
-    accumulator's registers). The first block is selected against a bound from its own scores, the later ones
-    against the lists' (`select_block`)."""
+    accumulator's registers). At k <= 4 the first block is selected against a bound from its own scores, at k 8
+    through the networks; the later ones against the lists' bound (`select_block`)."""
     (x_ptr, w_ptr, b_ptr, vals_ptr, idx_ptr, x_smem, w_smem, x_ready, x_empty, w_ready, w_empty, T) = a
     NW: gl.constexpr = gl.num_warps()
     KP: gl.constexpr = 1 << _log2(2 * K - 1)  # K rounded up to a power of 2

@@ -3,7 +3,7 @@ KP of a row's scores, all of lower expert indices than the block at hand, reach,
 need to enter the threads' lists.
 
 - `_row_bound`: from the four threads' lists of a row (the later blocks of an item).
-- `_block_bound`: from the block's own scores (an item's first block, where the lists are empty). It propagates
+- `_block_bound`: from the block's own scores (an item's first block, where the lists are empty; KP <= 4). It propagates
   NaN, so that a row with a NaN score can be sent through the sorting networks instead.
 """
 
@@ -87,9 +87,10 @@ def _top2(lv):
 def _block_bound(lv, KP: gl.constexpr):
     """A threshold per row from the block itself, for its first block (the lists are empty then): the KP-th best of
     the eight values {each of the row's four threads' best two}, so at least KP of the row's scores are at or above
-    it. Candidates at or above it are ~1 per thread row at KP 4 (the networks' first block sorts all 16). NaN where
-    the row has a NaN score in the block."""
-    gl.static_assert(KP <= 8, "KP: eight values bound at most the 8th best")
+    it. Candidates at or above it are ~1 per thread row at KP 4 (the networks' first block sorts all 16); at KP 8
+    most scores would be, so `select_block` does not ask for it there. NaN where the row has a NaN score in the
+    block."""
+    gl.static_assert(KP <= 4, "KP: the first block goes through the networks at KP 8")
     a1, a2 = _top2(lv)
     b1 = _shfl_bfly(a1, 1)
     b2 = _shfl_bfly(a2, 1)
@@ -102,8 +103,6 @@ def _block_bound(lv, KP: gl.constexpr):
         thr = _mx(c[0], d[0])
     elif KP == 2:
         thr = _mx(_mx(c[1], d[1]), _mn(c[0], d[0]))
-    elif KP == 4:
-        thr = _mx(_mx(c[3], d[3]), _mx(_mx(_mn(c[0], d[2]), _mn(c[1], d[1])), _mn(c[2], d[0])))
     else:
-        thr = _mn(c[3], d[3])
+        thr = _mx(_mx(c[3], d[3]), _mx(_mx(_mn(c[0], d[2]), _mn(c[1], d[1])), _mn(c[2], d[0])))
     return thr

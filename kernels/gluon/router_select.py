@@ -9,13 +9,13 @@ order on non-NaN scores, so ties go exactly as there and every sorting network g
 - Sorting networks (`_net_merge`): Batcher's odd-even merge sort of groups of KP of a thread's 16 scores, merges
   of the groups (the better of a_t and b_{KP-1-t}, then a bitonic merge), then into the running list. No
   data-dependent control flow, no cross-thread work.
-- Most scores cannot enter, so `select_block` first bounds each row and lets each thread insert only its scores
-  above that bound (at or above it in the first block), one per round, in as many rounds as the warp group's most
-  candidates; a block with more than THR of them goes through the networks. From the second block on the bound
-  comes from the four threads' lists; in the first, where the lists are empty, from the block itself (the KP-th
-  best of the threads' best two: ~1 candidate per thread row at k 4, instead of sorting all 16); both in
-  `kernels/gluon/router_bounds.py`. Every score of a row's best KP still reaches its thread's list, so the rows'
-  merged results are bitwise the networks'.
+- Most scores cannot enter, so `select_block` first bounds each row and lets each thread insert only its scores above
+  that bound (at or above it in the first block), one per round, in as many rounds as the warp group's most candidates;
+  a block with more than THR of them goes through the networks. From the second block on the bound comes from the four
+  threads' lists; in the first, where the lists are empty, from the block itself at KP <= 4 (the KP-th best of the
+  threads' best two: ~1 candidate per thread row at k 4, instead of sorting all 16); both in
+  `kernels/gluon/router_bounds.py`. At KP 8 that bound is too loose, and the networks take the first block. Every score
+  of a row's best KP still reaches its thread's list, so the rows' merged results are bitwise the networks'.
 - `finish_lists`: two butterfly shuffles merge the four threads of a row; `store_topk` writes the row's best K.
 """
 

@@ -164,8 +164,7 @@ def test_emulate_stand_ins_match_interpreted_kernels():
     @jax.jit
     def stand_ins(idx, xs, g32, w1g, w2g, dy):  # one program: one compile, not one per eager op
         jp = packing.pack(idx, 3, cfg.pack_block)
-        start, count = packing.group_blocks(jp.group_sizes, cfg.pack_block)
-        meta = eg.Meta(jp.row_slot, jp.slot_row, jp.block_group, start, count, jp.group_sizes)
+        meta = eg.Meta(jp.row_slot, jp.slot_row, jp.block_group, jp.group_first_block, jp.group_nblocks, jp.group_sizes)
         hpre, act = eg._rows_emulate(st, xs, g32, meta, w1g, a_mode=GATHER, transpose_w=False,
                                      **dict(common, epi_gelu=True))
         out = eg._rows_emulate(st, act, g32, meta, w2g, a_mode=ROWS, transpose_w=False, **common)

@@ -2,8 +2,8 @@
 jax-triton. Five launches (the plan `kernels.triton.packing.pack_launches`, which the torch launcher runs too),
 integer-only (integer atomic adds for the chunk histograms at many bins: order-free counts), the same arrays as the
 JAX sort (checked under the Triton interpreter in tests/kernels/test_packing.py; the binding itself needs a GPU).
-The same launches cut a packing's groups into blocks (`group_blocks_triton`): one or two launches in place of the
-~5 (experts) and ~15 (router dW) small XLA kernels of log-depth scans over the groups."""
+The same launches cut a packing's groups into other blocks (`group_blocks_triton`, the router's dW blocks): two
+launches in place of ~15 small XLA kernels of log-depth scans over the groups."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.triton.packing import PACK_RESULT, cut_launches, group_blocks_launch, pack_launches
+from kernels.triton.packing import PACK_RESULT, cut_launches, pack_launches
 from mhl_jax.moe import packing as pk
 from mhl_jax.moe.plan import import_jax_triton
 
@@ -87,17 +87,14 @@ def run_launches(launches, bufs: dict) -> dict:
     return bufs
 
 
-def group_blocks_triton(group_sizes: jax.Array, block: int, num_blocks: int | None = None):
-    """group_sizes (G,) int32 cut into blocks of at most `block` rows, group after group, in one or two launches
+def group_blocks_triton(group_sizes: jax.Array, block: int, num_blocks: int):
+    """group_sizes (G,) int32 cut into blocks of at most `block` rows, group after group, in two launches
     (`kernels.triton.packing.cut_launches`): (first block, block count, first row) of each group (G,) int32, as
-    `packing.group_blocks` (and first block * block); with num_blocks (a static bound on the blocks) also each
-    block's group (num_blocks,), -1 past the used blocks. Integer only (no cotangent, as `pack_triton`)."""
+    `packing.group_blocks` (and first block * block), and each block's group (num_blocks,: a static bound on the
+    blocks), -1 past the used blocks. Integer only (no cotangent, as `pack_triton`)."""
     return _integer_launches(functools.partial(_cut_launch, block=block, num_blocks=num_blocks), group_sizes)
 
 
-def _cut_launch(sizes: jax.Array, *, block: int, num_blocks: int | None):
-    g = sizes.shape[0]
-    launches = [group_blocks_launch(g, block)] if num_blocks is None else cut_launches(g, block, num_blocks)
-    bufs = run_launches(launches, {"sizes": sizes.astype(jnp.int32)})
-    out = (bufs["gstart"], bufs["gcount"], bufs["pstart"])
-    return out if num_blocks is None else out + (bufs["block_group"],)
+def _cut_launch(sizes: jax.Array, *, block: int, num_blocks: int):
+    bufs = run_launches(cut_launches(sizes.shape[0], block, num_blocks), {"sizes": sizes.astype(jnp.int32)})
+    return bufs["gstart"], bufs["gcount"], bufs["pstart"], bufs["block_group"]
