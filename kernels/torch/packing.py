@@ -14,7 +14,7 @@ from kernels.tuning import HIST_ATOMIC_MIN_BINS, PACK_CHUNK
 def pack_triton_torch(idx: torch.Tensor, num_experts: int, block: int, chunk: int = PACK_CHUNK,
                       hist_atomic_min_bins: int = HIST_ATOMIC_MIN_BINS):
     """idx: (N, H, k) int32 (-1 = empty slot) -> (row_slot (P,), slot_row (M,), block_group (P / block,),
-    group_sizes (G,), num_blocks (1,), group_first_block (G,), group_nblocks (G,)) int32: the arrays of
+    group_sizes (G,), num_blocks (1,), group_block_start (G,), group_nblocks (G,)) int32: the arrays of
     `mhl_jax.moe.packing.pack`. chunk and hist_atomic_min_bins: `pack_launches`' (tests reach several chunks and both
     histogram forms at small sizes)."""
     n, h, k = idx.shape

@@ -32,7 +32,7 @@ class Packing(NamedTuple):
     block_group: jax.Array  # (P // R,) int32: group h * Ne + e of each row block, -1 if all padding
     group_sizes: jax.Array  # (G,) int32: routed slots per group (the expert load, per head)
     num_blocks: jax.Array  # () int32: blocks in use (the rest are all padding)
-    group_first_block: jax.Array  # (G,) int32: each group's first row block (its first row: that times R)
+    group_block_start: jax.Array  # (G,) int32: each group's first row block (its first row: that times R)
     group_nblocks: jax.Array  # (G,) int32: each group's row blocks (0 if empty)
 
 

@@ -214,7 +214,7 @@ def test_binding_schedule_matches_launch_grid(monkeypatch):
     n, h, dh, de, ne, k = 64, 2, 128, 256, 8, 2
     cfg = default_config(n * h * k, h * ne, dh, de)
     idx = np_expert_inputs(0, n, h, dh, ne, de, k)[1]
-    _, meta = jax.jit(et.packed_meta, static_argnums=(1, 2, 3, 4, 5, 6))(idx, ne, cfg.pack_block, cfg.pack_impl,
+    meta = jax.jit(et.expert_packing, static_argnums=(1, 2, 3, 4, 5, 6))(idx, ne, cfg.pack_block, cfg.pack_impl,
                                                                         "emulate", None, "test")
     st = ek.Static(cfg, k, "triton", "float32")
     xs = jnp.zeros((n * h, dh), jnp.bfloat16)

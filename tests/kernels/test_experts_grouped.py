@@ -164,16 +164,15 @@ def test_emulate_stand_ins_match_interpreted_kernels():
     @jax.jit
     def stand_ins(idx, xs, g32, w1g, w2g, dy):  # one program: one compile, not one per eager op
         jp = packing.pack(idx, 3, cfg.pack_block)
-        meta = eg.Meta(jp.row_slot, jp.slot_row, jp.block_group, jp.group_first_block, jp.group_nblocks, jp.group_sizes)
-        hpre, act = eg._rows_emulate(st, xs, g32, meta, w1g, a_mode=GATHER, transpose_w=False,
+        hpre, act = eg._rows_emulate(st, xs, g32, jp, w1g, a_mode=GATHER, transpose_w=False,
                                      **dict(common, epi_gelu=True))
-        out = eg._rows_emulate(st, act, g32, meta, w2g, a_mode=ROWS, transpose_w=False, **common)
-        dh_rows = eg._rows_emulate(st, dy, g32, meta, w2g, a_mode=GATHER_GATED, transpose_w=True,
+        out = eg._rows_emulate(st, act, g32, jp, w2g, a_mode=ROWS, transpose_w=False, **common)
+        dh_rows = eg._rows_emulate(st, dy, g32, jp, w2g, a_mode=GATHER_GATED, transpose_w=True,
                                    **dict(common, hpre=hpre))
-        dx_rows = eg._rows_emulate(st, dh_rows, g32, meta, w1g, a_mode=ROWS, transpose_w=True, **common)
+        dx_rows = eg._rows_emulate(st, dh_rows, g32, jp, w1g, a_mode=ROWS, transpose_w=True, **common)
         wg = dict(num_groups=g, dw_dtype=jnp.float32)
-        dw1 = eg._wgrad_emulate(st, xs, dh_rows, g32, meta, a_mode=GATHER, d_mode=ROWS, **wg)
-        dw2 = eg._wgrad_emulate(st, act, dy, g32, meta, a_mode=ROWS, d_mode=GATHER_GATED, **wg)
+        dw1 = eg._wgrad_emulate(st, xs, dh_rows, g32, jp, a_mode=GATHER, d_mode=ROWS, **wg)
+        dw2 = eg._wgrad_emulate(st, act, dy, g32, jp, a_mode=ROWS, d_mode=GATHER_GATED, **wg)
         return jp, (hpre, act, out, dh_rows, dx_rows, dw1, dw2)
 
     with jax.default_matmul_precision("highest"):

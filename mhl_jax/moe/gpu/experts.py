@@ -29,16 +29,16 @@ from kernels.tuning import ExpertsConfig, dgates_in_kernels, out_combine_tiles
 from mhl_jax.moe import packing as pk
 from mhl_jax.moe import plan
 from mhl_jax.moe.gpu import packing as packing_triton
-from mhl_jax.moe.gpu.expert_kernels import Meta, Static, backward_kernels, forward_rows, fwd_triton
+from mhl_jax.moe.gpu.expert_kernels import Static, backward_kernels, forward_rows, fwd_triton
 from mhl_jax.moe.plan import experts_config as resolve_config
 from mhl_jax.moe.plan import pack_method
 
-__all__ = ["Meta", "Static", "expert_ffn_triton", "experts_static", "packed_meta", "resolve_config", "pack_method"]
+__all__ = ["Static", "expert_ffn_triton", "experts_static", "expert_packing", "resolve_config", "pack_method"]
 
 
-def packed_meta(idx: jax.Array, num_experts: int, block: int, pack_impl: str, backend: str,
-                packing: pk.Packing | None, who: str) -> tuple[pk.Packing, Meta]:
-    """The packing of idx (N, H, k) for an expert op, and the kernels' Meta. A packing handed in (made
+def expert_packing(idx: jax.Array, num_experts: int, block: int, pack_impl: str, backend: str,
+                   packing: pk.Packing | None, who: str) -> pk.Packing:
+    """The packing of idx (N, H, k) for an expert op, which its kernels read. A packing handed in (made
     by the router, `route_topk_triton(..., pack=)`) is checked against the one the op would make with
     row block `block`; otherwise it is made here with `pack_impl` (`pack_method` under `backend`)."""
     n, h, k = idx.shape
@@ -50,8 +50,7 @@ def packed_meta(idx: jax.Array, num_experts: int, block: int, pack_impl: str, ba
         if got != want:
             raise ValueError(f"{who}: the given packing has (rows, slots, groups) = {got}, expected {want} "
                              f"(row block {block}: make it with mhl_jax.moe.plan.packing_spec)")
-    return packing, Meta(packing.row_slot, packing.slot_row, packing.block_group, packing.group_first_block,
-                         packing.group_nblocks, packing.group_sizes)
+    return packing
 
 
 def take_slots(rows, slot_row):
@@ -96,33 +95,33 @@ def _combine(out_rows, slot_row, gates):
     return jnp.sum(per_slot * gates[..., None], axis=2)
 
 
-def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
+def _forward(st: Static, x, gates, w1, w2, packing: pk.Packing, wc):
     n, h, dh = x.shape
     _, ne, _, de = w1.shape
     xs = x.reshape(n * h, dh)
     kernel = plan.expert_fwd_kernel(st.cfg, x.dtype, w1.dtype, st.backend, cast_given=wc is not None)
     if kernel == "triton-cast":  # the kernel converts the fp32 weights and keeps them for the backward
-        out_rows, w1c, w2c = fwd_triton(st, xs, meta, w1.reshape(h * ne, dh, de), w2.reshape(h * ne, de, dh),
+        out_rows, w1c, w2c = fwd_triton(st, xs, packing, w1.reshape(h * ne, dh, de), w2.reshape(h * ne, de, dh),
                                         cast=True)
     else:
         w1c, w2c = (w1, w2) if wc is None else wc  # wc: the weights already cast (by the router's kernel, the caller)
         w1c = w1c.reshape(h * ne, dh, de).astype(x.dtype)
         w2c = w2c.reshape(h * ne, de, dh).astype(x.dtype)
-        out_rows = forward_rows(kernel, st, xs, meta, w1c, w2c, h)
+        out_rows = forward_rows(kernel, st, xs, packing, w1c, w2c, h)
     with jax.named_scope("combine"):
-        y = combine_rows(out_rows, meta.slot_row, gates.astype(jnp.float32), x.dtype, st.backend)
+        y = combine_rows(out_rows, packing.slot_row, gates.astype(jnp.float32), x.dtype, st.backend)
     # the output rows are kept for the backward only where no kernel makes the gate gradients
     keep = None if dgates_in_kernels(st.cfg, de) else out_rows
-    return y, (xs, gates, keep, w1c, w2c, meta)
+    return y, (xs, gates, keep, w1c, w2c, packing)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _experts(st: Static, x, gates, w1, w2, meta: Meta, wc):
-    return _forward(st, x, gates, w1, w2, meta, wc)[0]
+def _experts(st: Static, x, gates, w1, w2, packing: pk.Packing, wc):
+    return _forward(st, x, gates, w1, w2, packing, wc)[0]
 
 
-def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta, wc):
-    return _forward(st, x, gates, w1, w2, meta, wc)
+def _experts_fwd(st: Static, x, gates, w1, w2, packing: pk.Packing, wc):
+    return _forward(st, x, gates, w1, w2, packing, wc)
 
 
 def experts_bwd_kernels(st: Static, res, dy, acc=None):
@@ -131,7 +130,7 @@ def experts_bwd_kernels(st: Static, res, dy, acc=None):
     (`dgates_in_kernels`), else None (`slot_dgates` makes them in XLA); dx itself is left to the combine. acc:
     (acc1, acc2) gradients summed so far, shaped as w1 / w2 (H, Ne, ...) in the weights' dtype: dW1 / dW2 come back
     as acc + dW (in place in the Gluon kernels)."""
-    xs, gates, _, w1c, w2c, meta = res
+    xs, gates, _, w1c, w2c, packing = res
     n, h, _ = gates.shape
     (_, dh), (_, _, de) = xs.shape, w1c.shape
     kernel = plan.expert_bwd_kernel(st.cfg, xs.dtype, dh, de, st.backend)
@@ -139,7 +138,7 @@ def experts_bwd_kernels(st: Static, res, dy, acc=None):
         acc = (acc[0].reshape(w1c.shape), acc[1].reshape(w2c.shape))
     # the kernel accumulates in fp32 and writes the gradient straight in the weights' dtype
     dxr, dw1, dw2, dgate_rows = backward_kernels(kernel, st, xs, dy.reshape(n * h, -1),
-                                                 gates.reshape(-1).astype(jnp.float32), meta, w1c, w2c,
+                                                 gates.reshape(-1).astype(jnp.float32), packing, w1c, w2c,
                                                  jnp.dtype(st.w_dtype), h, acc)
     if dgate_rows is not None:
         dgate_rows = dgate_rows.reshape(dgate_rows.shape[0], -1)
@@ -149,10 +148,10 @@ def experts_bwd_kernels(st: Static, res, dy, acc=None):
 def slot_dgates(res, dy, dgate_rows):
     """dgates (N, H, k) in gates' dtype: the kernels' per-row gate gradients (partials summed) per slot (empty: 0),
     or, where they make none (dX fused into the row-form dW kernel), <output row, dy> in XLA."""
-    _, gates, out_rows, _, _, meta = res
+    _, gates, out_rows, _, _, packing = res
     if dgate_rows is None:
-        return dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)[1]
-    return take_slots(dgate_rows, meta.slot_row).sum(-1).reshape(gates.shape).astype(gates.dtype)
+        return dgates_and_dy_rows(out_rows, packing.slot_row, dy, gates)[1]
+    return take_slots(dgate_rows, packing.slot_row).sum(-1).reshape(gates.shape).astype(gates.dtype)
 
 
 def _experts_bwd(st: Static, res, dy):
@@ -162,16 +161,16 @@ def _experts_bwd(st: Static, res, dy):
         return bwd_cotangents(dxr, dgates, dw1, dw2, res[0].dtype, res[5]) + (None,)  # the weights' cast: none
 
 
-def bwd_cotangents(dx_rows, dgates, dw1, dw2, x_dtype, meta: Meta):
-    """The custom_vjp's cotangents (x, gates, w1, w2, meta) from the packed dX rows (P, dh) or partial rows
+def bwd_cotangents(dx_rows, dgates, dw1, dw2, x_dtype, packing: pk.Packing):
+    """The custom_vjp's cotangents (x, gates, w1, w2, packing) from the packed dX rows (P, dh) or partial rows
     (P, parts, dh), dgates (N, H, k) and the per-group dW1 (G, dh, de), dW2 (G, de, dh): dx sums each sub-token's
     k slots (and their partials) in fp32; the weights go back to (H, Ne, ...)."""
     n, h, k = dgates.shape
     g, dh, de = dw1.shape
     p = dx_rows.shape[0]
-    dx = take_slots(dx_rows.reshape(p, -1), meta.slot_row).reshape(n, h, k, -1, dh).sum((2, 3))
-    zero_meta = jax.tree.map(lambda a: None, meta)
-    return (dx.astype(x_dtype), dgates, dw1.reshape(h, g // h, dh, de), dw2.reshape(h, g // h, de, dh), zero_meta)
+    dx = take_slots(dx_rows.reshape(p, -1), packing.slot_row).reshape(n, h, k, -1, dh).sum((2, 3))
+    zero_packing = jax.tree.map(lambda a: None, packing)
+    return (dx.astype(x_dtype), dgates, dw1.reshape(h, g // h, dh, de), dw2.reshape(h, g // h, de, dh), zero_packing)
 
 
 _experts.defvjp(_experts_fwd, _experts_bwd)
@@ -197,9 +196,8 @@ def expert_ffn_triton(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.Ar
                          f"{gates.shape}, w1 {w1.shape}, w2 {w2.shape}")
     st = experts_static(x, idx.shape[2], w1, w2, cfg, backend, weights_cast)
     with jax.named_scope("packing"):
-        packing, meta = packed_meta(idx, ne, st.cfg.pack_block, st.cfg.pack_impl, backend, packing,
-                                    "expert_ffn_triton")
-    y = _experts(st, x, gates.astype(jnp.float32), w1, w2, meta, weights_cast)
+        packing = expert_packing(idx, ne, st.cfg.pack_block, st.cfg.pack_impl, backend, packing, "expert_ffn_triton")
+    y = _experts(st, x, gates.astype(jnp.float32), w1, w2, packing, weights_cast)
     return y, packing.group_sizes.reshape(h, ne)
 
 

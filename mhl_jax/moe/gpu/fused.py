@@ -79,10 +79,10 @@ def _forward(st: Static, x, w_r, bias, w1, w2, wc):
         vals, idx, packing, *made = rtr._forward(st.router, x, w_r, bias, (w1, w2) if st.cast else None)
         gates = router_gates(vals)  # fp32
     with jax.named_scope("packing"):
-        _, meta = ext.packed_meta(idx, w1.shape[1], st.experts.cfg.pack_block, st.experts.cfg.pack_impl,
-                                  st.experts.backend, packing, "moe_heads_fused")
+        packing = ext.expert_packing(idx, w1.shape[1], st.experts.cfg.pack_block, st.experts.cfg.pack_impl,
+                                     st.experts.backend, packing, "moe_heads_fused")
     with jax.named_scope("experts"):  # the output combine scopes itself inside
-        y, res = ext._forward(st.experts, x, gates, w1, w2, meta, made[0] if made else wc)
+        y, res = ext._forward(st.experts, x, gates, w1, w2, packing, made[0] if made else wc)
     return (y, packing.group_sizes.reshape(w1.shape[:2])), (x, w_r, bias, idx, packing, res)
 
 

@@ -37,7 +37,7 @@ from kernels.triton.grouped import (
 )
 from kernels.tuning import GroupedConfig
 from mhl_jax.moe import packing as pk
-from mhl_jax.moe.gpu.experts import Meta, _combine, bwd_cotangents, dgates_and_dy_rows, packed_meta
+from mhl_jax.moe.gpu.experts import _combine, bwd_cotangents, dgates_and_dy_rows, expert_packing
 from mhl_jax.moe.plan import grouped_config, import_jax_triton
 
 BACKENDS = ("triton", "emulate")
@@ -56,13 +56,13 @@ def _precision(dtype) -> str:
 
 # ----------------------------------------------------------------------------- kernel calls (Triton)
 
-def _rows_triton(st: Static, a, gates, meta: Meta, w, *, a_mode, transpose_w, epi_gelu, hpre, out_dtype):
+def _rows_triton(st: Static, a, gates, packing: pk.Packing, w, *, a_mode, transpose_w, epi_gelu, hpre, out_dtype):
     jt = import_jax_triton()
-    p, kdim = meta.row_slot.shape[0], a.shape[1]
+    p, kdim = packing.row_slot.shape[0], a.shape[1]
     n = w.shape[1] if transpose_w else w.shape[2]
     t = st.cfg.rows
     c, act = jt.triton_call(
-        a, gates, meta.row_slot, meta.block_group, w, w if hpre is None else hpre, kernel=grouped_rows_kernel,
+        a, gates, packing.row_slot, packing.block_group, w, w if hpre is None else hpre, kernel=grouped_rows_kernel,
         out_shape=[jax.ShapeDtypeStruct((p, n), out_dtype),
                    jax.ShapeDtypeStruct((p, n) if epi_gelu else (1, 1), out_dtype)],
         grid=((p // t.block_m) * (n // t.block_n),), num_warps=t.num_warps, num_stages=t.num_stages,
@@ -72,7 +72,7 @@ def _rows_triton(st: Static, a, gates, meta: Meta, w, *, a_mode, transpose_w, ep
     return (c, act) if epi_gelu else c
 
 
-def _wgrad_triton(st: Static, a, d, gates, meta: Meta, *, a_mode, d_mode, num_groups, dw_dtype, acc=None):
+def _wgrad_triton(st: Static, a, d, gates, packing: pk.Packing, *, a_mode, d_mode, num_groups, dw_dtype, acc=None):
     """acc: (G, I, J) in dw_dtype, aliased to the output, which comes back as acc + dW (the kernel's ACCUM; its shape
     checked by `expert_ffn_grouped`)."""
     jt = import_jax_triton()
@@ -80,7 +80,7 @@ def _wgrad_triton(st: Static, a, d, gates, meta: Meta, *, a_mode, d_mode, num_gr
     t = st.cfg.wgrad
     out_shape = jax.ShapeDtypeStruct((num_groups, i, j), dw_dtype)
     return jt.triton_call(
-        a, d, gates, meta.row_slot, meta.group_block_start, meta.group_nblocks, gates if acc is None else acc,
+        a, d, gates, packing.row_slot, packing.group_block_start, packing.group_nblocks, gates if acc is None else acc,
         kernel=grouped_wgrad_kernel, out_shape=out_shape, input_output_aliases={} if acc is None else {6: 0},
         grid=(i // t.block_m, j // t.block_n, num_groups), num_warps=t.num_warps, num_stages=t.num_stages,
         K=st.k, I=i, J=j, PACK_BLOCK=st.cfg.pack_block, BLOCK_I=t.block_m, BLOCK_J=t.block_n,
@@ -95,52 +95,52 @@ def _gelu_grad(h):
     return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * h * h)
 
 
-def _operand(st: Static, a, meta: Meta, mode: int):
+def _operand(st: Static, a, packing: pk.Packing, mode: int):
     """A row operand of the kernels (`kernels.triton.grouped._load_rows`) for all P packed rows, as stored."""
     if mode == ROWS:
         return a
-    a = jnp.take(a, jnp.maximum(meta.row_slot, 0) // st.k, axis=0)
-    return jnp.where((meta.row_slot >= 0)[:, None], a, 0).astype(a.dtype)
+    a = jnp.take(a, jnp.maximum(packing.row_slot, 0) // st.k, axis=0)
+    return jnp.where((packing.row_slot >= 0)[:, None], a, 0).astype(a.dtype)
 
 
-def _row_gate(gates, meta: Meta):
+def _row_gate(gates, packing: pk.Packing):
     """(P, 1) fp32 gate of each packed row (0 on padding rows)."""
-    g = jnp.take(gates, jnp.maximum(meta.row_slot, 0))
-    return jnp.where(meta.row_slot >= 0, g, 0.0)[:, None]
+    g = jnp.take(gates, jnp.maximum(packing.row_slot, 0))
+    return jnp.where(packing.row_slot >= 0, g, 0.0)[:, None]
 
 
 def _dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _rows_emulate(st: Static, a, gates, meta: Meta, w, *, a_mode, transpose_w, epi_gelu, hpre, out_dtype):
-    p, pb = meta.row_slot.shape[0], st.cfg.pack_block
-    ar = _operand(st, a, meta, a_mode)
+def _rows_emulate(st: Static, a, gates, packing: pk.Packing, w, *, a_mode, transpose_w, epi_gelu, hpre, out_dtype):
+    p, pb = packing.row_slot.shape[0], st.cfg.pack_block
+    ar = _operand(st, a, packing, a_mode)
     if a_mode == GATHER_GATED:
-        ar = ar.astype(jnp.float32) * _row_gate(gates, meta)
+        ar = ar.astype(jnp.float32) * _row_gate(gates, packing)
     ar = ar.astype(w.dtype).reshape(p // pb, pb, -1)
     b = jnp.swapaxes(w, 1, 2) if transpose_w else w
-    wb = jnp.take(b, jnp.maximum(meta.block_group, 0), axis=0)  # (blocks, KDIM, N): one copy per block
+    wb = jnp.take(b, jnp.maximum(packing.block_group, 0), axis=0)  # (blocks, KDIM, N): one copy per block
     c = jnp.einsum("brk,bkn->brn", ar, wb, preferred_element_type=jnp.float32, precision=_dot_precision(w.dtype))
     if hpre is not None:
         c = c * _gelu_grad(hpre.astype(jnp.float32)).reshape(c.shape)
-    c = jnp.where((meta.block_group >= 0)[:, None, None], c, 0.0).reshape(p, -1)
+    c = jnp.where((packing.block_group >= 0)[:, None, None], c, 0.0).reshape(p, -1)
     if epi_gelu:
         return c.astype(out_dtype), jax.nn.gelu(c, approximate=True).astype(out_dtype)
     return c.astype(out_dtype)
 
 
-def _wgrad_emulate(st: Static, a, d, gates, meta: Meta, *, a_mode, d_mode, num_groups, dw_dtype, acc=None):
-    p, pb = meta.row_slot.shape[0], st.cfg.pack_block
-    ar = _operand(st, a, meta, a_mode)
+def _wgrad_emulate(st: Static, a, d, gates, packing: pk.Packing, *, a_mode, d_mode, num_groups, dw_dtype, acc=None):
+    p, pb = packing.row_slot.shape[0], st.cfg.pack_block
+    ar = _operand(st, a, packing, a_mode)
     gated = [m for m in (a_mode, d_mode) if m == GATHER_GATED]
     if gated:  # the kernel applies the gate (of either operand) to A's rows
-        ar = ar.astype(jnp.float32) * _row_gate(gates, meta) ** len(gated)
+        ar = ar.astype(jnp.float32) * _row_gate(gates, packing) ** len(gated)
     ar = ar.astype(a.dtype).reshape(p // pb, pb, -1)
-    dr = _operand(st, d, meta, d_mode).astype(a.dtype).reshape(p // pb, pb, -1)
+    dr = _operand(st, d, packing, d_mode).astype(a.dtype).reshape(p // pb, pb, -1)
     per_block = jnp.einsum("bri,brj->bij", ar, dr, preferred_element_type=jnp.float32,
                            precision=_dot_precision(a.dtype))
-    seg = jnp.where(meta.block_group >= 0, meta.block_group, num_groups)  # padding blocks: dropped segment
+    seg = jnp.where(packing.block_group >= 0, packing.block_group, num_groups)  # padding blocks: dropped segment
     dw = jax.ops.segment_sum(per_block, seg, num_segments=num_groups + 1)[:num_groups].astype(dw_dtype)
     return dw if acc is None else acc + dw
 
@@ -155,7 +155,7 @@ def _wgrad(st: Static, *args, **kw):
 
 # ------------------------------------------------------------------------------------ the custom_vjp
 
-def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
+def _forward(st: Static, x, gates, w1, w2, packing: pk.Packing, wc):
     n, h, dh = x.shape
     _, ne, _, de = w1.shape
     w1c, w2c = (w1, w2) if wc is None else wc  # wc: the weights already cast (by the caller, once per train step)
@@ -163,43 +163,43 @@ def _forward(st: Static, x, gates, w1, w2, meta: Meta, wc):
     w2c = w2c.reshape(h * ne, de, dh).astype(x.dtype)
     xs = x.reshape(n * h, dh)
     g32 = gates.reshape(-1).astype(jnp.float32)
-    hpre, act = _rows(st, xs, g32, meta, w1c, a_mode=GATHER, transpose_w=False, epi_gelu=True, hpre=None,
+    hpre, act = _rows(st, xs, g32, packing, w1c, a_mode=GATHER, transpose_w=False, epi_gelu=True, hpre=None,
                       out_dtype=x.dtype)  # (P, de) each: H = X W1, gelu(H)
-    out_rows = _rows(st, act, g32, meta, w2c, a_mode=ROWS, transpose_w=False, epi_gelu=False, hpre=None,
+    out_rows = _rows(st, act, g32, packing, w2c, a_mode=ROWS, transpose_w=False, epi_gelu=False, hpre=None,
                      out_dtype=x.dtype)  # (P, dh)
     # XLA's combine (`mhl_jax.moe.plan.out_combine`): at d_model-wide rows the Triton one measured slower
-    y = _combine(out_rows, meta.slot_row, gates.astype(jnp.float32)).astype(x.dtype)
-    return y, (xs, gates, hpre, act, out_rows, w1c, w2c, meta)
+    y = _combine(out_rows, packing.slot_row, gates.astype(jnp.float32)).astype(x.dtype)
+    return y, (xs, gates, hpre, act, out_rows, w1c, w2c, packing)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _experts(st: Static, x, gates, w1, w2, meta: Meta, wc, acc):
-    return _forward(st, x, gates, w1, w2, meta, wc)[0]
+def _experts(st: Static, x, gates, w1, w2, packing: pk.Packing, wc, acc):
+    return _forward(st, x, gates, w1, w2, packing, wc)[0]
 
 
-def _experts_fwd(st: Static, x, gates, w1, w2, meta: Meta, wc, acc):
-    y, res = _forward(st, x, gates, w1, w2, meta, wc)
+def _experts_fwd(st: Static, x, gates, w1, w2, packing: pk.Packing, wc, acc):
+    y, res = _forward(st, x, gates, w1, w2, packing, wc)
     return y, res + (acc,)
 
 
 def _experts_bwd(st: Static, res, dy):
-    xs, gates, hpre, act, out_rows, w1c, w2c, meta, acc = res
+    xs, gates, hpre, act, out_rows, w1c, w2c, packing, acc = res
     g = w1c.shape[0]
-    dys, dgates = dgates_and_dy_rows(out_rows, meta.slot_row, dy, gates)
+    dys, dgates = dgates_and_dy_rows(out_rows, packing.slot_row, dy, gates)
     g32 = gates.reshape(-1).astype(jnp.float32)
     dw_dtype = jnp.dtype(st.w_dtype)
-    dh_rows = _rows(st, dys, g32, meta, w2c, a_mode=GATHER_GATED, transpose_w=True, epi_gelu=False, hpre=hpre,
+    dh_rows = _rows(st, dys, g32, packing, w2c, a_mode=GATHER_GATED, transpose_w=True, epi_gelu=False, hpre=hpre,
                     out_dtype=xs.dtype)  # (P, de) = (dO W2^T) * gelu'(H)
-    dx_rows = _rows(st, dh_rows, g32, meta, w1c, a_mode=ROWS, transpose_w=True, epi_gelu=False, hpre=None,
+    dx_rows = _rows(st, dh_rows, g32, packing, w1c, a_mode=ROWS, transpose_w=True, epi_gelu=False, hpre=None,
                     out_dtype=xs.dtype)  # (P, dh) = dH W1^T
     # the wgrad kernel accumulates in fp32 and writes straight in the weights' dtype
     # with acc (the caller's running sums, `expert_ffn_grouped`'s grad_acc) the kernel adds into them in place
     acc1, acc2 = (None, None) if acc is None else (acc[0].reshape(w1c.shape), acc[1].reshape(w2c.shape))
-    dw1 = _wgrad(st, xs, dh_rows, g32, meta, a_mode=GATHER, d_mode=ROWS, num_groups=g,
+    dw1 = _wgrad(st, xs, dh_rows, g32, packing, a_mode=GATHER, d_mode=ROWS, num_groups=g,
                  dw_dtype=dw_dtype, acc=acc1)  # (G, dh, de) = X^T dH
-    dw2 = _wgrad(st, act, dys, g32, meta, a_mode=ROWS, d_mode=GATHER_GATED, num_groups=g,
+    dw2 = _wgrad(st, act, dys, g32, packing, a_mode=ROWS, d_mode=GATHER_GATED, num_groups=g,
                  dw_dtype=dw_dtype, acc=acc2)  # (G, de, dh) = gelu(H)^T dO
-    return bwd_cotangents(dx_rows, dgates, dw1, dw2, xs.dtype, meta) + (None, None)  # wc, acc: none
+    return bwd_cotangents(dx_rows, dgates, dw1, dw2, xs.dtype, packing) + (None, None)  # wc, acc: none
 
 
 _experts.defvjp(_experts_fwd, _experts_bwd)
@@ -236,7 +236,7 @@ def expert_ffn_grouped(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.A
                          f"x's {x.dtype}")
     cfg = grouped_config(n * h * k, h * ne, dh, de, cfg)
     cfg.check(dh, de)
-    packing, meta = packed_meta(idx, ne, cfg.pack_block, cfg.pack_impl, backend, packing, "expert_ffn_grouped")
+    packing = expert_packing(idx, ne, cfg.pack_block, cfg.pack_impl, backend, packing, "expert_ffn_grouped")
     if weights_cast is not None and [(c.shape, c.dtype) for c in weights_cast] != [(w.shape, x.dtype)
                                                                                     for w in (w1, w2)]:
         raise ValueError(f"expert_ffn_grouped: weights_cast must be w1, w2 in {x.dtype}, got "
@@ -245,6 +245,6 @@ def expert_ffn_grouped(x: jax.Array, idx: jax.Array, gates: jax.Array, w1: jax.A
                                  [(a.shape, a.dtype) for a in grad_acc] != [(w.shape, w.dtype) for w in (w1, w2)]):
         raise ValueError(f"expert_ffn_grouped: grad_acc must be shaped and typed as fp32 w1 {w1.shape} / w2 "
                          f"{w2.shape} ({w1.dtype}), got {[(a.shape, str(a.dtype)) for a in grad_acc]}")
-    y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, meta,
+    y = _experts(Static(cfg, k, backend, jnp.dtype(w1.dtype).name), x, gates.astype(jnp.float32), w1, w2, packing,
                  None if weights_cast is None else tuple(weights_cast), None if grad_acc is None else tuple(grad_acc))
     return y, packing.group_sizes.reshape(h, ne)

@@ -124,7 +124,7 @@ def dw_metadata_from_packing(packing: pk.Packing, heads: int, k: int, pack_block
     blocks."""
     n_slots, g = packing.slot_row.shape[0], packing.group_sizes.shape[0]
     nb = kr.dw_num_blocks(n_slots, g, block)
-    start = packing.group_first_block * pack_block
+    start = packing.group_block_start * pack_block
     if global_slots:
         bstart, nblk, _, bg = packing_triton.group_blocks_triton(packing.group_sizes, block, nb)
         return DwMeta(packing.row_slot, bg, start, bstart, packing.group_sizes, nblk)
