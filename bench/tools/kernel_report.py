@@ -30,7 +30,7 @@ from bench.common import JsonLines
 DEFAULT_TILES = ["fwd,128,32,4,3", "dx,64,32,4,3", "dwt,64,64,4,3"]
 COUNTED = ("HGMMA", "FFMA", "FMUL", "FADD", "MUFU.TANH", "LDL", "STL", "BAR.SYNC", "SHFL.BFLY", "STS", "LDS")
 POINTER_TYPES = {"gates_ptr": "*fp32", "dgate_ptr": "*fp32", "dw1_ptr": "*fp32", "dw2_ptr": "*fp32",
-                 "acc1_ptr": "*fp32", "acc2_ptr": "*fp32",
+                 "acc1_ptr": "*fp32", "acc2_ptr": "*fp32", "part_ptr": "*fp32",
                  "row_slot_ptr": "*i32", "block_group_ptr": "*i32", "group_block_start_ptr": "*i32",
                  "group_nblocks_ptr": "*i32", "group_size_ptr": "*i32", "sched_ptr": "*i32"}  # every other: bf16
 

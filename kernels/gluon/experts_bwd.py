@@ -25,6 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.gluon.common import _copy_layout, _gelu_and_grad, _wgmma_layout, _ws_barriers, _ws_copy_rows
+from kernels.gluon.schedule import CHUNK_SHIFT, EXTRA_CHUNKS_PER_PROGRAM
 from kernels.tuning import (
     GLUON_DW_BLOCK_M,
     GLUON_DW_REGS,
@@ -34,26 +35,63 @@ from kernels.tuning import (
     gluon_dw_supported,
 )
 
+CHUNK_SHIFT_C = gl.constexpr(CHUNK_SHIFT)
+EXTRA_C = gl.constexpr(EXTRA_CHUNKS_PER_PROGRAM)
+
 
 @gluon.jit
-def _dw_tile(t, group_block_start_ptr, group_size_ptr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
-             BLOCK_M: gl.constexpr):
-    """Tile t = (group, 128 de): (group as int64, first de, first packed row, row blocks of BLOCK_M). The row blocks
-    are those holding the group's rows (its size rounded up to BLOCK_M): blocks made only of the padding after them
-    (up to PACK_BLOCK - BLOCK_M rows) are neither computed nor written."""
+def _items(sched_ptr):
+    """This program's work items (`kernels.gluon.schedule`: its dealt tiles, then its share of the long tiles' later
+    chunks) -> (offset of its first dealt tile, dealt tiles, items, X (the header's offset), its rank, the chunk
+    length in row blocks)."""
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    s0 = gl.load(sched_ptr + pid)
+    ns = gl.load(sched_ptr + pid + 1) - s0
+    X = gl.load(sched_ptr + P)
+    n_extra = gl.load(sched_ptr + X)
+    rank = gl.load(sched_ptr + X + 2 + pid)
+    return s0, ns, ns + n_extra // P + (rank < n_extra % P).to(gl.int32), X, rank, gl.load(sched_ptr + X + 1)
+
+
+@gluon.jit
+def _item(sched_ptr, i, s0, ns, X, rank):
+    """Item i of this program: a dealt tile (chunk 0), or a later chunk (round r = i - ns: the list's entry r P +
+    rank)."""
+    P = gl.num_programs(0)
+    r = i - ns
+    return gl.load(sched_ptr + gl.where(r >= 0, X + 2 + P + r * P + rank, s0 + i))
+
+
+@gluon.jit
+def _dw_tile(entry, chunk, sched_ptr, X, group_block_start_ptr, group_size_ptr, DE: gl.constexpr,
+             PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Entry (tile t = (group, 128 de), chunk c) -> (group as int64, first de, first packed row, row blocks of
+    BLOCK_M, partial-sum slot or -1). The tile's row blocks are those holding the group's rows (its size rounded up to
+    BLOCK_M: blocks made only of the padding after them, up to PACK_BLOCK - BLOCK_M rows, are neither computed nor
+    written), in nch = ceil(blocks / chunk) equal chunks, chunk c [c blocks / nch, (c + 1) blocks / nch); a split
+    tile's (nch > 1) chunk c sums into slot first + c, the tile's first slot from the schedule."""
+    t = entry & ((1 << CHUNK_SHIFT_C) - 1)
+    c = entry >> CHUNK_SHIFT_C
     gi = t // (DE // 128)
     start = gl.load(group_block_start_ptr + gi)
-    size = gl.load(group_size_ptr + gi)
-    return gi.to(gl.int64), (t % (DE // 128)) * 128, start.to(gl.int64) * PACK_BLOCK, (size + BLOCK_M - 1) // BLOCK_M
+    blocks = (gl.load(group_size_ptr + gi) + BLOCK_M - 1) // BLOCK_M
+    nch = gl.maximum((blocks + chunk - 1) // chunk, 1)
+    b0 = c * blocks // nch
+    P = gl.num_programs(0)
+    first = gl.load(sched_ptr + X + 2 + P + EXTRA_C * P + t, mask=nch > 1, other=0)
+    return (gi.to(gl.int64), (t % (DE // 128)) * 128, start.to(gl.int64) * PACK_BLOCK + b0 * BLOCK_M,
+            (c + 1) * blocks // nch - b0, gl.where(nch > 1, first + c, -1))
 
 
 @gluon.jit
 def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
-                 BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr):
-    """Per tile: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
-    once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring."""
+                 BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, ACCUM: gl.constexpr):
+    """Per item: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
+    once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring.
+    ACCUM: an item without rows is skipped (its gradient, zero, is already summed), by every partition alike."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
-     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
+     dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     PW: gl.constexpr = gl.num_warps()
     lx: gl.constexpr = _copy_layout(DH, PW)
     rr = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
@@ -61,38 +99,39 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
     rg = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [PW], [0]))  # the gates' rows
     q = 0
     n = 0
-    # this program's tiles: sched[sched[pid]:sched[pid + 1]] (`tile_schedule`: the offsets count from sched_ptr)
-    for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
-        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
-                                     BLOCK_M)
-        wb = n % WB
-        mbarrier.wait(w_empty.index(wb), ((n // WB) & 1) ^ 1)
-        fence_async_shared()
-        for c in gl.static_range(2):
-            e = e0 + c * 64
-            _ws_copy_rows(w1_smem.index(wb * 2 + c), w1_ptr + g * (DH * DE) + e, DH, 64, DE, 32, PW)
-            _ws_copy_rows(w2_smem.index(wb * 2 + c), w2_ptr + g * (DE * DH) + e * DH, 64, DH, DH, 32, PW)
-        async_copy.mbarrier_arrive(w_ready.index(wb), increment_count=False)
-        slot_next = gl.load(row_slot_ptr + row0 + rr, mask=nsub > 0, other=-1)
-        gslot_next = gl.load(row_slot_ptr + row0 + rg, mask=nsub > 0, other=-1)
-        for i in range(nsub):
-            s = q % NST
-            slot = slot_next
-            gslot = gslot_next
-            slot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rr, mask=i + 1 < nsub, other=-1)
-            gslot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rg, mask=i + 1 < nsub, other=-1)
-            valid = (slot >= 0)[:, None]
-            gvalid = gslot >= 0
-            src = gl.where(slot >= 0, slot // K, 0).to(gl.int64)[:, None] * DH + cc[None, :]
-            mbarrier.wait(d_empty.index(s), ((q // NST) & 1) ^ 1)
+    s0, ns, ni, X, rank, chunk = _items(sched_ptr)
+    for it in range(ni):
+        g, e0, row0, nsub, _ = _dw_tile(_item(sched_ptr, it, s0, ns, X, rank), chunk, sched_ptr, X,
+                                        group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK, BLOCK_M)
+        if nsub > 0 or not ACCUM:
+            wb = n % WB
+            mbarrier.wait(w_empty.index(wb), ((n // WB) & 1) ^ 1)
             fence_async_shared()
-            async_copy.async_copy_global_to_shared(x_smem.index(s), x_ptr + src, mask=valid)
-            async_copy.async_copy_global_to_shared(dy_smem.index(s), dy_ptr + src, mask=valid)
-            async_copy.async_copy_global_to_shared(g_smem.index(s), gates_ptr + gl.where(gslot >= 0, gslot, 0),
-                                                   mask=gvalid)  # the rows' gates (padding: 0)
-            async_copy.mbarrier_arrive(d_ready.index(s), increment_count=False)
-            q += 1
-        n += 1
+            for c in gl.static_range(2):
+                e = e0 + c * 64
+                _ws_copy_rows(w1_smem.index(wb * 2 + c), w1_ptr + g * (DH * DE) + e, DH, 64, DE, 32, PW)
+                _ws_copy_rows(w2_smem.index(wb * 2 + c), w2_ptr + g * (DE * DH) + e * DH, 64, DH, DH, 32, PW)
+            async_copy.mbarrier_arrive(w_ready.index(wb), increment_count=False)
+            slot_next = gl.load(row_slot_ptr + row0 + rr, mask=nsub > 0, other=-1)
+            gslot_next = gl.load(row_slot_ptr + row0 + rg, mask=nsub > 0, other=-1)
+            for i in range(nsub):
+                s = q % NST
+                slot = slot_next
+                gslot = gslot_next
+                slot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rr, mask=i + 1 < nsub, other=-1)
+                gslot_next = gl.load(row_slot_ptr + row0 + (i + 1) * BLOCK_M + rg, mask=i + 1 < nsub, other=-1)
+                valid = (slot >= 0)[:, None]
+                gvalid = gslot >= 0
+                src = gl.where(slot >= 0, slot // K, 0).to(gl.int64)[:, None] * DH + cc[None, :]
+                mbarrier.wait(d_empty.index(s), ((q // NST) & 1) ^ 1)
+                fence_async_shared()
+                async_copy.async_copy_global_to_shared(x_smem.index(s), x_ptr + src, mask=valid)
+                async_copy.async_copy_global_to_shared(dy_smem.index(s), dy_ptr + src, mask=valid)
+                async_copy.async_copy_global_to_shared(g_smem.index(s), gates_ptr + gl.where(gslot >= 0, gslot, 0),
+                                                       mask=gvalid)  # the rows' gates (padding: 0)
+                async_copy.mbarrier_arrive(d_ready.index(s), increment_count=False)
+                q += 1
+            n += 1
 
 
 @gluon.jit
@@ -157,7 +196,7 @@ def _fused_dx(a, f, dht, dg, xs, s_zero, xr, xc, acc1, s, q, wb, row0, i, e0, DE
     the gate gradients) and free the block's stage. Every product of the block retires here (deferring the dX half
     by one block measured slower); acc1 stays a wgmma accumulator: the next wait names it."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
-     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
+     dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
     NW: gl.constexpr = gl.num_warps()
     hb = q % 2
@@ -207,32 +246,39 @@ def _hand_over(f, dht, dg, xs, acc1, op2, q, HB: gl.constexpr, C: gl.constexpr):
 
 
 @gluon.jit
-def _store_dw(a, acc1, acc2, op1, op2, er, dc, g, e0, q, wb, nsub, DH: gl.constexpr, DE: gl.constexpr,
+def _store_dw(a, acc1, acc2, op1, op2, er, dc, g, e0, q, wb, nsub, slot, DH: gl.constexpr, DE: gl.constexpr,
               NST: gl.constexpr, C: gl.constexpr, XW: gl.constexpr, ACCUM: gl.constexpr):
-    """A tile's end: its last products retire, the weight buffer is freed, and this consumer's dW1 / dW2 columns are
-    stored (ACCUM: added in fp32 to the sum so far, what XLA's add of the two gives, bitwise). dW1's sum so far loads
-    while the last products retire (dW2's after dW1's store: registers); with XW (at 208 registers) after the wait:
-    loaded before it, the consumer spilled 504 bytes (sm_90a compile)."""
+    """An item's end: its last products retire, the weight buffer is freed, and this consumer's dW1 / dW2 columns are
+    stored (ACCUM: added in fp32 to the sum so far, what XLA's add of the two gives, bitwise); a split tile's chunk's
+    (slot >= 0) go to its partial-sum slot instead (in dW's dtype: dW1's (DH, DE) block at the tile's 128 columns,
+    then dW2's 128 rows (128, DH)).
+    dW1's sum so far loads while the last products retire (dW2's after dW1's store: registers); with XW (at 208
+    registers) after the wait: loaded before it, the consumer spilled 504 bytes (sm_90a compile)."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
-     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
+     dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     EARLY: gl.constexpr = ACCUM and not XW
+    # one store for both destinations at the same constant strides (a second path, or runtime strides, spilled up to
+    # ~1 KB a thread): a slot holds dW1's (DH, DE) at its tile's columns, then dW2's 128 rows; never read here
+    part = slot >= 0
+    base = part_ptr + slot.to(gl.int64) * (DH * DE + 128 * DH)
+    e = e0 + C * 64 + er
+    p1 = gl.where(part, base, dw1_ptr + g * (DH * DE)) + dc[None, :] * DE + e[:, None]
+    keep = slot < 0  # the sum so far: dW's only (a uniform predicate: the loads stay vectorised)
     if EARLY:
-        old1 = gl.load(dw1_ptr + g * (DH * DE) + dc[None, :] * DE + (e0 + C * 64 + er)[:, None])
+        old1 = gl.load(p1, mask=keep, other=0.0)
     acc1, acc2, op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc2, op1, op2))
     if XW and nsub > 0:  # the last block's dW1 product retired just now
         mbarrier.arrive(d_empty.index((q - 1) % NST))
     mbarrier.arrive(w_empty.index(wb))
-    e = e0 + C * 64 + er
     # each store instruction of the wgmma layout covers 8 consecutive de x 4 dh: whole 32-byte sectors
-    p1 = dw1_ptr + g * (DH * DE) + dc[None, :] * DE + e[:, None]
     if EARLY:
         acc1 = old1 + acc1
     elif ACCUM:
-        acc1 = gl.load(p1) + acc1
+        acc1 = gl.load(p1, mask=keep, other=0.0) + acc1
     gl.store(p1, acc1.to(dw1_ptr.dtype.element_ty))
-    p2 = dw2_ptr + g * (DE * DH) + e[:, None] * DH + dc[None, :]
+    p2 = gl.where(part, base + DH * DE - e0 * DH, dw2_ptr + g * (DE * DH)) + e[:, None] * DH + dc[None, :]
     if ACCUM:
-        acc2 = gl.load(p2) + acc2
+        acc2 = gl.load(p2, mask=keep, other=0.0) + acc2
     gl.store(p2, acc2.to(dw2_ptr.dtype.element_ty))
 
 
@@ -267,7 +313,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     ACCUM: dW1 / dW2 hold a gradient summed so far (the JAX binding aliases the accumulator to them): each tile adds
     its own to it (`_store_dw`) instead of overwriting it."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
-     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
+     dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, NW)
@@ -282,45 +328,47 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     q = 0
     n = 0
-    # this program's tiles: sched[sched[pid]:sched[pid + 1]] (`tile_schedule`: the offsets count from sched_ptr)
-    for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
-        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
-                                     BLOCK_M)
-        wb = _wait_weights(w_ready, n, WB)
-        w1t = w1_smem.index(wb * 2 + C).permute((1, 0))  # (64, DH): W1[:, e:e + 64]^T
-        w2c = w2_smem.index(wb * 2 + C)  # (64, DH): W2[e:e + 64, :]
-        # in flight across iterations: carried as wgmma accumulators, with their register operands
-        acc1 = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # dW1[:, e:e + 64]^T
-        acc2 = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # dW2[e:e + 64, :]
-        op1 = gl.zeros((64, BLOCK_M), cdt, a_layout)
-        op2 = gl.zeros((64, BLOCK_M), cdt, a_layout)
-        for i in range(nsub):
-            s = q % NST
-            mbarrier.wait(d_ready.index(s), (q // NST) & 1)
-            fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-            gate = g_smem.index(s).load(cols.type.layout)  # the block's gates (gathered by the producer)
-            xs = x_smem.index(s)
-            dht, dg, op2, acc2 = _block_products(w1t, w2c, xs, dy_smem.index(s), gate, s_zero, acc2, d_empty, q, i,
-                                                 NST, FAST_TANH, FUSE, XW, BLOCK_M, a_layout)
-            if FUSE:
-                acc1 = _fused_dx(a, f, dht, dg, xs, s_zero, xr, xc, acc1, s, q, wb, row0, i, e0, DE, DH, BLOCK_M, C)
-            elif XW:
-                acc1, op2 = _hand_over(f, dht, dg, xs, acc1, op2, q, HB, C)
-            else:
-                op1 = gl.convert_layout(dht, a_layout)
-                acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
-                # the block's products retire here (its stage is then free): in flight across the block loop
-                # (register A operands op1, op2) ptxas serialised every wgmma of the kernel (C7512)
-                op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(op1, op2))
-                mbarrier.arrive(d_empty.index(s))
-            q += 1
-        _store_dw(a, acc1, acc2, op1, op2, er, dc, g, e0, q, wb, nsub, DH, DE, NST, C, XW, ACCUM)
-        n += 1
+    s0, ns, ni, X, rank, chunk = _items(sched_ptr)
+    for it in range(ni):
+        g, e0, row0, nsub, slot = _dw_tile(_item(sched_ptr, it, s0, ns, X, rank), chunk, sched_ptr, X,
+                                           group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK, BLOCK_M)
+        if nsub > 0 or not ACCUM:  # as the producer skips
+            wb = _wait_weights(w_ready, n, WB)
+            w1t = w1_smem.index(wb * 2 + C).permute((1, 0))  # (64, DH): W1[:, e:e + 64]^T
+            w2c = w2_smem.index(wb * 2 + C)  # (64, DH): W2[e:e + 64, :]
+            # in flight across iterations: carried as wgmma accumulators, with their register operands
+            acc1 = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # dW1[:, e:e + 64]^T
+            acc2 = warpgroup_mma_init(gl.zeros((64, DH), gl.float32, o_layout))  # dW2[e:e + 64, :]
+            op1 = gl.zeros((64, BLOCK_M), cdt, a_layout)
+            op2 = gl.zeros((64, BLOCK_M), cdt, a_layout)
+            for i in range(nsub):
+                s = q % NST
+                mbarrier.wait(d_ready.index(s), (q // NST) & 1)
+                fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+                gate = g_smem.index(s).load(cols.type.layout)  # the block's gates (gathered by the producer)
+                xs = x_smem.index(s)
+                dht, dg, op2, acc2 = _block_products(w1t, w2c, xs, dy_smem.index(s), gate, s_zero, acc2, d_empty, q,
+                                                     i, NST, FAST_TANH, FUSE, XW, BLOCK_M, a_layout)
+                if FUSE:
+                    acc1 = _fused_dx(a, f, dht, dg, xs, s_zero, xr, xc, acc1, s, q, wb, row0, i, e0, DE, DH, BLOCK_M,
+                                     C)
+                elif XW:
+                    acc1, op2 = _hand_over(f, dht, dg, xs, acc1, op2, q, HB, C)
+                else:
+                    op1 = gl.convert_layout(dht, a_layout)
+                    acc1 = warpgroup_mma(op1, xs, acc1, is_async=True)
+                    # the block's products retire here (its stage is then free): in flight across the block loop
+                    # (register A operands op1, op2) ptxas serialised every wgmma of the kernel (C7512)
+                    op1, op2 = warpgroup_mma_wait(num_outstanding=0, deps=(op1, op2))
+                    mbarrier.arrive(d_empty.index(s))
+                q += 1
+            _store_dw(a, acc1, acc2, op1, op2, er, dc, g, e0, q, wb, nsub, slot, DH, DE, NST, C, XW, ACCUM)
+            n += 1
 
 
 @gluon.jit
 def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
-                 w2_ptr, dw1_ptr, dw2_ptr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M: gl.constexpr,
+                 w2_ptr, dw1_ptr, dw2_ptr, part_ptr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M: gl.constexpr,
                  DH: gl.constexpr, NW: gl.constexpr, W_USERS: gl.constexpr = 2):
     """The dW / backward kernels' shared operand tuple (`_dw_producer` / `_dw_consumer` / `_dx_worker` unpack it): the
     pointers, and the shared memory: an NST-stage ring of gathered X / dy rows and their gates, WB buffers of a
@@ -336,22 +384,24 @@ def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, 
     d_ready, d_empty = _ws_barriers(NST, NW * 32)
     w_ready, w_empty = _ws_barriers(WB, NW * 32, W_USERS)  # W_USERS partitions free a weight buffer
     return (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
-            w2_ptr, dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem)
+            w2_ptr, dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty,
+            g_smem)
 
 
 @gluon.jit
 def gluon_expert_dw_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: see ACCUM)
-    dw1_ptr, dw2_ptr,  # outputs (G, DH, DE), (G, DE, DH)
+    dw1_ptr, dw2_ptr, part_ptr,  # outputs (G, DH, DE), (G, DE, DH), the split tiles' partial sums (S, 2, DH, 128)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACCUM: gl.constexpr,
 ):
     """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de) as
-    the schedule sched_ptr deals them (`deal_schedule`: offsets of each program's tiles, then the tiles; about the
-    same rows for every program, largest groups first, one head at a time; the tiles of one group run side by side,
-    so its gathered rows come from L2 after the first); two consumer warp groups, each both gradients of 64 de in
+    the schedule sched_ptr deals them (`kernels.gluon.schedule`: about the same rows for every program, largest
+    groups first, one head at a time; the tiles of one group run side by side, so its gathered rows come from L2
+    after the first), a long tile's rows in chunks (summed into part_ptr's slots, added into dW1 / dW2 afterwards by
+    `kernels.triton.dw_chunks`); two consumer warp groups, each both gradients of 64 de in
     registers (128 accumulator registers: the worker consumer runs at CONSUMER_REGS after setmaxnreg, the producer at
     PRODUCER_REGS, the default partition at what is left of 512 per lane); one producer warp group (cp.async:
     the tile's weights into one of WB buffers, gathered X / dy rows of BLOCK_M into an NST-stage ring). Sums over
@@ -363,13 +413,13 @@ def gluon_expert_dw_ws_kernel(
     gl.static_assert(DE % 128 == 0, "DE: tiles of 128 de (two consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1, "NST: a consumer frees stage q - 1 only after it waited for stage q")
     args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr,
-                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW)
+                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, part_ptr, NST, WB, BLOCK_M, DH, NW)
     f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, False,
                                         2, ACCUM)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, False,
                                         2, ACCUM)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB))],
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, ACCUM))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 

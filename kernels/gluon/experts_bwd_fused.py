@@ -27,6 +27,8 @@ from kernels.gluon.experts_bwd import (
     _dw_operands,
     _dw_producer,
     _dw_tile,
+    _item,
+    _items,
     _partials_layout,
     _sum_partials,
     _wait_weights,
@@ -64,7 +66,8 @@ def _dh_ring(dx_ptr, dgate_ptr, HB: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.
 def gluon_expert_bwd_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: as `gluon_expert_dw_ws_kernel`'s, ACCUM)
-    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
+    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32,
+    part_ptr,  # and the split tiles' partial sums (S, 2, DH, 128), dW's dtype (`gluon_expert_dw_ws_kernel`)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACCUM: gl.constexpr,
@@ -79,26 +82,27 @@ def gluon_expert_bwd_ws_kernel(
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1, "NST >= 2, WB >= 1")
     args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr,
-                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW)
+                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, part_ptr, NST, WB, BLOCK_M, DH, NW)
     f = _dh_ring(dx_ptr, dgate_ptr, 2, BLOCK_M, NW, 2)  # both consumers arrive on both
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True, False,
                                         2, ACCUM)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True, False,
                                         2, ACCUM)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB))],
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, ACCUM))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
 def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-               WB: gl.constexpr, HB: gl.constexpr):
+               WB: gl.constexpr, HB: gl.constexpr, ACCUM: gl.constexpr):
     """The dX warp group of `gluon_expert_bwd_xw_kernel`: per row block, once both consumers handed over their dH_c^T
     (h_ready), the block's dX rows over the tile's 128 de, dh half D: dX^T_D = W1[64 D:, :64] dH_0^T + W1[64 D:, 64:]
     dH_1^T (W1 from the tile's weight buffer), stored as (BLOCK_M, DH) rows of this tile's partial; and the gate
     gradient (the consumers' per-warp partials, 16 de each, added in a fixed order). Frees the ring slot (h_empty)
     once its products retired, the weight buffer (w_empty) after the tile's last block."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
-     dw1_ptr, dw2_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
+     dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty,
+     g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
@@ -111,37 +115,40 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
     gcol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _partials_layout(NW)))
     q = 0
     n = 0
-    for j in range(gl.load(sched_ptr + gl.program_id(0)), gl.load(sched_ptr + gl.program_id(0) + 1)):
-        g, e0, row0, nsub = _dw_tile(gl.load(sched_ptr + j), group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
-                                     BLOCK_M)
-        wb = _wait_weights(w_ready, n, WB)
-        for i in range(nsub):
-            hb = q % HB
-            mbarrier.wait(h_ready.index(hb), (q // HB) & 1)
-            h0 = dh_smem.index(hb * 2)
-            h1 = dh_smem.index(hb * 2 + 1)
-            rows = row0 + i * BLOCK_M
-            d0 = warpgroup_mma(w1_smem.index(wb * 2).slice(0, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
-            d0 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(0, 64, dim=0), h1, d0, is_async=True)
-            d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
-            d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
-            dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
-            gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg)
-            d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
-            mbarrier.arrive(h_empty.index(hb))
-            base = dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + (e0 // 128) * DH + xc[None, :]
-            gl.store(base, gl.convert_layout(gl.permute(d0.to(cdt), (1, 0)), lxs))
-            gl.store(base + 64, gl.convert_layout(gl.permute(d1.to(cdt), (1, 0)), lxs))
-            q += 1
-        mbarrier.arrive(w_empty.index(wb))
-        n += 1
+    s0, ns, ni, X, rank, chunk = _items(sched_ptr)
+    for it in range(ni):
+        g, e0, row0, nsub, _ = _dw_tile(_item(sched_ptr, it, s0, ns, X, rank), chunk, sched_ptr, X,
+                                        group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK, BLOCK_M)
+        if nsub > 0 or not ACCUM:  # as the producer skips
+            wb = _wait_weights(w_ready, n, WB)
+            for i in range(nsub):
+                hb = q % HB
+                mbarrier.wait(h_ready.index(hb), (q // HB) & 1)
+                h0 = dh_smem.index(hb * 2)
+                h1 = dh_smem.index(hb * 2 + 1)
+                rows = row0 + i * BLOCK_M
+                d0 = warpgroup_mma(w1_smem.index(wb * 2).slice(0, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
+                d0 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(0, 64, dim=0), h1, d0, is_async=True)
+                d1 = warpgroup_mma(w1_smem.index(wb * 2).slice(64, 64, dim=0), h0, s_zero, use_acc=False, is_async=True)
+                d1 = warpgroup_mma(w1_smem.index(wb * 2 + 1).slice(64, 64, dim=0), h1, d1, is_async=True)
+                dg = _sum_partials(dg_smem, hb, BLOCK_M, NW)
+                gl.store(dgate_ptr + (rows + gcol) * NP + e0 // 128, dg)
+                d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
+                mbarrier.arrive(h_empty.index(hb))
+                base = dx_ptr + (rows + xr).to(gl.int64)[:, None] * (NP * DH) + (e0 // 128) * DH + xc[None, :]
+                gl.store(base, gl.convert_layout(gl.permute(d0.to(cdt), (1, 0)), lxs))
+                gl.store(base + 64, gl.convert_layout(gl.permute(d1.to(cdt), (1, 0)), lxs))
+                q += 1
+            mbarrier.arrive(w_empty.index(wb))
+            n += 1
 
 
 @gluon.jit
 def gluon_expert_bwd_xw_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: as `gluon_expert_dw_ws_kernel`'s, ACCUM)
-    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32
+    dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32,
+    part_ptr,  # and the split tiles' partial sums (S, 2, DH, 128), dW's dtype (`gluon_expert_dw_ws_kernel`)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
@@ -157,14 +164,14 @@ def gluon_expert_bwd_xw_kernel(
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1 and HB >= 2, "NST >= 2, WB >= 1, HB >= 2")
     args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr,
-                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, NST, WB, BLOCK_M, DH, NW, 3)
+                        w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, part_ptr, NST, WB, BLOCK_M, DH, NW, 3)
     f = _dh_ring(dx_ptr, dgate_ptr, HB, BLOCK_M, NW, 1)  # both consumers arrive on ready, the dX warp group on empty
     gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
                                         HB, ACCUM)),
                         (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
                                         HB, ACCUM)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB)),
-                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB))],
+                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, ACCUM)),
+                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB, ACCUM))],
                        [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
 
 

@@ -1,12 +1,41 @@
-"""The static schedule of the persistent Gluon dW / backward kernels (kernels/gluon/experts_bwd.py): which program
-takes which (group, 128 de) tile. Pure numpy (and torch for the torch launchers); the JAX binding builds the same
-array in `mhl_jax.moe.gpu.expert_kernels.tile_schedule`."""
+"""The schedule of the persistent Gluon dW / backward kernels (kernels/gluon/experts_bwd.py): which program takes
+which (group, 128 de) tile, and which chunk of its row blocks. numpy for the static deal, torch for the torch
+launchers (`tile_schedule_torch`); the JAX binding builds the same array in
+`mhl_jax.moe.gpu.expert_kernels.tile_schedule`.
+
+A tile's rows are summed by one program, in order, unless the tile is longer than a chunk: routing can send most of
+a head's rows to a few experts (a model's first steps do), and one program would then run the step's longest tile
+alone while the others wait. Such a tile's row blocks are cut into nch equal chunks (chunk c: blocks
+[c B / nch, (c + 1) B / nch) of its B), the chunk long enough that the chunks after the first number at most
+EXTRA_CHUNKS_PER_PROGRAM x programs; each chunk's sums go to an fp32 slot of its own, chunk 0 with the dealt tile,
+the others to the programs with the fewest dealt rows, and `kernels/triton/dw_chunks.py` adds a split tile's slots
+in chunk order and then to the sum so far: dW = acc + ((p_0 + p_1) + ...), a fixed order, no atomics, and bitwise
+acc plus the same without acc.
+
+The array (int32), P programs, T tiles, E = EXTRA_CHUNKS_PER_PROGRAM x P:
+    [0, P]              offsets of each program's dealt tiles, counted from the array's start (sched[P] = P + 1 + T)
+    [P + 1, + T)        the dealt tiles, program by program (tile t = group x tiles_per_group + its 128-de part)
+    [X = P + 1 + T]     the number of chunks after the first n, then the chunk length in row blocks
+    [X + 2, + P)        each program's rank for those chunks: programs by their dealt row blocks, fewest first
+    [X + 2 + P, + E)    the chunks after the first, tile by tile (t | c << CHUNK_SHIFT), n of them; the i-th goes to
+                        the program of rank i % P (rounds in one direction: the chunks are of about one length)
+    [X + 2 + P + E, + T) each split tile's first slot (its nch chunks take nch slots from there; 2 E slots in all)
+    [X + 2 + P + E + T, + E) the split tiles, in tile order, then -1
+"""
 
 from __future__ import annotations
 
 import functools
 
 import numpy as np
+
+EXTRA_CHUNKS_PER_PROGRAM = 2  # chunks after the first per program; twice as many partial-sum slots (128 KB each)
+CHUNK_SHIFT = 20  # a chunk's entry: tile | chunk << CHUNK_SHIFT (up to 2^20 tiles)
+
+
+def partial_slots(programs: int) -> int:
+    """The partial-sum slots of a schedule for `programs` programs."""
+    return 2 * EXTRA_CHUNKS_PER_PROGRAM * programs
 
 
 def check_schedule_args(num_groups: int, tiles_per_group: int, heads: int, programs: int) -> None:
@@ -50,18 +79,39 @@ def _deal_schedule_torch(num_tiles: int, heads: int, programs: int, device: str,
             torch.as_tensor((starts + programs + 1).astype(np.int32), device=device))
 
 
-def tile_schedule_torch(group_nblocks, tiles_per_group: int, heads: int, programs: int, deal: bool = True):
-    """The schedule array the dW / backward kernels read (int32, torch): `deal_schedule`'s program offsets (counted
-    from the array's start: program p's tiles are sched[sched[p]:sched[p + 1]]), then the (group, 128 de) tiles
-    program by program. Groups are head-major (G = heads x experts); each head's sorted by row
-    blocks, largest first (stable), a group's tiles side by side; deal=False: the tiles in group order, strided over the
-    programs (comparisons)."""
+def tile_schedule_torch(group_sizes, group_nblocks, tiles_per_group: int, heads: int, programs: int,
+                        block_m: int, deal: bool = True):
+    """The schedule array the dW / backward kernels read (int32, torch; the layout above), equal to the JAX binding's
+    `tile_schedule`. Groups are head-major (G = heads x experts); each head's sorted by row blocks, largest first
+    (stable), a group's tiles side by side; deal=False: the tiles in group order, strided over the programs
+    (comparisons)."""
     import torch
 
     check_schedule_args(group_nblocks.shape[0], tiles_per_group, heads, programs)
+    dev = group_nblocks.device
     nb = group_nblocks.long().reshape(heads, -1)
-    go = torch.argsort(-nb, dim=1, stable=True) if deal else torch.arange(nb.shape[1], device=nb.device).expand_as(nb)
-    go = go + torch.arange(heads, device=nb.device)[:, None] * nb.shape[1]
-    tiles = (go.reshape(-1, 1) * tiles_per_group + torch.arange(tiles_per_group, device=nb.device)).reshape(-1)
-    perm, starts = _deal_schedule_torch(tiles.numel(), heads, programs, str(nb.device), deal)
-    return torch.cat([starts, tiles[perm].to(torch.int32)])
+    go = torch.argsort(-nb, dim=1, stable=True) if deal else torch.arange(nb.shape[1], device=dev).expand_as(nb)
+    go = go + torch.arange(heads, device=dev)[:, None] * nb.shape[1]
+    tiles = (go.reshape(-1, 1) * tiles_per_group + torch.arange(tiles_per_group, device=dev)).reshape(-1)
+    perm, starts = _deal_schedule_torch(tiles.numel(), heads, programs, str(dev), deal)
+    dealt = tiles[perm]
+    blocks = torch.repeat_interleave((group_sizes.long() + block_m - 1) // block_m, tiles_per_group)
+    cap = EXTRA_CHUNKS_PER_PROGRAM * programs
+    chunk = torch.clamp(-(-blocks.sum() // cap), min=1)
+    nch = torch.clamp(-(-blocks // chunk), min=1)
+    ends = torch.cumsum(nch - 1, 0)  # the chunks after the first, tile by tile
+    n_extra = ends[-1]
+    i = torch.arange(cap, device=dev)
+    t = torch.clamp(torch.searchsorted(ends, i, right=True), max=blocks.numel() - 1)
+    extras = torch.where(i < n_extra, t | ((i - ends[t] + nch[t]) << CHUNK_SHIFT), 0)
+    split = torch.where(nch > 1, nch, 0)
+    split_base = torch.cumsum(split, 0) - split
+    at = torch.where(nch > 1, torch.cumsum((nch > 1).long(), 0) - 1, cap)
+    split_list = torch.full((cap + 1,), -1, dtype=torch.long, device=dev).scatter_(
+        0, at, torch.arange(blocks.numel(), device=dev))[:cap]
+    prog = torch.repeat_interleave(torch.arange(programs, device=dev), torch.diff(starts - programs - 1).long())
+    loads = torch.zeros(programs, dtype=torch.long, device=dev).index_add_(0, prog, blocks[dealt] // nch[dealt])
+    q = torch.arange(programs, device=dev)
+    rank = ((loads[None, :] < loads[:, None]) | ((loads[None, :] == loads[:, None]) & (q[None, :] < q[:, None]))).sum(1)
+    return torch.cat([starts.long(), dealt, torch.stack([n_extra, chunk]), rank, extras, split_base,
+                      split_list]).to(torch.int32)

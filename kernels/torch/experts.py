@@ -19,8 +19,9 @@ import torch
 from kernels.gluon.experts_bwd import dw_ws_constexprs, gluon_expert_dw_ws_kernel
 from kernels.gluon.experts_bwd_fused import bwd_kernel
 from kernels.gluon.experts_fwd import fwd_constexprs, gluon_expert_fwd_ws_kernel
-from kernels.gluon.schedule import tile_schedule_torch
+from kernels.gluon.schedule import EXTRA_CHUNKS_PER_PROGRAM, tile_schedule_torch
 from kernels.torch.interpreter_patch import fix_interpreter_scalar_index
+from kernels.triton.dw_chunks import dw_chunks_constexprs, dw_chunks_kernel, partial_shape
 from kernels.triton.experts import (
     expert_dw_kernel,
     expert_dwt_kernel,
@@ -263,15 +264,21 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
 def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs: int | None, heads: int,
                   deal: bool) -> None:
     """Launch a persistent dW / backward kernel from torch: one program per SM (or `programs`), at most one per
-    (group, 128 de) tile, with `tile_schedule_torch`'s schedule for exactly that many programs."""
+    (group, 128 de) tile, with `tile_schedule_torch`'s schedule for exactly that many programs; then the long tiles'
+    extra chunks added into dW1 / dW2 (`kernels.triton.dw_chunks`)."""
     tiles_per_group = w1.shape[2] // 128
-    programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count,
-                   w1.shape[0] * tiles_per_group)
-    sched = tile_schedule_torch(pk.group_nblocks, tiles_per_group, heads, programs, deal)
+    tiles = w1.shape[0] * tiles_per_group
+    programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count, tiles)
+    sched = tile_schedule_torch(pk.group_sizes, pk.group_nblocks, tiles_per_group, heads, programs, consts["BLOCK_M"],
+                                deal)
+    part = torch.empty(partial_shape(programs, x.shape[1], w1.shape[2]), dtype=outs[0].dtype, device=x.device)
     kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start,
                         pk.group_sizes, sched, w1.contiguous(), w2.contiguous(), outs[0], outs[1],  # acc1, acc2
-                        *outs, num_warps=4,
+                        *outs, part, num_warps=4,
                         maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
+    dw_chunks_kernel[(EXTRA_CHUNKS_PER_PROGRAM * programs,)](
+        sched, pk.group_sizes, part, outs[0], outs[1], outs[0], outs[1], num_warps=4,
+        **dw_chunks_constexprs(programs, tiles, x.shape[1], w1.shape[2], consts["BLOCK_M"], consts["ACCUM"]))
 
 
 def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,

@@ -146,68 +146,17 @@ def test_binding_sums_partial_dx_rows_and_gate_gradients(monkeypatch):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_tile_schedule_deals_largest_groups_evenly_head_by_head():
-    """The persistent dW / backward kernels' schedule: offsets of each program's tiles, then every (group, 128 de) tile
-    exactly once; each program goes through the heads in order, within a head largest
-    groups first; each program's rows within a few tiles of the mean (dealt in alternating, rotated rounds), where
-    striding over the tiles in group order does worse on skewed groups. The JAX schedule (the binding's) equals the
-    torch launchers'."""
-    import jax.numpy as jnp
-    import torch
-
-    from kernels.gluon.schedule import deal_schedule, tile_schedule_torch
-    from mhl_jax.moe.gpu.expert_kernels import tile_schedule
-
-    for t, h, p in [(6144, 8, 132), (12, 1, 4), (8, 2, 4), (3, 1, 5), (132, 4, 132), (300, 3, 132)]:
-        perm, starts = deal_schedule(t, h, p)
-        assert sorted(perm.tolist()) == list(range(t)) and starts[0] == 0 and starts[-1] == t and len(starts) == p + 1
-    for bad in [(10, 3, 4), (12, 0, 4), (12, 2, 0)]:
-        with pytest.raises(ValueError, match=f"{bad[0]} tiles, heads={bad[1]}, programs={bad[2]}"):
-            deal_schedule(*bad)
-    # exact small deals: rounds of alternating direction, each head's first program rotated by programs / heads
-    for (t, h, p), want in {(12, 1, 4): [[0, 7, 8], [1, 6, 9], [2, 5, 10], [3, 4, 11]],
-                            (16, 2, 4): [[0, 7, 10, 13], [1, 6, 11, 12], [2, 5, 8, 15], [3, 4, 9, 14]]}.items():
-        perm, starts = deal_schedule(t, h, p)
-        assert [perm[starts[q]:starts[q + 1]].tolist() for q in range(p)] == want, (t, h, p)
-    perm, starts = deal_schedule(12, 2, 4, deal=False)  # the comparisons' strided order
-    assert [perm[starts[q]:starts[q + 1]].tolist() for q in range(4)] == [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]
-    with pytest.raises(ValueError, match="12 groups, heads=5, programs=4"):
-        tile_schedule(jnp.zeros(12, jnp.int32), 1, 5, 4)
-    with pytest.raises(ValueError, match="12 groups, heads=2, programs=25"):
-        tile_schedule_torch(torch.zeros(12, dtype=torch.int32), 2, 2, 25)
-    rng = np.random.default_rng(0)
-    heads, ne = 8, 384
-    nblocks = rng.lognormal(2.0, 0.6, heads * ne).astype(np.int32)
-    nblocks[::97] = 0  # empty groups: last in their head
-    for nt, programs in [(2, 132), (1, 132), (2, 7)]:
-        sched = tile_schedule(jnp.asarray(nblocks), nt, heads, programs)
-        assert sched.dtype == jnp.int32
-        assert np.array_equal(np.asarray(sched), tile_schedule_torch(torch.from_numpy(nblocks), nt, heads,
-                                                                     programs).numpy())
-        sched = np.asarray(sched)
-        starts, tiles = sched[:programs + 1] - (programs + 1), sched[programs + 1:]
-        assert sorted(tiles.tolist()) == list(range(heads * ne * nt)) and starts[0] == 0 and starts[-1] == tiles.size
-        loads = np.zeros(programs)
-        for q in range(programs):
-            mine = tiles[starts[q]:starts[q + 1]]
-            group, head = mine // nt, mine // nt // ne
-            assert (np.diff(head) >= 0).all(), q  # head by head
-            for hh in np.unique(head):  # within a head: largest first
-                assert (np.diff(nblocks[group[head == hh]]) <= 0).all(), (q, hh)
-            loads[q] = nblocks[group].sum()
-        strided = np.bincount(np.arange(tiles.size) % programs, weights=np.repeat(nblocks, nt), minlength=programs)
-        assert loads.max() - loads.mean() <= nblocks.max() and loads.max() < strided.max(), (nt, programs)
-
-
 def test_binding_schedule_matches_launch_grid(monkeypatch):
     """The JAX binding deals the dW / backward kernels' tiles for exactly the programs it launches: with the Gluon call
     replaced by a recorder (no GPU here) and 132, 5 or 1000 SMs, the schedule argument has programs + 1 offsets that
-    count from its start, the last one its length, and every (group, 128 de) tile once."""
+    count from its start, the last one the end of the dealt tiles, and every (group, 128 de) tile once (the chunk
+    sum after it stubbed too)."""
     import jax
     import jax.numpy as jnp
 
     import mhl_jax.moe.gpu.expert_kernels as ek
     import mhl_jax.moe.gpu.experts as et
+    from kernels.gluon.schedule import EXTRA_CHUNKS_PER_PROGRAM
     from mhl_jax.moe import plan
     from mhl_jax.moe.gpu import gluon as gluon_bridge
 
@@ -227,16 +176,18 @@ def test_binding_schedule_matches_launch_grid(monkeypatch):
         return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
 
     monkeypatch.setattr(gluon_bridge, "gluon_call", record)
+    monkeypatch.setattr(ek, "_add_chunks", lambda sched, sizes, parts, dw1, dw2, *a: (dw1, dw2))
     tiles = h * ne * (de // 128)
     for sms in (132, 5, 1000):
         monkeypatch.setattr(plan, "hopper_sms", lambda sms=sms: sms)
         ek._bwd_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h, False)
         ek._dw_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h)
         for sched, programs in calls[-2:]:
-            assert programs == min(sms, tiles) and sched.size == programs + 1 + tiles
+            extra = EXTRA_CHUNKS_PER_PROGRAM * programs  # the layout of kernels.gluon.schedule
+            assert programs == min(sms, tiles) and sched.size == 2 * (programs + tiles + extra) + 3
             offsets = sched[:programs + 1]
-            assert offsets[0] == programs + 1 and offsets[-1] == sched.size and (np.diff(offsets) >= 0).all()
-            assert sorted(sched[programs + 1:].tolist()) == list(range(tiles))
+            assert offsets[0] == programs + 1 and offsets[-1] == programs + 1 + tiles and (np.diff(offsets) >= 0).all()
+            assert sorted(sched[programs + 1:programs + 1 + tiles].tolist()) == list(range(tiles))
 
 
 def test_ws_bwd_shapes_checked():

@@ -281,12 +281,16 @@ def test_moe_heads_grad_acc_returns_sum_plus_gradient(emulated, path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("de, kernel", [(256, "bwd_ws"), (256, "bwd_xw"), (256, "dw_ws"), (128, "bwd_ws"),
-                                        (128, "bwd_xw")])
-def test_gpu_expert_backward_adds_into_the_accumulators(de, kernel):
+@pytest.mark.parametrize("de, kernel, collapsed", [(256, "bwd_ws", False), (256, "bwd_xw", False),
+                                                   (256, "dw_ws", False), (128, "bwd_ws", False),
+                                                   (128, "bwd_xw", False), (256, "bwd_ws", True),
+                                                   (256, "bwd_xw", True), (256, "dw_ws", True)])
+def test_gpu_expert_backward_adds_into_the_accumulators(de, kernel, collapsed):
     """On the GPU's kernels (the Gluon backward with and without its dX warp group, the Gluon dW kernel beside the
     Triton dX kernel): the fused core's w1 / w2 gradients with grad_acc (added in the kernel, the accumulators aliased
-    to its outputs) are bitwise acc + the gradients without; x's and W_r's unchanged."""
+    to its outputs) are bitwise acc + the gradients without; x's and W_r's unchanged. Collapsed: the bias sends every
+    token to the same k experts, whose tiles the kernels sum in chunks (`kernels.gluon.schedule`), and the other
+    experts' tiles are empty (skipped while accumulating)."""
     from dataclasses import replace
 
     from mhl_jax.moe import plan
@@ -299,8 +303,10 @@ def test_gpu_expert_backward_adds_into_the_accumulators(de, kernel):
     assert plan.expert_bwd_kernel(cfg, jnp.bfloat16, dh, de, "triton") == want, (kernel, cfg)
     args, acc = _moe_args(4, n, h, dh, ne, de, 0.1)
 
+    bias = jnp.zeros((h, ne)).at[:, :k].set(1e3 if collapsed else 0.0)
+
     def run(x, w_r, w1, w2, grad_acc):
-        return moe_triton.moe_heads_fused(x, w_r, jnp.zeros((h, ne)), w1, w2, k, cfg, grad_acc=grad_acc)[0]
+        return moe_triton.moe_heads_fused(x, w_r, bias, w1, w2, k, cfg, grad_acc=grad_acc)[0]
 
     _assert_sum_plus_gradient(run, args, acc)
 

@@ -12,11 +12,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels.gluon.experts_bwd import dw_ws_constexprs, gluon_expert_dw_ws_kernel
 from kernels.gluon.experts_bwd_fused import bwd_kernel
 from kernels.gluon.experts_fwd import fwd_constexprs, gluon_expert_fwd_ws_kernel
-from kernels.gluon.schedule import check_schedule_args, deal_schedule
+from kernels.gluon.schedule import (
+    CHUNK_SHIFT,
+    EXTRA_CHUNKS_PER_PROGRAM,
+    check_schedule_args,
+    deal_schedule,
+)
+from kernels.triton.dw_chunks import dw_chunks_constexprs, dw_chunks_kernel, partial_shape
 from kernels.triton.experts import (
     expert_dw_kernel,
     expert_dwt_kernel,
@@ -48,19 +55,45 @@ def _persistent_programs(work_items: int) -> int:
     return min(plan.hopper_sms(), work_items)
 
 
-def tile_schedule(group_nblocks, tiles_per_group: int, heads: int, programs: int):
-    """The schedule array the persistent dW / backward kernels read: (programs + 1 + G * tiles_per_group,) int32,
-    each program's offsets (counted from the array's start: program p's tiles are sched[sched[p]:sched[p + 1]]), then
-    the (group, 128 de) tiles program by program (`kernels.gluon.schedule.deal_schedule`: head-major, each head's
-    groups largest first, dealt so that the programs' rows even out). `programs` must be the launch grid (1 to G *
-    tiles_per_group). `kernels.gluon.schedule.tile_schedule_torch` is the same for the torch launchers."""
+def tile_schedule(group_sizes, group_nblocks, tiles_per_group: int, heads: int, programs: int, block_m: int):
+    """The schedule array the persistent dW / backward kernels read (`kernels.gluon.schedule`, which describes its
+    layout): the (group, 128 de) tiles dealt over the programs (`deal_schedule`: head-major, each head's groups
+    largest first, so that the programs' rows even out), each tile's first chunk of row blocks; then the other
+    chunks of the tiles longer than a chunk, each program's share of them in the order of its dealt rows, fewest
+    first. `programs` must be the launch grid (1 to G * tiles_per_group). `kernels.gluon.schedule.
+    tile_schedule_torch` is the same for the torch launchers."""
     check_schedule_args(group_nblocks.shape[0], tiles_per_group, heads, programs)
     nb = group_nblocks.reshape(heads, -1)
     go = jnp.argsort(-nb, axis=1, stable=True).astype(jnp.int32) + \
         (jnp.arange(heads, dtype=jnp.int32) * nb.shape[1])[:, None]
     tiles = (go.reshape(-1, 1) * tiles_per_group + jnp.arange(tiles_per_group, dtype=jnp.int32)).reshape(-1)
     perm, starts = deal_schedule(tiles.shape[0], heads, programs)
-    return jnp.concatenate([jnp.asarray(starts + programs + 1, jnp.int32), tiles[perm]])
+    dealt = tiles[perm]
+    # chunks: a tile's row blocks in nch equal parts, the chunk such that the chunks after the first fit their list
+    blocks = jnp.repeat((group_sizes + block_m - 1) // block_m, tiles_per_group).astype(jnp.int32)
+    cap = EXTRA_CHUNKS_PER_PROGRAM * programs
+    chunk = jnp.maximum(1, -(-jnp.sum(blocks) // cap)).astype(jnp.int32)
+    nch = jnp.maximum(1, -(-blocks // chunk))
+    ends = jnp.cumsum(nch - 1).astype(jnp.int32)  # the chunks after the first, tile by tile
+    n_extra = ends[-1]
+    i = jnp.arange(cap, dtype=jnp.int32)
+    t = jnp.searchsorted(ends, i, side="right", method="compare_all").astype(jnp.int32)  # the tile of chunk i
+    t = jnp.minimum(t, blocks.shape[0] - 1)
+    extras = jnp.where(i < n_extra, t | ((i - ends[t] + nch[t]) << CHUNK_SHIFT), 0).astype(jnp.int32)
+    split = jnp.where(nch > 1, nch, 0)
+    split_base = (jnp.cumsum(split) - split).astype(jnp.int32)
+    ids = jnp.arange(blocks.shape[0], dtype=jnp.int32)
+    at = jnp.where(nch > 1, jnp.cumsum(nch > 1) - 1, cap)  # the split tiles, listed (at most cap: each has a chunk)
+    split_list = jnp.full((cap + 1,), -1, jnp.int32).at[at].set(ids)[:cap]
+    # each program's dealt rows (its first chunks): the later chunks go to the least loaded first (its rank: the
+    # programs with fewer rows, or as many and a lower index; a compare, not a sort)
+    prog = jnp.asarray(np.repeat(np.arange(programs, dtype=np.int32), np.diff(starts)))
+    loads = jnp.zeros((programs,), jnp.int32).at[prog].add(blocks[dealt] // nch[dealt])
+    q = jnp.arange(programs)
+    rank = jnp.sum((loads[None, :] < loads[:, None]) | ((loads[None, :] == loads[:, None]) & (q[None, :] < q[:, None])),
+                   axis=1, dtype=jnp.int32)
+    return jnp.concatenate([jnp.asarray(starts + programs + 1, jnp.int32), dealt, jnp.stack([n_extra, chunk]), rank,
+                            extras, split_base, split_list])
 
 
 # ------------------------------------------------------------------------------------------------ forward
@@ -156,18 +189,35 @@ def backward_kernels(kernel: str, st: Static, xs, dys, gates, packing: Packing, 
 
 def _tiled_call(kernel, xs, dys, gates, packing: Packing, w1, w2, heads: int, out_shape, constexprs: dict, acc=None):
     """A persistent dW / backward Gluon kernel over (group, 128 de) tiles: the launch grid (`_persistent_programs`)
-    and the schedule dealt for exactly that many programs (`tile_schedule`). acc: (acc1, acc2) shaped and typed as
-    the first two outputs (dW1, dW2), aliased to them, which come back as acc + dW (constexprs' ACCUM); None: the
-    kernel's acc inputs are w1 / w2, unread."""
-    tiles_per_group = w1.shape[2] // 128
-    programs = _persistent_programs(w1.shape[0] * tiles_per_group)
+    and the schedule dealt for exactly that many programs (`tile_schedule`), then the split tiles' chunks added
+    into dW1 / dW2 (`kernels.triton.dw_chunks`). acc: (acc1, acc2) shaped and typed as the first two outputs (dW1,
+    dW2), aliased to them, which come back as acc + dW (constexprs' ACCUM); None: the kernel's acc inputs are w1 /
+    w2, unread."""
+    (_, dh), (g, _, de) = xs.shape, w1.shape
+    tiles_per_group = de // 128
+    programs = _persistent_programs(g * tiles_per_group)
+    sched = tile_schedule(packing.group_sizes, packing.group_nblocks, tiles_per_group, heads, programs,
+                          constexprs["BLOCK_M"])
     # acc1, acc2 (after the 9 inputs) -> dW1, dW2 (their shapes checked by the public ops: `moe_heads_fused`)
     alias = {} if acc is None else {"input_output_aliases": {9: 0, 10: 1}}
+    part = jax.ShapeDtypeStruct(partial_shape(programs, dh, de), out_shape[0].dtype)  # dW's dtype
     # group_sizes: the kernels count each group's 32-row blocks from it (the padding after its rows is not computed)
-    return gluon_bridge.gluon_call(xs, dys, gates, packing.row_slot, packing.group_block_start, packing.group_sizes,
-                                   tile_schedule(packing.group_nblocks, tiles_per_group, heads, programs), w1, w2,
-                                   *((w1, w2) if acc is None else acc), kernel=kernel, out_shape=out_shape,
-                                   programs=programs, **alias, **constexprs)
+    *outs, parts = gluon_bridge.gluon_call(xs, dys, gates, packing.row_slot, packing.group_block_start,
+                                           packing.group_sizes, sched, w1, w2, *((w1, w2) if acc is None else acc),
+                                           kernel=kernel, out_shape=[*out_shape, part], programs=programs, **alias,
+                                           **constexprs)
+    outs[:2] = _add_chunks(sched, packing.group_sizes, parts, outs[0], outs[1], programs, constexprs["BLOCK_M"],
+                           acc is not None)
+    return outs
+
+
+def _add_chunks(sched, group_sizes, parts, dw1, dw2, programs: int, block_m: int, accum: bool):
+    """The split tiles' partial sums added into dW1 / dW2 in place (`kernels.triton.dw_chunks`): (dW1, dW2)."""
+    (g, dh, de), jt = dw1.shape, plan.import_jax_triton()
+    return jt.triton_call(sched, group_sizes, parts, dw1, dw2, kernel=dw_chunks_kernel,
+                          out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in (dw1, dw2)],
+                          grid=(EXTRA_CHUNKS_PER_PROGRAM * programs,), num_warps=4, input_output_aliases={3: 0, 4: 1},
+                          **dw_chunks_constexprs(programs, g * de // 128, dh, de, block_m, accum))
 
 
 def _dw_gluon(st: Static, xs, dys, gates, packing: Packing, w1, w2, dw_dtype, heads: int, acc=None):
