@@ -2,8 +2,9 @@
 pipeline the whole fused backward (kernels/gluon/experts_bwd_fused.py) shares with them.
 
 `gluon_expert_dw_ws_kernel`: the weight gradients of `expert_dwt_kernel` (without fused dX): persistent over
-(group, 128 de) tiles taken from a static schedule (`kernels.gluon.schedule.deal_schedule`: head by head, each
-head's groups largest first, dealt so that every program gets about the same rows), two consumer warp groups each
+(group, 128 de) tiles taken from a schedule (`kernels.gluon.schedule`: head by head, each head's groups largest
+first, dealt so that every program gets about the same rows, a long tile's rows in chunks; read by
+`kernels.gluon.work_items`), two consumer warp groups each
 holding both gradients of 64 de (128 fp32 accumulator registers: the consumers run at setmaxnreg 232 / 240, which
 ptxas honours per partition), 32-row blocks of gathered X / dy rows (and their gates) through a cp.async ring, the
 next tile's weights in a second buffer. A split backward takes it where the whole Gluon backward does not run.
@@ -25,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.gluon.common import _copy_layout, _gelu_and_grad, _wgmma_layout, _ws_barriers, _ws_copy_rows
-from kernels.gluon.schedule import CHUNK_SHIFT, EXTRA_CHUNKS_PER_PROGRAM
+from kernels.gluon.work_items import _dw_tile, _item, _items
 from kernels.tuning import (
     GLUON_DW_BLOCK_M,
     GLUON_DW_REGS,
@@ -34,54 +35,6 @@ from kernels.tuning import (
     GLUON_MAXNREG,
     gluon_dw_supported,
 )
-
-CHUNK_SHIFT_C = gl.constexpr(CHUNK_SHIFT)
-EXTRA_C = gl.constexpr(EXTRA_CHUNKS_PER_PROGRAM)
-
-
-@gluon.jit
-def _items(sched_ptr):
-    """This program's work items (`kernels.gluon.schedule`: its dealt tiles, then its share of the long tiles' later
-    chunks) -> (offset of its first dealt tile, dealt tiles, items, X (the header's offset), its rank, the chunk
-    length in row blocks)."""
-    pid = gl.program_id(0)
-    P = gl.num_programs(0)
-    s0 = gl.load(sched_ptr + pid)
-    ns = gl.load(sched_ptr + pid + 1) - s0
-    X = gl.load(sched_ptr + P)
-    n_extra = gl.load(sched_ptr + X)
-    rank = gl.load(sched_ptr + X + 2 + pid)
-    return s0, ns, ns + n_extra // P + (rank < n_extra % P).to(gl.int32), X, rank, gl.load(sched_ptr + X + 1)
-
-
-@gluon.jit
-def _item(sched_ptr, i, s0, ns, X, rank):
-    """Item i of this program: a dealt tile (chunk 0), or a later chunk (round r = i - ns: the list's entry r P +
-    rank)."""
-    P = gl.num_programs(0)
-    r = i - ns
-    return gl.load(sched_ptr + gl.where(r >= 0, X + 2 + P + r * P + rank, s0 + i))
-
-
-@gluon.jit
-def _dw_tile(entry, chunk, sched_ptr, X, group_block_start_ptr, group_size_ptr, DE: gl.constexpr,
-             PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Entry (tile t = (group, 128 de), chunk c) -> (group as int64, first de, first packed row, row blocks of
-    BLOCK_M, partial-sum slot or -1). The tile's row blocks are those holding the group's rows (its size rounded up to
-    BLOCK_M: blocks made only of the padding after them, up to PACK_BLOCK - BLOCK_M rows, are neither computed nor
-    written), in nch = ceil(blocks / chunk) equal chunks, chunk c [c blocks / nch, (c + 1) blocks / nch); a split
-    tile's (nch > 1) chunk c sums into slot first + c, the tile's first slot from the schedule."""
-    t = entry & ((1 << CHUNK_SHIFT_C) - 1)
-    c = entry >> CHUNK_SHIFT_C
-    gi = t // (DE // 128)
-    start = gl.load(group_block_start_ptr + gi)
-    blocks = (gl.load(group_size_ptr + gi) + BLOCK_M - 1) // BLOCK_M
-    nch = gl.maximum((blocks + chunk - 1) // chunk, 1)
-    b0 = c * blocks // nch
-    P = gl.num_programs(0)
-    first = gl.load(sched_ptr + X + 2 + P + EXTRA_C * P + t, mask=nch > 1, other=0)
-    return (gi.to(gl.int64), (t % (DE // 128)) * 128, start.to(gl.int64) * PACK_BLOCK + b0 * BLOCK_M,
-            (c + 1) * blocks // nch - b0, gl.where(nch > 1, first + c, -1))
 
 
 @gluon.jit

@@ -26,14 +26,12 @@ from kernels.gluon.experts_bwd import (
     _dw_consumer,
     _dw_operands,
     _dw_producer,
-    _dw_tile,
-    _item,
-    _items,
     _partials_layout,
     _sum_partials,
     _wait_weights,
     dw_ws_constexprs,
 )
+from kernels.gluon.work_items import _dw_tile, _item, _items
 from kernels.tuning import (
     GLUON_BWD_REGS,
     GLUON_BWD_STAGES,
