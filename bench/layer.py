@@ -1,7 +1,8 @@
 """One MH-LatentMoE layer, forward and forward+backward, at the shapes of the layer table, beside the authors' figures.
 
     python -m bench.layer [--tokens 8192 81920] [--configs 384/4/256 768/8/128 768/4/256 1536/8/128]
-                          [--impl triton|reference] [--expert-weights float32|bfloat16] [--authors DIR] [--out FILE]
+                          [--impl triton|reference] [--expert-weights float32|bfloat16] [--routing random|collapsed]
+                          [--authors DIR] [--out FILE]
 
 The layer is the model's MoE core (`mhl_jax.moe.core.moe_heads`) between two dense projections:
     x (N, d=1024) bf16 -> W_in -> (N, Nh=8, dh=128) -> top-k routing per head (fp32 scores, bias in the selection)
@@ -14,6 +15,10 @@ peak_gib (XLA's buffer assignment of the compiled step), tflops (model FLOPs: 3 
 backward's recomputation not counted) and its fraction of the measured bf16 rate, and the authors' figures on one
 H100 with our speedup over them (`authors_h100`, `speedup_vs_authors_h100`: another GPU's figures unless this is an
 H100; `--authors` times theirs on this GPU). A table follows.
+
+--routing collapsed: the routing bias sends every token to the same k experts of each head (a model's first steps
+can route nearly so: docs/performance.md, The expert FFN alone), where the expert backward sums each long tile in
+chunks; random (the table's): random router weights, a tiny random bias.
 
 --authors DIR: also time the authors' released PyTorch layer (their `src/` folder under DIR, imported from there at
 run time; needs torch with CUDA) at each shape, on this GPU: `authors_here` in each record.
@@ -41,12 +46,14 @@ AUTHORS = {
 }
 
 
-def init_params(key, ne: int, de: int) -> dict:
+def init_params(key, ne: int, de: int, collapse_k: int = 0) -> dict:
+    """The layer's parameters; collapse_k > 0: a bias of 10 on each head's first collapse_k experts, far above the
+    scores (~0.1), so every token picks them."""
     ks = jax.random.split(key, 6)
     return dict(
         w_in=jax.random.normal(ks[0], (D, NH * DH)) * 0.02,
         w_r=jax.random.normal(ks[1], (NH, DH, ne)) * 0.02,
-        bias=jax.random.normal(ks[2], (NH, ne)) * 1e-3,
+        bias=(jax.random.normal(ks[2], (NH, ne)) * 1e-3).at[:, :collapse_k].add(10.0),
         w1=jax.random.normal(ks[3], (NH, ne, DH, de)) * 0.02,
         w2=jax.random.normal(ks[4], (NH, ne, de, DH)) * 0.02,
         w_out=jax.random.normal(ks[5], (NH * DH, D)) * 0.02,
@@ -74,14 +81,16 @@ def model_flops(tokens: int, ne: int, k: int, de: int) -> float:
     return 3.0 * fwd
 
 
-def measure(tokens: int, ne: int, k: int, de: int, impl: str, expert_weights: str = "float32") -> dict:
+def measure(tokens: int, ne: int, k: int, de: int, impl: str, expert_weights: str = "float32",
+            routing: str = "random") -> dict:
     """One shape: the record described in the module's docstring."""
-    params = init_params(jax.random.key(0), ne, de)
+    params = init_params(jax.random.key(0), ne, de, k if routing == "collapsed" else 0)
     params.update({w: params[w].astype(expert_weights) for w in ("w1", "w2")})
     xs = [jax.random.normal(jax.random.key(s + 1), (tokens, D), jnp.bfloat16) for s in range(2)]
     sets = [(params, x) for x in xs]
     rec = dict(bench="layer", impl=impl, router=impl, device=jax.devices()[0].device_kind, date=today(),
-               params=dict(tokens=tokens, d=D, nh=NH, dh=DH, ne=ne, k=k, de=de, expert_weights=expert_weights))
+               params=dict(tokens=tokens, d=D, nh=NH, dh=DH, ne=ne, k=k, de=de, expert_weights=expert_weights,
+                           routing=routing))
     try:
         fwd, grad = layer_fns(k, impl)
         rec["ms_fwd"] = time_jax(fwd, sets)
@@ -92,7 +101,7 @@ def measure(tokens: int, ne: int, k: int, de: int, impl: str, expert_weights: st
         rec["peak_gib"] = compiled_gib(grad, params, xs[0])
         rec["tflops"] = model_flops(tokens, ne, k, de) / rec["ms"] / 1e9
         rec["frac_of_measured_peak"] = rec["tflops"] / MEASURED_BF16_TFLOPS
-        a = AUTHORS.get((tokens, ne, k, de))
+        a = AUTHORS.get((tokens, ne, k, de)) if routing == "random" else None
         if a:
             rec["authors_h100"] = dict(ms_fwd=a[0], ms=a[1], peak_gib=a[2])  # same-GPU: --authors (authors_here)
             rec["speedup_vs_authors_h100"] = a[1] / rec["ms"]
@@ -124,8 +133,13 @@ def main(argv=None) -> None:
     ap.add_argument("--impl", default="triton", choices=["triton", "reference"])
     ap.add_argument("--expert-weights", default="float32", choices=["float32", "bfloat16"],
                     help="dtype of W1 / W2 as passed to the layer (float32: master weights cast in every call)")
+    ap.add_argument("--routing", default="random", choices=["random", "collapsed"],
+                    help="collapsed: every token on the same k experts of each head (the routing bias)")
     ap.add_argument("--authors", default=None, metavar="DIR", help="the authors' code (DIR/src), timed beside ours")
     args = ap.parse_args(argv)
+    if args.authors and args.routing != "random":
+        raise SystemExit(f"--authors times the authors' layer at the table's random routing, not --routing "
+                         f"{args.routing}")
     if args.authors:
         from bench.authors import AuthorsLayer  # torch: an optional dependency, only for --authors
 
@@ -135,7 +149,7 @@ def main(argv=None) -> None:
         for tokens in args.tokens:
             for shape in args.configs:
                 ne, k, de = (int(v) for v in shape.split("/"))
-                rec = measure(tokens, ne, k, de, args.impl, args.expert_weights)
+                rec = measure(tokens, ne, k, de, args.impl, args.expert_weights, args.routing)
                 if args.authors:
                     rec["authors_here"] = authors.measure(tokens, ne, k, de)
                     if "ms" in rec and "ms" in rec["authors_here"]:

@@ -263,8 +263,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     consumer's half of the gate gradient go to an HB-deep ring in shared memory (`_hand_over`) for the dX warp group
     (`_dx_worker`), which makes the dX rows and gate gradients off the consumers' chain.
 
-    ACCUM: dW1 / dW2 hold a gradient summed so far (the JAX binding aliases the accumulator to them): each tile adds
-    its own to it (`_store_dw`) instead of overwriting it."""
+    ACCUM: dW1 / dW2 hold a gradient summed so far (the JAX binding aliases the accumulator to them): each tile in one
+    chunk adds its own to it (`_store_dw`) instead of overwriting it; a split tile's chunks go to their slots, and
+    items without rows are skipped (their zero gradient is summed already), as the producer skips them."""
     (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     NW: gl.constexpr = gl.num_warps()
@@ -345,7 +346,7 @@ def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, 
 def gluon_expert_dw_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: see ACCUM)
-    dw1_ptr, dw2_ptr, part_ptr,  # outputs (G, DH, DE), (G, DE, DH), the split tiles' partial sums (S, 2, DH, 128)
+    dw1_ptr, dw2_ptr, part_ptr,  # outputs (G, DH, DE), (G, DE, DH), split tiles' partials (S, DH * DE + 128 * DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
     BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACCUM: gl.constexpr,
@@ -360,7 +361,8 @@ def gluon_expert_dw_ws_kernel(
     the tile's weights into one of WB buffers, gathered X / dy rows of BLOCK_M into an NST-stage ring). Sums over
     a group's rows in packed order, no atomics. ACCUM: acc1 / acc2 are the accumulated gradients, the same buffers
     as dW1 / dW2 (the JAX binding's input_output_aliases; the torch launcher passes dW1 / dW2 for both), and every
-    tile adds its gradient to them (`_dw_consumer`); acc1 / acc2 are never read through their own pointers."""
+    tile in one chunk adds its gradient to them (`_dw_consumer`; a split tile's by `kernels.triton.dw_chunks`);
+    acc1 / acc2 are never read through their own pointers."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0, "DE: tiles of 128 de (two consumers of 64)")

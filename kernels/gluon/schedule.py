@@ -7,10 +7,12 @@ A tile's rows are summed by one program, in order, unless the tile is longer tha
 a head's rows to a few experts (a model's first steps do), and one program would then run the step's longest tile
 alone while the others wait. Such a tile's row blocks are cut into nch equal chunks (chunk c: blocks
 [c B / nch, (c + 1) B / nch) of its B), the chunk long enough that the chunks after the first number at most
-EXTRA_CHUNKS_PER_PROGRAM x programs; each chunk's sums go to an fp32 slot of its own, chunk 0 with the dealt tile,
-the others to the programs with the fewest dealt rows, and `kernels/triton/dw_chunks.py` adds a split tile's slots
+EXTRA_CHUNKS_PER_PROGRAM x programs; each chunk's sums go to a slot of its own in dW's dtype (fp32 for the train
+step's fp32 masters: bf16 weights' partials are rounded to bf16 once more), chunk 0 with the dealt tile, the others
+to the programs with the fewest dealt rows, and `kernels/triton/dw_chunks.py` adds a split tile's slots
 in chunk order and then to the sum so far: dW = acc + ((p_0 + p_1) + ...), a fixed order, no atomics, and bitwise
-acc plus the same without acc.
+acc plus the same without acc. The chunks depend on the programs (the SM count) and the total rows: on a GPU with
+another SM count a long tile's sum can round differently (docs/design.md, What is not bitwise).
 
 The array (int32), P programs, T tiles, E = EXTRA_CHUNKS_PER_PROGRAM x P:
     [0, P]              offsets of each program's dealt tiles, counted from the array's start (sched[P] = P + 1 + T)
@@ -29,7 +31,7 @@ import functools
 
 import numpy as np
 
-EXTRA_CHUNKS_PER_PROGRAM = 2  # chunks after the first per program; twice as many partial-sum slots (128 KB each)
+EXTRA_CHUNKS_PER_PROGRAM = 2  # chunks after the first per program; twice as many slots (DH x (DE + 128) each)
 CHUNK_SHIFT = 20  # a chunk's entry: tile | chunk << CHUNK_SHIFT (up to 2^20 tiles)
 
 
@@ -40,11 +42,17 @@ def partial_slots(programs: int) -> int:
 
 def check_schedule_args(num_groups: int, tiles_per_group: int, heads: int, programs: int) -> None:
     """Raise a ValueError naming the values unless the groups split into `heads` equal heads and 1 <= programs <=
-    num_groups * tiles_per_group (the launch grid a schedule is dealt for)."""
-    if heads < 1 or num_groups % heads or not 1 <= programs <= num_groups * tiles_per_group:
+    num_groups * tiles_per_group (the launch grid a schedule is dealt for), and a chunk's int32 entry (tile | chunk
+    << CHUNK_SHIFT) holds every tile and chunk index (chunk < EXTRA_CHUNKS_PER_PROGRAM x programs)."""
+    tiles = num_groups * tiles_per_group
+    if heads < 1 or num_groups % heads or not 1 <= programs <= tiles:
         raise ValueError(f"tile schedule: {num_groups} groups, heads={heads}, programs={programs}, tiles_per_group="
                          f"{tiles_per_group}; expected the groups to split into equal heads and 1 <= programs <= "
-                         f"{num_groups * tiles_per_group} (the tiles)")
+                         f"{tiles} (the tiles)")
+    if tiles >= 1 << CHUNK_SHIFT or EXTRA_CHUNKS_PER_PROGRAM * programs >= 1 << (31 - CHUNK_SHIFT):
+        raise ValueError(f"tile schedule: {tiles} tiles on {programs} programs; expected fewer than "
+                         f"{1 << CHUNK_SHIFT} tiles and {(1 << (31 - CHUNK_SHIFT)) // EXTRA_CHUNKS_PER_PROGRAM} "
+                         "programs (a chunk's int32 entry)")
 
 
 def deal_schedule(num_tiles: int, heads: int, programs: int, deal: bool = True) -> tuple[np.ndarray, np.ndarray]:

@@ -1,9 +1,10 @@
 """A split tile's partial weight gradients (`kernels.gluon.schedule`), added up and into dW1 / dW2.
 
 The persistent dW / backward kernels (kernels/gluon/experts_bwd.py) sum a long (group, 128 de) tile's rows in chunks,
-each into an fp32 slot of its own. One program per tile here adds a split tile's slots in chunk order and writes dW =
-(p_0 + p_1) + ... or, accumulating, acc + ((p_0 + p_1) + ...): a fixed order, no atomics, bitwise the sum so far plus
-the gradient without it. A tile in one chunk (almost every tile unless routing is skewed) was written by the kernel.
+each into a slot of its own (in dW's dtype). One program per split tile here adds the tile's slots in chunk order
+and writes dW = (p_0 + p_1) + ... or, accumulating, acc + ((p_0 + p_1) + ...): a fixed order, no atomics, bitwise
+the sum so far plus the gradient without it. A tile in one chunk (almost every tile unless routing is skewed) was
+written by the kernel.
 """
 
 from __future__ import annotations

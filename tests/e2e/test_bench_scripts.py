@@ -54,16 +54,22 @@ def test_layer_runs_at_a_tiny_shape_with_the_reference_gradients_on_the_triton_p
     bl.main(["--tokens", str(tokens), "--configs", f"{ne}/{k}/{de}", "--impl", "triton", "--out", str(out)])
     (r,) = _records(out)
     assert r["bench"] == "layer" and r["impl"] == "triton" and "error" not in r, r
-    assert r["params"] == dict(tokens=tokens, d=1024, nh=8, dh=128, ne=ne, k=k, de=de, expert_weights="float32")
+    assert r["params"] == dict(tokens=tokens, d=1024, nh=8, dh=128, ne=ne, k=k, de=de, expert_weights="float32",
+                               routing="random")
     assert r["ms"] > 0 and r["ms_fwd"] > 0 and r["ms_stream"] > 0 and r["peak_gib"] > 0 and r["tflops"] > 0
     assert "authors" not in r
 
-    params = bl.init_params(jax.random.key(0), ne, de)
     x = jax.random.normal(jax.random.key(1), (tokens, bl.D)).astype(jnp.bfloat16)
-    g_tri, g_ref = (bl.layer_fns(k, impl)[1](params, x)[0] for impl in ("triton", "reference"))
-    for name in params:
-        a, b = np.asarray(g_tri[name], np.float32), np.asarray(g_ref[name], np.float32)
-        assert np.abs(a - b).max() <= 0.05 * np.abs(b).max() + 1e-12, name  # bf16 activations, two paths
+    for collapse in (0, k):  # --routing collapsed: every token on experts 0 .. k-1 of each head
+        params = bl.init_params(jax.random.key(0), ne, de, collapse)
+        sub = jnp.dot(x, params["w_in"].astype(x.dtype)).reshape(tokens, bl.NH, bl.DH)
+        scores = jnp.einsum("nhd,hde->nhe", sub.astype(jnp.float32), params["w_r"]) + params["bias"]
+        picked = np.sort(np.asarray(jax.lax.top_k(scores, k)[1]), axis=-1)
+        assert (picked == np.arange(k)).all() == bool(collapse)
+        g_tri, g_ref = (bl.layer_fns(k, impl)[1](params, x)[0] for impl in ("triton", "reference"))
+        for name in params:
+            a, b = np.asarray(g_tri[name], np.float32), np.asarray(g_ref[name], np.float32)
+            assert np.abs(a - b).max() <= 0.05 * np.abs(b).max() + 1e-12, name  # bf16 activations, two paths
 
 
 def test_router_and_attention_run_at_tiny_shapes(tmp_path):
@@ -278,12 +284,14 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
         assert xw["warp_specialized"] and xw["launch_warps"] == 16 and xw["reqntid"] == [512], xw
         assert {208, 32, 64} <= set(xw["setmaxnreg"]) and xw["registers"] <= 128, xw
         assert xw["spill_store_bytes"] <= 192 and xw["shared_bytes"] <= 227 * 1024, xw
-        # per partition: the dX warp group's code at 64 registers spills a few address words in its loop (with any
-        # more work there, more spills and a slower kernel)
+        # per partition: the dX warp group's code at 64 registers spills a few address words in its loop, and ~20
+        # more instructions' worth in its walk of the schedule's items (the chunks of long tiles), which left the
+        # layer's 81920-token rows (this kernel's) within 1% (bench/results/layer_chunks-h200-2026-11-30.jsonl);
+        # with more work in its block loop, more spills and a slower kernel
         parts = {p["name"]: p for p in xw["sass_partitions"]}
         assert sum(p["instructions"] for p in xw["sass_partitions"]) == xw["sass_instructions"], xw
         assert {"try_alloc 208", "dealloc 64", "dealloc 32"} <= set(parts), parts
-        assert parts["dealloc 64"]["spill_instructions"] <= 24, parts
+        assert parts["dealloc 64"]["spill_instructions"] <= 32, parts
     else:  # the fused backward: the dW kernel's partitions (consumers 232 / 232, producer 40), plus dX and the gate
         # gradients (a few spilled words; more with the gate-gradient half made after dW2's product is issued)
         bwd = recs["bwd_ws"]

@@ -308,6 +308,12 @@ def test_gpu_expert_backward_adds_into_the_accumulators(de, kernel, collapsed):
     def run(x, w_r, w1, w2, grad_acc):
         return moe_triton.moe_heads_fused(x, w_r, bias, w1, w2, k, cfg, grad_acc=grad_acc)[0]
 
+    # the schedule's chunk (kernels.gluon.schedule): collapsed, the busy experts' tiles are split (with as few tiles
+    # as programs here, random routing's may be too)
+    load = np.asarray(moe_triton.moe_heads_fused(*args[:2], bias, *args[2:], k, cfg)[1])
+    blocks = -(-load.reshape(-1) // 32)  # the kernels' 32-row blocks per group
+    programs = min(plan.hopper_sms(), h * ne * (de // 128))
+    assert (blocks > -(-blocks.sum() * (de // 128) // (2 * programs))).any() or not collapsed, load
     _assert_sum_plus_gradient(run, args, acc)
 
 

@@ -81,6 +81,16 @@ def _sizes(rng, heads: int, ne: int, kind: str) -> np.ndarray:
     return sizes
 
 
+def test_schedule_refuses_what_its_int32_entries_cannot_hold():
+    from kernels.gluon.schedule import check_schedule_args
+
+    check_schedule_args(1 << 19, 1, 8, 1000)
+    with pytest.raises(ValueError, match=f"{1 << 20} tiles on 4 programs; expected fewer than {1 << 20} tiles"):
+        check_schedule_args(1 << 19, 2, 8, 4)
+    with pytest.raises(ValueError, match="6144 tiles on 1024 programs; expected fewer than .* and 1024 programs"):
+        check_schedule_args(3072, 2, 8, 1024)
+
+
 @pytest.mark.parametrize("kind,nt,programs", [("lognormal", 2, 132), ("lognormal", 1, 132), ("lognormal", 2, 7),
                                               ("collapsed", 2, 132), ("collapsed", 1, 132), ("collapsed", 2, 13)])
 def test_tile_schedule_covers_every_block_once_and_evens_out_the_programs(kind, nt, programs):
