@@ -6,6 +6,9 @@
 #                       ~8 minutes on one H200; together they are the whole GPU suite (tests/parallel needs 2+ GPUs
 #                       and skips on one). `tests` runs all four.
 #   layer               bench.layer at 8192 and 81920 tokens (the layer table)
+#   layer-collapsed     bench.layer at 16384 tokens (the 2.2B step's micro-batch) with every token on the same k
+#                       experts of each head, as the step's routing is after its first steps (the expert backward's
+#                       chunks of long tiles)
 #   train               bench.train_scale on 1 GPU: the dense MLP 0.2B and the 2.2B MH-LatentMoE, MoE and LatentMoE
 #                       configs in one process (the step table of docs/performance.md), micro-batch 8, global batch
 #                       32 x 2048
@@ -23,7 +26,7 @@
 set -uo pipefail
 
 if [ $# -eq 0 ]; then
-    sed -n '2,22p' "$0"
+    sed -n '2,25p' "$0"
     exit 2
 fi
 OUT=${OUT:-/tmp/bench_out}
@@ -78,6 +81,9 @@ for suite in "$@"; do
         tests-4) tests tests-4 $TESTS_4 ;;
         tests) for i in 1 2 3 4; do v="TESTS_$i"; tests "tests-$i" ${!v}; done ;;
         layer) stage layer python3 -m bench.layer --tokens 8192 81920 --out "$OUT/layer.jsonl" ;;
+        layer-collapsed)
+            stage layer-collapsed python3 -m bench.layer --tokens 16384 --routing collapsed \
+                --out "$OUT/layer_collapsed.jsonl" ;;
         train)
             stage train python3 -m bench.train_scale --devices 1 --steps 5 --warmup 1 --set train.micro_batch=8 \
                 --config configs/mlp_0.2b.yaml --config configs/mh_latent_moe_hp_2.2b.yaml \
