@@ -147,3 +147,19 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 def error_text(e: BaseException, limit: int = 300) -> str:
     """A failed measurement's record field: the exception's type and the start of its message."""
     return f"{type(e).__name__}: {str(e)[:limit]}"
+
+
+def routing_summary(metrics: dict) -> dict | None:
+    """A step's routing per MoE layer, from its `loads/<layer>` metrics ((heads, Ne) or (Ne,) routed slots summed
+    over the step's micro-batches): the largest group over the mean, the groups without a slot, and the least
+    over the heads of the 4 busiest experts' share of a head's slots. None without MoE layers."""
+    out = {}
+    for key, value in metrics.items():
+        if key.startswith("loads/"):
+            loads = np.asarray(value, np.float64)
+            loads = loads.reshape(-1, loads.shape[-1])
+            top4 = np.sort(loads, axis=1)[:, -4:].sum(1) / np.maximum(loads.sum(1), 1.0)
+            out[key.split("/", 1)[1]] = dict(max_over_mean=round(float(loads.max() / max(loads.mean(), 1e-12)), 2),
+                                             empty_groups=int((loads == 0).sum()), groups=int(loads.size),
+                                             top4_share_min=round(float(top4.min()), 4))
+    return out or None

@@ -29,6 +29,9 @@ the median step time over the steps after --warmup (each step closed by block_un
 compile is timed separately, ahead of time), tokens/s in total and per device, MFU (6 x active matmul
 params + attention FLOPs per token, `train_flops_per_token`, against `device_peak_flops`: the bf16
 datasheet peak of a known GPU or logging.peak_tflops; null on CPU), memory and the loss check.
+`routing`: the last step's routing per MoE layer (`routing_summary`): the synthetic steps' routing
+can collapse onto a few experts per head within a few steps at the peak LR, which sets the expert
+backward's work (docs/performance.md, The expert FFN alone).
 Memory: `mem_compiled_gib` is XLA's buffer assignment of the step per device (arguments + outputs +
 temporaries - donated aliases); `mem_peak_gib` is the runtime peak (`peak_bytes_in_use`, max over the
 run's devices). That counter only rises over a process, so device counts run largest first (fewer
@@ -73,7 +76,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from bench.common import GIB, JsonLines, memory_gib, parser, today
+from bench.common import GIB, JsonLines, memory_gib, parser, routing_summary, today
 from bench.tools.trace import device_time_split
 from mhl_jax.config import Config, ConfigError, load_config
 from mhl_jax.model.attention import attention_impl
@@ -235,6 +238,7 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
         times.append(time.perf_counter() - t0)
         losses.append(float(m["loss"]))
         gnorms.append(float(m["grad_norm"]))
+    routing = routing_summary(jax.device_get(m))
     split = None
     if profile:  # one more step (after the losses are taken), traced: communication vs compute kernels
         split, state = traced_step(compiled, state, b)
@@ -257,7 +261,7 @@ def measure(cfg: Config, devices: list, params, biases, batches: np.ndarray, war
     peak = device_peak_flops(cfg.logging.peak_tflops)
     return {"mesh": dict(zip(mesh.axis_names, mesh.devices.shape)), "mesh_shape": list(mesh.devices.shape),
             "executor": executor, "accum": accum, "losses": losses, "grad_norms": gnorms,
-            "step_times_s": times, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "step_times_s": times, "step_s": step_s, "routing": routing, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / n, "flops_per_token": flops_tok,
             "peak_tflops": None if peak is None else peak / 1e12, "mfu": mfu(flops_tok, tokens / step_s, n, peak),
             "compile_s": compile_s, "mem_compiled_gib": mem_compiled, "mem_peak_gib": mem_peak,

@@ -113,6 +113,25 @@ def test_train_scale_losses_agree_across_device_counts():
         assert r["mesh_shape"] == [1, r["devices"]] and r["accum"] == 16 // (4 * r["devices"])
         assert r["losses"][1] < r["losses"][0] and r["step_s"] > 0 and r["compile_s"] > 0
     assert "tiny_mh_latent_moe | 2 | data 1 x hp 2 | 16 (4 x 2)" in train_scale.table(recs)
+    for r in recs:  # the last step's routing, per MoE layer of the config
+        assert r["routing"] and all(v["groups"] > 0 and v["max_over_mean"] >= 1 and 0 < v["top4_share_min"] <= 1
+                                    for v in r["routing"].values()), r["routing"]
+
+
+def test_routing_summary_of_a_steps_loads():
+    """bench.common.routing_summary: per layer the largest group over the mean, the empty groups and the least
+    over the heads of the 4 busiest experts' share; a (Ne,) load is one head; no loads: None."""
+    import numpy as np
+
+    from bench.common import routing_summary
+
+    loads = np.array([[10, 0, 0, 0, 0, 2], [3, 3, 3, 3, 0, 0]])  # 24 slots over 12 groups: mean 2
+    got = routing_summary({"loss": 1.0, "loads/2": loads, "loads/3": np.array([5, 5, 0, 0, 0, 0, 0, 0])})
+    assert got == {"2": dict(max_over_mean=5.0, empty_groups=6, groups=12, top4_share_min=1.0),
+                   "3": dict(max_over_mean=4.0, empty_groups=6, groups=8, top4_share_min=1.0)}
+    one = routing_summary({"loads/0": np.array([[4, 3, 2, 1, 0, 0, 0, 10]])})["0"]
+    assert one["top4_share_min"] == round(19 / 20, 4) and one["max_over_mean"] == 4.0
+    assert routing_summary({"loss": 1.0}) is None
 
 
 def test_train_scale_refuses_more_devices_than_visible():
