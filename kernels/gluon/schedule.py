@@ -4,20 +4,21 @@ launchers (`tile_schedule_torch`); the JAX binding builds the same array in
 `mhl_jax.moe.gpu.expert_kernels.tile_schedule`.
 
 A tile's rows are summed by one program, in order, unless the tile is longer than a chunk: routing can send most of
-a head's rows to a few experts (a model's first steps do), and one program would then run the step's longest tile
-alone while the others wait. Such a tile's row blocks are cut into nch equal chunks (chunk c: blocks
-[c B / nch, (c + 1) B / nch) of its B), the chunk long enough that the chunks after the first number at most
-EXTRA_CHUNKS_PER_PROGRAM x programs; each chunk's sums go to a slot of its own in dW's dtype (fp32 for the train
-step's fp32 masters: bf16 weights' partials are rounded to bf16 once more), chunk 0 with the dealt tile, the others
-to the programs with the fewest dealt rows, and `kernels/triton/dw_chunks.py` adds a split tile's slots
-in chunk order and then to the sum so far: dW = acc + ((p_0 + p_1) + ...), a fixed order, no atomics, and bitwise
-acc plus the same without acc. The chunks depend on the programs (the SM count) and the total rows: on a GPU with
-another SM count a long tile's sum can round differently (docs/design.md, What is not bitwise).
+a head's rows to a few experts (a model's first steps can), and one program would then run the step's longest tile
+alone while the others wait. Such a tile's B row blocks are cut into nch = ceil(B / chunk) equal chunks (chunk c:
+blocks [c B / nch, (c + 1) B / nch)), with chunk = ceil(total row blocks / E), so that the chunks after the first
+number at most E = EXTRA_CHUNKS_PER_PROGRAM x programs. Chunk 0 goes with the dealt tile, the others to the programs
+with the fewest dealt rows; each chunk of a split tile sums into a slot of its own (2 E slots: at most E later
+chunks and each split tile's chunk 0), in dW's dtype (fp32 for the train step's fp32 masters; bf16 weights'
+partials are rounded to bf16 once more). `kernels/triton/dw_chunks.py` then adds a split tile's slots in chunk
+order, and then to the sum so far: dW = acc + ((p_0 + p_1) + ...), a fixed order and no atomics; dW with acc is
+bitwise acc + the dW made without it. The chunks depend on the programs (the SM count) and the total rows: on a GPU
+with another SM count a long tile's sum can round differently (docs/design.md, What is not bitwise).
 
-The array (int32), P programs, T tiles, E = EXTRA_CHUNKS_PER_PROGRAM x P:
+The array (int32), P programs, T tiles, E = EXTRA_CHUNKS_PER_PROGRAM x P; [a, + n) is n entries from a:
     [0, P]              offsets of each program's dealt tiles, counted from the array's start (sched[P] = P + 1 + T)
     [P + 1, + T)        the dealt tiles, program by program (tile t = group x tiles_per_group + its 128-de part)
-    [X = P + 1 + T]     the number of chunks after the first n, then the chunk length in row blocks
+    [X = P + 1 + T]     n, the number of chunks after the first; [X + 1] the chunk length in row blocks
     [X + 2, + P)        each program's rank for those chunks: programs by their dealt row blocks, fewest first
     [X + 2 + P, + E)    the chunks after the first, tile by tile (t | c << CHUNK_SHIFT), n of them; the i-th goes to
                         the program of rank i % P (rounds in one direction: the chunks are of about one length)
