@@ -56,7 +56,7 @@ import jax
 import numpy as np
 
 from bench import train_scale
-from bench.common import JsonLines, parser, today
+from bench.common import JsonLines, parser, routing_summary, today
 from bench.tools.hlo_scopes import CATEGORIES, STEP_SCOPES, hlo_map, summary
 from bench.tools.kernel_kinds import kernels_by_kind, kernels_info, kinds_line
 from bench.tools.trace import traced_op_events, union_ms
@@ -219,13 +219,14 @@ def module_name(hlo_text: str) -> str:
 def measure_times(cs, tokens: np.ndarray, ops: dict, module: str, steps: int, calls: int,
                   plane: str = "/device:GPU:0") -> dict:
     """`steps` timed steps of the compiled step (wall ms: their median), then `calls` traced ones -> the wall time,
-    the trace's source (`bench.tools.trace.op_events`) and `category_times`."""
+    the trace's source (`bench.tools.trace.op_events`), `category_times` and the last step's routing
+    (`bench.common.routing_summary`: the expert kernels' work depends on it)."""
     held = {"state": cs.fresh_state()}
     batch = jax.block_until_ready(jax.device_put(cs.batches(tokens[None])[0], cs.batch_sharding))
 
     def one_step():
-        held["state"], metrics = cs.compiled(held["state"], batch)
-        return metrics
+        held["state"], held["metrics"] = cs.compiled(held["state"], batch)
+        return held["metrics"]
 
     jax.block_until_ready(one_step())  # warm
     walls = []
@@ -237,7 +238,8 @@ def measure_times(cs, tokens: np.ndarray, ops: dict, module: str, steps: int, ca
     del held["state"]
     wall = float(np.median(walls))
     times = category_times(events, ops, calls, module)
-    return {"wall_ms": wall, "step_ms": walls, "source": source, "host_gap_ms": wall - times["busy_ms"], **times}
+    return {"wall_ms": wall, "step_ms": walls, "source": source, "host_gap_ms": wall - times["busy_ms"],
+            "routing": routing_summary(jax.device_get(held.pop("metrics"))), **times}
 
 
 def lines(rec: dict, peak_tflops: float, peak_tbs: float) -> dict[str, dict]:

@@ -41,6 +41,12 @@ def record():
                                  plane="/host:CPU")
 
 
+def test_the_last_steps_routing_is_recorded(record):
+    """The record's times carry the last step's routing per MoE layer (the tiny model's layers past its stems)."""
+    routing = record["times"]["routing"]
+    assert routing and all(v["groups"] > 0 and v["max_over_mean"] >= 1 for v in routing.values()), routing
+
+
 def test_every_part_of_the_step_is_found_and_other_is_small(record):
     """Each part of the model and of the step has kernels of its own (none would without the named scopes: all
     would be "other"); what no scope covers (XLA's copies, the loop counter, the schedule) is a small share."""
