@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.gluon.common import _copy_layout, _gelu_and_grad, _wgmma_layout, _ws_barriers, _ws_copy_rows
-from kernels.gluon.work_items import _dw_tile, _item, _items
+from kernels.gluon.work_items import _items, _work
 from kernels.tuning import (
     GLUON_DW_BLOCK_M,
     GLUON_DW_REGS,
@@ -52,10 +52,10 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
     rg = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [PW], [0]))  # the gates' rows
     q = 0
     n = 0
-    s0, ns, ni, X, rank, chunk = _items(sched_ptr)
+    ni, walk = _items(sched_ptr)
     for it in range(ni):
-        g, e0, row0, nsub, _ = _dw_tile(_item(sched_ptr, it, s0, ns, X, rank), chunk, sched_ptr, X,
-                                        group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK, BLOCK_M)
+        g, e0, row0, nsub, _ = _work(sched_ptr, walk, it, group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
+                                     BLOCK_M)
         if nsub > 0 or not ACCUM:
             wb = n % WB
             mbarrier.wait(w_empty.index(wb), ((n // WB) & 1) ^ 1)
@@ -282,10 +282,10 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     q = 0
     n = 0
-    s0, ns, ni, X, rank, chunk = _items(sched_ptr)
+    ni, walk = _items(sched_ptr)
     for it in range(ni):
-        g, e0, row0, nsub, slot = _dw_tile(_item(sched_ptr, it, s0, ns, X, rank), chunk, sched_ptr, X,
-                                           group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK, BLOCK_M)
+        g, e0, row0, nsub, slot = _work(sched_ptr, walk, it, group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
+                                        BLOCK_M)
         if nsub > 0 or not ACCUM:  # as the producer skips
             wb = _wait_weights(w_ready, n, WB)
             w1t = w1_smem.index(wb * 2 + C).permute((1, 0))  # (64, DH): W1[:, e:e + 64]^T

@@ -31,7 +31,7 @@ from kernels.gluon.experts_bwd import (
     _wait_weights,
     dw_ws_constexprs,
 )
-from kernels.gluon.work_items import _dw_tile, _item, _items
+from kernels.gluon.work_items import _items, _work
 from kernels.tuning import (
     GLUON_BWD_REGS,
     GLUON_BWD_STAGES,
@@ -113,10 +113,10 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
     gcol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _partials_layout(NW)))
     q = 0
     n = 0
-    s0, ns, ni, X, rank, chunk = _items(sched_ptr)
+    ni, walk = _items(sched_ptr)
     for it in range(ni):
-        g, e0, row0, nsub, _ = _dw_tile(_item(sched_ptr, it, s0, ns, X, rank), chunk, sched_ptr, X,
-                                        group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK, BLOCK_M)
+        g, e0, row0, nsub, _ = _work(sched_ptr, walk, it, group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
+                                     BLOCK_M)
         if nsub > 0 or not ACCUM:  # as the producer skips
             wb = _wait_weights(w_ready, n, WB)
             for i in range(nsub):

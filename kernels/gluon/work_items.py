@@ -16,8 +16,8 @@ EXTRA_C = gl.constexpr(EXTRA_CHUNKS_PER_PROGRAM)
 @gluon.jit
 def _items(sched_ptr):
     """This program's work items (`kernels.gluon.schedule`: its dealt tiles, then its share of the long tiles' later
-    chunks) -> (offset of its first dealt tile, dealt tiles, items, X (the header's offset), its rank, the chunk
-    length in row blocks)."""
+    chunks) -> (their count, the walk `_work` reads them with: offset of its first dealt tile, dealt tiles, X (the
+    header's offset), its rank, the chunk length in row blocks)."""
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     s0 = gl.load(sched_ptr + pid)
@@ -25,16 +25,20 @@ def _items(sched_ptr):
     X = gl.load(sched_ptr + P)
     n_extra = gl.load(sched_ptr + X)
     rank = gl.load(sched_ptr + X + 2 + pid)
-    return s0, ns, ns + n_extra // P + (rank < n_extra % P).to(gl.int32), X, rank, gl.load(sched_ptr + X + 1)
+    return ns + n_extra // P + (rank < n_extra % P).to(gl.int32), (s0, ns, X, rank, gl.load(sched_ptr + X + 1))
 
 
 @gluon.jit
-def _item(sched_ptr, i, s0, ns, X, rank):
-    """Item i of this program: a dealt tile (chunk 0), or a later chunk (round r = i - ns: the list's entry r P +
-    rank)."""
+def _work(sched_ptr, walk, i, group_block_start_ptr, group_size_ptr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+          BLOCK_M: gl.constexpr):
+    """Item i of this program (`_items`' walk): a dealt tile (chunk 0), or a later chunk (round r = i - ns: the list's
+    entry r P + rank) -> `_dw_tile`'s (group, first de, first packed row, row blocks, slot). Every partition walks
+    its items through here, so all of them take the same items."""
+    s0, ns, X, rank, chunk = walk
     P = gl.num_programs(0)
     r = i - ns
-    return gl.load(sched_ptr + gl.where(r >= 0, X + 2 + P + r * P + rank, s0 + i))
+    entry = gl.load(sched_ptr + gl.where(r >= 0, X + 2 + P + r * P + rank, s0 + i))
+    return _dw_tile(entry, chunk, sched_ptr, X, group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK, BLOCK_M)
 
 
 @gluon.jit
