@@ -38,12 +38,12 @@ from kernels.tuning import (
 
 
 @gluon.jit
-def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, ACCUM: gl.constexpr):
     """Per item: W1 columns (DH, 64) and W2 rows (64, DH) of both consumers' de halves into weight buffer n % WB
     once both freed it, then every row block's gathered X and dy rows (zero on padding) into the NST-stage ring.
     ACCUM: an item without rows is skipped (its gradient, zero, is already summed), by every partition alike."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     PW: gl.constexpr = gl.num_warps()
     lx: gl.constexpr = _copy_layout(DH, PW)
@@ -52,10 +52,9 @@ def _dw_producer(a, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BL
     rg = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [PW], [0]))  # the gates' rows
     q = 0
     n = 0
-    ni, walk = _items(sched_ptr)
+    ni, items = _items(sched_ptr)
     for it in range(ni):
-        g, e0, row0, nsub, _ = _work(sched_ptr, walk, it, group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
-                                     BLOCK_M)
+        g, e0, row0, nsub, _ = _work(items, it, DE)
         if nsub > 0 or not ACCUM:
             wb = n % WB
             mbarrier.wait(w_empty.index(wb), ((n // WB) & 1) ^ 1)
@@ -148,7 +147,7 @@ def _fused_dx(a, f, dht, dg, xs, s_zero, xr, xc, acc1, s, q, wb, row0, i, e0, DE
     from there), then make this consumer's 64 dh columns of the block's dX rows from both halves (consumer 0 also
     the gate gradients) and free the block's stage. Every product of the block retires here (deferring the dX half
     by one block measured slower); acc1 stays a wgmma accumulator: the next wait names it."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
     NW: gl.constexpr = gl.num_warps()
@@ -207,7 +206,7 @@ def _store_dw(a, acc1, acc2, op1, op2, er, dc, g, e0, q, wb, nsub, slot, DH: gl.
     then dW2's 128 rows (128, DH)).
     dW1's sum so far loads while the last products retire (dW2's after dW1's store: registers); with XW (at 208
     registers) after the wait: loaded before it, the consumer spilled 504 bytes (sm_90a compile)."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     EARLY: gl.constexpr = ACCUM and not XW
     # one store for both destinations at the same constant strides (a second path, or runtime strides, spilled up to
@@ -236,7 +235,7 @@ def _store_dw(a, acc1, acc2, op1, op2, er, dc, g, e0, q, wb, nsub, slot, DH: gl.
 
 
 @gluon.jit
-def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
+def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr,
                  BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
                  C: gl.constexpr, FUSE: gl.constexpr, XW: gl.constexpr = False, HB: gl.constexpr = 2,
                  ACCUM: gl.constexpr = False):
@@ -266,7 +265,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     ACCUM: dW1 / dW2 hold a gradient summed so far (the JAX binding aliases the accumulator to them): each tile in one
     chunk adds its own to it (`_store_dw`) instead of overwriting it; a split tile's chunks go to their slots, and
     items without rows are skipped (their zero gradient is summed already), as the producer skips them."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty, g_smem) = a
     NW: gl.constexpr = gl.num_warps()
     cdt: gl.constexpr = w1_ptr.dtype.element_ty
@@ -282,10 +281,9 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
     xc = gl.arange(0, 64, layout=gl.SliceLayout(0, lxs))
     q = 0
     n = 0
-    ni, walk = _items(sched_ptr)
+    ni, items = _items(sched_ptr)
     for it in range(ni):
-        g, e0, row0, nsub, slot = _work(sched_ptr, walk, it, group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
-                                        BLOCK_M)
+        g, e0, row0, nsub, slot = _work(items, it, DE)
         if nsub > 0 or not ACCUM:  # as the producer skips
             wb = _wait_weights(w_ready, n, WB)
             w1t = w1_smem.index(wb * 2 + C).permute((1, 0))  # (64, DH): W1[:, e:e + 64]^T
@@ -321,7 +319,7 @@ def _dw_consumer(a, f, K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK
 
 
 @gluon.jit
-def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
+def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr, w1_ptr,
                  w2_ptr, dw1_ptr, dw2_ptr, part_ptr, NST: gl.constexpr, WB: gl.constexpr, BLOCK_M: gl.constexpr,
                  DH: gl.constexpr, NW: gl.constexpr, W_USERS: gl.constexpr = 2):
     """The dW / backward kernels' shared operand tuple (`_dw_producer` / `_dw_consumer` / `_dx_worker` unpack it): the
@@ -337,14 +335,14 @@ def _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, 
     w2_smem = gl.allocate_shared_memory(cdt, [WB * 2, 64, DH], gl.NVMMASharedLayout.get_default_for([64, DH], cdt))
     d_ready, d_empty = _ws_barriers(NST, NW * 32)
     w_ready, w_empty = _ws_barriers(WB, NW * 32, W_USERS)  # W_USERS partitions free a weight buffer
-    return (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
+    return (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr, w1_ptr,
             w2_ptr, dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty,
             g_smem)
 
 
 @gluon.jit
 def gluon_expert_dw_ws_kernel(
-    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr, w1_ptr,
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: see ACCUM)
     dw1_ptr, dw2_ptr, part_ptr,  # outputs (G, DH, DE), (G, DE, DH), split tiles' partials (S, DH * DE + 128 * DH)
     K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
@@ -367,14 +365,14 @@ def gluon_expert_dw_ws_kernel(
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0, "DE: tiles of 128 de (two consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1, "NST: a consumer frees stage q - 1 only after it waited for stage q")
-    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr,
+    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, part_ptr, NST, WB, BLOCK_M, DH, NW)
     f = (0, 0, 0, 0, 0, 0)  # FUSE's operands (unused)
-    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, False,
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, BLOCK_M, NST, WB, FAST_TANH, 0, False, False,
                                         2, ACCUM)),
-                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, False,
+                        (_dw_consumer, (args, f, K, DH, DE, BLOCK_M, NST, WB, FAST_TANH, 1, False, False,
                                         2, ACCUM)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, ACCUM))],
+                        (_dw_producer, (args, K, DH, DE, BLOCK_M, NST, WB, ACCUM))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -62,7 +62,7 @@ def _dh_ring(dx_ptr, dgate_ptr, HB: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.
 
 @gluon.jit
 def gluon_expert_bwd_ws_kernel(
-    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr, w1_ptr,
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: as `gluon_expert_dw_ws_kernel`'s, ACCUM)
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32,
     part_ptr,  # and the split tiles' partial sums (S, DH * DE + 128 * DH), dW's dtype (`kernels.gluon.schedule`)
@@ -74,31 +74,31 @@ def gluon_expert_bwd_ws_kernel(
     `gluon_expert_dw_ws_kernel`'s structure (tiles of (group, 128 de)), whose two consumers also exchange their
     halves of dH^T through shared memory for the block's dX rows and gate gradients (`_dw_consumer`, FUSE). With
     DE > 128 every tile writes its own partial dX row and gate gradient (over its 128 de; the caller sums the
-    DE / 128 partials, in order). Rows of BLOCK_M-row blocks made only of padding are not written (`_dw_tile`)."""
+    DE / 128 partials, in order). Rows of BLOCK_M-row blocks made only of padding are not written (`_work`)."""
     NW: gl.constexpr = gl.num_warps()
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1, "NST >= 2, WB >= 1")
-    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr,
+    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, part_ptr, NST, WB, BLOCK_M, DH, NW)
     f = _dh_ring(dx_ptr, dgate_ptr, 2, BLOCK_M, NW, 2)  # both consumers arrive on both
-    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, True, False,
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, BLOCK_M, NST, WB, FAST_TANH, 0, True, False,
                                         2, ACCUM)),
-                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, True, False,
+                        (_dw_consumer, (args, f, K, DH, DE, BLOCK_M, NST, WB, FAST_TANH, 1, True, False,
                                         2, ACCUM)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, ACCUM))],
+                        (_dw_producer, (args, K, DH, DE, BLOCK_M, NST, WB, ACCUM))],
                        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
-def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
+def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, BLOCK_M: gl.constexpr,
                WB: gl.constexpr, HB: gl.constexpr, ACCUM: gl.constexpr):
     """The dX warp group of `gluon_expert_bwd_xw_kernel`: per row block, once both consumers handed over their dH_c^T
     (h_ready), the block's dX rows over the tile's 128 de, dh half D: dX^T_D = W1[64 D:, :64] dH_0^T + W1[64 D:, 64:]
     dH_1^T (W1 from the tile's weight buffer), stored as (BLOCK_M, DH) rows of this tile's partial; and the gate
     gradient (the consumers' per-warp partials, 16 de each, added in a fixed order). Frees the ring slot (h_empty)
     once its products retired, the weight buffer (w_empty) after the tile's last block."""
-    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr, w2_ptr,
+    (x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr, w1_ptr, w2_ptr,
      dw1_ptr, dw2_ptr, part_ptr, x_smem, dy_smem, w1_smem, w2_smem, d_ready, d_empty, w_ready, w_empty,
      g_smem) = a
     (dx_ptr, dgate_ptr, dh_smem, dg_smem, h_ready, h_empty) = f
@@ -113,10 +113,9 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
     gcol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _partials_layout(NW)))
     q = 0
     n = 0
-    ni, walk = _items(sched_ptr)
+    ni, items = _items(sched_ptr)
     for it in range(ni):
-        g, e0, row0, nsub, _ = _work(sched_ptr, walk, it, group_block_start_ptr, group_size_ptr, DE, PACK_BLOCK,
-                                     BLOCK_M)
+        g, e0, row0, nsub, _ = _work(items, it, DE)
         if nsub > 0 or not ACCUM:  # as the producer skips
             wb = _wait_weights(w_ready, n, WB)
             for i in range(nsub):
@@ -143,7 +142,7 @@ def _dx_worker(a, f, DE: gl.constexpr, DH: gl.constexpr, PACK_BLOCK: gl.constexp
 
 @gluon.jit
 def gluon_expert_bwd_xw_kernel(
-    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr, w1_ptr,
+    x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr, w1_ptr,
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: as `gluon_expert_dw_ws_kernel`'s, ACCUM)
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32,
     part_ptr,  # and the split tiles' partial sums (S, DH * DE + 128 * DH), dW's dtype (`kernels.gluon.schedule`)
@@ -161,15 +160,15 @@ def gluon_expert_bwd_xw_kernel(
     gl.static_assert(NW == 4, "num_warps: one warp group per partition (launch with num_warps=4)")
     gl.static_assert(DE % 128 == 0 and DH == 128, "the fused backward: DH == 128, tiles of 128 de (consumers of 64)")
     gl.static_assert(NST >= 2 and WB >= 1 and HB >= 2, "NST >= 2, WB >= 1, HB >= 2")
-    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, group_block_start_ptr, group_size_ptr, sched_ptr,
+    args = _dw_operands(x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr,
                         w1_ptr, w2_ptr, dw1_ptr, dw2_ptr, part_ptr, NST, WB, BLOCK_M, DH, NW, 3)
     f = _dh_ring(dx_ptr, dgate_ptr, HB, BLOCK_M, NW, 1)  # both consumers arrive on ready, the dX warp group on empty
-    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
+    gl.warp_specialize([(_dw_consumer, (args, f, K, DH, DE, BLOCK_M, NST, WB, FAST_TANH, 0, False, True,
                                         HB, ACCUM)),
-                        (_dw_consumer, (args, f, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
+                        (_dw_consumer, (args, f, K, DH, DE, BLOCK_M, NST, WB, FAST_TANH, 1, False, True,
                                         HB, ACCUM)),
-                        (_dw_producer, (args, K, DH, DE, PACK_BLOCK, BLOCK_M, NST, WB, ACCUM)),
-                        (_dx_worker, (args, f, DE, DH, PACK_BLOCK, BLOCK_M, WB, HB, ACCUM))],
+                        (_dw_producer, (args, K, DH, DE, BLOCK_M, NST, WB, ACCUM)),
+                        (_dx_worker, (args, f, DE, DH, BLOCK_M, WB, HB, ACCUM))],
                        [4, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, DX_REGS])
 
 

@@ -15,15 +15,16 @@ order, and then to the sum so far: dW = acc + ((p_0 + p_1) + ...), a fixed order
 bitwise acc + the dW made without it. The chunks depend on the programs (the SM count) and the total rows: on a GPU
 with another SM count a long tile's sum can round differently (docs/design.md, What is not bitwise).
 
-The array (int32), P programs, T tiles, E = EXTRA_CHUNKS_PER_PROGRAM x P; [a, + n) is n entries from a:
-    [0, P]              offsets of each program's dealt tiles, counted from the array's start (sched[P] = P + 1 + T)
-    [P + 1, + T)        the dealt tiles, program by program (tile t = group x tiles_per_group + its 128-de part)
-    [X = P + 1 + T]     n, the number of chunks after the first; [X + 1] the chunk length in row blocks
-    [X + 2, + P)        each program's rank for those chunks: programs by their dealt row blocks, fewest first
-    [X + 2 + P, + E)    the chunks after the first, tile by tile (t | c << CHUNK_SHIFT), n of them; the i-th goes to
-                        the program of rank i % P (rounds in one direction: the chunks are of about one length)
-    [X + 2 + P + E, + T) each split tile's first slot (its nch chunks take nch slots from there; 2 E slots in all)
-    [X + 2 + P + E + T, + E) the split tiles, in tile order, then -1
+The array (int32), P programs, T tiles, E = EXTRA_CHUNKS_PER_PROGRAM x P, M = T + E items at most; [a, + n) is n
+entries from a:
+    [0, P]             program p takes the items sched[p] to sched[p + 1] (its dealt tiles' first chunks, then its
+                       share of the later chunks: the i-th later chunk goes to the program of rank i % P, programs
+                       ranked by their dealt row blocks, fewest first)
+    [P + 1, + 4 M)     the items, 4 entries each: tile t (group x tiles_per_group + its 128-de part), the chunk's first
+                       packed row, its row blocks of block_m rows, its slot (-1: the tile is in one chunk)
+    [P + 1 + 4 M, + 3 E) the split tiles in tile order, 3 entries each: tile, first slot, chunks (its nch chunks take
+                       the nch slots from the first; 2 E slots in all); then tile -1
+Everything a kernel needs of an item is in its 4 entries, so that the kernels' partitions only load them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import functools
 import numpy as np
 
 EXTRA_CHUNKS_PER_PROGRAM = 2  # chunks after the first per program; twice as many slots (DH x (DE + 128) each)
-CHUNK_SHIFT = 20  # a chunk's entry: tile | chunk << CHUNK_SHIFT (up to 2^20 tiles)
 
 
 def partial_slots(programs: int) -> int:
@@ -41,19 +41,17 @@ def partial_slots(programs: int) -> int:
     return 2 * EXTRA_CHUNKS_PER_PROGRAM * programs
 
 
-def check_schedule_args(num_groups: int, tiles_per_group: int, heads: int, programs: int) -> None:
-    """Raise a ValueError naming the values unless the groups split into `heads` equal heads and 1 <= programs <=
-    num_groups * tiles_per_group (the launch grid a schedule is dealt for), and a chunk's int32 entry (tile | chunk
-    << CHUNK_SHIFT) holds every tile and chunk index (chunk < EXTRA_CHUNKS_PER_PROGRAM x programs)."""
+def check_schedule_args(num_groups: int, tiles_per_group: int, heads: int, programs: int, rows: int) -> None:
+    """Raise a ValueError naming the values unless the groups split into `heads` equal heads, 1 <= programs <=
+    num_groups * tiles_per_group (the launch grid a schedule is dealt for), and the packed rows' indexes fit an int32
+    entry (an item's first row)."""
     tiles = num_groups * tiles_per_group
     if heads < 1 or num_groups % heads or not 1 <= programs <= tiles:
         raise ValueError(f"tile schedule: {num_groups} groups, heads={heads}, programs={programs}, tiles_per_group="
                          f"{tiles_per_group}; expected the groups to split into equal heads and 1 <= programs <= "
                          f"{tiles} (the tiles)")
-    if tiles >= 1 << CHUNK_SHIFT or EXTRA_CHUNKS_PER_PROGRAM * programs >= 1 << (31 - CHUNK_SHIFT):
-        raise ValueError(f"tile schedule: {tiles} tiles on {programs} programs; expected fewer than "
-                         f"{1 << CHUNK_SHIFT} tiles and {(1 << (31 - CHUNK_SHIFT)) // EXTRA_CHUNKS_PER_PROGRAM} "
-                         "programs (a chunk's int32 entry)")
+    if rows >= 1 << 31:
+        raise ValueError(f"tile schedule: {rows} packed rows; expected fewer than {1 << 31} (int32 row indexes)")
 
 
 def deal_schedule(num_tiles: int, heads: int, programs: int, deal: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -84,43 +82,56 @@ def _deal_schedule_torch(num_tiles: int, heads: int, programs: int, device: str,
     import torch
 
     perm, starts = deal_schedule(num_tiles, heads, programs, deal)
-    return (torch.as_tensor(perm, device=device),
-            torch.as_tensor((starts + programs + 1).astype(np.int32), device=device))
+    return torch.as_tensor(perm, device=device), torch.as_tensor(starts, device=device)
 
 
-def tile_schedule_torch(group_sizes, group_nblocks, tiles_per_group: int, heads: int, programs: int,
-                        block_m: int, deal: bool = True):
-    """The schedule array the dW / backward kernels read (int32, torch; the layout above), equal to the JAX binding's
-    `tile_schedule`. Groups are head-major (G = heads x experts); each head's sorted by row blocks, largest first
-    (stable), a group's tiles side by side; deal=False: the tiles in group order, strided over the programs
-    (comparisons)."""
+def tile_schedule_torch(pk, tiles_per_group: int, heads: int, programs: int, block_m: int, pack_block: int,
+                        deal: bool = True):
+    """The schedule array the dW / backward kernels read (int32, torch; the layout above) for a packing `pk`
+    (`kernels.torch.experts.TorchPacking`: its group sizes, row blocks of pack_block rows and first blocks), equal to
+    the JAX binding's `tile_schedule`. Groups are head-major (G = heads x experts); each head's sorted by row blocks,
+    largest first (stable), a group's tiles side by side; deal=False: the tiles in group order, strided over the
+    programs (comparisons)."""
     import torch
 
-    check_schedule_args(group_nblocks.shape[0], tiles_per_group, heads, programs)
-    dev = group_nblocks.device
-    nb = group_nblocks.long().reshape(heads, -1)
+    check_schedule_args(pk.group_nblocks.shape[0], tiles_per_group, heads, programs, pk.row_slot.shape[0])
+    dev = pk.group_nblocks.device
+    nb = pk.group_nblocks.long().reshape(heads, -1)
     go = torch.argsort(-nb, dim=1, stable=True) if deal else torch.arange(nb.shape[1], device=dev).expand_as(nb)
     go = go + torch.arange(heads, device=dev)[:, None] * nb.shape[1]
     tiles = (go.reshape(-1, 1) * tiles_per_group + torch.arange(tiles_per_group, device=dev)).reshape(-1)
     perm, starts = _deal_schedule_torch(tiles.numel(), heads, programs, str(dev), deal)
-    dealt = tiles[perm]
-    blocks = torch.repeat_interleave((group_sizes.long() + block_m - 1) // block_m, tiles_per_group)
-    cap = EXTRA_CHUNKS_PER_PROGRAM * programs
+    T, cap = tiles.numel(), EXTRA_CHUNKS_PER_PROGRAM * programs
+    blocks = torch.repeat_interleave((pk.group_sizes.long() + block_m - 1) // block_m, tiles_per_group)
+    row0 = torch.repeat_interleave(pk.group_block_start.long() * pack_block, tiles_per_group)
     chunk = torch.clamp(-(-blocks.sum() // cap), min=1)
     nch = torch.clamp(-(-blocks // chunk), min=1)
+    split = torch.where(nch > 1, nch, 0)
+    base = torch.cumsum(split, 0) - split  # each split tile's first slot
     ends = torch.cumsum(nch - 1, 0)  # the chunks after the first, tile by tile
     n_extra = ends[-1]
     i = torch.arange(cap, device=dev)
-    t = torch.clamp(torch.searchsorted(ends, i, right=True), max=blocks.numel() - 1)
-    extras = torch.where(i < n_extra, t | ((i - ends[t] + nch[t]) << CHUNK_SHIFT), 0)
-    split = torch.where(nch > 1, nch, 0)
-    split_base = torch.cumsum(split, 0) - split
-    at = torch.where(nch > 1, torch.cumsum((nch > 1).long(), 0) - 1, cap)
-    split_list = torch.full((cap + 1,), -1, dtype=torch.long, device=dev).scatter_(
-        0, at, torch.arange(blocks.numel(), device=dev))[:cap]
-    prog = torch.repeat_interleave(torch.arange(programs, device=dev), torch.diff(starts - programs - 1).long())
-    loads = torch.zeros(programs, dtype=torch.long, device=dev).index_add_(0, prog, blocks[dealt] // nch[dealt])
+    t = torch.clamp(torch.searchsorted(ends, i, right=True), max=T - 1)  # the tile of later chunk i
+    it_t = torch.cat([tiles[perm], t])  # the dealt tiles (chunk 0), then the later chunks
+    it_c = torch.cat([torch.zeros(T, dtype=torch.long, device=dev), i - ends[t] + nch[t]])
+    b, n = blocks[it_t], nch[it_t]
+    b0 = it_c * b // n
+    items = torch.stack([it_t, row0[it_t] + b0 * block_m, (it_c + 1) * b // n - b0,
+                         torch.where(n > 1, base[it_t] + it_c, -1)], 1)
+    # where each item goes: program p's dealt tiles, then its later chunks (rank r's: the chunks r, r + P, ...)
+    ndealt = torch.diff(starts)
+    prog = torch.repeat_interleave(torch.arange(programs, device=dev), ndealt)
+    loads = torch.zeros(programs, dtype=torch.long, device=dev).index_add_(0, prog, items[:T, 2])
     q = torch.arange(programs, device=dev)
     rank = ((loads[None, :] < loads[:, None]) | ((loads[None, :] == loads[:, None]) & (q[None, :] < q[:, None]))).sum(1)
-    return torch.cat([starts.long(), dealt, torch.stack([n_extra, chunk]), rank, extras, split_base,
-                      split_list]).to(torch.int32)
+    count = ndealt + n_extra // programs + (rank < n_extra % programs).long()
+    off = torch.cumsum(count, 0) - count
+    by_rank = torch.empty_like(rank).scatter_(0, rank, q)[i % programs]  # the program of later chunk i
+    dest = torch.cat([off[prog] + torch.arange(T, device=dev) - starts[prog],
+                      torch.where(i < n_extra, off[by_rank] + ndealt[by_rank] + i // programs, T + cap)])
+    out = torch.zeros((T + cap + 1, 4), dtype=torch.long, device=dev)
+    out[dest] = items
+    at = torch.where(nch > 1, torch.cumsum((nch > 1).long(), 0) - 1, cap)
+    listed = torch.tensor([-1, 0, 0], device=dev).repeat(cap + 1, 1)
+    listed[at] = torch.stack([torch.arange(T, device=dev), base, nch], 1)
+    return torch.cat([off, off[-1:] + count[-1:], out[:T + cap].reshape(-1), listed[:cap].reshape(-1)]).to(torch.int32)

@@ -269,16 +269,15 @@ def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs
     tiles_per_group = w1.shape[2] // 128
     tiles = w1.shape[0] * tiles_per_group
     programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count, tiles)
-    sched = tile_schedule_torch(pk.group_sizes, pk.group_nblocks, tiles_per_group, heads, programs, consts["BLOCK_M"],
-                                deal)
+    sched = tile_schedule_torch(pk, tiles_per_group, heads, programs, consts["BLOCK_M"], consts["PACK_BLOCK"], deal)
     part = torch.empty(partial_shape(programs, x.shape[1], w1.shape[2]), dtype=outs[0].dtype, device=x.device)
-    kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, pk.group_block_start,
-                        pk.group_sizes, sched, w1.contiguous(), w2.contiguous(), outs[0], outs[1],  # acc1, acc2
+    kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, sched, w1.contiguous(),
+                        w2.contiguous(), outs[0], outs[1],  # acc1, acc2
                         *outs, part, num_warps=4,
                         maxnreg=kernel.mhl_compile_options["maxnreg"], **consts)
     dw_chunks_kernel[(EXTRA_CHUNKS_PER_PROGRAM * programs,)](
-        sched, pk.group_sizes, part, outs[0], outs[1], outs[0], outs[1], num_warps=4,
-        **dw_chunks_constexprs(programs, tiles, x.shape[1], w1.shape[2], consts["BLOCK_M"], consts["ACCUM"]))
+        sched, part, outs[0], outs[1], outs[0], outs[1], num_warps=4,
+        **dw_chunks_constexprs(programs, tiles, x.shape[1], w1.shape[2], consts["ACCUM"]))
 
 
 def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, programs: int | None = None,

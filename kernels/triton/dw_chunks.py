@@ -16,25 +16,23 @@ from kernels.gluon.schedule import EXTRA_CHUNKS_PER_PROGRAM, partial_slots
 
 
 @triton.jit
-def dw_chunks_kernel(sched_ptr, group_size_ptr, part_ptr, dw1_in, dw2_in, dw1_ptr, dw2_ptr,
+def dw_chunks_kernel(sched_ptr, part_ptr, dw1_in, dw2_in, dw1_ptr, dw2_ptr,
                      PROGRAMS: tl.constexpr, TILES: tl.constexpr, DH: tl.constexpr, DE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, EXTRA: tl.constexpr, ACCUM: tl.constexpr, BLOCK_R: tl.constexpr):
+                     EXTRA: tl.constexpr, ACCUM: tl.constexpr, BLOCK_R: tl.constexpr):
     """Program i: the i-th split tile t (-1: none), (group t // (DE / 128), de [128 (t % (DE / 128)), + 128)), of
-    TILES. sched: the schedule array dealt for PROGRAMS programs (after the dealt tiles its header, whose second entry
-    is the chunk length; then each tile's first slot and the list of split tiles); part (S, DH * DE + 128 * DH) in
-    dW's dtype: slot s's dW1 block (DH, DE), of which the tile's 128 columns, then its dW2 rows (128, DH); dw1 (G,
-    DH, DE), dw2 (G, DE, DH) in place (dw*_in are the same buffers, aliased: never read through), holding the sum so
-    far with ACCUM. BLOCK_R rows of the (DH, 128) block at a time."""
+    TILES. sched: the schedule array dealt for PROGRAMS programs, whose split-tile list (after the items) gives the
+    tile, its first slot and its chunks; part (S, DH * DE + 128 * DH) in dW's dtype: slot s's dW1 block (DH, DE), of
+    which the tile's 128 columns, then its dW2 rows (128, DH); dw1 (G, DH, DE), dw2 (G, DE, DH) in place (dw*_in are
+    the same buffers, aliased: never read through), holding the sum so far with ACCUM. BLOCK_R rows of the (DH, 128)
+    block at a time."""
     SLOT: tl.constexpr = DH * DE + 128 * DH
-    x = PROGRAMS + 1 + TILES  # the header
-    t = tl.load(sched_ptr + x + 2 + PROGRAMS + EXTRA * PROGRAMS + TILES + tl.program_id(0))
+    entry = sched_ptr + PROGRAMS + 1 + 4 * (TILES + EXTRA * PROGRAMS) + 3 * tl.program_id(0)
+    t = tl.load(entry)
     if t >= 0:
-        chunk = tl.load(sched_ptr + x + 1)
         g = (t // (DE // 128)).to(tl.int64)
         e0 = (t % (DE // 128)) * 128
-        blocks = (tl.load(group_size_ptr + g) + BLOCK_M - 1) // BLOCK_M
-        nch = tl.maximum((blocks + chunk - 1) // chunk, 1)
-        first = tl.load(sched_ptr + x + 2 + PROGRAMS + EXTRA * PROGRAMS + t).to(tl.int64)
+        first = tl.load(entry + 1).to(tl.int64)
+        nch = tl.load(entry + 2)
         r = tl.arange(0, BLOCK_R)
         c = tl.arange(0, 128)
         for r0 in tl.static_range(0, DH, BLOCK_R):
@@ -54,11 +52,11 @@ def dw_chunks_kernel(sched_ptr, group_size_ptr, part_ptr, dw1_in, dw2_in, dw1_pt
             tl.store(p2, a2.to(dw2_ptr.dtype.element_ty))
 
 
-def dw_chunks_constexprs(programs: int, tiles: int, dh: int, de: int, block_m: int, accum: bool) -> dict:
+def dw_chunks_constexprs(programs: int, tiles: int, dh: int, de: int, accum: bool) -> dict:
     """`dw_chunks_kernel`'s constexprs (torch and JAX launchers alike); its grid is (EXTRA_CHUNKS_PER_PROGRAM x
     programs,): a program per possible split tile (each has a chunk after its first)."""
-    return dict(PROGRAMS=programs, TILES=tiles, DH=dh, DE=de, BLOCK_M=block_m, EXTRA=EXTRA_CHUNKS_PER_PROGRAM,
-                ACCUM=bool(accum), BLOCK_R=32)
+    return dict(PROGRAMS=programs, TILES=tiles, DH=dh, DE=de, EXTRA=EXTRA_CHUNKS_PER_PROGRAM, ACCUM=bool(accum),
+                BLOCK_R=32)
 
 
 def partial_shape(programs: int, dh: int, de: int) -> tuple[int, int]:

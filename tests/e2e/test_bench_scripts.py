@@ -303,14 +303,13 @@ def test_default_expert_tiles_compile_for_hopper_without_spills(tmp_path, ne, k,
         assert xw["warp_specialized"] and xw["launch_warps"] == 16 and xw["reqntid"] == [512], xw
         assert {208, 32, 64} <= set(xw["setmaxnreg"]) and xw["registers"] <= 128, xw
         assert xw["spill_store_bytes"] <= 192 and xw["shared_bytes"] <= 227 * 1024, xw
-        # per partition: the dX warp group's code at 64 registers spills a few address words in its loop, and ~20
-        # more instructions' worth in its walk of the schedule's items (the chunks of long tiles), which left the
-        # layer's 81920-token rows (this kernel's) within 1% (bench/results/layer_chunks-h200-2026-11-30.jsonl);
-        # with more work in its block loop, more spills and a slower kernel
+        # per partition: the dX warp group's code at 64 registers spills a few address words in its block loop and
+        # in its walk of the schedule's items (20 spilled instructions at sm_90a); with more work in its block
+        # loop, more spills and a slower kernel
         parts = {p["name"]: p for p in xw["sass_partitions"]}
         assert sum(p["instructions"] for p in xw["sass_partitions"]) == xw["sass_instructions"], xw
         assert {"try_alloc 208", "dealloc 64", "dealloc 32"} <= set(parts), parts
-        assert parts["dealloc 64"]["spill_instructions"] <= 32, parts
+        assert parts["dealloc 64"]["spill_instructions"] <= 24, parts
     else:  # the fused backward: the dW kernel's partitions (consumers 232 / 232, producer 40), plus dX and the gate
         # gradients (a few spilled words; more with the gate-gradient half made after dW2's product is issued)
         bwd = recs["bwd_ws"]

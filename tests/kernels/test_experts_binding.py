@@ -148,9 +148,8 @@ def test_binding_sums_partial_dx_rows_and_gate_gradients(monkeypatch):
 
 def test_binding_schedule_matches_launch_grid(monkeypatch):
     """The JAX binding deals the dW / backward kernels' tiles for exactly the programs it launches: with the Gluon call
-    replaced by a recorder (no GPU here) and 132, 5 or 1000 SMs, the schedule argument has programs + 1 offsets that
-    count from its start, the last one the end of the dealt tiles, and every (group, 128 de) tile once (the chunk
-    sum after it stubbed too)."""
+    replaced by a recorder (no GPU here) and 132, 5 or 1000 SMs, the schedule argument has programs + 1 item offsets
+    and its items give every (group, 128 de) tile's row blocks (the chunk sum after it stubbed too)."""
     import jax
     import jax.numpy as jnp
 
@@ -172,22 +171,25 @@ def test_binding_schedule_matches_launch_grid(monkeypatch):
     calls = []
 
     def record(*args, kernel, out_shape, programs, **constexprs):
-        calls.append((np.asarray(args[6]), programs))
+        calls.append((np.asarray(args[4]), programs, constexprs["BLOCK_M"]))
         return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
 
     monkeypatch.setattr(gluon_bridge, "gluon_call", record)
-    monkeypatch.setattr(ek, "_add_chunks", lambda sched, sizes, parts, dw1, dw2, *a: (dw1, dw2))
+    monkeypatch.setattr(ek, "_add_chunks", lambda sched, parts, dw1, dw2, *a: (dw1, dw2))
     tiles = h * ne * (de // 128)
     for sms in (132, 5, 1000):
         monkeypatch.setattr(plan, "hopper_sms", lambda sms=sms: sms)
         ek._bwd_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h, False)
         ek._dw_gluon(st, xs, xs, gates, meta, w1, w2, jnp.float32, h)
-        for sched, programs in calls[-2:]:
-            extra = EXTRA_CHUNKS_PER_PROGRAM * programs  # the layout of kernels.gluon.schedule
-            assert programs == min(sms, tiles) and sched.size == 2 * (programs + tiles + extra) + 3
+        for sched, programs, bm in calls[-2:]:
+            m = tiles + EXTRA_CHUNKS_PER_PROGRAM * programs  # the layout of kernels.gluon.schedule
+            assert programs == min(sms, tiles) and sched.size == programs + 1 + 4 * m + 3 * (m - tiles)
             offsets = sched[:programs + 1]
-            assert offsets[0] == programs + 1 and offsets[-1] == programs + 1 + tiles and (np.diff(offsets) >= 0).all()
-            assert sorted(sched[programs + 1:programs + 1 + tiles].tolist()) == list(range(tiles))
+            assert offsets[0] == 0 and tiles <= offsets[-1] <= m and (np.diff(offsets) >= 0).all()
+            items = sched[programs + 1:programs + 1 + 4 * m].reshape(m, 4)[:offsets[-1]]
+            blocks = np.zeros(tiles, int)
+            np.add.at(blocks, items[:, 0], items[:, 2])
+            assert (blocks == np.repeat(-(-np.asarray(meta.group_sizes) // bm), de // 128)).all()
 
 
 def test_ws_bwd_shapes_checked():

@@ -10,6 +10,8 @@ GPU: the Gluon kernels on such schedules are tests/kernels/test_experts_gpu.py's
 same experts) and test_kernels_in_model.py's.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
@@ -17,7 +19,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from kernels.gluon.schedule import (  # noqa: E402
-    CHUNK_SHIFT,
     EXTRA_CHUNKS_PER_PROGRAM,
     deal_schedule,
     partial_slots,
@@ -46,25 +47,38 @@ def test_deal_schedule_alternates_rotated_rounds():
     assert [perm[starts[q]:starts[q + 1]].tolist() for q in range(4)] == [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]
 
 
-def walk(sched: np.ndarray, sizes: np.ndarray, nt: int, programs: int, block_m: int):
-    """The kernels' reading of the array (`_items`, `_item`, `_dw_tile`), in numpy: per program its items as
-    (tile, first block, blocks, slot or -1)."""
-    tiles = sizes.size * nt
-    x = programs + 1 + tiles
-    n_extra, chunk = sched[x], sched[x + 1]
+class _Packing(NamedTuple):  # the fields a schedule reads (of mhl_jax.moe.packing.Packing / TorchPacking)
+    row_slot: object
+    group_sizes: object
+    group_nblocks: object
+    group_block_start: object
+
+
+def packing(sizes: np.ndarray, pack: int, lib: str = "torch") -> _Packing:
+    """Groups of `sizes` rows packed in blocks of `pack` rows, one after another."""
+    nblocks = -(-sizes // pack)
+    fields = np.zeros(int(nblocks.sum()) * pack), sizes, nblocks, np.cumsum(nblocks) - nblocks
+    if lib == "torch":
+        return _Packing(*(torch.from_numpy(f).int() for f in fields))
+    import jax.numpy as jnp
+
+    return _Packing(*(jnp.asarray(f, jnp.int32) for f in fields))
+
+
+def walk(sched: np.ndarray, sizes: np.ndarray, nt: int, programs: int, bm: int, pack: int):
+    """The kernels' reading of the array (`_items`, `_work`), in numpy: per program its items as (tile, first row
+    block of the tile, row blocks, slot or -1), the first row block found from the item's first packed row."""
+    nblocks = -(-sizes // pack)
+    start = (np.cumsum(nblocks) - nblocks) * pack
+    m = sizes.size * nt + EXTRA_CHUNKS_PER_PROGRAM * programs  # the items' room
+    entries = sched[programs + 1:programs + 1 + 4 * m].reshape(m, 4)
     items = []
     for p in range(programs):
-        s0, ns, rank = sched[p], sched[p + 1] - sched[p], sched[x + 2 + p]
         mine = []
-        for i in range(ns + n_extra // programs + int(rank < n_extra % programs)):
-            r = i - ns
-            entry = sched[s0 + i] if r < 0 else sched[x + 2 + programs + r * programs + rank]
-            t, c = entry & ((1 << CHUNK_SHIFT) - 1), entry >> CHUNK_SHIFT
-            blocks = -(-sizes[t // nt] // block_m)
-            nch = max(-(-blocks // chunk), 1)
-            first = sched[x + 2 + programs + EXTRA_CHUNKS_PER_PROGRAM * programs + t]
-            b0, b1 = c * blocks // nch, (c + 1) * blocks // nch
-            mine.append((t, b0, b1 - b0, first + c if nch > 1 else -1))
+        for t, row, n, slot in entries[sched[p]:sched[p + 1]].tolist():
+            b0, rem = divmod(row - start[t // nt], bm)
+            assert rem == 0 and 0 <= b0 and n >= 0, (t, row, n)
+            mine.append((t, b0, n, slot))
         items.append(mine)
     return items
 
@@ -81,14 +95,15 @@ def _sizes(rng, heads: int, ne: int, kind: str) -> np.ndarray:
     return sizes
 
 
-def test_schedule_refuses_what_its_int32_entries_cannot_hold():
+def test_schedule_refuses_bad_heads_programs_and_rows():
     from kernels.gluon.schedule import check_schedule_args
 
-    check_schedule_args(1 << 19, 1, 8, 1000)
-    with pytest.raises(ValueError, match=f"{1 << 20} tiles on 4 programs; expected fewer than {1 << 20} tiles"):
-        check_schedule_args(1 << 19, 2, 8, 4)
-    with pytest.raises(ValueError, match="6144 tiles on 1024 programs; expected fewer than .* and 1024 programs"):
-        check_schedule_args(3072, 2, 8, 1024)
+    check_schedule_args(3072, 2, 8, 132, 1 << 30)
+    for bad, want in [((3072, 2, 7, 132, 10), "3072 groups, heads=7, programs=132"),
+                      ((3072, 2, 8, 6145, 10), "programs=6145, tiles_per_group=2; .* <= 6144"),
+                      ((3072, 2, 8, 132, 1 << 31), f"{1 << 31} packed rows; expected fewer than {1 << 31}")]:
+        with pytest.raises(ValueError, match=want):
+            check_schedule_args(*bad)
 
 
 @pytest.mark.parametrize("kind,nt,programs", [("lognormal", 2, 132), ("lognormal", 1, 132), ("lognormal", 2, 7),
@@ -99,23 +114,16 @@ def test_tile_schedule_covers_every_block_once_and_evens_out_the_programs(kind, 
     the chunk sum), and the busiest program within two
     chunks of the mean; on collapsed routing over many programs below the longest tile (where the deal alone left
     it). JAX equals torch."""
-    import jax.numpy as jnp
-
     from mhl_jax.moe.gpu.expert_kernels import tile_schedule
 
     rng = np.random.default_rng(0)
     heads, ne, bm, pack = 8, 384, 32, 64
     sizes = _sizes(rng, heads, ne, kind)
-    nblocks = -(-sizes // pack)
-    sched = np.asarray(tile_schedule(jnp.asarray(sizes, jnp.int32), jnp.asarray(nblocks, jnp.int32), nt, heads,
-                                     programs, bm))
+    sched = np.asarray(tile_schedule(packing(sizes, pack, "jax"), nt, heads, programs, bm, pack))
     assert sched.dtype == np.int32
-    assert np.array_equal(sched, tile_schedule_torch(torch.from_numpy(sizes).int(), torch.from_numpy(nblocks).int(),
-                                                     nt, heads, programs, bm).numpy())
+    assert np.array_equal(sched, tile_schedule_torch(packing(sizes, pack), nt, heads, programs, bm, pack).numpy())
     tiles = sizes.size * nt
-    dealt = sched[programs + 1:programs + 1 + tiles]
-    assert sorted(dealt.tolist()) == list(range(tiles))
-    items = walk(sched, sizes, nt, programs, bm)
+    items = walk(sched, sizes, nt, programs, bm, pack)
     blocks = np.repeat(-(-sizes // bm), nt)
     covered = [np.zeros(b, int) for b in blocks]
     slots = []
@@ -129,10 +137,20 @@ def test_tile_schedule_covers_every_block_once_and_evens_out_the_programs(kind, 
         assert heads_of == sorted(heads_of)  # the dealt tiles head by head
     assert all((c == 1).all() for c in covered)
     assert len(slots) == len(set(slots)) and all(0 <= s < partial_slots(programs) for s in slots)
-    chunk = sched[programs + 1 + tiles + 1]
-    split = sorted({t for mine in items for t, _, _, slot in mine if slot >= 0})
-    listed = sched[-EXTRA_CHUNKS_PER_PROGRAM * programs:]
-    assert listed[:len(split)].tolist() == split and (listed[len(split):] == -1).all()
+    assert sorted(t for mine in items for t, b0, _, _ in mine if b0 == 0) == list(range(tiles))  # each dealt once
+    extra = EXTRA_CHUNKS_PER_PROGRAM * programs
+    chunk = max(1, -(-blocks.sum() // extra))
+    split = {}
+    for mine in items:
+        for t, b0, _, slot in mine:
+            if slot >= 0:
+                split.setdefault(t, []).append((b0, slot))
+    listed = sched[-3 * extra:].reshape(-1, 3)
+    want = [[t, min(s for _, s in split[t]), len(split[t])] for t in sorted(split)]
+    assert listed[:len(split)].tolist() == want and (listed[len(split):, 0] == -1).all()
+    for chunks in split.values():  # a split tile's slots: consecutive, in chunk order
+        order = [s for _, s in sorted(chunks)]
+        assert order == list(range(order[0], order[0] + len(order)))
     loads = np.array([sum(n for _, _, n, _ in mine) for mine in items])
     assert loads.max() <= loads.mean() + 2 * chunk, (loads.max(), loads.mean(), chunk)
     if kind == "collapsed" and programs > 100:  # the deal alone: the longest tile's program at least that long
@@ -148,9 +166,8 @@ def test_dw_chunks_kernel_sums_slots_in_chunk_order(accum):
     heads, ne, nt, programs, bm, dh = 2, 4, 2, 3, 32, 128
     de = 128 * nt
     sizes = np.array([700, 0, 5, 40, 900, 64, 3, 1], np.int64)
-    sched = tile_schedule_torch(torch.from_numpy(sizes).int(), torch.from_numpy(-(-sizes // 64)).int(), nt, heads,
-                                programs, bm)
-    items = [it for mine in walk(sched.numpy(), sizes, nt, programs, bm) for it in mine]
+    sched = tile_schedule_torch(packing(sizes, 64), nt, heads, programs, bm, 64)
+    items = [it for mine in walk(sched.numpy(), sizes, nt, programs, bm, 64) for it in mine]
     part = rng.standard_normal(dwc.partial_shape(programs, dh, de), dtype=np.float32)
     p1 = part[:, :dh * de].reshape(-1, dh, de)
     p2 = part[:, dh * de:].reshape(-1, 128, dh)
@@ -173,7 +190,7 @@ def test_dw_chunks_kernel_sums_slots_in_chunk_order(accum):
     got1, got2 = torch.from_numpy(dw1.copy()), torch.from_numpy(dw2.copy())
     tiles = heads * ne * nt
     dwc.dw_chunks_kernel[(EXTRA_CHUNKS_PER_PROGRAM * programs,)](
-        sched, torch.from_numpy(sizes).int(), torch.from_numpy(part), got1, got2, got1, got2,
-        **dwc.dw_chunks_constexprs(programs, tiles, dh, de, bm, accum))
+        sched, torch.from_numpy(part), got1, got2, got1, got2,
+        **dwc.dw_chunks_constexprs(programs, tiles, dh, de, accum))
     np.testing.assert_array_equal(got1.numpy(), want1)
     np.testing.assert_array_equal(got2.numpy(), want2)

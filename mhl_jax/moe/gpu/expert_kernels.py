@@ -18,7 +18,6 @@ from kernels.gluon.experts_bwd import dw_ws_constexprs, gluon_expert_dw_ws_kerne
 from kernels.gluon.experts_bwd_fused import bwd_kernel
 from kernels.gluon.experts_fwd import fwd_constexprs, gluon_expert_fwd_ws_kernel
 from kernels.gluon.schedule import (
-    CHUNK_SHIFT,
     EXTRA_CHUNKS_PER_PROGRAM,
     check_schedule_args,
     deal_schedule,
@@ -55,45 +54,56 @@ def _persistent_programs(work_items: int) -> int:
     return min(plan.hopper_sms(), work_items)
 
 
-def tile_schedule(group_sizes, group_nblocks, tiles_per_group: int, heads: int, programs: int, block_m: int):
+def tile_schedule(packing: Packing, tiles_per_group: int, heads: int, programs: int, block_m: int, pack_block: int):
     """The schedule array the persistent dW / backward kernels read (`kernels.gluon.schedule`, which describes its
     layout): the (group, 128 de) tiles dealt over the programs (`deal_schedule`: head-major, each head's groups
     largest first, so that the programs' rows even out), each tile's first chunk of row blocks; then the other
     chunks of the tiles longer than a chunk, each program's share of them in the order of its dealt rows, fewest
-    first. `programs` must be the launch grid (1 to G * tiles_per_group). `kernels.gluon.schedule.
-    tile_schedule_torch` is the same for the torch launchers."""
-    check_schedule_args(group_nblocks.shape[0], tiles_per_group, heads, programs)
-    nb = group_nblocks.reshape(heads, -1)
+    first; every item as the kernels take it (tile, first row, row blocks, slot). `programs` must be the launch grid
+    (1 to G * tiles_per_group). `kernels.gluon.schedule.tile_schedule_torch` is the same for the torch launchers."""
+    check_schedule_args(packing.group_nblocks.shape[0], tiles_per_group, heads, programs, packing.row_slot.shape[0])
+    nb = packing.group_nblocks.reshape(heads, -1)
     go = jnp.argsort(-nb, axis=1, stable=True).astype(jnp.int32) + \
         (jnp.arange(heads, dtype=jnp.int32) * nb.shape[1])[:, None]
     tiles = (go.reshape(-1, 1) * tiles_per_group + jnp.arange(tiles_per_group, dtype=jnp.int32)).reshape(-1)
     perm, starts = deal_schedule(tiles.shape[0], heads, programs)
-    dealt = tiles[perm]
+    n_tiles, cap = tiles.shape[0], EXTRA_CHUNKS_PER_PROGRAM * programs
     # chunks: a tile's row blocks in nch equal parts, the chunk such that the chunks after the first fit their list
-    blocks = jnp.repeat((group_sizes + block_m - 1) // block_m, tiles_per_group).astype(jnp.int32)
-    cap = EXTRA_CHUNKS_PER_PROGRAM * programs
+    blocks = jnp.repeat((packing.group_sizes + block_m - 1) // block_m, tiles_per_group).astype(jnp.int32)
+    row0 = jnp.repeat(packing.group_block_start * pack_block, tiles_per_group).astype(jnp.int32)
     chunk = jnp.maximum(1, -(-jnp.sum(blocks) // cap)).astype(jnp.int32)
     nch = jnp.maximum(1, -(-blocks // chunk))
+    split = jnp.where(nch > 1, nch, 0)
+    base = (jnp.cumsum(split) - split).astype(jnp.int32)  # each split tile's first slot
     ends = jnp.cumsum(nch - 1).astype(jnp.int32)  # the chunks after the first, tile by tile
     n_extra = ends[-1]
     i = jnp.arange(cap, dtype=jnp.int32)
-    t = jnp.searchsorted(ends, i, side="right", method="compare_all").astype(jnp.int32)  # the tile of chunk i
-    t = jnp.minimum(t, blocks.shape[0] - 1)
-    extras = jnp.where(i < n_extra, t | ((i - ends[t] + nch[t]) << CHUNK_SHIFT), 0).astype(jnp.int32)
-    split = jnp.where(nch > 1, nch, 0)
-    split_base = (jnp.cumsum(split) - split).astype(jnp.int32)
-    ids = jnp.arange(blocks.shape[0], dtype=jnp.int32)
-    at = jnp.where(nch > 1, jnp.cumsum(nch > 1) - 1, cap)  # the split tiles, listed (at most cap: each has a chunk)
-    split_list = jnp.full((cap + 1,), -1, jnp.int32).at[at].set(ids)[:cap]
-    # each program's dealt rows (its first chunks): the later chunks go to the least loaded first (its rank: the
-    # programs with fewer rows, or as many and a lower index; a compare, not a sort)
-    prog = jnp.asarray(np.repeat(np.arange(programs, dtype=np.int32), np.diff(starts)))
-    loads = jnp.zeros((programs,), jnp.int32).at[prog].add(blocks[dealt] // nch[dealt])
-    q = jnp.arange(programs)
+    t = jnp.searchsorted(ends, i, side="right", method="compare_all").astype(jnp.int32)  # the tile of later chunk i
+    t = jnp.minimum(t, n_tiles - 1)
+    it_t = jnp.concatenate([tiles[perm], t])  # the dealt tiles (chunk 0), then the later chunks
+    it_c = jnp.concatenate([jnp.zeros((n_tiles,), jnp.int32), i - ends[t] + nch[t]])
+    b, n = blocks[it_t], nch[it_t]
+    b0 = it_c * b // n
+    items = jnp.stack([it_t, row0[it_t] + b0 * block_m, (it_c + 1) * b // n - b0,
+                       jnp.where(n > 1, base[it_t] + it_c, -1)], axis=1).astype(jnp.int32)
+    # where each item goes: program p's dealt tiles, then its later chunks (rank r's: the chunks r, r + P, ...); the
+    # later chunks go to the programs with the fewest dealt rows first (rank: a compare, not a sort)
+    ndealt = np.diff(starts)
+    prog = np.repeat(np.arange(programs, dtype=np.int32), ndealt)
+    loads = jnp.zeros((programs,), jnp.int32).at[prog].add(items[:n_tiles, 2])
+    q = jnp.arange(programs, dtype=jnp.int32)
     rank = jnp.sum((loads[None, :] < loads[:, None]) | ((loads[None, :] == loads[:, None]) & (q[None, :] < q[:, None])),
                    axis=1, dtype=jnp.int32)
-    return jnp.concatenate([jnp.asarray(starts + programs + 1, jnp.int32), dealt, jnp.stack([n_extra, chunk]), rank,
-                            extras, split_base, split_list])
+    count = ndealt + n_extra // programs + (rank < n_extra % programs).astype(jnp.int32)
+    off = jnp.cumsum(count) - count
+    by_rank = jnp.zeros((programs,), jnp.int32).at[rank].set(q)[i % programs]  # the program of later chunk i
+    later = jnp.where(i < n_extra, off[by_rank] + jnp.asarray(ndealt)[by_rank] + i // programs, n_tiles + cap)
+    dest = jnp.concatenate([off[prog] + np.arange(n_tiles) - starts[prog], later])
+    out = jnp.zeros((n_tiles + cap, 4), jnp.int32).at[dest].set(items, mode="drop")
+    at = jnp.where(nch > 1, jnp.cumsum(nch > 1) - 1, cap)  # the split tiles listed (at most cap: each has a chunk)
+    listed = jnp.tile(jnp.array([-1, 0, 0], jnp.int32), (cap, 1)).at[at].set(
+        jnp.stack([jnp.arange(n_tiles, dtype=jnp.int32), base, nch.astype(jnp.int32)], axis=1), mode="drop")
+    return jnp.concatenate([off, off[-1:] + count[-1:], out.reshape(-1), listed.reshape(-1)]).astype(jnp.int32)
 
 
 # ------------------------------------------------------------------------------------------------ forward
@@ -196,28 +206,25 @@ def _tiled_call(kernel, xs, dys, gates, packing: Packing, w1, w2, heads: int, ou
     (_, dh), (g, _, de) = xs.shape, w1.shape
     tiles_per_group = de // 128
     programs = _persistent_programs(g * tiles_per_group)
-    sched = tile_schedule(packing.group_sizes, packing.group_nblocks, tiles_per_group, heads, programs,
-                          constexprs["BLOCK_M"])
-    # acc1, acc2 (after the 9 inputs) -> dW1, dW2 (their shapes checked by the public ops: `moe_heads_fused`)
-    alias = {} if acc is None else {"input_output_aliases": {9: 0, 10: 1}}
+    sched = tile_schedule(packing, tiles_per_group, heads, programs, constexprs["BLOCK_M"], constexprs["PACK_BLOCK"])
+    # acc1, acc2 (after the 7 inputs) -> dW1, dW2 (their shapes checked by the public ops: `moe_heads_fused`)
+    alias = {} if acc is None else {"input_output_aliases": {7: 0, 8: 1}}
     part = jax.ShapeDtypeStruct(partial_shape(programs, dh, de), out_shape[0].dtype)  # dW's dtype
-    # group_sizes: the kernels count each group's 32-row blocks from it (the padding after its rows is not computed)
-    *outs, parts = gluon_bridge.gluon_call(xs, dys, gates, packing.row_slot, packing.group_block_start,
-                                           packing.group_sizes, sched, w1, w2, *((w1, w2) if acc is None else acc),
+    *outs, parts = gluon_bridge.gluon_call(xs, dys, gates, packing.row_slot, sched, w1, w2,
+                                           *((w1, w2) if acc is None else acc),
                                            kernel=kernel, out_shape=[*out_shape, part], programs=programs, **alias,
                                            **constexprs)
-    outs[:2] = _add_chunks(sched, packing.group_sizes, parts, outs[0], outs[1], programs, constexprs["BLOCK_M"],
-                           acc is not None)
+    outs[:2] = _add_chunks(sched, parts, outs[0], outs[1], programs, acc is not None)
     return outs
 
 
-def _add_chunks(sched, group_sizes, parts, dw1, dw2, programs: int, block_m: int, accum: bool):
+def _add_chunks(sched, parts, dw1, dw2, programs: int, accum: bool):
     """The split tiles' partial sums added into dW1 / dW2 in place (`kernels.triton.dw_chunks`): (dW1, dW2)."""
     (g, dh, de), jt = dw1.shape, plan.import_jax_triton()
-    return jt.triton_call(sched, group_sizes, parts, dw1, dw2, kernel=dw_chunks_kernel,
+    return jt.triton_call(sched, parts, dw1, dw2, kernel=dw_chunks_kernel,
                           out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in (dw1, dw2)],
-                          grid=(EXTRA_CHUNKS_PER_PROGRAM * programs,), num_warps=4, input_output_aliases={3: 0, 4: 1},
-                          **dw_chunks_constexprs(programs, g * de // 128, dh, de, block_m, accum))
+                          grid=(EXTRA_CHUNKS_PER_PROGRAM * programs,), num_warps=4, input_output_aliases={2: 0, 3: 1},
+                          **dw_chunks_constexprs(programs, g * de // 128, dh, de, accum))
 
 
 def _dw_gluon(st: Static, xs, dys, gates, packing: Packing, w1, w2, dw_dtype, heads: int, acc=None):
