@@ -19,7 +19,7 @@ SMALL = ["model.compute_dtype=float32", "model.n_layers=1", "ffn.stem_layers=0",
 BENCHES = ["layer", "experts", "router", "a2a", "train_scale", "memory", "attention", "generate", "determinism",
            "fresh_runs", "multiprocess"]
 TOOLS = ["profile_layer", "profile_stalls", "profile_sass", "kernel_report", "kernel_tiles", "wgmma_rates",
-         "attention_tiles", "profile_router"]
+         "attention_tiles", "profile_router", "expert_bwd"]
 
 
 @pytest.mark.parametrize("name", BENCHES + [f"tools.{t}" for t in TOOLS])

@@ -1,0 +1,99 @@
+"""The Gluon expert backward alone at the train step's shape: each kernel's device time per call, accumulating into
+fp32 gradient sums (as the train step's micro-batches do) or not, on random or collapsed routing.
+
+    python -m bench.tools.expert_bwd [--tokens 16384] [--ne 384] [--k 4] [--de 256] [--routing random collapsed]
+                                     [--accum on off] [--calls 20] [--reps 3] [--out FILE]
+
+The kernels are launched from torch (`kernels.torch.experts.gluon_experts_bwd_ws`, the dX warp group's form at de >
+128 as the JAX binding picks it there), 8 heads x dh 128, bf16 x / dy / W1 / W2, fp32 gates and dW. Routing random:
+each row's top k of random scores; collapsed: every token on the same k experts of each head (the benchmark step's
+routing after its first steps, docs/performance.md). Per case one JSON line: `ms`, each kernel's device time per call
+(torch.profiler over `calls` calls, the median of `reps` such traces; the schedule's few torch ops left out).
+"""
+
+from __future__ import annotations
+
+from bench.common import JsonLines, parser, today
+
+NH, DH = 8, 128
+
+
+def inputs(tokens: int, ne: int, k: int, de: int, routing: str, seed: int = 0):
+    """CUDA tensors: x, dy (tokens * NH, DH) bf16, gates (tokens * NH * k,) fp32, W1 (NH * ne, DH, de), W2 (NH * ne,
+    de, DH) bf16, and the routing (tokens, NH, k) int32."""
+    import torch
+
+    g = torch.Generator("cuda").manual_seed(seed)
+    x = torch.randn(tokens * NH, DH, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(tokens * NH, DH, device="cuda", generator=g).bfloat16()
+    gates = torch.rand(tokens * NH * k, device="cuda", generator=g)
+    w1 = (0.05 * torch.randn(NH * ne, DH, de, device="cuda", generator=g)).bfloat16()
+    w2 = (0.05 * torch.randn(NH * ne, de, DH, device="cuda", generator=g)).bfloat16()
+    if routing == "random":
+        idx = torch.rand(tokens, NH, ne, device="cuda", generator=g).topk(k, dim=2).indices
+    else:
+        same = torch.stack([torch.randperm(ne, device="cuda", generator=g)[:k] for _ in range(NH)])
+        idx = same[None].expand(tokens, NH, k)
+    return x, dy, gates, w1, w2, idx.contiguous().int()
+
+
+def kernel_times(call, calls: int, reps: int) -> dict[str, float]:
+    """{kernel name: device ms per call}, the median over `reps` traces of `calls` calls each."""
+    import torch
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {}
+    for _ in range(reps):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if e.key.startswith(("gluon_", "dw_chunks")):  # the backward and its chunk sum, not the schedule's ops
+                times.setdefault(e.key, []).append(e.device_time / 1000)
+    return {name: round(sorted(v)[len(v) // 2], 4) for name, v in times.items()}
+
+
+def run(tokens: int, ne: int, k: int, de: int, routing: str, accum: bool, calls: int, reps: int) -> dict:
+    import torch
+
+    from kernels.torch.experts import gluon_experts_bwd_ws, pack_torch
+    from kernels.tuning import default_config
+
+    x, dy, gates, w1, w2, idx = inputs(tokens, ne, k, de, routing)
+    cfg = default_config(tokens * NH * k, NH * ne, DH, de)
+    pk = pack_torch(idx, ne, cfg.pack_block)
+    p = pk.row_slot.shape[0]
+    out = (torch.zeros(w1.shape, device="cuda"), torch.zeros(w2.shape, device="cuda"),
+           torch.empty(p, de // 128, DH, dtype=x.dtype, device="cuda"),
+           torch.empty(p, de // 128, dtype=torch.float32, device="cuda"))
+
+    def call():
+        gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, out=out, heads=NH, xw=de > 128,
+                             accum=accum)
+
+    return dict(bench="expert_bwd", device=torch.cuda.get_device_name(), date=today(), tokens=tokens, nh=NH, dh=DH,
+                ne=ne, k=k, de=de, routing=routing, accum=accum, ms=kernel_times(call, calls, reps))
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--ne", type=int, default=384)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--de", type=int, default=256)
+    ap.add_argument("--routing", nargs="+", choices=["random", "collapsed"], default=["random", "collapsed"])
+    ap.add_argument("--accum", nargs="+", choices=["on", "off"], default=["on", "off"])
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    with JsonLines(args.out) as out:
+        for routing in args.routing:
+            for accum in args.accum:
+                out(run(args.tokens, args.ne, args.k, args.de, routing, accum == "on", args.calls, args.reps))
+
+
+if __name__ == "__main__":
+    main()
