@@ -2,13 +2,15 @@
 fp32 gradient sums (as the train step's micro-batches do) or not, on random or collapsed routing.
 
     python -m bench.tools.expert_bwd [--tokens 16384] [--ne 384] [--k 4] [--de 256] [--routing random collapsed]
-                                     [--accum on off] [--calls 20] [--reps 3] [--out FILE]
+                                     [--accum on off] [--form auto ws xw] [--calls 20] [--reps 3] [--out FILE]
 
-The kernels are launched from torch (`kernels.torch.experts.gluon_experts_bwd_ws`, the dX warp group's form at de >
-128 as the JAX binding picks it there), 8 heads x dh 128, bf16 x / dy / W1 / W2, fp32 gates and dW. Routing random:
-each row's top k of random scores; collapsed: every token on the same k experts of each head (the benchmark step's
-routing after its first steps, docs/performance.md). Per case one JSON line: `ms`, each kernel's device time per call
-(torch.profiler over `calls` calls, the median of `reps` such traces; the schedule's few torch ops left out).
+The kernels are launched from torch (`kernels.torch.experts.gluon_experts_bwd_ws`), 8 heads x dh 128, bf16 x / dy /
+W1 / W2, fp32 gates and dW. --form: the kernel with the dX warp group (xw), without (ws), or the one the JAX binding
+picks at this shape (auto: `kernels.tuning.default_config`'s bwd_xw; ws at the 2.2B step's 16384 tokens). Routing
+random: each row's top k of random scores; collapsed: every token on the same k experts of each head (the benchmark
+step's routing after its first steps, docs/performance.md). Per case one JSON line: `ms`, each kernel's device time
+per call (torch.profiler over `calls` calls, the median of `reps` such traces, all of them in `runs`; the schedule's
+few torch ops left out).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ def inputs(tokens: int, ne: int, k: int, de: int, routing: str, seed: int = 0):
     return x, dy, gates, w1, w2, idx.contiguous().int()
 
 
-def kernel_times(call, calls: int, reps: int) -> dict[str, float]:
-    """{kernel name: device ms per call}, the median over `reps` traces of `calls` calls each."""
+def kernel_times(call, calls: int, reps: int) -> dict[str, list[float]]:
+    """{kernel name: device ms per call in each of `reps` traces of `calls` calls}."""
     import torch
 
     for _ in range(3):
@@ -53,10 +55,10 @@ def kernel_times(call, calls: int, reps: int) -> dict[str, float]:
         for e in prof.key_averages():
             if e.key.startswith(("gluon_", "dw_chunks")):  # the backward and its chunk sum, not the schedule's ops
                 times.setdefault(e.key, []).append(e.device_time / 1000)
-    return {name: round(sorted(v)[len(v) // 2], 4) for name, v in times.items()}
+    return {name: [round(t, 4) for t in v] for name, v in times.items()}
 
 
-def run(tokens: int, ne: int, k: int, de: int, routing: str, accum: bool, calls: int, reps: int) -> dict:
+def run(tokens: int, ne: int, k: int, de: int, routing: str, accum: bool, form: str, calls: int, reps: int) -> dict:
     import torch
 
     from kernels.torch.experts import gluon_experts_bwd_ws, pack_torch
@@ -64,6 +66,7 @@ def run(tokens: int, ne: int, k: int, de: int, routing: str, accum: bool, calls:
 
     x, dy, gates, w1, w2, idx = inputs(tokens, ne, k, de, routing)
     cfg = default_config(tokens * NH * k, NH * ne, DH, de)
+    xw = cfg.bwd_xw if form == "auto" else form == "xw"
     pk = pack_torch(idx, ne, cfg.pack_block)
     p = pk.row_slot.shape[0]
     out = (torch.zeros(w1.shape, device="cuda"), torch.zeros(w2.shape, device="cuda"),
@@ -71,11 +74,12 @@ def run(tokens: int, ne: int, k: int, de: int, routing: str, accum: bool, calls:
            torch.empty(p, de // 128, dtype=torch.float32, device="cuda"))
 
     def call():
-        gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, out=out, heads=NH, xw=de > 128,
-                             accum=accum)
+        gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k, cfg.pack_block, out=out, heads=NH, xw=xw, accum=accum)
 
+    runs = kernel_times(call, calls, reps)
     return dict(bench="expert_bwd", device=torch.cuda.get_device_name(), date=today(), tokens=tokens, nh=NH, dh=DH,
-                ne=ne, k=k, de=de, routing=routing, accum=accum, ms=kernel_times(call, calls, reps))
+                ne=ne, k=k, de=de, pack_block=cfg.pack_block, xw=xw, routing=routing, accum=accum,
+                ms={name: sorted(v)[len(v) // 2] for name, v in runs.items()}, runs=runs)
 
 
 def main() -> None:
@@ -86,13 +90,16 @@ def main() -> None:
     ap.add_argument("--de", type=int, default=256)
     ap.add_argument("--routing", nargs="+", choices=["random", "collapsed"], default=["random", "collapsed"])
     ap.add_argument("--accum", nargs="+", choices=["on", "off"], default=["on", "off"])
+    ap.add_argument("--form", nargs="+", choices=["auto", "ws", "xw"], default=["auto"])
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     with JsonLines(args.out) as out:
-        for routing in args.routing:
-            for accum in args.accum:
-                out(run(args.tokens, args.ne, args.k, args.de, routing, accum == "on", args.calls, args.reps))
+        for form in args.form:
+            for routing in args.routing:
+                for accum in args.accum:
+                    out(run(args.tokens, args.ne, args.k, args.de, routing, accum == "on", form, args.calls,
+                            args.reps))
 
 
 if __name__ == "__main__":

@@ -115,8 +115,9 @@ def tile_schedule_torch(pk, tiles_per_group: int, heads: int, programs: int, blo
     it_t = torch.cat([tiles[perm], t])  # the dealt tiles (chunk 0), then the later chunks
     it_c = torch.cat([torch.zeros(T, dtype=torch.long, device=dev), i - ends[t] + nch[t]])
     b, n = blocks[it_t], nch[it_t]
-    b0 = it_c * b // n
-    items = torch.stack([it_t, row0[it_t] + b0 * block_m, (it_c + 1) * b // n - b0,
+    b0 = it_c * (b // n) + it_c * (b % n) // n  # floor(c b / n), c b itself could pass int32
+    b1 = (it_c + 1) * (b // n) + (it_c + 1) * (b % n) // n
+    items = torch.stack([it_t, row0[it_t] + b0 * block_m, b1 - b0,
                          torch.where(n > 1, base[it_t] + it_c, -1)], 1)
     # where each item goes: program p's dealt tiles, then its later chunks (rank r's: the chunks r, r + P, ...)
     ndealt = torch.diff(starts)

@@ -77,7 +77,7 @@ def walk(sched: np.ndarray, sizes: np.ndarray, nt: int, programs: int, bm: int, 
         mine = []
         for t, row, n, slot in entries[sched[p]:sched[p + 1]].tolist():
             b0, rem = divmod(row - start[t // nt], bm)
-            assert rem == 0 and 0 <= b0 and n >= 0, (t, row, n)
+            assert rem == 0 and 0 <= b0 and n >= 0 and b0 + n <= -(-sizes[t // nt] // bm), (t, row, n)
             mine.append((t, b0, n, slot))
         items.append(mine)
     return items

@@ -83,8 +83,9 @@ def tile_schedule(packing: Packing, tiles_per_group: int, heads: int, programs: 
     it_t = jnp.concatenate([tiles[perm], t])  # the dealt tiles (chunk 0), then the later chunks
     it_c = jnp.concatenate([jnp.zeros((n_tiles,), jnp.int32), i - ends[t] + nch[t]])
     b, n = blocks[it_t], nch[it_t]
-    b0 = it_c * b // n
-    items = jnp.stack([it_t, row0[it_t] + b0 * block_m, (it_c + 1) * b // n - b0,
+    b0 = it_c * (b // n) + it_c * (b % n) // n  # floor(c b / n), c b itself could pass int32
+    b1 = (it_c + 1) * (b // n) + (it_c + 1) * (b % n) // n
+    items = jnp.stack([it_t, row0[it_t] + b0 * block_m, b1 - b0,
                        jnp.where(n > 1, base[it_t] + it_c, -1)], axis=1).astype(jnp.int32)
     # where each item goes: program p's dealt tiles, then its later chunks (rank r's: the chunks r, r + P, ...); the
     # later chunks go to the programs with the fewest dealt rows first (rank: a compare, not a sort)
