@@ -21,17 +21,17 @@ Defaults applied before `--set` (so `--set` can undo them):
 32 x 2048 = 65k tokens per step instead of the paper's 0.66M keeps a 1-GPU step of a 2.2B model in
 seconds, and 32 is a multiple of micro_batch x P for P = 1, 2, 4, 8 (accumulation 8, 4, 2, 1).
 warmup_steps=1 runs every step at the peak LR, so the loss check covers the update as well as the
-forward (with the paper's 8000-step warmup the first steps barely move the weights). Neither changes
-the work per token.
+forward (with the paper's 8000-step warmup the first steps barely move the weights). The batch does not
+change the work per token; the peak LR does in the MoE layers: their routing collapses onto a few experts
+within a few steps (`routing`, and the table's empty groups), where the expert backward skips most tiles.
+`--set schedule.warmup_steps=8000` keeps the configs' schedule: routing near its initial state.
 
 Per run, one JSON line (to stdout, and appended to --out): mesh, batch, per-step losses and times,
 the median step time over the steps after --warmup (each step closed by block_until_ready; the
 compile is timed separately, ahead of time), tokens/s in total and per device, MFU (6 x active matmul
 params + attention FLOPs per token, `train_flops_per_token`, against `device_peak_flops`: the bf16
 datasheet peak of a known GPU or logging.peak_tflops; null on CPU), memory and the loss check.
-`routing`: the last step's routing per MoE layer (`routing_summary`): the synthetic steps' routing
-can collapse onto a few experts per head within a few steps at the peak LR, which sets the expert
-backward's work (docs/performance.md, The expert FFN alone).
+`routing`: the last step's routing per MoE layer (`routing_summary`; docs/performance.md, The training step).
 Memory: `mem_compiled_gib` is XLA's buffer assignment of the step per device (arguments + outputs +
 temporaries - donated aliases); `mem_peak_gib` is the runtime peak (`peak_bytes_in_use`, max over the
 run's devices). That counter only rises over a process, so device counts run largest first (fewer
@@ -346,18 +346,20 @@ def fmt(v, spec: str) -> str:
 
 def table(records: list[dict]) -> str:
     lines = ["| config | devices | mesh | batch (micro x accum) | step s | tok/s | tok/s/dev | MFU | peak GiB "
-             "(compiled) | compile s | max loss diff abs / rel | ok |", "|" + "---|" * 12]
+             "(compiled) | compile s | empty expert groups | max loss diff abs / rel | ok |", "|" + "---|" * 13]
     for r in sorted(records, key=lambda r: (r["config"], r["devices"])):
         if "losses" not in r:
-            lines.append(f"| {r['config']} | {r['devices']} | failed: {r.get('error', '?')[:80]} |" + " |" * 9)
+            lines.append(f"| {r['config']} | {r['devices']} | failed: {r.get('error', '?')[:80]} |" + " |" * 10)
             continue
         mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
         peak = fmt(r["mem_peak_gib"], ".1f") + ("" if r["mem_peak_exact"] in (True, None) else " (<=)")
+        empty = [v["empty_groups"] for v in (r.get("routing") or {}).values()]  # over the MoE layers
+        routing = f"{min(empty)}-{max(empty)} of {next(iter(r['routing'].values()))['groups']}" if empty else "-"
         lines.append(
             f"| {r['config']} | {r['devices']} | {mesh} | {r['global_batch']} ({r['micro_batch']} x {r['accum']}) | "
             f"{r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_per_device']:.0f} | "
             f"{fmt(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | "
-            f"{peak} ({fmt(r['mem_compiled_gib'], '.1f')}) | {r['compile_s']:.1f} | "
+            f"{peak} ({fmt(r['mem_compiled_gib'], '.1f')}) | {r['compile_s']:.1f} | {routing} | "
             f"{r['loss_max_abs_diff']:.2e} / {r['loss_max_rel_diff']:.2e} | {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
 

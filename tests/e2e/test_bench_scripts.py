@@ -113,9 +113,12 @@ def test_train_scale_losses_agree_across_device_counts():
         assert r["mesh_shape"] == [1, r["devices"]] and r["accum"] == 16 // (4 * r["devices"])
         assert r["losses"][1] < r["losses"][0] and r["step_s"] > 0 and r["compile_s"] > 0
     assert "tiny_mh_latent_moe | 2 | data 1 x hp 2 | 16 (4 x 2)" in train_scale.table(recs)
-    for r in recs:  # the last step's routing, per MoE layer of the config
+    for r in recs:  # the last step's routing, per MoE layer of the config, and its empty groups in the table
         assert r["routing"] and all(v["groups"] > 0 and v["max_over_mean"] >= 1 and 0 < v["top4_share_min"] <= 1
                                     for v in r["routing"].values()), r["routing"]
+        empty = [v["empty_groups"] for v in r["routing"].values()]
+        groups = next(iter(r["routing"].values()))["groups"]
+        assert f"| {min(empty)}-{max(empty)} of {groups} |" in train_scale.table([r])
 
 
 def test_routing_summary_of_a_steps_loads():
