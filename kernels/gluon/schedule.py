@@ -1,7 +1,7 @@
 """The schedule of the persistent Gluon dW / backward kernels (kernels/gluon/experts_bwd.py): which program takes
-which (group, 128 de) tile, and which chunk of its row blocks. numpy for the static deal, torch for the torch
-launchers (`tile_schedule_torch`); the JAX binding builds the same array in
-`mhl_jax.moe.gpu.expert_kernels.tile_schedule`.
+which (group, 128 de) tile, and which chunk of its row blocks. One builder (`tile_schedule`) in an array namespace:
+numpy for the torch launchers (`tile_schedule_torch`), jax.numpy for the JAX binding
+(`mhl_jax.moe.gpu.expert_kernels.tile_schedule`).
 
 A tile's rows are summed by one program, in order, unless the tile is longer than a chunk: routing can send most of
 a head's rows to a few experts (a model's first steps can), and one program would then run the step's longest tile
@@ -28,8 +28,6 @@ Everything a kernel needs of an item is in its 4 entries, so that the kernels' p
 """
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 
@@ -77,62 +75,84 @@ def deal_schedule(num_tiles: int, heads: int, programs: int, deal: bool = True) 
     return np.argsort(prog, kind="stable"), starts
 
 
-@functools.lru_cache(maxsize=64)
-def _deal_schedule_torch(num_tiles: int, heads: int, programs: int, device: str, deal: bool):
-    import torch
+def tile_schedule(xp, group_sizes, group_nblocks, group_block_start, tiles_per_group: int, heads: int,
+                  programs: int, block_m: int, pack_block: int, deal: bool = True):
+    """The schedule array the dW / backward kernels read (int32; the layout above), in array namespace `xp`: numpy
+    for the torch launchers (`tile_schedule_torch`), jax.numpy for the JAX binding (traced: the group arrays are the
+    packing's). Groups are head-major (G = heads x experts), each head's sorted by row blocks, largest first
+    (stable), a group's tiles side by side, dealt by `deal_schedule`; then the other chunks of the tiles longer than
+    a chunk, each program's share of them in the order of its dealt rows, fewest first. deal=False: the tiles in
+    group order, strided over the programs (comparisons). `programs` must be the launch grid."""
+    jax_np = xp is not np
+    nb = group_nblocks.reshape(heads, -1)
+    if not deal:
+        go = xp.broadcast_to(xp.arange(nb.shape[1], dtype=xp.int32), nb.shape)
+    else:  # numpy < 2 has no stable= keyword
+        go = xp.argsort(-nb, axis=1, stable=True) if jax_np else np.argsort(-nb, axis=1, kind="stable")
+    go = go.astype(xp.int32) + (xp.arange(heads, dtype=xp.int32) * nb.shape[1])[:, None]
+    tiles = (go.reshape(-1, 1) * tiles_per_group + xp.arange(tiles_per_group, dtype=xp.int32)).reshape(-1)
+    perm, starts = deal_schedule(tiles.shape[0], heads, programs, deal)
+    n_tiles, cap = tiles.shape[0], EXTRA_CHUNKS_PER_PROGRAM * programs
+    # chunks: a tile's row blocks in nch equal parts, the chunk such that the chunks after the first fit their list
+    blocks = xp.repeat((group_sizes + block_m - 1) // block_m, tiles_per_group).astype(xp.int32)
+    row0 = xp.repeat(group_block_start * pack_block, tiles_per_group).astype(xp.int32)
+    chunk = xp.maximum(1, -(-xp.sum(blocks) // cap)).astype(xp.int32)
+    nch = xp.maximum(1, -(-blocks // chunk)).astype(xp.int32)
+    split = xp.where(nch > 1, nch, 0)
+    base = (xp.cumsum(split) - split).astype(xp.int32)  # each split tile's first slot
+    ends = xp.cumsum(nch - 1).astype(xp.int32)  # the chunks after the first, tile by tile
+    n_extra = ends[-1]
+    i = xp.arange(cap, dtype=xp.int32)
+    t = xp.searchsorted(ends, i, side="right", **({"method": "compare_all"} if jax_np else {}))  # later chunk i's
+    t = xp.minimum(t, n_tiles - 1).astype(xp.int32)
+    it_t = xp.concatenate([tiles[perm], t])  # the dealt tiles (chunk 0), then the later chunks
+    it_c = xp.concatenate([xp.zeros((n_tiles,), xp.int32), i - ends[t] + nch[t]])
+    b, n = blocks[it_t], nch[it_t]
+    b0 = it_c * (b // n) + it_c * (b % n) // n  # floor(c b / n), c b itself could pass int32
+    b1 = (it_c + 1) * (b // n) + (it_c + 1) * (b % n) // n
+    items = xp.stack([it_t, row0[it_t] + b0 * block_m, b1 - b0, xp.where(n > 1, base[it_t] + it_c, -1)],
+                     axis=1).astype(xp.int32)
+    # where each item goes: program p's dealt tiles, then its later chunks (rank r's: the chunks r, r + P, ...); the
+    # later chunks go to the programs with the fewest dealt rows first (rank: a compare, not a sort)
+    ndealt = np.diff(starts).astype(np.int32)
+    prog = np.repeat(np.arange(programs, dtype=np.int32), ndealt)
+    loads = _scatter(xp, xp.zeros((programs,), xp.int32), prog, items[:n_tiles, 2], add=True)
+    q = xp.arange(programs, dtype=xp.int32)
+    rank = xp.sum((loads[None, :] < loads[:, None]) | ((loads[None, :] == loads[:, None]) & (q[None, :] < q[:, None])),
+                  axis=1).astype(xp.int32)
+    count = ndealt + n_extra // programs + (rank < n_extra % programs).astype(xp.int32)
+    off = xp.cumsum(count).astype(xp.int32) - count
+    by_rank = _scatter(xp, xp.zeros((programs,), xp.int32), rank, q)[i % programs]  # the program of later chunk i
+    later = xp.where(i < n_extra, off[by_rank] + xp.asarray(ndealt)[by_rank] + i // programs, n_tiles + cap)
+    dest = xp.concatenate([off[prog] + np.arange(n_tiles, dtype=np.int32) - starts[prog], later])
+    out = _scatter(xp, xp.zeros((n_tiles + cap, 4), xp.int32), dest, items)
+    at = xp.where(nch > 1, xp.cumsum(nch > 1) - 1, cap)  # the split tiles listed (at most cap: each has a chunk)
+    listed = _scatter(xp, xp.tile(xp.asarray([-1, 0, 0], xp.int32), (cap, 1)), at,
+                      xp.stack([xp.arange(n_tiles, dtype=xp.int32), base, nch], axis=1))
+    return xp.concatenate([off, off[-1:] + count[-1:], out.reshape(-1), listed.reshape(-1)]).astype(xp.int32)
 
-    perm, starts = deal_schedule(num_tiles, heads, programs, deal)
-    return torch.as_tensor(perm, device=device), torch.as_tensor(starts, device=device)
+
+def _scatter(xp, target, idx, values, add: bool = False):
+    """target with values added (add) or set at idx along its first axis; set drops indexes past its end."""
+    if xp is not np:
+        return target.at[idx].add(values) if add else target.at[idx].set(values, mode="drop")
+    target = target.copy()
+    if add:
+        np.add.at(target, idx, values)
+    else:
+        keep = idx < target.shape[0]
+        target[idx[keep]] = values[keep]
+    return target
 
 
 def tile_schedule_torch(pk, tiles_per_group: int, heads: int, programs: int, block_m: int, pack_block: int,
                         deal: bool = True):
-    """The schedule array the dW / backward kernels read (int32, torch; the layout above) for a packing `pk`
-    (`kernels.torch.experts.TorchPacking`: its group sizes, row blocks of pack_block rows and first blocks), equal to
-    the JAX binding's `tile_schedule`. Groups are head-major (G = heads x experts); each head's sorted by row blocks,
-    largest first (stable), a group's tiles side by side; deal=False: the tiles in group order, strided over the
-    programs (comparisons)."""
+    """`tile_schedule` for the torch launchers: built in numpy from a packing `pk` (`kernels.torch.experts.
+    TorchPacking`: its group sizes, row blocks of pack_block rows and first blocks; the torch paths may synchronise),
+    returned as an int32 tensor on the packing's device."""
     import torch
 
     check_schedule_args(pk.group_nblocks.shape[0], tiles_per_group, heads, programs, pk.row_slot.shape[0])
-    dev = pk.group_nblocks.device
-    nb = pk.group_nblocks.long().reshape(heads, -1)
-    go = torch.argsort(-nb, dim=1, stable=True) if deal else torch.arange(nb.shape[1], device=dev).expand_as(nb)
-    go = go + torch.arange(heads, device=dev)[:, None] * nb.shape[1]
-    tiles = (go.reshape(-1, 1) * tiles_per_group + torch.arange(tiles_per_group, device=dev)).reshape(-1)
-    perm, starts = _deal_schedule_torch(tiles.numel(), heads, programs, str(dev), deal)
-    T, cap = tiles.numel(), EXTRA_CHUNKS_PER_PROGRAM * programs
-    blocks = torch.repeat_interleave((pk.group_sizes.long() + block_m - 1) // block_m, tiles_per_group)
-    row0 = torch.repeat_interleave(pk.group_block_start.long() * pack_block, tiles_per_group)
-    chunk = torch.clamp(-(-blocks.sum() // cap), min=1)
-    nch = torch.clamp(-(-blocks // chunk), min=1)
-    split = torch.where(nch > 1, nch, 0)
-    base = torch.cumsum(split, 0) - split  # each split tile's first slot
-    ends = torch.cumsum(nch - 1, 0)  # the chunks after the first, tile by tile
-    n_extra = ends[-1]
-    i = torch.arange(cap, device=dev)
-    t = torch.clamp(torch.searchsorted(ends, i, right=True), max=T - 1)  # the tile of later chunk i
-    it_t = torch.cat([tiles[perm], t])  # the dealt tiles (chunk 0), then the later chunks
-    it_c = torch.cat([torch.zeros(T, dtype=torch.long, device=dev), i - ends[t] + nch[t]])
-    b, n = blocks[it_t], nch[it_t]
-    b0 = it_c * (b // n) + it_c * (b % n) // n  # floor(c b / n), c b itself could pass int32
-    b1 = (it_c + 1) * (b // n) + (it_c + 1) * (b % n) // n
-    items = torch.stack([it_t, row0[it_t] + b0 * block_m, b1 - b0,
-                         torch.where(n > 1, base[it_t] + it_c, -1)], 1)
-    # where each item goes: program p's dealt tiles, then its later chunks (rank r's: the chunks r, r + P, ...)
-    ndealt = torch.diff(starts)
-    prog = torch.repeat_interleave(torch.arange(programs, device=dev), ndealt)
-    loads = torch.zeros(programs, dtype=torch.long, device=dev).index_add_(0, prog, items[:T, 2])
-    q = torch.arange(programs, device=dev)
-    rank = ((loads[None, :] < loads[:, None]) | ((loads[None, :] == loads[:, None]) & (q[None, :] < q[:, None]))).sum(1)
-    count = ndealt + n_extra // programs + (rank < n_extra % programs).long()
-    off = torch.cumsum(count, 0) - count
-    by_rank = torch.empty_like(rank).scatter_(0, rank, q)[i % programs]  # the program of later chunk i
-    dest = torch.cat([off[prog] + torch.arange(T, device=dev) - starts[prog],
-                      torch.where(i < n_extra, off[by_rank] + ndealt[by_rank] + i // programs, T + cap)])
-    out = torch.zeros((T + cap + 1, 4), dtype=torch.long, device=dev)
-    out[dest] = items
-    at = torch.where(nch > 1, torch.cumsum((nch > 1).long(), 0) - 1, cap)
-    listed = torch.tensor([-1, 0, 0], device=dev).repeat(cap + 1, 1)
-    listed[at] = torch.stack([torch.arange(T, device=dev), base, nch], 1)
-    return torch.cat([off, off[-1:] + count[-1:], out[:T + cap].reshape(-1), listed[:cap].reshape(-1)]).to(torch.int32)
+    groups = (t.cpu().numpy().astype(np.int32) for t in (pk.group_sizes, pk.group_nblocks, pk.group_block_start))
+    sched = tile_schedule(np, *groups, tiles_per_group, heads, programs, block_m, pack_block, deal)
+    return torch.as_tensor(sched, device=pk.group_nblocks.device)

@@ -12,16 +12,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from kernels.gluon import schedule
 from kernels.gluon.experts_bwd import dw_ws_constexprs, gluon_expert_dw_ws_kernel
 from kernels.gluon.experts_bwd_fused import bwd_kernel
 from kernels.gluon.experts_fwd import fwd_constexprs, gluon_expert_fwd_ws_kernel
-from kernels.gluon.schedule import (
-    EXTRA_CHUNKS_PER_PROGRAM,
-    check_schedule_args,
-    deal_schedule,
-)
+from kernels.gluon.schedule import EXTRA_CHUNKS_PER_PROGRAM, check_schedule_args
 from kernels.triton.dw_chunks import dw_chunks_constexprs, dw_chunks_kernel, partial_shape
 from kernels.triton.experts import (
     expert_dw_kernel,
@@ -55,56 +51,11 @@ def _persistent_programs(work_items: int) -> int:
 
 
 def tile_schedule(packing: Packing, tiles_per_group: int, heads: int, programs: int, block_m: int, pack_block: int):
-    """The schedule array the persistent dW / backward kernels read (`kernels.gluon.schedule`, which describes its
-    layout): the (group, 128 de) tiles dealt over the programs (`deal_schedule`: head-major, each head's groups
-    largest first, so that the programs' rows even out), each tile's first chunk of row blocks; then the other
-    chunks of the tiles longer than a chunk, each program's share of them in the order of its dealt rows, fewest
-    first; every item as the kernels take it (tile, first row, row blocks, slot). `programs` must be the launch grid
-    (1 to G * tiles_per_group). `kernels.gluon.schedule.tile_schedule_torch` is the same for the torch launchers."""
+    """The schedule array the persistent dW / backward kernels read (`kernels.gluon.schedule.tile_schedule`, which
+    describes it) for `packing`, traced. `programs` must be the launch grid (1 to G * tiles_per_group)."""
     check_schedule_args(packing.group_nblocks.shape[0], tiles_per_group, heads, programs, packing.row_slot.shape[0])
-    nb = packing.group_nblocks.reshape(heads, -1)
-    go = jnp.argsort(-nb, axis=1, stable=True).astype(jnp.int32) + \
-        (jnp.arange(heads, dtype=jnp.int32) * nb.shape[1])[:, None]
-    tiles = (go.reshape(-1, 1) * tiles_per_group + jnp.arange(tiles_per_group, dtype=jnp.int32)).reshape(-1)
-    perm, starts = deal_schedule(tiles.shape[0], heads, programs)
-    n_tiles, cap = tiles.shape[0], EXTRA_CHUNKS_PER_PROGRAM * programs
-    # chunks: a tile's row blocks in nch equal parts, the chunk such that the chunks after the first fit their list
-    blocks = jnp.repeat((packing.group_sizes + block_m - 1) // block_m, tiles_per_group).astype(jnp.int32)
-    row0 = jnp.repeat(packing.group_block_start * pack_block, tiles_per_group).astype(jnp.int32)
-    chunk = jnp.maximum(1, -(-jnp.sum(blocks) // cap)).astype(jnp.int32)
-    nch = jnp.maximum(1, -(-blocks // chunk))
-    split = jnp.where(nch > 1, nch, 0)
-    base = (jnp.cumsum(split) - split).astype(jnp.int32)  # each split tile's first slot
-    ends = jnp.cumsum(nch - 1).astype(jnp.int32)  # the chunks after the first, tile by tile
-    n_extra = ends[-1]
-    i = jnp.arange(cap, dtype=jnp.int32)
-    t = jnp.searchsorted(ends, i, side="right", method="compare_all").astype(jnp.int32)  # the tile of later chunk i
-    t = jnp.minimum(t, n_tiles - 1)
-    it_t = jnp.concatenate([tiles[perm], t])  # the dealt tiles (chunk 0), then the later chunks
-    it_c = jnp.concatenate([jnp.zeros((n_tiles,), jnp.int32), i - ends[t] + nch[t]])
-    b, n = blocks[it_t], nch[it_t]
-    b0 = it_c * (b // n) + it_c * (b % n) // n  # floor(c b / n), c b itself could pass int32
-    b1 = (it_c + 1) * (b // n) + (it_c + 1) * (b % n) // n
-    items = jnp.stack([it_t, row0[it_t] + b0 * block_m, b1 - b0,
-                       jnp.where(n > 1, base[it_t] + it_c, -1)], axis=1).astype(jnp.int32)
-    # where each item goes: program p's dealt tiles, then its later chunks (rank r's: the chunks r, r + P, ...); the
-    # later chunks go to the programs with the fewest dealt rows first (rank: a compare, not a sort)
-    ndealt = np.diff(starts)
-    prog = np.repeat(np.arange(programs, dtype=np.int32), ndealt)
-    loads = jnp.zeros((programs,), jnp.int32).at[prog].add(items[:n_tiles, 2])
-    q = jnp.arange(programs, dtype=jnp.int32)
-    rank = jnp.sum((loads[None, :] < loads[:, None]) | ((loads[None, :] == loads[:, None]) & (q[None, :] < q[:, None])),
-                   axis=1, dtype=jnp.int32)
-    count = ndealt + n_extra // programs + (rank < n_extra % programs).astype(jnp.int32)
-    off = jnp.cumsum(count) - count
-    by_rank = jnp.zeros((programs,), jnp.int32).at[rank].set(q)[i % programs]  # the program of later chunk i
-    later = jnp.where(i < n_extra, off[by_rank] + jnp.asarray(ndealt)[by_rank] + i // programs, n_tiles + cap)
-    dest = jnp.concatenate([off[prog] + np.arange(n_tiles) - starts[prog], later])
-    out = jnp.zeros((n_tiles + cap, 4), jnp.int32).at[dest].set(items, mode="drop")
-    at = jnp.where(nch > 1, jnp.cumsum(nch > 1) - 1, cap)  # the split tiles listed (at most cap: each has a chunk)
-    listed = jnp.tile(jnp.array([-1, 0, 0], jnp.int32), (cap, 1)).at[at].set(
-        jnp.stack([jnp.arange(n_tiles, dtype=jnp.int32), base, nch.astype(jnp.int32)], axis=1), mode="drop")
-    return jnp.concatenate([off, off[-1:] + count[-1:], out.reshape(-1), listed.reshape(-1)]).astype(jnp.int32)
+    return schedule.tile_schedule(jnp, packing.group_sizes, packing.group_nblocks, packing.group_block_start,
+                                  tiles_per_group, heads, programs, block_m, pack_block)
 
 
 # ------------------------------------------------------------------------------------------------ forward
