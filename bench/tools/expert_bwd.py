@@ -1,14 +1,16 @@
 """The Gluon expert backward alone at the train step's shape: each kernel's device time per call, accumulating into
-fp32 gradient sums (as the train step's micro-batches do) or not, on random or collapsed routing.
+fp32 gradient sums (as the train step's micro-batches do) or not, on random, skewed or collapsed routing.
 
-    python -m bench.tools.expert_bwd [--tokens 16384] [--ne 384] [--k 4] [--de 256] [--routing random collapsed]
+    python -m bench.tools.expert_bwd [--tokens 16384] [--ne 384] [--k 4] [--de 256] [--routing random zipf collapsed]
                                      [--accum on off] [--form auto ws xw] [--calls 20] [--reps 3] [--out FILE]
 
 The kernels are launched from torch (`kernels.torch.experts.gluon_experts_bwd_ws`), 8 heads x dh 128, bf16 x / dy /
 W1 / W2, fp32 gates and dW. --form: the kernel with the dX warp group (xw), without (ws), or the one the JAX binding
 picks at this shape (auto: `kernels.tuning.default_config`'s bwd_xw; ws at the 2.2B step's 16384 tokens). Routing
 random: each row's top k of random scores; collapsed: every token on the same k experts of each head (the benchmark
-step's routing after its first steps, docs/performance.md). Per case one JSON line: `ms`, each kernel's device time
+step's routing after its first steps, docs/performance.md); zipf: each head's experts ranked at random, a row's k
+drawn without replacement with weight 1 / rank (a head's largest group ~48x the mean; the step's routing near its
+initial state: 14-57x). Per case one JSON line: `ms`, each kernel's device time
 per call (torch.profiler over `calls` calls, the median of `reps` such traces, all of them in `runs`; the schedule's
 few torch ops left out).
 """
@@ -33,6 +35,10 @@ def inputs(tokens: int, ne: int, k: int, de: int, routing: str, seed: int = 0):
     w2 = (0.05 * torch.randn(NH * ne, de, DH, device="cuda", generator=g)).bfloat16()
     if routing == "random":
         idx = torch.rand(tokens, NH, ne, device="cuda", generator=g).topk(k, dim=2).indices
+    elif routing == "zipf":  # k draws without replacement (Gumbel top-k), expert of rank r (per head) ~ 1 / r
+        rank = torch.stack([torch.randperm(ne, device="cuda", generator=g) for _ in range(NH)]) + 1
+        gumbel = -torch.log(-torch.log(torch.rand(tokens, NH, ne, device="cuda", generator=g).clamp_min(1e-20)))
+        idx = (gumbel - torch.log(rank.float())[None]).topk(k, dim=2).indices
     else:
         same = torch.stack([torch.randperm(ne, device="cuda", generator=g)[:k] for _ in range(NH)])
         idx = same[None].expand(tokens, NH, k)
@@ -88,7 +94,7 @@ def main() -> None:
     ap.add_argument("--ne", type=int, default=384)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--de", type=int, default=256)
-    ap.add_argument("--routing", nargs="+", choices=["random", "collapsed"], default=["random", "collapsed"])
+    ap.add_argument("--routing", nargs="+", choices=["random", "zipf", "collapsed"], default=["random", "collapsed"])
     ap.add_argument("--accum", nargs="+", choices=["on", "off"], default=["on", "off"])
     ap.add_argument("--form", nargs="+", choices=["auto", "ws", "xw"], default=["auto"])
     ap.add_argument("--calls", type=int, default=20)
