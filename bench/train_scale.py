@@ -24,7 +24,8 @@ warmup_steps=1 runs every step at the peak LR, so the loss check covers the upda
 forward (with the paper's 8000-step warmup the first steps barely move the weights). The batch does not
 change the work per token; the peak LR does in the MoE layers: their routing collapses onto a few experts
 within a few steps (`routing`, and the table's empty groups), where the expert backward skips most tiles.
-`--set schedule.warmup_steps=8000` keeps the configs' schedule: routing near its initial state.
+`--set schedule.warmup_steps=8000` keeps the configs' schedule: the weights barely move, while the balancing bias
+(its step not scaled by the warmup) evens the loads.
 
 Per run, one JSON line (to stdout, and appended to --out): mesh, batch, per-step losses and times,
 the median step time over the steps after --warmup (each step closed by block_until_ready; the

@@ -9,10 +9,10 @@ W1 / W2, fp32 gates and dW. --form: the kernel with the dX warp group (xw), with
 picks at this shape (auto: `kernels.tuning.default_config`'s bwd_xw; ws at the 2.2B step's 16384 tokens). Routing
 random: each row's top k of random scores; collapsed: every token on the same k experts of each head (the benchmark
 step's routing after its first steps, docs/performance.md); zipf: each head's experts ranked at random, a row's k
-drawn without replacement with weight 1 / rank (a head's largest group ~48x the mean; the step's routing near its
-initial state: 14-57x). Per case one JSON line: `ms`, each kernel's device time
-per call (torch.profiler over `calls` calls, the median of `reps` such traces, all of them in `runs`; the schedule's
-few torch ops left out).
+drawn without replacement with weight 1 / rank (at Ne 384, k 4 a head's largest group holds ~48x the mean, within the
+2.2B step's 22-74x on the configs' schedule). Per case one JSON line: `ms`, each kernel's device time per call
+(torch.profiler over `calls` calls, the median of `reps` such traces, all of them in `runs`; the schedule's few torch
+ops left out).
 """
 
 from __future__ import annotations
