@@ -130,7 +130,8 @@ DW_WS_MAX_PACK = 64
 # Largest de where the Gluon backward (one partial dX row per 128 de) replaces the split one (measured at 256 only).
 BWD_WS_WIDE_MAX_DE = 256
 # Fewest routed slots where the Gluon backward runs with its dX warp group: level or ahead from 81920 tokens of the
-# layer table on, behind at 8192.
+# layer table on, behind at 8192; at the 2.2B step's 16384 tokens 3% behind on random routing, level on skewed
+# (ahead only on collapsed routing: bench.tools.expert_bwd).
 BWD_XW_MIN_SLOTS = 1 << 21
 # Fewest mean rows per group where the packing block is 64 (32 below): at a mean of ~43 most groups take two 32-row
 # blocks anyway, so the padding barely grows while the blocks halve.
