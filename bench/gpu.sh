@@ -4,7 +4,9 @@
 # Suites:
 #   tests-1 .. tests-4  the GPU tests (`pytest -m gpu`), split into four sets of test files that each finish in under
 #                       ~8 minutes on one H200; together they are the whole GPU suite (tests/parallel needs 2+ GPUs
-#                       and skips on one). `tests` runs all four.
+#                       and skips on one). `tests` runs all four, one after the other.
+#   tests-at-once       tests-1, tests-2 and tests-3 as three processes at once (they share the GPU; tests-4, whose
+#                       memory tests fill the GPU, runs on its own)
 #   layer               bench.layer at 8192 and 81920 tokens (the layer table)
 #   layer-collapsed     bench.layer at 16384 tokens (the 2.2B step's micro-batch) with every token on the same k
 #                       experts of each head, as the step's routing is after its first steps (the expert backward's
@@ -60,6 +62,7 @@ stage() {  # stage NAME CMD...: run CMD under the time limit into $OUT/NAME.log,
     echo "=== [$(( $(date +%s) - t0 )) s] $name (limit $LIMIT s): $*" | tee -a "$LOG"
     timeout -k 10 "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
+    echo "$rc" > "$OUT/$name.rc"
     tail -n 25 "$OUT/$name.log" | tee -a "$LOG"
     { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && echo "=== $name timed out after $LIMIT s" | tee -a "$LOG"
     echo "=== $name rc=$rc" | tee -a "$LOG"
@@ -80,6 +83,11 @@ for suite in "$@"; do
         tests-3) tests tests-3 $TESTS_3 ;;
         tests-4) tests tests-4 $TESTS_4 ;;
         tests) for i in 1 2 3 4; do v="TESTS_$i"; tests "tests-$i" ${!v}; done ;;
+        tests-at-once)
+            # each in a subshell of its own (its `failed` is lost there: read back from its .rc file)
+            for i in 1 2 3; do v="TESTS_$i"; tests "tests-$i" ${!v} & done
+            wait
+            for i in 1 2 3; do [ "$(cat "$OUT/tests-$i.rc" 2>/dev/null)" = 0 ] || failed+=("tests-$i"); done ;;
         layer) stage layer python3 -m bench.layer --tokens 8192 81920 --out "$OUT/layer.jsonl" ;;
         layer-collapsed)
             stage layer-collapsed python3 -m bench.layer --tokens 16384 --routing collapsed \
