@@ -345,8 +345,8 @@ def gluon_expert_dw_ws_kernel(
     x_ptr, dy_ptr, gates_ptr, row_slot_ptr, sched_ptr, w1_ptr,
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: see ACCUM)
     dw1_ptr, dw2_ptr, part_ptr,  # outputs (G, DH, DE), (G, DE, DH), split tiles' partials (S, DH * DE + 128 * DH)
-    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
-    BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
+    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr,
+    FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACCUM: gl.constexpr,
 ):
     """Warp-specialised persistent weight gradients (dW1, dW2 of `expert_dwt_kernel`): tiles (group, 128 de) as
@@ -389,5 +389,5 @@ def dw_ws_constexprs(k: int, dh: int, de: int, pack_block: int, stages: int = GL
         raise ValueError(f"warp-specialised {kernel}: dh={dh}, de={de}, pack_block={pack_block}, block_m={block_m}; "
                          f"expected dh 128, de a multiple of 128 and packing blocks of at least {GLUON_DW_BLOCK_M} "
                          "rows, a multiple of block_m")
-    return dict(K=k, DH=dh, DE=de, PACK_BLOCK=pack_block, BLOCK_M=block_m, NST=stages, WB=wbuf,
+    return dict(K=k, DH=dh, DE=de, BLOCK_M=block_m, NST=stages, WB=wbuf,
                 FAST_TANH=True, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], ACCUM=bool(accum))

@@ -66,8 +66,8 @@ def gluon_expert_bwd_ws_kernel(
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: as `gluon_expert_dw_ws_kernel`'s, ACCUM)
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32,
     part_ptr,  # and the split tiles' partial sums (S, DH * DE + 128 * DH), dW's dtype (`kernels.gluon.schedule`)
-    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
-    BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
+    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr,
+    FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ACCUM: gl.constexpr,
 ):
     """The whole expert backward (`expert_dwt_kernel` with FUSE_DX and DGATES at DE == 128), warp-specialised:
@@ -146,8 +146,8 @@ def gluon_expert_bwd_xw_kernel(
     w2_ptr, acc1_ptr, acc2_ptr,  # inputs (acc1 / acc2: as `gluon_expert_dw_ws_kernel`'s, ACCUM)
     dw1_ptr, dw2_ptr, dx_ptr, dgate_ptr,  # outputs (G, DH, DE), (G, DE, DH), (P, DE / 128, DH), (P, DE / 128) fp32,
     part_ptr,  # and the split tiles' partial sums (S, DH * DE + 128 * DH), dW's dtype (`kernels.gluon.schedule`)
-    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, PACK_BLOCK: gl.constexpr,
-    BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr, FAST_TANH: gl.constexpr,
+    K: gl.constexpr, DH: gl.constexpr, DE: gl.constexpr, BLOCK_M: gl.constexpr, NST: gl.constexpr, WB: gl.constexpr,
+    FAST_TANH: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DX_REGS: gl.constexpr, HB: gl.constexpr,
     ACCUM: gl.constexpr,
 ):

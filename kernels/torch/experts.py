@@ -257,19 +257,19 @@ def gluon_experts_bwd_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, prog
                   torch.empty(w2.shape, dtype=dw_dtype, device=x.device),
                   torch.empty(p, de // 128, dh, dtype=x.dtype, device=x.device),
                   torch.empty(p, de // 128, dtype=torch.float32, device=x.device))
-    _launch_tiled(kernel, x, dy, gates, pk, w1, w2, out, consts, programs, heads, deal)
+    _launch_tiled(kernel, x, dy, gates, pk, w1, w2, out, consts, pack_block, programs, heads, deal)
     return out
 
 
-def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, programs: int | None, heads: int,
-                  deal: bool) -> None:
+def _launch_tiled(kernel, x, dy, gates, pk, w1, w2, outs, consts: dict, pack_block: int, programs: int | None,
+                  heads: int, deal: bool) -> None:
     """Launch a persistent dW / backward kernel from torch: one program per SM (or `programs`), at most one per
     (group, 128 de) tile, with `tile_schedule_torch`'s schedule for exactly that many programs; then the long tiles'
     extra chunks added into dW1 / dW2 (`kernels.triton.dw_chunks`)."""
     tiles_per_group = w1.shape[2] // 128
     tiles = w1.shape[0] * tiles_per_group
     programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count, tiles)
-    sched = tile_schedule_torch(pk, tiles_per_group, heads, programs, consts["BLOCK_M"], consts["PACK_BLOCK"], deal)
+    sched = tile_schedule_torch(pk, tiles_per_group, heads, programs, consts["BLOCK_M"], pack_block, deal)
     part = torch.empty(partial_shape(programs, x.shape[1], w1.shape[2]), dtype=outs[0].dtype, device=x.device)
     kernel[(programs,)](x.contiguous(), dy.contiguous(), gates.contiguous(), pk.row_slot, sched, w1.contiguous(),
                         w2.contiguous(), outs[0], outs[1],  # acc1, acc2
@@ -290,5 +290,6 @@ def gluon_experts_dw_ws(x, dy, gates, pk, w1, w2, k: int, pack_block: int, progr
     dw_dtype = dw_dtype or torch.float32
     dw1, dw2 = out or (torch.empty(w1.shape, dtype=dw_dtype, device=x.device),
                        torch.empty(w2.shape, dtype=dw_dtype, device=x.device))
-    _launch_tiled(gluon_expert_dw_ws_kernel, x, dy, gates, pk, w1, w2, (dw1, dw2), consts, programs, heads, deal)
+    _launch_tiled(gluon_expert_dw_ws_kernel, x, dy, gates, pk, w1, w2, (dw1, dw2), consts, pack_block, programs, heads,
+                  deal)
     return dw1, dw2

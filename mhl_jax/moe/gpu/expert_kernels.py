@@ -149,7 +149,8 @@ def backward_kernels(kernel: str, st: Static, xs, dys, gates, packing: Packing, 
     return dx, dw1, dw2, dgate_rows if dgates else None
 
 
-def _tiled_call(kernel, xs, dys, gates, packing: Packing, w1, w2, heads: int, out_shape, constexprs: dict, acc=None):
+def _tiled_call(kernel, xs, dys, gates, packing: Packing, w1, w2, heads: int, pack_block: int, out_shape,
+                constexprs: dict, acc=None):
     """A persistent dW / backward Gluon kernel over (group, 128 de) tiles: the launch grid (`_persistent_programs`)
     and the schedule dealt for exactly that many programs (`tile_schedule`), then the split tiles' chunks added
     into dW1 / dW2 (`kernels.triton.dw_chunks`). acc: (acc1, acc2) shaped and typed as the first two outputs (dW1,
@@ -158,7 +159,7 @@ def _tiled_call(kernel, xs, dys, gates, packing: Packing, w1, w2, heads: int, ou
     (_, dh), (g, _, de) = xs.shape, w1.shape
     tiles_per_group = de // 128
     programs = _persistent_programs(g * tiles_per_group)
-    sched = tile_schedule(packing, tiles_per_group, heads, programs, constexprs["BLOCK_M"], constexprs["PACK_BLOCK"])
+    sched = tile_schedule(packing, tiles_per_group, heads, programs, constexprs["BLOCK_M"], pack_block)
     # acc1, acc2 (after the 7 inputs) -> dW1, dW2 (their shapes checked by the public ops: `moe_heads_fused`)
     alias = {} if acc is None else {"input_output_aliases": {7: 0, 8: 1}}
     part = jax.ShapeDtypeStruct(partial_shape(programs, dh, de), out_shape[0].dtype)  # dW's dtype
@@ -182,7 +183,7 @@ def _add_chunks(sched, parts, dw1, dw2, programs: int, accum: bool):
 def _dw_gluon(st: Static, xs, dys, gates, packing: Packing, w1, w2, dw_dtype, heads: int, acc=None):
     """dW1, dW2 by the warp-specialised Gluon kernel: work items = (group, 128 de) tiles. acc: see `_tiled_call`."""
     (_, dh), (g, _, de) = xs.shape, w1.shape
-    return _tiled_call(gluon_expert_dw_ws_kernel, xs, dys, gates, packing, w1, w2, heads,
+    return _tiled_call(gluon_expert_dw_ws_kernel, xs, dys, gates, packing, w1, w2, heads, st.cfg.pack_block,
                        [jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype)],
                        dw_ws_constexprs(st.k, dh, de, st.cfg.pack_block, accum=acc is not None), acc)
 
@@ -194,7 +195,7 @@ def _bwd_gluon(st: Static, xs, dys, gates, packing: Packing, w1, w2, dw_dtype, h
     p, (_, dh), (g, _, de) = packing.row_slot.shape[0], xs.shape, w1.shape
     kernel, constexprs = bwd_kernel(xw)
     dw1, dw2, dx, dgate = _tiled_call(
-        kernel, xs, dys, gates, packing, w1, w2, heads,
+        kernel, xs, dys, gates, packing, w1, w2, heads, st.cfg.pack_block,
         [jax.ShapeDtypeStruct((g, dh, de), dw_dtype), jax.ShapeDtypeStruct((g, de, dh), dw_dtype),
          jax.ShapeDtypeStruct((p, de // 128 * dh), xs.dtype), jax.ShapeDtypeStruct((p, de // 128), jnp.float32)],
         dict(constexprs(st.k, dh, de, st.cfg.pack_block), ACCUM=acc is not None), acc)
