@@ -2,9 +2,10 @@
 # Runs test and benchmark suites on a GPU machine, from the repo root there:
 #     bash bench/gpu.sh SUITE...      e.g.  bash bench/gpu.sh tests-1      bash bench/gpu.sh layer train
 # Suites:
-#   tests-1 .. tests-4  the GPU tests (`pytest -m gpu`), split into four sets of test files that each finish in under
-#                       ~8 minutes on one H200; together they are the whole GPU suite (tests/parallel needs 2+ GPUs
-#                       and skips on one). `tests` runs all four, one after the other.
+#   tests-1 .. tests-5  the GPU tests (`pytest -m gpu`), split into five sets of test files that each finish in under
+#                       ~8 minutes on one H200; together they are the whole GPU suite. tests-5 is tests/parallel,
+#                       whose GPU tests need 2 GPUs (~6.5 minutes on two H200s) and skip on one. `tests` runs all
+#                       five, one after the other.
 #   tests-at-once       tests-1, tests-2 and tests-3 as three processes at once (they share the GPU; tests-4, whose
 #                       memory tests fill the GPU, runs on its own)
 #   layer               bench.layer at 8192 and 81920 tokens (the layer table)
@@ -46,10 +47,12 @@ TESTS_1="tests/kernels/test_experts_gpu.py tests/kernels/test_experts_kernel.py 
 TESTS_2="tests/kernels/test_router_kernel.py tests/kernels/test_router_gpu.py tests/kernels/test_router_binding.py
          tests/kernels/test_packing.py tests/kernels/test_combine.py tests/kernels/test_experts_grouped.py
          tests/kernels/test_kernels_in_model.py"
-TESTS_3="tests/e2e/test_gpu_train.py tests/e2e/test_infer.py tests/e2e/test_resume.py"
-# tests-4: every other file with GPU tests, so that the four suites are always the whole GPU suite
+TESTS_3="tests/e2e/test_gpu_train.py tests/e2e/test_infer.py tests/e2e/test_resume.py tests/unit/test_remat.py
+         tests/unit/test_wide_router.py"
+TESTS_5="tests/parallel/test_multiprocess.py tests/parallel/test_shard_optimizer.py"
+# tests-4: every other file with GPU tests, so that the five suites are always the whole GPU suite
 TESTS_4=$(grep -rl --include='test_*.py' 'mark.gpu' tests | sort | while read -r f; do
-    case " $(echo $TESTS_1 $TESTS_2 $TESTS_3) " in *" $f "*) ;; *) echo "$f" ;; esac
+    case " $(echo $TESTS_1 $TESTS_2 $TESTS_3 $TESTS_5) " in *" $f "*) ;; *) echo "$f" ;; esac
 done)
 
 LOG="$OUT/run.log"
@@ -82,7 +85,8 @@ for suite in "$@"; do
         tests-2) tests tests-2 $TESTS_2 ;;
         tests-3) tests tests-3 $TESTS_3 ;;
         tests-4) tests tests-4 $TESTS_4 ;;
-        tests) for i in 1 2 3 4; do v="TESTS_$i"; tests "tests-$i" ${!v}; done ;;
+        tests-5) tests tests-5 $TESTS_5 ;;
+        tests) for i in 1 2 3 4 5; do v="TESTS_$i"; tests "tests-$i" ${!v}; done ;;
         tests-at-once)
             # each in a subshell of its own (its `failed` is lost there: read back from its .rc file)
             for i in 1 2 3; do v="TESTS_$i"; tests "tests-$i" ${!v} & done
