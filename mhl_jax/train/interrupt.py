@@ -6,6 +6,8 @@ the loop finishes the step in flight, saves a checkpoint of it synchronously (wh
 it) and raises `Interrupted`, whose message train.py prints before it exits with EXIT_INTERRUPTED. A second signal
 means now: the process exits at once with status 128 + its number, without saving and without a traceback; the last
 complete checkpoint stays intact, since Orbax writes each one into a temporary directory and renames it when done.
+The same signal again within DUPLICATE_WINDOW_S of the first is the same request, not a second one: GNU `timeout`
+(and some schedulers) signal the process and then its process group, so one request can arrive twice at once.
 
 The second signal is seen by a thread reading Python's signal wakeup file descriptor, which the interpreter writes
 as the signal arrives: a Python handler runs only once the main thread executes bytecode again, which it does not
@@ -22,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 from mhl_jax.runtime.checkpoint import Checkpointer
 from mhl_jax.runtime.distributed import gather_flags
@@ -29,6 +32,9 @@ from mhl_jax.runtime.errors import CheckpointSaveError
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 SIGNALLED, SAVE_FAILED = 1, 2  # the flags a process contributes to `Stopping.poll`
+# a repeat of the first signal this soon is its echo (sent to the process and to its group); a person pressing Ctrl-C
+# twice to mean "now" is slower than this, and a third press still stops at once
+DUPLICATE_WINDOW_S = 0.5
 
 
 class Interrupted(Exception):
@@ -46,13 +52,14 @@ def _noop(signum, frame) -> None:
 
 class PreemptionSignals:
     """While the `with` block runs, SIGTERM, SIGINT and SIGUSR1 request a stop (`requested`: the first one's name,
-    else None) and a second one ends the process at once; the previous handlers (and wakeup descriptor) are put back
-    when it ends. Python delivers signals to the main thread only: from another thread nothing is installed, and
-    `log` says so."""
+    else None) and a second one ends the process at once (the first one's duplicate does not); the previous handlers
+    (and wakeup descriptor) are put back when it ends. Python delivers signals to the main thread only: from another
+    thread nothing is installed, and `log` says so."""
 
     def __init__(self, log) -> None:
         self.log = log
         self.requested: str | None = None
+        self._first_at = 0.0
         self._previous: dict = {}
         self._wakeup = -1
         self._write = None
@@ -73,21 +80,25 @@ class PreemptionSignals:
         return self
 
     def _watch(self, read: int) -> None:
-        """The wakeup descriptor's reader: the first of SIGNALS requests the stop, the next one exits."""
+        """The wakeup descriptor's reader: the first of SIGNALS requests the stop, a second one exits."""
         try:
             while data := os.read(read, 64):
                 for signum in data:
-                    if signum not in SIGNALS:
-                        continue
-                    name = signal.Signals(signum).name
-                    if self.requested is None:
-                        self.requested = name
-                        continue
-                    os.write(2, f"second signal ({name}) after {self.requested}: stopping now, without saving; the "
-                                "last complete checkpoint is intact\n".encode())
-                    os._exit(128 + signum)
+                    if signum in SIGNALS and self.second(signum, time.monotonic()):
+                        os.write(2, f"second signal ({signal.Signals(signum).name}) after {self.requested}: stopping "
+                                    "now, without saving; checkpoints saved before are intact\n".encode())
+                        os._exit(128 + signum)
         finally:
             os.close(read)
+
+    def second(self, signum: int, now: float) -> bool:
+        """Records signal `signum` seen at `now` (time.monotonic()): True when it is a second request, False when it
+        is the first or the first one's duplicate."""
+        name = signal.Signals(signum).name
+        if self.requested is None:
+            self.requested, self._first_at = name, now
+            return False
+        return not (name == self.requested and now - self._first_at < DUPLICATE_WINDOW_S)
 
     def __exit__(self, *exc) -> None:
         if self._watcher is None:

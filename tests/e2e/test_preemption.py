@@ -129,8 +129,8 @@ def test_signals_stop_with_a_checkpoint_and_the_relaunches_resume_exactly(tmp_pa
     r = signalled(run, f"step {second + 6}/", [signal.SIGTERM, signal.SIGINT], *every)
     assert f"resumed from step {second}" in r.stdout
     assert r.returncode == 128 + signal.SIGINT, r.stderr[-3000:]
-    assert r.stderr == ("second signal (SIGINT) after SIGTERM: stopping now, without saving; the last complete "
-                        "checkpoint is intact\n")
+    assert r.stderr == ("second signal (SIGINT) after SIGTERM: stopping now, without saving; checkpoints saved "
+                        "before are intact\n")
     r = again(run, *every)
     assert "resumed from step" in r.stdout
     assert_same_run(run, reference)
@@ -162,6 +162,27 @@ def test_handlers_are_put_back_and_a_signal_is_seen(tmp_path):
                                                                        "parallel.devices=1"])
     assert train(cfg, stop_after=0, log=lambda *a: None) == []  # set up, nothing to train: the handlers came and went
     assert {s: signal.getsignal(s) for s in interrupt.SIGNALS} == before
+
+
+def test_the_first_signal_repeated_at_once_is_one_request():
+    """GNU `timeout` signals the process and then its process group: one request arriving twice at once must not be
+    taken for the second signal, which exits without saving. A real process delivers SIGTERM to itself twice (each
+    os.kill to oneself is delivered before it returns, so the two are not merged into one pending signal)."""
+    code = ("import os, signal, time\n"
+            "from mhl_jax.train.interrupt import PreemptionSignals\n"
+            "with PreemptionSignals(print) as s:\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(0.2)\n"
+            "    print('requested', s.requested)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "requested SIGTERM\n", ""), r.stderr[-3000:]
+
+    signals, window = PreemptionSignals(print), interrupt.DUPLICATE_WINDOW_S
+    assert not signals.second(signal.SIGTERM, 100.0) and signals.requested == "SIGTERM"
+    assert not signals.second(signal.SIGTERM, 100.0 + window / 2)  # its echo
+    assert signals.second(signal.SIGINT, 100.0 + window / 2)  # another signal: a second request
+    assert signals.second(signal.SIGTERM, 100.0 + window)  # the same one, later: a second request
 
 
 def test_train_from_another_thread_says_signals_are_not_caught(tmp_path):
