@@ -68,11 +68,24 @@ STATE, META, DATA = "state", "meta", "data"
 FORMAT = 1  # version of the layout above
 
 
+# the FFN keys each kind builds its layers from (mhl_jax/model/gpt.py make_ffn): a key the kind ignores must not
+# refuse a resume, nor crowd the keys that differ out of a mismatch's message
+_FFN_KEYS = {
+    "mlp": ("hidden", "stem_layers", "stem_hidden"),
+    "moe": ("stem_layers", "stem_hidden", "num_experts", "top_k", "expert_hidden"),
+    "latent_moe": ("stem_layers", "stem_hidden", "num_experts", "top_k", "expert_hidden", "latent_dim"),
+    "mh_latent_moe": ("stem_layers", "stem_hidden", "num_experts", "top_k", "expert_hidden", "latent_dim",
+                      "num_heads", "head_dim", "routing_tokens"),
+}
+
+
 def model_fingerprint(cfg: Config) -> dict:
-    """What a checkpoint must agree on to be restored into this run: the model and FFN config, less the settings
-    that change how it runs (kernels, attention implementation, compute dtype, remat) or trains (balance_gamma)."""
+    """What a checkpoint must agree on to be restored into this run: the model config and the FFN keys of its kind,
+    less the settings that change how it runs (kernels, attention implementation, compute dtype, remat) or trains
+    (balance_gamma). A checkpoint's fingerprint is compared on these keys only (`check_meta`), so one written with
+    more keys still restores."""
     d = config_to_dict(cfg)
-    ffn = {k: v for k, v in d["ffn"].items() if k not in ("kernels", "balance_gamma")}
+    ffn = {k: d["ffn"][k] for k in ("kind",) + _FFN_KEYS[cfg.ffn.kind]}
     model = {k: v for k, v in d["model"].items() if k not in ("attention_impl", "compute_dtype", "remat")}
     return {"model": model, "ffn": ffn}
 
@@ -388,6 +401,17 @@ class Checkpointer:
                                     "that a save writes")
         check_meta(meta, FORMAT, self.fingerprint, named, where, partial=partial)
         return named, treedef, meta
+
+    def check_restorable(self, template: PyTree, path: str | Path | None = None) -> int:
+        """The step `restore(template, path=path)` would restore, its meta item checked against `template` and this
+        run's fingerprint (CheckpointError naming what differs) without reading an array: what `train.py --check`
+        can promise. A damaged checkpoint is not refused here: restoring handles it (checkpoint.on_damage)."""
+        directory, step = self._locate(None, path)
+        try:
+            self._checked(template, directory, step, partial=False)
+        except DamagedCheckpoint:
+            pass
+        return step
 
     def restore_parts(self, template: dict, step: int | None = None, path: str | Path | None = None,
                       warn: Callable[[str], None] | None = None) -> tuple[int, dict]:

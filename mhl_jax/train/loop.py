@@ -247,8 +247,8 @@ def _find_start(run: Run, ckpt: Checkpointer, check: bool, notes: dict) -> tuple
                                   f"{run.cfg.logging.run_dir!r}, which already holds later checkpoints (steps "
                                   f"{later}): this run's checkpoints and metrics would collide with them; resume into "
                                   "another logging.run_dir, or delete those step directories first")
-        if check:
-            return True, step, None
+        if check:  # refused now if the restore would refuse it (another model config, another state layout)
+            return True, ckpt.check_restorable(run.abstract, path=run.resume), None
         notes["phase"] = "restoring the checkpoint"
         start, state = ckpt.restore(run.abstract, run.loader, path=run.resume)
         run.log(f"resumed from step {start} ({run.resume or ckpt.directory})")

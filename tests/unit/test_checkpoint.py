@@ -1,6 +1,7 @@
 """Checkpoints (issue 3): bitwise save/restore of a training-state pytree and the Grain iterator,
 keep-last-N, explicit paths, fingerprint and layout errors, and atomicity under SIGKILL."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -14,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
-from mhl_jax.config import CheckpointConfig, DataConfig
+from mhl_jax.config import CheckpointConfig, ConfigError, DataConfig, load_config
 from mhl_jax.data import make_train_loader
-from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError
+from mhl_jax.model.gpt import GPT
+from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError, model_fingerprint
 from mhl_jax.runtime.orbax_quiet import quiet_failed_reads
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,6 +129,58 @@ def test_keep_last_n_steps_and_explicit_paths(tmp_path):
         ck.restore(make_state(0), loader())
     ck.close()
     other.close()
+
+
+def test_fingerprint_is_compared_on_the_restoring_runs_keys(tmp_path):
+    """A checkpoint whose fingerprint holds a key this run's leaves out (an FFN key of no use to its kind) restores;
+    one that differs on a key the run holds, or lacks it, is refused naming the key."""
+    extra = {"model": FP["model"], "ffn": {**FP["ffn"], "head_dim": 128}}
+    with Checkpointer(tmp_path / "ck", CheckpointConfig(async_save=False), extra) as ck:
+        ck.save(1, make_state(1), None)
+    with Checkpointer(tmp_path / "ck", CheckpointConfig(), FP) as ck:
+        assert_bitwise(ck.restore(make_state(0), None)[1], make_state(1))
+        assert ck.check_restorable(make_state(0)) == 1
+    for other, named in (({"model": FP["model"], "ffn": {**FP["ffn"], "top_k": 4}}, "ffn.top_k: checkpoint 2, "
+                          "this run 4"), ({**FP, "new": {"key": 1}}, "new.key: checkpoint '<absent>', this run 1")):
+        with Checkpointer(tmp_path / "ck", CheckpointConfig(), other) as ck:
+            for call in (lambda: ck.restore(make_state(0), None), lambda: ck.check_restorable(make_state(0))):
+                with pytest.raises(CheckpointError, match=f"different model config \\({named}\\)"):
+                    call()
+
+
+@pytest.mark.parametrize("name", ["tiny_mlp", "tiny_moe", "tiny_latent_moe", "tiny_mh_latent_moe"])
+def test_fingerprint_leaves_out_only_ffn_keys_the_kind_ignores(name):
+    """Each FFN key the fingerprint of a kind leaves out (its kernels and balance_gamma aside) changes neither the
+    fingerprint nor the model's parameters; each key it holds changes the fingerprint. (A key a kind came to build
+    from, left out of checkpoint._FFN_KEYS, would change the parameters here.)"""
+    path = str(ROOT / "configs" / f"{name}.yaml")
+
+    def build(*sets):
+        cfg = load_config(path, ["model.n_layers=3", "parallel.devices=1", *sets])
+        params = jax.eval_shape(lambda: nnx.state(GPT(cfg, nnx.Rngs(0)), nnx.Param))
+        return model_fingerprint(cfg), jax.tree.map(lambda x: (x.shape, x.dtype), params)
+
+    (base_print, base_params), ffn = build(), dataclasses.asdict(load_config(path).ffn)
+    held, left_out = set(base_print["ffn"]), set(ffn) - set(base_print["ffn"]) - {"kernels", "balance_gamma"}
+    assert left_out and held | left_out | {"kernels", "balance_gamma"} == set(ffn)
+    tried = set()
+    for key in sorted(held | left_out):
+        value = ffn[key]
+        changed = {"shared": "separate", "separate": "shared"}.get(value) if isinstance(value, str) else value * 2
+        if key == "kind":
+            continue
+        if key == "stem_layers":
+            changed = 1 if value != 1 else 2
+        try:
+            fp, params = build(f"ffn.{key}={changed}")
+        except ConfigError:  # a value the config refuses (latent_dim != Nh x dh; separate routing outside MH)
+            continue
+        tried.add(key)
+        assert (fp == base_print) == (key in left_out), key
+        if key in left_out:
+            assert params == base_params, key
+    # (each of mh_latent_moe's num_heads, head_dim, latent_dim alone breaks Nh x dh = latent_dim: refused)
+    assert left_out & tried and held - {"kind"} <= tried | {"latent_dim", "routing_tokens", "num_heads", "head_dim"}
 
 
 CHILD_STUCK = """

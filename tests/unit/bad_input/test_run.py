@@ -95,6 +95,14 @@ def resume_older_than_the_latest(tmp, mp):
 
 RUN.add("checkpoint-of-another-model", CheckpointError, "was written by a different model config (model.d_model: "
         "checkpoint 64, this run 128)", _train(setup=lambda tmp: saved_run(tmp, fingerprint_sets=["model.d_model=64"])))
+
+
+@RUN.refusal(CheckpointError, "was written by a different model config (model.d_model: checkpoint 64, this run 128)")
+def check_of_a_checkpoint_of_another_model(tmp, mp):  # train.py --check refuses what the run would refuse
+    saved_run(tmp, fingerprint_sets=["model.d_model=64"])
+    return partial(train, small(tmp), log=_quiet, check=True)
+
+
 RUN.add("checkpoint-of-another-layout", CheckpointError, "leaves missing from it (opt_state/",
         _train(setup=lambda tmp: saved_run(tmp, optimizer=False, data=True)))
 RUN.add("checkpoint-moments-in-bf16", CheckpointError, "set optimizer.moment_dtype=bfloat16 as the run that wrote it "
