@@ -46,8 +46,8 @@ def read_run(run_dir: str | Path) -> tuple[Config, list[dict], list[tuple[int, C
     up to N), as (N, config) in step order."""
     run = Path(run_dir).expanduser()
     if not run.is_dir():
-        raise ConfigError(f"run directory {str(run_dir)!r} does not exist (expected a logging.run_dir written by "
-                          "train.py)")
+        what = "is a file, not a directory" if run.exists() else "does not exist"
+        raise ConfigError(f"run directory {str(run_dir)!r} {what} (expected a logging.run_dir written by train.py)")
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"run directory {str(run_dir)!r} holds no config.yaml; expected a logging.run_dir written "
                           "by train.py")

@@ -19,11 +19,14 @@ training).
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 from functools import partial
 from pathlib import Path
 
+import datasets
+import huggingface_hub
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +40,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from mhl_jax.config import ConfigError
+from mhl_jax.data.errors import DataError
 from mhl_jax.data.tokenizers import get_tokenizer
 from mhl_jax.generation import generate
 from mhl_jax.runtime.restore import Loaded, load_run
@@ -134,18 +139,51 @@ class MHLJaxLM(LM):
         return out
 
 
+def _known(manager: TaskManager, task: str) -> bool:
+    """Whether simple_evaluate can load `task`: a task, group or tag name `manager` indexed, or a task YAML file."""
+    return task in manager.task_index or Path(task).expanduser().is_file()
+
+
+def task_manager(tasks: list[str], include_path: str | None = None) -> TaskManager:
+    """The TaskManager that knows every one of `tasks`. ConfigError for an --include-path that is not a directory or
+    a task none knows: refused here, before a model is loaded, not by simple_evaluate after it."""
+    if not tasks:
+        raise ConfigError("--tasks: no task names given (e.g. --tasks piqa,arc_easy)")
+    if include_path is not None:
+        where = Path(include_path).expanduser()
+        if not where.is_dir():
+            what = "is a file, not a directory" if where.exists() else "does not exist"
+            raise ConfigError(f"--include-path {include_path!r} {what} (expected a directory of task YAML files)")
+        include_path = str(where)
+        # lm-eval's own ~15k task files take seconds to index: only when the directory's do not cover `tasks`
+        own = TaskManager(include_path=include_path, include_defaults=False)
+        if all(_known(own, t) for t in tasks):
+            return own
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if not _known(manager, t)]
+    if unknown:
+        close = [m for t in unknown for m in difflib.get_close_matches(t, manager.all_tasks, n=1, cutoff=0.8)]
+        where = f" or of --include-path {include_path!r}" if include_path is not None else ""
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        ls = "ls tasks" + (f" --include_path {include_path}" if include_path is not None else "")
+        raise ConfigError(f"--tasks: unknown lm-eval task{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(map(repr, unknown))} (not a task, group or tag of lm-eval{where}, nor a task "
+                          f"YAML file{hint}); `python -m mhl_jax.harness {ls}` lists them")
+    return manager
+
+
 def evaluate_tasks(run_dir: str, tasks: list[str], *, overrides=(), step=None, checkpoint=None, batch_size=8,
                    num_fewshot=None, limit=None, include_path=None) -> dict:
     """lm_eval.simple_evaluate of the run's checkpoint on `tasks` (task names, or tasks of YAML files under
-    `include_path`): its results dict, with the step and the run added."""
+    `include_path`): its results dict, with the step and the run added. DataError for task data that cannot be
+    fetched or read (offline, a missing data file)."""
+    manager = task_manager(tasks, include_path)
     lm = MHLJaxLM(run_dir, step, checkpoint, batch_size, ";".join(overrides))
-    local = None
-    if include_path is not None:  # lm-eval's own ~15k task files take seconds to index: only when needed
-        own = TaskManager(include_path=include_path, include_defaults=False)
-        local = own if all(t in own.all_tasks for t in tasks) else None
-    manager = local or TaskManager(include_path=include_path)
-    results = simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                              log_samples=False)
+    try:
+        results = simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                                  log_samples=False)
+    except OSError as e:  # what `datasets` raises for data it cannot download (ConnectionError) or find
+        raise DataError(f"lm-eval tasks {','.join(tasks)}: {e}") from e
     return {"run": str(run_dir), "step": lm.step, "tasks": tasks, "results": results["results"],
             "versions": results.get("versions"), "n-shot": results.get("n-shot")}
 
@@ -157,8 +195,16 @@ def write_results(results: dict, out: Path) -> None:
     tmp.replace(out)
 
 
+def _hf_logs_once() -> None:
+    """Print each warning of huggingface_hub and datasets (a download's retries) once: each library has its own
+    stderr handler and also propagates to the root logger, which absl's first log call gives a handler too."""
+    huggingface_hub.utils.logging.disable_propagation()
+    datasets.utils.logging.disable_propagation()
+
+
 def cli(args) -> None:
     """`python -m mhl_jax.infer lm-eval`: evaluate, write the results JSON, print one line per task."""
+    _hf_logs_once()
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     r = evaluate_tasks(args.run_dir, tasks, overrides=args.overrides, step=args.step, checkpoint=args.checkpoint,
                        batch_size=args.batch_size, num_fewshot=args.num_fewshot, limit=args.limit,
@@ -177,6 +223,7 @@ def cli(args) -> None:
 
 def main() -> None:
     """lm-eval's own command line, with the model "mhl_jax" registered (this module's import)."""
+    _hf_logs_once()
     cli_evaluate()
 
 

@@ -97,6 +97,29 @@ def _lm_eval_cli(args) -> None:
     harness.cli(args)
 
 
+def _check_numbers(args, parser: argparse.ArgumentParser) -> None:
+    """Numbers out of range refused by the command's `parser` (its usage, one error line, status 2): before anything
+    is read, lm-eval's task index or the model."""
+    if args.command == "generate":
+        if args.num_samples < 1:
+            parser.error(f"--num-samples {args.num_samples}: must be >= 1")
+        if args.max_new_tokens < 1:  # 0 would print the prompt alone, as if the model had ended the text
+            parser.error(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+        if not (math.isfinite(args.temperature) and args.temperature >= 0):
+            parser.error(f"--temperature {args.temperature}: must be a number >= 0 (0: the most likely token)")
+        if args.top_k < 0:
+            parser.error(f"--top-k {args.top_k}: must be >= 0 (0: no cut)")
+        if not 0 < args.top_p <= 1:
+            parser.error(f"--top-p {args.top_p}: must be in (0, 1] (1: no cut)")
+    elif args.command == "lm-eval":
+        if args.limit is not None and args.limit < 1:
+            parser.error(f"--limit {args.limit}: must be >= 1 (leave it out: every example)")
+        if args.batch_size < 1:
+            parser.error(f"--batch-size {args.batch_size}: must be >= 1")
+        if args.num_fewshot is not None and args.num_fewshot < 0:
+            parser.error(f"--num-fewshot {args.num_fewshot}: must be >= 0 (leave it out: the task's own)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mhl_jax.infer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,17 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--out", default=None, metavar="FILE",
                    help="the results JSON (default: RUN_DIR/lm_eval-step<N>.json, beside the run's records)")
     args = ap.parse_args(argv)
-    if args.command == "generate":
-        if args.num_samples < 1:
-            g.error(f"--num-samples {args.num_samples}: must be >= 1")
-        if args.max_new_tokens < 0:
-            g.error(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
-        if not (math.isfinite(args.temperature) and args.temperature >= 0):
-            g.error(f"--temperature {args.temperature}: must be a number >= 0 (0: the most likely token)")
-        if args.top_k < 0:
-            g.error(f"--top-k {args.top_k}: must be >= 0 (0: no cut)")
-        if not 0 < args.top_p <= 1:
-            g.error(f"--top-p {args.top_p}: must be in (0, 1] (1: no cut)")
+    _check_numbers(args, sub.choices[args.command])
     try:
         if args.command == "evaluate":
             r = evaluate_run(load_run(args.run_dir, args.overrides, args.step, args.checkpoint))

@@ -56,10 +56,14 @@ def relative_loads(counts: np.ndarray) -> np.ndarray:
 
 def plot_loads(run_dir: str | Path, out: str | Path, records: list[dict]) -> None:
     """Draw the load maps of `run_dir` into the image file `out`; `records`: its metrics records (the spreads)."""
+    steps, loads = read_loads(run_dir)
+    if not loads:  # a dense run records {"loads": {}} at each step
+        raise ConfigError(f"run {str(run_dir)!r} has no MoE layers: no expert loads to plot")
     plt = pyplot("--plot-load")
     from matplotlib.colors import TwoSlopeNorm
 
-    steps, loads = read_loads(run_dir)
+    # column i covers steps (steps[i-1], steps[i]]: the last ends at the last record, as the spreads beside it do
+    edges = np.asarray([steps[0] - (steps[1] - steps[0] if len(steps) > 1 else 1), *steps], dtype=np.float64)
     fig, axes = plt.subplots(len(loads), 2, figsize=(13, 2.6 * len(loads)), squeeze=False,
                              gridspec_kw={"width_ratios": [3, 2]})
     for (ax_map, ax_spread), (layer, counts) in zip(axes, loads.items()):
@@ -67,12 +71,10 @@ def plot_loads(run_dir: str | Path, out: str | Path, records: list[dict]) -> Non
         rel = relative_loads(counts).reshape(len(steps), heads * experts).T  # rows: head-major experts
         # white at a fair share, red above it, blue below (dark blue: never picked)
         norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(2.0, float(rel.max())))
-        im = ax_map.imshow(rel, aspect="auto", interpolation="nearest", cmap="RdBu_r", norm=norm,
-                           extent=(-0.5, len(steps) - 0.5, heads * experts, 0))
+        im = ax_map.pcolormesh(edges, np.arange(heads * experts + 1), rel, cmap="RdBu_r", norm=norm)
+        ax_map.set_ylim(heads * experts, 0)
         for h in range(1, heads):
             ax_map.axhline(h * experts, color="black", linewidth=0.5)
-        ticks = np.linspace(0, len(steps) - 1, min(len(steps), 8)).round().astype(int)
-        ax_map.set_xticks(ticks, [str(steps[t]) for t in ticks])
         ax_map.set_yticks([(h + 0.5) * experts for h in range(heads)], [f"head {h}" for h in range(heads)])
         ax_map.set_title(f"layer {layer}: expert load / uniform ({heads} x {experts} experts)")
         ax_map.set_xlabel("step")
@@ -83,10 +85,10 @@ def plot_loads(run_dir: str | Path, out: str | Path, records: list[dict]) -> Non
             s, hi, lo = zip(*spread)
             ax_spread.plot(s, hi, label="max")
             ax_spread.plot(s, lo, label="min")
+            ax_spread.legend()
         ax_spread.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
         ax_spread.set_title(f"layer {layer}: largest and smallest load / uniform")
         ax_spread.set_xlabel("step")
         ax_spread.grid(alpha=0.3)
-        ax_spread.legend()
     fig.tight_layout()
     save(fig, out, "--out", dpi=100)

@@ -40,8 +40,8 @@ def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ())
     """The config of run `run_dir` (its config.yaml) with `overrides`."""
     run = Path(run_dir).expanduser()
     if not run.is_dir():
-        raise ConfigError(f"run directory {str(run_dir)!r} does not exist (expected a logging.run_dir written by "
-                          "train.py)")
+        what = "is a file, not a directory" if run.exists() else "does not exist"
+        raise ConfigError(f"run directory {str(run_dir)!r} {what} (expected a logging.run_dir written by train.py)")
     saved = run / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"run directory {str(run_dir)!r} holds no config.yaml; expected a logging.run_dir written "

@@ -95,3 +95,8 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert row["val_loss"] == 3.2 and row["loss"] == pytest.approx(4.0)  # the mean of the last 20 (all 3)
 
 
+def test_a_run_directory_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    assert main([str(tmp_path / "afile")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: run directory '{tmp_path / 'afile'}' is a file, not a "
+                                                    "directory (expected a logging.run_dir written by train.py)"]

@@ -5,6 +5,7 @@ same examples. Generation: greedy continuations against argmax decoding by repea
 
 import functools
 import json
+import logging
 import sys
 
 import numpy as np
@@ -15,6 +16,8 @@ from mhl_jax.data.tokenizers import BYTE_EOT
 from tests.saved import saved_random_run
 
 lm_eval = pytest.importorskip("lm_eval")
+import datasets  # noqa: E402  (lm-eval's dependency)
+
 from mhl_jax import harness  # noqa: E402  (after the skip: lm-eval is an optional dependency)
 from mhl_jax.infer import main as infer_main  # noqa: E402
 
@@ -146,3 +149,48 @@ def test_generation_and_rolling_loglikelihood(tmp_path):
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         want += sum(logp[i, seq[i + 1]] for i in range(len(seq) - 1 - len(pred), len(seq) - 1))
     assert lm.loglikelihood_rolling([Req(long)]) == [pytest.approx(want, rel=1e-5)]
+
+
+def test_unknown_tasks_and_task_directories_are_refused_before_the_model_is_loaded(tmp_path, monkeypatch, capsys):
+    """One line, exit 2, and no model loaded: a task name that neither lm-eval nor --include-path knows (lm-eval's
+    own piqa and the directory's tiny_mc are known), an --include-path that is missing or a file."""
+    tasks = _tasks(tmp_path)
+    monkeypatch.setattr(harness, "load_run", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "afile").write_text("")
+    for argv, line in [
+        (["--tasks", "piqa,tiny_mc,nonexistent_task", "--include-path", str(tasks)],
+         "config error: --tasks: unknown lm-eval task 'nonexistent_task' (not a task, group or tag of lm-eval or of "
+         f"--include-path '{tasks}', nor a task YAML file); `python -m mhl_jax.harness ls tasks --include_path "
+         f"{tasks}` lists them"),
+        (["--tasks", "tiny_mc", "--include-path", str(tmp_path / "none")],
+         f"config error: --include-path '{tmp_path / 'none'}' does not exist (expected a directory of task YAML "
+         "files)"),
+        (["--tasks", "tiny_mc", "--include-path", str(tmp_path / "afile")],
+         f"config error: --include-path '{tmp_path / 'afile'}' is a file, not a directory (expected a directory of "
+         "task YAML files)"),
+    ]:
+        capsys.readouterr()
+        assert infer_main(["lm-eval", str(tmp_path), *argv]) == 2
+        assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_task_data_that_cannot_be_fetched_is_a_data_error(tmp_path, monkeypatch, capsys):
+    """Offline, `datasets` cannot reach the Hub for a task's data: one `data error:` line, exit 2, no results file;
+    huggingface_hub's and datasets' warnings (a download's retries) print once, through their own handlers."""
+    run, _, _ = saved_random_run(tmp_path, "mh_latent_moe")
+    tasks = _tasks(tmp_path)
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'baber/piqa' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    hub, data = logging.getLogger("huggingface_hub"), logging.getLogger("datasets")
+    monkeypatch.setattr(hub, "propagate", True)
+    monkeypatch.setattr(data, "propagate", True)
+    capsys.readouterr()
+    assert infer_main(["lm-eval", str(run), "--tasks", "tiny_mc", "--include-path", str(tasks)]) == 2
+    # the last line: lm-eval's own log lines come before it
+    assert capsys.readouterr().err.splitlines()[-1] == ("data error: lm-eval tasks tiny_mc: Couldn't reach "
+                                                        "'baber/piqa' on the Hub (LocalEntryNotFoundError)")
+    assert not list(run.glob("lm_eval-*.json"))
+    assert not hub.propagate and not data.propagate

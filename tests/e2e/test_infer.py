@@ -353,6 +353,29 @@ def test_cli_evaluate_and_generate(run_dir, capsys):
     assert capsys.readouterr().out.splitlines()[1].startswith("The ")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    (["lm-eval", "--tasks", "piqa", "--limit", "0"], "--limit 0: must be >= 1 (leave it out: every example)"),
+    (["lm-eval", "--tasks", "piqa", "--limit", "-1"], "--limit -1: must be >= 1 (leave it out: every example)"),
+    (["lm-eval", "--tasks", "piqa", "--batch-size", "0"], "--batch-size 0: must be >= 1"),
+    (["lm-eval", "--tasks", "piqa", "--num-fewshot", "-1"], "--num-fewshot -1: must be >= 0 (leave it out: the "
+     "task's own)"),
+])
+def test_cli_refuses_numbers_out_of_range(tmp_path, capsys, argv, message):
+    """By argparse (its usage, then one error line; exit 2), before any run directory is read."""
+    with pytest.raises(SystemExit) as e:
+        main([argv[0], str(tmp_path / "nowhere"), *argv[1:]])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {message}")
+
+
+def test_a_run_directory_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    assert main(["evaluate", str(tmp_path / "afile")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"config error: run directory '{tmp_path / 'afile'}' is a file, "
+                                                    "not a directory (expected a logging.run_dir written by train.py)"]
+
+
 def test_reading_leaves_the_run_directory_alone(run_dir):
     """Safe beside a run still training there: nothing written, no leftover temporary directory cleaned up."""
     leftover = run_dir / "checkpoints" / "90.orbax-checkpoint-tmp-1234"
