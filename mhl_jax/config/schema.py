@@ -186,7 +186,7 @@ class LoggingConfig:
     # write every MoE layer's per-(head, expert) routed-slot counts to run_dir/loads.jsonl every this many steps (and
     # at the last): what `python -m mhl_jax.compare --plot-load RUN` draws; 0: never
     loads_every: int = 100
-    progress_bar: bool = True  # show a tqdm bar
+    progress_bar: bool = True  # show a tqdm bar (when stderr is a terminal)
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None: known GPUs' bf16 datasheet figure
     profile_start: int = 0  # > 0: a JAX profiler trace of steps profile_start .. + profile_steps - 1 in run_dir/profile
     profile_steps: int = 3  # how many steps the trace covers (TensorBoard's profile plugin or Perfetto reads it)

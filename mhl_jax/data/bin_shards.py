@@ -19,6 +19,7 @@ MAGIC = 20240520
 VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
+PREPARE = "python -m mhl_jax.data.prepare writes them: docs/data.md"  # where shards come from, for the errors below
 MAX_VOCAB = 1 << 16  # tokens are stored as uint16
 
 
@@ -46,16 +47,16 @@ def resolve_shards(spec: str, what: str = "data.path", role: str | None = None) 
                 files = []
         if not files:
             kind = f"{role} .bin shards (file names containing {role!r})" if role else ".bin shards"
-            raise DataError(f"{what}={spec!r}: the directory holds no {kind}")
+            raise DataError(f"{what}={spec!r}: the directory holds no {kind} ({PREPARE})")
         return files
     if p.is_file():
         return [p]
     if glob.has_magic(spec):
         files = sorted(Path(f) for f in glob.glob(os.path.expanduser(spec)) if Path(f).is_file())
         if not files:
-            raise DataError(f"{what}={spec!r}: the glob matches no shard files")
+            raise DataError(f"{what}={spec!r}: the glob matches no shard files ({PREPARE})")
         return files
-    raise DataError(f"{what}={spec!r}: no such file or directory")
+    raise DataError(f"{what}={spec!r}: no such file or directory ({PREPARE})")
 
 
 def read_header(path: Path) -> int:

@@ -42,8 +42,9 @@ class Progress:
         self.comm, self.notes = comm, notes
         self.tokens_per_step = cfg.train.global_batch * cfg.model.context
         self.history: list[dict] = []
-        self.bar = tqdm(total=self.total, initial=start, disable=not (cfg.logging.progress_bar and lead),
-                        file=sys.stderr, dynamic_ncols=True)
+        # a bar redrawn with carriage returns is noise in a log file or a pipe: on a terminal only
+        show = cfg.logging.progress_bar and lead and sys.stderr.isatty()
+        self.bar = tqdm(total=self.total, initial=start, disable=not show, file=sys.stderr, dynamic_ncols=True)
         self.t_start = time.perf_counter()
         self.clock = StepClock(self.tokens_per_step, self.t_start)
         # the profiled steps (logging.profile_start): a trace from the dispatch of the first to the end of the last

@@ -1,5 +1,5 @@
-"""A launch whose first steps have a gradient norm of exactly 0 (nothing trains: model.init_std=1e4 does it to the
-tiny two-layer model) warns once; a gradient anywhere in those steps, or later zeros, say nothing."""
+"""A launch whose first steps have a gradient norm of exactly 0 (nothing trains) warns once; a gradient anywhere in
+those steps, or later zeros, say nothing."""
 
 from pathlib import Path
 

@@ -56,7 +56,8 @@ SHARDS.add("no-train-shards", DataError, "the directory holds no train .bin shar
            lambda tmp, mp: partial(make_train_loader, _bin(tmp), **LOADER))
 SHARDS.add("directory-named-bin", DataError, "the directory holds no train .bin shards", lambda tmp, mp: (
     (tmp / "s" / "train_x.bin").mkdir(parents=True), partial(make_train_loader, _bin(tmp / "s"), **LOADER))[1])
-SHARDS.add("glob-matches-nothing", DataError, "fineweb_*.bin': the glob matches no shard files",
+SHARDS.add("glob-matches-nothing", DataError, "fineweb_*.bin': the glob matches no shard files (python -m "
+           "mhl_jax.data.prepare writes them",
            lambda tmp, mp: partial(make_train_loader, _bin(tmp / "fineweb_*.bin"), **LOADER))
 SHARDS.add("wrong-magic", DataError, "damaged.bin': wrong magic number 12345, expected 20240520",
            _damaged(_header(0, 12345)))
