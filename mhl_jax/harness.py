@@ -157,7 +157,7 @@ def task_manager(tasks: list[str], include_path: str | None = None) -> TaskManag
         include_path = str(where)
         # lm-eval's own ~15k task files take seconds to index: only when the directory's do not cover `tasks`
         own = TaskManager(include_path=include_path, include_defaults=False)
-        if all(_known(own, t) for t in tasks):
+        if all(t in own.task_index for t in tasks):  # (a YAML file named in --tasks may need lm-eval's own tasks)
             return own
     manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if not _known(manager, t)]
@@ -175,8 +175,8 @@ def task_manager(tasks: list[str], include_path: str | None = None) -> TaskManag
 def evaluate_tasks(run_dir: str, tasks: list[str], *, overrides=(), step=None, checkpoint=None, batch_size=8,
                    num_fewshot=None, limit=None, include_path=None) -> dict:
     """lm_eval.simple_evaluate of the run's checkpoint on `tasks` (task names, or tasks of YAML files under
-    `include_path`): its results dict, with the step and the run added. DataError for task data that cannot be
-    fetched or read (offline, a missing data file)."""
+    `include_path`): its results dict, with the step and the run added. DataError for an OSError while lm-eval
+    fetches or reads task data (offline, a missing data file, a full cache disk)."""
     manager = task_manager(tasks, include_path)
     lm = MHLJaxLM(run_dir, step, checkpoint, batch_size, ";".join(overrides))
     try:

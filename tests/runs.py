@@ -15,7 +15,8 @@ from mhl_jax.config import load_config
 from mhl_jax.model.balancing import RouterBias
 from mhl_jax.model.gpt import build_model
 from mhl_jax.parallel.mesh import make_mesh
-from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
+from mhl_jax.runtime.checkpoint import Checkpointer
+from mhl_jax.runtime.checkpoint_meta import model_fingerprint
 from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.optimizer import make_optimizer
 

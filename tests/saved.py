@@ -8,7 +8,8 @@ from flax import nnx
 from mhl_jax.config import dump_config, load_config
 from mhl_jax.model.balancing import RouterBias
 from mhl_jax.model.gpt import build_model
-from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
+from mhl_jax.runtime.checkpoint import Checkpointer
+from mhl_jax.runtime.checkpoint_meta import model_fingerprint
 from tests.runs import ROOT
 
 

@@ -5,9 +5,8 @@ One checkpoint is a step directory `<directory>/<step>/` with three Orbax items:
 - `state`: the training state pytree (params, optimizer state, balancing biases, step, RNG key
   data, ...) stored as a nested dict named by the pytree paths, so any pytree of jax/numpy arrays
   round-trips bitwise (dtype and values) into the structure of a template;
-- `meta`: JSON with the step, the fingerprint (model + FFN config), the table of leaves and their checksums
-  (mhl_jax/runtime/checkpoint_integrity.py), checked before any array is read, so a checkpoint of another model
-  fails with the keys that differ;
+- `meta`: JSON with the step, the model fingerprint and the table of leaves (mhl_jax/runtime/checkpoint_meta.py),
+  and their checksums (mhl_jax/runtime/checkpoint_integrity.py);
 - `data`: the Grain iterator state (`grain.checkpoint.CheckpointSave/CheckpointRestore`, one JSON
   file per JAX process); a run of another process count restores it when every process saved the same
   state (train.py's loader, where every process reads the whole global batch).
@@ -36,8 +35,8 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from mhl_jax.config import CheckpointConfig, Config, config_to_dict
-from mhl_jax.runtime.checkpoint_data import shared_data_state
+from mhl_jax.config import CheckpointConfig
+from mhl_jax.runtime.checkpoint_data import require_data_state, shared_data_state
 from mhl_jax.runtime.checkpoint_integrity import (
     DamagedCheckpoint,
     agree_intact,
@@ -47,10 +46,10 @@ from mhl_jax.runtime.checkpoint_integrity import (
     seal,
     verify,
 )
+from mhl_jax.runtime.checkpoint_meta import check_meta
 from mhl_jax.runtime.checkpoint_tree import (
     PyTree,
     abstract_leaf,
-    check_meta,
     describe,
     is_prng_key,
     lookup,
@@ -68,28 +67,6 @@ STATE, META, DATA = "state", "meta", "data"
 FORMAT = 1  # version of the layout above
 
 
-# the FFN keys each kind builds its layers from (mhl_jax/model/gpt.py make_ffn): a key the kind ignores must not
-# refuse a resume, nor crowd the keys that differ out of a mismatch's message
-_FFN_KEYS = {
-    "mlp": ("hidden", "stem_layers", "stem_hidden"),
-    "moe": ("stem_layers", "stem_hidden", "num_experts", "top_k", "expert_hidden"),
-    "latent_moe": ("stem_layers", "stem_hidden", "num_experts", "top_k", "expert_hidden", "latent_dim"),
-    "mh_latent_moe": ("stem_layers", "stem_hidden", "num_experts", "top_k", "expert_hidden", "latent_dim",
-                      "num_heads", "head_dim", "routing_tokens"),
-}
-
-
-def model_fingerprint(cfg: Config) -> dict:
-    """What a checkpoint must agree on to be restored into this run: the model config and the FFN keys of its kind,
-    less the settings that change how it runs (kernels, attention implementation, compute dtype, remat) or trains
-    (balance_gamma). A checkpoint's fingerprint is compared on these keys only (`check_meta`), so one written with
-    more keys still restores."""
-    d = config_to_dict(cfg)
-    ffn = {k: d["ffn"][k] for k in ("kind",) + _FFN_KEYS[cfg.ffn.kind]}
-    model = {k: v for k, v in d["model"].items() if k not in ("attention_impl", "compute_dtype", "remat")}
-    return {"model": model, "ffn": ffn}
-
-
 def _warn(line: str) -> None:
     """A restore's warning: one line on stderr, from process 0."""
     if jax.process_index() == 0:
@@ -103,7 +80,7 @@ class Checkpointer:
     """Save and restore (state pytree, Grain iterator) under `directory`, keeping the last `cfg.keep`.
 
     `fingerprint`: a JSON-able dict (the model and FFN config) stored with every checkpoint;
-    restoring a checkpoint whose fingerprint differs raises CheckpointError naming the keys.
+    restoring a checkpoint whose fingerprint differs on this one's keys raises CheckpointError naming them.
     """
 
     def __init__(self, directory: str | Path, cfg: CheckpointConfig, fingerprint: dict,
@@ -353,11 +330,15 @@ class Checkpointer:
             if skipped:
                 self._manager.reload()  # Orbax's list of steps, without the moved ones
             return restored
-        if not skipped:
-            raise CheckpointError(f"no complete checkpoint in {str(self.directory)!r}")
-        reasons = "; ".join(str(e) for _, e in skipped)
-        raise CheckpointError(f"no intact checkpoint in {str(self.directory)!r} ({reasons}); nothing was moved: move "
-                              "those step directories away (or delete them) to start the run over")
+        raise self._none_intact([e for _, e in skipped])
+
+    def _none_intact(self, damage: list[DamagedCheckpoint]) -> CheckpointError:
+        """The error when no checkpoint of this directory restores: there is none, or each is `damage`d."""
+        if not damage:
+            return CheckpointError(f"no complete checkpoint in {str(self.directory)!r}")
+        reasons = "; ".join(str(e) for e in damage)
+        return CheckpointError(f"no intact checkpoint in {str(self.directory)!r} ({reasons}); nothing was moved: move "
+                               "those step directories away (or delete them) to start the run over")
 
     def _restore_one(self, template: PyTree, data_iter: Any, step: int | None, path: str | Path | None,
                      warn: Callable[[str], None]) -> tuple[int, PyTree]:
@@ -370,10 +351,7 @@ class Checkpointer:
             items = {STATE: ocp.args.StandardRestore(nest([(n, abstract_leaf(leaf)) for n, leaf in named]))}
             shared = None  # the iterator state when another process count wrote it (shared_data_state)
             if data_iter is not None:
-                if not (directory / str(step) / DATA).is_dir():
-                    raise DamagedCheckpoint(f"checkpoint {where} holds no data-iterator state ({DATA}/), so the input "
-                                            "pipeline cannot resume where it stopped; it was not written by train.py, "
-                                            f"or its {DATA}/ directory was removed")
+                require_data_state(directory / str(step) / DATA)
                 shared = shared_data_state(directory / str(step) / DATA, where)
                 if shared is None:
                     items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
@@ -402,16 +380,31 @@ class Checkpointer:
         check_meta(meta, FORMAT, self.fingerprint, named, where, partial=partial)
         return named, treedef, meta
 
-    def check_restorable(self, template: PyTree, path: str | Path | None = None) -> int:
-        """The step `restore(template, path=path)` would restore, its meta item checked against `template` and this
-        run's fingerprint (CheckpointError naming what differs) without reading an array: what `train.py --check`
-        can promise. A damaged checkpoint is not refused here: restoring handles it (checkpoint.on_damage)."""
-        directory, step = self._locate(None, path)
-        try:
+    def check_restorable(self, template: PyTree, data: bool = False, path: str | Path | None = None) -> int:
+        """The step `restore(template, path=path)` would restore (`data`: with a data iterator), chosen as it chooses,
+        reading meta items only: CheckpointError where it would refuse a checkpoint of another model config or state
+        layout, or one whose meta item or data state is damaged (or, with checkpoint.on_damage=fallback, the step
+        of the newest one that is not). What `train.py --check` can promise without reading an array; damage in the
+        arrays shows only when the run restores them."""
+        def check(directory: Path, step: int) -> int:
             self._checked(template, directory, step, partial=False)
-        except DamagedCheckpoint:
-            pass
-        return step
+            if data:
+                require_data_state(directory / str(step) / DATA)
+            return step
+
+        if path is not None or self.cfg.on_damage == "stop":
+            directory, step = self._locate(None, path)
+            try:
+                return check(directory, step)
+            except DamagedCheckpoint as e:
+                raise CheckpointError(f"{e}; {damage_advice(directory, step, self.read_only, path is not None)}") from e
+        damage = []
+        for candidate in reversed(self.all_steps()):
+            try:
+                return check(self.directory, candidate)
+            except DamagedCheckpoint as e:
+                damage.append(e)
+        raise self._none_intact(damage)
 
     def restore_parts(self, template: dict, step: int | None = None, path: str | Path | None = None,
                       warn: Callable[[str], None] | None = None) -> tuple[int, dict]:

@@ -11,6 +11,14 @@ from mhl_jax.runtime.checkpoint_integrity import DamagedCheckpoint
 from mhl_jax.runtime.errors import CheckpointError
 
 
+def require_data_state(data_dir: Path) -> None:
+    """DamagedCheckpoint unless the checkpoint holds the data iterator's state, `data_dir` (its `data` item)."""
+    if not data_dir.is_dir():
+        raise DamagedCheckpoint(f"checkpoint {data_dir.parent} holds no data-iterator state ({data_dir.name}/), so the "
+                                "input pipeline cannot resume where it stopped; it was not written by train.py, or its "
+                                f"{data_dir.name}/ directory was removed")
+
+
 def shared_data_state(data_dir: Path, where: str) -> dict | None:
     """The iterator state to restore by hand when the checkpoint was written by another number of processes than
     this run has (Grain's handler reads only `process_<i>-of-<n>.json` of this run's own count): the state saved by

@@ -114,33 +114,3 @@ def changed_leaves(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     a, b = _flat_dict(old), _flat_dict(new)
     return [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b))
             if a.get(k, "<absent>") != b.get(k, "<absent>")]
-
-
-def check_meta(meta: dict, fmt: int, fingerprint: dict, named: list[tuple[tuple[str, ...], Any]], where: str,
-               partial: bool = False) -> None:
-    """A checkpoint's meta item against the run restoring it: its layout version against `fmt`, its fingerprint (the
-    model config) and its table of leaves against `named` (`partial`: named may be a part of the saved leaves).
-    CheckpointError naming what differs."""
-    if meta.get("format") != fmt:
-        raise CheckpointError(f"checkpoint {where}: layout version {meta.get('format')!r}, expected {fmt}")
-    # on this run's keys only: one the run's fingerprint leaves out (an FFN key its kind ignores) does not matter
-    diff = [d for d in changed_leaves(meta.get("fingerprint", {}), fingerprint) if d[2] != "<absent>"]
-    if diff:
-        lines = "; ".join(f"{k}: checkpoint {theirs!r}, this run {ours!r}" for k, theirs, ours in diff)
-        raise CheckpointError(f"checkpoint {where} was written by a different model config ({lines})")
-    saved = {tuple(names): (shape, dtype) for names, shape, dtype in meta["leaves"]}
-    wanted = {names: tuple(describe(leaf)) for names, leaf in named}
-    missing = [n for n in wanted if n not in saved]
-    extra = [] if partial else [n for n in saved if n not in wanted]
-    if missing or extra:
-        show = lambda ns: ", ".join("/".join(n) for n in ns[:4]) + (" ..." if len(ns) > 4 else "")
-        raise CheckpointError(f"checkpoint {where} holds a different state layout: "
-                              f"{len(missing)} leaves missing from it ({show(missing)}), "
-                              f"{len(extra)} not in this run ({show(extra)})")
-    for names, (shape, dtype) in wanted.items():
-        if [list(saved[names][0]), saved[names][1]] != [shape, dtype]:
-            hint = (f" (the optimizer's moments: set optimizer.moment_dtype={saved[names][1]} as the run that "
-                    "wrote it had)" if names[0] == "opt_state" and list(saved[names][0]) == list(shape)
-                    and {saved[names][1], dtype} == {"float32", "bfloat16"} else "")
-            raise CheckpointError(f"checkpoint {where}: leaf {'/'.join(names)} is {saved[names][1]}"
-                                  f"{tuple(saved[names][0])}, this run expects {dtype}{tuple(shape)}{hint}")

@@ -16,7 +16,8 @@ from flax import nnx
 from mhl_jax.config import Config, ConfigError, load_config
 from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.runtime.autotune import autotune_file
-from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
+from mhl_jax.runtime.checkpoint import Checkpointer
+from mhl_jax.runtime.checkpoint_meta import model_fingerprint
 from mhl_jax.runtime.errors import CheckpointError
 from mhl_jax.runtime.state import state_creator
 

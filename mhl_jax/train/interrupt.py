@@ -33,7 +33,8 @@ from mhl_jax.runtime.errors import CheckpointSaveError
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 SIGNALLED, SAVE_FAILED = 1, 2  # the flags a process contributes to `Stopping.poll`
 # a repeat of the first signal this soon is its echo (sent to the process and to its group); a person pressing Ctrl-C
-# twice to mean "now" is slower than this, and a third press still stops at once
+# twice to mean "now" is slower than this, and any press after it stops at once. Another signal is a second request
+# at any time (SIGINT right after SIGTERM: someone means it)
 DUPLICATE_WINDOW_S = 0.5
 
 

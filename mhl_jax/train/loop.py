@@ -28,7 +28,8 @@ from mhl_jax.moe.plan import plan_for_config
 from mhl_jax.parallel.mesh import batch_spec, make_mesh
 from mhl_jax.parallel.traffic import comm_bytes_per_layer
 from mhl_jax.runtime.autotune import AutotuneFile, autotune_file, step_key
-from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
+from mhl_jax.runtime.checkpoint import Checkpointer
+from mhl_jax.runtime.checkpoint_meta import model_fingerprint
 from mhl_jax.runtime.distributed import agree, check_shared_directory, global_array, is_lead, sync, xla_options
 from mhl_jax.runtime.errors import CheckpointError, CheckpointSaveError
 from mhl_jax.runtime.evaluate import eval_sharding, make_eval_step
@@ -248,7 +249,7 @@ def _find_start(run: Run, ckpt: Checkpointer, check: bool, notes: dict) -> tuple
                                   f"{later}): this run's checkpoints and metrics would collide with them; resume into "
                                   "another logging.run_dir, or delete those step directories first")
         if check:  # refused now if the restore would refuse it (another model config, another state layout)
-            return True, ckpt.check_restorable(run.abstract, path=run.resume), None
+            return True, ckpt.check_restorable(run.abstract, data=run.loader is not None, path=run.resume), None
         notes["phase"] = "restoring the checkpoint"
         start, state = ckpt.restore(run.abstract, run.loader, path=run.resume)
         run.log(f"resumed from step {start} ({run.resume or ckpt.directory})")

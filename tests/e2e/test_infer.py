@@ -20,7 +20,8 @@ from mhl_jax import generation
 from mhl_jax.config import ConfigError, load_config
 from mhl_jax.generation import generate, next_logits, sample_logits
 from mhl_jax.infer import main
-from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
+from mhl_jax.runtime.checkpoint import Checkpointer
+from mhl_jax.runtime.checkpoint_meta import model_fingerprint
 from mhl_jax.runtime.evaluate import evaluate_run
 from mhl_jax.runtime.restore import load_run
 from mhl_jax.runtime.state import state_creator

@@ -16,7 +16,8 @@ from mhl_jax.config import ConfigError, load_config
 from mhl_jax.data import DataError
 from mhl_jax.data.bin_shards import write_shard
 from mhl_jax.parallel.mesh import make_mesh
-from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError, model_fingerprint
+from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError
+from mhl_jax.runtime.checkpoint_meta import model_fingerprint
 from mhl_jax.runtime.state import state_creator
 from mhl_jax.train import loop, progress
 from mhl_jax.train.loop import train

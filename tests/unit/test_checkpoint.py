@@ -20,7 +20,8 @@ from flax import nnx
 from mhl_jax.config import CheckpointConfig, ConfigError, DataConfig, load_config
 from mhl_jax.data import make_train_loader
 from mhl_jax.model.gpt import GPT
-from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError, model_fingerprint
+from mhl_jax.runtime.checkpoint import Checkpointer, CheckpointError
+from mhl_jax.runtime.checkpoint_meta import model_fingerprint
 from mhl_jax.runtime.orbax_quiet import quiet_failed_reads
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,39 +149,59 @@ def test_fingerprint_is_compared_on_the_restoring_runs_keys(tmp_path):
                     call()
 
 
+def test_check_restorable_chooses_the_step_restore_restores(tmp_path):
+    """With the latest checkpoint's meta damaged, `check_restorable` (train.py --check) names the older step that the
+    fallback restores, and refuses it where restoring would: by name, or with checkpoint.on_damage=stop."""
+    with Checkpointer(tmp_path / "ck", CheckpointConfig(async_save=False), FP) as ck:
+        for step in (1, 2):
+            ck.save(step, make_state(step), None)
+    for f in (tmp_path / "ck" / "2" / "meta").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\0" * 7)
+    with Checkpointer(tmp_path / "ck", CheckpointConfig(), FP, read_only=True) as ck:
+        assert ck.check_restorable(make_state(0)) == 1
+        with pytest.raises(CheckpointError, match="its meta cannot be read .*; steps there: \\[1\\]"):
+            ck.check_restorable(make_state(0), path=tmp_path / "ck" / "2")
+    with Checkpointer(tmp_path / "ck", CheckpointConfig(on_damage="stop"), FP, read_only=True) as ck:
+        with pytest.raises(CheckpointError, match="ck/2: its meta cannot be read"):
+            ck.check_restorable(make_state(0))
+
+
 @pytest.mark.parametrize("name", ["tiny_mlp", "tiny_moe", "tiny_latent_moe", "tiny_mh_latent_moe"])
 def test_fingerprint_leaves_out_only_ffn_keys_the_kind_ignores(name):
     """Each FFN key the fingerprint of a kind leaves out (its kernels and balance_gamma aside) changes neither the
-    fingerprint nor the model's parameters; each key it holds changes the fingerprint. (A key a kind came to build
-    from, left out of checkpoint._FFN_KEYS, would change the parameters here.)"""
+    fingerprint nor the model (its parameters' shapes and its logits, same init); each key it holds that the config
+    lets change changes the model. (A key dropped from the kind's keys, or one held that the kind ignores, fails.)"""
     path = str(ROOT / "configs" / f"{name}.yaml")
+    tokens = jnp.arange(8, dtype=jnp.int32)[None] * 7
 
     def build(*sets):
-        cfg = load_config(path, ["model.n_layers=3", "parallel.devices=1", *sets])
-        params = jax.eval_shape(lambda: nnx.state(GPT(cfg, nnx.Rngs(0)), nnx.Param))
-        return model_fingerprint(cfg), jax.tree.map(lambda x: (x.shape, x.dtype), params)
+        cfg = load_config(path, ["model.n_layers=2", "model.context=8", "parallel.devices=1", *sets])
+        shapes = jax.eval_shape(lambda: nnx.state(GPT(cfg, nnx.Rngs(0)), nnx.Param))
+        shapes = jax.tree.map(lambda x: (x.shape, x.dtype), shapes)
+        return model_fingerprint(cfg), shapes, lambda: np.asarray(GPT(cfg, nnx.Rngs(0))(tokens)[0])  # shapes agree
 
-    (base_print, base_params), ffn = build(), dataclasses.asdict(load_config(path).ffn)
-    held, left_out = set(base_print["ffn"]), set(ffn) - set(base_print["ffn"]) - {"kernels", "balance_gamma"}
-    assert left_out and held | left_out | {"kernels", "balance_gamma"} == set(ffn)
+    base = build()
+    base_logits = base[2]()
+    ffn = dataclasses.asdict(load_config(path).ffn)
+    held, left_out = set(base[0]["ffn"]) - {"kind"}, set(ffn) - set(base[0]["ffn"]) - {"kernels", "balance_gamma"}
+    assert left_out and held | left_out | {"kind", "kernels", "balance_gamma"} == set(ffn)
     tried = set()
     for key in sorted(held | left_out):
         value = ffn[key]
         changed = {"shared": "separate", "separate": "shared"}.get(value) if isinstance(value, str) else value * 2
-        if key == "kind":
-            continue
         if key == "stem_layers":
             changed = 1 if value != 1 else 2
         try:
-            fp, params = build(f"ffn.{key}={changed}")
+            fp, shapes, logits = build(f"ffn.{key}={changed}")
         except ConfigError:  # a value the config refuses (latent_dim != Nh x dh; separate routing outside MH)
             continue
         tried.add(key)
-        assert (fp == base_print) == (key in left_out), key
-        if key in left_out:
-            assert params == base_params, key
+        same_model = shapes == base[1] and np.array_equal(logits(), base_logits)
+        assert fp == base[0] if key in left_out else fp != base[0], key
+        assert same_model == (key in left_out), key
     # (each of mh_latent_moe's num_heads, head_dim, latent_dim alone breaks Nh x dh = latent_dim: refused)
-    assert left_out & tried and held - {"kind"} <= tried | {"latent_dim", "routing_tokens", "num_heads", "head_dim"}
+    assert left_out & tried and held <= tried | {"latent_dim", "routing_tokens", "num_heads", "head_dim"}
 
 
 CHILD_STUCK = """

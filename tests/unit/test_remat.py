@@ -26,7 +26,7 @@ from mhl_jax.moe.core import LocalMoE
 from mhl_jax.moe.plan import resolve_kernels
 from mhl_jax.parallel.executors import make_executor
 from mhl_jax.parallel.mesh import batch_spec, make_mesh, state_shardings
-from mhl_jax.runtime.checkpoint import model_fingerprint
+from mhl_jax.runtime.checkpoint_meta import model_fingerprint
 from mhl_jax.train.optimizer import make_optimizer
 from mhl_jax.train.schedule import make_schedule
 from tests.models import loss_and_grads, small, tokens

@@ -14,7 +14,8 @@ import pytest
 from mhl_jax.config import CheckpointConfig, dump_config, load_config
 from mhl_jax.data import make_train_loader
 from mhl_jax.parallel.mesh import make_mesh
-from mhl_jax.runtime.checkpoint import Checkpointer, model_fingerprint
+from mhl_jax.runtime.checkpoint import Checkpointer
+from mhl_jax.runtime.checkpoint_meta import model_fingerprint
 from mhl_jax.runtime.state import state_creator
 from mhl_jax.train.optimizer import make_optimizer
 

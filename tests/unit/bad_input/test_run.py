@@ -103,6 +103,25 @@ def check_of_a_checkpoint_of_another_model(tmp, mp):  # train.py --check refuses
     return partial(train, small(tmp), log=_quiet, check=True)
 
 
+def _check(*sets: str, resume: str | None = None, setup=None):
+    """train.py --check of `small(tmp, *sets)` (`resume`: formatted with tmp), after `setup(tmp)`: refused where the
+    run would refuse the checkpoint, though no array of it is read."""
+    def provoke(tmp, mp):
+        return partial(_train(*sets, resume=resume, setup=setup)(tmp, mp), check=True)
+    return provoke
+
+
+def _damaged_meta(tmp):
+    overwrite("meta")(saved_run(tmp, data=True) / "checkpoints" / "2")
+
+
+RUN.add("check-damaged-meta-by-name", CheckpointError, "its meta cannot be read (",
+        _check(resume="{tmp}/run/checkpoints/2", setup=_damaged_meta))
+RUN.add("check-damaged-meta-on-damage-stop", CheckpointError, "its meta cannot be read (",
+        _check("checkpoint.on_damage=stop", setup=_damaged_meta))
+RUN.add("check-no-intact-checkpoint", CheckpointError, "no intact checkpoint in ", _check(setup=_damaged_meta))
+RUN.add("check-without-data-state", CheckpointError, "holds no data-iterator state (data/)", _check(
+    setup=lambda tmp: saved_run(tmp)))
 RUN.add("checkpoint-of-another-layout", CheckpointError, "leaves missing from it (opt_state/",
         _train(setup=lambda tmp: saved_run(tmp, optimizer=False, data=True)))
 RUN.add("checkpoint-moments-in-bf16", CheckpointError, "set optimizer.moment_dtype=bfloat16 as the run that wrote it "
