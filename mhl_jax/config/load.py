@@ -16,12 +16,19 @@ from mhl_jax.config.schema import Config, ConfigError, ScheduleConfig
 from mhl_jax.config.validate import validate
 
 
+def _shown(value: Any) -> str:
+    """`value` as the user wrote it in YAML (true, null), not as Python prints it (True, None)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else repr(value)
+
+
 def _check_type(path: str, value: Any, tp: Any) -> Any:
     """Return `value` converted to `tp` where that is lossless, else raise ConfigError."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value not in typing.get_args(tp):
-            raise ConfigError(f"{path}={value!r}: expected one of {list(typing.get_args(tp))}")
+            raise ConfigError(f"{path}={_shown(value)}: expected one of {list(typing.get_args(tp))}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -35,25 +42,25 @@ def _check_type(path: str, value: Any, tp: Any) -> Any:
                 return _check_type(path, value, a)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{path}={value!r}: wrong type")
+        raise ConfigError(errors[0] if errors else f"{path}={_shown(value)}: wrong type")
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{path}={value!r}: expected a bool (true/false)")
+        raise ConfigError(f"{path}={_shown(value)}: expected a bool (true/false)")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{path}={value!r}: expected an integer")
+        raise ConfigError(f"{path}={_shown(value)}: expected an integer")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"{path}={value!r}: expected a number")
+        raise ConfigError(f"{path}={_shown(value)}: expected a number")
     if tp is str:
         if isinstance(value, str):
             return value
         if value is None:  # YAML's null (e.g. --set data.path=null): the empty string is this field's "none"
-            raise ConfigError(f"{path}=None: expected a string; for none give the empty one (--set {path}=)")
-        raise ConfigError(f"{path}={value!r}: expected a string")
+            raise ConfigError(f"{path}=null: expected a string; for none give the empty one (--set {path}=)")
+        raise ConfigError(f"{path}={_shown(value)}: expected a string")
     raise ConfigError(f"{path}: unsupported field type {tp}")
 
 

@@ -25,10 +25,11 @@ for _id, _override, _fragment in [
     # wrong types
     ("int-as-word", "ffn.top_k=two", "ffn.top_k='two': expected an integer"),
     ("int-as-float", "ffn.top_k=1.5", "ffn.top_k=1.5: expected an integer"),
+    ("int-as-bool", "model.n_layers=true", "model.n_layers=true: expected an integer"),
     ("number-as-word", "optimizer.lr=fast", "optimizer.lr='fast': expected a number"),
     ("choice", "ffn.kind=dense", "ffn.kind='dense': expected one of ['mlp', 'moe', 'latent_moe', 'mh_latent_moe']"),
     ("bool", "logging.progress_bar=3", "logging.progress_bar=3: expected a bool (true/false)"),
-    ("string-null", "data.path=null", "data.path=None: expected a string; for none give the empty one (--set "
+    ("string-null", "data.path=null", "data.path=null: expected a string; for none give the empty one (--set "
      "data.path=)"),
     ("string-as-number", "name=3", "name=3: expected a string"),
     ("section-as-value", "model=3", "model: expected a mapping, got 3"),
