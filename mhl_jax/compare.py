@@ -24,7 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from mhl_jax.config import Config, ConfigError, load_config
+from mhl_jax.config import Config, ConfigError, load_config, saved_config
 from mhl_jax.load_maps import plot_loads
 from mhl_jax.model.params import count_params
 from mhl_jax.plots import pyplot, save
@@ -44,14 +44,9 @@ def read_run(run_dir: str | Path) -> tuple[Config, list[dict], list[tuple[int, C
     """(config, metric records in step order (the last record of a step, should one repeat), earlier configs): the
     earlier configs are those a resumed run with changed settings kept (`config-until-stepN.yaml`, the config of steps
     up to N), as (N, config) in step order."""
-    run = Path(run_dir).expanduser()
-    if not run.is_dir():
-        what = "is a file, not a directory" if run.exists() else "does not exist"
-        raise ConfigError(f"run directory {str(run_dir)!r} {what} (expected a logging.run_dir written by train.py)")
-    if not (run / "config.yaml").is_file():
-        raise ConfigError(f"run directory {str(run_dir)!r} holds no config.yaml; expected a logging.run_dir written "
-                          "by train.py")
-    cfg = _load(run / "config.yaml", run_dir)
+    saved = saved_config(run_dir)
+    run = saved.parent
+    cfg = _load(saved, run_dir)
     earlier = sorted((int(p.stem[len("config-until-step"):]), _load(p, run_dir))
                      for p in run.glob("config-until-step*.yaml") if p.stem[len("config-until-step"):].isdigit())
     path = run / "metrics.jsonl"

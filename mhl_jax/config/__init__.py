@@ -13,6 +13,7 @@ from mhl_jax.config.load import (
     find_config,
     load_config,
     parse_override,
+    saved_config,
     scale_schedule,
 )
 from mhl_jax.config.schema import (
@@ -32,4 +33,4 @@ from mhl_jax.config.validate import validate
 
 __all__ = ["CONFIG_DIR", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FFNConfig", "LoggingConfig",
            "ModelConfig", "OptimizerConfig", "ParallelConfig", "ScheduleConfig", "TrainConfig", "config_to_dict",
-           "dump_config", "find_config", "load_config", "parse_override", "scale_schedule", "validate"]
+           "dump_config", "find_config", "load_config", "parse_override", "saved_config", "scale_schedule", "validate"]

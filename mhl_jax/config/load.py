@@ -188,6 +188,18 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
     return cfg
 
 
+def saved_config(run_dir: str | Path) -> Path:
+    """The config.yaml that train.py wrote into run directory `run_dir`; ConfigError when there is none."""
+    run = Path(run_dir).expanduser()
+    if not run.is_dir():
+        what = "is a file, not a directory" if run.exists() else "does not exist"
+        raise ConfigError(f"run directory {str(run_dir)!r} {what} (expected a logging.run_dir written by train.py)")
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"run directory {str(run_dir)!r} holds no config.yaml; expected a logging.run_dir written "
+                          "by train.py")
+    return run / "config.yaml"
+
+
 def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 

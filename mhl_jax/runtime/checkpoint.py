@@ -309,41 +309,44 @@ class Checkpointer:
         """
         self.wait()
         warn = warn or _warn
-        if step is not None or path is not None or self.cfg.on_damage == "stop":
+        restored, skipped = self._first_intact(
+            lambda directory, at: self._restore_one(state_template, data_iter, directory, at, warn), step, path)
+        for at, e in skipped:
+            moved = move_aside(self.directory / str(at))
+            warn(f"{e}; moved aside to {moved.name} and step {restored[0]} restored instead "
+                 "(checkpoint.on_damage=fallback)")
+        if skipped:
+            self._manager.reload()  # Orbax's list of steps, without the moved ones
+        return restored
+
+    def _first_intact(self, attempt: Callable[[Path, int], Any], step: int | None, path: str | Path | None):
+        """(attempt(directory, step) of the checkpoint `restore` takes, [(step, DamagedCheckpoint)] of the newer ones
+        it found damaged and skipped). The checkpoint named by `step` or `path` (`_locate`), else the latest; with
+        checkpoint.on_damage=fallback and neither named, the newest one `attempt` does not find damaged.
+        CheckpointError when none is there, or a damaged one has no stand-in."""
+        explicit = step is not None or path is not None
+        if explicit or self.cfg.on_damage == "stop":
+            directory, at = self._locate(step, path)
             try:
-                return self._restore_one(state_template, data_iter, step, path, warn)
+                return attempt(directory, at), []
             except DamagedCheckpoint as e:
-                directory, at = self._locate(step, path)
-                advice = damage_advice(directory, at, self.read_only, explicit=step is not None or path is not None)
-                raise CheckpointError(f"{e}; {advice}") from e
+                raise CheckpointError(f"{e}; {damage_advice(directory, at, self.read_only, explicit)}") from e
         skipped: list[tuple[int, DamagedCheckpoint]] = []
         for candidate in reversed(self.all_steps()):
             try:
-                restored = self._restore_one(state_template, data_iter, candidate, None, warn)
+                return attempt(self.directory, candidate), skipped
             except DamagedCheckpoint as e:
                 skipped.append((candidate, e))
-                continue
-            for at, e in skipped:
-                moved = move_aside(self.directory / str(at))
-                warn(f"{e}; moved aside to {moved.name} and step {restored[0]} restored instead "
-                     "(checkpoint.on_damage=fallback)")
-            if skipped:
-                self._manager.reload()  # Orbax's list of steps, without the moved ones
-            return restored
-        raise self._none_intact([e for _, e in skipped])
+        if not skipped:
+            raise CheckpointError(f"no complete checkpoint in {str(self.directory)!r}")
+        reasons = "; ".join(str(e) for _, e in skipped)
+        raise CheckpointError(f"no intact checkpoint in {str(self.directory)!r} ({reasons}); nothing was moved: move "
+                              "those step directories away (or delete them) to start the run over")
 
-    def _none_intact(self, damage: list[DamagedCheckpoint]) -> CheckpointError:
-        """The error when no checkpoint of this directory restores: there is none, or each is `damage`d."""
-        if not damage:
-            return CheckpointError(f"no complete checkpoint in {str(self.directory)!r}")
-        reasons = "; ".join(str(e) for e in damage)
-        return CheckpointError(f"no intact checkpoint in {str(self.directory)!r} ({reasons}); nothing was moved: move "
-                               "those step directories away (or delete them) to start the run over")
-
-    def _restore_one(self, template: PyTree, data_iter: Any, step: int | None, path: str | Path | None,
+    def _restore_one(self, template: PyTree, data_iter: Any, directory: Path, step: int,
                      warn: Callable[[str], None]) -> tuple[int, PyTree]:
-        """`restore` of one checkpoint; DamagedCheckpoint on every process when any finds it damaged."""
-        directory, step = self._locate(step, path)
+        """`restore` of checkpoint `step` of `directory`; DamagedCheckpoint on every process when any finds it
+        damaged."""
         where = str(directory / str(step))
         damage, restored = None, None
         try:
@@ -392,19 +395,7 @@ class Checkpointer:
                 require_data_state(directory / str(step) / DATA)
             return step
 
-        if path is not None or self.cfg.on_damage == "stop":
-            directory, step = self._locate(None, path)
-            try:
-                return check(directory, step)
-            except DamagedCheckpoint as e:
-                raise CheckpointError(f"{e}; {damage_advice(directory, step, self.read_only, path is not None)}") from e
-        damage = []
-        for candidate in reversed(self.all_steps()):
-            try:
-                return check(self.directory, candidate)
-            except DamagedCheckpoint as e:
-                damage.append(e)
-        raise self._none_intact(damage)
+        return self._first_intact(check, None, path)[0]
 
     def restore_parts(self, template: dict, step: int | None = None, path: str | Path | None = None,
                       warn: Callable[[str], None] | None = None) -> tuple[int, dict]:

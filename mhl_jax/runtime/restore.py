@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from mhl_jax.config import Config, ConfigError, load_config
+from mhl_jax.config import Config, ConfigError, load_config, saved_config
 from mhl_jax.parallel.mesh import make_mesh
 from mhl_jax.runtime.autotune import autotune_file
 from mhl_jax.runtime.checkpoint import Checkpointer
@@ -39,14 +39,7 @@ class Loaded:
 
 def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The config of run `run_dir` (its config.yaml) with `overrides`."""
-    run = Path(run_dir).expanduser()
-    if not run.is_dir():
-        what = "is a file, not a directory" if run.exists() else "does not exist"
-        raise ConfigError(f"run directory {str(run_dir)!r} {what} (expected a logging.run_dir written by train.py)")
-    saved = run / "config.yaml"
-    if not saved.is_file():
-        raise ConfigError(f"run directory {str(run_dir)!r} holds no config.yaml; expected a logging.run_dir written "
-                          "by train.py")
+    saved = saved_config(run_dir)
     pairs = [[part.strip() for part in o.split("=", 1)] for o in overrides if "=" in o]
     micro = [value for key, value in pairs if key == "train.micro_batch"]
     if micro and micro[-1].isdigit() and all(key != "train.global_batch" for key, _ in pairs):
